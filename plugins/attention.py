@@ -1,0 +1,122 @@
+"""The reference SharpDraft attention op, `sharpdraft::attention`.
+
+Every attention in the runtime goes through here: the target's (scaling=None) and the
+drafter's (scaling=QueryScaling). Row (b, i) attends to keys [0, visible[b, i]) -- and,
+with a tree `mask`, only to its unmasked ones -- and its query is multiplied by
+beta(keys it can see), after q_norm/RoPE, which equals multiplying the softmax scale.
+The Triton kernel, the ONNX plugin node and the TensorRT plugin are tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from plugins.scaling import QueryScaling
+
+__all__ = ["sharpdraft_attention", "reference_attention", "visible_counts"]
+
+
+def visible_counts(visible: torch.Tensor, kv_len: int, mask: torch.Tensor | None = None):
+    """Keys each query row may see: [batch, q_len] counts and the [batch, q_len, kv_len] map."""
+    allowed = torch.arange(kv_len, device=visible.device) < visible[..., None]
+    if mask is None:
+        return visible, allowed
+    allowed = allowed & mask
+    return allowed.sum(-1), allowed
+
+
+def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
+    """Differentiable reference; computes in float32 at least and returns q's dtype."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    n, allowed = visible_counts(visible, k.shape[2], mask)
+    qc = q.to(compute)
+    if scaling is not None:
+        qc = qc * scaling.beta(n.to(compute))[:, None, :, None]
+    # A plain causal prefill can use SDPA's causal path: same result, half the time.
+    causal = mask is None and q.shape[2] == k.shape[2] and torch.equal(
+        visible, torch.arange(1, k.shape[2] + 1, device=visible.device).expand_as(visible))
+    out = F.scaled_dot_product_attention(
+        qc, k.to(compute), v.to(compute), attn_mask=None if causal else allowed[:, None],
+        is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(q.dtype)
+
+
+def _check_inputs(q, k, v, visible, mask) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [b,h,q,d] and k/v [b,kvh,kv,d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (grouped heads)")
+    if visible.shape != q.shape[:1] + q.shape[2:3] or visible.dtype != torch.int64:
+        raise ValueError(f"visible must be int64 [batch, q_len], got {visible.dtype} {tuple(visible.shape)}")
+    if bool((visible < 1).any() | (visible > k.shape[2]).any()):
+        raise ValueError(f"visible counts must lie in [1, kv_len={k.shape[2]}]")
+    if mask is not None and mask.shape != (q.shape[0], q.shape[2], k.shape[2]):
+        raise ValueError(f"mask must be [batch, q_len, kv_len], got {tuple(mask.shape)}")
+
+
+def _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale):
+    return QueryScaling(ref_keys, top_k, slope, max_log_scale) if scaled else None
+
+
+@torch.library.custom_op("sharpdraft::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                  mask: torch.Tensor | None, scaled: bool, ref_keys: int, top_k: int,
+                  slope: float, max_log_scale: float) -> torch.Tensor:
+    _check_inputs(q, k, v, visible, mask)
+    return reference_attention(q, k, v, visible, mask,
+                               _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale))
+
+
+@_attention_op.register_fake
+def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
+    return torch.empty_like(q)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.fields = inputs[5:]
+
+
+def _backward(ctx, grad):
+    # Recompute through the differentiable reference: training our drafter needs
+    # gradients, and this keeps one definition of the forward math.
+    q, k, v, visible, mask = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = reference_attention(*leaves, visible, mask, _scaling_from_fields(*ctx.fields))
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _register_cuda_kernel() -> None:
+    # On CUDA the op runs the fused Triton kernel; elsewhere the reference above.
+    if not torch.cuda.is_available():
+        return
+    try:
+        from plugins import triton_kernel
+    except ImportError:
+        return
+
+    @_attention_op.register_kernel("cuda")
+    def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
+        scaling = _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale)
+        if mask is not None:  # tree masks stay on the reference path
+            return reference_attention(q, k, v, visible, mask, scaling)
+        return triton_kernel.attention(q, k, v, visible, scaling)
+
+
+_register_cuda_kernel()
+
+
+def sharpdraft_attention(q, k, v, visible, scaling: QueryScaling | None = None, mask=None):
+    """Attention over prefix-visible keys with SharpDraft's query scale (None: plain)."""
+    s = scaling or QueryScaling()
+    return torch.ops.sharpdraft.attention(q, k, v, visible, mask, scaling is not None,
+                                          s.ref_keys, s.top_k, s.slope, s.max_log_scale)

@@ -1,0 +1,55 @@
+"""The torch backend: our TargetModel and DFlashDrafter run eagerly (CPU or CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.scaling import QueryScaling
+from runtime.models.dflash import DFlashDrafter
+from runtime.models.target import TargetModel
+
+
+class TorchTarget:
+    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.feature_layers = tuple(feature_layers)
+        self.context_limit = model.config.max_position_embeddings
+        self.cache = None
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], capacity: int):
+        self.cache = self.model.new_cache(capacity)
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
+                                      last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    @torch.inference_mode()
+    def verify(self, ids: list[int]):
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers)
+        return logits[0], None if features is None else features[0]
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+
+class TorchDFlash:
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel,
+                 scaling: QueryScaling | None):
+        self.drafter, self.target, self.scaling = drafter, target, scaling
+        self.block_size = drafter.config.block_size
+        self.mask_token_id = drafter.config.mask_token_id
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = self.drafter.new_cache(capacity)
+
+    @torch.inference_mode()
+    def draft(self, context: torch.Tensor, bonus: int):
+        block = [bonus] + [self.mask_token_id] * (self.block_size - 1)
+        ids = torch.tensor([block], dtype=torch.long, device=context.device)
+        hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
+                                       self.cache, self.scaling)
+        return self.target.lm_head(hidden[0, 1:]), visible

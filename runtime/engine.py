@@ -1,0 +1,58 @@
+"""An engine directory, loaded: tokenizer, target and drafter behind the backend
+interface, and `generate` in the three modes every command compares
+(target-only, frozen drafter, SharpDraft drafter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from build.manifest import EngineError, Manifest, read_manifest
+from runtime import speculative
+from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.metrics import Generation
+from runtime.models.dflash import load_dflash
+from runtime.models.target import load_target
+from runtime.sampling import Sampler, Sampling
+
+MODES = ("sharpdraft", "frozen", "target")
+
+
+class Engine:
+    def __init__(self, engine_dir: str | Path, verify: bool = True):
+        self.dir = Path(engine_dir)
+        self.manifest: Manifest = read_manifest(self.dir, verify=verify)
+        if self.manifest.drafter != "dflash":
+            raise EngineError(f"{self.dir}: drafter {self.manifest.drafter!r} is not supported "
+                              "by this runtime yet")
+        dtype = getattr(torch, self.manifest.dtype)
+        self.model, self.tokenizer = load_target(self.manifest.target["path"], dtype)
+        self.drafter_model = load_dflash(self.manifest.drafter_checkpoint["path"], dtype)
+        self.drafter_model.config.check_target(self.model.config)
+        self.scaling = self.manifest.query_scaling
+        self.target = TorchTarget(self.model, self.drafter_model.config.target_layer_ids)
+        self.context_limit = self.target.context_limit
+        self.stop_ids = frozenset(
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+
+    def drafter(self, sharpdraft: bool = True) -> TorchDFlash:
+        return TorchDFlash(self.drafter_model, self.model, self.scaling if sharpdraft else None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "sharpdraft",
+                 sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None) -> Generation:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        stop_ids = self.stop_ids if stop else frozenset()
+        sampler = Sampler(sampling)
+        if mode == "target":
+            return speculative.generate_target_only(self.target, prompt, max_new_tokens,
+                                                    sampler, stop_ids, on_tokens)
+        return speculative.generate_block(self.target, self.drafter(mode == "sharpdraft"),
+                                          prompt, max_new_tokens, sampler, stop_ids, on_tokens)

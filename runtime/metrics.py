@@ -1,0 +1,71 @@
+"""What a generation reports: committed tokens, mean accepted length (MAL), the
+acceptance histogram, the visible-key count and beta of each drafter step, and wall
+time split into prefill / draft / verify / other."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from contextlib import contextmanager
+
+
+@dataclasses.dataclass
+class Generation:
+    prompt_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    committed_per_step: list[int] = dataclasses.field(default_factory=list)
+    visible_per_step: list[int] = dataclasses.field(default_factory=list)
+    beta_per_step: list[float] = dataclasses.field(default_factory=list)
+    seconds: Counter = dataclasses.field(default_factory=Counter)
+    stopped_by: str = "length"
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.committed_per_step)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target verify pass (accepted drafts + the target's own)."""
+        return statistics.fmean(self.committed_per_step) if self.committed_per_step else 0.0
+
+    @property
+    def acceptance_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.committed_per_step).items()))
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds["total"] - self.seconds["prefill"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of decoding (prefill excluded, as serving reports it)."""
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def summary(self) -> dict:
+        other = self.seconds["total"] - sum(self.seconds[p] for p in ("prefill", "draft", "verify"))
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": len(self.tokens),
+            "verify_steps": self.verify_steps,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "stopped_by": self.stopped_by,
+            "seconds": {p: round(self.seconds[p], 4) for p in ("prefill", "draft", "verify")}
+            | {"other": round(max(other, 0.0), 4), "total": round(self.seconds["total"], 4)},
+            "visible_keys": {"first": self.visible_per_step[0], "last": self.visible_per_step[-1]}
+            if self.visible_per_step else None,
+            "beta": {"first": self.beta_per_step[0], "last": self.beta_per_step[-1],
+                     "fraction_above_1": sum(b > 1.0 for b in self.beta_per_step)
+                     / len(self.beta_per_step)} if self.beta_per_step else None,
+        }

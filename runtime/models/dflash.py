@@ -1,0 +1,246 @@
+"""The DFlash block drafter (z-lab/dflash layout), with SharpDraft's scale in attention.
+
+Qwen3-style layers (q_norm/k_norm, gated MLP). Context: the target's hidden states at
+`target_layer_ids`, concatenated, through `fc` and `hidden_norm`; each layer projects
+them with its own k_proj/v_proj into keys/values it caches. A step drafts a block
+[bonus, mask x (block_size - 1)] that attends bidirectionally to the whole context and
+itself, so every query row sees N = context + block_size keys. The drafter has no
+embedding or head: it borrows the target's `embed_tokens` and `lm_head`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plugins.attention import sharpdraft_attention
+from plugins.scaling import QueryScaling
+from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+from runtime.models.target import ModelError, TargetConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    training_max_length: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DFlashConfig":
+        """Read config.json: DFlash keys in `dflash_config` or at top level (both exist)."""
+        draft = data.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return draft.get(name, data.get(name, default))
+
+        layer_types = data.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ModelError("drafter layer_types other than full_attention (sliding windows) "
+                             "are not supported")
+        try:
+            heads = data["num_attention_heads"]
+            rope = data.get("rope_parameters") or {}
+            return cls(
+                hidden_size=int(data["hidden_size"]),
+                intermediate_size=int(data["intermediate_size"]),
+                num_layers=int(data["num_hidden_layers"]),
+                num_heads=int(heads),
+                num_kv_heads=int(data.get("num_key_value_heads") or heads),
+                head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
+                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
+                vocab_size=int(data["vocab_size"]),
+                block_size=int(pick("block_size", 16)),
+                mask_token_id=int(pick("mask_token_id")),
+                target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
+                num_target_layers=data.get("num_target_layers"),
+                attention_bias=bool(data.get("attention_bias", False)),
+                max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+                training_max_length=pick("training_max_length"),
+            )
+        except KeyError as exc:
+            raise ModelError(f"drafter config.json lacks {exc.args[0]!r}") from None
+        except TypeError:
+            raise ModelError("drafter config.json lacks mask_token_id or target_layer_ids "
+                             "(in dflash_config or at top level)") from None
+
+    def to_json(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "vocab_size": self.vocab_size,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_target_layers": self.num_target_layers,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "training_max_length": self.training_max_length,
+            },
+        }
+
+    def check_target(self, target: TargetConfig) -> None:
+        """Refuse a drafter built for another target, naming both values."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} vs target {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} vs target {target.vocab_size}")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} vs target "
+                            f"{target.num_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's "
+                            f"{target.num_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocab "
+                            f"{target.vocab_size}")
+        if problems:
+            raise ModelError("drafter does not fit the target: " + "; ".join(problems))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = AttentionProjections(c.hidden_size, c.num_heads, c.num_kv_heads,
+                                              c.head_dim, c.attention_bias, True, c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, rope, with_context, visible, scaling, mask=None):
+        """h: block states; with_context(k_blk, v_blk) puts the context's keys/values
+        before the block's and returns what the block attends over."""
+        x = self.input_layernorm(h)
+        q = self.self_attn.query(x, *rope)
+        k, v = with_context(*self.self_attn.key_value(x, *rope))
+        h = h + self.self_attn.output(sharpdraft_attention(q, k, v, visible, scaling, mask))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size,
+                            config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.config
+        p = self.fc.weight
+        # + block_size: the block's own keys sit past `length` as scratch each step.
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity + c.block_size,
+                       c.head_dim, p.dtype, p.device)
+
+    def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache,
+                scaling: QueryScaling | None):
+        """Draft one block.
+
+        block_embeds [b, block, hidden]: target embeddings of [bonus, mask, ...] at
+        positions cache.length + new_context ... ; context [b, c, n_ids*hidden]: target
+        features of tokens committed since the last step (c >= 0), appended to the
+        cache. Returns the block's final hidden states [b, block, hidden] and the
+        visible-key count N every block row attended over.
+        """
+        b, block = block_embeds.shape[:2]
+        start = cache.length
+        ctx_len = context.shape[1]
+        dtype = block_embeds.dtype
+        ctx_pos = torch.arange(start, start + ctx_len, device=context.device).expand(b, ctx_len)
+        blk_start = start + ctx_len
+        blk_pos = torch.arange(blk_start, blk_start + block, device=context.device).expand(b, block)
+        ctx_rope = self.rotary(ctx_pos, dtype)
+        blk_rope = self.rotary(blk_pos, dtype)
+        ctx = self.hidden_norm(self.fc(context))
+        n = blk_start + block
+        visible = torch.full((b, block), n, dtype=torch.long, device=context.device)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            k_ctx, v_ctx = layer.self_attn.key_value(ctx, *ctx_rope)
+            cache.write(i, start, k_ctx, v_ctx)
+
+            def with_context(k_blk, v_blk, i=i):
+                return cache.write(i, blk_start, k_blk, v_blk)
+
+            h = layer(h, blk_rope, with_context, visible, scaling)
+        cache.length = blk_start
+        return self.norm(h), n
+
+
+def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Read a drafter in the published layout: config.json + model.safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file():
+        raise ModelError(f"{path} has no config.json (not a DFlash checkpoint)")
+    if not weights.is_file():
+        raise ModelError(f"{path} has no model.safetensors")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{cfg_file} must hold a JSON object")
+    config = DFlashConfig.from_json(data)
+    model = DFlashDrafter(config)
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as exc:
+        raise ModelError(f"{weights} cannot be read: {exc}") from None
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelError(f"{weights} lacks tensor {missing[0]}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise ModelError(f"{weights}: tensor {name} has shape {list(state[name].shape)}, "
+                             f"config says {list(tensor.shape)}")
+    model.load_state_dict({k: state[k] for k in expected})
+    return model.to(dtype).eval()
+
+
+def save_dflash(model: DFlashDrafter, path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              path / "model.safetensors")

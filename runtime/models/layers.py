@@ -1,0 +1,123 @@
+"""Building blocks shared by the target and the drafters: Llama/Qwen-style RMSNorm,
+rotary embeddings, gated MLP, grouped-query attention projections and a preallocated
+KV cache whose rollback is a length change (no tensor copies, as in gpt-fast).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Default RoPE (rotate-half layout) evaluated at arbitrary positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        # float32 exactly as transformers computes it, so logits match to rounding.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [b, t] -> cos, sin [b, 1, t, head_dim] in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections (+ optional bias, + optional per-head q_norm/k_norm)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 bias: bool, qk_norm: bool, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def query(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x [b, t, hidden] -> q [b, heads, t, head_dim], normed and rotated."""
+        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(1, 2), cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos, sin):
+        """x [b, t, hidden] -> k, v [b, kv_heads, t, head_dim]; k normed and rotated."""
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [b, heads, t, head_dim] -> [b, t, hidden]."""
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+
+class KVCache:
+    """Preallocated keys/values for every layer; `length` tokens are committed.
+
+    Writing past `length` is allowed (scratch space a step may use and discard), so a
+    rollback is only `length = n`.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int,
+                 head_dim: int, dtype: torch.dtype, device=None):
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v at [start, start + t) and return views of keys/values [0, start + t)."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens; asked to write up to {end}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
+        self.length = length

@@ -1,0 +1,222 @@
+"""The target model: any local transformers Llama / Mistral / Qwen2 / Qwen3 causal LM,
+run by our own compact decoder so that it can (a) hand the drafter the hidden states of
+chosen layers, (b) keep a preallocated KV cache that rolls back by a length change, and
+(c) be exported to ONNX with explicit cache inputs. Weights come from transformers'
+loader (HF directory or GGUF); `tests/test_target.py` pins logits to transformers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plugins.attention import sharpdraft_attention
+from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by construction: never touch a hub
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelError(ValueError):
+    """A checkpoint or config we refuse, with a one-line reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    attention_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, config, state_keys) -> "TargetConfig":
+        if config.model_type not in SUPPORTED_TYPES:
+            raise ModelError(f"target model_type {config.model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ModelError(f"target rope_type {rope_type!r} is not supported (only 'default')")
+        if getattr(config, "use_sliding_window", False) or (
+                config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+            raise ModelError("targets with sliding-window attention are not supported")
+        heads = config.num_attention_heads
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+            max_position_embeddings=config.max_position_embeddings,
+            attention_bias="model.layers.0.self_attn.q_proj.bias" in state_keys,
+            qk_norm="model.layers.0.self_attn.q_norm.weight" in state_keys,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.self_attn = AttentionProjections(c.hidden_size, c.num_heads, c.num_kv_heads,
+                                              c.head_dim, c.attention_bias, c.qk_norm,
+                                              c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache: KVCache, layer: int, start: int, visible):
+        x = self.input_layernorm(h)
+        q = self.self_attn.query(x, cos, sin)
+        k, v = cache.write(layer, start, *self.self_attn.key_value(x, cos, sin))
+        h = h + self.self_attn.output(sharpdraft_attention(q, k, v, visible))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.config
+        p = self.embed_tokens.weight
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache, feature_layers=(), last_logits_only=False):
+        """Run `ids` [b, t] after the cache's committed tokens; commit them.
+
+        Returns logits [b, t or 1, vocab] and the concatenated hidden states of
+        `feature_layers` [b, t, len(ids) * hidden] in transformers' convention
+        (output of layer i; the final norm's output for the last layer).
+        """
+        start = cache.length
+        t = ids.shape[1]
+        positions = torch.arange(start, start + t, device=ids.device).expand(ids.shape[0], t)
+        cos, sin = self.rotary(positions, self.embed_tokens.weight.dtype)
+        visible = positions + 1
+        h = self.embed_tokens(ids)
+        wanted = set(feature_layers)
+        states = {}
+        last = self.config.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, i, start, visible)
+            if i in wanted and i != last:
+                states[i] = h
+        cache.length = start + t
+        h = self.norm(h)
+        if last in wanted:
+            states[last] = h
+        features = torch.cat([states[i] for i in feature_layers], -1) if feature_layers else None
+        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+        return logits, features
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weights_in(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir()
+                  if p.suffix in (".safetensors", ".bin", ".gguf") or p.name.endswith(".index.json"))
+
+
+def load_hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32, gguf_file: str | None = None):
+    """transformers' model + tokenizer from a local directory (or a GGUF inside one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    kwargs = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a causal LM from {path}: {str(exc).splitlines()[0]}") from None
+    return model.eval(), tokenizer
+
+
+def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Our TargetModel and its tokenizer from a local transformers directory."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a model directory (no config.json)")
+    if not _weights_in(path):
+        raise ModelError(f"{path} has no weight files (*.safetensors, *.bin)")
+    hf_model, tokenizer = load_hf_causal_lm(path, dtype)
+    return target_from_hf(hf_model), tokenizer
+
+
+def target_from_hf(hf_model) -> TargetModel:
+    state = hf_model.state_dict()
+    config = TargetConfig.from_hf(hf_model.config, state.keys())
+    weight = next(iter(state.values()))
+    model = TargetModel(config).to(dtype=weight.dtype)
+    ours = {k.removeprefix("model."): v for k, v in state.items()}
+    if config.tie_word_embeddings:
+        ours.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise ModelError(f"target weights do not match a {config.model_type} decoder: "
+                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """De-quantize a GGUF checkpoint once into a transformers directory (fast to reload)."""
+    from safetensors.torch import save_file
+
+    model, tokenizer = load_hf_causal_lm(gguf.parent, dtype, gguf_file=gguf.name)
+    config = model.config
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # safetensors stores no shared tensors
+    # transformers marks GGUF-loaded models as quantized and refuses save_pretrained;
+    # the weights are plain de-quantized tensors by now, so write them ourselves.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = str(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+              metadata={"format": "pt", "converted_from": gguf.name})
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir

@@ -1,0 +1,91 @@
+"""Token choice and verification, shared by every drafting style.
+
+Greedy: drafts are accepted while they equal the target's argmax. Sampling: standard
+speculative (rejection) sampling -- accept draft d with probability min(1, p(d)/q(d)),
+else draw from normalise(max(p - q, 0)) -- which leaves the committed tokens
+distributed exactly as the target's own sampler (temperature / top-p) would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    def __init__(self, sampling: Sampling = Sampling()):
+        self.sampling = sampling
+        self.generator = torch.Generator()
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (temperature, then top-p) over the last dim, float64."""
+        probs = torch.softmax(logits.double() / self.sampling.temperature, dim=-1)
+        if self.sampling.top_p < 1.0:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            keep = ordered.cumsum(-1) - ordered < self.sampling.top_p  # always keeps the top one
+            probs = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.float() if probs.dtype == torch.float16 else probs,
+                                     1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """One token from logits [vocab]."""
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return self._draw(self.probs(logits))
+
+    def propose(self, draft_logits: torch.Tensor):
+        """Draft tokens from drafter logits [k, vocab]: (tokens, their distributions or None)."""
+        if self.sampling.greedy:
+            return draft_logits.argmax(-1).tolist(), None
+        q = self.probs(draft_logits)
+        return [self._draw(row) for row in q], q
+
+    def verify(self, drafts: list[int], target_logits: torch.Tensor, draft_probs):
+        """Target logits [len(drafts) + 1, vocab] for [bonus, *drafts] -> (accepted, next).
+
+        `accepted` drafts are kept; `next` is the target's token after them.
+        """
+        k = len(drafts)
+        if self.sampling.greedy:
+            posterior = target_logits.argmax(-1).tolist()
+            accepted = 0
+            while accepted < k and drafts[accepted] == posterior[accepted]:
+                accepted += 1
+            return accepted, posterior[accepted]
+        p = self.probs(target_logits)
+        for i, d in enumerate(drafts):
+            u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
+            if u * float(draft_probs[i, d]) < float(p[i, d]):
+                continue
+            residual = (p[i] - draft_probs[i]).clamp(min=0)
+            total = float(residual.sum())
+            return i, self._draw(residual / total if total > 0 else p[i])
+        return k, self._draw(p[k])

@@ -1,0 +1,90 @@
+"""The decoding loops: target-only, and DFlash-style block speculation.
+
+Block speculation, one step: the drafter sees the target features of the tokens
+committed since its last step and drafts a block [bonus, d1 .. d(k)] in one pass; the
+target verifies the block in one pass; the longest agreeing prefix is kept plus the
+target's own next token; the target cache rolls back to the committed length and the
+verified features of the kept tokens become the drafter's new context.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from runtime.backends import BlockDrafter, Target
+from runtime.metrics import Generation
+from runtime.sampling import Sampler
+
+OnTokens = Callable[[list[int]], None]
+
+
+def _budget(target: Target, prompt: list[int], max_new_tokens: int) -> int:
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    room = target.context_limit - len(prompt)
+    if room < 1:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the target's context holds "
+                         f"{target.context_limit}")
+    return min(max_new_tokens, room)
+
+
+def _commit(gen: Generation, new: list[int], stop_ids: frozenset[int], on_tokens) -> bool:
+    """Append committed tokens, cutting at a stop token; True when generation must end."""
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            new = new[: i + 1]
+            gen.stopped_by = "stop_token"
+            break
+    gen.tokens.extend(new)
+    if on_tokens:
+        on_tokens(new)
+    return gen.stopped_by == "stop_token"
+
+
+def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
+                         sampler: Sampler, stop_ids=frozenset(), on_tokens: OnTokens = None
+                         ) -> Generation:
+    budget = _budget(target, prompt, max_new_tokens)
+    gen = Generation(len(prompt))
+    with gen.timed("total"):
+        with gen.timed("prefill"):
+            logits, _ = target.prefill(prompt, len(prompt) + budget)
+        done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
+        while not done and len(gen.tokens) < budget:
+            with gen.timed("verify"):
+                logits, _ = target.verify(gen.tokens[-1:])
+            gen.committed_per_step.append(1)
+            done = _commit(gen, [sampler.pick(logits[-1])], stop_ids, on_tokens)
+    return gen
+
+
+def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
+                   max_new_tokens: int, sampler: Sampler, stop_ids=frozenset(),
+                   on_tokens: OnTokens = None) -> Generation:
+    budget = _budget(target, prompt, max_new_tokens)
+    gen = Generation(len(prompt))
+    with gen.timed("total"):
+        with gen.timed("prefill"):
+            logits, context = target.prefill(prompt, len(prompt) + budget)
+            drafter.reset(len(prompt) + budget)
+        done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
+        committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
+        while not done and len(gen.tokens) < budget:
+            bonus = gen.tokens[-1]
+            with gen.timed("draft"):
+                draft_logits, visible = drafter.draft(context, bonus)
+                room = budget - len(gen.tokens) - 1
+                drafts, draft_probs = sampler.propose(draft_logits[:room])
+            with gen.timed("verify"):
+                logits, features = target.verify([bonus] + drafts)
+                accepted, following = sampler.verify(drafts, logits, draft_probs)
+                committed += accepted + 1
+                target.rollback(committed)
+            context = features[: accepted + 1]
+            gen.committed_per_step.append(accepted + 1)
+            gen.visible_per_step.append(visible)
+            gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
+            done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
+    return gen

@@ -1,0 +1,82 @@
+"""Tiny real checkpoints for tests: transformers decoders with random weights saved in
+their published layouts, a BPE tokenizer trained on CPython sources, and DFlash
+drafters written in the z-lab/dflash layout. Seeded, built in about a second."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
+
+
+def stdlib_text(limit: int = 200_000) -> str:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((lib / name).read_text() for name in ("textwrap.py", "shlex.py", "glob.py"))
+    return text[:limit]
+
+
+def train_tokenizer(out: Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([stdlib_text()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", unk_token="<|endoftext|>")
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_target(out: Path, model_type: str = "llama", vocab_size: int = 320, layers: int = 3,
+                hidden: int = 32, context: int = 512, seed: int = 0,
+                dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, max_position_embeddings=context, tie_word_embeddings=False,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():  # larger weights: peakier, more decisive random models
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out)
+    if tokenizer:
+        train_tokenizer(out, vocab_size)
+    return out
+
+
+def drafter_config(target_dir: Path, block_size: int = 4, layers: int = 1, **extra) -> DFlashConfig:
+    t = json.loads((target_dir / "config.json").read_text())
+    n = t["num_hidden_layers"]
+    return DFlashConfig(
+        hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_layers=layers,
+        num_heads=t["num_attention_heads"], num_kv_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"], rms_norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=t["vocab_size"], block_size=block_size, mask_token_id=3,
+        target_layer_ids=tuple(sorted({0, n // 2, n - 1})), num_target_layers=n, **extra)
+
+
+def make_drafter(out: Path, target_dir: Path, block_size: int = 4, seed: int = 1,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    torch.manual_seed(seed)
+    model = DFlashDrafter(drafter_config(target_dir, block_size)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    save_dflash(model, out)
+    return out
