@@ -47,7 +47,8 @@ def make_target(out: Path, model_type: str = "llama", vocab_size: int = 320, lay
         model_type, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=hidden // 4, max_position_embeddings=context, tie_word_embeddings=False,
-        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        **({"sliding_window": None} if model_type == "mistral" else {}))
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # larger weights: peakier, more decisive random models
         for p in model.parameters():

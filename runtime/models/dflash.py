@@ -200,6 +200,41 @@ class DFlashDrafter(nn.Module):
         return self.norm(h), n
 
 
+    def forward_train(self, block_embeds: torch.Tensor, context: torch.Tensor,
+                      anchors: torch.Tensor) -> torch.Tensor:
+        """Many blocks of one sequence in one pass, as DFlash trains.
+
+        block_embeds [b, blocks * block, hidden]; context [b, t, n_ids*hidden] target
+        features of the whole sequence; anchors [b, blocks]: block j sits at positions
+        anchors[j] + (0 .. block-1) and sees the context keys before its anchor plus its
+        own block -- exactly what it sees when drafting after `anchor` committed tokens.
+        """
+        b, t = context.shape[:2]
+        block = self.config.block_size
+        blocks = anchors.shape[1]
+        dev = context.device
+        offsets = torch.arange(block, device=dev)
+        blk_pos = (anchors[:, :, None] + offsets).flatten(1)  # [b, blocks*block]
+        ctx_pos = torch.arange(t, device=dev).expand(b, t)
+        dtype = block_embeds.dtype
+        blk_rope, ctx_rope = self.rotary(blk_pos, dtype), self.rotary(ctx_pos, dtype)
+        sees_ctx = torch.arange(t, device=dev)[None, None] < anchors.repeat_interleave(block, 1)[..., None]
+        block_id = torch.arange(blocks, device=dev).repeat_interleave(block)
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
+        mask = torch.cat([sees_ctx, sees_block], dim=-1)
+        visible = torch.full(blk_pos.shape, t + blocks * block, dtype=torch.long, device=dev)
+        ctx = self.hidden_norm(self.fc(context))
+        h = block_embeds
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.key_value(ctx, *ctx_rope)
+
+            def with_context(k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
+                return torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
+
+            h = layer(h, blk_rope, with_context, visible, None, mask)
+        return self.norm(h)
+
+
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """Read a drafter in the published layout: config.json + model.safetensors."""
     from safetensors import SafetensorError

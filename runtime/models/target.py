@@ -53,9 +53,11 @@ class TargetConfig:
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
             raise ModelError(f"target rope_type {rope_type!r} is not supported (only 'default')")
-        if getattr(config, "use_sliding_window", False) or (
-                config.model_type == "mistral" and getattr(config, "sliding_window", None)):
-            raise ModelError("targets with sliding-window attention are not supported")
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+        if uses_window and window and window < config.max_position_embeddings:
+            raise ModelError(f"targets with sliding-window attention (window {window}) are not "
+                             "supported")
         heads = config.num_attention_heads
         return cls(
             model_type=config.model_type,

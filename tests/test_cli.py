@@ -1,0 +1,135 @@
+"""The command lines: real engines over tiny checkpoints, one-line errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import build_engine
+from runtime.__main__ import main as runtime_main
+from runtime.cli import run
+
+
+def call(main, argv, capsys):
+    code = run(main, argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate(engine, *extra, capsys):
+    return call(runtime_main, ["generate", "--engine-dir", str(engine), *extra], capsys)
+
+
+def test_generate_json_reports_the_run(tiny_engine, capsys):
+    code, out, err = generate(tiny_engine, "--prompt", "def main():\n    ", "--max-new-tokens",
+                              "24", "--ignore-eos", "--json", capsys=capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    for key in ("tokens", "text", "new_tokens", "mean_accepted_length", "verify_steps",
+                "tokens_per_second", "sharpdraft", "acceptance_histogram"):
+        assert key in result
+    assert result["new_tokens"] == len(result["tokens"]) == 24
+    assert result["sharpdraft"] == {"ref_keys": 64, "top_k": 8, "slope": 5.0, "max_log_scale": 0.5}
+    assert 1 <= result["mean_accepted_length"] <= 4
+
+
+def test_all_three_modes_produce_the_same_greedy_tokens(tiny_engine, capsys):
+    outputs = {}
+    for mode in ([], ["--no-sharpdraft"], ["--target-only"]):
+        code, out, err = generate(tiny_engine, "--prompt", "import os\n", "--max-new-tokens", "30",
+                                  "--ignore-eos", "--json", *mode, capsys=capsys)
+        assert code == 0, err
+        result = json.loads(out)
+        outputs[result["mode"]] = result["tokens"]
+    assert outputs["sharpdraft"] == outputs["frozen"] == outputs["target"]
+
+
+def test_generate_streams_text(tiny_engine, capsys):
+    code, out, err = generate(tiny_engine, "--prompt", "class A:\n", "--max-new-tokens", "10",
+                              capsys=capsys)
+    assert code == 0
+    assert out.strip()
+    assert "MAL" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--top-p", "1.5"], "top_p"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
+    (["--prompt", "x", "--max-new-tokens", "ten"], "invalid int value"),
+])
+def test_bad_generate_input_is_one_line(tiny_engine, capsys, args, message):
+    code, out, err = generate(tiny_engine, *args, capsys=capsys)
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_prompt_longer_than_the_context_is_refused(tiny_engine, capsys):
+    code, _, err = generate(tiny_engine, "--prompt", "def f(x): return x\n" * 400, capsys=capsys)
+    assert code == 2 and "the target's context holds 512" in err and err.count("\n") == 1
+
+
+def test_missing_engine_dir_is_one_line(tmp_path, capsys):
+    code, _, err = generate(tmp_path / "nope", "--prompt", "x", capsys=capsys)
+    assert code == 1 and "does not exist — run build_engine.py first" in err and err.count("\n") == 1
+    code, _, err = generate(tmp_path, "--prompt", "x", capsys=capsys)
+    assert code == 1 and "has no engine.json" in err
+
+
+def test_tampered_or_unknown_engines_are_refused(tiny_engine, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(tiny_engine, copy)
+    manifest = json.loads((copy / "engine.json").read_text())
+    manifest["format_version"] = 99
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    code, _, err = generate(copy, "--prompt", "x", capsys=capsys)
+    assert code == 1 and "format_version 99" in err
+    manifest["format_version"] = 1
+    name = next(iter(manifest["drafter_checkpoint"]["files"]))
+    manifest["drafter_checkpoint"]["files"][name]["sha256"] = "0" * 64
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    code, _, err = generate(copy, "--prompt", "x", capsys=capsys)
+    assert code == 1 and "does not match the sha256" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ref-keys", "16", "--top-k", "32"], "ref_keys must be greater than top_k"),
+    (["--slope", "0"], "slope must be > 0"),
+    (["--max-log-scale", "-1"], "max_log_scale must be >= 0"),
+])
+def test_invalid_scaling_values_are_refused(tiny_target, tiny_drafter, tmp_path, capsys, args, message):
+    code, _, err = call(build_engine.main, ["--sharpdraft", "--target", str(tiny_target),
+                                            "--drafter-checkpoint", str(tiny_drafter),
+                                            "--output", str(tmp_path / "e"), *args], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_scaling_flags_need_sharpdraft(tiny_target, tiny_drafter, tmp_path, capsys):
+    code, _, err = call(build_engine.main, ["--target", str(tiny_target), "--ref-keys", "4096",
+                                            "--drafter-checkpoint", str(tiny_drafter),
+                                            "--output", str(tmp_path / "e")], capsys)
+    assert code == 2 and "--ref-keys needs --sharpdraft" in err
+
+
+def test_build_refuses_a_drafter_for_another_target(tmp_path, tiny_drafter, capsys):
+    import tiny
+
+    other = tiny.make_target(tmp_path / "other", hidden=48, tokenizer=False)
+    code, _, err = call(build_engine.main, ["--target", str(other), "--drafter-checkpoint",
+                                            str(tiny_drafter), "--output", str(tmp_path / "e")], capsys)
+    assert code == 1 and "hidden_size 32 vs target 48" in err and err.count("\n") == 1
+
+
+def test_a_real_process_exits_nonzero_without_traceback(tmp_path):
+    """The same contract seen from outside: exit code and one stderr line."""
+    proc = subprocess.run([sys.executable, "-m", "runtime", "generate", "--engine-dir",
+                           str(tmp_path), "--prompt", "hi"], capture_output=True, text=True,
+                          cwd=build_engine.__file__.rsplit("/", 1)[0])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

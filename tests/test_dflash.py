@@ -1,0 +1,113 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tiny
+from runtime.models.dflash import DFlashConfig, load_dflash
+from runtime.models.target import ModelError, load_target
+
+
+def test_loads_the_published_layout(tiny_target, tiny_drafter):
+    names = set(load_file(tiny_drafter / "model.safetensors"))
+    # z-lab/dflash tensor names: fc, hidden_norm, norm, layers.i.{self_attn,mlp,...}
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight",
+            "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_proj.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.input_layernorm.weight"} <= names
+    config = json.loads((tiny_drafter / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["mask_token_id"] == 3
+    drafter = load_dflash(tiny_drafter)
+    target, _ = load_target(tiny_target)
+    drafter.config.check_target(target.config)
+
+
+def test_top_level_dflash_keys_are_accepted(tiny_drafter, tmp_path):
+    data = json.loads((tiny_drafter / "config.json").read_text())
+    inner = data.pop("dflash_config")
+    data.update(mask_token_id=inner["mask_token_id"], target_layer_ids=inner["target_layer_ids"])
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    (tmp_path / "model.safetensors").write_bytes((tiny_drafter / "model.safetensors").read_bytes())
+    assert load_dflash(tmp_path).config.target_layer_ids == tuple(inner["target_layer_ids"])
+
+
+def copy_checkpoint(src, dst):
+    dst.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_missing_tensor_is_refused(tiny_drafter, tmp_path):
+    path = copy_checkpoint(tiny_drafter, tmp_path / "ck")
+    state = load_file(path / "model.safetensors")
+    del state["layers.0.self_attn.k_norm.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelError, match="lacks tensor layers.0.self_attn.k_norm.weight"):
+        load_dflash(path)
+
+
+def test_wrong_shape_is_refused(tiny_drafter, tmp_path):
+    path = copy_checkpoint(tiny_drafter, tmp_path / "ck")
+    state = load_file(path / "model.safetensors")
+    state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelError, match="fc.weight has shape"):
+        load_dflash(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"hidden_size": 32}', "lacks"),
+])
+def test_bad_config_is_refused(tiny_drafter, tmp_path, text, message):
+    path = copy_checkpoint(tiny_drafter, tmp_path / "ck")
+    (path / "config.json").write_text(text)
+    with pytest.raises(ModelError, match=message):
+        load_dflash(path)
+
+
+def test_truncated_weights_are_refused(tiny_drafter, tmp_path):
+    path = copy_checkpoint(tiny_drafter, tmp_path / "ck")
+    (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ModelError, match="cannot be read"):
+        load_dflash(path)
+
+
+def test_drafter_for_another_target_is_refused_naming_both_values(tiny_target):
+    target, _ = load_target(tiny_target)
+    base = tiny.drafter_config(tiny_target)
+    for change, message in (({"hidden_size": 64}, "hidden_size 64 vs target 32"),
+                            ({"vocab_size": 999}, "vocab_size 999 vs target 320"),
+                            ({"target_layer_ids": (0, 7)}, r"target_layer_ids \[7\] outside the target's 3 layers"),
+                            ({"num_target_layers": 36}, "num_target_layers 36 vs target 3")):
+        with pytest.raises(ModelError, match=message):
+            DFlashConfig(**(base.__dict__ | change)).check_target(target.config)
+
+
+def test_sliding_window_drafters_are_refused(tiny_drafter):
+    data = json.loads((tiny_drafter / "config.json").read_text())
+    data["layer_types"] = ["sliding_attention"]
+    with pytest.raises(ModelError, match="sliding"):
+        DFlashConfig.from_json(data)
+
+
+def test_training_forward_equals_drafting_forward(tiny_target):
+    """Each anchored training block sees exactly what a drafting step sees."""
+    from runtime.models.dflash import DFlashDrafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny.drafter_config(tiny_target, block_size=4, layers=2)).double().eval()
+    width = drafter.fc.in_features
+    context = torch.randn(1, 20, width, dtype=torch.float64)
+    embeds = torch.randn(1, 12, 32, dtype=torch.float64)
+    anchors = [3, 9, 15]
+    trained = drafter.forward_train(embeds, context, torch.tensor([anchors]))
+    for j, a in enumerate(anchors):
+        cache = drafter.new_cache(64)
+        drafter(embeds[:, :4], context[:, :a - 1], cache, None)  # context arrives over two steps
+        drafted, visible = drafter(embeds[:, 4 * j:4 * j + 4], context[:, a - 1:a], cache, None)
+        assert visible == a + 4
+        assert (drafted - trained[:, 4 * j:4 * j + 4]).abs().max() < 1e-12

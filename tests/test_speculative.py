@@ -1,0 +1,118 @@
+"""Lossless means lossless: greedy speculative output equals target-only greedy output
+token for token, and speculative sampling leaves the target's distribution unchanged."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from plugins.scaling import QueryScaling
+from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.models.dflash import DFlashConfig, DFlashDrafter
+from runtime.models.target import TargetConfig, TargetModel
+from runtime.sampling import Sampler, Sampling
+from runtime.speculative import generate_block, generate_target_only
+
+
+def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int = 128,
+              sharpness: float = 3.0):
+    torch.manual_seed(seed)
+    tc = TargetConfig("llama", vocab, 16, 32, layers, 4, 2, 4, 1e-6, 10000.0, context,
+                      False, False, False)
+    target = TargetModel(tc).double().eval()
+    dc = DFlashConfig(16, 32, 1, 4, 2, 4, 1e-6, 10000.0, vocab, block, vocab - 1,
+                      tuple(range(layers)), layers)
+    drafter = DFlashDrafter(dc).double().eval()
+    with torch.no_grad():  # peakier models: acceptances happen, ties do not
+        for p in itertools.chain(target.parameters(), drafter.parameters()):
+            if p.dim() == 2:
+                p.mul_(sharpness)
+    return target, drafter
+
+
+def runners(target, drafter, scaling):
+    return TorchTarget(target, drafter.config.target_layer_ids), TorchDFlash(drafter, target, scaling)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
+       block=st.integers(2, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
+       scaled=st.booleans(), stop=st.booleans())
+def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, max_new,
+                                               scaled, stop):
+    target, drafter = tiny_pair(seed, vocab, block)
+    scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if scaled else None
+    t, d = runners(target, drafter, scaling)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    stop_ids = frozenset({0}) if stop else frozenset()
+    want = generate_target_only(t, prompt, max_new, Sampler(), stop_ids)
+    got = generate_block(t, d, prompt, max_new, Sampler(), stop_ids)
+    assert got.tokens == want.tokens
+    if got.stopped_by == "length":  # a stop token may cut the last step's block short
+        assert sum(got.committed_per_step) + 1 == len(got.tokens)
+    assert all(1 <= c <= block for c in got.committed_per_step)
+
+
+def test_the_lossless_check_exercises_acceptance():
+    """Guard for the property test above: on these tiny pairs drafts do get accepted."""
+    accepted = []
+    for seed in range(8):
+        target, drafter = tiny_pair(seed, vocab=4, block=6)
+        t, d = runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0))
+        gen = generate_block(t, d, [1, 2, 3], 40, Sampler())
+        accepted.append(gen.mean_accepted_length)
+    assert max(accepted) > 1.5
+
+
+def test_stats_report_visible_keys_and_beta():
+    target, drafter = tiny_pair(3, vocab=8, block=4)
+    scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
+    t, d = runners(target, drafter, scaling)
+    gen = generate_block(t, d, list(range(1, 8)), 30, Sampler())
+    # step s drafts after prompt + committed tokens; every block row sees context + block
+    committed = 7
+    for visible, b, c in zip(gen.visible_per_step, gen.beta_per_step, gen.committed_per_step):
+        assert visible == committed + 4
+        assert b == scaling.beta(visible)
+        committed += c
+    assert gen.mean_accepted_length == sum(gen.committed_per_step) / gen.verify_steps
+
+
+def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token the target never produces was produced"
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def exact_first_tokens(target, prompt, sampler, vocab):
+    """P(t1, t2, t3) under the target's own sampler, by enumeration."""
+    probs = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    with torch.no_grad():
+        for t1, t2 in itertools.product(range(vocab), repeat=2):
+            cache = target.new_cache(16)
+            logits, _ = target(torch.tensor([prompt + [t1, t2]]), cache)
+            p = sampler.probs(logits[0])
+            probs[t1, t2] = p[-3, t1] * p[-2, t2] * p[-1]
+    return probs
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.8)])
+def test_speculative_sampling_preserves_the_target_distribution(sampling):
+    vocab, draws = 4, 20_000
+    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
+    t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
+    prompt = [1, 2, 0]
+    sampler = Sampler(Sampling(sampling.temperature, sampling.top_p, seed=1234))
+    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    rejected = 0
+    for _ in range(draws):
+        gen = generate_block(t, d, prompt, 3, sampler)
+        t1, t2, t3 = gen.tokens
+        counts[(t1 * vocab + t2) * vocab + t3] += 1
+        rejected += gen.committed_per_step[0] < 2
+    assert 0.05 * draws < rejected < 0.95 * draws  # both branches of verification ran
+    assert chi_square_p(counts, expected) > 0.001

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+import tiny
+from runtime.models.target import ModelError, load_target, target_from_hf
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_target_logits_and_features_match_transformers(tmp_path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny.make_target(tmp_path, model_type, dtype=torch.float32, tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    ours = target_from_hf(hf)
+    ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        cache = ours.new_cache(64, batch=2)
+        # prefill, then a block, then one token: the cache path must not change results
+        parts = [ours(ids[:, a:b], cache, (0, 2)) for a, b in ((0, 25), (25, 39), (39, 40))]
+    logits = torch.cat([p[0] for p in parts], 1)
+    features = torch.cat([p[1] for p in parts], 1)
+    assert (logits - ref.logits).abs().max() < 1e-4
+    want = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1)  # hf: [emb, l0, l1, norm(l2)]
+    assert (features - want).abs().max() < 1e-4
+
+
+def test_rollback_then_recompute_gives_identical_logits(tiny_target):
+    model, _ = load_target(tiny_target, torch.float64)
+    ids = torch.randint(0, 320, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model.new_cache(64)
+        model(ids[:, :20], cache)
+        first, _ = model(ids[:, 20:30], cache)
+        cache.rollback(23)
+        again, _ = model(ids[:, 23:30], cache)
+    assert torch.equal(first[:, 3:], again) or (first[:, 3:] - again).abs().max() < 1e-12
+
+
+def test_rollback_refuses_growing(tiny_target):
+    model, _ = load_target(tiny_target)
+    cache = model.new_cache(8)
+    with pytest.raises(ValueError, match="roll back"):
+        cache.rollback(3)
+
+
+def test_cache_capacity_is_enforced(tiny_target):
+    model, _ = load_target(tiny_target)
+    cache = model.new_cache(4)
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+def test_not_a_model_directory_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        load_target(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="no weight files"):
+        load_target(tmp_path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="model_type 'gpt2' is not supported"):
+        load_target(tmp_path)
