@@ -9,6 +9,7 @@ TRITON_INTERPRET=1 the kernel runs on CPU, which is how the tests check it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from plugins.scaling import QueryScaling
 
-__all__ = ["attention", "kernel_beta", "launch_blocks", "launch_grid", "launch_scalars",
+__all__ = ["attention", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
            "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256  # above this one tile of Q and O no longer fits in registers
@@ -78,27 +79,20 @@ def _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn, stride_
 
 
 @triton.jit
-def _sharpdraft_attention_kernel(
-        Q, K, V, VISIBLE,
-        q_len, kv_len, kv_heads, group,
-        stride_qb, stride_qh, stride_qm,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_ob, stride_oh, stride_om,
-        stride_visible_b,
-        OUT,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
-        BIAS: tl.constexpr, CAP: tl.constexpr):
-    # One program: BLOCK_M rows of one (batch, kv head). Rows pack (query, head in the GQA
-    # group) as row = query * group + head_in_group, so every head that shares a KV head
-    # reads each K/V tile once -- the drafter step is memory-bound on K/V.
-    tile = tl.program_id(0)
-    batch_kv_head = tl.program_id(1)
-    batch = (batch_kv_head // kv_heads).to(tl.int64)
-    kv_head = (batch_kv_head % kv_heads).to(tl.int64)
+def _attend_rows(Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_hi,
+                 q_len, kv_len, group,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_visible_b,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                 SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+                 BIAS: tl.constexpr, CAP: tl.constexpr):
+    """Online softmax of one tile of packed rows over keys [key_lo, key_hi) (key_lo and
+    key_hi multiples of BLOCK_N, or key_hi >= kv_len): unnormalised acc, row max, row sum.
 
+    Rows pack (query, head in the GQA group) as row = query * group + head_in_group, so
+    every head sharing a KV head reads each K/V tile once: a drafter step is memory-bound
+    on K/V."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len * group
     query = (rows // group).to(tl.int64)
@@ -118,6 +112,8 @@ def _sharpdraft_attention_kernel(
     seen_by_all = tl.min(tl.where(row_ok, visible, kv_len), 0)
     seen_by_any = tl.max(visible, 0)
     unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seen_by_any, key_hi)
+    mid = tl.minimum(tl.maximum(unmasked_end, key_lo), hi)
 
     # A finite start keeps fully masked rows (padding, or visible = 0) free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -125,15 +121,118 @@ def _sharpdraft_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
-    for start in range(0, unmasked_end, BLOCK_N):
+    for start in range(key_lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn,
-                                         stride_vn, visible, seen_by_any, row_scale, d, d_ok, False, BLOCK_N,
+                                         stride_vn, visible, hi, row_scale, d, d_ok, False, BLOCK_N,
                                          PRECISION)
-    for start in range(unmasked_end, seen_by_any, BLOCK_N):
+    for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn,
-                                         stride_vn, visible, seen_by_any, row_scale, d, d_ok, True, BLOCK_N,
+                                         stride_vn, visible, hi, row_scale, d, d_ok, True, BLOCK_N,
                                          PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _sharpdraft_attention_kernel(
+        Q, K, V, VISIBLE,
+        q_len, kv_len, kv_heads, group,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        stride_visible_b,
+        OUT,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+        BIAS: tl.constexpr, CAP: tl.constexpr):
+    # One program: BLOCK_M packed rows of one (batch, kv head), over all their keys.
+    tile = tl.program_id(0)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    acc, m_i, l_i = _attend_rows(
+        Q, K, V, VISIBLE, tile, batch, kv_head, 0, kv_len, q_len, kv_len, group,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_visible_b,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * group
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    d = tl.arange(0, BLOCK_D)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
+             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _split_keys_kernel(
+        Q, K, V, VISIBLE,
+        q_len, kv_len, kv_heads, group,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_visible_b, keys_per_split,
+        PARTIAL_OUT, PARTIAL_LSE,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+        BIAS: tl.constexpr, CAP: tl.constexpr):
+    # Flash-decoding: a drafter step has few rows per KV head, too few programs to fill a
+    # GPU over a long context, so each program takes one slice of the keys; _merge_splits
+    # combines the slices by their log-sum-exp. Partials are fp32 [split, b*kv_head, row, d].
+    tile = tl.program_id(0)
+    split = tl.program_id(2)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    key_lo = split * keys_per_split
+    acc, m_i, l_i = _attend_rows(
+        Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_lo + keys_per_split, q_len, kv_len, group,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_visible_b,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
+    row_count = q_len * group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_count
+    d = tl.arange(0, BLOCK_D)
+    seen = l_i > 0.0
+    # log2-domain log-sum-exp of the slice; -inf where the row sees none of its keys.
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    slot = (split.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * row_count + rows
+    tl.store(PARTIAL_LSE + slot, lse, mask=row_ok)
+    tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+             acc / tl.where(seen, l_i, 1.0)[:, None], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _merge_splits(PARTIAL_OUT, PARTIAL_LSE, q_len, kv_heads, group, splits,
+                  stride_ob, stride_oh, stride_om, OUT,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    tile = tl.program_id(0)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    row_count = q_len * group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_count
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, splits):
+        slot = (split * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * row_count + rows
+        lse = tl.load(PARTIAL_LSE + slot, mask=row_ok, other=float("-inf"))
+        part = tl.load(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        total = total * alpha + weight
+        m = m_new
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
              + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -228,14 +327,36 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+MIN_KEYS_PER_SPLIT = 256  # below this a key slice costs more to merge than it saves
+
+
+def key_splits(programs: int, kv_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    """(slices, keys per slice) for flash-decoding: enough programs to give every SM about
+    two, never slices shorter than MIN_KEYS_PER_SPLIT keys. Slices are whole key tiles."""
+    splits = 1
+    if programs < sm_count:
+        splits = max(1, min(triton.cdiv(2 * sm_count, programs), kv_len // MIN_KEYS_PER_SPLIT))
+    per_split = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+    return triton.cdiv(kv_len, per_split), per_split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: one program at a time, nothing to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
-              block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+              block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
+              num_stages: int = 2) -> torch.Tensor:
     """Fused `sharpdraft_attention(q, k, v, visible, scaling)` (no tree mask).
 
     q [batch, heads, q_len, d]; k, v [batch, kv_heads, kv_len, d]; visible int64
     [batch, q_len]: row (b, i) attends to keys [0, visible[b, i]) with its query scaled by
     beta(visible[b, i]) (scaling=None: beta = 1). Returns q's dtype; accumulates in fp32.
-    block_m / block_n override the tile sizes (tests use them to hit ragged tiles).
+    block_m / block_n override the tile sizes and `splits` the number of key slices
+    (default: key_splits for this GPU; 1 is the single-pass kernel TensorRT runs).
     """
     _check_inputs(q, k, v, visible)
     q, k, v, visible = (_last_dim_contiguous(t) for t in (q, k, v, visible))
@@ -251,10 +372,27 @@ def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m:
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
     grid = launch_grid(batch, q_len, kv_heads, group, blocks["BLOCK_M"])
-    _sharpdraft_attention_kernel[grid](
-        q, k, v, visible, *launch_scalars(q, k, visible, out, v), out,
-        HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim), PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **blocks, **_scaling_constants(scaling))
+    constants = dict(HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim), PRECISION=_precision(q.dtype),
+                     **blocks, **_scaling_constants(scaling))
+    if splits is None:
+        splits, per_split = key_splits(grid[0] * grid[1], kv_len, blocks["BLOCK_N"], _sm_count(q.device))
+    else:
+        per_split = triton.cdiv(triton.cdiv(kv_len, splits), blocks["BLOCK_N"]) * blocks["BLOCK_N"]
+        splits = triton.cdiv(kv_len, per_split)
+    scalars = launch_scalars(q, k, visible, out, v)
+    if splits == 1:
+        _sharpdraft_attention_kernel[grid](q, k, v, visible, *scalars, out,
+                                           num_warps=num_warps, num_stages=num_stages, **constants)
+        return out
+    rows = q_len * group
+    partial_out = torch.empty(splits, grid[1], rows, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(splits, grid[1], rows, dtype=torch.float32, device=q.device)
+    without_out = scalars[:13] + scalars[16:]  # the partials replace out's strides
+    _split_keys_kernel[grid + (splits,)](q, k, v, visible, *without_out, per_split, partial_out,
+                                         partial_lse, num_warps=num_warps, num_stages=num_stages,
+                                         **constants)
+    _merge_splits[grid](partial_out, partial_lse, q_len, kv_heads, group, splits, *out.stride()[:3], out,
+                        HEAD_DIM=head_dim, BLOCK_D=blocks["BLOCK_D"], BLOCK_M=blocks["BLOCK_M"])
     return out
 
 

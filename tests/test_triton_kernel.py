@@ -84,13 +84,38 @@ def test_kernel_matches_reference_at_beta_boundaries_fp32(q_len, kv_len, group, 
     assert max_error(q, k, v, visible, SMALL) <= FP32_TOLERANCE
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), group=st.integers(1, 4), q_len=st.integers(1, 17),
+       extra=st.integers(0, 600), splits=st.integers(2, 12), kind=st.sampled_from(["block", "causal", "random"]),
+       half=st.booleans())
+def test_key_slices_merge_to_the_reference(seed, group, q_len, extra, splits, kind, half):
+    # Flash-decoding path: slices of the keys, merged by log-sum-exp. Slices that some rows
+    # see none of (short causal rows, random counts) must drop out of the merge.
+    kv_len = q_len + extra
+    dtype = torch.float16 if half else torch.float32
+    q, k, v, g = make_case(seed, 2, 2, group, q_len, kv_len, 32, dtype)
+    visible = visibility(kind, 2, q_len, kv_len, g)
+    error = max_error(q, k, v, visible, SMALL, block_n=16, splits=splits)
+    assert error <= (FP16_TOLERANCE if half else FP32_TOLERANCE)
+
+
+def test_key_splits_fill_the_gpu_only_when_rows_are_few():
+    # A drafter step (8 KV heads, one row tile each) over 64K keys on a 132-SM GPU: ~2
+    # programs per SM in whole 64-key tiles; a prefill already has programs to spare.
+    splits, per_split = triton_kernel.key_splits(8, 65536, 64, 132)
+    assert splits * 8 >= 132 and per_split % 64 == 0 and splits * per_split >= 65536
+    assert triton_kernel.key_splits(8, 65536, 64, 132) == (32, 2048)
+    assert triton_kernel.key_splits(512, 65536, 64, 132) == (1, 65536)
+    assert triton_kernel.key_splits(8, 300, 64, 132) == (1, 320)  # too short to be worth slicing
+
+
 def test_kernel_matches_reference_with_paper_defaults_at_16k_keys():
     # The seed's worked example: a DFlash block of 16 at N = 16,416, beta = 1.419.
     q, k, v, _ = make_case(7, 1, 1, 2, 16, 16416, 32)
     visible = torch.full((1, 16), 16416)
     assert max_error(q, k, v, visible, QueryScaling()) <= FP32_TOLERANCE
     q16, k16, v16 = q.half(), k.half(), v.half()
-    assert max_error(q16, k16, v16, visible, QueryScaling()) <= FP16_TOLERANCE
+    assert max_error(q16, k16, v16, visible, QueryScaling(), splits=8) <= FP16_TOLERANCE
 
 
 def test_in_kernel_beta_equals_scaling_beta():
@@ -144,14 +169,15 @@ def test_strided_views_match_contiguous_inputs():
     assert (triton_kernel.attention(q, k, v, visible, SMALL) - want).abs().max() <= FP32_TOLERANCE
 
 
-def test_visible_counts_outside_the_cache_are_clamped_not_read():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_visible_counts_outside_the_cache_are_clamped_not_read(splits):
     # The op refuses such counts on the host; the kernel itself must stay in bounds anyway.
-    q, k, v, _ = make_case(9, 1, 1, 1, 2, 30, 16)
-    clamped = triton_kernel.attention(q, k, v, torch.tensor([[30, 30]]), SMALL)
-    beyond = triton_kernel.attention(q, k, v, torch.tensor([[31, 10**9]]), SMALL)
+    q, k, v, _ = make_case(9, 1, 1, 1, 2, 300, 16)
+    clamped = triton_kernel.attention(q, k, v, torch.tensor([[300, 300]]), SMALL, splits=splits)
+    beyond = triton_kernel.attention(q, k, v, torch.tensor([[301, 10**9]]), SMALL, splits=splits)
     assert torch.equal(clamped, beyond)
-    assert torch.equal(triton_kernel.attention(q, k, v, torch.tensor([[0, 30]]), SMALL)[:, :, 0],
-                       torch.zeros(1, 1, 16))
+    nothing = triton_kernel.attention(q, k, v, torch.tensor([[0, 300]]), SMALL, splits=splits)
+    assert torch.equal(nothing[:, :, 0], torch.zeros(1, 1, 16))
 
 
 @pytest.mark.parametrize("change, message", [
