@@ -54,8 +54,6 @@ def register_plugin() -> str:
 def _define_plugin(trt, trtp) -> None:
     from typing import Tuple, Union
 
-    from plugins import triton_kernel
-
     kernel_dtypes = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
 
     # The attribute parameters are the plugin fields, named and typed as plugin_spec says
@@ -81,7 +79,7 @@ def _define_plugin(trt, trtp) -> None:
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         scaling = plugin_spec.scaling_from_fields(dict(ref_keys=ref_keys, top_k=top_k, slope=slope,
                                                        max_log_scale=max_log_scale))
-        launch = aot_launch(q, k, kernel_dtypes[q.dtype], scaling, build_arch(), triton_kernel)
+        launch = aot_launch(q, k, kernel_dtypes[q.dtype], scaling, build_arch())
         params = trtp.KernelLaunchParams()
         params.grid_x, params.grid_y = launch["grid"]
         params.block_x = launch["threads"]
@@ -91,10 +89,12 @@ def _define_plugin(trt, trtp) -> None:
         return launch["name"], launch["ptx"], params, scalars
 
 
-def aot_launch(q, k, dtype: str, scaling, arch: int, triton_kernel) -> dict:
+def aot_launch(q, k, dtype: str, scaling, arch: int) -> dict:
     """Kernel and launch description for one plugin instance, from tensor descriptors with
     `.shape` (ints, -1 where dynamic) and `.shape_expr` (TensorRT symbolic dims; plain
     ints work too, which is how tests drive this without TensorRT)."""
+    from plugins import triton_kernel
+
     head_dim = q.shape[3]
     if head_dim < 0:
         raise ValueError(f"{plugin_spec.PLUGIN_NAME}: head_dim must be static in the ONNX graph")
