@@ -1,3 +1,12 @@
+import os
+
+import torch
+
+# The Triton kernel runs on CPU through Triton's interpreter; the switch must be set before
+# anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import sys
 from pathlib import Path
 

@@ -1,0 +1,476 @@
+"""The fused SharpDraft attention kernel (Triton): flash-attention over prefix-visible keys
+with beta(N) computed per query row inside the kernel, from the row's visible-key count.
+
+`attention()` is what `sharpdraft::attention` runs on CUDA; `aot_compile()` turns the same
+kernel source into PTX for the TensorRT plugin (plugins/tensorrt.py). Under
+TRITON_INTERPRET=1 the kernel runs on CPU, which is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.scaling import QueryScaling
+
+__all__ = ["attention", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
+           "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256  # above this one tile of Q and O no longer fits in registers
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# The kernel's int32 scalar arguments, in order. TensorRT's AOT plugins launch a kernel as
+# (input pointers..., int32 scalars..., output pointers...), so the signature keeps that
+# shape: q, k, v, visible, these scalars, out. Anything that is not an int32 (the beta
+# constants, block sizes) is a compile-time constant instead.
+SCALAR_ARGS = ("q_len", "kv_len", "kv_heads", "group",
+               "stride_qb", "stride_qh", "stride_qm",
+               "stride_kb", "stride_kh", "stride_kn",
+               "stride_vb", "stride_vh", "stride_vn",
+               "stride_ob", "stride_oh", "stride_om",
+               "stride_visible_b")
+
+
+@triton.jit
+def _row_beta(visible, SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+              BIAS: tl.constexpr, CAP: tl.constexpr):
+    """beta for each row from its visible-key count, in QueryScaling.kernel_constants form."""
+    n = visible.to(tl.float32)
+    if SCALED:
+        beta = tl.log(tl.maximum(n - TOP_K, 1.0)) * INV_SLOPE + BIAS
+        beta = tl.minimum(tl.maximum(beta, 1.0), CAP)
+    else:
+        beta = n * 0.0 + 1.0
+    return beta
+
+
+@triton.jit
+def _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn, stride_vn, visible,
+                     key_end, row_scale, d, d_ok, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        # Keys past a row's visible count (or past the tile's longest row) are cut here;
+        # tiles every row sees whole skip this work.
+        key_ok = keys < key_end
+        k_t = tl.load(k_base + keys[None, :] * stride_kn + d[:, None],
+                      mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vn + d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k_t = tl.load(k_base + keys[None, :] * stride_kn + d[:, None], mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vn + d[None, :], mask=d_ok[None, :], other=0.0)
+    # beta scales the fp32 scores rather than Q, so fp16/bf16 inputs are not rounded twice.
+    s = tl.dot(q, k_t, input_precision=PRECISION) * row_scale[:, None]
+    if MASKED:
+        s = tl.where(keys[None, :] < visible[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_rows(Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_hi,
+                 q_len, kv_len, group,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_visible_b,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                 SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+                 BIAS: tl.constexpr, CAP: tl.constexpr):
+    """Online softmax of one tile of packed rows over keys [key_lo, key_hi) (key_lo and
+    key_hi multiples of BLOCK_N, or key_hi >= kv_len): unnormalised acc, row max, row sum.
+
+    Rows pack (query, head in the GQA group) as row = query * group + head_in_group, so
+    every head sharing a KV head reads each K/V tile once: a drafter step is memory-bound
+    on K/V."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * group
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM  # head_dim need not be a power of two: pad the tile, mask the rest
+
+    q = tl.load(Q + batch * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qm
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    visible = tl.load(VISIBLE + batch * stride_visible_b + query, mask=row_ok, other=0)
+    # Clamp instead of checking on the host (a check would cost a device sync per step):
+    # counts outside [0, kv_len] cannot read out of bounds.
+    visible = tl.minimum(tl.maximum(visible, 0), kv_len).to(tl.int32)
+    row_scale = _row_beta(visible, SCALED, TOP_K, INV_SLOPE, BIAS, CAP) * SCORE_SCALE
+
+    # Keys below every row's count need no mask; only the ragged tail does.
+    seen_by_all = tl.min(tl.where(row_ok, visible, kv_len), 0)
+    seen_by_any = tl.max(visible, 0)
+    unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seen_by_any, key_hi)
+    mid = tl.minimum(tl.maximum(unmasked_end, key_lo), hi)
+
+    # A finite start keeps fully masked rows (padding, or visible = 0) free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    for start in range(key_lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn,
+                                         stride_vn, visible, hi, row_scale, d, d_ok, False, BLOCK_N,
+                                         PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn,
+                                         stride_vn, visible, hi, row_scale, d, d_ok, True, BLOCK_N,
+                                         PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _sharpdraft_attention_kernel(
+        Q, K, V, VISIBLE,
+        q_len, kv_len, kv_heads, group,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        stride_visible_b,
+        OUT,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+        BIAS: tl.constexpr, CAP: tl.constexpr):
+    # One program: BLOCK_M packed rows of one (batch, kv head), over all their keys.
+    tile = tl.program_id(0)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    acc, m_i, l_i = _attend_rows(
+        Q, K, V, VISIBLE, tile, batch, kv_head, 0, kv_len, q_len, kv_len, group,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_visible_b,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * group
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    d = tl.arange(0, BLOCK_D)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
+             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _split_keys_kernel(
+        Q, K, V, VISIBLE,
+        q_len, kv_len, kv_heads, group,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_visible_b, keys_per_split,
+        PARTIAL_OUT, PARTIAL_LSE,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+        BIAS: tl.constexpr, CAP: tl.constexpr):
+    # Flash-decoding: a drafter step has few rows per KV head, too few programs to fill a
+    # GPU over a long context, so each program takes one slice of the keys; _merge_splits
+    # combines the slices by their log-sum-exp. Partials are fp32 [split, b*kv_head, row, d].
+    tile = tl.program_id(0)
+    split = tl.program_id(2)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    key_lo = split * keys_per_split
+    acc, m_i, l_i = _attend_rows(
+        Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_lo + keys_per_split, q_len, kv_len, group,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_visible_b,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
+    row_count = q_len * group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_count
+    d = tl.arange(0, BLOCK_D)
+    seen = l_i > 0.0
+    # log2-domain log-sum-exp of the slice; -inf where the row sees none of its keys.
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    slot = (split.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * row_count + rows
+    tl.store(PARTIAL_LSE + slot, lse, mask=row_ok)
+    tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+             acc / tl.where(seen, l_i, 1.0)[:, None], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _merge_splits(PARTIAL_OUT, PARTIAL_LSE, q_len, kv_heads, group, splits,
+                  stride_ob, stride_oh, stride_om, OUT,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    tile = tl.program_id(0)
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    row_count = q_len * group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_count
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, splits):
+        slot = (split * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * row_count + rows
+        lse = tl.load(PARTIAL_LSE + slot, mask=row_ok, other=float("-inf"))
+        part = tl.load(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        total = total * alpha + weight
+        m = m_new
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
+             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _beta_probe_kernel(VISIBLE, count, BETA, BLOCK: tl.constexpr, SCALED: tl.constexpr,
+                       TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr, BIAS: tl.constexpr,
+                       CAP: tl.constexpr):
+    # Runs the attention kernel's own _row_beta, so tests can hold it against scaling.beta.
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < count
+    visible = tl.load(VISIBLE + offsets, mask=ok, other=0)
+    tl.store(BETA + offsets, _row_beta(visible, SCALED, TOP_K, INV_SLOPE, BIAS, CAP), mask=ok)
+
+
+def _scaling_constants(scaling: QueryScaling | None) -> dict:
+    if scaling is None:
+        return dict(SCALED=False, TOP_K=0.0, INV_SLOPE=0.0, BIAS=0.0, CAP=1.0)
+    top_k, inv_slope, bias, cap = scaling.kernel_constants()
+    return dict(SCALED=True, TOP_K=top_k, INV_SLOPE=inv_slope, BIAS=bias, CAP=cap)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"the Triton SharpDraft kernel supports head_dim 1..{MAX_HEAD_DIM}, "
+                         f"got {head_dim}; use the reference op (plugins.attention) instead")
+
+
+def launch_blocks(rows: int, head_dim: int) -> dict:
+    """Tile sizes for `rows` packed query rows (q_len * group) and a head_dim.
+
+    tl.dot needs every tile side >= 16; a drafter step has few rows (16 queries x group),
+    so BLOCK_M shrinks to fit them instead of padding to a prefill-sized tile.
+    """
+    _check_head_dim(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return dict(BLOCK_D=block_d, BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))),
+                BLOCK_N=64 if block_d <= 128 else 32)
+
+
+def launch_grid(batch, q_len, kv_heads, group, block_m: int):
+    """(tiles of packed rows, batch * kv_heads). Plain +, *, // only, so the same formula
+    runs on ints here and on TensorRT's symbolic shape expressions in the plugin."""
+    return ((q_len * group + (block_m - 1)) // block_m, batch * kv_heads)
+
+
+def contiguous_scalars(heads, q_len, kv_heads, kv_len, head_dim) -> tuple:
+    """SCALAR_ARGS for contiguous q/out [b, heads, q_len, d], k/v [b, kv_heads, kv_len, d]
+    and visible [b, q_len] -- what TensorRT hands the plugin. Same operator rule as
+    launch_grid: ints or TensorRT shape expressions."""
+    q_head, kv_head = q_len * head_dim, kv_len * head_dim
+    return (q_len, kv_len, kv_heads, heads // kv_heads,
+            q_head * heads, q_head, head_dim,
+            kv_head * kv_heads, kv_head, head_dim,
+            kv_head * kv_heads, kv_head, head_dim,
+            q_head * heads, q_head, head_dim,
+            q_len)
+
+
+def _score_scale(head_dim: int) -> float:
+    # 1/sqrt(d) softmax scale times log2(e): the kernel's softmax runs on exp2.
+    return math.log2(math.e) / math.sqrt(head_dim)
+
+
+def launch_scalars(q, k, visible, out, v=None) -> tuple:
+    """SCALAR_ARGS from real tensors (any strides with a unit last stride)."""
+    v = k if v is None else v
+    return (q.shape[2], k.shape[2], k.shape[1], q.shape[1] // k.shape[1],
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], visible.stride(0))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not go through TF32 tensor cores: fp32 engines promise fp32 results.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_inputs(q, k, v, visible) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [b,h,q,d] and k/v [b,kvh,kv,d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (grouped heads)")
+    if visible.shape != (q.shape[0], q.shape[2]) or visible.dtype != torch.int64:
+        raise ValueError(f"visible must be int64 [batch, q_len], got {visible.dtype} {tuple(visible.shape)}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the Triton SharpDraft kernel takes float32/float16/bfloat16 q, k, v of "
+                         f"one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_head_dim(q.shape[-1])
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+MIN_KEYS_PER_SPLIT = 256  # below this a key slice costs more to merge than it saves
+
+
+def key_splits(programs: int, kv_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    """(slices, keys per slice) for flash-decoding: enough programs to give every SM about
+    two, never slices shorter than MIN_KEYS_PER_SPLIT keys. Slices are whole key tiles."""
+    splits = 1
+    if programs < sm_count:
+        splits = max(1, min(triton.cdiv(2 * sm_count, programs), kv_len // MIN_KEYS_PER_SPLIT))
+    per_split = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+    return triton.cdiv(kv_len, per_split), per_split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: one program at a time, nothing to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
+              block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
+              num_stages: int = 2) -> torch.Tensor:
+    """Fused `sharpdraft_attention(q, k, v, visible, scaling)` (no tree mask).
+
+    q [batch, heads, q_len, d]; k, v [batch, kv_heads, kv_len, d]; visible int64
+    [batch, q_len]: row (b, i) attends to keys [0, visible[b, i]) with its query scaled by
+    beta(visible[b, i]) (scaling=None: beta = 1). Returns q's dtype; accumulates in fp32.
+    block_m / block_n override the tile sizes and `splits` the number of key slices
+    (default: key_splits for this GPU; 1 is the single-pass kernel TensorRT runs).
+    """
+    _check_inputs(q, k, v, visible)
+    q, k, v, visible = (_last_dim_contiguous(t) for t in (q, k, v, visible))
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    blocks = launch_blocks(q_len * group, head_dim)
+    if block_m is not None:
+        blocks["BLOCK_M"] = block_m
+    if block_n is not None:
+        blocks["BLOCK_N"] = block_n
+    grid = launch_grid(batch, q_len, kv_heads, group, blocks["BLOCK_M"])
+    constants = dict(HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim), PRECISION=_precision(q.dtype),
+                     **blocks, **_scaling_constants(scaling))
+    if splits is None:
+        splits, per_split = key_splits(grid[0] * grid[1], kv_len, blocks["BLOCK_N"], _sm_count(q.device))
+    else:
+        per_split = triton.cdiv(triton.cdiv(kv_len, splits), blocks["BLOCK_N"]) * blocks["BLOCK_N"]
+        splits = triton.cdiv(kv_len, per_split)
+    scalars = launch_scalars(q, k, visible, out, v)
+    if splits == 1:
+        _sharpdraft_attention_kernel[grid](q, k, v, visible, *scalars, out,
+                                           num_warps=num_warps, num_stages=num_stages, **constants)
+        return out
+    rows = q_len * group
+    partial_out = torch.empty(splits, grid[1], rows, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(splits, grid[1], rows, dtype=torch.float32, device=q.device)
+    without_out = scalars[:13] + scalars[16:]  # the partials replace out's strides
+    _split_keys_kernel[grid + (splits,)](q, k, v, visible, *without_out, per_split, partial_out,
+                                         partial_lse, num_warps=num_warps, num_stages=num_stages,
+                                         **constants)
+    _merge_splits[grid](partial_out, partial_lse, q_len, kv_heads, group, splits, *out.stride()[:3], out,
+                        HEAD_DIM=head_dim, BLOCK_D=blocks["BLOCK_D"], BLOCK_M=blocks["BLOCK_M"])
+    return out
+
+
+def kernel_beta(visible: torch.Tensor, scaling: QueryScaling | None) -> torch.Tensor:
+    """beta for each visible-key count as the attention kernel computes it (float32)."""
+    flat = visible.reshape(-1).to(torch.int64).contiguous()
+    beta = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    block = 128
+    if flat.numel():
+        _beta_probe_kernel[(triton.cdiv(flat.numel(), block),)](
+            flat, flat.numel(), beta, BLOCK=block, **_scaling_constants(scaling))
+    return beta.reshape(visible.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledAttention:
+    """The kernel compiled ahead of time for one dtype, head_dim and QueryScaling."""
+
+    name: str
+    ptx: str
+    num_warps: int
+    shared_mem: int
+    block_m: int
+    block_n: int
+
+
+# Without an opt-in attribute a CUDA launch gets at most 48 KiB of dynamic shared memory,
+# and nothing documents TensorRT's AOT launcher setting that attribute: stay under it.
+AOT_SHARED_MEMORY_LIMIT = 48 * 1024
+
+
+def aot_compile(dtype: str, head_dim: int, scaling: QueryScaling | None, arch: int,
+                rows_hint: int = 64, num_warps: int = 4) -> CompiledAttention:
+    """Compile the attention kernel to PTX for GPU arch `arch` (e.g. 90) without a GPU.
+
+    dtype is "fp32", "fp16" or "bf16" (q, k, v and the output); visible is int64. The beta
+    constants, block sizes and head_dim become compile-time constants; everything that
+    varies with the input shapes stays an int32 argument (SCALAR_ARGS). rows_hint
+    (q_len * group at the optimisation profile's opt shape) picks BLOCK_M.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(_sharpdraft_attention_kernel, JITFunction):
+        raise RuntimeError("ahead-of-time compilation needs TRITON_INTERPRET unset "
+                           "(the kernel was loaded for the interpreter)")
+    torch_dtype = {name: t for t, name in _DTYPES.items()}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES.values())}, got {dtype!r}")
+    blocks = launch_blocks(rows_hint, head_dim)
+    pointer = f"*{dtype}"
+    signature = {"Q": pointer, "K": pointer, "V": pointer, "VISIBLE": "*i64",
+                 **{name: "i32" for name in SCALAR_ARGS}, "OUT": pointer}
+    # TensorRT allocates every tensor at least 256-byte aligned: let Triton vectorise loads.
+    aligned = {(list(signature).index(name),): [["tt.divisibility", 16]]
+               for name in ("Q", "K", "V", "VISIBLE", "OUT")}
+    # Largest key tile and pipeline depth first; fall back until shared memory fits.
+    for block_n, num_stages in ((blocks["BLOCK_N"], 2), (blocks["BLOCK_N"], 1), (16, 1)):
+        constexprs = dict(HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim),
+                          PRECISION=_precision(torch_dtype), **(blocks | {"BLOCK_N": block_n}),
+                          **_scaling_constants(scaling))
+        source = triton.compiler.ASTSource(
+            fn=_sharpdraft_attention_kernel,
+            signature=signature | {name: "constexpr" for name in constexprs},
+            constexprs=constexprs, attrs=aligned)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        if compiled.metadata.shared <= AOT_SHARED_MEMORY_LIMIT:
+            break
+    else:
+        raise RuntimeError(f"no tile configuration of the {dtype} head_dim {head_dim} kernel fits "
+                           f"{AOT_SHARED_MEMORY_LIMIT} bytes of shared memory")
+    metadata = compiled.metadata
+    # Triton appends two scratch pointers after the outputs; TensorRT passes null there,
+    # which is only right while the kernel asks for no scratch memory.
+    scratch = (getattr(metadata, "global_scratch_size", 0), getattr(metadata, "profile_scratch_size", 0))
+    if any(scratch):
+        raise RuntimeError(f"compiled kernel needs scratch memory {scratch}; TensorRT's AOT "
+                           "launch cannot provide it")
+    return CompiledAttention(name=metadata.name, ptx=compiled.asm["ptx"], num_warps=metadata.num_warps,
+                             shared_mem=metadata.shared, block_m=blocks["BLOCK_M"], block_n=block_n)

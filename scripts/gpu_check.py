@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""The Triton SharpDraft kernel on a real GPU, in one short run: correctness against the
+reference op in fp32/fp16/bf16 (bf16 cannot be checked on CPU: the interpreter's tl.dot is
+wrong for it), then timings of a drafter-like step against the reference op and plain SDPA.
+
+    python scripts/gpu_check.py --out DIR        # writes DIR/gpu_check.json
+
+Results go to stdout as one line per check and to the JSON file ($OUT if --out is not
+given); progress goes to stderr. Exits 1 with one line when no CUDA device exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # bf16: ~2 ulp at |x| ~ 1
+DEVICE = "cuda"
+STEP = (1, 32, 8, 16, 128)  # timed step: batch, q heads, kv heads, q_len (DFlash block), head_dim
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p.add_argument("--out", metavar="DIR", default=os.environ.get("OUT"),
+                   help="folder for gpu_check.json (default: $OUT)")
+    p.add_argument("--repeats", type=int, default=50, help="timed launches per measurement")
+    p.add_argument("--contexts", default="4096,16384,65536", help="KV lengths to time")
+    return p.parse_args(argv)
+
+
+def case(seed, batch, heads, kv_heads, q_len, kv_len, head_dim, dtype):
+    import torch
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(batch, heads, q_len, head_dim, generator=g, device=DEVICE).to(dtype)
+    k = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g, device=DEVICE).to(dtype)
+    v = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g, device=DEVICE).to(dtype)
+    return q, k, v
+
+
+def correctness_cases():
+    """(name, batch, heads, kv_heads, q_len, kv_len, head_dim, visibility, scaling)."""
+    from plugins.scaling import QueryScaling
+
+    small = QueryScaling(ref_keys=64, top_k=8)
+    return [
+        ("dflash_block16_N16416", 1, 32, 8, 16, 16416, 128, "block", QueryScaling()),
+        ("chain_causal_past_cap", 2, 8, 2, 7, 1500, 64, "causal", small),
+        ("decode_gqa4", 3, 16, 4, 1, 4097, 128, "random", small),
+        ("prefill_ragged_d80", 1, 4, 4, 300, 300, 80, "causal", small),
+        ("plain_attention", 1, 8, 8, 16, 2048, 64, "block", None),
+    ]
+
+
+def correctness(report: dict) -> bool:
+    import torch
+
+    from plugins import triton_kernel
+    from plugins.attention import reference_attention, sharpdraft_attention
+    from plugins.scaling import QueryScaling
+
+    small = QueryScaling(ref_keys=64, top_k=8)
+    ok = True
+    for dtype_name, tolerance in TOLERANCE.items():
+        dtype = getattr(torch, dtype_name)
+        for seed, (name, b, h, kvh, t, kv, d, kind, scaling) in enumerate(correctness_cases()):
+            q, k, v = case(seed, b, h, kvh, t, kv, d, dtype)
+            if kind == "block":
+                visible = torch.full((b, t), kv, device=DEVICE)
+            elif kind == "causal":
+                visible = (torch.arange(t, device=DEVICE) + kv - t + 1).expand(b, t).contiguous()
+            else:
+                visible = torch.randint(1, kv + 1, (b, t), device=DEVICE)
+            want = reference_attention(q, k, v, visible, None, scaling).float()
+            errors = {}
+            for label, splits in (("auto_splits", None), ("single_pass", 1), ("splits_5", 5)):
+                got = triton_kernel.attention(q, k, v, visible, scaling, splits=splits)
+                errors[label] = (got.float() - want).abs().max().item()
+            # The registered op must dispatch to the kernel on CUDA.
+            errors["op"] = (sharpdraft_attention(q, k, v, visible, scaling).float() - want).abs().max().item()
+            passed = all(e <= tolerance for e in errors.values()) and all(map(math.isfinite, errors.values()))
+            ok &= passed
+            report["correctness"].append(dict(case=name, dtype=dtype_name, tolerance=tolerance,
+                                              max_abs_error=errors, passed=passed))
+            print(f"correctness {name:24s} {dtype_name:9s} "
+                  + " ".join(f"{k}={e:.2e}" for k, e in errors.items()) + f" {'ok' if passed else 'FAIL'}",
+                  flush=True)
+    counts = torch.tensor([1, 63, 64, 65, 2048, 2049, 16416, 51694, 10**6], device=DEVICE)
+    for scaling in (QueryScaling(), small):
+        got = triton_kernel.kernel_beta(counts, scaling).double().cpu()
+        want = scaling.beta(counts.double().cpu())
+        error = ((got - want).abs() / want).max().item()
+        ok &= error <= 1e-6
+        report["beta"].append(dict(scaling=scaling.to_dict(), max_rel_error=error, passed=error <= 1e-6))
+        print(f"beta in-kernel vs scaling.beta ref_keys={scaling.ref_keys}: max rel error {error:.2e}", flush=True)
+    return ok
+
+
+def median_ms(fn, repeats: int) -> float:
+    import torch
+
+    for _ in range(3):  # compile + warm caches
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timings(report: dict, contexts, repeats: int, sm_count: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from plugins import triton_kernel
+    from plugins.attention import reference_attention
+    from plugins.scaling import QueryScaling
+
+    scaling = QueryScaling()
+    batch, heads, kv_heads, q_len, head_dim = STEP  # a DFlash step, Qwen3-8B-like
+    for dtype_name in ("bfloat16", "float16"):
+        dtype = getattr(torch, dtype_name)
+        for kv in contexts:
+            q, k, v = case(kv, batch, heads, kv_heads, q_len, kv, head_dim, dtype)
+            visible = torch.full((batch, q_len), kv, device=DEVICE)
+            beta = scaling.beta(visible.float())[:, None, :, None].to(dtype)
+            run = {
+                "kernel": lambda: triton_kernel.attention(q, k, v, visible, scaling),
+                "kernel_single_pass": lambda: triton_kernel.attention(q, k, v, visible, scaling, splits=1),
+                "reference_op": lambda: reference_attention(q, k, v, visible, None, scaling),
+                # What a frozen drafter pays: SDPA over all keys (a DFlash block sees them all),
+                # with beta folded into q beforehand.
+                "sdpa": lambda: F.scaled_dot_product_attention(q * beta, k, v, enable_gqa=True),
+            }
+            ms = {name: median_ms(fn, repeats) for name, fn in run.items()}
+            blocks = triton_kernel.launch_blocks(q_len * heads // kv_heads, head_dim)
+            tiles, batch_kv_heads = triton_kernel.launch_grid(batch, q_len, kv_heads, heads // kv_heads,
+                                                              blocks["BLOCK_M"])
+            splits, _ = triton_kernel.key_splits(tiles * batch_kv_heads, kv, blocks["BLOCK_N"], sm_count)
+            row = dict(dtype=dtype_name, kv_len=kv, batch=batch, heads=heads, kv_heads=kv_heads,
+                       q_len=q_len, head_dim=head_dim, median_ms=ms, key_splits=splits,
+                       # K and V are read once per step: the bandwidth a memory-bound step reaches.
+                       kernel_kv_gbps=2 * k.numel() * k.element_size() / ms["kernel"] / 1e6,
+                       speedup_vs_reference=ms["reference_op"] / ms["kernel"],
+                       speedup_vs_sdpa=ms["sdpa"] / ms["kernel"])
+            report["timings"].append(row)
+            print(f"time {dtype_name:9s} kv={kv:6d} " + " ".join(f"{n}={t:.3f}ms" for n, t in ms.items())
+                  + f" | kernel reads K/V at {row['kernel_kv_gbps']:.0f} GB/s, x{row['speedup_vs_reference']:.2f}"
+                  f" vs reference, x{row['speedup_vs_sdpa']:.2f} vs sdpa", flush=True)
+
+
+def main(argv) -> int:
+    args = parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device visible; gpu_check.py needs an NVIDIA GPU "
+              "(on CPU run pytest tests/test_triton_kernel.py, which uses Triton's interpreter)",
+              file=sys.stderr)
+        return 1
+    import triton
+
+    started = time.perf_counter()
+    props = torch.cuda.get_device_properties(0)
+    report = dict(device=props.name, sm_count=props.multi_processor_count,
+                  capability=list(torch.cuda.get_device_capability()), torch=torch.__version__,
+                  triton=triton.__version__, correctness=[], beta=[], timings=[])
+    log(f"gpu_check on {props.name} ({props.multi_processor_count} SMs)")
+    ok = True
+    try:
+        ok = correctness(report)
+        timings(report, [int(c) for c in args.contexts.split(",") if c], args.repeats, props.multi_processor_count)
+    except Exception as exc:  # keep what was measured; say what broke in one line
+        ok = False
+        report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"error: {report['error']}", file=sys.stderr)
+    report["passed"], report["seconds"] = ok, round(time.perf_counter() - started, 1)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {out / 'gpu_check.json'}")
+    print(f"gpu_check {'passed' if ok else 'FAILED'} in {report['seconds']} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,225 @@
+"""The fused Triton kernel against the reference op. On CPU it runs under Triton's
+interpreter (conftest sets TRITON_INTERPRET=1): fp32 and fp16 only -- the interpreter's
+tl.dot is wrong for bf16, which scripts/gpu_check.py covers on a GPU."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from plugins.attention import reference_attention
+from plugins.scaling import QueryScaling
+
+triton_kernel = pytest.importorskip("plugins.triton_kernel", reason="triton is not installed")
+
+# Small reference count so "at ref_keys", "just above" and "past the cap" happen at short
+# lengths: beta leaves 1 at N = 65 and reaches its cap near N = 1,442.
+SMALL = QueryScaling(ref_keys=64, top_k=8)
+FP32_TOLERANCE = 1e-5
+FP16_TOLERANCE = 2e-3
+
+
+def make_case(seed, batch, kv_heads, group, q_len, kv_len, head_dim, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, kv_heads * group, q_len, head_dim, generator=g)
+    k = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, kv_len, head_dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype), g
+
+
+def max_error(q, k, v, visible, scaling, **launch):
+    got = triton_kernel.attention(q, k, v, visible, scaling, **launch)
+    want = reference_attention(q, k, v, visible, None, scaling)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    return (got.float() - want.float()).abs().max().item()
+
+
+def visibility(kind, batch, q_len, kv_len, g):
+    """The three row patterns the drafters produce, plus arbitrary counts."""
+    if kind == "block":  # DFlash: every row of the block sees context + block
+        return torch.full((batch, q_len), kv_len)
+    if kind == "causal":  # chain drafters / prefill: row i sees past + i + 1
+        return (torch.arange(q_len) + kv_len - q_len + 1).expand(batch, q_len).contiguous()
+    return torch.randint(1, kv_len + 1, (batch, q_len), generator=g)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 2), kv_heads=st.integers(1, 2),
+       group=st.integers(1, 4), q_len=st.integers(1, 20), extra=st.integers(0, 150),
+       head_dim=st.sampled_from([16, 32, 64, 80]), kind=st.sampled_from(["block", "causal", "random"]),
+       scaled=st.booleans())
+def test_kernel_matches_reference_fp32(seed, batch, kv_heads, group, q_len, extra, head_dim, kind, scaled):
+    kv_len = q_len + extra
+    q, k, v, g = make_case(seed, batch, kv_heads, group, q_len, kv_len, head_dim)
+    visible = visibility(kind, batch, q_len, kv_len, g)
+    # Small tiles so most cases cross several key tiles and end on a ragged one.
+    assert max_error(q, k, v, visible, SMALL if scaled else None, block_n=16) <= FP32_TOLERANCE
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), group=st.integers(1, 4), q_len=st.integers(1, 17),
+       extra=st.integers(0, 200), head_dim=st.sampled_from([16, 64, 128]),
+       kind=st.sampled_from(["block", "causal", "random"]))
+def test_kernel_matches_reference_fp16(seed, group, q_len, extra, head_dim, kind):
+    kv_len = q_len + extra
+    q, k, v, g = make_case(seed, 1, 2, group, q_len, kv_len, head_dim, torch.float16)
+    visible = visibility(kind, 1, q_len, kv_len, g)
+    assert max_error(q, k, v, visible, SMALL, block_n=32) <= FP16_TOLERANCE
+
+
+# kv lengths from 1 to 4096; q_len and kv_len off the block sizes (BLOCK_M 16..64, BLOCK_N 64).
+@pytest.mark.parametrize("q_len, kv_len, group, kind", [
+    (1, 1, 1, "block"),          # the smallest attention there is
+    (1, 64, 4, "block"),         # decode exactly at ref_keys: beta = 1
+    (1, 65, 2, "block"),         # decode one key past ref_keys: beta just above 1
+    (16, 80, 3, "block"),        # DFlash block, N = 80
+    (7, 1500, 1, "causal"),      # chain rows past the cap (~1,442 keys)
+    (37, 37, 2, "causal"),       # causal prefill, ragged in both tiles
+    (3, 4096, 4, "random"),      # the longest context in this file, GQA group 4
+])
+def test_kernel_matches_reference_at_beta_boundaries_fp32(q_len, kv_len, group, kind):
+    q, k, v, g = make_case(q_len * 1000 + kv_len, 1, 1, group, q_len, kv_len, 64)
+    visible = visibility(kind, 1, q_len, kv_len, g)
+    assert max_error(q, k, v, visible, SMALL) <= FP32_TOLERANCE
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), group=st.integers(1, 4), q_len=st.integers(1, 17),
+       extra=st.integers(0, 600), splits=st.integers(2, 12), kind=st.sampled_from(["block", "causal", "random"]),
+       half=st.booleans())
+def test_key_slices_merge_to_the_reference(seed, group, q_len, extra, splits, kind, half):
+    # Flash-decoding path: slices of the keys, merged by log-sum-exp. Slices that some rows
+    # see none of (short causal rows, random counts) must drop out of the merge.
+    kv_len = q_len + extra
+    dtype = torch.float16 if half else torch.float32
+    q, k, v, g = make_case(seed, 2, 2, group, q_len, kv_len, 32, dtype)
+    visible = visibility(kind, 2, q_len, kv_len, g)
+    error = max_error(q, k, v, visible, SMALL, block_n=16, splits=splits)
+    assert error <= (FP16_TOLERANCE if half else FP32_TOLERANCE)
+
+
+def test_key_splits_fill_the_gpu_only_when_rows_are_few():
+    # A drafter step (8 KV heads, one row tile each) over 64K keys on a 132-SM GPU: ~2
+    # programs per SM in whole 64-key tiles; a prefill already has programs to spare.
+    splits, per_split = triton_kernel.key_splits(8, 65536, 64, 132)
+    assert splits * 8 >= 132 and per_split % 64 == 0 and splits * per_split >= 65536
+    assert triton_kernel.key_splits(8, 65536, 64, 132) == (32, 2048)
+    assert triton_kernel.key_splits(512, 65536, 64, 132) == (1, 65536)
+    assert triton_kernel.key_splits(8, 300, 64, 132) == (1, 320)  # too short to be worth slicing
+
+
+def test_kernel_matches_reference_with_paper_defaults_at_16k_keys():
+    # The seed's worked example: a DFlash block of 16 at N = 16,416, beta = 1.419.
+    q, k, v, _ = make_case(7, 1, 1, 2, 16, 16416, 32)
+    visible = torch.full((1, 16), 16416)
+    assert max_error(q, k, v, visible, QueryScaling()) <= FP32_TOLERANCE
+    q16, k16, v16 = q.half(), k.half(), v.half()
+    assert max_error(q16, k16, v16, visible, QueryScaling(), splits=8) <= FP16_TOLERANCE
+
+
+def test_in_kernel_beta_equals_scaling_beta():
+    counts = torch.tensor([0, 1, 8, 9, 63, 64, 65, 100, 1000, 1442, 1443, 2048, 2049, 16416,
+                           51694, 51695, 10**6])
+    for scaling in (SMALL, QueryScaling(), QueryScaling(ref_keys=8192, slope=3.0, max_log_scale=0.25)):
+        got = triton_kernel.kernel_beta(counts, scaling)
+        want = scaling.beta(counts.double())
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=0), scaling
+    assert triton_kernel.kernel_beta(torch.tensor([2_000]), QueryScaling()).item() == 1.0
+    assert torch.equal(triton_kernel.kernel_beta(counts, None), torch.ones(len(counts)))
+
+
+def test_output_follows_beta_where_beta_dominates():
+    # Past the cap the scaled and plain outputs differ by far more than the tolerance, so
+    # matching the scaled reference means the kernel really applied beta (and per row).
+    q, k, v, _ = make_case(11, 1, 2, 2, 4, 2000, 32)
+    q = q * 3  # sharper scores make beta's effect large
+    visible = torch.tensor([[40, 700, 1500, 2000]])
+    scaled = reference_attention(q, k, v, visible, None, SMALL)
+    plain = reference_attention(q, k, v, visible, None, None)
+    got = triton_kernel.attention(q, k, v, visible, SMALL)
+    assert (scaled - plain)[:, :, 1:].abs().amax() > 0.1
+    assert torch.equal(scaled[:, :, 0], plain[:, :, 0])  # 40 keys: beta is exactly 1
+    assert (got - scaled).abs().max() <= FP32_TOLERANCE
+
+
+def test_scaling_none_is_plain_attention():
+    q, k, v, _ = make_case(3, 2, 2, 2, 5, 90, 64)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got = triton_kernel.attention(q, k, v, torch.full((2, 5), 90), None)
+    assert (got - plain).abs().max() <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("head_dim", [1, 8, 24, 96, 256])
+def test_head_dims_off_the_power_of_two_grid_match_reference(head_dim):
+    q, k, v, g = make_case(head_dim, 1, 1, 2, 5, 70, head_dim)
+    visible = visibility("random", 1, 5, 70, g)
+    assert max_error(q, k, v, visible, SMALL) <= FP32_TOLERANCE
+
+
+def test_strided_views_match_contiguous_inputs():
+    # Projections come out as [b, t, h, d] and are viewed as [b, h, t, d]: no copy needed.
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 9, 4, 32, generator=g).transpose(1, 2)
+    k = torch.randn(2, 50, 2, 32, generator=g).transpose(1, 2)
+    v = torch.randn(2, 50, 2, 32, generator=g).transpose(1, 2)
+    visible = torch.randint(1, 51, (2, 9), generator=g)
+    assert not q.is_contiguous()
+    want = reference_attention(q, k, v, visible, None, SMALL)
+    assert (triton_kernel.attention(q, k, v, visible, SMALL) - want).abs().max() <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_visible_counts_outside_the_cache_are_clamped_not_read(splits):
+    # The op refuses such counts on the host; the kernel itself must stay in bounds anyway.
+    q, k, v, _ = make_case(9, 1, 1, 1, 2, 300, 16)
+    clamped = triton_kernel.attention(q, k, v, torch.tensor([[300, 300]]), SMALL, splits=splits)
+    beyond = triton_kernel.attention(q, k, v, torch.tensor([[301, 10**9]]), SMALL, splits=splits)
+    assert torch.equal(clamped, beyond)
+    nothing = triton_kernel.attention(q, k, v, torch.tensor([[0, 300]]), SMALL, splits=splits)
+    assert torch.equal(nothing[:, :, 0], torch.zeros(1, 1, 16))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v, vis: (q, k, v, vis.int()), "int64"),
+    (lambda q, k, v, vis: (q.double(), k.double(), v.double(), vis), "float32/float16/bfloat16"),
+    (lambda q, k, v, vis: (q, k.half(), v, vis), "one dtype"),
+    (lambda q, k, v, vis: (q[:, :3], k, v, vis), "grouped heads"),
+    (lambda q, k, v, vis: (q, k, v[:, :, :5], vis), "expected q"),
+])
+def test_bad_inputs_are_refused_with_a_reason(change, message):
+    q, k, v, _ = make_case(1, 1, 2, 2, 3, 10, 16)
+    with pytest.raises(ValueError, match=message):
+        triton_kernel.attention(*change(q, k, v, torch.full((1, 3), 10)), SMALL)
+
+
+def test_head_dim_above_the_limit_is_refused():
+    q, k, v, _ = make_case(1, 1, 1, 1, 1, 4, triton_kernel.MAX_HEAD_DIM + 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_kernel.attention(q, k, v, torch.full((1, 1), 4), SMALL)
+
+
+def test_contiguous_scalars_equal_what_the_torch_launcher_passes():
+    # The TensorRT plugin derives the kernel's int32 arguments from shapes alone; for
+    # contiguous tensors they must be exactly what attention() passes from real strides.
+    q, k, v, _ = make_case(2, 3, 2, 4, 7, 33, 48)
+    visible = torch.ones(3, 7, dtype=torch.int64)
+    out = torch.empty_like(q)
+    assert triton_kernel.contiguous_scalars(8, 7, 2, 33, 48) == triton_kernel.launch_scalars(q, k, visible, out, v)
+    assert len(triton_kernel.SCALAR_ARGS) == len(triton_kernel.contiguous_scalars(8, 7, 2, 33, 48))
+    assert triton_kernel.launch_grid(3, 7, 2, 4, 16) == (math.ceil(7 * 4 / 16), 6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_gpu_check_without_cuda_exits_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=script.parent.parent)
+    assert done.returncode == 1
+    assert done.stdout == "" and done.stderr.startswith("error: no CUDA device")
+    assert done.stderr.count("\n") == 1
+    assert not (tmp_path / "gpu_check.json").exists()
