@@ -107,7 +107,9 @@ def _register_cuda_kernel() -> None:
     @_attention_op.register_kernel("cuda")
     def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
         scaling = _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale)
-        if mask is not None:  # tree masks stay on the reference path
+        # Tree masks, float64 and very wide heads stay on the reference path.
+        if (mask is not None or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                or q.shape[-1] > triton_kernel.MAX_HEAD_DIM):
             return reference_attention(q, k, v, visible, mask, scaling)
         return triton_kernel.attention(q, k, v, visible, scaling)
 

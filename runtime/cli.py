@@ -14,8 +14,10 @@ class UsageError(ValueError):
     """Bad input from the user: exit code 2."""
 
 
+# ImportError: optional engines (TensorRT, TensorRT-LLM) that this host cannot load say
+# so in one line (plugins.tensorrt.TensorRTUnavailable and friends).
 EXPECTED = (UsageError, EngineError, ModelError, ValueError, FileNotFoundError,
-            IsADirectoryError, PermissionError, UnicodeDecodeError)
+            IsADirectoryError, PermissionError, UnicodeDecodeError, ImportError)
 
 
 class Parser(argparse.ArgumentParser):
