@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
 import sys
 from pathlib import Path
 
+# Tests run tiny models: one thread avoids thread hand-off costs that dwarf the work.
+torch.set_num_threads(1)
+
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,6 +5,7 @@ The speculative loops in runtime/speculative.py only see these two roles:
   Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
            verify(ids)            -> (logits [t, vocab], features [t, F])
            rollback(length)       -- keep the first `length` tokens of the KV cache
+           snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
   Block drafter (DFlash):
            reset(capacity)
            draft(context [c, F], bonus) -> (logits [block - 1, vocab], visible keys N)
@@ -28,6 +29,33 @@ class Target(Protocol):
     def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rollback(self, length: int) -> None: ...
+
+    def snapshot(self): ...
+
+    def restore(self, snapshot, capacity: int) -> None: ...
+
+
+class PrefillOnce:
+    """A target whose prefill of one prompt is computed once and then replayed, so that
+    several decoding runs (target-only, frozen, SharpDraft) start from the SAME prefill."""
+
+    def __init__(self, target: Target, prompt: list[int], capacity: int):
+        self.target, self.prompt, self.capacity = target, list(prompt), capacity
+        self.context_limit = target.context_limit
+        self.result = target.prefill(self.prompt, capacity)
+        self.saved = target.snapshot()
+
+    def prefill(self, ids: list[int], capacity: int):
+        if list(ids) != self.prompt or capacity > self.capacity:
+            raise ValueError("PrefillOnce replays only the prompt and capacity it was built for")
+        self.target.restore(self.saved, self.capacity)
+        return self.result
+
+    def verify(self, ids):
+        return self.target.verify(ids)
+
+    def rollback(self, length: int) -> None:
+        self.target.rollback(length)
 
 
 class BlockDrafter(Protocol):

@@ -34,6 +34,17 @@ class TorchTarget:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
+    def snapshot(self):
+        n = self.cache.length
+        return n, self.cache.k[:, :, :, :n].clone(), self.cache.v[:, :, :, :n].clone()
+
+    def restore(self, snap, capacity: int) -> None:
+        n, k, v = snap
+        self.cache = self.model.new_cache(capacity)
+        self.cache.k[:, :, :, :n] = k
+        self.cache.v[:, :, :, :n] = v
+        self.cache.length = n
+
 
 class TorchDFlash:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel,
