@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from runtime import overhead
 from runtime.cli import Parser, UsageError, progress, run
 
 
@@ -94,7 +95,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": (add_generate, cmd_generate)}
+COMMANDS = {"generate": (add_generate, cmd_generate),
+            "overhead": (overhead.add_parser, overhead.run)}
 
 
 def main(argv) -> int:

@@ -1,6 +1,6 @@
 """The onnxruntime backend behind the speculative loop: the same tokens and the same
 drafts as the torch backend on one engine, with and without SharpDraft, in both
-attention forms; engines whose files changed are refused."""
+attention forms; engines whose files changed are refused; the overhead command."""
 
 import json
 import shutil
@@ -134,3 +134,17 @@ def test_unknown_engine_format_is_refused_with_one_line_error(capsys, tmp_path, 
     code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
     assert code == 1 and "format_version 99" in one_line_error(capsys)
 
+
+def test_overhead_command_reports_medians_and_ratio(capsys, onnx_engine):
+    code = run(runtime_main, ["overhead", "--engine-dir", str(onnx_engine), "--context", "16",
+                              "700", "--repeats", "3", "--warmup", "1", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and "context 700" in captured.err
+    result = json.loads(captured.out)
+    assert result["backend"] == "onnxruntime" and result["attention"] == "plugin"
+    rows = {r["context"]: r for r in result["results"]}
+    assert rows[16]["beta"] == 1.0 and rows[700]["beta"] > 1.0
+    assert rows[700]["visible_keys"] == 700 + 1 + 4
+    for r in rows.values():
+        assert r["sharpdraft_ms"] > 0 and r["frozen_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["sharpdraft_ms"] / r["frozen_ms"], rel=1e-2)
