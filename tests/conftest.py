@@ -28,7 +28,7 @@ def tiny_engine(tmp_path_factory, tiny_target, tiny_drafter) -> Path:
     out = tmp_path_factory.mktemp("engines") / "tiny-sharpdraft"
     code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(tiny_target),
                               "--drafter-checkpoint", str(tiny_drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--output", str(out)])
+                              "--top-k", "8", "--backend", "torch", "--output", str(out)])
     assert code == 0
     return out
 
