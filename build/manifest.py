@@ -23,6 +23,12 @@ def file_record(path: Path) -> dict:
     return {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
+def engine_files(engine_dir: Path) -> dict:
+    """Manifest.artifacts: sha256 of every file in an engine directory but engine.json."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(Path(engine_dir).iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
 def checkpoint_record(directory: Path) -> dict:
     """sha256 of each file of a checkpoint directory (weights, config, tokenizer)."""
     files = sorted(p for p in directory.iterdir() if p.is_file())

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from plugins.scaling import QueryScaling
+from plugins.scaling import QueryScaling, _tracing
 
 __all__ = ["sharpdraft_attention", "reference_attention", "visible_counts"]
 
@@ -36,7 +36,8 @@ def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | Non
     if scaling is not None:
         qc = qc * scaling.beta(n.to(compute))[:, None, :, None]
     # A plain causal prefill can use SDPA's causal path: same result, half the time.
-    causal = mask is None and q.shape[2] == k.shape[2] and torch.equal(
+    # (Not while tracing for export: the test reads data, and the graph must be general.)
+    causal = not _tracing() and mask is None and q.shape[2] == k.shape[2] and torch.equal(
         visible, torch.arange(1, k.shape[2] + 1, device=visible.device).expand_as(visible))
     out = F.scaled_dot_product_attention(
         qc, k.to(compute), v.to(compute), attn_mask=None if causal else allowed[:, None],

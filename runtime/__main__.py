@@ -6,12 +6,15 @@ import json
 import sys
 from pathlib import Path
 
+from runtime import overhead
 from runtime.cli import Parser, UsageError, progress, run
 
 
 def add_generate(sub):
     p = sub.add_parser("generate", help="generate text with an engine (streams to the terminal)")
     p.add_argument("--engine-dir", required=True)
+    p.add_argument("--backend", choices=("torch", "onnxruntime"),
+                   help="run with this backend instead of the one engine.json names")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -51,7 +54,7 @@ def cmd_generate(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    engine = Engine(args.engine_dir)
+    engine = Engine(args.engine_dir, backend=args.backend)
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
@@ -92,7 +95,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": (add_generate, cmd_generate)}
+COMMANDS = {"generate": (add_generate, cmd_generate),
+            "overhead": (overhead.add_parser, overhead.run)}
 
 
 def main(argv) -> int:

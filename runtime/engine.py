@@ -1,6 +1,6 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
-interface, and `generate` in the three modes every command compares
-(target-only, frozen drafter, SharpDraft drafter)."""
+interface (the one engine.json names, or an override), and `generate` in the three
+modes every command compares (target-only, frozen drafter, SharpDraft drafter)."""
 
 from __future__ import annotations
 
@@ -13,30 +13,48 @@ from runtime import speculative
 from runtime.backends.torch import TorchDFlash, TorchTarget
 from runtime.metrics import Generation
 from runtime.models.dflash import load_dflash
-from runtime.models.target import load_target
+from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
 
 MODES = ("sharpdraft", "frozen", "target")
+BACKENDS = ("torch", "onnxruntime")
 
 
 class Engine:
-    def __init__(self, engine_dir: str | Path, verify: bool = True):
+    def __init__(self, engine_dir: str | Path, verify: bool = True, backend: str | None = None):
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir, verify=verify)
         if self.manifest.drafter != "dflash":
             raise EngineError(f"{self.dir}: drafter {self.manifest.drafter!r} is not supported "
                               "by this runtime yet")
-        dtype = getattr(torch, self.manifest.dtype)
-        self.model, self.tokenizer = load_target(self.manifest.target["path"], dtype)
-        self.drafter_model = load_dflash(self.manifest.drafter_checkpoint["path"], dtype)
-        self.drafter_model.config.check_target(self.model.config)
+        self.backend = backend or self.manifest.backend
         self.scaling = self.manifest.query_scaling
-        self.target = TorchTarget(self.model, self.drafter_model.config.target_layer_ids)
+        if self.backend == "torch":
+            dtype = getattr(torch, self.manifest.dtype)
+            self.model, self.tokenizer = load_target(self.manifest.target["path"], dtype)
+            self.drafter_model = load_dflash(self.manifest.drafter_checkpoint["path"], dtype)
+            self.drafter_model.config.check_target(self.model.config)
+            self.target = TorchTarget(self.model, self.drafter_model.config.target_layer_ids)
+        elif self.backend == "onnxruntime":
+            from runtime.backends.onnxruntime import OnnxEngine
+
+            self.onnx = OnnxEngine(self.dir, self.manifest)
+            self.tokenizer = load_tokenizer(self.manifest.target["path"])
+            self.target = self.onnx.target
+        else:
+            raise EngineError(f"{self.dir}: backend {self.backend!r} cannot run here (this "
+                              f"runtime has {', '.join(BACKENDS)}) — pass --backend onnxruntime")
+        # Engines built with --max-seq-len serve no longer sequences, whichever backend runs.
+        limit = self.manifest.extra.get("max_seq_len")
+        if limit:
+            self.target.context_limit = min(self.target.context_limit, int(limit))
         self.context_limit = self.target.context_limit
         self.stop_ids = frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
-    def drafter(self, sharpdraft: bool = True) -> TorchDFlash:
+    def drafter(self, sharpdraft: bool = True):
+        if self.backend == "onnxruntime":
+            return self.onnx.drafter(sharpdraft)
         return TorchDFlash(self.drafter_model, self.model, self.scaling if sharpdraft else None)
 
     def encode(self, text: str) -> list[int]:
@@ -56,3 +74,13 @@ class Engine:
                                                     sampler, stop_ids, on_tokens)
         return speculative.generate_block(self.target, self.drafter(mode == "sharpdraft"),
                                           prompt, max_new_tokens, sampler, stop_ids, on_tokens)
+
+
+def load_tokenizer(path: str | Path):
+    """The target's tokenizer alone (backends that run exported graphs need no weights)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None

@@ -40,6 +40,44 @@ def tiny_engine(tmp_path_factory, tiny_target, tiny_drafter) -> Path:
     out = tmp_path_factory.mktemp("engines") / "tiny-sharpdraft"
     code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(tiny_target),
                               "--drafter-checkpoint", str(tiny_drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--output", str(out)])
+                              "--top-k", "8", "--backend", "torch", "--output", str(out)])
     assert code == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def long_target(tmp_path_factory) -> Path:
+    """A tiny target with a 4096-token context, for checks at 3000 tokens of context."""
+    return tiny.make_target(tmp_path_factory.mktemp("long-target"), context=4096)
+
+
+@pytest.fixture(scope="session")
+def long_drafter(tmp_path_factory, long_target) -> Path:
+    return tiny.make_drafter(tmp_path_factory.mktemp("long-drafter"), long_target)
+
+
+@pytest.fixture(scope="session")
+def onnx_engine(tmp_path_factory, long_target, long_drafter) -> Path:
+    """A SharpDraft engine of ONNX graphs (plugin form) over the long-context tiny pair,
+    built by build_engine.py itself; ref_keys 64 puts beta > 1 from ~70 keys on."""
+    import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-onnx"
+    code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
+                              "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
+                              "--top-k", "8", "--backend", "onnxruntime", "--attention", "plugin",
+                              "--output", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def native_drafter_graph(tmp_path_factory, onnx_engine) -> Path:
+    """onnx_engine's SharpDraft drafter exported again, with beta in plain ONNX ops."""
+    from build import export
+    from runtime.engine import Engine
+
+    engine = Engine(onnx_engine, backend="torch")
+    path = tmp_path_factory.mktemp("native") / "drafter-native.onnx"
+    export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
+    return path

@@ -51,6 +51,7 @@ class TorchDFlash:
                  scaling: QueryScaling | None):
         self.drafter, self.target, self.scaling = drafter, target, scaling
         self.block_size = drafter.config.block_size
+        self.feature_size = drafter.fc.in_features
         self.mask_token_id = drafter.config.mask_token_id
         self.cache = None
 

@@ -119,6 +119,12 @@ class TargetModel(nn.Module):
         `feature_layers` [b, t, len(ids) * hidden] in transformers' convention
         (output of layer i; the final norm's output for the last layer).
         """
+        h, features = self.final_hidden(ids, cache, feature_layers)
+        return self.lm_head(h[:, -1:] if last_logits_only else h), features
+
+    def final_hidden(self, ids: torch.Tensor, cache: KVCache, feature_layers=()):
+        """forward() without the LM head: final-norm states [b, t, hidden] and features
+        (the ONNX export picks the rows that need logits itself)."""
         start = cache.length
         t = ids.shape[1]
         positions = torch.arange(start, start + t, device=ids.device).expand(ids.shape[0], t)
@@ -137,8 +143,7 @@ class TargetModel(nn.Module):
         if last in wanted:
             states[last] = h
         features = torch.cat([states[i] for i in feature_layers], -1) if feature_layers else None
-        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
-        return logits, features
+        return h, features
 
 
 def sha256_file(path: Path) -> str:

@@ -1,0 +1,248 @@
+"""torch -> ONNX: the target step graph and the DFlash drafter step graph of an engine.
+
+Both graphs take their KV cache as an input and return only the keys/values of the
+tokens they add, so the runtime keeps one preallocated cache per model and a rollback
+is a length change. Caches are sequence-major, [tokens, layers, batch, kv_heads,
+head_dim], so the committed prefix the runtime feeds back is a contiguous slice: no
+copy on the host side. The drafter's attention is exported as the SharpDraftAttention
+plugin node or as plain ONNX ops (plugins/onnx.py); graphs are traced from the same
+torch modules the torch backend runs, through a cache stand-in, never rewritten here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from plugins import onnx as onnx_attention
+from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from plugins.scaling import QueryScaling
+from runtime.models.dflash import DFlashDrafter
+from runtime.models.target import TargetModel
+
+OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
+TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
+TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
+TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
+DRAFTER_INPUTS = ("block_ids", "context", "past_keys", "past_values")
+DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
+
+
+class ExportCache:
+    """Stands in for KVCache while tracing: the past comes in as a graph input and a
+    write concatenates instead of storing. The models append in order (each write
+    starts where the last ended), so concatenation is exactly what KVCache.write
+    returns; the first write of each layer is the step's contribution to the cache."""
+
+    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor):
+        self.length = past_keys.shape[0]
+        # [past, layers, batch, kv_heads, d] -> per layer [batch, kv_heads, past, d]
+        self.keys = [[past_keys[:, i].permute(1, 2, 0, 3)] for i in range(past_keys.shape[1])]
+        self.values = [[past_values[:, i].permute(1, 2, 0, 3)] for i in range(past_values.shape[1])]
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        self.keys[layer].append(k)
+        self.values[layer].append(v)
+        return torch.cat(self.keys[layer], 2), torch.cat(self.values[layer], 2)
+
+    def present(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first write of every layer, as [t, layers, batch, kv_heads, d]."""
+        def stack(per_layer):
+            return torch.stack([written[1] for written in per_layer]).permute(3, 0, 1, 2, 4)
+        return stack(self.keys), stack(self.values)
+
+
+class TargetStep(nn.Module):
+    """Prefill and verify in one graph: `ids` after `past_len` cached tokens; logits
+    only at `logit_positions` (prefill asks for the last row, verify for all)."""
+
+    def __init__(self, target: TargetModel, feature_layers: tuple[int, ...]):
+        super().__init__()
+        self.target, self.feature_layers = target, tuple(feature_layers)
+
+    def forward(self, ids, logit_positions, past_keys, past_values):
+        cache = ExportCache(past_keys, past_values)
+        h, features = self.target.final_hidden(ids, cache, self.feature_layers)
+        logits = self.target.lm_head(h.index_select(1, logit_positions))
+        return (logits, features) + cache.present()
+
+
+class DrafterStep(nn.Module):
+    """One DFlash step with the target's embedding and head inside the graph: block ids
+    in, logits of block positions 1.. out; new context features join the cache."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
+        super().__init__()
+        self.drafter, self.scaling = drafter, scaling
+        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+
+    def forward(self, block_ids, context, past_keys, past_values):
+        cache = ExportCache(past_keys, past_values)
+        hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling)
+        return (self.lm_head(hidden[:, 1:]),) + cache.present()
+
+
+def _cache_example(layers, kv_heads, head_dim, past, batch, dtype):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(past, layers, batch, kv_heads, head_dim, generator=g).to(dtype)
+                 for _ in range(2))
+
+
+# Example sizes are distinct and > 1 so torch.export neither specialises a dimension
+# nor merges two of them; the graphs stay general in every dynamic one.
+BATCH, Q_LEN, N_LOGITS, PAST, CONTEXT = 2, 5, 3, 7, 3
+
+
+def target_example(target: TargetModel):
+    c = target.config
+    ids = torch.randint(0, c.vocab_size, (BATCH, Q_LEN), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(Q_LEN - N_LOGITS, Q_LEN)
+    dtype = target.embed_tokens.weight.dtype
+    return (ids, positions) + _cache_example(c.num_layers, c.num_kv_heads, c.head_dim, PAST, BATCH, dtype)
+
+
+def drafter_example(drafter: DFlashDrafter, dtype: torch.dtype):
+    c = drafter.config
+    g = torch.Generator().manual_seed(0)
+    block = torch.tensor([[1] + [c.mask_token_id] * (c.block_size - 1)] * BATCH)
+    context = torch.randn(BATCH, CONTEXT, drafter.fc.in_features, generator=g).to(dtype)
+    return (block, context) + _cache_example(c.num_layers, c.num_kv_heads, c.head_dim, PAST, BATCH, dtype)
+
+
+def _dims():
+    D = torch.export.Dim
+    return {name: D(name, min=low) for name, low in
+            (("batch", 1), ("q_len", 1), ("n_logits", 1), ("past_len", 0), ("context_len", 1))}
+
+
+def export_target(target: TargetModel, feature_layers, path: Path) -> dict:
+    d = _dims()
+    cache = {0: d["past_len"], 2: d["batch"]}
+    shapes = ({0: d["batch"], 1: d["q_len"]}, {0: d["n_logits"]}, cache, cache)
+    _export(TargetStep(target, feature_layers), target_example(target), shapes,
+            TARGET_INPUTS, TARGET_OUTPUTS, path, attention="native")
+    return graph_record(path, attention=None)
+
+
+def export_drafter(drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
+                   attention: str, path: Path) -> dict:
+    """The drafter step graph; scaling=None exports the frozen drafter (plain attention)."""
+    if attention not in onnx_attention.ATTENTION_FORMS:
+        raise ValueError(f"attention form must be one of {onnx_attention.ATTENTION_FORMS}, "
+                         f"got {attention!r}")
+    form = attention if scaling is not None else "native"
+    d = _dims()
+    cache = {0: d["past_len"], 2: d["batch"]}
+    shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, cache, cache)
+    example = drafter_example(drafter, target.embed_tokens.weight.dtype)
+    _export(DrafterStep(drafter, target, scaling), example, shapes, DRAFTER_INPUTS,
+            DRAFTER_OUTPUTS, path, attention=form)
+    return graph_record(path, attention=form if scaling is not None else None)
+
+
+def _export(module, example, shapes, input_names, output_names, path: Path, attention: str):
+    with torch.no_grad(), _quiet():
+        program = torch.export.export(module.eval(), example, dynamic_shapes=shapes, strict=False)
+        table = None
+        if attention == "plugin":
+            table = {torch.ops.sharpdraft.attention.default: onnx_attention.plugin_translation}
+        else:
+            program = program.run_decompositions(
+                {torch.ops.sharpdraft.attention.default: onnx_attention.native_decomposition})
+        onnx_program = torch.onnx.export(program, example, input_names=list(input_names),
+                                         output_names=list(output_names), opset_version=OPSET,
+                                         custom_translation_table=table, verbose=False)
+    _name_dims(onnx_program.model, shapes, input_names)
+    onnx_program.save(path)
+
+
+@contextlib.contextmanager
+def _quiet():
+    # The exporter's deprecation chatter and its note on torchvision's absent ops are
+    # about its own internals, not our model.
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def _name_dims(model, shapes, input_names) -> None:
+    """Give dynamic dimensions our names (batch, past_len, ...) instead of s17, s42."""
+    graph = model.graph
+    by_name = {value.name: value for value in graph.inputs}
+    rename = {}
+    for name, axes in zip(input_names, shapes):
+        for axis, dim in axes.items():
+            symbol = by_name[name].shape[axis]
+            if not isinstance(symbol, int) and symbol.value is not None:
+                rename[symbol.value] = dim.__name__
+    if not rename:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+    from onnxscript import ir
+
+    values = list(graph.inputs) + [out for node in ir.traversal.RecursiveGraphIterator(graph)
+                                   for out in node.outputs]
+    for value in values:
+        if value.shape is None:
+            continue
+        dims = [ir.SymbolicDim(pattern.sub(lambda m: rename[m.group()], d.value))
+                if not isinstance(d, int) and d.value is not None else d for d in value.shape]
+        value.shape = ir.Shape(dims)
+
+
+def graph_record(path: Path, attention: str | None) -> dict:
+    """What engine.json says of a graph: file, attention form, input/output signature."""
+    model = onnx.load(str(path), load_external_data=False)
+
+    def describe(value):
+        t = value.type.tensor_type
+        return {"name": value.name,
+                "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+                "shape": [d.dim_param or d.dim_value for d in t.shape.dim]}
+
+    return {"file": path.name, "attention": attention,
+            "plugin_nodes": sum(n.op_type == PLUGIN_NAME for n in model.graph.node),
+            "inputs": [describe(v) for v in model.graph.input],
+            "outputs": [describe(v) for v in model.graph.output]}
+
+
+def check_graph(path: Path) -> None:
+    """onnx.checker with full shape inference (the plugin's schema is registered)."""
+    onnx_attention.register_schema()
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def export_engine(target: TargetModel, drafter: DFlashDrafter, scaling: QueryScaling | None,
+                  attention: str, out_dir: Path, progress=lambda _msg: None) -> dict:
+    """Write every graph of an engine into out_dir; returns engine.json's "onnx" record."""
+    layers = drafter.config.target_layer_ids
+    graphs = {}
+    progress(f"      {TARGET_FILE}: prefill/verify step, features of layers {list(layers)}")
+    graphs["target"] = export_target(target, layers, out_dir / TARGET_FILE)
+    progress(f"      {FROZEN_FILE}: drafter step without SharpDraft (plain attention)")
+    graphs["drafter_frozen"] = export_drafter(drafter, target, None, "native", out_dir / FROZEN_FILE)
+    if scaling is not None:
+        progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
+        graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
+                                           out_dir / DRAFTER_FILE)
+    plugin = None
+    if scaling is not None and attention == "plugin":
+        plugin = {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,
+                  "domain": onnx_attention.DOMAIN, "fields": plugin_fields(scaling)}
+    return {"opset": OPSET, "attention": attention if scaling is not None else None,
+            "plugin": plugin, "mask_token_id": drafter.config.mask_token_id, "graphs": graphs}

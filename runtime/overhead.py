@@ -1,0 +1,105 @@
+"""`python -m runtime overhead`: what SharpDraft adds to a drafter step. The SharpDraft
+drafter and the frozen one run the same step on the same backend, in the same process,
+interleaved A/B at fixed context lengths; medians and their ratio go to stdout.
+
+    python -m runtime overhead --engine-dir engines/dflash-sharpdraft --context 512 4096
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from runtime.cli import UsageError, progress
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("overhead", help="drafter step time with SharpDraft vs frozen")
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--backend", choices=("torch", "onnxruntime"),
+                   help="run with this backend instead of the one engine.json names")
+    p.add_argument("--context", type=int, nargs="+", default=[512, 4096], metavar="N",
+                   help="context tokens in the drafter's cache before the timed step")
+    p.add_argument("--repeats", type=int, default=30, help="timed steps per drafter and context")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="intra-op threads for torch and ONNX Runtime (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+def _time_step(drafter, step, bonus: int, context: int) -> float:
+    start = time.perf_counter()
+    drafter.draft(step, bonus)
+    seconds = time.perf_counter() - start
+    drafter.cache.rollback(context)  # the next step sees the same N again
+    return seconds
+
+
+def measure(engine, context: int, repeats: int, warmup: int) -> dict:
+    """Median step time of both drafters with `context` tokens cached (+1 new per step)."""
+    import torch
+
+    drafters = {"sharpdraft": engine.drafter(True), "frozen": engine.drafter(False)}
+    features = torch.randn(context + 1, drafters["frozen"].feature_size,
+                           generator=torch.Generator().manual_seed(context))
+    bonus = 0  # token values do not change the work a step does
+    for drafter in drafters.values():
+        drafter.reset(context + 1)
+        drafter.draft(features[:context], bonus)  # fill the cache to `context` tokens
+    times = {name: [] for name in drafters}
+    for i in range(warmup + repeats):
+        # Alternate who goes first so drift (thermal, other jobs) hits both alike.
+        order = list(drafters) if i % 2 == 0 else list(reversed(drafters))
+        for name in order:
+            seconds = _time_step(drafters[name], features[context:], bonus, context)
+            if i >= warmup:
+                times[name].append(seconds)
+    visible = context + 1 + drafters["frozen"].block_size
+    sharp, frozen = (statistics.median(times[n]) * 1e3 for n in ("sharpdraft", "frozen"))
+    return {"context": context, "visible_keys": visible,
+            "beta": round(engine.scaling.beta(visible), 6),
+            "sharpdraft_ms": round(sharp, 4), "frozen_ms": round(frozen, 4),
+            "ratio": round(sharp / frozen, 4)}
+
+
+def run(args) -> int:
+    from runtime.engine import Engine
+
+    if args.repeats < 1 or args.warmup < 0:
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    if any(c < 1 for c in args.context):
+        raise UsageError(f"--context lengths must be >= 1, got {args.context}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
+    engine = Engine(args.engine_dir, backend=args.backend)
+    if engine.scaling is None:
+        raise UsageError(f"{args.engine_dir} was built without --sharpdraft: there is no "
+                         "SharpDraft drafter to compare")
+    onnx = engine.manifest.extra.get("onnx") or {}
+    attention = onnx.get("attention") if engine.backend == "onnxruntime" else "reference op"
+    import torch
+
+    progress(f"drafter step, SharpDraft vs frozen: backend {engine.backend} ({attention}), "
+             f"{torch.get_num_threads()} thread(s), {args.repeats} interleaved repeats after "
+             f"{args.warmup} warm-up")
+    rows = []
+    for context in args.context:
+        progress(f"  context {context} ...")
+        rows.append(measure(engine, context, args.repeats, args.warmup))
+    if args.json:
+        print(json.dumps({"engine": str(engine.dir), "backend": engine.backend,
+                          "attention": attention, "threads": torch.get_num_threads(),
+                          "repeats": args.repeats, "results": rows}))
+        return 0
+    print(f"{'context':>8} {'N':>7} {'beta':>7} {'sharpdraft ms':>14} {'frozen ms':>10} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['context']:>8} {r['visible_keys']:>7} {r['beta']:>7.4f} "
+              f"{r['sharpdraft_ms']:>14.3f} {r['frozen_ms']:>10.3f} {r['ratio']:>7.3f}")
+    return 0

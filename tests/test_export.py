@@ -1,0 +1,204 @@
+"""The exported graphs: valid ONNX, the plugin node in the form TensorRT's parser reads,
+engine.json's record of them, and the same numbers as the torch models from one token
+of context to 3000."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import build_engine
+from build import export
+from build.manifest import EngineError, read_manifest
+from plugins.onnx import DOMAIN
+from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from runtime.backends.onnxruntime import OnnxDFlash, open_session
+from runtime.cli import run
+from runtime.engine import Engine
+
+CONTEXTS = (1, 17, 600, 3000)
+ATOL = 1e-4  # fp32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from a second thread, and on a shared 2-core machine
+    # waking a pool costs more than the work: both backends run single-threaded here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def torch_engine(onnx_engine):
+    return Engine(onnx_engine, backend="torch")
+
+
+@pytest.fixture(scope="module")
+def ort_engine(onnx_engine):
+    return Engine(onnx_engine)
+
+
+def graphs(engine_dir, native_drafter_graph):
+    return sorted(engine_dir.glob("*.onnx")) + [native_drafter_graph]
+
+
+def test_every_exported_graph_passes_the_full_onnx_checker(onnx_engine, native_drafter_graph):
+    paths = graphs(onnx_engine, native_drafter_graph)
+    assert {p.name for p in paths} >= {"target.onnx", "drafter.onnx", "drafter-frozen.onnx"}
+    for path in paths:
+        export.check_graph(path)
+        model = onnx.load(str(path))
+        assert {o.domain: o.version for o in model.opset_import}[""] >= 18
+
+
+def test_plugin_graph_has_one_sharpdraft_node_per_layer_in_tensorrt_form(onnx_engine, torch_engine):
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(onnx_engine / "drafter.onnx")))
+    nodes = [n for n in model.graph.node if n.op_type == PLUGIN_NAME]
+    assert len(nodes) == torch_engine.drafter_model.config.num_layers
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in list(model.graph.value_info) + list(model.graph.input)}
+    expected = plugin_fields(torch_engine.scaling)
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.pop("plugin_version") == PLUGIN_VERSION.encode()
+        assert attrs.pop("plugin_namespace") == PLUGIN_NAMESPACE.encode()
+        assert attrs.keys() == expected.keys()
+        for name, value in expected.items():
+            assert attrs[name] == pytest.approx(value, rel=1e-7)
+        assert node.domain == DOMAIN and len(node.input) == 4 and len(node.output) == 1
+        assert types[node.input[3]] == onnx.TensorProto.INT64  # visible-key counts
+        assert types[node.input[0]] == types[node.output[0]] == onnx.TensorProto.FLOAT
+
+
+def test_native_frozen_and_target_graphs_use_only_standard_ops(onnx_engine, native_drafter_graph):
+    for path in (native_drafter_graph, onnx_engine / "drafter-frozen.onnx", onnx_engine / "target.onnx"):
+        model = onnx.load(str(path))
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, path.name
+
+
+def test_manifest_records_the_build(onnx_engine, torch_engine):
+    data = json.loads((onnx_engine / "engine.json").read_text())
+    assert data["backend"] == "onnxruntime"
+    assert data["query_scaling"] == torch_engine.scaling.to_dict()
+    record = data["extra"]["onnx"]
+    assert record["opset"] == export.OPSET and record["attention"] == "plugin"
+    assert {k: record["plugin"][k] for k in ("name", "version", "namespace")} == {
+        "name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE}
+    assert record["plugin"]["fields"] == plugin_fields(torch_engine.scaling)
+    target = record["graphs"]["target"]
+    assert [i["name"] for i in target["inputs"]] == list(export.TARGET_INPUTS)
+    assert [o["name"] for o in target["outputs"]] == list(export.TARGET_OUTPUTS)
+    assert target["inputs"][2]["shape"][0] == "past_len"
+    assert target["inputs"][0]["shape"] == ["batch", "q_len"]
+    drafter = record["graphs"]["drafter"]
+    assert [i["name"] for i in drafter["inputs"]] == list(export.DRAFTER_INPUTS)
+    assert drafter["outputs"][0]["shape"] == ["batch", 3, 320]  # block 4 -> 3 drafts
+    assert drafter["plugin_nodes"] == 1 and record["graphs"]["drafter_frozen"]["plugin_nodes"] == 0
+    on_disk = {p.name for p in onnx_engine.iterdir()} - {"engine.json"}
+    assert set(data["artifacts"]) == on_disk
+    read_manifest(onnx_engine, verify=True)  # every sha256 matches
+
+
+def prompt(n, seed=0):
+    return torch.randint(4, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_target_graph_matches_torch(context, torch_engine, ort_engine):
+    ids = prompt(context)
+    runs = {}
+    for name, target in (("torch", torch_engine.target), ("ort", ort_engine.target)):
+        last, feats = target.prefill(ids, context + 8)
+        step, step_feats = target.verify(prompt(5, seed=1))
+        target.rollback(context + 2)  # keep two of the five, verify three others
+        again, again_feats = target.verify(prompt(3, seed=2))
+        runs[name] = (last, feats, step, step_feats, again, again_feats)
+    for ours, theirs in zip(runs["ort"], runs["torch"]):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_drafter_graph):
+    scaling = torch_engine.scaling
+    native = OnnxDFlash(open_session(native_drafter_graph), torch_engine.drafter_model.config.block_size,
+                        torch_engine.drafter_model.config.mask_token_id, scaling)
+    drafters = {"torch": torch_engine.drafter(True), "plugin": ort_engine.drafter(True),
+                "native": native, "torch frozen": torch_engine.drafter(False),
+                "ort frozen": ort_engine.drafter(False)}
+    features = torch.randn(context + 1, drafters["torch"].feature_size,
+                           generator=torch.Generator().manual_seed(context))
+    out = {}
+    for name, drafter in drafters.items():
+        drafter.reset(context + 1)
+        first, n_first = drafter.draft(features[:context], 7)
+        second, n_second = drafter.draft(features[context:], 9)  # one more, through the cache
+        out[name] = (first, second)
+        assert (n_first, n_second) == (context + 4, context + 5)
+    for name in ("plugin", "native"):
+        for ours, theirs in zip(out[name], out["torch"]):
+            torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    for ours, theirs in zip(out["ort frozen"], out["torch frozen"]):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    # beta is 1 up to ref_keys (64) visible keys and > 1 beyond: the scale is really in.
+    differs = not torch.allclose(out["plugin"][1], out["ort frozen"][1], atol=ATOL)
+    assert differs == (scaling.beta(context + 5) > 1.0)
+
+
+def test_graphs_take_any_batch(onnx_engine, torch_engine):
+    model = torch_engine.model
+    step = export.TargetStep(model, torch_engine.drafter_model.config.target_layer_ids)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (3, 6), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([5, 0])
+    past = torch.randn(11, c.num_layers, 3, c.num_kv_heads, c.head_dim,
+                       generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = step(ids, positions, past, -past)
+    session = open_session(onnx_engine / "target.onnx")
+    got = session.run(None, {"ids": ids.numpy(), "logit_positions": positions.numpy(),
+                             "past_keys": past.numpy(), "past_values": (-past).numpy()})
+    assert got[0].shape == (3, 2, c.vocab_size) and got[2].shape == (6, c.num_layers, 3,
+                                                                      c.num_kv_heads, c.head_dim)
+    for ours, theirs in zip(got, expected):
+        np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
+
+
+def test_build_without_tensorrt_is_one_line_error(capsys, tiny_target, tiny_drafter, tmp_path):
+    if build_engine.tensorrt_usable() is None:
+        pytest.skip("TensorRT can build engines on this machine")
+    code = run(build_engine.main, ["--sharpdraft", "--backend", "tensorrt", "--target",
+                                   str(tiny_target), "--drafter-checkpoint", str(tiny_drafter),
+                                   "--output", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: TensorRT is not installed")
+    assert not (tmp_path / "e").exists()
+
+
+def test_build_reports_each_stage_and_torch_engines_have_no_graphs(capsys, tiny_target,
+                                                                    tiny_drafter, tmp_path):
+    out = tmp_path / "torch-engine"
+    code = build_engine.main(["--sharpdraft", "--backend", "torch", "--max-seq-len", "300",
+                              "--target", str(tiny_target), "--drafter-checkpoint",
+                              str(tiny_drafter), "--output", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0 and "engine written to" in captured.out
+    stages = [line.split()[1].rstrip(":") for line in captured.err.splitlines()
+              if line.startswith("[")]
+    assert stages == ["load", "export", "check", "build"]
+    engine = Engine(out)
+    assert engine.backend == "torch" and engine.context_limit == 300
+    with pytest.raises(EngineError, match="--backend onnxruntime"):
+        Engine(out, backend="onnxruntime")
+
+
+def test_max_seq_len_beyond_the_target_context_is_refused(capsys, tiny_target, tiny_drafter, tmp_path):
+    code = run(build_engine.main, ["--backend", "torch", "--max-seq-len", "100000", "--target",
+                                   str(tiny_target), "--drafter-checkpoint", str(tiny_drafter),
+                                   "--output", str(tmp_path / "e")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: --max-seq-len")
+    assert not (tmp_path / "e").exists()

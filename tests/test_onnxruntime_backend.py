@@ -1,0 +1,150 @@
+"""The onnxruntime backend behind the speculative loop: the same tokens and the same
+drafts as the torch backend on one engine, with and without SharpDraft, in both
+attention forms; engines whose files changed are refused; the overhead command."""
+
+import json
+import shutil
+
+import pytest
+import tiny
+import torch
+
+from runtime import speculative
+from runtime.__main__ import main as runtime_main
+from runtime.backends.onnxruntime import OnnxDFlash, open_session
+from runtime.cli import run
+from runtime.engine import Engine
+from runtime.sampling import Sampler
+
+PROMPT_LENGTHS = (17, 600)
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from a second thread, and on a shared 2-core machine
+    # waking a pool costs more than the work: both backends run single-threaded here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def torch_engine(onnx_engine):
+    return Engine(onnx_engine, backend="torch")
+
+
+@pytest.fixture(scope="module")
+def ort_engine(onnx_engine):
+    return Engine(onnx_engine)
+
+
+class RecordedDrafter:
+    """Passes a drafter through, keeping every block it proposed (greedy)."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.scaling = inner, inner.block_size, inner.scaling
+        self.proposals = []
+
+    def reset(self, capacity):
+        self.inner.reset(capacity)
+
+    def draft(self, context, bonus):
+        logits, visible = self.inner.draft(context, bonus)
+        self.proposals.append(logits.argmax(-1).tolist())
+        return logits, visible
+
+
+def speculate(engine, drafter, prompt):
+    recorded = RecordedDrafter(drafter)
+    gen = speculative.generate_block(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
+    return gen.tokens, gen.committed_per_step, gen.visible_per_step, gen.beta_per_step, \
+        recorded.proposals
+
+
+def text_prompt(engine, n):
+    ids = engine.encode(tiny.stdlib_text())
+    return ids[:n]
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+@pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
+def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, torch_engine, ort_engine):
+    prompt = text_prompt(torch_engine, length)
+    ours = speculate(ort_engine, ort_engine.drafter(sharpdraft), prompt)
+    theirs = speculate(torch_engine, torch_engine.drafter(sharpdraft), prompt)
+    assert ours == theirs
+    assert len(ours[0]) == NEW_TOKENS
+    assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
+
+
+@pytest.mark.parametrize("mode", ["sharpdraft", "frozen", "target"])
+def test_engine_generate_is_token_identical_across_backends(mode, torch_engine, ort_engine):
+    prompt = text_prompt(torch_engine, 300)
+    ours = ort_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
+    theirs = torch_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
+    assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
+
+
+def test_plugin_and_native_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
+                                                       ort_engine):
+    native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,
+                        ort_engine.onnx.mask_token_id, ort_engine.scaling)
+    prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
+    assert speculate(ort_engine, native, prompt) == speculate(ort_engine, ort_engine.drafter(True),
+                                                              prompt)
+
+
+def test_generate_cli_runs_either_backend_on_one_engine(capsys, onnx_engine):
+    outputs = {}
+    for backend in ("onnxruntime", "torch"):
+        code = run(runtime_main, ["generate", "--engine-dir", str(onnx_engine), "--backend",
+                                  backend, "--prompt", "def wrap(text, width):",
+                                  "--max-new-tokens", "12", "--ignore-eos", "--json"])
+        assert code == 0
+        outputs[backend] = json.loads(capsys.readouterr().out)
+    assert outputs["onnxruntime"]["tokens"] == outputs["torch"]["tokens"]
+    assert outputs["onnxruntime"]["sharpdraft"] == outputs["torch"]["sharpdraft"]
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_tampered_graph_is_refused_with_one_line_error(capsys, tmp_path, onnx_engine):
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(onnx_engine, engine_dir)
+    graph = engine_dir / "drafter.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size: only the hash can tell
+    graph.write_bytes(bytes(data))
+    code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
+    assert code == 1
+    assert "drafter.onnx does not match the sha256" in one_line_error(capsys)
+
+
+def test_unknown_engine_format_is_refused_with_one_line_error(capsys, tmp_path, onnx_engine):
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(onnx_engine, engine_dir)
+    manifest = engine_dir / "engine.json"
+    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 99'))
+    code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
+    assert code == 1 and "format_version 99" in one_line_error(capsys)
+
+
+def test_overhead_command_reports_medians_and_ratio(capsys, onnx_engine):
+    code = run(runtime_main, ["overhead", "--engine-dir", str(onnx_engine), "--context", "16",
+                              "700", "--repeats", "3", "--warmup", "1", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and "context 700" in captured.err
+    result = json.loads(captured.out)
+    assert result["backend"] == "onnxruntime" and result["attention"] == "plugin"
+    rows = {r["context"]: r for r in result["results"]}
+    assert rows[16]["beta"] == 1.0 and rows[700]["beta"] > 1.0
+    assert rows[700]["visible_keys"] == 700 + 1 + 4
+    for r in rows.values():
+        assert r["sharpdraft_ms"] > 0 and r["frozen_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["sharpdraft_ms"] / r["frozen_ms"], rel=1e-2)
