@@ -35,6 +35,8 @@ def run(main, argv, debug_flag="--debug") -> int:
     debug = debug_flag in argv
     try:
         return main(argv) or 0
+    except SystemExit as exc:  # argparse (--help, usage errors) has already printed
+        return exc.code if isinstance(exc.code, int) else 1
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         return 130

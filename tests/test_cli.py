@@ -119,7 +119,8 @@ def test_scaling_flags_need_sharpdraft(tiny_target, tiny_drafter, tmp_path, caps
 def test_build_refuses_a_drafter_for_another_target(tmp_path, tiny_drafter, capsys):
     import tiny
 
-    other = tiny.make_target(tmp_path / "other", hidden=48, tokenizer=False)
+    other = tiny.make_target(tmp_path / "other", hidden=48)
+    capsys.readouterr()
     code, _, err = call(build_engine.main, ["--target", str(other), "--drafter-checkpoint",
                                             str(tiny_drafter), "--output", str(tmp_path / "e")], capsys)
     assert code == 1 and "hidden_size 32 vs target 48" in err and err.count("\n") == 1

@@ -165,6 +165,7 @@ def load_hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32, gguf_file:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # stderr carries our own progress and one-line errors
     kwargs = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
