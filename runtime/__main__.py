@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from runtime import overhead
+from runtime import bench, calibrate, diagnose, overhead
 from runtime.cli import Parser, UsageError, progress, run
 
 
@@ -96,6 +96,9 @@ def cmd_generate(args) -> int:
 
 
 COMMANDS = {"generate": (add_generate, cmd_generate),
+            "bench": (bench.add_parser, bench.run),
+            "calibrate": (calibrate.add_parser, calibrate.run),
+            "diagnose": (diagnose.add_parser, diagnose.run),
             "overhead": (overhead.add_parser, overhead.run)}
 
 

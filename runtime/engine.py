@@ -15,6 +15,7 @@ from runtime.metrics import Generation
 from runtime.models.dflash import load_dflash
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
+from plugins.scaling import QueryScaling
 
 MODES = ("sharpdraft", "frozen", "target")
 BACKENDS = ("torch", "onnxruntime")
@@ -52,7 +53,14 @@ class Engine:
         self.stop_ids = frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
-    def drafter(self, sharpdraft: bool = True):
+    def drafter(self, sharpdraft: bool | QueryScaling = True):
+        """The drafter with the engine's scaling (True), frozen (False), or -- on the torch
+        backend, where beta is not compiled into a graph -- any other QueryScaling."""
+        if isinstance(sharpdraft, QueryScaling):
+            if self.backend != "torch":
+                raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
+                                  "in; try other values with the torch backend (--backend torch)")
+            return TorchDFlash(self.drafter_model, self.model, sharpdraft)
         if self.backend == "onnxruntime":
             return self.onnx.drafter(sharpdraft)
         return TorchDFlash(self.drafter_model, self.model, self.scaling if sharpdraft else None)

@@ -86,6 +86,14 @@ class OnnxTarget:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
+    def snapshot(self):
+        n = self.cache.length
+        return self.cache.k[:n].copy(), self.cache.v[:n].copy()
+
+    def restore(self, snap, capacity: int) -> None:
+        self.cache = HostKVCache(capacity, *self.dims)
+        self.cache.append(*snap)
+
 
 class OnnxDFlash:
     def __init__(self, session, block_size: int, mask_token_id: int,

@@ -137,12 +137,15 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h, rope, with_context, visible, scaling, mask=None):
+    def forward(self, h, rope, with_context, visible, scaling, mask=None, probe=None):
         """h: block states; with_context(k_blk, v_blk) puts the context's keys/values
-        before the block's and returns what the block attends over."""
+        before the block's and returns what the block attends over. probe(q, k), when
+        given, sees the attention inputs (diagnostics)."""
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, *rope)
         k, v = with_context(*self.self_attn.key_value(x, *rope))
+        if probe is not None:
+            probe(q, k)
         h = h + self.self_attn.output(sharpdraft_attention(q, k, v, visible, scaling, mask))
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -166,14 +169,15 @@ class DFlashDrafter(nn.Module):
                        c.head_dim, p.dtype, p.device)
 
     def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache,
-                scaling: QueryScaling | None):
+                scaling: QueryScaling | None, probe=None):
         """Draft one block.
 
         block_embeds [b, block, hidden]: target embeddings of [bonus, mask, ...] at
         positions cache.length + new_context ... ; context [b, c, n_ids*hidden]: target
         features of tokens committed since the last step (c >= 0), appended to the
         cache. Returns the block's final hidden states [b, block, hidden] and the
-        visible-key count N every block row attended over.
+        visible-key count N every block row attended over. probe(layer, q, k), when given,
+        sees each layer's attention inputs (the diagnose command).
         """
         b, block = block_embeds.shape[:2]
         start = cache.length
@@ -195,7 +199,8 @@ class DFlashDrafter(nn.Module):
             def with_context(k_blk, v_blk, i=i):
                 return cache.write(i, blk_start, k_blk, v_blk)
 
-            h = layer(h, blk_rope, with_context, visible, scaling)
+            layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
+            h = layer(h, blk_rope, with_context, visible, scaling, probe=layer_probe)
         cache.length = blk_start
         return self.norm(h), n
 

@@ -1,0 +1,160 @@
+"""`python -m runtime calibrate`: choose ref_keys and slope for THIS drafter.
+
+The paper's DFlash preset (ref_keys 2048) was tuned for a drafter trained on 3,072-token
+sequences and asks to be re-validated per drafter. This sweeps ref_keys x slope on the
+calibration split (never the evaluation documents), measuring greedy MAL at long
+contexts and at one context within the drafter's training length, and keeps the setting
+with the best long-context MAL that loses no more than --tolerance at the short one.
+The choice becomes the engine's query scaling; the preset and the whole grid stay
+recorded in engine.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from runtime.cli import UsageError, progress
+
+
+def add_parser(sub):
+    p = sub.add_parser("calibrate", help="sweep ref_keys x slope on the calibration split and "
+                                         "write the best into the engine")
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--ref-keys", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    p.add_argument("--slopes", type=float, nargs="+", default=[2.5, 5.0, 10.0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096],
+                   help="long contexts whose mean MAL is maximised")
+    p.add_argument("--short", type=int, help="a context within the training length that must not "
+                                             "lose MAL (default: training length - block - 8)")
+    p.add_argument("--tolerance", type=float, default=0.01)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--docs", nargs="+", metavar="FILE", help="default: the 2 longest "
+                                                               "calibration-split stdlib files")
+    p.add_argument("--max-docs", type=int, default=2)
+    p.add_argument("--dry-run", action="store_true", help="measure and report, change nothing")
+    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--debug", action="store_true")
+
+
+def pooled_mal(gens) -> float:
+    return sum(sum(g.committed_per_step) for g in gens) / sum(g.verify_steps for g in gens)
+
+
+def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
+    """{setting: {length: [Generation per doc]}}; setting None = frozen drafter."""
+    from runtime import speculative
+    from runtime.backends import PrefillOnce
+    from runtime.sampling import Sampler
+
+    results = {s: {n: [] for n in [short, *lengths]} for s in [None, *settings]}
+    for length in [short, *lengths]:
+        for _, ids in docs:
+            once = PrefillOnce(engine.target, ids[:length], length + new_tokens)
+            for setting in results:
+                drafter = engine.drafter(setting if setting is not None else False)
+                results[setting][length].append(
+                    speculative.generate_block(once, drafter, ids[:length], new_tokens, Sampler()))
+                bar.update(1)
+    return results
+
+
+def choose(results, lengths, short, tolerance):
+    frozen_short = pooled_mal(results[None][short])
+    table = []
+    for setting, by_length in results.items():
+        row = {"query_scaling": setting.to_dict() if setting else None,
+               "mal_short": round(pooled_mal(by_length[short]), 4),
+               "mal_long": round(pooled_mal([g for n in lengths for g in by_length[n]]), 4),
+               "mal_by_length": {str(n): round(pooled_mal(by_length[n]), 4) for n in lengths}}
+        row["keeps_short"] = row["mal_short"] >= (1 - tolerance) * frozen_short
+        table.append((setting, row))
+    candidates = [(s, r) for s, r in table if s is not None and r["keeps_short"]]
+    if not candidates:
+        return None, [r for _, r in table]
+    # best long-context MAL; on a tie the gentler setting (larger reference count, larger slope)
+    best = max(candidates, key=lambda sr: (sr[1]["mal_long"], sr[0].ref_keys, sr[0].slope))
+    return best[0], [r for _, r in table]
+
+
+def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
+    """Make `chosen` the engine's scaling; re-export a compiled drafter graph if any."""
+    from build.manifest import engine_files, read_manifest
+
+    manifest = read_manifest(engine_dir)
+    manifest.query_scaling = chosen
+    manifest.extra["calibration"] = record
+    onnx = manifest.extra.get("onnx")
+    if onnx and "drafter" in onnx["graphs"]:
+        from build import export
+        from plugins.plugin_spec import plugin_fields
+
+        progress("calibrate: re-exporting the SharpDraft drafter graph with the chosen values")
+        path = engine_dir / onnx["graphs"]["drafter"]["file"]
+        onnx["graphs"]["drafter"] = export.export_drafter(engine.drafter_model, engine.model, chosen,
+                                                          onnx["attention"], path)
+        if onnx.get("plugin"):
+            onnx["plugin"]["fields"] = plugin_fields(chosen)
+        manifest.artifacts = engine_files(engine_dir)
+    manifest.write(engine_dir)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from plugins.scaling import QueryScaling
+    from runtime.bench import training_max_length
+    from runtime.documents import default_documents, tokenized
+    from runtime.engine import Engine
+
+    engine_dir = Path(args.engine_dir)
+    engine = Engine(engine_dir, backend="torch")  # try settings without recompiling graphs
+    if engine.scaling is None:
+        raise UsageError(f"{engine_dir} was built without --sharpdraft; nothing to calibrate")
+    try:
+        settings = [QueryScaling(r, engine.scaling.top_k, s, engine.scaling.max_log_scale)
+                    for r, s in itertools.product(args.ref_keys, args.slopes)]
+    except ValueError as exc:
+        raise UsageError(f"invalid grid: {exc}") from None
+    bs = engine.drafter_model.config.block_size
+    trained = training_max_length(engine)
+    short = args.short or (trained - bs - 8 if trained else 448)
+    lengths = sorted(set(args.lengths))
+    if short < 1 or lengths[-1] + args.new_tokens > engine.context_limit:
+        raise UsageError(f"lengths + --new-tokens must fit the target's {engine.context_limit}")
+    paths = args.docs or default_documents("calibration", args.max_docs)
+    docs = tokenized(engine.encode, paths, lengths[-1])
+    runs = (len(settings) + 1) * (len(lengths) + 1) * len(docs)
+    progress(f"calibrate: {len(settings)} settings x contexts {[short, *lengths]} x "
+             f"{len(docs)} docs {[n for n, _ in docs]}, {args.new_tokens} new tokens")
+    with tqdm(total=runs, desc="calibrate", unit="run", file=sys.stderr) as bar:
+        results = sweep(engine, docs, lengths, short, settings, args.new_tokens, bar)
+    chosen, table = choose(results, lengths, short, args.tolerance)
+    frozen = table[0]
+    record = {"preset": engine.manifest.query_scaling.to_dict() if engine.manifest.query_scaling else None,
+              "chosen": chosen.to_dict() if chosen else None, "criterion":
+              f"max mean MAL at {lengths}; MAL at {short} >= (1 - {args.tolerance}) x frozen",
+              "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
+              "documents": [n for n, _ in docs], "split": "calibration" if not args.docs else "user",
+              "frozen": frozen, "grid": table[1:],
+              "command": "python -m runtime calibrate " + " ".join(sys.argv[2:])}
+    print(f"{'ref_keys':>8} {'slope':>6} {'MAL short':>9} {'MAL long':>9}  keeps short")
+    print(f"{'frozen':>8} {'':>6} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
+    for row in table[1:]:
+        s = row["query_scaling"]
+        mark = " <- chosen" if chosen and s == chosen.to_dict() else ""
+        print(f"{s['ref_keys']:>8} {s['slope']:>6} {row['mal_short']:>9.3f} {row['mal_long']:>9.3f}"
+              f"  {'yes' if row['keeps_short'] else 'no'}{mark}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    if chosen is None:
+        raise UsageError("no setting keeps the short-context MAL within --tolerance; engine unchanged")
+    if args.dry_run:
+        progress("calibrate: --dry-run, engine unchanged")
+    else:
+        apply(engine_dir, engine, chosen, record)
+        progress(f"calibrate: {engine_dir}/engine.json now uses ref_keys={chosen.ref_keys} "
+                 f"slope={chosen.slope} (preset recorded under extra.calibration)")
+    return 0

@@ -1,0 +1,92 @@
+"""Smoke versions of the measuring commands (bench, diagnose, calibrate) on the tiny
+engine: seconds, not minutes. The real runs are commands; these check their contracts."""
+
+import json
+
+import pytest
+
+import tiny
+from runtime.__main__ import main
+from runtime.cli import run
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs") / "doc.txt"
+    path.write_text(tiny.stdlib_text(30_000))
+    return path
+
+
+def test_bench_reports_three_ways_from_one_prefill(tiny_engine, doc, tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "16", "160",
+                      "--new-tokens", "12", "--docs", str(doc), str(doc), "--json", str(out),
+                      "--plot", str(png)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert [r["context_tokens"] for r in result["rows"]] == [16, 160]
+    for row in result["rows"]:
+        for key in ("mal_frozen", "mal_sharpdraft", "tok_s_target", "tok_s_frozen",
+                    "tok_s_sharpdraft", "speedup_sharpdraft", "beta_above_1_fraction"):
+            assert row[key] > 0 or key == "beta_above_1_fraction"
+        assert 1 <= row["mal_frozen"] <= 4 and 1 <= row["mal_sharpdraft"] <= 4
+        assert all(row["identical_to_target"]["sharpdraft"] + row["identical_to_target"]["frozen"])
+    # tiny engine: ref_keys 64, so beta stays 1 at 16 + 4 keys and exceeds 1 at 160 + 4
+    assert result["rows"][0]["beta_above_1_fraction"] == 0.0
+    assert result["rows"][1]["beta_above_1_fraction"] == 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "MAL frozen" in capsys.readouterr().out
+
+
+def test_bench_refuses_a_document_too_short(tiny_engine, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("def f():\n    return 1\n")
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "64",
+                      "--docs", str(short)])
+    err = capsys.readouterr().err
+    assert code == 2 and "short.txt has" in err and "needs 64" in err
+    assert err.strip().splitlines()[-1].startswith("error:") and "Traceback" not in err
+
+
+def test_bench_refuses_lengths_beyond_the_context(tiny_engine, doc, capsys):
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "500",
+                      "--new-tokens", "64", "--docs", str(doc)])
+    assert code == 2 and "must be within the target's 512" in capsys.readouterr().err
+
+
+def test_diagnose_shows_dilution_and_sharpening(tiny_engine, doc, tmp_path, capsys):
+    out = tmp_path / "diag.json"
+    code = run(main, ["diagnose", "--engine-dir", str(tiny_engine), "--lengths", "8", "60", "400",
+                      "--top-k", "8", "--docs", str(doc), "--json", str(out), "--plot",
+                      str(tmp_path / "diag.png")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    # beta = 1 below ref_keys: identical mass; above it SharpDraft concentrates attention
+    assert rows[0]["frozen"] == rows[0]["sharpdraft"]
+    assert all(s > f for f, s in zip(rows[-1]["frozen"], rows[-1]["sharpdraft"]))
+    assert rows[-1]["frozen"][0] < rows[0]["frozen"][0]  # more keys, thinner attention
+
+
+def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_drafter, doc,
+                                                          tmp_path, capsys):
+    import build_engine
+
+    engine = tmp_path / "engine"
+    assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
+                              str(tiny_drafter), "--ref-keys", "64", "--top-k", "8",
+                              "--output", str(engine)]) == 0
+    code = run(main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
+                      "--slopes", "2", "5", "--lengths", "150", "300", "--short", "40",
+                      "--new-tokens", "8", "--docs", str(doc)])
+    assert code == 0, capsys.readouterr().err
+    manifest = json.loads((engine / "engine.json").read_text())
+    calibration = manifest["extra"]["calibration"]
+    assert calibration["preset"]["ref_keys"] == 64
+    assert manifest["query_scaling"] == calibration["chosen"]
+    assert len(calibration["grid"]) == 4
+    assert manifest["extra"]["onnx"]["plugin"]["fields"]["ref_keys"] == calibration["chosen"]["ref_keys"]
+    # the re-exported graph is what the manifest hashes: the engine still loads and runs
+    code = run(main, ["generate", "--engine-dir", str(engine), "--prompt", "import re\n",
+                      "--max-new-tokens", "6", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["sharpdraft"] == calibration["chosen"]
