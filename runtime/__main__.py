@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from runtime import bench, calibrate, diagnose, overhead
+from runtime import bench, calibrate, demo, diagnose, overhead
 from runtime.cli import Parser, UsageError, progress, run
 
 
@@ -98,6 +98,7 @@ def cmd_generate(args) -> int:
 COMMANDS = {"generate": (add_generate, cmd_generate),
             "bench": (bench.add_parser, bench.run),
             "calibrate": (calibrate.add_parser, calibrate.run),
+            "demo": (demo.add_parser, demo.run),
             "diagnose": (diagnose.add_parser, diagnose.run),
             "overhead": (overhead.add_parser, overhead.run)}
 
