@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from runtime.cli import Parser, UsageError, progress, run
+from runtime.loadtest import add_loadtest, cmd_loadtest
+from runtime.serve.command import add_serve, cmd_serve
 
 
 def add_generate(sub):
@@ -92,7 +94,9 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": (add_generate, cmd_generate)}
+COMMANDS = {"generate": (add_generate, cmd_generate),
+            "serve": (add_serve, cmd_serve),
+            "loadtest": (add_loadtest, cmd_loadtest)}
 
 
 def main(argv) -> int:
