@@ -33,6 +33,9 @@ def add_loadtest(sub):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts-file", help="one prompt per line (default: built-in code prompts)")
     p.add_argument("--engine-dir", help="also run the prompts in-process on this engine")
+    p.add_argument("--threads", type=int,
+                   help="torch threads for the in-process run (default: torch's, one per core); "
+                        "1 matches a server instance on a shared machine")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", action="store_true")
@@ -168,9 +171,13 @@ def run_server(args, prompts: list[str], model: str) -> tuple[dict, dict]:
 
 
 def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
+    import torch
+
     from runtime.engine import Engine
     from runtime.sampling import Sampling
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine(args.engine_dir)
     mode = "sharpdraft" if engine.scaling is not None else "frozen"
     latencies, mals, outputs = [], [], {}
@@ -187,8 +194,8 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
 
 
 def cmd_loadtest(args) -> int:
-    for name in ("concurrency", "requests", "max_new_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("concurrency", "requests", "max_new_tokens", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompts_file:
         from pathlib import Path

@@ -145,6 +145,17 @@ def prepare_workspace(install: Installation, workspace: Path) -> tuple[Path, dic
     return backends, env
 
 
+WORKSPACE_PREFIX = "sharpdraft-triton-"
+
+
+def _remove_orphaned_workspaces() -> None:
+    """Workspaces of launchers that were killed outright (no chance to clean up)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{WORKSPACE_PREFIX}*-*"):
+        pid = path.name[len(WORKSPACE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _die_with_parent():  # runs in the child between fork and exec
     try:
         import ctypes
@@ -206,7 +217,8 @@ class Server:
                 f"--exit-timeout-secs={self.exit_timeout}"]
 
     def start(self) -> int:
-        self.workspace = Path(tempfile.mkdtemp(prefix="sharpdraft-triton-"))
+        _remove_orphaned_workspaces()
+        self.workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
         backends, env = prepare_workspace(self.install, self.workspace)
         self.process = subprocess.Popen(
             self.command(backends), env=env, stdin=subprocess.DEVNULL,
