@@ -170,14 +170,21 @@ def test_responses_are_token_identical_to_generate(served, tiny_engine, capsys, 
     assert result.as_numpy("beta")[0] > 1.0  # the long prompt: SharpDraft is scaling
 
 
-def test_generate_endpoint_as_curl_sends_it(served, tiny_engine, capsys):
-    ref = _reference(tiny_engine, PROMPTS[0], 10, capsys)
+def test_generate_endpoint_matches_the_generate_command_line(served, tiny_engine):
+    # Both user-facing ends as a user runs them: `python -m runtime generate` in its own
+    # process, and a curl-style POST to the generate endpoint.
+    cli = subprocess.run([sys.executable, "-m", "runtime", "generate", "--engine-dir",
+                          str(tiny_engine), "--prompt", PROMPTS[0], "--max-new-tokens", "10",
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    ref = json.loads(cli.stdout)
     url = f"http://127.0.0.1:{served['http_port']}/v2/models/{served['model']}/generate"
     body = json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 10}).encode()
     with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60) as response:
         reply = json.loads(response.read())
     assert reply["token_ids"] == ref["tokens"] and reply["text"] == ref["text"]
-    assert reply["finish_reason"] in ("stop", "length")
+    assert reply["verify_steps"] == ref["verify_steps"]
+    assert reply["finish_reason"] == ("stop" if ref["stopped_by"] == "stop_token" else "length")
 
 
 def test_concurrent_clients_each_get_their_own_output(served, tiny_engine):
