@@ -8,6 +8,8 @@ from pathlib import Path
 
 from runtime import bench, calibrate, demo, diagnose, overhead
 from runtime.cli import Parser, UsageError, progress, run
+from runtime.loadtest import add_loadtest, cmd_loadtest
+from runtime.serve.command import add_serve, cmd_serve
 
 
 def add_generate(sub):
@@ -100,7 +102,9 @@ COMMANDS = {"generate": (add_generate, cmd_generate),
             "calibrate": (calibrate.add_parser, calibrate.run),
             "demo": (demo.add_parser, demo.run),
             "diagnose": (diagnose.add_parser, diagnose.run),
-            "overhead": (overhead.add_parser, overhead.run)}
+            "overhead": (overhead.add_parser, overhead.run),
+            "serve": (add_serve, cmd_serve),
+            "loadtest": (add_loadtest, cmd_loadtest)}
 
 
 def main(argv) -> int:

@@ -1,0 +1,130 @@
+"""`python -m runtime serve`: write the Triton model repository for an engine and, with
+--start, run tritonserver on it until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+from runtime.cli import UsageError, progress
+from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
+
+
+def add_serve(sub):
+    p = sub.add_parser("serve", help="write a Triton model repository (and start the server)")
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--model-repository", required=True, metavar="OUT")
+    p.add_argument("--model-name", help="default: the engine directory's name")
+    p.add_argument("--instances", type=int, default=1,
+                   help="model instances (processes), each loading the engine once")
+    p.add_argument("--streaming", action="store_true",
+                   help="also write NAME-stream, a decoupled model: one response per verify step")
+    p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                   help="refuse requests above this (default %(default)s)")
+    p.add_argument("--threads", default="auto",
+                   help="torch threads per instance ('auto': cores / instances)")
+    p.add_argument("--trtllm", nargs="?", const="", metavar="DIR",
+                   help="also write TensorRT-LLM's llmapi model.yaml (DFlash) + sharpdraft.json "
+                        "into DIR (default: OUT-trtllm) for a GPU host")
+    p.add_argument("--start", action="store_true", help="run tritonserver on 127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--tritonserver", metavar="PATH",
+                   help="server binary (default: tritonserver on PATH, else the nvidia-pytriton "
+                        "wheel from `make setup`)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS")
+    p.add_argument("--server-log", metavar="FILE", help="server output here instead of stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", action="store_true")
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from runtime.serve import repository, server
+
+    limit = args.max_new_tokens_limit
+    ports = server.Ports(args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        ports.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    install = None
+    if args.start:  # find the server before writing anything: a missing one is the likely error
+        try:
+            install = server.find_tritonserver(args.tritonserver)
+        except server.ServerError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            return 1
+    try:
+        models = repository.write_repository(args.engine_dir, args.model_repository,
+                                             args.model_name, args.instances, args.streaming,
+                                             limit, args.threads)
+    except ValueError as exc:
+        if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
+            raise UsageError(str(exc)) from None
+        raise
+    out = Path(args.model_repository)
+    result = {"model_repository": str(out.resolve()), "models": models, "max_new_tokens_limit": limit}
+    if args.trtllm is not None:
+        trt_dir = Path(args.trtllm) if args.trtllm else out.with_name(out.name + "-trtllm")
+        result["trtllm"] = [str(p) for p in repository.write_trtllm(args.engine_dir, trt_dir)]
+    if not args.start:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"model repository written to {out} (models: {', '.join(models)})")
+            for path in result.get("trtllm", []):
+                print(f"TensorRT-LLM recipe: {path}")
+            print(f"next: python -m runtime serve --engine-dir {args.engine_dir} "
+                  f"--model-repository {out} --start")
+        return 0
+    return _run(args, out, models, ports, install, result)
+
+
+def _run(args, out, models, ports, install, result) -> int:
+    from runtime.serve import server
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+
+    # Installed before the server starts, so a signal during start-up stops it cleanly too.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    log = open(args.server_log, "a", buffering=1) if args.server_log else None
+    srv = server.Server(out, models, ports, install, log=log)
+    try:
+        pid = srv.start()
+        progress(f"tritonserver ({install.kind}: {install.binary}) pid {pid}, loading "
+                 f"{', '.join(models)} …")
+        if not srv.wait_ready(args.ready_timeout, cancel=stop):
+            progress("stopping before the server was ready")
+            return 130
+        endpoints = srv.endpoints() | {"pid": pid} | result
+        if args.json:
+            print(json.dumps(endpoints), flush=True)
+        else:
+            print(server.describe(endpoints), flush=True)
+        progress("Ctrl-C or SIGTERM stops the server")
+        while not stop.is_set():
+            if srv.process.poll() is not None:
+                raise server.ServerError(f"tritonserver exited on its own with code "
+                                         f"{srv.process.returncode}{srv.log_hint()}")
+            stop.wait(0.5)
+        progress("stopping tritonserver …")
+        return 0
+    except server.ServerError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    finally:
+        code = srv.stop()
+        if code not in (None, 0):
+            progress(f"tritonserver exited with code {code}")
+        if log:
+            log.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,120 @@
+"""Triton Python-backend model: one SharpDraft engine per instance, one speculative
+`generate` per request. Copied verbatim into each generated repository as <model>/1/model.py
+by runtime/serve/repository.py; everything it needs to know comes from config.pbtxt."""
+
+import json
+import os
+import sys
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        # The repository points back at the checkout that wrote it, so a server started
+        # by hand (not through `serve --start`) still finds the runtime package.
+        if params["repo_root"] not in sys.path:
+            sys.path.insert(0, params["repo_root"])
+        import torch
+
+        # Instances are separate processes on the same cores: share the cores out rather
+        # than let every instance start one thread per core and contend.
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        threads = params.get("threads", "auto")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // instances)
+                              if threads == "auto" else int(threads))
+
+        from runtime.engine import Engine
+        from runtime.serve import protocol
+
+        self.protocol = protocol
+        self.limit = int(params["max_new_tokens_limit"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.engine = Engine(params["engine_dir"])
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {params['engine_dir']} "
+                                 f"loaded, {torch.get_num_threads()} torch thread(s), "
+                                 f"{'streaming' if self.decoupled else 'one response per request'}")
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        return [self._respond(request) for request in requests]
+
+    def _arrays(self, request):
+        arrays = {}
+        for spec in self.protocol.INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            arrays[spec.name] = None if tensor is None else tensor.as_numpy()
+        return arrays
+
+    def _prepare(self, request):
+        # The generate endpoint turns JSON fields that name no input into request
+        # parameters; parse() refuses them so a misspelt field is an error, not ignored.
+        parameters = json.loads(request.parameters() or "{}")
+        req = self.protocol.parse(self._arrays(request), self.limit, parameters)
+        return req, self.protocol.encode_prompt(self.engine, req)
+
+    def _error(self, exc):
+        if isinstance(exc, self.protocol.RequestError):
+            return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        pb_utils.Logger.log_error(f"generate failed: {type(exc).__name__}: {exc}")
+        return pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}",
+                                    pb_utils.TritonError.INTERNAL)
+
+    def _tensors(self, arrays):
+        return [pb_utils.Tensor(name, value) for name, value in arrays.items()]
+
+    def _respond(self, request):
+        try:
+            req, ids = self._prepare(request)
+            gen = self.engine.generate(ids, req.max_new_tokens, req.mode(self.engine.scaling is not None),
+                                       req.sampling())
+            arrays = self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen,
+                                           self.protocol.finish_reason(gen))
+            return pb_utils.InferenceResponse(output_tensors=self._tensors(arrays))
+        except Exception as exc:  # one bad request must not take the instance down
+            return pb_utils.InferenceResponse(error=self._error(exc))
+
+    def _stream(self, request):
+        """One response per commit -- the prefill's first token, then each verify step --
+        carrying that commit's token_ids and text; a last response, flagged final, carries
+        the generation's statistics (and any text held back mid-character)."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            req, ids = self._prepare(request)
+        except Exception as exc:
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+            return
+        text = self.protocol.TextStream(self.engine.decode)
+
+        def on_tokens(new):
+            if request.is_cancelled():  # the client went away: stop spending the instance on it
+                raise _Cancelled()
+            arrays = {"text": self.protocol.text_array(text.push(new)),
+                      "token_ids": self.protocol.ids_array(new)}
+            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
+
+        try:
+            gen = self.engine.generate(ids, req.max_new_tokens,
+                                       req.mode(self.engine.scaling is not None), req.sampling(),
+                                       on_tokens=on_tokens)
+        except _Cancelled:
+            sender.send(flags=final)
+            return
+        except Exception as exc:
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+            return
+        arrays = self.protocol.outputs(text.flush(), [], gen, self.protocol.finish_reason(gen))
+        sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
+
+    def finalize(self):
+        self.engine = None
+
+
+class _Cancelled(Exception):
+    pass

@@ -1,0 +1,187 @@
+"""The served model's contract: its input and output tensors (config.pbtxt is written
+from these tables), how a request's tensors become one `generate` call, and how a
+finished generation becomes response tensors. Pure Python + numpy, so it is tested
+without a server; the Python-backend model (model.py) only moves tensors in and out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# Refuse, never clamp, a request above this: a huge max_new_tokens would otherwise hold an
+# instance for as long as the context allows. Per model in config.pbtxt
+# (parameter max_new_tokens_limit); `serve --max-new-tokens-limit` sets it.
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    triton_type: str  # config.pbtxt data_type
+    numpy_type: type
+    dims: tuple[int, ...] = (1,)
+    optional: bool = False
+
+
+INPUTS = (
+    Tensor("prompt", "TYPE_STRING", np.object_),
+    Tensor("max_new_tokens", "TYPE_INT32", np.int32),
+    Tensor("temperature", "TYPE_FP32", np.float32, optional=True),
+    Tensor("top_p", "TYPE_FP32", np.float32, optional=True),
+    Tensor("seed", "TYPE_INT64", np.int64, optional=True),
+    Tensor("sharpdraft", "TYPE_BOOL", np.bool_, optional=True),
+)
+
+OUTPUTS = (
+    Tensor("text", "TYPE_STRING", np.object_),
+    Tensor("token_ids", "TYPE_INT64", np.int64, dims=(-1,)),
+    Tensor("mean_accepted_length", "TYPE_FP32", np.float32),
+    Tensor("verify_steps", "TYPE_INT32", np.int32),
+    Tensor("beta", "TYPE_FP32", np.float32),  # at the last drafter step
+    Tensor("finish_reason", "TYPE_STRING", np.object_),  # "stop" or "length"
+)
+
+
+class RequestError(ValueError):
+    """A request the model refuses; the message goes back to the client as is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    text: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    sharpdraft: bool
+
+    def sampling(self):
+        from runtime.sampling import Sampling
+
+        try:
+            return Sampling(self.temperature, self.top_p, self.seed)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    def mode(self, engine_has_scaling: bool) -> str:
+        # Same choice as `python -m runtime generate`: an engine built without
+        # --sharpdraft runs its drafter frozen.
+        return "sharpdraft" if self.sharpdraft and engine_has_scaling else "frozen"
+
+
+def _scalar(arrays: dict, spec: Tensor):
+    value = arrays.get(spec.name)
+    if value is None:
+        if spec.optional:
+            return None
+        raise RequestError(f"input '{spec.name}' is required")
+    value = np.asarray(value)
+    if value.size != 1:
+        raise RequestError(f"input '{spec.name}' must hold exactly one value, got shape "
+                           f"{list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
+          parameters: dict | None = None) -> Request:
+    """Input name -> numpy array (None or absent for an omitted optional input), plus the
+    request's parameters, of which this model takes none."""
+    unknown = sorted(set(arrays) - {t.name for t in INPUTS}) + sorted(parameters or {})
+    if unknown:  # Triton itself refuses unknown tensors; unknown parameters reach us
+        raise RequestError(f"unknown field(s) {', '.join(repr(u) for u in unknown)}; this model "
+                           f"takes {', '.join(t.name for t in INPUTS)}")
+    specs = {t.name: t for t in INPUTS}
+
+    raw = _scalar(arrays, specs["prompt"])
+    if isinstance(raw, (bytes, np.bytes_)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"prompt is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(raw, str):
+        raise RequestError(f"prompt must be text, got {type(raw).__name__}")
+    if not raw.strip():
+        raise RequestError("prompt is empty")
+
+    max_new = int(_scalar(arrays, specs["max_new_tokens"]))
+    if max_new < 1:
+        raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
+    if max_new > max_new_tokens_limit:
+        raise RequestError(f"max_new_tokens {max_new} exceeds this server's limit of "
+                           f"{max_new_tokens_limit} (max_new_tokens_limit in config.pbtxt)")
+
+    temperature = _scalar(arrays, specs["temperature"])
+    top_p = _scalar(arrays, specs["top_p"])
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is not None and not math.isfinite(float(value)):
+            raise RequestError(f"{name} must be a finite number, got {float(value)}")
+    seed = _scalar(arrays, specs["seed"])
+    sharpdraft = _scalar(arrays, specs["sharpdraft"])
+    request = Request(text=raw, max_new_tokens=max_new,
+                      temperature=0.0 if temperature is None else float(temperature),
+                      top_p=1.0 if top_p is None else float(top_p),
+                      seed=None if seed is None else int(seed),
+                      sharpdraft=True if sharpdraft is None else bool(sharpdraft))
+    request.sampling()  # refuse bad temperature / top_p now, before any work
+    return request
+
+
+def encode_prompt(engine, request: Request) -> list[int]:
+    ids = engine.encode(request.text)
+    if not ids:
+        raise RequestError("prompt encodes to no tokens")
+    if len(ids) >= engine.context_limit:
+        raise RequestError(f"prompt has {len(ids)} tokens; the target's context holds "
+                           f"{engine.context_limit}")
+    return ids
+
+
+def text_array(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def ids_array(ids: list[int]) -> np.ndarray:
+    return np.array(ids, dtype=np.int64)
+
+
+def outputs(text: str, token_ids: list[int], gen, finish: str) -> dict:
+    """Response tensors for a finished generation (runtime.metrics.Generation)."""
+    # No drafter step ran (one token asked for, or a stop at once): the query was unscaled.
+    beta = gen.beta_per_step[-1] if gen.beta_per_step else 1.0
+    return {
+        "text": text_array(text),
+        "token_ids": ids_array(token_ids),
+        "mean_accepted_length": np.array([gen.mean_accepted_length], dtype=np.float32),
+        "verify_steps": np.array([gen.verify_steps], dtype=np.int32),
+        "beta": np.array([beta], dtype=np.float32),
+        "finish_reason": text_array(finish),
+    }
+
+
+def finish_reason(gen) -> str:
+    return "stop" if gen.stopped_by == "stop_token" else "length"
+
+
+class TextStream:
+    """Turns committed token ids into text deltas whose concatenation is exactly
+    decode(all ids), holding back a trailing partial UTF-8 character until it completes."""
+
+    def __init__(self, decode):
+        self.decode, self.ids, self.sent = decode, [], ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
+            return ""
+        return self._take(text)
+
+    def flush(self) -> str:
+        return self._take(self.decode(self.ids))
+
+    def _take(self, text: str) -> str:
+        # Byte-level BPE decodes prefix-stably, so the new text extends what was sent.
+        delta, self.sent = text[len(self.sent):], text
+        return delta

@@ -1,0 +1,302 @@
+"""The Triton deployment end to end: one real tritonserver per module, started by
+`python -m runtime serve --start` on free loopback ports over the tiny engine, and
+asked over HTTP, gRPC, the generate endpoint and a gRPC stream. The finalizer stops it
+with SIGTERM by PID and checks that nothing it started is left running."""
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from runtime.__main__ import main
+from runtime.serve import server as serve_server
+
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 240  # two cores shared with other work: stubs import torch one by one
+PROMPTS = ["def fib(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
+# Long enough that the drafter sees more than the tiny engine's ref_keys (64): beta > 1.
+LONG_PROMPT = "def area(r):\n    return 3.14159 * r * r\n\n\n" * 6 + "def volume(r):"
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _group_members(pgid):
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _kill_group(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine, tmp_path_factory):
+    try:
+        serve_server.find_tritonserver()
+    except serve_server.ServerError as exc:  # a missing install fails, not skips: CI must see it
+        pytest.fail(str(exc))
+    work = tmp_path_factory.mktemp("serving")
+    http, grpc, metrics = _free_ports(3)
+    server_log, cli_err = work / "tritonserver.log", work / "serve.stderr"
+    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(tiny_engine),
+           "--model-repository", str(work / "repo"), "--instances", "2", "--streaming",
+           "--max-new-tokens-limit", "256", "--start", "--json",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(server_log)]
+    with open(cli_err, "w") as err:
+        # Own session: the finalizer can signal the CLI's whole group by its PID.
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    info = {}
+
+    def logs():
+        return (f"\n--- serve stderr ---\n{cli_err.read_text()[-2000:]}"
+                f"\n--- tritonserver log ---\n{server_log.read_text(errors='replace')[-3000:]}"
+                if server_log.exists() else f"\n--- serve stderr ---\n{cli_err.read_text()[-3000:]}")
+
+    def teardown():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pass
+        code = proc.poll()
+        stray = [g for g in (proc.pid, info.get("pid")) if g and _group_members(g)]
+        for pgid in stray:
+            _kill_group(pgid)
+        if code is None:
+            proc.wait()
+        assert code == 0, f"serve exited with {code} on SIGTERM{logs()}"
+        assert not stray, f"processes left running in process groups {stray}"
+
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT + 30
+        while not info:
+            if proc.poll() is not None:
+                pytest.fail(f"serve exited with {proc.returncode} before ready{logs()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {READY_TIMEOUT + 30} s{logs()}")
+            try:
+                info = json.loads(lines.get(timeout=1))
+            except (queue.Empty, json.JSONDecodeError):
+                continue
+    except BaseException:
+        _kill_group(proc.pid)
+        if info.get("pid"):
+            _kill_group(info["pid"])
+        proc.wait()
+        raise
+    info["http_port"], info["grpc_port"] = http, grpc
+    info["model"], info["stream_model"] = info["models"]
+    yield info
+    teardown()
+
+
+def _inputs(module, prompt, max_new_tokens, **optional):
+    kinds = {"temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+             "seed": ("INT64", np.int64), "sharpdraft": ("BOOL", np.bool_)}
+    tensors = [module.InferInput("prompt", [1], "BYTES"),
+               module.InferInput("max_new_tokens", [1], "INT32")]
+    tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    tensors[1].set_data_from_numpy(np.array([max_new_tokens], dtype=np.int32))
+    for name, value in optional.items():
+        datatype, dtype = kinds.get(name, ("INT32", np.int32))
+        tensor = module.InferInput(name, [1], datatype)
+        tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+        tensors.append(tensor)
+    return tensors
+
+
+def _client(kind, served):
+    if kind == "http":
+        return httpclient, httpclient.InferenceServerClient(f"127.0.0.1:{served['http_port']}")
+    return grpcclient, grpcclient.InferenceServerClient(f"127.0.0.1:{served['grpc_port']}")
+
+
+def _reference(engine_dir, prompt, max_new_tokens, capsys):
+    """What `python -m runtime generate --json` prints for this prompt (greedy)."""
+    capsys.readouterr()
+    assert main(["generate", "--engine-dir", str(engine_dir), "--prompt", prompt,
+                 "--max-new-tokens", str(max_new_tokens), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_responses_are_token_identical_to_generate(served, tiny_engine, capsys, kind):
+    module, client = _client(kind, served)
+    for prompt, n in [(p, 12) for p in PROMPTS] + [(LONG_PROMPT, 8)]:
+        ref = _reference(tiny_engine, prompt, n, capsys)
+        result = client.infer(served["model"], _inputs(module, prompt, n))
+        assert result.as_numpy("token_ids").tolist() == ref["tokens"]
+        assert result.as_numpy("text")[0].decode() == ref["text"]
+        assert result.as_numpy("verify_steps")[0] == ref["verify_steps"]
+        assert result.as_numpy("mean_accepted_length")[0] == pytest.approx(
+            ref["mean_accepted_length"], abs=1e-4)
+        assert result.as_numpy("beta")[0] == pytest.approx(ref["beta"]["last"], rel=1e-6)
+    assert result.as_numpy("beta")[0] > 1.0  # the long prompt: SharpDraft is scaling
+
+
+def test_generate_endpoint_matches_the_generate_command_line(served, tiny_engine):
+    # Both user-facing ends as a user runs them: `python -m runtime generate` in its own
+    # process, and a curl-style POST to the generate endpoint.
+    cli = subprocess.run([sys.executable, "-m", "runtime", "generate", "--engine-dir",
+                          str(tiny_engine), "--prompt", PROMPTS[0], "--max-new-tokens", "10",
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    ref = json.loads(cli.stdout)
+    url = f"http://127.0.0.1:{served['http_port']}/v2/models/{served['model']}/generate"
+    body = json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 10}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60) as response:
+        reply = json.loads(response.read())
+    assert reply["token_ids"] == ref["tokens"] and reply["text"] == ref["text"]
+    assert reply["verify_steps"] == ref["verify_steps"]
+    assert reply["finish_reason"] == ("stop" if ref["stopped_by"] == "stop_token" else "length")
+
+
+def test_concurrent_clients_each_get_their_own_output(served, tiny_engine):
+    from runtime.engine import Engine
+
+    engine = Engine(tiny_engine)
+    clients, per_client = 16, 8
+    # Every client asks its own prompt and length, so a crossed response cannot pass.
+    work = {c: (f"{PROMPTS[c % 3]}\n    # client {c}", 4 + c % 5) for c in range(clients)}
+    expected = {c: engine.generate(engine.encode(p), n).tokens for c, (p, n) in work.items()}
+    got, failures = {c: [] for c in range(clients)}, []
+    start = threading.Barrier(clients)
+
+    def run(c):
+        module, client = _client("http" if c % 2 else "grpc", served)
+        prompt, n = work[c]
+        start.wait()
+        for _ in range(per_client):
+            try:
+                got[c].append(client.infer(served["model"], _inputs(module, prompt, n))
+                              .as_numpy("token_ids").tolist())
+            except Exception as exc:
+                failures.append((c, str(exc)))
+        client.close()
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not failures
+    for c in range(clients):
+        assert got[c] == [expected[c]] * per_client, f"client {c}"
+
+
+BAD_REQUESTS = [
+    ("empty prompt", dict(prompt="   "), "prompt is empty"),
+    ("no tokens", dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    ("too many tokens", dict(max_new_tokens=10**9), "exceeds this server's limit of 256"),
+    ("prompt beyond context", dict(prompt="x = 1\n" * 400), "the target's context holds 512"),
+    ("wrong dtype", dict(seed=("FP32", 1.5)), "'seed' data-type is 'FP32'"),
+    ("unknown field", dict(colour=3), "unexpected inference input 'colour'"),
+    ("bad temperature", dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+@pytest.mark.parametrize("case, change, message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_an_error_and_the_server_stays_ready(served, kind, case, change, message):
+    module, client = _client(kind, served)
+    args = {"prompt": PROMPTS[0], "max_new_tokens": 4} | change
+    prompt, n = args.pop("prompt"), args.pop("max_new_tokens")
+    if "seed" in args:  # deliberately the wrong type
+        datatype, value = args.pop("seed")
+        tensors = _inputs(module, prompt, n, **args)
+        wrong = module.InferInput("seed", [1], datatype)
+        wrong.set_data_from_numpy(np.array([value], dtype=np.float32))
+        tensors.append(wrong)
+    else:
+        tensors = _inputs(module, prompt, n, **args)
+    with pytest.raises(Exception) as refused:
+        client.infer(served["model"], tensors)
+    assert message in str(refused.value)
+    assert client.is_server_ready() and client.is_model_ready(served["model"])
+    good = client.infer(served["model"], _inputs(module, PROMPTS[1], 4))
+    assert len(good.as_numpy("token_ids")) >= 1
+
+
+def test_generate_endpoint_refuses_an_unknown_field_by_name(served):
+    url = f"http://127.0.0.1:{served['http_port']}/v2/models/{served['model']}/generate"
+    body = json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 4, "max_tokens": 4}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60)
+    assert refused.value.code == 400 and "'max_tokens'" in refused.value.read().decode()
+
+
+def test_streaming_sends_one_response_per_verify_step(served, tiny_engine, capsys):
+    ref = _reference(tiny_engine, LONG_PROMPT, 10, capsys)
+    responses = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['grpc_port']}")
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(served["stream_model"], _inputs(grpcclient, LONG_PROMPT, 10))
+    steps, final = [], None
+    while final is None:
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            final = result
+        else:
+            steps.append(result)
+    client.stop_stream()
+    client.close()
+    # The prefill commits the first token; then one response per verify step.
+    assert len(steps) == ref["verify_steps"] + 1
+    assert sum((s.as_numpy("token_ids").tolist() for s in steps), []) == ref["tokens"]
+    text = "".join(r.as_numpy("text")[0].decode() for r in steps + [final])
+    assert text == ref["text"]
+    assert final.as_numpy("verify_steps")[0] == ref["verify_steps"]
+    assert final.as_numpy("beta")[0] == pytest.approx(ref["beta"]["last"], rel=1e-6)
+
+
+def test_loadtest_reports_and_matches_in_process(served, tiny_engine, capsys):
+    capsys.readouterr()
+    code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
+                 "--concurrency", "4", "--requests", "12", "--max-new-tokens", "8",
+                 "--engine-dir", str(tiny_engine), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["model"] == served["model"]  # the only non-streaming model, found by itself
+    assert report["server"]["ok"] == 12 and report["server"]["errors"] == 0
+    assert report["token_mismatches"] == 0
+    latency = report["server"]["latency_ms"]
+    assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+    assert report["server"]["mean_accepted_length"] >= 1.0
+    assert report["in_process"]["ok"] == 12
