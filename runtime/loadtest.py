@@ -22,7 +22,7 @@ PROMPTS = [
 ]
 
 
-def add_loadtest(sub):
+def add_parser(sub):
     p = sub.add_parser("loadtest", help="load a served model: throughput, latency, MAL")
     p.add_argument("--url", required=True,
                    help="http://HOST:PORT (HTTP) or grpc://HOST:PORT (gRPC)")
@@ -193,7 +193,7 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
     return summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, 0), outputs
 
 
-def cmd_loadtest(args) -> int:
+def run(args) -> int:
     for name in ("concurrency", "requests", "max_new_tokens", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

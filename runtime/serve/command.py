@@ -12,7 +12,7 @@ from runtime.cli import UsageError, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
 
 
-def add_serve(sub):
+def add_parser(sub):
     p = sub.add_parser("serve", help="write a Triton model repository (and start the server)")
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--model-repository", required=True, metavar="OUT")
@@ -41,7 +41,7 @@ def add_serve(sub):
     p.add_argument("--debug", action="store_true")
 
 
-def cmd_serve(args) -> int:
+def run(args) -> int:
     from pathlib import Path
 
     from runtime.serve import repository, server
