@@ -81,3 +81,18 @@ def native_drafter_graph(tmp_path_factory, onnx_engine) -> Path:
     path = tmp_path_factory.mktemp("native") / "drafter-native.onnx"
     export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def torch_engine(onnx_engine):
+    """The ONNX engine's checkpoints run by the torch backend: the reference side."""
+    from runtime.engine import Engine
+
+    return Engine(onnx_engine, backend="torch")
+
+
+@pytest.fixture(scope="session")
+def ort_engine(onnx_engine):
+    from runtime.engine import Engine
+
+    return Engine(onnx_engine)

@@ -20,26 +20,6 @@ PROMPT_LENGTHS = (17, 600)
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from a second thread, and on a shared 2-core machine
-    # waking a pool costs more than the work: both backends run single-threaded here.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def torch_engine(onnx_engine):
-    return Engine(onnx_engine, backend="torch")
-
-
-@pytest.fixture(scope="module")
-def ort_engine(onnx_engine):
-    return Engine(onnx_engine)
-
-
 class RecordedDrafter:
     """Passes a drafter through, keeping every block it proposed (greedy)."""
 
