@@ -52,16 +52,32 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def scaling_from_args(args, drafter: str) -> QueryScaling | None:
+def scaling_overrides(args, drafter: str) -> dict:
+    """--ref-keys/--top-k/--slope/--max-log-scale given, checked before anything loads."""
     overrides = {k: v for k, v in (("ref_keys", args.ref_keys), ("top_k", args.top_k),
                                    ("slope", args.slope), ("max_log_scale", args.max_log_scale))
                  if v is not None}
-    if not args.sharpdraft:
-        if overrides:
-            raise UsageError(f"--{next(iter(overrides)).replace('_', '-')} needs --sharpdraft")
-        return None
+    if not args.sharpdraft and overrides:
+        raise UsageError(f"--{next(iter(overrides)).replace('_', '-')} needs --sharpdraft")
     try:
-        return QueryScaling(**(PRESETS[drafter].to_dict() | overrides))
+        QueryScaling(**(PRESETS[drafter].to_dict() | overrides))
+    except ValueError as exc:
+        raise UsageError(f"invalid query scaling: {exc}") from None
+    return overrides
+
+
+def choose_scaling(args, drafter: str, drafter_dir: Path, overrides: dict):
+    """(scaling or None, where it came from): the drafter's own calibration when its
+    checkpoint has one, else the family preset; command-line values on top."""
+    if not args.sharpdraft:
+        return None, None
+    calibrated = checkpoints.calibrated_scaling(drafter_dir)
+    base, source = ((calibrated, f"calibrated ({checkpoints.CALIBRATION_FILE} in the drafter checkpoint)")
+                    if calibrated else (PRESETS[drafter], f"preset {drafter!r}"))
+    if overrides:
+        source += " + command-line values"
+    try:
+        return QueryScaling(**(base.to_dict() | overrides)), source
     except ValueError as exc:
         raise UsageError(f"invalid query scaling: {exc}") from None
 
@@ -111,7 +127,7 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
 
 def main(argv) -> int:
     args = parse(argv)
-    scaling = scaling_from_args(args, args.drafter)
+    overrides = scaling_overrides(args, args.drafter)
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
@@ -129,6 +145,7 @@ def main(argv) -> int:
     progress(f"      target: {model.config.model_type}, {model.config.num_layers} layers, "
              f"hidden {model.config.hidden_size}, vocab {model.config.vocab_size} ({target_dir})")
     drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+    scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
     drafter = load_dflash(drafter_dir)
     drafter.config.check_target(model.config)
     progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
@@ -144,7 +161,9 @@ def main(argv) -> int:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        extra = {"max_seq_len": max_seq_len} | export_check_build(
+        provenance = ({"query_scaling_source": scaling_source,
+                       "preset": PRESETS[args.drafter].to_dict()} if scaling else {})
+        extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention, model, drafter, scaling, max_seq_len)
         target_record = checkpoint_record(target_dir) | {"source": source}
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
@@ -158,7 +177,7 @@ def main(argv) -> int:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
-            f"cap={scaling.cap:.4f}" if scaling else "SharpDraft off (frozen drafter)")
+            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend {backend}; {beta})")
     print(f"next: python -m runtime generate --engine-dir {out} --prompt 'def fib(n):' "
           "--max-new-tokens 64")

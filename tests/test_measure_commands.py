@@ -69,15 +69,19 @@ def test_diagnose_shows_dilution_and_sharpening(tiny_engine, doc, tmp_path, caps
 
 def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_drafter, doc,
                                                           tmp_path, capsys):
+    import shutil
+
     import build_engine
 
+    drafter = tmp_path / "drafter"  # a copy: --write-checkpoint adds a file to it
+    shutil.copytree(tiny_drafter, drafter)
     engine = tmp_path / "engine"
     assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
-                              str(tiny_drafter), "--ref-keys", "64", "--top-k", "8",
+                              str(drafter), "--ref-keys", "64", "--top-k", "8",
                               "--output", str(engine)]) == 0
     code = run(main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
                       "--slopes", "2", "5", "--lengths", "150", "300", "--short", "40",
-                      "--new-tokens", "8", "--docs", str(doc)])
+                      "--new-tokens", "8", "--docs", str(doc), "--write-checkpoint"])
     assert code == 0, capsys.readouterr().err
     manifest = json.loads((engine / "engine.json").read_text())
     calibration = manifest["extra"]["calibration"]
@@ -90,3 +94,13 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
                       "--max-new-tokens", "6", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["sharpdraft"] == calibration["chosen"]
+    # the checkpoint now carries the choice: a new engine defaults to it, preset recorded
+    saved = json.loads((drafter / "sharpdraft.json").read_text())
+    assert saved["query_scaling"] == calibration["chosen"]
+    again = tmp_path / "again"
+    assert build_engine.main(["--sharpdraft", "--backend", "torch", "--target", str(tiny_target),
+                              "--drafter-checkpoint", str(drafter), "--output", str(again)]) == 0
+    rebuilt = json.loads((again / "engine.json").read_text())
+    assert rebuilt["query_scaling"] == calibration["chosen"]
+    assert rebuilt["extra"]["query_scaling_source"].startswith("calibrated")
+    assert rebuilt["extra"]["preset"]["ref_keys"] == 2048
