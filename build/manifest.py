@@ -30,8 +30,9 @@ def engine_files(engine_dir: Path) -> dict:
 
 
 def checkpoint_record(directory: Path) -> dict:
-    """sha256 of each file of a checkpoint directory (weights, config, tokenizer)."""
-    files = sorted(p for p in directory.iterdir() if p.is_file())
+    """sha256 of each file of a checkpoint directory (weights, config, tokenizer, the
+    calibration); its prose (cards, *.md) is no dependency and may be edited freely."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix != ".md")
     return {"path": str(directory.resolve()),
             "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
 
