@@ -1,9 +1,10 @@
 """`python -m runtime bench`: mean accepted length (MAL) and speed against context length.
 
 For each context length, the first N tokens of each document are prefilled ONCE; from
-that same prefill the engine then decodes greedily three ways -- target-only, frozen
-drafter, SharpDraft drafter -- and the rows report MAL, tokens/s, speedup over
-target-only, how often beta > 1, and whether all three produced the same tokens.
+that same prefill the engine then decodes three ways -- target-only, frozen drafter,
+SharpDraft drafter -- greedily (or with lossless sampling, --temperature), and the rows
+report MAL, tokens/s, speedup over target-only, how often beta > 1 and, for greedy runs,
+whether all three produced the same tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def add_parser(sub):
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: lossless speculative sampling instead of greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="the same seed starts every run")
     p.add_argument("--json", metavar="OUT", help="write the results object here ('-': stdout)")
     p.add_argument("--plot", metavar="PNG")
     p.add_argument("--debug", action="store_true")
@@ -45,20 +50,22 @@ def check_args(args, context_limit: int) -> None:
                          f"({args.new_tokens}) must be within the target's {context_limit}")
 
 
-def run_three_ways(engine, prompt: list[int], new_tokens: int, order) -> dict:
-    """Greedy decoding three ways from one prefill of `prompt`."""
+def run_three_ways(engine, prompt: list[int], new_tokens: int, order,
+                   sampling=None) -> dict:
+    """Decoding three ways from one prefill of `prompt` (greedy unless `sampling`)."""
     from runtime import speculative
     from runtime.backends import PrefillOnce
-    from runtime.sampling import Sampler
+    from runtime.sampling import Sampler, Sampling
 
+    sampling = sampling or Sampling()
     once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
     gens = {}
     for mode in order:
         if mode == "target":
-            gens[mode] = speculative.generate_target_only(once, prompt, new_tokens, Sampler())
+            gens[mode] = speculative.generate_target_only(once, prompt, new_tokens, Sampler(sampling))
         else:
             gens[mode] = speculative.generate_block(once, engine.drafter(mode == "sharpdraft"),
-                                                    prompt, new_tokens, Sampler())
+                                                    prompt, new_tokens, Sampler(sampling))
     return gens
 
 
@@ -69,7 +76,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def summarize(context: int, runs: list[dict]) -> dict:
+def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
     """Pool the documents of one context length: MAL = tokens / verify steps overall."""
     def pooled(mode, field):
         gens = [r[mode] for r in runs]
@@ -89,12 +96,13 @@ def summarize(context: int, runs: list[dict]) -> dict:
     row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
     row["mal_per_document"] = {m: [round(r[m].mean_accepted_length, 3) for r in runs]
                                for m in ("frozen", "sharpdraft")}
-    row["identical_to_target"] = {
-        m: [first_difference(r[m].tokens, r["target"].tokens) is None for r in runs]
-        for m in ("frozen", "sharpdraft")}
-    row["first_divergence"] = {
-        m: [first_difference(r[m].tokens, r["target"].tokens) for r in runs]
-        for m in ("frozen", "sharpdraft")}
+    if greedy:  # sampled runs draw different tokens by design; only greedy must agree
+        row["identical_to_target"] = {
+            m: [first_difference(r[m].tokens, r["target"].tokens) is None for r in runs]
+            for m in ("frozen", "sharpdraft")}
+        row["first_divergence"] = {
+            m: [first_difference(r[m].tokens, r["target"].tokens) for r in runs]
+            for m in ("frozen", "sharpdraft")}
     return row
 
 
@@ -149,12 +157,17 @@ def run(args) -> int:
 
     from runtime.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.sampling import Sampling
 
     engine = Engine(args.engine_dir, backend=args.backend)
     if engine.scaling is None:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft; bench compares the "
                          "frozen and SharpDraft drafters of one engine")
     check_args(args, engine.context_limit)
+    try:
+        sampling = Sampling(args.temperature, args.top_p, args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     paths = args.docs or default_documents("eval", args.max_docs)
     docs = tokenized(engine.encode, paths, max(args.lengths))
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
@@ -169,9 +182,9 @@ def run(args) -> int:
         for i, (name, ids) in enumerate(docs):
             bar.set_postfix(context=length, doc=name)
             order = MODES[i % 3:] + MODES[:i % 3]  # rotate who goes first: warm caches, fairness
-            runs.append(run_three_ways(engine, ids[:length], args.new_tokens, order))
+            runs.append(run_three_ways(engine, ids[:length], args.new_tokens, order, sampling))
             bar.update(1)
-        rows.append(summarize(length, runs))
+        rows.append(summarize(length, runs, sampling.greedy))
         r = rows[-1]
         bar.write(f"  {length:>6} tokens: MAL frozen {r['mal_frozen']:.3f} -> SharpDraft "
                   f"{r['mal_sharpdraft']:.3f}; tok/s target {r['tok_s_target']:.1f}, frozen "
@@ -184,6 +197,7 @@ def run(args) -> int:
         "drafter_checkpoint": engine.manifest.drafter_checkpoint["path"],
         "training_max_length": training_max_length(engine),
         "query_scaling": engine.scaling.to_dict(), "new_tokens": args.new_tokens,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
         "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
     }
     text = json.dumps(result, indent=2)
@@ -204,8 +218,9 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'context':>8} {'MAL frozen':>10} {'MAL SharpD':>10} {'tok/s tgt':>9} "
           f"{'tok/s frz':>9} {'tok/s SD':>9} {'x frozen':>8} {'x SD':>6} {'beta>1':>6} {'same':>5}")
     for r in rows:
-        same = all(r["identical_to_target"]["frozen"] + r["identical_to_target"]["sharpdraft"])
+        same = r.get("identical_to_target")
+        same = "-" if same is None else "yes" if all(same["frozen"] + same["sharpdraft"]) else "NO"
         print(f"{r['context_tokens']:>8} {r['mal_frozen']:>10.3f} {r['mal_sharpdraft']:>10.3f} "
               f"{r['tok_s_target']:>9.1f} {r['tok_s_frozen']:>9.1f} {r['tok_s_sharpdraft']:>9.1f} "
               f"{r['speedup_frozen']:>8.2f} {r['speedup_sharpdraft']:>6.2f} "
-              f"{r['beta_above_1_fraction']:>6.2f} {'yes' if same else 'NO':>5}")
+              f"{r['beta_above_1_fraction']:>6.2f} {same:>5}")

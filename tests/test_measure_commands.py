@@ -38,6 +38,21 @@ def test_bench_reports_three_ways_from_one_prefill(tiny_engine, doc, tmp_path, c
     assert "MAL frozen" in capsys.readouterr().out
 
 
+def test_bench_under_sampling_reports_mal_without_identity(tiny_engine, doc, tmp_path, capsys):
+    out = tmp_path / "sampled.json"
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "100",
+                      "--new-tokens", "10", "--docs", str(doc), "--temperature", "0.8",
+                      "--top-p", "0.9", "--seed", "3", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["sampling"] == {"temperature": 0.8, "top_p": 0.9, "seed": 3}
+    row = result["rows"][0]
+    assert "identical_to_target" not in row and 1 <= row["mal_sharpdraft"] <= 4
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "100",
+                      "--docs", str(doc), "--temperature", "-1"])
+    assert code == 2 and "temperature" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_document_too_short(tiny_engine, tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("def f():\n    return 1\n")
