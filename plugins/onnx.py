@@ -16,6 +16,7 @@ import onnx.defs
 import torch
 
 from plugins.attention import _scaling_from_fields, reference_attention, sharpdraft_attention
+from plugins import plugin_spec
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from plugins.scaling import QueryScaling
 
@@ -30,7 +31,8 @@ _INT, _FLOAT, _STRING = (onnx.defs.OpSchema.AttrType.INT, onnx.defs.OpSchema.Att
                          onnx.defs.OpSchema.AttrType.STRING)
 # ONNX stores float attributes (and TensorRT float32 plugin fields) as float32: the
 # slope and max_log_scale a plugin sees are the float32 roundings of QueryScaling's.
-FIELD_TYPES = {"ref_keys": _INT, "top_k": _INT, "slope": _FLOAT, "max_log_scale": _FLOAT}
+FIELD_TYPES = {name: _INT if kind is int else _FLOAT
+               for name, kind in plugin_spec.FIELD_TYPES.items()}
 
 
 def _schema() -> onnx.defs.OpSchema:

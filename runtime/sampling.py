@@ -52,8 +52,7 @@ class Sampler:
         return probs
 
     def _draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs.float() if probs.dtype == torch.float16 else probs,
-                                     1, generator=self.generator))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def pick(self, logits: torch.Tensor) -> int:
         """One token from logits [vocab]."""
