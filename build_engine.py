@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 from build import checkpoints
-from build.manifest import EngineError, Manifest, checkpoint_record, engine_files
+from runtime.manifest import EngineError, Manifest, dependency_record, engine_files, verify_files
+from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
+from runtime.backends import BACKENDS
 from runtime.cli import Parser, UsageError, progress, run
+from runtime.models.target import DTYPES
 
 DRAFTERS = ("dflash",)
-DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
-ATTENTION = ("plugin", "native")
 
 
 def parse(argv):
@@ -40,9 +40,9 @@ def parse(argv):
     p.add_argument("--slope", type=float)
     p.add_argument("--max-log-scale", type=float)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                    help="auto: tensorrt where it works, else onnxruntime")
-    p.add_argument("--attention", choices=ATTENTION, default="plugin",
+    p.add_argument("--attention", choices=ATTENTION_FORMS, default="plugin",
                    help="SharpDraft in the exported drafter: the SharpDraftAttention plugin "
                         "node, or plain ONNX ops")
     p.add_argument("--max-seq-len", type=int, metavar="N",
@@ -136,8 +136,8 @@ def main(argv) -> int:
         raise UsageError(f"--backend {backend} exports float32 graphs here; pass --dtype float32")
 
     import torch
-    from runtime.models.dflash import load_dflash
-    from runtime.models.target import load_target
+    from runtime.models.dflash import CHECKPOINT_FILES, load_dflash
+    from runtime.models.target import checkpoint_files, load_target
 
     progress(f"[1/4] load (backend {backend})")
     target_dir, source = checkpoints.prepare_target(args.target, progress)
@@ -162,12 +162,12 @@ def main(argv) -> int:
     partial.mkdir(parents=True)
     try:
         provenance = ({"query_scaling_source": scaling_source,
-                       "preset": PRESETS[args.drafter].to_dict()} if scaling else {})
+                       "family_preset": PRESETS[args.drafter].to_dict()} if scaling else {})
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention, model, drafter, scaling, max_seq_len)
-        target_record = checkpoint_record(target_dir) | {"source": source}
+        target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
-                            drafter_checkpoint=checkpoint_record(drafter_dir),
+                            drafter_checkpoint=dependency_record(drafter_dir, CHECKPOINT_FILES),
                             query_scaling=scaling, block_size=drafter.config.block_size,
                             dtype=args.dtype, artifacts=engine_files(partial), extra=extra)
         manifest.write(partial)
@@ -176,6 +176,7 @@ def main(argv) -> int:
         raise
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
+    verify_files(out, manifest, full=True)  # every file hashed once more, and stamped for fast loads
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
             f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend {backend}; {beta})")

@@ -152,6 +152,7 @@ def _export(module, example, shapes, input_names, output_names, path: Path, atte
         program = torch.export.export(module.eval(), example, dynamic_shapes=shapes, strict=False)
         table = None
         if attention == "plugin":
+            onnx_attention.register_schema()  # the onnxscript tracer must know the node
             table = {torch.ops.sharpdraft.attention.default: onnx_attention.plugin_translation}
         else:
             program = program.run_decompositions(

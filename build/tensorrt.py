@@ -13,8 +13,8 @@ from typing import Callable, Mapping, Sequence
 
 from plugins import plugin_spec
 from plugins.tensorrt import TensorRTUnavailable, import_tensorrt, register_plugin
+from runtime.models.target import DTYPES
 
-DTYPES = ("float32", "float16", "bfloat16")
 
 Shape = Sequence[int]
 Profile = Mapping[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max) shape

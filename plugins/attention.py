@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from plugins.scaling import QueryScaling, _tracing
 
-__all__ = ["sharpdraft_attention", "reference_attention", "visible_counts"]
+__all__ = ["sharpdraft_attention", "reference_attention", "visible_counts", "check_inputs", "register"]
 
 
 def visible_counts(visible: torch.Tensor, kv_len: int, mask: torch.Tensor | None = None):
@@ -45,7 +45,10 @@ def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | Non
     return out.to(q.dtype)
 
 
-def _check_inputs(q, k, v, visible, mask) -> None:
+def check_inputs(q, k, v, visible, mask=None) -> None:
+    """The op's input contract, checked once before dispatch on every device (one host
+    sync for the visible-count range: a fused kernel would otherwise clamp bad counts and
+    compute beta from the clamped value, silently)."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [b,h,q,d] and k/v [b,kvh,kv,d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -53,28 +56,62 @@ def _check_inputs(q, k, v, visible, mask) -> None:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (grouped heads)")
     if visible.shape != q.shape[:1] + q.shape[2:3] or visible.dtype != torch.int64:
         raise ValueError(f"visible must be int64 [batch, q_len], got {visible.dtype} {tuple(visible.shape)}")
-    if bool((visible < 1).any() | (visible > k.shape[2]).any()):
-        raise ValueError(f"visible counts must lie in [1, kv_len={k.shape[2]}]")
     if mask is not None and mask.shape != (q.shape[0], q.shape[2], k.shape[2]):
         raise ValueError(f"mask must be [batch, q_len, kv_len], got {tuple(mask.shape)}")
+    if visible.numel():
+        low, high = (int(x) for x in torch.aminmax(visible))
+        if low < 1 or high > k.shape[2]:
+            raise ValueError(f"visible counts must lie in [1, kv_len={k.shape[2]}], got {low}..{high}")
 
 
-def _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale):
+def _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale):
+    """The op's flat scalar arguments back into a QueryScaling (None: unscaled)."""
     return QueryScaling(ref_keys, top_k, slope, max_log_scale) if scaled else None
 
 
-@torch.library.custom_op("sharpdraft::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                  mask: torch.Tensor | None, scaled: bool, ref_keys: int, top_k: int,
-                  slope: float, max_log_scale: float) -> torch.Tensor:
-    _check_inputs(q, k, v, visible, mask)
-    return reference_attention(q, k, v, visible, mask,
-                               _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale))
+def _fused_kernel_applies(q, mask) -> bool:
+    """CUDA tensors without a tree mask, in a dtype and head size the Triton kernel takes."""
+    if not q.is_cuda or mask is not None:
+        return False
+    try:
+        from plugins import triton_kernel
+    except ImportError:
+        return False
+    return q.dtype in triton_kernel.DTYPES and q.shape[-1] <= triton_kernel.MAX_HEAD_DIM
 
 
-@_attention_op.register_fake
-def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
-    return torch.empty_like(q)
+def _attention(q, k, v, visible, mask, scaling):
+    check_inputs(q, k, v, visible, mask)
+    if _fused_kernel_applies(q, mask):
+        from plugins import triton_kernel
+
+        return triton_kernel.launch(q, k, v, visible, scaling)
+    return reference_attention(q, k, v, visible, mask, scaling)
+
+
+_op = None
+
+
+def register() -> None:
+    """Define the torch custom op `sharpdraft::attention` (idempotent). Called by
+    sharpdraft_attention on first use, so importing this module registers nothing."""
+    global _op
+    if _op is not None:
+        return
+
+    @torch.library.custom_op("sharpdraft::attention", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+           mask: torch.Tensor | None, scaled: bool, ref_keys: int, top_k: int,
+           slope: float, max_log_scale: float) -> torch.Tensor:
+        return _attention(q, k, v, visible, mask,
+                          _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale))
+
+    @op.register_fake
+    def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
+        return torch.empty_like(q)
+
+    op.register_autograd(_backward, setup_context=_setup_context)
+    _op = op
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,38 +125,14 @@ def _backward(ctx, grad):
     q, k, v, visible, mask = ctx.saved_tensors
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = reference_attention(*leaves, visible, mask, _scaling_from_fields(*ctx.fields))
+        out = reference_attention(*leaves, visible, mask, _scaling_from_op_args(*ctx.fields))
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _register_cuda_kernel() -> None:
-    # On CUDA the op runs the fused Triton kernel; elsewhere the reference above.
-    if not torch.cuda.is_available():
-        return
-    try:
-        from plugins import triton_kernel
-    except ImportError:
-        return
-
-    @_attention_op.register_kernel("cuda")
-    def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
-        scaling = _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale)
-        # Tree masks, float64 and very wide heads stay on the reference path.
-        if (mask is not None or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-                or q.shape[-1] > triton_kernel.MAX_HEAD_DIM):
-            return reference_attention(q, k, v, visible, mask, scaling)
-        return triton_kernel.attention(q, k, v, visible, scaling)
-
-
-_register_cuda_kernel()
-
-
 def sharpdraft_attention(q, k, v, visible, scaling: QueryScaling | None = None, mask=None):
     """Attention over prefix-visible keys with SharpDraft's query scale (None: plain)."""
+    register()
     s = scaling or QueryScaling()
     return torch.ops.sharpdraft.attention(q, k, v, visible, mask, scaling is not None,
                                           s.ref_keys, s.top_k, s.slope, s.max_log_scale)

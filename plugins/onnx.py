@@ -15,9 +15,9 @@ import onnx
 import onnx.defs
 import torch
 
-from plugins.attention import _scaling_from_fields, reference_attention, sharpdraft_attention
+from plugins.attention import _scaling_from_op_args, reference_attention, sharpdraft_attention
 from plugins import plugin_spec
-from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, onnx_attributes
 from plugins.scaling import QueryScaling
 
 # onnxruntime-extensions serves Python ops from this one domain only. TensorRT's parser
@@ -69,9 +69,6 @@ def register_schema() -> None:
         onnx.defs.register_schema(_schema())
 
 
-register_schema()  # the exporter's onnxscript tracer needs it before the first node
-
-
 def plugin_translation(q, k, v, visible, mask=None, scaled: bool = True, ref_keys: int = 2048,
                        top_k: int = 32, slope: float = 5.0, max_log_scale: float = 0.5):
     """torch.onnx custom translation of sharpdraft::attention: the plugin node."""
@@ -82,17 +79,15 @@ def plugin_translation(q, k, v, visible, mask=None, scaled: bool = True, ref_key
                          "in the native form")
     if not scaled:
         raise ValueError(f"{PLUGIN_NAME} always scales; export unscaled attention natively")
-    fields = plugin_fields(QueryScaling(ref_keys, top_k, slope, max_log_scale))
     op = getattr(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), PLUGIN_NAME)
-    return op(q, k, v, visible, plugin_version=PLUGIN_VERSION,
-              plugin_namespace=PLUGIN_NAMESPACE, **fields)
+    return op(q, k, v, visible, **onnx_attributes(QueryScaling(ref_keys, top_k, slope, max_log_scale)))
 
 
 def native_decomposition(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
     """Decomposition of sharpdraft::attention into ATen ops (then plain ONNX ops):
     the reference itself, traced, so beta comes from QueryScaling.beta."""
     return reference_attention(q, k, v, visible, mask,
-                               _scaling_from_fields(scaled, ref_keys, top_k, slope, max_log_scale))
+                               _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale))
 
 
 _ort_op_registered = False

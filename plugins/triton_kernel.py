@@ -18,11 +18,12 @@ import triton.language as tl
 
 from plugins.scaling import QueryScaling
 
-__all__ = ["attention", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
+__all__ = ["attention", "launch", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
            "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256  # above this one tile of Q and O no longer fits in registers
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = tuple(_DTYPES)  # the torch dtypes the kernel takes
 
 # The kernel's int32 scalar arguments, in order. TensorRT's AOT plugins launch a kernel as
 # (input pointers..., int32 scalars..., output pointers...), so the signature keeps that
@@ -103,8 +104,8 @@ def _attend_rows(Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_hi,
     q = tl.load(Q + batch * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qm
                 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     visible = tl.load(VISIBLE + batch * stride_visible_b + query, mask=row_ok, other=0)
-    # Clamp instead of checking on the host (a check would cost a device sync per step):
-    # counts outside [0, kv_len] cannot read out of bounds.
+    # Callers check counts (plugins.attention.check_inputs); TensorRT's plugin cannot check
+    # on the host, so the clamp keeps a bad count there from reading out of bounds.
     visible = tl.minimum(tl.maximum(visible, 0), kv_len).to(tl.int32)
     row_scale = _row_beta(visible, SCALED, TOP_K, INV_SLOPE, BIAS, CAP) * SCORE_SCALE
 
@@ -309,14 +310,8 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_inputs(q, k, v, visible) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [b,h,q,d] and k/v [b,kvh,kv,d], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (grouped heads)")
-    if visible.shape != (q.shape[0], q.shape[2]) or visible.dtype != torch.int64:
-        raise ValueError(f"visible must be int64 [batch, q_len], got {visible.dtype} {tuple(visible.shape)}")
+def _check_kernel_inputs(q, k, v) -> None:
+    """What this kernel adds to the op's contract (plugins.attention.check_inputs)."""
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"the Triton SharpDraft kernel takes float32/float16/bfloat16 q, k, v of "
                          f"one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -358,7 +353,18 @@ def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m:
     block_m / block_n override the tile sizes and `splits` the number of key slices
     (default: key_splits for this GPU; 1 is the single-pass kernel TensorRT runs).
     """
-    _check_inputs(q, k, v, visible)
+    from plugins.attention import check_inputs
+
+    check_inputs(q, k, v, visible)
+    _check_kernel_inputs(q, k, v)
+    return launch(q, k, v, visible, scaling, block_m=block_m, block_n=block_n, splits=splits,
+                  num_warps=num_warps, num_stages=num_stages)
+
+
+def launch(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
+           block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
+           num_stages: int = 2) -> torch.Tensor:
+    """attention() without input checks, for callers that validated already (the op)."""
     q, k, v, visible = (_last_dim_contiguous(t) for t in (q, k, v, visible))
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]

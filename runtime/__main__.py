@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from runtime import bench, calibrate, demo, diagnose, generate, loadtest, overhead
+from runtime.commands import bench, calibrate, demo, diagnose, generate, loadtest, overhead, serve
 from runtime.cli import Parser, run
-from runtime.serve import command as serve
 
 COMMANDS = {"generate": generate, "bench": bench, "calibrate": calibrate, "diagnose": diagnose,
             "demo": demo, "overhead": overhead, "serve": serve, "loadtest": loadtest}

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from build.manifest import EngineError
+from runtime.manifest import EngineError
 from runtime.models.target import ModelError
 
 
@@ -31,7 +32,10 @@ def progress(message: str) -> None:
 
 
 def run(main, argv, debug_flag="--debug") -> int:
-    """Call main(argv); turn expected failures into one line on stderr."""
+    """Call main(argv); turn expected failures into one line on stderr. Every command
+    starts here, so this is where the process is made offline by construction: the loaders
+    also pass local_files_only, this keeps anything else from reaching for a model hub."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
     debug = debug_flag in argv
     try:
         return main(argv) or 0

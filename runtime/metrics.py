@@ -69,3 +69,12 @@ class Generation:
                      "fraction_above_1": sum(b > 1.0 for b in self.beta_per_step)
                      / len(self.beta_per_step)} if self.beta_per_step else None,
         }
+
+
+def pooled_mean_accepted_length(gens: list[Generation]) -> float:
+    """MAL over several generations: all committed tokens / all verify passes."""
+    return sum(sum(g.committed_per_step) for g in gens) / sum(g.verify_steps for g in gens)
+
+
+def pooled_tokens_per_second(gens: list[Generation]) -> float:
+    return sum(len(g.tokens) for g in gens) / sum(g.decode_seconds for g in gens)

@@ -142,8 +142,8 @@ def timings(report: dict, contexts, repeats: int, sm_count: int) -> None:
             visible = torch.full((batch, q_len), kv, device=DEVICE)
             beta = scaling.beta(visible.float())[:, None, :, None].to(dtype)
             run = {
-                "kernel": lambda: triton_kernel.attention(q, k, v, visible, scaling),
-                "kernel_single_pass": lambda: triton_kernel.attention(q, k, v, visible, scaling, splits=1),
+                "kernel": lambda: triton_kernel.launch(q, k, v, visible, scaling),
+                "kernel_single_pass": lambda: triton_kernel.launch(q, k, v, visible, scaling, splits=1),
                 "reference_op": lambda: reference_attention(q, k, v, visible, None, scaling),
                 # What a frozen drafter pays: SDPA over all keys (a DFlash block sees them all),
                 # with beta folded into q beforehand.

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from plugins import attention
 from plugins.attention import reference_attention, sharpdraft_attention
 from plugins.scaling import QueryScaling
 
@@ -115,3 +116,39 @@ def test_bad_visible_counts_are_refused(visible, message):
     q, k, v, _ = random_case(6, 1, 1, 1, 2, 10)
     with pytest.raises(ValueError, match=message):
         sharpdraft_attention(q, k, v, visible, SCALING)
+
+
+def attention_weights(q, k, scaling):
+    """The op's attention weights: with V = identity over the keys, output row = weights."""
+    n = k.shape[2]
+    v = torch.eye(n, dtype=q.dtype)[None, None]
+    visible = torch.full(q.shape[:1] + q.shape[2:3], n)
+    return sharpdraft_attention(q, k, v, visible, scaling)[0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(40, 300), st.floats(1.0, 10.0))
+def test_op_scaling_keeps_argmax_and_top_k_set_and_sharpens(seed, n, slope):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, 4, n, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, n, n, generator=g, dtype=torch.float64)
+    scaling = QueryScaling(ref_keys=36, top_k=32, slope=slope)  # beta > 1 at n >= 40 keys
+    plain, sharp = attention_weights(q, k, None), attention_weights(q, k, scaling)
+    assert torch.equal(plain.argmax(-1), sharp.argmax(-1))
+    top = plain.topk(32, -1).indices.sort(-1).values
+    assert torch.equal(top, sharp.topk(32, -1).indices.sort(-1).values)
+    assert bool((sharp.topk(32, -1).values.sum(-1) > plain.topk(32, -1).values.sum(-1)).all())
+
+
+def test_every_device_path_validates_before_dispatch(monkeypatch):
+    # The fused kernel clamps counts it is handed; the op must refuse them first, on the
+    # path CUDA takes too. Force that path (the kernel runs under TRITON_INTERPRET here).
+    q, k, v, _ = random_case(7, 1, 1, 2, 2, 10, d=16)
+    q, k, v = q.float(), k.float(), v.float()
+    monkeypatch.setattr(attention, "_fused_kernel_applies", lambda q, mask: True)
+    ok = sharpdraft_attention(q, k, v, torch.tensor([[10, 4]]), SCALING)
+    assert torch.allclose(ok, reference_attention(q, k, v, torch.tensor([[10, 4]]), scaling=SCALING),
+                          atol=1e-5)
+    for bad in ([[11, 4]], [[0, 4]]):
+        with pytest.raises(ValueError, match=r"visible counts must lie in \[1, kv_len=10\]"):
+            sharpdraft_attention(q, k, v, torch.tensor(bad), SCALING)

@@ -5,7 +5,8 @@ documents out of training."""
 import pytest
 
 import build_engine
-from build import checkpoints, corpus
+from build import checkpoints
+from runtime import corpus
 from runtime.cli import run
 from runtime.models.target import ModelError
 

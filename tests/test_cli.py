@@ -9,6 +9,7 @@ import pytest
 import build_engine
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
+from runtime.manifest import FORMAT_VERSION
 
 
 def call(main, argv, capsys):
@@ -89,7 +90,7 @@ def test_tampered_or_unknown_engines_are_refused(tiny_engine, tmp_path, capsys):
     (copy / "engine.json").write_text(json.dumps(manifest))
     code, _, err = generate(copy, "--prompt", "x", capsys=capsys)
     assert code == 1 and "format_version 99" in err
-    manifest["format_version"] = 1
+    manifest["format_version"] = FORMAT_VERSION
     name = next(iter(manifest["drafter_checkpoint"]["files"]))
     manifest["drafter_checkpoint"]["files"][name]["sha256"] = "0" * 64
     (copy / "engine.json").write_text(json.dumps(manifest))
@@ -137,3 +138,26 @@ def test_a_real_process_exits_nonzero_without_traceback(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_streamed_terminal_text_never_shows_half_a_character(tiny_engine, monkeypatch, capsys):
+    # Byte-level tokens can split one character: "é" is the bytes C3 A9, two tokens here.
+    from runtime.engine import Engine
+    from runtime.metrics import Generation
+
+    tokenizer = Engine(tiny_engine).tokenizer
+    split = tokenizer.convert_tokens_to_ids(["Ã", "©"])  # byte-level symbols of C3 and A9
+    ids = tokenizer("caf", add_special_tokens=False).input_ids + split
+    assert "\ufffd" in tokenizer.decode(ids[:-1])  # the split really is mid-character
+
+    def fake_generate(self, prompt, max_new_tokens, mode, sampling, stop=True, on_tokens=None):
+        gen = Generation(len(prompt))
+        for token in ids:
+            gen.tokens.append(token)
+            on_tokens([token])
+        return gen
+
+    monkeypatch.setattr(Engine, "generate", fake_generate)
+    code, out, err = generate(tiny_engine, "--prompt", "x", capsys=capsys)
+    assert code == 0, err
+    assert out == "café\n"

@@ -11,7 +11,7 @@ import torch
 
 import build_engine
 from build import export
-from build.manifest import EngineError, read_manifest
+from runtime.manifest import EngineError, read_manifest
 from plugins.onnx import DOMAIN
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from runtime.backends.onnxruntime import OnnxDFlash, open_session
@@ -78,9 +78,9 @@ def test_manifest_records_the_build(onnx_engine, torch_engine):
     assert [i["name"] for i in drafter["inputs"]] == list(export.DRAFTER_INPUTS)
     assert drafter["outputs"][0]["shape"] == ["batch", 3, 320]  # block 4 -> 3 drafts
     assert drafter["plugin_nodes"] == 1 and record["graphs"]["drafter_frozen"]["plugin_nodes"] == 0
-    on_disk = {p.name for p in onnx_engine.iterdir()} - {"engine.json"}
+    on_disk = {p.name for p in onnx_engine.iterdir()} - {"engine.json", ".verified.json"}
     assert set(data["artifacts"]) == on_disk
-    read_manifest(onnx_engine, verify=True)  # every sha256 matches
+    read_manifest(onnx_engine, verify="full")  # every sha256 matches
 
 
 def prompt(n, seed=0):
@@ -106,9 +106,9 @@ def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_dr
     scaling = torch_engine.scaling
     native = OnnxDFlash(open_session(native_drafter_graph), torch_engine.drafter_model.config.block_size,
                         torch_engine.drafter_model.config.mask_token_id, scaling)
-    drafters = {"torch": torch_engine.drafter(True), "plugin": ort_engine.drafter(True),
-                "native": native, "torch frozen": torch_engine.drafter(False),
-                "ort frozen": ort_engine.drafter(False)}
+    drafters = {"torch": torch_engine.drafter(), "plugin": ort_engine.drafter(),
+                "native": native, "torch frozen": torch_engine.drafter(frozen=True),
+                "ort frozen": ort_engine.drafter(frozen=True)}
     features = torch.randn(context + 1, drafters["torch"].feature_size,
                            generator=torch.Generator().manual_seed(context))
     out = {}

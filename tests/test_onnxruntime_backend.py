@@ -52,8 +52,8 @@ def text_prompt(engine, n):
 @pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
 def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, torch_engine, ort_engine):
     prompt = text_prompt(torch_engine, length)
-    ours = speculate(ort_engine, ort_engine.drafter(sharpdraft), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(sharpdraft), prompt)
+    ours = speculate(ort_engine, ort_engine.drafter(frozen=not sharpdraft), prompt)
+    theirs = speculate(torch_engine, torch_engine.drafter(frozen=not sharpdraft), prompt)
     assert ours == theirs
     assert len(ours[0]) == NEW_TOKENS
     assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
@@ -72,7 +72,7 @@ def test_plugin_and_native_forms_draft_the_same_tokens(native_drafter_graph, tor
     native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,
                         ort_engine.onnx.mask_token_id, ort_engine.scaling)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
-    assert speculate(ort_engine, native, prompt) == speculate(ort_engine, ort_engine.drafter(True),
+    assert speculate(ort_engine, native, prompt) == speculate(ort_engine, ort_engine.drafter(),
                                                               prompt)
 
 
@@ -110,7 +110,7 @@ def test_unknown_engine_format_is_refused_with_one_line_error(capsys, tmp_path, 
     engine_dir = tmp_path / "engine"
     shutil.copytree(onnx_engine, engine_dir)
     manifest = engine_dir / "engine.json"
-    manifest.write_text(manifest.read_text().replace('"format_version": 1', '"format_version": 99'))
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"format_version": 99}))
     code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
     assert code == 1 and "format_version 99" in one_line_error(capsys)
 

@@ -11,7 +11,9 @@ import yaml
 
 from runtime.__main__ import main
 from runtime.cli import run
+from runtime.manifest import resolve_path
 from runtime.serve import protocol, repository, server
+from runtime.streaming import TextStream
 
 
 def test_repository_holds_a_python_model_per_variant(tiny_engine, tmp_path):
@@ -24,13 +26,17 @@ def test_repository_holds_a_python_model_per_variant(tiny_engine, tmp_path):
         config = (model / "config.pbtxt").read_text()
         assert f'name: "{name}"' in config and 'backend: "python"' in config
         assert "count: 3" in config and "kind: KIND_CPU" in config
-        assert f'string_value: "{tiny_engine.resolve()}"' in config
+        # paths relative to the model directory, so a moved or copied checkout serves too
+        params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', config))
+        assert not any(params[k].startswith("/") for k in ("engine_dir", "repo_root"))
+        assert (model / params["engine_dir"]).resolve() == tiny_engine.resolve()
+        assert (model / params["repo_root"]).resolve() == repository.REPO_ROOT
         assert 'key: "max_new_tokens_limit"\n  value: { string_value: "77" }' in config
         assert ("decoupled: true" in config) == name.endswith("-stream")
 
 
 def test_config_declares_the_issue_contract(tiny_engine):
-    config = repository.config_pbtxt("m", tiny_engine, 1, False, 10)
+    config = repository.config_pbtxt("m", tiny_engine.parent / "repo" / "m", tiny_engine, 1, False, 10)
     declared = {m[0]: (m[1], m[2], bool(m[3])) for m in re.findall(
         r'name: "(\w+)"\n\s+data_type: (TYPE_\w+)\n\s+dims: \[ ([-\d, ]+) \](\n\s+optional: true)?',
         config)}
@@ -102,7 +108,7 @@ def test_streamed_text_concatenates_to_the_whole_decode():
     def decode(ids):
         return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
 
-    stream = protocol.TextStream(decode)
+    stream = TextStream(decode)
     deltas = [stream.push([1]), stream.push([2]), stream.push([3, 4])]
     assert deltas == ["caf", "", "é ok"]  # the half character is held back, not sent as U+FFFD
     assert "".join(deltas) + stream.flush() == decode([1, 2, 3, 4])
@@ -115,7 +121,7 @@ def test_trtllm_recipe_carries_the_dflash_config_and_sharpdraft(tiny_engine, tin
     drafter = json.loads((tiny_drafter / "config.json").read_text())
     manifest = json.loads((tiny_engine / "engine.json").read_text())
     assert config["backend"] == "pytorch"
-    assert config["model"] == manifest["target"]["path"]
+    assert config["model"] == str(resolve_path(manifest["target"]["path"]))
     assert config["speculative_config"] == {
         "decoding_type": "DFlash",
         "max_draft_len": drafter["block_size"] - 1,
@@ -177,3 +183,14 @@ def test_the_stub_environment_puts_numpy1_and_this_checkout_first(tmp_path):
     assert (prefix / "bin" / "python3").is_symlink() and (prefix / "pyvenv.cfg").is_file()
     pth = next(prefix.glob("lib/python3.*/site-packages/sharpdraft.pth")).read_text().splitlines()
     assert pth[:2] == [str(tmp_path / "stub-site"), str(repository.REPO_ROOT)]
+
+
+def test_internal_errors_reach_the_client_as_an_id_not_internals():
+    try:
+        open("/nonexistent/secret/path/model.bin")
+    except OSError as exc:
+        reply, log = protocol.internal_error(exc)
+    incident = re.search(r"id ([0-9a-f]{12})", reply).group(1)
+    assert "secret" not in reply and "FileNotFoundError" not in reply and "\n" not in reply
+    assert f"id {incident}" in log and "/nonexistent/secret/path/model.bin" in log
+    assert "Traceback" in log

@@ -270,7 +270,7 @@ def test_streaming_sends_one_response_per_verify_step(served, tiny_engine, capsy
     steps, final = [], None
     while final is None:
         result, error = responses.get(timeout=120)
-        assert error is None, error
+        assert error is None, str(error)
         if result.get_response().parameters["triton_final_response"].bool_param:
             final = result
         else:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
 from runtime.backends.torch import TorchDFlash, TorchTarget
@@ -67,18 +68,32 @@ def test_the_lossless_check_exercises_acceptance():
     assert max(accepted) > 1.5
 
 
-def test_stats_report_visible_keys_and_beta():
+def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
+    import runtime.models.dflash as dflash
+
+    handed = []  # (visible counts, scaling) of every drafter attention call
+
+    def recording(q, k, v, visible, scaling=None, mask=None):
+        handed.append((visible.clone(), scaling))
+        return sharpdraft_attention(q, k, v, visible, scaling, mask)
+
+    monkeypatch.setattr(dflash, "sharpdraft_attention", recording)
     target, drafter = tiny_pair(3, vocab=8, block=4)
     scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
     t, d = runners(target, drafter, scaling)
     gen = generate_block(t, d, list(range(1, 8)), 30, Sampler())
-    # step s drafts after prompt + committed tokens; every block row sees context + block
+    layers = drafter.config.num_layers
+    assert len(handed) == layers * gen.verify_steps
     committed = 7
-    for visible, b, c in zip(gen.visible_per_step, gen.beta_per_step, gen.committed_per_step):
-        assert visible == committed + 4
-        assert b == scaling.beta(visible)
+    for step, (visible, b, c) in enumerate(zip(gen.visible_per_step, gen.beta_per_step,
+                                               gen.committed_per_step)):
+        counts, applied = handed[step * layers]
+        # every block row sees the committed context plus the whole block (bidirectional)
+        assert counts.unique().tolist() == [committed + 4] == [visible]
+        assert applied is scaling and b == applied.beta(int(counts[0, 0]))
         committed += c
     assert gen.mean_accepted_length == sum(gen.committed_per_step) / gen.verify_steps
+    assert max(gen.beta_per_step) > 1.0  # the trace covers scaled steps, not only beta = 1
 
 
 def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:

@@ -171,12 +171,13 @@ def test_strided_views_match_contiguous_inputs():
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_visible_counts_outside_the_cache_are_clamped_not_read(splits):
-    # The op refuses such counts on the host; the kernel itself must stay in bounds anyway.
+    # The op refuses such counts on the host; the kernel itself (what TensorRT's plugin
+    # launches, with no host check) must stay in bounds anyway.
     q, k, v, _ = make_case(9, 1, 1, 1, 2, 300, 16)
-    clamped = triton_kernel.attention(q, k, v, torch.tensor([[300, 300]]), SMALL, splits=splits)
-    beyond = triton_kernel.attention(q, k, v, torch.tensor([[301, 10**9]]), SMALL, splits=splits)
+    clamped = triton_kernel.launch(q, k, v, torch.tensor([[300, 300]]), SMALL, splits=splits)
+    beyond = triton_kernel.launch(q, k, v, torch.tensor([[301, 10**9]]), SMALL, splits=splits)
     assert torch.equal(clamped, beyond)
-    nothing = triton_kernel.attention(q, k, v, torch.tensor([[0, 300]]), SMALL, splits=splits)
+    nothing = triton_kernel.launch(q, k, v, torch.tensor([[0, 300]]), SMALL, splits=splits)
     assert torch.equal(nothing[:, :, 0], torch.zeros(1, 1, 16))
 
 
@@ -186,6 +187,8 @@ def test_visible_counts_outside_the_cache_are_clamped_not_read(splits):
     (lambda q, k, v, vis: (q, k.half(), v, vis), "one dtype"),
     (lambda q, k, v, vis: (q[:, :3], k, v, vis), "grouped heads"),
     (lambda q, k, v, vis: (q, k, v[:, :, :5], vis), "expected q"),
+    (lambda q, k, v, vis: (q, k, v, vis + 1), r"visible counts must lie in \[1, kv_len=10\]"),
+    (lambda q, k, v, vis: (q, k, v, vis * 0), r"visible counts must lie in \[1, kv_len=10\]"),
 ])
 def test_bad_inputs_are_refused_with_a_reason(change, message):
     q, k, v, _ = make_case(1, 1, 2, 2, 3, 10, 16)

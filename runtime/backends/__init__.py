@@ -20,6 +20,9 @@ import torch
 
 from plugins.scaling import QueryScaling
 
+BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what an engine can be built for
+RUNNABLE_BACKENDS = ("torch", "onnxruntime")  # what this runtime runs
+
 
 class Target(Protocol):
     context_limit: int

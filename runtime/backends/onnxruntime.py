@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from build.manifest import EngineError, Manifest
+from runtime.manifest import EngineError, Manifest
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
 

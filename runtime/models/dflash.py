@@ -240,24 +240,33 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
-def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Read a drafter in the published layout: config.json + model.safetensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+CHECKPOINT_FILES = ("config.json", "model.safetensors")  # all that load_dflash reads
 
-    path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
+
+def read_dflash_config(path: str | Path) -> DFlashConfig:
+    """A drafter checkpoint's config.json, checked: the one parser of it."""
+    cfg_file = Path(path) / CHECKPOINT_FILES[0]
     if not cfg_file.is_file():
         raise ModelError(f"{path} has no config.json (not a DFlash checkpoint)")
-    if not weights.is_file():
-        raise ModelError(f"{path} has no model.safetensors")
     try:
         data = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ModelError(f"{cfg_file} must hold a JSON object")
-    config = DFlashConfig.from_json(data)
+    return DFlashConfig.from_json(data)
+
+
+def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Read a drafter in the published layout: config.json + model.safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = read_dflash_config(path)
+    weights = path / CHECKPOINT_FILES[1]
+    if not weights.is_file():
+        raise ModelError(f"{path} has no model.safetensors")
     model = DFlashDrafter(config)
     try:
         state = load_file(weights)

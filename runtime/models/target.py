@@ -19,8 +19,8 @@ from torch import nn
 from plugins.attention import sharpdraft_attention
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by construction: never touch a hub
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")  # weight dtypes engines are built in
 
 
 class ModelError(ValueError):
@@ -152,6 +152,11 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The files of a transformers directory that loading it reads: all but prose (*.md)."""
+    return sorted(p.name for p in Path(directory).iterdir() if p.is_file() and p.suffix != ".md")
 
 
 def _weights_in(directory: Path) -> list[Path]:

@@ -13,10 +13,15 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        # The repository points back at the checkout that wrote it, so a server started
-        # by hand (not through `serve --start`) still finds the runtime package.
-        if params["repo_root"] not in sys.path:
-            sys.path.insert(0, params["repo_root"])
+        # The repository points back at the checkout that wrote it (paths relative to this
+        # model's directory), so a server started by hand (not through `serve --start`)
+        # still finds the runtime package, and a moved checkout still serves.
+        model_dir = args["model_repository"]
+        repo_root = os.path.normpath(os.path.join(model_dir, params["repo_root"]))
+        engine_dir = os.path.normpath(os.path.join(model_dir, params["engine_dir"]))
+        if repo_root not in sys.path:
+            sys.path.insert(0, repo_root)
+        os.environ["HF_HUB_OFFLINE"] = "1"  # offline by construction: never touch a hub
         import torch
 
         # Instances are separate processes on the same cores: share the cores out rather
@@ -28,12 +33,13 @@ class TritonPythonModel:
 
         from runtime.engine import Engine
         from runtime.serve import protocol
+        from runtime.streaming import TextStream
 
-        self.protocol = protocol
+        self.protocol, self.TextStream = protocol, TextStream
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.engine = Engine(params["engine_dir"])
-        pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {params['engine_dir']} "
+        self.engine = Engine(engine_dir)
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
                                  f"{'streaming' if self.decoupled else 'one response per request'}")
 
@@ -61,9 +67,10 @@ class TritonPythonModel:
     def _error(self, exc):
         if isinstance(exc, self.protocol.RequestError):
             return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-        pb_utils.Logger.log_error(f"generate failed: {type(exc).__name__}: {exc}")
-        return pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}",
-                                    pb_utils.TritonError.INTERNAL)
+        # A bug, not the request: the details (paths, internals) stay in the server log.
+        reply, log = self.protocol.internal_error(exc)
+        pb_utils.Logger.log_error(log)
+        return pb_utils.TritonError(reply, pb_utils.TritonError.INTERNAL)
 
     def _tensors(self, arrays):
         return [pb_utils.Tensor(name, value) for name, value in arrays.items()]
@@ -90,7 +97,7 @@ class TritonPythonModel:
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
             return
-        text = self.protocol.TextStream(self.engine.decode)
+        text = self.TextStream(self.engine.decode)
 
         def on_tokens(new):
             if request.is_cancelled():  # the client went away: stop spending the instance on it

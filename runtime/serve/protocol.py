@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import traceback
+import uuid
 
 import numpy as np
 
@@ -46,6 +48,15 @@ OUTPUTS = (
 
 class RequestError(ValueError):
     """A request the model refuses; the message goes back to the client as is."""
+
+
+def internal_error(exc: BaseException) -> tuple[str, str]:
+    """(reply, log entry) for an unexpected failure: the client gets a short message with
+    an id to quote; the server log gets the same id with the exception and traceback."""
+    incident = uuid.uuid4().hex[:12]
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    return (f"internal error (id {incident}); the server log has the details",
+            f"generate failed (id {incident}): {type(exc).__name__}: {exc}\n{trace}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,26 +173,3 @@ def outputs(text: str, token_ids: list[int], gen, finish: str) -> dict:
 
 def finish_reason(gen) -> str:
     return "stop" if gen.stopped_by == "stop_token" else "length"
-
-
-class TextStream:
-    """Turns committed token ids into text deltas whose concatenation is exactly
-    decode(all ids), holding back a trailing partial UTF-8 character until it completes."""
-
-    def __init__(self, decode):
-        self.decode, self.ids, self.sent = decode, [], ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
-            return ""
-        return self._take(text)
-
-    def flush(self) -> str:
-        return self._take(self.decode(self.ids))
-
-    def _take(self, text: str) -> str:
-        # Byte-level BPE decodes prefix-stably, so the new text extends what was sent.
-        delta, self.sent = text[len(self.sent):], text
-        return delta

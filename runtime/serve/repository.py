@@ -6,11 +6,12 @@ also writes TensorRT-LLM's `llmapi` model.yaml with a DFlash speculative_config.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
-from build.manifest import read_manifest
+from runtime.manifest import read_manifest
 from runtime.serve import protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +41,14 @@ def _tensor_block(kind: str, tensors) -> str:
     return f"{kind} [\n" + ",\n".join(entries) + "\n]\n"
 
 
-def config_pbtxt(name: str, engine_dir: Path, instances: int, streaming: bool,
+def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
                  max_new_tokens_limit: int, threads: str = "auto") -> str:
-    params = {"engine_dir": str(Path(engine_dir).resolve()), "repo_root": str(REPO_ROOT),
+    # Paths relative to the model's own directory (model.py resolves them against the
+    # model_repository path Triton hands it), so a copied or moved checkout still serves.
+    def relative(path: Path) -> str:
+        return os.path.relpath(Path(path).resolve(), Path(model_dir).resolve())
+
+    params = {"engine_dir": relative(engine_dir), "repo_root": relative(REPO_ROOT),
               "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads}
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
@@ -65,7 +71,7 @@ def write_model(out: Path, name: str, engine_dir: Path, instances: int, streamin
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
-        config_pbtxt(name, engine_dir, instances, streaming, max_new_tokens_limit, threads))
+        config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
@@ -73,10 +79,10 @@ def write_model(out: Path, name: str, engine_dir: Path, instances: int, streamin
 def write_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                     threads: str = "auto") -> list[str]:
+                     threads: str = "auto", verify: str = "quick") -> list[str]:
     """Write the model(s) for `engine_dir` into the repository `out`; returns their names."""
     engine_dir = Path(engine_dir)
-    read_manifest(engine_dir)  # refuse a missing or stale engine now, not at server start
+    read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
     if instances < 1:
         raise ValueError(f"--instances must be >= 1, got {instances}")
     if max_new_tokens_limit < 1:
@@ -111,23 +117,20 @@ def trtllm_settings(engine_dir: str | Path) -> dict:
     if manifest.drafter != "dflash":
         raise ValueError(f"--trtllm writes a DFlash speculative_config; this engine's drafter "
                          f"is {manifest.drafter!r}")
-    drafter_dir = Path(manifest.drafter_checkpoint["path"])
-    drafter = json.loads((drafter_dir / "config.json").read_text())
-    dflash = drafter.get("dflash_config", {})
+    from runtime.models.dflash import read_dflash_config
 
-    def pick(key):  # some drafter configs keep these at top level (see FACTS)
-        return dflash.get(key, drafter.get(key))
-
+    drafter = read_dflash_config(manifest.drafter_dir)
     return {
-        "model": str(manifest.target["path"]),
+        # TensorRT-LLM resolves paths against its own working directory: give absolute ones.
+        "model": str(manifest.target_dir),
         "block_size": manifest.block_size,
         "speculative_config": {
             "decoding_type": "DFlash",
             # One target pass verifies [bonus, d1..dK]: K = block_size - 1 drafts.
             "max_draft_len": manifest.block_size - 1,
-            "speculative_model": str(drafter_dir),
-            "mask_token_id": int(pick("mask_token_id")),
-            "target_layer_ids": [int(i) for i in pick("target_layer_ids")],
+            "speculative_model": str(manifest.drafter_dir),
+            "mask_token_id": drafter.mask_token_id,
+            "target_layer_ids": list(drafter.target_layer_ids),
         },
         "sharpdraft": manifest.query_scaling.to_dict() if manifest.query_scaling else None,
     }

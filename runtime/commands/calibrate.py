@@ -5,8 +5,9 @@ sequences and asks to be re-validated per drafter. This sweeps ref_keys x slope 
 calibration split (never the evaluation documents), measuring greedy MAL at long
 contexts and at one context within the drafter's training length, and keeps the setting
 with the best long-context MAL that loses no more than --tolerance at the short one.
-The choice becomes the engine's query scaling; the preset and the whole grid stay
-recorded in engine.json.
+The choice becomes the engine's query scaling; the scaling it replaces and the whole grid
+stay recorded in engine.json (extra.calibration); --write-checkpoint also saves it beside
+the drafter (sharpdraft.json), which engines read at build time only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from runtime.cli import UsageError, progress
+from runtime.metrics import pooled_mean_accepted_length
 
 
 def add_parser(sub):
@@ -42,10 +44,6 @@ def add_parser(sub):
     p.add_argument("--debug", action="store_true")
 
 
-def pooled_mal(gens) -> float:
-    return sum(sum(g.committed_per_step) for g in gens) / sum(g.verify_steps for g in gens)
-
-
 def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
     """{setting: {length: [Generation per doc]}}; setting None = frozen drafter."""
     from runtime import speculative
@@ -57,7 +55,7 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
         for _, ids in docs:
             once = PrefillOnce(engine.target, ids[:length], length + new_tokens)
             for setting in results:
-                drafter = engine.drafter(setting if setting is not None else False)
+                drafter = engine.drafter_with_scaling(setting)
                 results[setting][length].append(
                     speculative.generate_block(once, drafter, ids[:length], new_tokens, Sampler()))
                 bar.update(1)
@@ -65,13 +63,13 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
 
 
 def choose(results, lengths, short, tolerance):
-    frozen_short = pooled_mal(results[None][short])
+    frozen_short = pooled_mean_accepted_length(results[None][short])
     table = []
     for setting, by_length in results.items():
         row = {"query_scaling": setting.to_dict() if setting else None,
-               "mal_short": round(pooled_mal(by_length[short]), 4),
-               "mal_long": round(pooled_mal([g for n in lengths for g in by_length[n]]), 4),
-               "mal_by_length": {str(n): round(pooled_mal(by_length[n]), 4) for n in lengths}}
+               "mal_short": round(pooled_mean_accepted_length(by_length[short]), 4),
+               "mal_long": round(pooled_mean_accepted_length([g for n in lengths for g in by_length[n]]), 4),
+               "mal_by_length": {str(n): round(pooled_mean_accepted_length(by_length[n]), 4) for n in lengths}}
         row["keeps_short"] = row["mal_short"] >= (1 - tolerance) * frozen_short
         table.append((setting, row))
     candidates = [(s, r) for s, r in table if s is not None and r["keeps_short"]]
@@ -84,9 +82,9 @@ def choose(results, lengths, short, tolerance):
 
 def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
     """Make `chosen` the engine's scaling; re-export a compiled drafter graph if any."""
-    from build.manifest import engine_files, read_manifest
+    from runtime.manifest import engine_files
 
-    manifest = read_manifest(engine_dir)
+    manifest = engine.manifest
     manifest.query_scaling = chosen
     manifest.extra["calibration"] = record
     onnx = manifest.extra.get("onnx")
@@ -108,8 +106,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from plugins.scaling import QueryScaling
-    from runtime.bench import training_max_length
-    from runtime.documents import default_documents, tokenized
+    from runtime.commands.bench import training_max_length
+    from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
 
     engine_dir = Path(args.engine_dir)
@@ -136,7 +134,7 @@ def run(args) -> int:
         results = sweep(engine, docs, lengths, short, settings, args.new_tokens, bar)
     chosen, table = choose(results, lengths, short, args.tolerance)
     frozen = table[0]
-    record = {"preset": engine.manifest.query_scaling.to_dict() if engine.manifest.query_scaling else None,
+    record = {"previous_scaling": engine.scaling.to_dict(),
               "chosen": chosen.to_dict() if chosen else None, "criterion":
               f"max mean MAL at {lengths}; MAL at {short} >= (1 - {args.tolerance}) x frozen",
               "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
@@ -159,11 +157,11 @@ def run(args) -> int:
     else:
         apply(engine_dir, engine, chosen, record)
         progress(f"calibrate: {engine_dir}/engine.json now uses ref_keys={chosen.ref_keys} "
-                 f"slope={chosen.slope} (preset recorded under extra.calibration)")
+                 f"slope={chosen.slope} (the previous values kept under extra.calibration)")
         if args.write_checkpoint:
             from build.checkpoints import CALIBRATION_FILE
 
-            path = Path(engine.manifest.drafter_checkpoint["path"]) / CALIBRATION_FILE
+            path = engine.manifest.drafter_dir / CALIBRATION_FILE
             path.write_text(json.dumps({"query_scaling": chosen.to_dict(), "calibration": record},
                                        indent=2) + "\n")
             progress(f"calibrate: wrote {path}")

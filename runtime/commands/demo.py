@@ -25,9 +25,9 @@ def add_parser(sub):
 
 def run(args) -> int:
     import build_engine
-    from build.manifest import EngineError, read_manifest
-    from runtime.bench import run_three_ways, summarize, first_difference
-    from runtime.documents import default_documents, tokenized
+    from runtime.manifest import EngineError, read_manifest
+    from runtime.commands.bench import run_three_ways, summarize, first_difference
+    from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
 
     engine_dir = Path(args.engine_dir)

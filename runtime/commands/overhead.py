@@ -11,13 +11,14 @@ import json
 import statistics
 import time
 
+from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 
 
 def add_parser(subparsers):
     p = subparsers.add_parser("overhead", help="drafter step time with SharpDraft vs frozen")
     p.add_argument("--engine-dir", required=True)
-    p.add_argument("--backend", choices=("torch", "onnxruntime"),
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
                    help="run with this backend instead of the one engine.json names")
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096], metavar="N",
                    help="context tokens in the drafter's cache before the timed step")
@@ -42,7 +43,7 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
     """Median step time of both drafters with `context` tokens cached (+1 new per step)."""
     import torch
 
-    drafters = {"sharpdraft": engine.drafter(True), "frozen": engine.drafter(False)}
+    drafters = {"sharpdraft": engine.drafter(), "frozen": engine.drafter(frozen=True)}
     features = torch.randn(context + 1, drafters["frozen"].feature_size,
                            generator=torch.Generator().manual_seed(context))
     bonus = 0  # token values do not change the work a step does

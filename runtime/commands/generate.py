@@ -7,13 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
+from runtime.streaming import TextStream
 
 
 def add_parser(sub):
     p = sub.add_parser("generate", help="generate text with an engine (streams to the terminal)")
     p.add_argument("--engine-dir", required=True)
-    p.add_argument("--backend", choices=("torch", "onnxruntime"),
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
                    help="run with this backend instead of the one engine.json names")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -27,6 +29,8 @@ def add_parser(sub):
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file the engine depends on (default: size/mtime stamp)")
     p.add_argument("--debug", action="store_true")
 
 
@@ -54,7 +58,7 @@ def run(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    engine = Engine(args.engine_dir, backend=args.backend)
+    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
@@ -63,31 +67,21 @@ def run(args) -> int:
     if mode == "sharpdraft" and engine.scaling is None:
         mode = "frozen"  # an engine built without --sharpdraft
     stream = None if args.json else TextStream(engine.decode)
+
+    def show(new: list[int]) -> None:
+        sys.stdout.write(stream.push(new))
+        sys.stdout.flush()
+
     gen = engine.generate(prompt, args.max_new_tokens, mode, sampling,
-                          stop=not args.ignore_eos, on_tokens=stream)
+                          stop=not args.ignore_eos, on_tokens=None if args.json else show)
     summary = gen.summary()
     scaling = engine.scaling.to_dict() if mode == "sharpdraft" else None
     if args.json:
         print(json.dumps({"mode": mode, "text": engine.decode(gen.tokens), "tokens": gen.tokens,
                           "sharpdraft": scaling} | summary))
     else:
-        print()
+        print(stream.flush())
         progress(f"[{mode}] {summary['new_tokens']} tokens, MAL {summary['mean_accepted_length']:.2f} "
                  f"over {summary['verify_steps']} verify steps, "
                  f"{summary['tokens_per_second']:.1f} tok/s")
     return 0
-
-
-class TextStream:
-    """Writes text as tokens are committed; decodes the whole output each time, since a
-    token's text can depend on its neighbours (byte-level BPE)."""
-
-    def __init__(self, decode):
-        self.decode, self.tokens, self.shown = decode, [], ""
-
-    def __call__(self, new: list[int]) -> None:
-        self.tokens.extend(new)
-        text = self.decode(self.tokens)
-        sys.stdout.write(text[len(self.shown):])
-        sys.stdout.flush()
-        self.shown = text

@@ -16,17 +16,19 @@ import statistics
 import sys
 from pathlib import Path
 
+from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
+from runtime.engine import MODES
+from runtime.metrics import pooled_mean_accepted_length, pooled_tokens_per_second
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
-MODES = ("target", "frozen", "sharpdraft")
 
 
 def add_parser(sub):
     p = sub.add_parser("bench", help="MAL and tokens/s vs context length: target-only, frozen, "
                                      "SharpDraft from the same prefill")
     p.add_argument("--engine-dir", required=True)
-    p.add_argument("--backend", choices=("torch", "onnxruntime"))
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
@@ -38,6 +40,8 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0, help="the same seed starts every run")
     p.add_argument("--json", metavar="OUT", help="write the results object here ('-': stdout)")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file the engine depends on (default: size/mtime stamp)")
     p.add_argument("--debug", action="store_true")
 
 
@@ -64,7 +68,7 @@ def run_three_ways(engine, prompt: list[int], new_tokens: int, order,
         if mode == "target":
             gens[mode] = speculative.generate_target_only(once, prompt, new_tokens, Sampler(sampling))
         else:
-            gens[mode] = speculative.generate_block(once, engine.drafter(mode == "sharpdraft"),
+            gens[mode] = speculative.generate_block(once, engine.drafter(frozen=mode == "frozen"),
                                                     prompt, new_tokens, Sampler(sampling))
     return gens
 
@@ -78,17 +82,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
     """Pool the documents of one context length: MAL = tokens / verify steps overall."""
-    def pooled(mode, field):
-        gens = [r[mode] for r in runs]
-        if field == "mal":
-            return sum(sum(g.committed_per_step) for g in gens) / sum(g.verify_steps for g in gens)
-        return sum(len(g.tokens) for g in gens) / sum(g.decode_seconds for g in gens)
-
     row = {"context_tokens": context, "documents": len(runs)}
     for mode in ("frozen", "sharpdraft"):
-        row[f"mal_{mode}"] = round(pooled(mode, "mal"), 4)
+        row[f"mal_{mode}"] = round(pooled_mean_accepted_length([r[mode] for r in runs]), 4)
     for mode in MODES:
-        row[f"tok_s_{mode}"] = round(pooled(mode, "tok_s"), 3)
+        row[f"tok_s_{mode}"] = round(pooled_tokens_per_second([r[mode] for r in runs]), 3)
     for mode in ("frozen", "sharpdraft"):
         row[f"speedup_{mode}"] = round(row[f"tok_s_{mode}"] / row["tok_s_target"], 4)
     betas = [b for r in runs for b in r["sharpdraft"].beta_per_step]
@@ -140,8 +138,9 @@ def plot(result: dict, path: str) -> None:
 
 
 def training_max_length(engine) -> int | None:
-    config = json.loads((Path(engine.manifest.drafter_checkpoint["path"]) / "config.json").read_text())
-    return (config.get("dflash_config") or {}).get("training_max_length")
+    from runtime.models.dflash import read_dflash_config
+
+    return read_dflash_config(engine.manifest.drafter_dir).training_max_length
 
 
 def machine() -> dict:
@@ -155,11 +154,11 @@ def machine() -> dict:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from runtime.documents import default_documents, tokenized
+    from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
     from runtime.sampling import Sampling
 
-    engine = Engine(args.engine_dir, backend=args.backend)
+    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
     if engine.scaling is None:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft; bench compares the "
                          "frozen and SharpDraft drafters of one engine")
@@ -193,7 +192,7 @@ def run(args) -> int:
     result = {
         "command": "python -m runtime bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else []),
         "engine_dir": str(args.engine_dir), "backend": engine.backend,
-        "target": Path(engine.manifest.target["path"]).name,
+        "target": engine.manifest.target_dir.name,
         "drafter_checkpoint": engine.manifest.drafter_checkpoint["path"],
         "training_max_length": training_max_length(engine),
         "query_scaling": engine.scaling.to_dict(), "new_tokens": args.new_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from build import corpus
+from runtime import corpus
 from runtime.cli import UsageError
 
 

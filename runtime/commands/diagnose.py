@@ -95,8 +95,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(args) -> int:
-    from runtime.bench import training_max_length
-    from runtime.documents import default_documents, tokenized
+    from runtime.commands.bench import training_max_length
+    from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
 
     engine = Engine(args.engine_dir, backend="torch")  # the probe reads torch tensors

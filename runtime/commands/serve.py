@@ -38,6 +38,8 @@ def add_parser(sub):
     p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--server-log", metavar="FILE", help="server output here instead of stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file the engine depends on (default: size/mtime stamp)")
     p.add_argument("--debug", action="store_true")
 
 
@@ -62,7 +64,8 @@ def run(args) -> int:
     try:
         models = repository.write_repository(args.engine_dir, args.model_repository,
                                              args.model_name, args.instances, args.streaming,
-                                             limit, args.threads)
+                                             limit, args.threads,
+                                             verify="full" if args.verify else "quick")
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None

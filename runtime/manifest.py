@@ -1,0 +1,188 @@
+"""engine.json: what an engine directory holds, how it was built, and the sha256 of
+every file it depends on. The runtime refuses an engine whose files no longer match.
+
+Dependencies outside the engine directory (target and drafter checkpoints) are named
+relative to the checkout when they lie inside it, so a moved or copied checkout, or an
+engine directory copied anywhere, still finds them; elsewhere they are absolute.
+
+Verification: the build hashes every file; a load compares each file's size and
+modification time with a stamp (`.verified.json` in the engine directory) written by
+the last load that hashed it, and hashes only what the stamp does not vouch for. So a
+load takes milliseconds at any model size, a changed file is still refused, and
+`verify="full"` (the commands' --verify) hashes everything again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+from plugins.scaling import QueryScaling
+from runtime.models.target import sha256_file
+
+FORMAT_VERSION = 2  # 2: checkout-relative dependency paths, exact dependency lists
+MANIFEST = "engine.json"
+STAMP = ".verified.json"
+VERIFY_MODES = ("quick", "full", "skip")
+CHECKOUT = Path(__file__).resolve().parents[1]
+# A file modified within this many seconds of being stamped could change again within the
+# same timestamp tick, unseen; such files are hashed again next time instead of stamped.
+RACY_SECONDS = 2.0
+
+
+class EngineError(ValueError):
+    """An engine directory we cannot use, with a one-line reason."""
+
+
+def portable_path(path: str | Path) -> str:
+    """How engine.json names a dependency: checkout-relative inside the checkout."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(CHECKOUT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def resolve_path(stored: str) -> Path:
+    """The inverse of portable_path, against the checkout this code runs from."""
+    path = Path(stored)
+    return path if path.is_absolute() else CHECKOUT / path
+
+
+def _file_entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def engine_files(engine_dir: Path) -> dict:
+    """Manifest.artifacts: sha256 of every file in an engine directory but engine.json
+    and the verification stamp."""
+    return {p.name: _file_entry(p) for p in sorted(Path(engine_dir).iterdir())
+            if p.is_file() and p.name not in (MANIFEST, STAMP)}
+
+
+def dependency_record(directory: Path, names: list[str]) -> dict:
+    """engine.json's record of a checkpoint: where it is and the sha256 of the files the
+    engine reads from it (`names`), nothing else: cards and a drafter's calibration file
+    (read once, at build time, into engine.json) may change freely."""
+    directory = Path(directory)
+    return {"path": portable_path(directory),
+            "files": {name: _file_entry(directory / name) for name in sorted(names)}}
+
+
+@dataclasses.dataclass
+class Manifest:
+    drafter: str
+    backend: str
+    target: dict
+    drafter_checkpoint: dict
+    query_scaling: QueryScaling | None
+    block_size: int
+    dtype: str = "float32"
+    artifacts: dict = dataclasses.field(default_factory=dict)  # files inside the engine dir
+    extra: dict = dataclasses.field(default_factory=dict)  # calibration, export details ...
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def target_dir(self) -> Path:
+        return resolve_path(self.target["path"])
+
+    @property
+    def drafter_dir(self) -> Path:
+        return resolve_path(self.drafter_checkpoint["path"])
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["query_scaling"] = self.query_scaling.to_dict() if self.query_scaling else None
+        data["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return data
+
+    def write(self, engine_dir: Path) -> Path:
+        engine_dir.mkdir(parents=True, exist_ok=True)
+        path = engine_dir / MANIFEST
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+
+def read_manifest(engine_dir: Path, verify: str = "quick") -> Manifest:
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    if not engine_dir.is_dir():
+        raise EngineError(f"{engine_dir} does not exist — run build_engine.py first")
+    if not path.is_file():
+        raise EngineError(f"{engine_dir} has no {MANIFEST} — run build_engine.py first")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}) — rebuild the engine") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise EngineError(f"{path} has format_version {version!r}; this runtime reads "
+                          f"{FORMAT_VERSION} — rebuild the engine")
+    try:
+        scaling = data["query_scaling"]
+        manifest = Manifest(
+            drafter=data["drafter"], backend=data["backend"], target=data["target"],
+            drafter_checkpoint=data["drafter_checkpoint"],
+            query_scaling=QueryScaling.from_dict(scaling) if scaling else None,
+            block_size=int(data["block_size"]), dtype=data.get("dtype", "float32"),
+            artifacts=data.get("artifacts", {}), extra=data.get("extra", {}))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{path} is malformed ({exc}) — rebuild the engine") from None
+    if verify != "skip":
+        verify_files(engine_dir, manifest, full=verify == "full")
+    return manifest
+
+
+def dependencies(engine_dir: Path, manifest: Manifest) -> list[tuple[Path, dict]]:
+    """(file, its record) for everything the engine depends on."""
+    checks = [(manifest.target_dir / name, rec) for name, rec in manifest.target["files"].items()]
+    checks += [(manifest.drafter_dir / name, rec)
+               for name, rec in manifest.drafter_checkpoint["files"].items()]
+    return checks + [(engine_dir / name, rec) for name, rec in manifest.artifacts.items()]
+
+
+def verify_files(engine_dir: Path, manifest: Manifest, full: bool = False) -> None:
+    """Refuse the engine if a dependency is missing or its content changed; hash only the
+    files the stamp does not vouch for (all of them when `full`), then refresh the stamp."""
+    stamp = {} if full else _read_stamp(engine_dir)
+    fresh = {}
+    now = time.time()
+    for path, rec in dependencies(engine_dir, manifest):
+        if not path.is_file():
+            raise EngineError(f"{path} named in {engine_dir / MANIFEST} is missing — rebuild the engine")
+        st = path.stat()
+        key, seen = str(path.resolve()), [st.st_size, st.st_mtime_ns, rec["sha256"]]
+        if stamp.get(key) == seen:
+            fresh[key] = seen
+            continue
+        if st.st_size != rec["bytes"] or sha256_file(path) != rec["sha256"]:
+            raise EngineError(f"{path} does not match the sha256 in {engine_dir / MANIFEST} — "
+                              "rebuild the engine")
+        if now - st.st_mtime > RACY_SECONDS:
+            fresh[key] = seen
+    if fresh != stamp:
+        _write_stamp(engine_dir, fresh)
+
+
+def _read_stamp(engine_dir: Path) -> dict:
+    try:
+        data = json.loads((engine_dir / STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_stamp(engine_dir: Path, stamp: dict) -> None:
+    # Atomic (server instances load at once); a read-only engine simply hashes every time.
+    tmp = engine_dir / f"{STAMP}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(stamp, indent=1) + "\n")
+        os.replace(tmp, engine_dir / STAMP)
+    except OSError:
+        tmp.unlink(missing_ok=True)
