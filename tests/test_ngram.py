@@ -1,9 +1,14 @@
-"""N-gram (prompt-lookup) drafting: the proposer finds what a brute-force search finds."""
+"""N-gram (prompt-lookup) drafting: the proposer finds what a brute-force search finds,
+and verifying its drafts (one-hot draft distributions) keeps the target's exact law."""
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from runtime.ngram import NGramProposer
+from runtime.sampling import Sampler, Sampling
+
+from exact_law import chi_square_p
 
 
 def lookup_by_scanning(tokens, max_ngram, min_ngram, k):
@@ -80,3 +85,22 @@ def test_settings_round_trip():
     assert NGramProposer.from_settings(settings_).settings() == settings_
     with pytest.raises(ValueError, match="not n-gram drafting settings"):
         NGramProposer.from_settings({"method": "dflash"})
+
+
+def test_one_hot_verification_keeps_the_target_law():
+    """One position, one fixed draft d (likely, unlikely, and outside top-p): the committed
+    token (d if accepted, else the residual draw) is distributed as the target's p."""
+    vocab, draws = 6, 10_000
+    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=7))
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    p = sampler.probs(logits[0])
+    order = p.argsort(descending=True).tolist()
+    assert p[order[-1]] == 0  # top-p cut it: such a draft must always be rejected
+    for d in (order[0], order[2], order[-1]):
+        counts, accepted = torch.zeros(vocab, dtype=torch.float64), 0
+        for _ in range(draws):
+            n, following = sampler.verify_deterministic([d], logits)
+            counts[d if n == 1 else following] += 1
+            accepted += n
+        assert chi_square_p(counts, p * draws) > 0.001, (d, counts)
+        assert abs(accepted / draws - float(p[d])) < 0.02  # acceptance is p(d)
