@@ -3,7 +3,9 @@
 Greedy: drafts are accepted while they equal the target's argmax. Sampling: standard
 speculative (rejection) sampling -- accept draft d with probability min(1, p(d)/q(d)),
 else draw from normalise(max(p - q, 0)) -- which leaves the committed tokens
-distributed exactly as the target's own sampler (temperature / top-p) would.
+distributed exactly as the target's own sampler (temperature / top-p) would. Drafts
+chosen without sampling (n-gram lookup) have a one-hot q: accept d with probability
+p(d), else draw from p with d removed.
 """
 
 from __future__ import annotations
@@ -88,3 +90,15 @@ class Sampler:
             total = float(residual.sum())
             return i, self._draw(residual / total if total > 0 else p[i])
         return k, self._draw(p[k])
+
+    def verify_deterministic(self, drafts: list[int], target_logits: torch.Tensor):
+        """verify() for drafts proposed without a distribution (n-gram lookup).
+
+        Their q is one-hot on the draft, so the rule above becomes: accept d with
+        probability p(d), else draw from p with d removed and renormalised.
+        """
+        if self.sampling.greedy:
+            return self.verify(drafts, target_logits, None)
+        ids = torch.tensor(drafts, dtype=torch.long, device=target_logits.device)
+        one_hot = torch.nn.functional.one_hot(ids, target_logits.shape[-1])
+        return self.verify(drafts, target_logits, one_hot.double())

@@ -1,10 +1,14 @@
-"""The decoding loops: target-only, and DFlash-style block speculation.
+"""The decoding loops: target-only, DFlash-style block speculation, n-gram lookup.
 
 Block speculation, one step: the drafter sees the target features of the tokens
 committed since its last step and drafts a block [bonus, d1 .. d(k)] in one pass; the
 target verifies the block in one pass; the longest agreeing prefix is kept plus the
 target's own next token; the target cache rolls back to the committed length and the
 verified features of the kept tokens become the drafter's new context.
+
+N-gram speculation, one step: the proposer looks the context's last tokens up in the
+context itself and proposes what followed them (or nothing); the target verifies
+[last committed token, *drafts] in one pass, exactly as for a block.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable
 
 from runtime.backends import BlockDrafter, Target
 from runtime.metrics import Generation
+from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
 
 OnTokens = Callable[[list[int]], None]
@@ -86,5 +91,30 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
             gen.committed_per_step.append(accepted + 1)
             gen.visible_per_step.append(visible)
             gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
+            done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
+    return gen
+
+
+def generate_ngram(target: Target, proposer: NGramProposer, prompt: list[int],
+                   max_new_tokens: int, sampler: Sampler, stop_ids=frozenset(),
+                   on_tokens: OnTokens = None) -> Generation:
+    budget = _budget(target, prompt, max_new_tokens)
+    gen = Generation(len(prompt))
+    with gen.timed("total"):
+        with gen.timed("prefill"):
+            logits, _ = target.prefill(prompt, len(prompt) + budget)
+        done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
+        committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
+        while not done and len(gen.tokens) < budget:
+            last = gen.tokens[-1]
+            with gen.timed("draft"):
+                room = budget - len(gen.tokens) - 1  # the step also commits the target's token
+                drafts = proposer.propose(prompt + gen.tokens)[:room]
+            with gen.timed("verify"):  # no drafts: a plain one-token decode step
+                logits, _ = target.verify([last] + drafts)
+                accepted, following = sampler.verify_deterministic(drafts, logits)
+                committed += accepted + 1
+                target.rollback(committed)
+            gen.committed_per_step.append(accepted + 1)
             done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
     return gen

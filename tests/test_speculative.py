@@ -17,6 +17,8 @@ from runtime.models.target import TargetConfig, TargetModel
 from runtime.sampling import Sampler, Sampling
 from runtime.speculative import generate_block, generate_target_only
 
+from exact_law import chi_square_p, exact_first_tokens
+
 
 def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int = 128,
               sharpness: float = 3.0):
@@ -94,26 +96,6 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
         committed += c
     assert gen.mean_accepted_length == sum(gen.committed_per_step) / gen.verify_steps
     assert max(gen.beta_per_step) > 1.0  # the trace covers scaled steps, not only beta = 1
-
-
-def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a token the target never produces was produced"
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
-
-
-def exact_first_tokens(target, prompt, sampler, vocab):
-    """P(t1, t2, t3) under the target's own sampler, by enumeration."""
-    probs = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    with torch.no_grad():
-        for t1, t2 in itertools.product(range(vocab), repeat=2):
-            cache = target.new_cache(16)
-            logits, _ = target(torch.tensor([prompt + [t1, t2]]), cache)
-            p = sampler.probs(logits[0])
-            probs[t1, t2] = p[-3, t1] * p[-2, t2] * p[-1]
-    return probs
 
 
 def test_speculative_sampling_preserves_the_target_distribution():

@@ -81,3 +81,20 @@ def make_drafter(out: Path, target_dir: Path, block_size: int = 4, seed: int = 1
                 p.mul_(4.0)
     save_dflash(model, out)
     return out
+
+
+def float64_target(seed: int, vocab: int, layers: int = 2, context: int = 128,
+                   sharpness: float = 3.0):
+    """A random float64 TargetModel in memory: exact enough that equal tokens mean equal
+    logic. Sharper weights make it decisive, so acceptances happen and ties do not."""
+    from runtime.models.target import TargetConfig, TargetModel
+
+    torch.manual_seed(seed)
+    config = TargetConfig("llama", vocab, 16, 32, layers, 4, 2, 4, 1e-6, 10000.0, context,
+                          False, False, False)
+    model = TargetModel(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(sharpness)
+    return model
