@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 from build import checkpoints
-from runtime.manifest import EngineError, Manifest, dependency_record, engine_files, verify_files
+from runtime.manifest import DRAFTERS, EngineError, Manifest, dependency_record, engine_files, verify_files
 from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
 from runtime.backends import BACKENDS
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.models.target import DTYPES
+from runtime.ngram import NGramProposer
 
-DRAFTERS = ("dflash",)
 
 
 def parse(argv):
@@ -33,6 +33,10 @@ def parse(argv):
     p.add_argument("--drafter", choices=DRAFTERS, default="dflash")
     p.add_argument("--sharpdraft", action="store_true",
                    help="apply the cardinality-aware query scale in the drafter's attention")
+    p.add_argument("--num-draft-tokens", type=int, default=NGramProposer().num_draft_tokens,
+                   help="ngram: tokens proposed per step")
+    p.add_argument("--max-ngram", type=int, default=NGramProposer().max_ngram,
+                   help="ngram: longest suffix looked up in the context")
     p.add_argument("--drafter-checkpoint", metavar="DIR")
     p.add_argument("--target", metavar="PATH", help="transformers directory or .gguf file")
     p.add_argument("--ref-keys", type=int)
@@ -125,9 +129,23 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     return extra
 
 
+def ngram_proposer(args) -> NGramProposer | None:
+    """--drafter ngram: the proposer its options describe (checked before anything loads)."""
+    if args.drafter != "ngram":
+        return None
+    if args.sharpdraft:
+        raise UsageError("--sharpdraft scales a drafter's attention; n-gram drafting has none "
+                         "(drop --sharpdraft)")
+    try:
+        return NGramProposer(args.max_ngram, 1, args.num_draft_tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(argv) -> int:
     args = parse(argv)
-    overrides = scaling_overrides(args, args.drafter)
+    proposer = ngram_proposer(args)
+    overrides = scaling_overrides(args, args.drafter) if proposer is None else {}
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
@@ -144,12 +162,19 @@ def main(argv) -> int:
     model, _ = load_target(target_dir, getattr(torch, args.dtype))
     progress(f"      target: {model.config.model_type}, {model.config.num_layers} layers, "
              f"hidden {model.config.hidden_size}, vocab {model.config.vocab_size} ({target_dir})")
-    drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
-    scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
-    drafter = load_dflash(drafter_dir)
-    drafter.config.check_target(model.config)
-    progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
-             f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
+    if proposer is not None:
+        drafter = drafter_dir = scaling = scaling_source = None
+        block_size = proposer.num_draft_tokens + 1  # tokens one verify pass checks
+        progress(f"      drafter: n-gram lookup, {proposer.num_draft_tokens} drafts per step, "
+                 f"suffixes of {proposer.min_ngram}..{proposer.max_ngram} tokens")
+    else:
+        drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+        scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
+        drafter = load_dflash(drafter_dir)
+        drafter.config.check_target(model.config)
+        block_size = drafter.config.block_size
+        progress(f"      drafter: {drafter.config.num_layers} layers, block {block_size}, "
+                 f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
     context = model.config.max_position_embeddings
     max_seq_len = args.max_seq_len or context
     if not 1 < max_seq_len <= context:
@@ -163,12 +188,15 @@ def main(argv) -> int:
     try:
         provenance = ({"query_scaling_source": scaling_source,
                        "family_preset": PRESETS[args.drafter].to_dict()} if scaling else {})
+        if proposer is not None:
+            provenance = {"ngram": proposer.settings()}
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention, model, drafter, scaling, max_seq_len)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
+        drafter_record = dependency_record(drafter_dir, CHECKPOINT_FILES) if drafter_dir else None
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
-                            drafter_checkpoint=dependency_record(drafter_dir, CHECKPOINT_FILES),
-                            query_scaling=scaling, block_size=drafter.config.block_size,
+                            drafter_checkpoint=drafter_record,
+                            query_scaling=scaling, block_size=block_size,
                             dtype=args.dtype, artifacts=engine_files(partial), extra=extra)
         manifest.write(partial)
     except BaseException:
@@ -178,7 +206,8 @@ def main(argv) -> int:
     partial.rename(out)
     verify_files(out, manifest, full=True)  # every file hashed once more, and stamped for fast loads
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
-            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
+            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else
+            "n-gram drafting" if proposer else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend {backend}; {beta})")
     print(f"next: python -m runtime generate --engine-dir {out} --prompt 'def fib(n):' "
           "--max-new-tokens 64")

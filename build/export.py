@@ -70,6 +70,8 @@ class TargetStep(nn.Module):
     def forward(self, ids, logit_positions, past_keys, past_values):
         cache = ExportCache(past_keys, past_values)
         h, features = self.target.final_hidden(ids, cache, self.feature_layers)
+        if features is None:  # no drafter reads features (n-gram engines): an empty output
+            features = h[..., :0]
         logits = self.target.lm_head(h.index_select(1, logit_positions))
         return (logits, features) + cache.present()
 
@@ -228,15 +230,18 @@ def check_graph(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def export_engine(target: TargetModel, drafter: DFlashDrafter, scaling: QueryScaling | None,
+def export_engine(target: TargetModel, drafter: DFlashDrafter | None, scaling: QueryScaling | None,
                   attention: str, out_dir: Path, progress=lambda _msg: None) -> dict:
-    """Write every graph of an engine into out_dir; returns engine.json's "onnx" record."""
-    layers = drafter.config.target_layer_ids
+    """Write every graph of an engine into out_dir; returns engine.json's "onnx" record.
+    drafter None (n-gram engines): the target graph alone."""
+    layers = drafter.config.target_layer_ids if drafter else ()
     graphs = {}
     progress(f"      {TARGET_FILE}: prefill/verify step, features of layers {list(layers)}")
     graphs["target"] = export_target(target, layers, out_dir / TARGET_FILE)
-    progress(f"      {FROZEN_FILE}: drafter step without SharpDraft (plain attention)")
-    graphs["drafter_frozen"] = export_drafter(drafter, target, None, "native", out_dir / FROZEN_FILE)
+    if drafter is not None:
+        progress(f"      {FROZEN_FILE}: drafter step without SharpDraft (plain attention)")
+        graphs["drafter_frozen"] = export_drafter(drafter, target, None, "native",
+                                                  out_dir / FROZEN_FILE)
     if scaling is not None:
         progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
         graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
@@ -246,4 +251,5 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter, scaling: QuerySca
         plugin = {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,
                   "domain": onnx_attention.DOMAIN, "fields": plugin_fields(scaling)}
     return {"opset": OPSET, "attention": attention if scaling is not None else None,
-            "plugin": plugin, "mask_token_id": drafter.config.mask_token_id, "graphs": graphs}
+            "plugin": plugin, "mask_token_id": drafter.config.mask_token_id if drafter else None,
+            "graphs": graphs}

@@ -8,34 +8,43 @@ from pathlib import Path
 
 import torch
 
-from runtime.manifest import EngineError, Manifest, read_manifest
+from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
 from runtime import speculative
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.backends.torch import TorchDFlash, TorchTarget
 from runtime.metrics import Generation
+from runtime.ngram import NGramProposer
 from runtime.models.dflash import load_dflash
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
 from plugins.scaling import QueryScaling
 
-MODES = ("target", "frozen", "sharpdraft")  # no drafter, drafter unscaled, drafter with beta
+# no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta
+MODES = ("target", "ngram", "frozen", "sharpdraft")
 
 
 class Engine:
     def __init__(self, engine_dir: str | Path, verify: str = "quick", backend: str | None = None):
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir, verify=verify)
-        if self.manifest.drafter != "dflash":
+        if self.manifest.drafter not in DRAFTERS:
             raise EngineError(f"{self.dir}: drafter {self.manifest.drafter!r} is not supported "
                               "by this runtime yet")
         self.backend = backend or self.manifest.backend
         self.scaling = self.manifest.query_scaling
+        self.has_drafter_model = self.manifest.drafter == "dflash"
+        # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
+        # ngram engine records its own settings.
+        self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
         if self.backend == "torch":
             dtype = getattr(torch, self.manifest.dtype)
             self.model, self.tokenizer = load_target(self.manifest.target_dir, dtype)
-            self.drafter_model = load_dflash(self.manifest.drafter_dir, dtype)
-            self.drafter_model.config.check_target(self.model.config)
-            self.target = TorchTarget(self.model, self.drafter_model.config.target_layer_ids)
+            feature_layers = ()
+            if self.has_drafter_model:
+                self.drafter_model = load_dflash(self.manifest.drafter_dir, dtype)
+                self.drafter_model.config.check_target(self.model.config)
+                feature_layers = self.drafter_model.config.target_layer_ids
+            self.target = TorchTarget(self.model, feature_layers)
         elif self.backend == "onnxruntime":
             from runtime.backends.onnxruntime import OnnxEngine
 
@@ -53,8 +62,28 @@ class Engine:
         self.stop_ids = frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The decoding modes this engine can run, in MODES order."""
+        have = {"target", "ngram"} | ({"frozen"} if self.has_drafter_model else set())
+        have |= {"sharpdraft"} if self.scaling is not None else set()
+        return tuple(m for m in MODES if m in have)
+
+    def mode_for(self, sharpdraft: bool = True) -> str:
+        """What a request runs by default: SharpDraft where the engine has it, the drafter
+        frozen when asked (or built without --sharpdraft), n-gram lookup on an ngram engine."""
+        if not self.has_drafter_model:
+            return "ngram"
+        return "sharpdraft" if sharpdraft and self.scaling is not None else "frozen"
+
+    def proposer(self) -> NGramProposer:
+        """A fresh n-gram proposer (it indexes one sequence as it grows)."""
+        return NGramProposer.from_settings(self.ngram_settings)
+
     def drafter(self, frozen: bool = False):
         """The drafter with the engine's query scaling, or frozen (no scaling)."""
+        if not self.has_drafter_model:
+            raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
         if self.backend == "onnxruntime":
             return self.onnx.drafter(sharpdraft=not frozen)
         return TorchDFlash(self.drafter_model, self.model, None if frozen else self.scaling)
@@ -62,7 +91,7 @@ class Engine:
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): torch only,
         since a compiled drafter graph has its scaling built in."""
-        if self.backend != "torch":
+        if self.backend != "torch" or not self.has_drafter_model:
             raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
                               "in; try other values with the torch backend (--backend torch)")
         return TorchDFlash(self.drafter_model, self.model, scaling)
@@ -75,15 +104,24 @@ class Engine:
 
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "sharpdraft",
                  sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None) -> Generation:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        stop_ids = self.stop_ids if stop else frozenset()
-        sampler = Sampler(sampling)
-        if mode == "target":
-            return speculative.generate_target_only(self.target, prompt, max_new_tokens,
-                                                    sampler, stop_ids, on_tokens)
-        return speculative.generate_block(self.target, self.drafter(frozen=mode == "frozen"),
-                                          prompt, max_new_tokens, sampler, stop_ids, on_tokens)
+        return run_mode(self, self.target, mode, prompt, max_new_tokens, Sampler(sampling),
+                        self.stop_ids if stop else frozenset(), on_tokens)
+
+
+def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_tokens: int,
+             sampler: Sampler, stop_ids=frozenset(), on_tokens=None) -> Generation:
+    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it)."""
+    if mode not in engine.modes:
+        raise ValueError(f"mode {mode!r} is not available on this engine "
+                         f"(it runs {', '.join(engine.modes)})")
+    if mode == "target":
+        return speculative.generate_target_only(target, prompt, max_new_tokens, sampler,
+                                                stop_ids, on_tokens)
+    if mode == "ngram":
+        return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
+                                          sampler, stop_ids, on_tokens)
+    return speculative.generate_block(target, engine.drafter(frozen=mode == "frozen"), prompt,
+                                      max_new_tokens, sampler, stop_ids, on_tokens)
 
 
 def load_tokenizer(path: str | Path):

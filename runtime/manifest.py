@@ -28,6 +28,7 @@ FORMAT_VERSION = 2  # 2: checkout-relative dependency paths, exact dependency li
 MANIFEST = "engine.json"
 STAMP = ".verified.json"
 VERIFY_MODES = ("quick", "full", "skip")
+DRAFTERS = ("dflash", "ngram")  # the drafters an engine can be built with
 CHECKOUT = Path(__file__).resolve().parents[1]
 # A file modified within this many seconds of being stamped could change again within the
 # same timestamp tick, unseen; such files are hashed again next time instead of stamped.
@@ -78,7 +79,7 @@ class Manifest:
     drafter: str
     backend: str
     target: dict
-    drafter_checkpoint: dict
+    drafter_checkpoint: dict | None  # None: a drafter without weights (n-gram lookup)
     query_scaling: QueryScaling | None
     block_size: int
     dtype: str = "float32"
@@ -91,8 +92,8 @@ class Manifest:
         return resolve_path(self.target["path"])
 
     @property
-    def drafter_dir(self) -> Path:
-        return resolve_path(self.drafter_checkpoint["path"])
+    def drafter_dir(self) -> Path | None:
+        return resolve_path(self.drafter_checkpoint["path"]) if self.drafter_checkpoint else None
 
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
@@ -142,8 +143,9 @@ def read_manifest(engine_dir: Path, verify: str = "quick") -> Manifest:
 def dependencies(engine_dir: Path, manifest: Manifest) -> list[tuple[Path, dict]]:
     """(file, its record) for everything the engine depends on."""
     checks = [(manifest.target_dir / name, rec) for name, rec in manifest.target["files"].items()]
-    checks += [(manifest.drafter_dir / name, rec)
-               for name, rec in manifest.drafter_checkpoint["files"].items()]
+    if manifest.drafter_checkpoint:
+        checks += [(manifest.drafter_dir / name, rec)
+                   for name, rec in manifest.drafter_checkpoint["files"].items()]
     return checks + [(engine_dir / name, rec) for name, rec in manifest.artifacts.items()]
 
 

@@ -17,26 +17,34 @@ def doc(tmp_path_factory):
     return path
 
 
-def test_bench_reports_three_ways_from_one_prefill(tiny_engine, doc, tmp_path, capsys):
+def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, capsys):
+    import statistics
+
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "16", "160",
-                      "--new-tokens", "12", "--docs", str(doc), str(doc), "--json", str(out),
-                      "--plot", str(png)])
+                      "--new-tokens", "12", "--docs", str(doc), str(doc), "--repeats", "3",
+                      "--json", str(out), "--plot", str(png)])
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
+    assert result["modes"] == ["target", "ngram", "frozen", "sharpdraft"]
     assert [r["context_tokens"] for r in result["rows"]] == [16, 160]
     for row in result["rows"]:
-        for mode in ("frozen", "sharpdraft"):
+        for mode in ("target", "ngram", "frozen", "sharpdraft"):
+            assert len(row[f"tok_s_{mode}_repeats"]) == 3
+            assert row[f"tok_s_{mode}"] == pytest.approx(
+                statistics.median(row[f"tok_s_{mode}_repeats"]), rel=1e-3)
+        for mode in ("ngram", "frozen", "sharpdraft"):
             assert row[f"tok_s_{mode}"] > 0 and row["tok_s_target"] > 0
             assert row[f"speedup_{mode}"] == pytest.approx(
                 row[f"tok_s_{mode}"] / row["tok_s_target"], rel=1e-3)
-        assert 1 <= row["mal_frozen"] <= 4 and 1 <= row["mal_sharpdraft"] <= 4
-        assert all(row["identical_to_target"]["sharpdraft"] + row["identical_to_target"]["frozen"])
+            assert 1 <= row[f"mal_{mode}"] <= 5
+            # greedy: every repeat of every mode reproduces the target's tokens
+            assert row["identical_to_target"][mode] == [True] * 6
     # tiny engine: ref_keys 64, so beta stays 1 at 16 + 4 keys and exceeds 1 at 160 + 4
     assert result["rows"][0]["beta_above_1_fraction"] == 0.0
     assert result["rows"][1]["beta_above_1_fraction"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "MAL frozen" in capsys.readouterr().out
+    assert "MAL ngram" in capsys.readouterr().out
 
 
 def test_bench_under_sampling_reports_mal_without_identity(tiny_engine, doc, tmp_path, capsys):

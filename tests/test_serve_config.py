@@ -92,13 +92,15 @@ def test_unknown_fields_are_refused_by_name():
         protocol.parse(_arrays(), parameters={"colour": "red"})
 
 
-def test_defaults_match_the_generate_command():
+def test_defaults_match_the_generate_command(tiny_engine):
+    from runtime.engine import Engine
+
+    engine = Engine(tiny_engine)
     req = protocol.parse(_arrays(temperature=None, seed=None))
     assert (req.temperature, req.top_p, req.seed, req.sharpdraft) == (0.0, 1.0, None, True)
-    assert req.mode(engine_has_scaling=True) == "sharpdraft"
-    assert req.mode(engine_has_scaling=False) == "frozen"
+    assert req.mode(engine) == "sharpdraft"
     off = protocol.parse(_arrays(sharpdraft=np.array([False])))
-    assert off.mode(engine_has_scaling=True) == "frozen"
+    assert off.mode(engine) == "frozen"
 
 
 def test_streamed_text_concatenates_to_the_whole_decode():

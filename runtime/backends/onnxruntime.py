@@ -134,7 +134,7 @@ class OnnxEngine:
                          for name, g in graphs.items()}
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
-        self.mask_token_id = int(record["mask_token_id"])
+        self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
         self.target = OnnxTarget(self.sessions["target"], int(manifest.extra["max_seq_len"]))
 
     def drafter(self, sharpdraft: bool = True) -> OnnxDFlash:

@@ -1,10 +1,12 @@
 """`python -m runtime bench`: mean accepted length (MAL) and speed against context length.
 
 For each context length, the first N tokens of each document are prefilled ONCE; from
-that same prefill the engine then decodes three ways -- target-only, frozen drafter,
-SharpDraft drafter -- greedily (or with lossless sampling, --temperature), and the rows
-report MAL, tokens/s, speedup over target-only, how often beta > 1 and, for greedy runs,
-whether all three produced the same tokens.
+that same prefill the engine then decodes every way it can -- target-only, n-gram lookup
+(the drafter-free peer), frozen drafter, SharpDraft drafter -- greedily (or with lossless
+sampling, --temperature), --repeats times, interleaved in a rotating order. Rows report
+MAL, tokens/s (the median over repeats of the tokens/s pooled over documents), speedup
+over target-only, how often beta > 1 and, for greedy runs, whether every way produced the
+target's tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
-from runtime.engine import MODES
 from runtime.metrics import pooled_mean_accepted_length, pooled_tokens_per_second
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
@@ -34,6 +35,8 @@ def add_parser(sub):
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved decoding runs per mode from each prefill (speed: median)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: lossless speculative sampling instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -46,6 +49,8 @@ def add_parser(sub):
 
 
 def check_args(args, context_limit: int) -> None:
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     bad = [n for n in args.lengths if n < 1 or n + args.new_tokens > context_limit]
@@ -54,22 +59,21 @@ def check_args(args, context_limit: int) -> None:
                          f"({args.new_tokens}) must be within the target's {context_limit}")
 
 
-def run_three_ways(engine, prompt: list[int], new_tokens: int, order,
-                   sampling=None) -> dict:
-    """Decoding three ways from one prefill of `prompt` (greedy unless `sampling`)."""
-    from runtime import speculative
+def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, repeats: int = 1,
+                            sampling=None, rotation: int = 0) -> dict:
+    """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
+    of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
     from runtime.backends import PrefillOnce
+    from runtime.engine import run_mode
     from runtime.sampling import Sampler, Sampling
 
     sampling = sampling or Sampling()
     once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
-    gens = {}
-    for mode in order:
-        if mode == "target":
-            gens[mode] = speculative.generate_target_only(once, prompt, new_tokens, Sampler(sampling))
-        else:
-            gens[mode] = speculative.generate_block(once, engine.drafter(frozen=mode == "frozen"),
-                                                    prompt, new_tokens, Sampler(sampling))
+    gens = {mode: [] for mode in modes}
+    for r in range(repeats):
+        k = (rotation + r) % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling)))
     return gens
 
 
@@ -81,27 +85,39 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
-    """Pool the documents of one context length: MAL = tokens / verify steps overall."""
-    row = {"context_tokens": context, "documents": len(runs)}
-    for mode in ("frozen", "sharpdraft"):
-        row[f"mal_{mode}"] = round(pooled_mean_accepted_length([r[mode] for r in runs]), 4)
-    for mode in MODES:
-        row[f"tok_s_{mode}"] = round(pooled_tokens_per_second([r[mode] for r in runs]), 3)
-    for mode in ("frozen", "sharpdraft"):
+    """One row from the runs of one context length (a {mode: [Generation per repeat]} per
+    document): MAL pooled over documents (tokens / verify passes); tokens/s pooled over
+    documents per repeat, then the median over repeats."""
+    modes = list(runs[0])
+    drafting = [m for m in modes if m != "target"]
+    repeats = len(runs[0]["target"])
+    row = {"context_tokens": context, "documents": len(runs), "repeats": repeats}
+    for mode in drafting:
+        row[f"mal_{mode}"] = round(pooled_mean_accepted_length([r[mode][0] for r in runs]), 4)
+    for mode in modes:
+        per_repeat = [pooled_tokens_per_second([r[mode][i] for r in runs]) for i in range(repeats)]
+        row[f"tok_s_{mode}_repeats"] = [round(x, 3) for x in per_repeat]
+        row[f"tok_s_{mode}"] = round(statistics.median(per_repeat), 3)
+    for mode in drafting:
+        # ratio of medians; the per-repeat ratios are in the JSON via the repeats above
         row[f"speedup_{mode}"] = round(row[f"tok_s_{mode}"] / row["tok_s_target"], 4)
-    betas = [b for r in runs for b in r["sharpdraft"].beta_per_step]
-    row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
-    row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
-    row["mal_per_document"] = {m: [round(r[m].mean_accepted_length, 3) for r in runs]
-                               for m in ("frozen", "sharpdraft")}
+    if "sharpdraft" in modes:
+        betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
+        row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
+        row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
+    row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
+                               for m in drafting}
     if greedy:  # sampled runs draw different tokens by design; only greedy must agree
-        row["identical_to_target"] = {
-            m: [first_difference(r[m].tokens, r["target"].tokens) is None for r in runs]
-            for m in ("frozen", "sharpdraft")}
         row["first_divergence"] = {
-            m: [first_difference(r[m].tokens, r["target"].tokens) for r in runs]
-            for m in ("frozen", "sharpdraft")}
+            m: [first_difference(g.tokens, r["target"][0].tokens) for r in runs for g in r[m]]
+            for m in drafting}
+        row["identical_to_target"] = {m: [d is None for d in row["first_divergence"][m]]
+                                      for m in drafting}
     return row
+
+
+STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
+         "sharpdraft": ("tab:blue", "SharpDraft")}
 
 
 def plot(result: dict, path: str) -> None:
@@ -113,25 +129,27 @@ def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     x = [r["context_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot(x, [r["mal_frozen"] for r in rows], "o-", color="tab:gray", label="MAL, frozen drafter")
-    ax.plot(x, [r["mal_sharpdraft"] for r in rows], "o-", color="tab:blue", label="MAL, SharpDraft")
+    ax2 = ax.twinx()
+    for mode, (color, label) in STYLE.items():
+        if f"mal_{mode}" not in rows[0]:
+            continue
+        ax.plot(x, [r[f"mal_{mode}"] for r in rows], "o-", color=color, label=f"MAL, {label}")
+        ax2.plot(x, [r[f"speedup_{mode}"] for r in rows], "s--", color=color, alpha=0.6,
+                 label=f"speedup, {label}")
+    ax2.axhline(1.0, color="black", lw=0.8, alpha=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(v) for v in x])
     ax.set_xlabel("context tokens (prefill)")
     ax.set_ylabel("mean accepted length (tokens / verify)")
     ax.grid(alpha=0.3)
-    ax2 = ax.twinx()
-    ax2.plot(x, [r["speedup_frozen"] for r in rows], "s--", color="tab:gray", alpha=0.6,
-             label="speedup, frozen")
-    ax2.plot(x, [r["speedup_sharpdraft"] for r in rows], "s--", color="tab:blue", alpha=0.6,
-             label="speedup, SharpDraft")
     ax2.set_ylabel("decode speedup over target-only")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="best")
     scaling = result.get("query_scaling") or {}
-    ax.set_title(f"{result['target']} + DFlash drafter (trained at {result.get('training_max_length')}"
-                 f" tokens); beta ref_keys={scaling.get('ref_keys')}", fontsize=9)
+    ax.set_title(f"{result['target']}, {result['backend']}: drafter trained at "
+                 f"{result.get('training_max_length')} tokens; beta ref_keys={scaling.get('ref_keys')}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -140,6 +158,8 @@ def plot(result: dict, path: str) -> None:
 def training_max_length(engine) -> int | None:
     from runtime.models.dflash import read_dflash_config
 
+    if engine.manifest.drafter_dir is None:
+        return None
     return read_dflash_config(engine.manifest.drafter_dir).training_max_length
 
 
@@ -159,43 +179,44 @@ def run(args) -> int:
     from runtime.sampling import Sampling
 
     engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
-    if engine.scaling is None:
-        raise UsageError(f"{args.engine_dir} was built without --sharpdraft; bench compares the "
-                         "frozen and SharpDraft drafters of one engine")
     check_args(args, engine.context_limit)
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    modes = engine.modes
     paths = args.docs or default_documents("eval", args.max_docs)
     docs = tokenized(engine.encode, paths, max(args.lengths))
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
-             f"{args.lengths}, {args.new_tokens} new tokens, backend {engine.backend}")
-    # Untimed warm-up of all three paths: first calls pay one-off costs (lazy imports,
+             f"{args.lengths}, {args.new_tokens} new tokens, modes {list(modes)}, "
+             f"{args.repeats} interleaved repeat(s), backend {engine.backend}")
+    # Untimed warm-up of every path: first calls pay one-off costs (lazy imports,
     # allocator growth) that would otherwise land on whichever run comes first.
-    run_three_ways(engine, docs[0][1][:min(64, max(args.lengths))], 4, MODES)
+    decode_from_one_prefill(engine, docs[0][1][:min(64, max(args.lengths))], 4, modes)
     rows = []
-    bar = tqdm(total=len(args.lengths) * len(docs), desc="bench", unit="run", file=sys.stderr)
+    bar = tqdm(total=len(args.lengths) * len(docs), desc="bench", unit="prefill", file=sys.stderr)
     for length in args.lengths:
         runs = []
         for i, (name, ids) in enumerate(docs):
             bar.set_postfix(context=length, doc=name)
-            order = MODES[i % 3:] + MODES[:i % 3]  # rotate who goes first: warm caches, fairness
-            runs.append(run_three_ways(engine, ids[:length], args.new_tokens, order, sampling))
+            runs.append(decode_from_one_prefill(engine, ids[:length], args.new_tokens, modes,
+                                                args.repeats, sampling, rotation=i))
             bar.update(1)
         rows.append(summarize(length, runs, sampling.greedy))
         r = rows[-1]
-        bar.write(f"  {length:>6} tokens: MAL frozen {r['mal_frozen']:.3f} -> SharpDraft "
-                  f"{r['mal_sharpdraft']:.3f}; tok/s target {r['tok_s_target']:.1f}, frozen "
-                  f"{r['tok_s_frozen']:.1f}, SharpDraft {r['tok_s_sharpdraft']:.1f}", file=sys.stderr)
+        bar.write(f"  {length:>6} tokens: " + "; ".join(
+            f"{m} {r[f'tok_s_{m}']:.1f} tok/s" + (f" MAL {r[f'mal_{m}']:.3f}" if m != "target" else "")
+            for m in modes), file=sys.stderr)
     bar.close()
     result = {
         "command": "python -m runtime bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else []),
         "engine_dir": str(args.engine_dir), "backend": engine.backend,
         "target": engine.manifest.target_dir.name,
-        "drafter_checkpoint": engine.manifest.drafter_checkpoint["path"],
-        "training_max_length": training_max_length(engine),
-        "query_scaling": engine.scaling.to_dict(), "new_tokens": args.new_tokens,
+        "drafter": engine.manifest.drafter, "modes": list(modes),
+        "drafter_checkpoint": (engine.manifest.drafter_checkpoint or {}).get("path"),
+        "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
+        "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
+        "new_tokens": args.new_tokens, "repeats": args.repeats,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
         "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
     }
@@ -214,12 +235,15 @@ def run(args) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'context':>8} {'MAL frozen':>10} {'MAL SharpD':>10} {'tok/s tgt':>9} "
-          f"{'tok/s frz':>9} {'tok/s SD':>9} {'x frozen':>8} {'x SD':>6} {'beta>1':>6} {'same':>5}")
+    modes = [m for m in ("target", *STYLE) if f"tok_s_{m}" in rows[0]]
+    drafting = modes[1:]
+    header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
+    header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
+    header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
+    print(header)
     for r in rows:
         same = r.get("identical_to_target")
-        same = "-" if same is None else "yes" if all(same["frozen"] + same["sharpdraft"]) else "NO"
-        print(f"{r['context_tokens']:>8} {r['mal_frozen']:>10.3f} {r['mal_sharpdraft']:>10.3f} "
-              f"{r['tok_s_target']:>9.1f} {r['tok_s_frozen']:>9.1f} {r['tok_s_sharpdraft']:>9.1f} "
-              f"{r['speedup_frozen']:>8.2f} {r['speedup_sharpdraft']:>6.2f} "
-              f"{r['beta_above_1_fraction']:>6.2f} {same:>5}")
+        same = "-" if same is None else "yes" if all(sum(same.values(), [])) else "NO"
+        print(f"{r['context_tokens']:>8}" + "".join(f" {r[f'mal_{m}']:>15.3f}" for m in drafting)
+              + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
+              + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}")

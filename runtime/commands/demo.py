@@ -1,7 +1,8 @@
 """`python -m runtime demo` (what `make demo` runs): build the SharpDraft engine on the
 default pair -- SmolLM2-135M-Instruct and the DFlash drafter shipped in checkpoints/ --
 if it is not built yet, then continue a long evaluation document from ~4K tokens of
-context three ways (target-only, frozen drafter, SharpDraft) from the same prefill."""
+context four ways (target-only, n-gram lookup, frozen drafter, SharpDraft) from the same
+prefill, each several times interleaved, and print the medians."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ ENGINE = Path("engines") / "dflash-sharpdraft"
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="build the default SharpDraft engine if needed and compare "
-                                    "target-only / frozen / SharpDraft on a long document")
+                                    "target-only / n-gram / frozen / SharpDraft on a long document")
     p.add_argument("--engine-dir", default=str(ENGINE))
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode (median)")
     p.add_argument("--rebuild", action="store_true")
     p.add_argument("--debug", action="store_true")
 
@@ -26,7 +28,7 @@ def add_parser(sub):
 def run(args) -> int:
     import build_engine
     from runtime.manifest import EngineError, read_manifest
-    from runtime.commands.bench import run_three_ways, summarize, first_difference
+    from runtime.commands.bench import STYLE, decode_from_one_prefill, first_difference, summarize
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
 
@@ -43,23 +45,25 @@ def run(args) -> int:
     engine = Engine(engine_dir)
     doc = default_documents("eval", 1)[0]
     (name, ids), = tokenized(engine.encode, [doc], args.context)
+    modes = engine.modes
     progress(f"demo: {name} (evaluation split, never trained on), context {args.context} tokens, "
-             f"{args.new_tokens} new tokens, backend {engine.backend}; prefill once, decode 3 ways")
-    run_three_ways(engine, ids[:64], 4, ("target", "frozen", "sharpdraft"))  # warm-up
-    gens = run_three_ways(engine, ids[:args.context], args.new_tokens, ("target", "frozen", "sharpdraft"))
+             f"{args.new_tokens} new tokens, backend {engine.backend}; prefill once, decode "
+             f"{len(modes)} ways x {args.repeats} interleaved repeats")
+    decode_from_one_prefill(engine, ids[:64], 4, modes)  # warm-up
+    gens = decode_from_one_prefill(engine, ids[:args.context], args.new_tokens, modes, args.repeats)
     row = summarize(args.context, [gens])
     s = engine.scaling
     print(f"\nSharpDraft demo: {args.context}-token context from {name}, {args.new_tokens} new "
-          f"tokens, greedy, backend {engine.backend}")
+          f"tokens, greedy, backend {engine.backend}, median of {args.repeats} interleaved runs")
     print(f"query scaling: ref_keys={s.ref_keys} top_k={s.top_k} slope={s.slope} -> beta "
           f"{s.beta(args.context + engine.manifest.block_size):.3f} at this context\n")
     print(f"{'':<22}{'MAL':>6}{'tok/s':>9}{'vs target':>11}  same tokens")
     print(f"{'target only':<22}{'1.00':>6}{row['tok_s_target']:>9.1f}{'1.00x':>11}  -")
-    for mode, label in (("frozen", "frozen drafter"), ("sharpdraft", "SharpDraft drafter")):
-        diff = first_difference(gens[mode].tokens, gens["target"].tokens)
+    for mode, (_, label) in STYLE.items():
+        diff = first_difference(gens[mode][0].tokens, gens["target"][0].tokens)
         print(f"{label:<22}{row['mal_' + mode]:>6.2f}{row['tok_s_' + mode]:>9.1f}"
               f"{row['speedup_' + mode]:>10.2f}x  {'yes' if diff is None else f'no (from token {diff})'}")
-    text = engine.decode(gens["sharpdraft"].tokens)
+    text = engine.decode(gens["sharpdraft"][0].tokens)
     print("\nfirst lines generated (SharpDraft):")
     for line in text.splitlines()[:8]:
         print("  | " + line)

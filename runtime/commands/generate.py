@@ -27,6 +27,8 @@ def add_parser(sub):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-sharpdraft", action="store_true", help="run the drafter frozen")
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
+    mode.add_argument("--ngram", action="store_true",
+                      help="draft by n-gram lookup in the context instead of the drafter")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     p.add_argument("--verify", action="store_true",
@@ -63,9 +65,10 @@ def run(args) -> int:
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
-    mode = "target" if args.target_only else "frozen" if args.no_sharpdraft else "sharpdraft"
-    if mode == "sharpdraft" and engine.scaling is None:
-        mode = "frozen"  # an engine built without --sharpdraft
+    mode = ("target" if args.target_only else "ngram" if args.ngram
+            else "frozen" if args.no_sharpdraft else engine.mode_for())
+    if mode not in engine.modes:
+        raise UsageError(f"{args.engine_dir} cannot run {mode!r} (it runs {', '.join(engine.modes)})")
     stream = None if args.json else TextStream(engine.decode)
 
     def show(new: list[int]) -> None:

@@ -78,7 +78,7 @@ class TritonPythonModel:
     def _respond(self, request):
         try:
             req, ids = self._prepare(request)
-            gen = self.engine.generate(ids, req.max_new_tokens, req.mode(self.engine.scaling is not None),
+            gen = self.engine.generate(ids, req.max_new_tokens, req.mode(self.engine),
                                        req.sampling())
             arrays = self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen,
                                            self.protocol.finish_reason(gen))
@@ -108,7 +108,7 @@ class TritonPythonModel:
 
         try:
             gen = self.engine.generate(ids, req.max_new_tokens,
-                                       req.mode(self.engine.scaling is not None), req.sampling(),
+                                       req.mode(self.engine), req.sampling(),
                                        on_tokens=on_tokens)
         except _Cancelled:
             sender.send(flags=final)

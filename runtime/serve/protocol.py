@@ -76,10 +76,10 @@ class Request:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
-    def mode(self, engine_has_scaling: bool) -> str:
-        # Same choice as `python -m runtime generate`: an engine built without
-        # --sharpdraft runs its drafter frozen.
-        return "sharpdraft" if self.sharpdraft and engine_has_scaling else "frozen"
+    def mode(self, engine) -> str:
+        # Same choice as `python -m runtime generate`: SharpDraft unless the request turns
+        # it off or the engine has none (then the drafter runs frozen, or n-gram lookup).
+        return engine.mode_for(sharpdraft=self.sharpdraft)
 
 
 def _scalar(arrays: dict, spec: Tensor):
