@@ -45,7 +45,8 @@ def parse(argv):
     p.add_argument("--max-log-scale", type=float)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
-                   help="auto: tensorrt where it works, else onnxruntime")
+                   help="auto: tensorrt where it works, else the faster of torch and "
+                        "onnxruntime, measured on this machine at build time")
     p.add_argument("--attention", choices=ATTENTION_FORMS, default="plugin",
                    help="SharpDraft in the exported drafter: the SharpDraftAttention plugin "
                         "node, or plain ONNX ops")
@@ -97,6 +98,8 @@ def tensorrt_usable() -> str | None:
 
 
 def pick_backend(requested: str) -> str:
+    """The backend to build for. auto: TensorRT where it works; elsewhere the ONNX graphs
+    are exported and `measure_steps` then picks torch or onnxruntime by measured speed."""
     reason = tensorrt_usable() if requested in ("auto", "tensorrt") else None
     if requested == "tensorrt" and reason:
         raise EngineError(reason)
@@ -105,23 +108,49 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
+def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool) -> None:
+    """Stage 5: time target and drafter steps with every backend this machine can run the
+    engine with; keep the costs in engine.json (adaptive draft length reads them) and,
+    for --backend auto, make the fastest one-token decode the engine's backend."""
+    from runtime.engine import Engine
+    from runtime.step_costs import decode_seconds, measure
+
+    backends = ["torch"] + (["onnxruntime"] if "onnx" in manifest.extra else [])
+    costs = {}
+    for backend in backends:
+        progress(f"[5/5] measure: step costs with {backend}")
+        costs[backend] = measure(Engine(out, backend=backend), progress=progress)
+    manifest.extra["step_costs"] = {b: c.to_dict() for b, c in costs.items()}
+    if pick_fastest:
+        limit = manifest.extra["max_seq_len"]
+        decode_ms = {b: round(decode_seconds(c, limit) * 1e3, 2) for b, c in costs.items()}
+        manifest.backend = min(decode_ms, key=decode_ms.get)
+        manifest.extra["backend_choice"] = {
+            "decode_ms": decode_ms, "picked": manifest.backend,
+            "rule": "--backend auto: fastest measured one-token decode, mean over 512/4096/7680 "
+                    "tokens of context (clipped to max_seq_len), fitted from step_costs"}
+        progress(f"      auto: {manifest.backend} ({', '.join(f'{b} {ms} ms' for b, ms in decode_ms.items())}"
+                 " per decode step)")
+    manifest.write(out)
+
+
 def export_check_build(engine_dir: Path, backend: str, attention: str, model, drafter,
                        scaling, max_seq_len: int) -> dict:
     """Stages 2-4 into engine_dir; returns what engine.json's `extra` gains."""
     if backend == "torch":
-        progress("[2/4] export: none (the torch backend runs the checkpoints)")
-        progress("[3/4] check: nothing to check")
-        progress("[4/4] build: torch")
+        progress("[2/5] export: none (the torch backend runs the checkpoints)")
+        progress("[3/5] check: nothing to check")
+        progress("[4/5] build: torch")
         return {}
     from build import export
 
-    progress(f"[2/4] export: ONNX opset {export.OPSET}"
+    progress(f"[2/5] export: ONNX opset {export.OPSET}"
              + (f", SharpDraft as {attention} attention" if scaling else ""))
     extra = {"onnx": export.export_engine(model, drafter, scaling, attention, engine_dir, progress)}
-    progress("[3/4] check: onnx.checker (full) on every graph")
+    progress("[3/5] check: onnx.checker (full) on every graph")
     for graph in extra["onnx"]["graphs"].values():
         export.check_graph(engine_dir / graph["file"])
-    progress(f"[4/4] build: {backend}")
+    progress(f"[4/5] build: {backend}")
     if backend == "tensorrt":  # build/tensorrt.py: ONNX graphs -> TensorRT plans
         from build import tensorrt as tensorrt_build
 
@@ -157,7 +186,7 @@ def main(argv) -> int:
     from runtime.models.dflash import CHECKPOINT_FILES, load_dflash
     from runtime.models.target import checkpoint_files, load_target
 
-    progress(f"[1/4] load (backend {backend})")
+    progress(f"[1/5] load (backend {backend})")
     target_dir, source = checkpoints.prepare_target(args.target, progress)
     model, _ = load_target(target_dir, getattr(torch, args.dtype))
     progress(f"      target: {model.config.model_type}, {model.config.num_layers} layers, "
@@ -205,6 +234,9 @@ def main(argv) -> int:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     verify_files(out, manifest, full=True)  # every file hashed once more, and stamped for fast loads
+    if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
+        measure_steps(out, manifest, pick_fastest=args.backend == "auto")
+    backend = manifest.backend
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
             f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else
             "n-gram drafting" if proposer else "SharpDraft off (frozen drafter)")

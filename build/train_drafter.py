@@ -58,7 +58,7 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=4.0, help="position weight exp(-(i-1)/decay)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init", choices=("random", "target-layers"), default="target-layers",
+    p.add_argument("--init", choices=("random", "target-layers"), default="random",
                    help="target-layers: start each draft layer (and the final norm) from the "
                         "target's last layers, which share the drafter's shapes")
     p.add_argument("--debug", action="store_true")

@@ -14,6 +14,7 @@ from runtime.backends import RUNNABLE_BACKENDS
 from runtime.backends.torch import TorchDFlash, TorchTarget
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
+from runtime.step_costs import StepCosts
 from runtime.models.dflash import load_dflash
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
@@ -36,6 +37,10 @@ class Engine:
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
+        # Measured at build time for each backend; None (older or TensorRT engines): every
+        # step verifies the whole block.
+        costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
+        self.step_costs = StepCosts.from_dict(costs) if costs else None
         if self.backend == "torch":
             dtype = getattr(torch, self.manifest.dtype)
             self.model, self.tokenizer = load_target(self.manifest.target_dir, dtype)
@@ -103,14 +108,17 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "sharpdraft",
-                 sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None) -> Generation:
+                 sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None,
+                 adaptive: bool = True) -> Generation:
         return run_mode(self, self.target, mode, prompt, max_new_tokens, Sampler(sampling),
-                        self.stop_ids if stop else frozenset(), on_tokens)
+                        self.stop_ids if stop else frozenset(), on_tokens, adaptive)
 
 
 def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_tokens: int,
-             sampler: Sampler, stop_ids=frozenset(), on_tokens=None) -> Generation:
-    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it)."""
+             sampler: Sampler, stop_ids=frozenset(), on_tokens=None,
+             adaptive: bool = True) -> Generation:
+    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it);
+    `adaptive`: drafter steps verify as many drafts as the measured costs make worthwhile."""
     if mode not in engine.modes:
         raise ValueError(f"mode {mode!r} is not available on this engine "
                          f"(it runs {', '.join(engine.modes)})")
@@ -121,7 +129,8 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
         return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens)
     return speculative.generate_block(target, engine.drafter(frozen=mode == "frozen"), prompt,
-                                      max_new_tokens, sampler, stop_ids, on_tokens)
+                                      max_new_tokens, sampler, stop_ids, on_tokens,
+                                      engine.step_costs if adaptive else None)
 
 
 def load_tokenizer(path: str | Path):

@@ -69,6 +69,16 @@ class Sampler:
         q = self.probs(draft_logits)
         return [self._draw(row) for row in q], q
 
+    def confidence(self, draft_logits: torch.Tensor, draft_probs) -> list[float]:
+        """Per draft position, the largest probability of the distribution its draft comes
+        from (sampling: q; greedy: the drafter's softmax). A function of the drafter's
+        distributions alone, never of the drafts drawn from them: choosing how many drafts
+        to verify from a drawn draft's own probability would bias which drafts reach
+        verification, and rejection sampling would no longer reproduce the target's law
+        (tests/test_speculative.py catches exactly that)."""
+        probs = draft_probs if draft_probs is not None else torch.softmax(draft_logits.double(), -1)
+        return probs.max(-1).values.tolist()
+
     def verify(self, drafts: list[int], target_logits: torch.Tensor, draft_probs):
         """Target logits [len(drafts) + 1, vocab] for [bonus, *drafts] -> (accepted, next).
 

@@ -4,7 +4,9 @@ Block speculation, one step: the drafter sees the target features of the tokens
 committed since its last step and drafts a block [bonus, d1 .. d(k)] in one pass; the
 target verifies the block in one pass; the longest agreeing prefix is kept plus the
 target's own next token; the target cache rolls back to the committed length and the
-verified features of the kept tokens become the drafter's new context.
+verified features of the kept tokens become the drafter's new context. With measured
+step costs, a step verifies only the first k drafts, k chosen from the drafter's own
+confidence (runtime/step_costs.py: choose_draft_count), which keeps it lossless.
 
 N-gram speculation, one step: the proposer looks the context's last tokens up in the
 context itself and proposes what followed them (or nothing); the target verifies
@@ -19,6 +21,7 @@ from runtime.backends import BlockDrafter, Target
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
+from runtime.step_costs import StepCosts, choose_draft_count
 
 OnTokens = Callable[[list[int]], None]
 
@@ -67,7 +70,7 @@ def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
 
 def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                    max_new_tokens: int, sampler: Sampler, stop_ids=frozenset(),
-                   on_tokens: OnTokens = None) -> Generation:
+                   on_tokens: OnTokens = None, costs: StepCosts | None = None) -> Generation:
     budget = _budget(target, prompt, max_new_tokens)
     gen = Generation(len(prompt))
     with gen.timed("total"):
@@ -82,6 +85,9 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                 draft_logits, visible = drafter.draft(context, bonus)
                 room = budget - len(gen.tokens) - 1
                 drafts, draft_probs = sampler.propose(draft_logits[:room])
+                if costs is not None:  # verify only the drafts worth their verify cost
+                    confidence = sampler.confidence(draft_logits[:len(drafts)], draft_probs)
+                    drafts = drafts[:choose_draft_count(confidence, committed, costs)]
             with gen.timed("verify"):
                 logits, features = target.verify([bonus] + drafts)
                 accepted, following = sampler.verify(drafts, logits, draft_probs)

@@ -3,8 +3,10 @@ sha256), any .gguf or transformers directory, and the corpus split that keeps ev
 documents out of training."""
 
 import pytest
+import torch
 
 import build_engine
+import tiny
 from build import checkpoints
 from runtime import corpus
 from runtime.cli import run
@@ -55,3 +57,21 @@ def test_corpus_split_is_fixed_and_disjoint():
     # the rule is a hash of the name: stable across machines and runs
     assert corpus.split_of("python3.11/argparse.py") == corpus.split_of("python3.11/argparse.py")
     assert {p.name for p in corpus.long_documents("eval", 30_000)[:3]} <= {p.name for p in splits["eval"]}
+
+
+def test_drafter_can_start_from_the_targets_last_layers(tiny_target):
+    from build.train_drafter import initialise_from_target
+    from runtime.models.dflash import DFlashDrafter
+    from runtime.models.target import load_target
+
+    target, _ = load_target(tiny_target)
+    drafter = DFlashDrafter(tiny.drafter_config(tiny_target, layers=2))
+    initialise_from_target(drafter, target)
+    for layer, source in zip(drafter.layers, target.layers[-2:]):
+        theirs = source.state_dict()
+        for name, tensor in layer.state_dict().items():
+            if name in theirs:
+                assert torch.equal(tensor, theirs[name]), name
+            else:  # the drafter's own q/k norms stay fresh
+                assert "q_norm" in name or "k_norm" in name, name
+    assert torch.equal(drafter.norm.weight, target.norm.weight)

@@ -150,7 +150,8 @@ def test_streamed_terminal_text_never_shows_half_a_character(tiny_engine, monkey
     ids = tokenizer("caf", add_special_tokens=False).input_ids + split
     assert "\ufffd" in tokenizer.decode(ids[:-1])  # the split really is mid-character
 
-    def fake_generate(self, prompt, max_new_tokens, mode, sampling, stop=True, on_tokens=None):
+    def fake_generate(self, prompt, max_new_tokens, mode, sampling, stop=True, on_tokens=None,
+                      adaptive=True):
         gen = Generation(len(prompt))
         for token in ids:
             gen.tokens.append(token)

@@ -16,6 +16,7 @@ from runtime.models.dflash import DFlashConfig, DFlashDrafter
 from runtime.models.target import TargetConfig, TargetModel
 from runtime.sampling import Sampler, Sampling
 from runtime.speculative import generate_block, generate_target_only
+from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens
 
@@ -43,16 +44,19 @@ def runners(target, drafter, scaling):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
-       scaled=st.booleans(), stop=st.booleans())
+       scaled=st.booleans(), stop=st.booleans(),
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)))
 def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, max_new,
-                                               scaled, stop):
+                                               scaled, stop, per_token):
     target, drafter = tiny_pair(seed, vocab, block)
     scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if scaled else None
     t, d = runners(target, drafter, scaling)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     stop_ids = frozenset({0}) if stop else frozenset()
+    # per_token: adaptive draft length under a verify cost of 1 + per_token * tokens
+    costs = None if per_token is None else StepCosts((1.0, per_token, 0.0, 0.0), (0.2, 0.0))
     want = generate_target_only(t, prompt, max_new, Sampler(), stop_ids)
-    got = generate_block(t, d, prompt, max_new, Sampler(), stop_ids)
+    got = generate_block(t, d, prompt, max_new, Sampler(), stop_ids, costs=costs)
     assert got.tokens == want.tokens
     if got.stopped_by == "length":  # a stop token may cut the last step's block short
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
@@ -117,4 +121,46 @@ def test_speculative_sampling_preserves_the_target_distribution():
         first_step[gen.committed_per_step[0]] += 1
     # rejection at draft 1, rejection at draft 2, and both drafts accepted all happened
     assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
+    assert chi_square_p(counts, expected) > 0.001
+
+
+class CountingTarget:
+    """A target that records how many tokens each verify pass checks."""
+
+    def __init__(self, target):
+        self.target, self.context_limit, self.passes = target, target.context_limit, []
+
+    def prefill(self, ids, capacity):
+        return self.target.prefill(ids, capacity)
+
+    def verify(self, ids):
+        self.passes.append(len(ids))
+        return self.target.verify(ids)
+
+    def rollback(self, length):
+        self.target.rollback(length)
+
+
+def test_adaptive_draft_length_sampling_preserves_the_target_distribution():
+    """As above with the number of drafts verified chosen from the drafter's confidence:
+    under a steep per-token verify cost the first step verifies 1 of its 2 drafts."""
+    vocab, draws = 4, 10_000
+    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
+    t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
+    prompt = [1, 2, 0]
+    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=99))
+    costs = StepCosts((0.2, 0.8, 0.0, 0.0), (0.0, 0.0))  # verify(n tokens) = 0.2 + 0.8 n
+    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    counting = CountingTarget(PrefillOnce(t, prompt, len(prompt) + 4))
+    first_pass, first_step = Counter(), Counter()
+    for _ in range(draws):
+        counting.passes.clear()
+        gen = generate_block(counting, d, prompt, 4, sampler, costs=costs)
+        t1, t2, t3 = gen.tokens[:3]
+        counts[(t1 * vocab + t2) * vocab + t3] += 1
+        first_pass[counting.passes[0]] += 1
+        first_step[gen.committed_per_step[0]] += 1
+    assert first_pass == Counter({2: draws})  # bonus + 1 draft, not the 2 there was room for
+    assert all(first_step[n] > 0.02 * draws for n in (1, 2)), first_step  # reject and accept
     assert chi_square_p(counts, expected) > 0.001

@@ -35,6 +35,9 @@ def add_parser(sub):
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
+    p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
+                   help="drafter steps verify the drafts their confidence and the measured "
+                        "verify cost make worthwhile (adaptive), or the whole block")
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved decoding runs per mode from each prefill (speed: median)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -60,7 +63,7 @@ def check_args(args, context_limit: int) -> None:
 
 
 def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, repeats: int = 1,
-                            sampling=None, rotation: int = 0) -> dict:
+                            sampling=None, rotation: int = 0, adaptive: bool = True) -> dict:
     """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
     of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
     from runtime.backends import PrefillOnce
@@ -73,7 +76,8 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     for r in range(repeats):
         k = (rotation + r) % len(modes)
         for mode in modes[k:] + modes[:k]:
-            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling)))
+            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
+                                       adaptive=adaptive))
     return gens
 
 
@@ -200,7 +204,8 @@ def run(args) -> int:
         for i, (name, ids) in enumerate(docs):
             bar.set_postfix(context=length, doc=name)
             runs.append(decode_from_one_prefill(engine, ids[:length], args.new_tokens, modes,
-                                                args.repeats, sampling, rotation=i))
+                                                args.repeats, sampling, rotation=i,
+                                                adaptive=args.draft_length == "adaptive"))
             bar.update(1)
         rows.append(summarize(length, runs, sampling.greedy))
         r = rows[-1]
@@ -217,6 +222,7 @@ def run(args) -> int:
         "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
         "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
         "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
         "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
     }

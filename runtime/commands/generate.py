@@ -29,6 +29,8 @@ def add_parser(sub):
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     mode.add_argument("--ngram", action="store_true",
                       help="draft by n-gram lookup in the context instead of the drafter")
+    p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
+                   help="verify the drafts worth their measured cost (adaptive) or the whole block")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     p.add_argument("--verify", action="store_true",
@@ -76,7 +78,8 @@ def run(args) -> int:
         sys.stdout.flush()
 
     gen = engine.generate(prompt, args.max_new_tokens, mode, sampling,
-                          stop=not args.ignore_eos, on_tokens=None if args.json else show)
+                          stop=not args.ignore_eos, on_tokens=None if args.json else show,
+                          adaptive=args.draft_length == "adaptive")
     summary = gen.summary()
     scaling = engine.scaling.to_dict() if mode == "sharpdraft" else None
     if args.json:

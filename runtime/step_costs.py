@@ -1,0 +1,121 @@
+"""What a decoding step costs on this machine, measured when an engine is built and kept
+in engine.json: one target pass over n new tokens with `context` tokens cached, and one
+drafter step. Two things read it:
+
+- `--backend auto` picks the backend whose one-token decode step is fastest (measured,
+  not assumed);
+- adaptive draft length (`choose_draft_count`): each step verifies only as many drafts as
+  the drafter's confidence and the measured verify cost make worthwhile.
+
+Times are fitted as t = a + b*n + c*context + d*n*context (weights scale with n, attention
+with n*context) by least squares over a small grid, so any (n, context) can be priced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import torch
+
+CONTEXTS = (256, 2048)
+SIZES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    verify: tuple[float, float, float, float]  # a, b (per token), c (per cached key), d
+    draft: tuple[float, float] | None  # a + b*context; None: no drafter model
+
+    def verify_seconds(self, tokens: int, context: int) -> float:
+        a, b, c, d = self.verify
+        return max(a + b * tokens + c * context + d * tokens * context, 1e-6)
+
+    def draft_seconds(self, context: int) -> float:
+        return 0.0 if self.draft is None else max(self.draft[0] + self.draft[1] * context, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"verify": list(self.verify), "draft": None if self.draft is None else list(self.draft)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepCosts":
+        return cls(tuple(float(x) for x in data["verify"]),
+                   None if data.get("draft") is None else tuple(float(x) for x in data["draft"]))
+
+
+def choose_draft_count(confidence: list[float], context: int, costs: StepCosts) -> int:
+    """How many of the drafts to verify: the k maximising expected committed tokens per
+    second, (1 + sum_{i<=k} prod_{j<=i} confidence_j) / (draft + verify(k + 1 tokens)),
+    reading confidence_i as the chance draft i is accepted given the ones before it were.
+    Depends on the drafter alone, never on the target, so decoding stays lossless."""
+    draft = costs.draft_seconds(context)
+    best, best_rate = 0, 1.0 / (draft + costs.verify_seconds(1, context))
+    expected, survive = 1.0, 1.0
+    for k, c in enumerate(confidence, start=1):
+        survive *= c
+        expected += survive
+        rate = expected / (draft + costs.verify_seconds(k + 1, context))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def _median_seconds(step, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(rows: list[tuple[float, ...]], times: list[float]) -> tuple[float, ...]:
+    solution, *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64),
+                                   np.asarray(times, dtype=np.float64), rcond=None)
+    return tuple(round(float(x), 9) for x in solution)
+
+
+def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 3, progress=None) -> StepCosts:
+    """Time the engine's target (and drafter) on random tokens: content does not change
+    the work. Contexts beyond the engine's limit are clipped to it."""
+    vocab = engine.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    limit = engine.context_limit - max(sizes) - 1
+    contexts = sorted({min(c, limit) for c in contexts})
+    rows, times, draft_rows, draft_times = [], [], [], []
+    for context in contexts:
+        ids = torch.randint(0, vocab, (context + max(sizes),), generator=gen).tolist()
+        _, features = engine.target.prefill(ids[:context], context + max(sizes))
+        for n in sizes:
+            def verify(n=n):
+                engine.target.verify(ids[context:context + n])
+                engine.target.rollback(context)
+            verify()  # warm-up: first calls at a new shape pay one-off costs
+            rows.append((1.0, n, context, n * context))
+            times.append(_median_seconds(verify, repeats))
+        if engine.has_drafter_model:
+            drafter = engine.drafter(frozen=True)
+            drafter.reset(context + 1 + repeats + 1)
+            drafter.draft(features[:-1], ids[0])  # fill its cache to ~context tokens
+            drafter.draft(features[-1:], ids[1])  # warm-up
+            draft_rows.append((1.0, context))
+            draft_times.append(_median_seconds(lambda: drafter.draft(features[-1:], ids[1]), repeats))
+        if progress:
+            progress(f"      step costs at {context} tokens: verify "
+                     + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(sizes, times[-len(sizes):]))
+                     + (f"; draft {draft_times[-1] * 1e3:.1f} ms" if draft_times else ""))
+    draft_fit = None
+    if len(draft_rows) > 1:
+        draft_fit = _fit(draft_rows, draft_times)
+    elif draft_rows:  # one context measured (a short engine): a flat cost
+        draft_fit = (round(draft_times[0], 9), 0.0)
+    return StepCosts(_fit(rows, times), draft_fit)
+
+
+def decode_seconds(costs: StepCosts, limit: int) -> float:
+    """One-token decode cost averaged over 512, 4,096 and 7,680 tokens of context (the
+    README's range; clipped to the engine's limit): what `--backend auto` compares."""
+    contexts = sorted({min(c, limit) for c in (512, 4096, 7680)})
+    return statistics.fmean(costs.verify_seconds(1, c) for c in contexts)

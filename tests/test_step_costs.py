@@ -1,0 +1,46 @@
+"""Step costs measured at build time: the fit, the draft-count rule, and `--backend auto`
+picking the backend it measured fastest."""
+
+import json
+
+import pytest
+
+import build_engine
+from runtime.engine import Engine
+from runtime.step_costs import StepCosts, _fit, choose_draft_count
+
+
+def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
+    a, b, c, d = 0.02, 0.003, 1e-6, 4e-7
+    rows = [(1.0, n, ctx, n * ctx) for ctx in (256, 2048) for n in (1, 2, 4, 8)]
+    times = [a + b * n + c * ctx + d * n * ctx for _, n, ctx, _ in rows]
+    assert _fit(rows, times) == pytest.approx((a, b, c, d), rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.parametrize("confidence, verify, expected", [
+    ([0.9, 0.9, 0.9], (1.0, 0.0, 0.0, 0.0), 3),  # verifying is free: take every draft
+    ([0.9, 0.9, 0.9], (0.0, 10.0, 0.0, 0.0), 0),  # each token costs a whole step: none
+    ([0.9, 0.1, 0.9], (1.0, 0.2, 0.0, 0.0), 1),  # 1.9/1.4 = 1.36 beats 1.99/1.6 and 2.07/1.8
+    ([0.0, 1.0], (1.0, 0.0, 0.0, 0.0), 0),  # a sure rejection first: the rest cannot land
+])
+def test_draft_count_maximises_expected_tokens_per_second(confidence, verify, expected):
+    assert choose_draft_count(confidence, 100, StepCosts(verify, (0.0, 0.0))) == expected
+
+
+def test_context_makes_long_verifies_dearer():
+    costs = StepCosts((0.05, 0.01, 0.0, 1e-4), (0.0, 0.0))
+    assert choose_draft_count([0.5] * 6, 10, costs) > choose_draft_count([0.5] * 6, 5000, costs)
+
+
+def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_path):
+    out = tmp_path / "auto"
+    assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
+                              str(tiny_drafter), "--backend", "auto", "--output", str(out)]) == 0
+    manifest = json.loads((out / "engine.json").read_text())
+    choice = manifest["extra"]["backend_choice"]
+    assert set(choice["decode_ms"]) == {"torch", "onnxruntime"}
+    assert manifest["backend"] == choice["picked"] == min(choice["decode_ms"], key=choice["decode_ms"].get)
+    for backend in ("torch", "onnxruntime"):
+        costs = StepCosts.from_dict(manifest["extra"]["step_costs"][backend])
+        assert costs.verify_seconds(1, 64) > 0 and costs.draft_seconds(64) >= 0
+        assert Engine(out, backend=backend).step_costs == costs
