@@ -33,6 +33,10 @@ def test_generate_json_reports_the_run(tiny_engine, capsys):
     assert result["new_tokens"] == len(result["tokens"]) == 24
     assert result["sharpdraft"] == {"ref_keys": 64, "top_k": 8, "slope": 5.0, "max_log_scale": 0.5}
     assert 1 <= result["mean_accepted_length"] <= 4
+    # this very process holds torch and the models: its peak RSS is at least its current one
+    import resource
+    assert result["backend"] == "torch"
+    assert 0 < result["peak_rss_mib"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def test_all_three_modes_produce_the_same_greedy_tokens(tiny_engine, capsys):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -83,7 +84,10 @@ def run(args) -> int:
     summary = gen.summary()
     scaling = engine.scaling.to_dict() if mode == "sharpdraft" else None
     if args.json:
-        print(json.dumps({"mode": mode, "text": engine.decode(gen.tokens), "tokens": gen.tokens,
+        # Peak resident memory of this process (KiB on Linux): model, caches and all.
+        peak_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        print(json.dumps({"mode": mode, "backend": engine.backend, "peak_rss_mib": peak_mib,
+                          "text": engine.decode(gen.tokens), "tokens": gen.tokens,
                           "sharpdraft": scaling} | summary))
     else:
         print(stream.flush())
