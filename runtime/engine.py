@@ -1,6 +1,7 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
-interface (the one engine.json names, or an override), and `generate` in the three
-modes every command compares (target-only, frozen drafter, SharpDraft drafter)."""
+interface (the one engine.json names, or an override), and `generate` in the modes
+every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter
+(an ngram engine has the first two)."""
 
 from __future__ import annotations
 
@@ -96,7 +97,9 @@ class Engine:
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): torch only,
         since a compiled drafter graph has its scaling built in."""
-        if self.backend != "torch" or not self.has_drafter_model:
+        if not self.has_drafter_model:
+            raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
+        if self.backend != "torch":
             raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
                               "in; try other values with the torch backend (--backend torch)")
         return TorchDFlash(self.drafter_model, self.model, scaling)
