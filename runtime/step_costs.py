@@ -62,13 +62,15 @@ def choose_draft_count(confidence: list[float], context: int, costs: StepCosts) 
     return best
 
 
-def _median_seconds(step, repeats: int) -> float:
+def _fastest_seconds(step, repeats: int) -> float:
+    # The fastest run is the least disturbed by whatever else the machine does (another
+    # process's threads on 2 cores can slow a step many times over, not a few percent).
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _fit(rows: list[tuple[float, ...]], times: list[float]) -> tuple[float, ...]:
@@ -77,7 +79,7 @@ def _fit(rows: list[tuple[float, ...]], times: list[float]) -> tuple[float, ...]
     return tuple(round(float(x), 9) for x in solution)
 
 
-def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 3, progress=None) -> StepCosts:
+def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=None) -> StepCosts:
     """Time the engine's target (and drafter) on random tokens: content does not change
     the work. Contexts beyond the engine's limit are clipped to it."""
     vocab = engine.tokenizer.vocab_size
@@ -94,14 +96,14 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 3, progress=N
                 engine.target.rollback(context)
             verify()  # warm-up: first calls at a new shape pay one-off costs
             rows.append((1.0, n, context, n * context))
-            times.append(_median_seconds(verify, repeats))
+            times.append(_fastest_seconds(verify, repeats))
         if engine.has_drafter_model:
             drafter = engine.drafter(frozen=True)
             drafter.reset(context + 1 + repeats + 1)
             drafter.draft(features[:-1], ids[0])  # fill its cache to ~context tokens
             drafter.draft(features[-1:], ids[1])  # warm-up
             draft_rows.append((1.0, context))
-            draft_times.append(_median_seconds(lambda: drafter.draft(features[-1:], ids[1]), repeats))
+            draft_times.append(_fastest_seconds(lambda: drafter.draft(features[-1:], ids[1]), repeats))
         if progress:
             progress(f"      step costs at {context} tokens: verify "
                      + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(sizes, times[-len(sizes):]))
