@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from plugins import onnx as onnx_attention
+from plugins.attention import sharpdraft_attention
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from plugins.scaling import QueryScaling
 from runtime.models.dflash import DFlashDrafter
@@ -51,6 +52,10 @@ class ExportCache:
         self.keys[layer].append(k)
         self.values[layer].append(v)
         return torch.cat(self.keys[layer], 2), torch.cat(self.values[layer], 2)
+
+    def attend(self, layer: int, start, q, k, v, visible):
+        k, v = self.write(layer, start, k, v)
+        return sharpdraft_attention(q, k, v, visible)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The first write of every layer, as [t, layers, batch, kv_heads, d]."""
