@@ -168,7 +168,7 @@ def test_build_reports_each_stage_and_torch_engines_have_no_graphs(capsys, tiny_
     assert code == 0 and "engine written to" in captured.out
     stages = [line.split()[1].rstrip(":") for line in captured.err.splitlines()
               if line.startswith("[")]
-    assert stages == ["load", "export", "check", "build"]
+    assert stages == ["load", "export", "check", "build", "measure"]
     engine = Engine(out)
     assert engine.backend == "torch" and engine.context_limit == 300
     with pytest.raises(EngineError, match="--backend onnxruntime"):
@@ -182,3 +182,42 @@ def test_max_seq_len_beyond_the_target_context_is_refused(capsys, tiny_target, t
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: --max-seq-len")
     assert not (tmp_path / "e").exists()
+
+
+def test_target_kv_graph_reads_the_cache_buffers_where_they_lie(onnx_engine, torch_engine):
+    """In target-kv.onnx as ONNX Runtime optimises it, every cache buffer feeds matrix
+    products only (FusedMatMul folds the keys' transpose): no Concat, Transpose, Expand
+    or Slice copies the cache in a step. target.onnx concatenated it in every layer."""
+    import onnxruntime
+
+    layers = torch_engine.model.config.num_layers
+    path = onnx_engine / export.TARGET_KV_FILE
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(onnx_engine.parent / "target-kv.optimized.onnx")
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(export.target_kv_inputs(layers))
+    model = onnx.load(options.optimized_model_filepath)
+    consumers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    buffers = [i.name for i in model.graph.input if i.name.startswith("cache_")]
+    assert len(buffers) == 2 * layers
+    for name in buffers:
+        assert set(consumers[name]) <= {"MatMul", "FusedMatMul", "Shape"}, (name, consumers[name])
+        assert {"MatMul", "FusedMatMul"} & set(consumers[name]), name
+    portable = onnx.load(str(onnx_engine / export.TARGET_FILE))
+    assert any(n.op_type == "Concat" for n in portable.graph.node)  # what this graph avoids
+
+
+def test_manifest_records_the_target_kv_graph(onnx_engine, torch_engine):
+    record = json.loads((onnx_engine / "engine.json").read_text())["extra"]["onnx"]
+    assert record["export_version"] == export.EXPORT_VERSION
+    graph = record["graphs"]["target_kv"]
+    c = torch_engine.model.config
+    assert graph["file"] == export.TARGET_KV_FILE
+    inputs = {i["name"]: i for i in graph["inputs"]}
+    assert list(inputs) == list(export.target_kv_inputs(c.num_layers))
+    assert inputs["cache_keys_0"]["shape"] == ["batch", c.num_kv_heads, "capacity", c.head_dim]
+    assert inputs["past_len"]["shape"] == [] and inputs["past_len"]["dtype"] == "int64"
+    assert [o["name"] for o in graph["outputs"]] == list(export.TARGET_KV_OUTPUTS)

@@ -5,13 +5,15 @@ attention forms; engines whose files changed are refused; the overhead command."
 import json
 import shutil
 
+import numpy as np
 import pytest
 import tiny
 import torch
 
 from runtime import speculative
 from runtime.__main__ import main as runtime_main
-from runtime.backends.onnxruntime import OnnxDFlash, open_session
+from runtime.backends import PrefillOnce
+from runtime.backends.onnxruntime import PREFILL_CHUNK, OnnxDFlash, open_session
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.sampling import Sampler
@@ -128,3 +130,82 @@ def test_overhead_command_reports_medians_and_ratio(capsys, onnx_engine):
     for r in rows.values():
         assert r["sharpdraft_ms"] > 0 and r["frozen_ms"] > 0
         assert r["ratio"] == pytest.approx(r["sharpdraft_ms"] / r["frozen_ms"], rel=1e-2)
+
+
+def random_prompt(n, seed=0):
+    return torch.randint(4, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_target_steps_read_and_write_the_bound_cache_in_place(torch_engine, ort_engine):
+    ids = random_prompt(40)
+    ours, theirs = ort_engine.target, torch_engine.target
+    for target in (ours, theirs):
+        target.prefill(ids, len(ids) + 8)
+    cache = ours.cache
+    address = cache.k.ctypes.data, cache.v.ctypes.data
+    bound = [value.data_ptr() for value in cache.k_values + cache.v_values]
+    # Every layer's OrtValue is a view of the one buffer, not a copy of it.
+    assert bound == [cache.k[i].ctypes.data for i in range(len(cache.k))] + [
+        cache.v[i].ctypes.data for i in range(len(cache.v))]
+    prefix = cache.k[:, :, :, :len(ids)].copy()
+    for target in (ours, theirs):
+        target.verify(random_prompt(5, seed=1))
+        target.rollback(len(ids) + 2)
+        target.verify(random_prompt(1, seed=2))
+    assert ours.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
+    assert [value.data_ptr() for value in cache.k_values + cache.v_values] == bound
+    np.testing.assert_array_equal(cache.k[:, :, :, :len(ids)], prefix)
+    n = len(ids) + 3
+    assert cache.length == theirs.cache.length == n
+    torch.testing.assert_close(torch.from_numpy(cache.k[:, :, :, :n]), theirs.cache.k[:, :, :, :n],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(cache.v[:, :, :, :n]), theirs.cache.v[:, :, :, :n],
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("length", [PREFILL_CHUNK, 2 * PREFILL_CHUNK + 1])
+def test_chunked_prefill_and_a_full_cache_match_torch(length, torch_engine, ort_engine):
+    ids = random_prompt(length)
+    runs = {}
+    for name, target in (("torch", torch_engine.target), ("ort", ort_engine.target)):
+        last, features = target.prefill(ids, length + 3)
+        step, step_features = target.verify(random_prompt(3, seed=1))  # fills it exactly
+        with pytest.raises(ValueError, match="holds"):
+            target.verify([5])
+        runs[name] = (last, features, step, step_features)
+    assert runs["ort"][1].shape == (length, runs["torch"][1].shape[1])
+    for ours, theirs in zip(runs["ort"], runs["torch"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_prefill_once_replays_the_same_prefill_on_either_backend(torch_engine, ort_engine):
+    """PrefillOnce restores a snapshot into a fresh cache: target-only, then block
+    speculation, then target-only again, all from one prefill, agree across backends."""
+    prompt = text_prompt(torch_engine, 300)
+    tokens = {}
+    for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
+        once = PrefillOnce(engine.target, prompt, len(prompt) + NEW_TOKENS)
+        first = speculative.generate_target_only(once, prompt, NEW_TOKENS, Sampler()).tokens
+        block = speculative.generate_block(once, engine.drafter(True), prompt, NEW_TOKENS,
+                                           Sampler()).tokens
+        again = speculative.generate_target_only(once, prompt, NEW_TOKENS, Sampler()).tokens
+        assert first == again
+        tokens[name] = (first, block)
+    assert tokens["ort"] == tokens["torch"]
+
+
+def test_engine_from_the_previous_exporter_is_refused_with_one_line_error(capsys, tmp_path,
+                                                                         onnx_engine):
+    """Graphs whose target takes its cache as an input (export version 1) need a rebuild."""
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(onnx_engine, engine_dir)
+    manifest = engine_dir / "engine.json"
+    data = json.loads(manifest.read_text())
+    record = data["extra"]["onnx"]
+    del record["export_version"]
+    (engine_dir / record["graphs"].pop("target_kv")["file"]).unlink()
+    data["artifacts"] = {k: v for k, v in data["artifacts"].items() if (engine_dir / k).exists()}
+    manifest.write_text(json.dumps(data))
+    code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
+    error = one_line_error(capsys)
+    assert code == 1 and "export version 1" in error and "rebuild" in error

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.attention import sharpdraft_attention
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -116,6 +118,14 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """A causal step's attention: store the step's k/v at `start`, then row (b, i)
+        attends to keys [0, visible[b, i]). The export stand-ins (build/export.py)
+        implement the same method over their own storage."""
+        k, v = self.write(layer, start, k, v)
+        return sharpdraft_attention(q, k, v, visible)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from plugins.attention import sharpdraft_attention
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -90,8 +89,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h, cos, sin, cache: KVCache, layer: int, start: int, visible):
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, cos, sin)
-        k, v = cache.write(layer, start, *self.self_attn.key_value(x, cos, sin))
-        h = h + self.self_attn.output(sharpdraft_attention(q, k, v, visible))
+        k, v = self.self_attn.key_value(x, cos, sin)
+        h = h + self.self_attn.output(cache.attend(layer, start, q, k, v, visible))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -125,9 +124,9 @@ class TargetModel(nn.Module):
     def final_hidden(self, ids: torch.Tensor, cache: KVCache, feature_layers=()):
         """forward() without the LM head: final-norm states [b, t, hidden] and features
         (the ONNX export picks the rows that need logits itself)."""
-        start = cache.length
+        start = cache.length  # an int, or a 0-d tensor in an exported graph
         t = ids.shape[1]
-        positions = torch.arange(start, start + t, device=ids.device).expand(ids.shape[0], t)
+        positions = (torch.arange(t, device=ids.device) + start).expand(ids.shape[0], t)
         cos, sin = self.rotary(positions, self.embed_tokens.weight.dtype)
         visible = positions + 1
         h = self.embed_tokens(ids)
