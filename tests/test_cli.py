@@ -36,7 +36,7 @@ def test_generate_json_reports_the_run(tiny_engine, capsys):
     # this very process holds torch and the models: its peak RSS is at least its current one
     import resource
     assert result["backend"] == "torch"
-    assert 0 < result["peak_rss_mib"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert 0 < result["peak_rss_mib"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 0.1
 
 
 def test_all_three_modes_produce_the_same_greedy_tokens(tiny_engine, capsys):
