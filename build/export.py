@@ -119,25 +119,35 @@ class DrafterStep(nn.Module):
         return (self.lm_head(hidden[:, 1:]),) + cache.present()
 
 
-def buffered_attention(q, k_buf, v_buf, past_len, k, v, visible):
-    """Causal attention of a step over a cache buffer and the step's own keys, without
-    joining the two: row (b, i) sees buffer positions < min(past_len, visible[b, i]) and
-    the step's key j (position past_len + j) when past_len + j < visible[b, i], exactly
-    the keys sharpdraft_attention gives it over the joined cache. q [b, heads, t, d];
-    k_buf/v_buf [b, kv_heads, capacity, d], read where they lie; k/v [b, kv_heads, t, d].
-    The query heads that share a kv head are stacked as rows of one product, so every
-    cached key is read once per step, not once per query head."""
+def step_masks(past_len, visible, capacity: int, group: int):
+    """Additive masks (0 or -inf) of a step's attention, rows (g, i) for g < group:
+    row i sees buffer position j when j < min(past_len, visible[b, i]) and the step's
+    own key j (position past_len + j) when past_len + j < visible[b, i], exactly the
+    keys sharpdraft_attention gives it over the joined cache. [b, 1, group * t, capacity]
+    and [b, 1, group * t, t]; every layer of a step shares them."""
+    t = visible.shape[1]
+    sees = visible.repeat(1, group)[:, None, :, None]
+    in_buffer = torch.arange(capacity, device=visible.device)
+    sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
+    sees_step = (torch.arange(t, device=visible.device) + past_len) < sees
+    zero = torch.zeros((), dtype=torch.float32, device=visible.device)
+    return (torch.where(sees_buffer, zero, -torch.inf), torch.where(sees_step, zero, -torch.inf))
+
+
+def buffered_attention(q, k_buf, v_buf, k, v, masks):
+    """Attention of a step over a cache buffer and the step's own keys, without joining
+    the two: one softmax over both score blocks. q [b, heads, t, d]; k_buf/v_buf
+    [b, kv_heads, capacity, d], read where they lie; k/v [b, kv_heads, t, d]; masks from
+    step_masks. The query heads that share a kv head are stacked as rows of one product,
+    so every cached key is read once per step, not once per query head."""
     b, heads, t, d = q.shape
     kv_heads, capacity = k_buf.shape[1], k_buf.shape[2]
     group = heads // kv_heads
     rows = (q * (1.0 / math.sqrt(d))).reshape(b, kv_heads, group * t, d)  # row = (g, i)
-    sees = visible.repeat(1, group)[:, None, :, None]
-    in_buffer = torch.arange(capacity, device=q.device)
-    sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
-    sees_step = (torch.arange(t, device=q.device) + past_len) < sees
-    scores = torch.cat([torch.where(sees_buffer, rows @ k_buf.transpose(-1, -2), -torch.inf),
-                        torch.where(sees_step, rows @ k.transpose(-1, -2), -torch.inf)], -1)
-    p = torch.softmax(scores, -1)  # [b, kv_heads, group * t, capacity + t]: small
+    mask_buffer, mask_step = masks
+    scores = torch.cat([rows @ k_buf.transpose(-1, -2) + mask_buffer.to(q.dtype),
+                        rows @ k.transpose(-1, -2) + mask_step.to(q.dtype)], -1)
+    p = torch.softmax(scores, -1)  # [b, kv_heads, group * t, capacity + t]
     out = p[..., :capacity] @ v_buf + p[..., capacity:] @ v
     return out.unflatten(2, (group, t)).flatten(1, 2)
 
@@ -152,11 +162,15 @@ class BufferCache:
         self.length = past_len
         self.keys, self.values = keys, values
         self.new_keys, self.new_values = [], []
+        self.masks = None
 
     def attend(self, layer: int, start, q, k, v, visible):
         self.new_keys.append(k)
         self.new_values.append(v)
-        return buffered_attention(q, self.keys[layer], self.values[layer], start, k, v, visible)
+        if self.masks is None:  # once per step: every layer sees the same keys
+            self.masks = step_masks(start, visible, self.keys[layer].shape[2],
+                                    q.shape[1] // k.shape[1])
+        return buffered_attention(q, self.keys[layer], self.values[layer], k, v, self.masks)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.stack(self.new_keys), torch.stack(self.new_values)
