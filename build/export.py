@@ -32,6 +32,7 @@ stand-in (the `attend`/`write` methods of KVCache), never rewritten here.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import re
@@ -54,6 +55,7 @@ EXPORT_VERSION = 2
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
 TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
 TARGET_KV_FILE = "target-kv.onnx"
+WEIGHTS_FILE = "weights.bin"  # every graph's initializers, as ONNX external data
 TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
 TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
 TARGET_KV_OUTPUTS = ("logits", "features", "new_keys", "new_values")  # inputs: target_kv_inputs
@@ -353,6 +355,33 @@ def check_graph(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
+def share_weights(out_dir: Path, files: list[str], min_bytes: int = 1024) -> None:
+    """Move the graphs' initializers into one external-data file (WEIGHTS_FILE), each
+    distinct tensor once: target.onnx and target-kv.onnx hold the same weights, and both
+    drafter graphs carry the target's embedding and head. Tensors start on 4 KiB
+    boundaries; tensors under min_bytes stay inside their graph."""
+    from onnx.external_data_helper import set_external_data
+
+    offsets: dict[bytes, int] = {}
+    with open(out_dir / WEIGHTS_FILE, "wb") as data:
+        for name in files:
+            model = onnx.load(str(out_dir / name))
+            for tensor in model.graph.initializer:
+                raw = tensor.raw_data
+                if len(raw) < min_bytes:
+                    continue
+                key = hashlib.sha256(bytes([tensor.data_type]) + repr(list(tensor.dims)).encode()
+                                     + raw).digest()
+                if key not in offsets:
+                    data.write(b"\0" * (-data.tell() % 4096))
+                    offsets[key] = data.tell()
+                    data.write(raw)
+                set_external_data(tensor, WEIGHTS_FILE, offsets[key], len(raw))
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                tensor.ClearField("raw_data")
+            onnx.save(model, str(out_dir / name))
+
+
 def export_engine(target: TargetModel, drafter: DFlashDrafter, scaling: QueryScaling | None,
                   attention: str, out_dir: Path, progress=lambda _msg: None) -> dict:
     """Write every graph of an engine into out_dir; returns engine.json's "onnx" record."""
@@ -368,6 +397,8 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter, scaling: QuerySca
         progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
         graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
                                            out_dir / DRAFTER_FILE)
+    progress(f"      {WEIGHTS_FILE}: the graphs' weights, each distinct tensor once")
+    share_weights(out_dir, [g["file"] for g in graphs.values()])
     plugin = None
     if scaling is not None and attention == "plugin":
         plugin = {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,
