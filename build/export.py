@@ -1,7 +1,8 @@
 """torch -> ONNX: the target step graphs and the DFlash drafter step graphs of an engine.
 
 Graphs are traced from the same torch modules the torch backend runs, through a cache
-stand-in (the `attend`/`write` methods of KVCache), never rewritten here.
+stand-in (the `attend`/`write` methods of KVCache), never rewritten here. Their weights
+go to one external-data file, weights.bin, each distinct tensor once (share_weights).
 
 - target.onnx and the drafter graphs take their KV cache as an input, sequence-major
   [tokens, layers, batch, kv_heads, head_dim], and return only the keys/values of the
@@ -14,19 +15,21 @@ stand-in (the `attend`/`write` methods of KVCache), never rewritten here.
   array) bound once and only read; `past_len` says how much of it is committed. Attention
   (buffered_attention) scores the step's queries against the buffer and against the
   step's own keys and takes one softmax over both, so nothing copies, transposes or
-  concatenates the cache; the step's keys/values come out for the runtime to store. In
-  target.onnx every step concatenated (and transposed) the whole past per layer: at 4,096
-  tokens a decode step ran at 5.6 tok/s against torch's 13.9.
+  concatenates the cache; the step's keys/values come out for the runtime to store.
+  Running target.onnx, where every step concatenated and transposed the whole past in
+  every layer, ONNX Runtime decoded at 0.43x torch's speed at 4,096 tokens and 0.37x at
+  7,680; on target-kv.onnx it decodes at 1.5-1.6x torch's (SmolLM2-135M, fp32, 2
+  threads, scripts/bench_backends.py, same machine and session for each pair).
 
-  Chosen by measurement (SmolLM2-135M, fp32, 2 threads, target-only decode tok/s, medians
-  of 5, scripts/bench_backends.py): ORT's com.microsoft GroupQueryAttention with a shared
-  past/present buffer (in-place cache writes, cost proportional to the length) ran 33.3 /
-  12.7 tok/s at 512 / 7,680 tokens; this graph 32.3 / 15.9. GQA's CPU kernel reads each
-  kv head once per query head (3 times here) and loses at long context; an earlier form
-  of this graph with a hand-written two-part softmax ran 28.9 at 512 (per-node overhead).
-  The price of plain ops: masked buffer positions past `past_len` are still multiplied,
-  so a step costs the buffer's capacity, not the length (the runtime sizes it to the
-  prompt plus the generation budget).
+  Chosen by measurement (target-only decode tok/s, medians of 5): ORT's com.microsoft
+  GroupQueryAttention with a shared past/present buffer (in-place cache writes, cost
+  proportional to the length; also exported and run) made 33.3 / 12.7 tok/s at 512 /
+  7,680 tokens where this graph made 32.3 / 15.9: GQA's CPU kernel reads each kv head
+  once per query head (3 times here). A form of this graph with a hand-written two-part
+  softmax (no Concat) made 28.9 at 512: per-node overhead. The price of plain ops:
+  buffer positions past `past_len` are masked but still multiplied, so a decode/verify
+  step costs the buffer's capacity, not the length (the runtime sizes the buffer to the
+  prompt plus the generation budget; a prefill binds compact copies of the prefix).
 """
 
 from __future__ import annotations
