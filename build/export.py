@@ -1,7 +1,8 @@
 """torch -> ONNX: the target step graphs and the DFlash drafter step graphs of an engine.
 
 Graphs are traced from the same torch modules the torch backend runs, through a cache
-stand-in (the `attend`/`write` methods of KVCache), never rewritten here.
+stand-in (the `attend`/`write` methods of KVCache), never rewritten here. Their weights
+go to one external-data file, weights.bin, each distinct tensor once (share_weights).
 
 - target.onnx and the drafter graphs take their KV cache as an input, sequence-major
   [tokens, layers, batch, kv_heads, head_dim], and return only the keys/values of the
@@ -14,24 +15,27 @@ stand-in (the `attend`/`write` methods of KVCache), never rewritten here.
   array) bound once and only read; `past_len` says how much of it is committed. Attention
   (buffered_attention) scores the step's queries against the buffer and against the
   step's own keys and takes one softmax over both, so nothing copies, transposes or
-  concatenates the cache; the step's keys/values come out for the runtime to store. In
-  target.onnx every step concatenated (and transposed) the whole past per layer: at 4,096
-  tokens a decode step ran at 5.6 tok/s against torch's 13.9.
+  concatenates the cache; the step's keys/values come out for the runtime to store.
+  Running target.onnx, where every step concatenated and transposed the whole past in
+  every layer, ONNX Runtime decoded at 0.43x torch's speed at 4,096 tokens and 0.37x at
+  7,680; on target-kv.onnx it decodes at 1.5-1.6x torch's (SmolLM2-135M, fp32, 2
+  threads, scripts/bench_backends.py, same machine and session for each pair).
 
-  Chosen by measurement (SmolLM2-135M, fp32, 2 threads, target-only decode tok/s, medians
-  of 5, scripts/bench_backends.py): ORT's com.microsoft GroupQueryAttention with a shared
-  past/present buffer (in-place cache writes, cost proportional to the length) ran 33.3 /
-  12.7 tok/s at 512 / 7,680 tokens; this graph 32.3 / 15.9. GQA's CPU kernel reads each
-  kv head once per query head (3 times here) and loses at long context; an earlier form
-  of this graph with a hand-written two-part softmax ran 28.9 at 512 (per-node overhead).
-  The price of plain ops: masked buffer positions past `past_len` are still multiplied,
-  so a step costs the buffer's capacity, not the length (the runtime sizes it to the
-  prompt plus the generation budget).
+  Chosen by measurement (target-only decode tok/s, medians of 5): ORT's com.microsoft
+  GroupQueryAttention with a shared past/present buffer (in-place cache writes, cost
+  proportional to the length; also exported and run) made 33.3 / 12.7 tok/s at 512 /
+  7,680 tokens where this graph made 32.3 / 15.9: GQA's CPU kernel reads each kv head
+  once per query head (3 times here). A form of this graph with a hand-written two-part
+  softmax (no Concat) made 28.9 at 512: per-node overhead. The price of plain ops:
+  buffer positions past `past_len` are masked but still multiplied, so a decode/verify
+  step costs the buffer's capacity, not the length (the runtime sizes the buffer to the
+  prompt plus the generation budget; a prefill binds compact copies of the prefix).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import re
@@ -53,6 +57,7 @@ from runtime.models.target import TargetModel
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
 TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
 TARGET_KV_FILE = "target-kv.onnx"
+WEIGHTS_FILE = "weights.bin"  # every graph's initializers, as ONNX external data
 TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
 TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
 TARGET_KV_OUTPUTS = ("logits", "features", "new_keys", "new_values")  # inputs: target_kv_inputs
@@ -122,25 +127,35 @@ class DrafterStep(nn.Module):
         return (self.lm_head(hidden[:, 1:]),) + cache.present()
 
 
-def buffered_attention(q, k_buf, v_buf, past_len, k, v, visible):
-    """Causal attention of a step over a cache buffer and the step's own keys, without
-    joining the two: row (b, i) sees buffer positions < min(past_len, visible[b, i]) and
-    the step's key j (position past_len + j) when past_len + j < visible[b, i], exactly
-    the keys sharpdraft_attention gives it over the joined cache. q [b, heads, t, d];
-    k_buf/v_buf [b, kv_heads, capacity, d], read where they lie; k/v [b, kv_heads, t, d].
-    The query heads that share a kv head are stacked as rows of one product, so every
-    cached key is read once per step, not once per query head."""
+def step_masks(past_len, visible, capacity: int, group: int):
+    """Additive masks (0 or -inf) of a step's attention, rows (g, i) for g < group:
+    row i sees buffer position j when j < min(past_len, visible[b, i]) and the step's
+    own key j (position past_len + j) when past_len + j < visible[b, i], exactly the
+    keys sharpdraft_attention gives it over the joined cache. [b, 1, group * t, capacity]
+    and [b, 1, group * t, t]; every layer of a step shares them."""
+    t = visible.shape[1]
+    sees = visible.repeat(1, group)[:, None, :, None]
+    in_buffer = torch.arange(capacity, device=visible.device)
+    sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
+    sees_step = (torch.arange(t, device=visible.device) + past_len) < sees
+    zero = torch.zeros((), dtype=torch.float32, device=visible.device)
+    return (torch.where(sees_buffer, zero, -torch.inf), torch.where(sees_step, zero, -torch.inf))
+
+
+def buffered_attention(q, k_buf, v_buf, k, v, masks):
+    """Attention of a step over a cache buffer and the step's own keys, without joining
+    the two: one softmax over both score blocks. q [b, heads, t, d]; k_buf/v_buf
+    [b, kv_heads, capacity, d], read where they lie; k/v [b, kv_heads, t, d]; masks from
+    step_masks. The query heads that share a kv head are stacked as rows of one product,
+    so every cached key is read once per step, not once per query head."""
     b, heads, t, d = q.shape
     kv_heads, capacity = k_buf.shape[1], k_buf.shape[2]
     group = heads // kv_heads
     rows = (q * (1.0 / math.sqrt(d))).reshape(b, kv_heads, group * t, d)  # row = (g, i)
-    sees = visible.repeat(1, group)[:, None, :, None]
-    in_buffer = torch.arange(capacity, device=q.device)
-    sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
-    sees_step = (torch.arange(t, device=q.device) + past_len) < sees
-    scores = torch.cat([torch.where(sees_buffer, rows @ k_buf.transpose(-1, -2), -torch.inf),
-                        torch.where(sees_step, rows @ k.transpose(-1, -2), -torch.inf)], -1)
-    p = torch.softmax(scores, -1)  # [b, kv_heads, group * t, capacity + t]: small
+    mask_buffer, mask_step = masks
+    scores = torch.cat([rows @ k_buf.transpose(-1, -2) + mask_buffer.to(q.dtype),
+                        rows @ k.transpose(-1, -2) + mask_step.to(q.dtype)], -1)
+    p = torch.softmax(scores, -1)  # [b, kv_heads, group * t, capacity + t]
     out = p[..., :capacity] @ v_buf + p[..., capacity:] @ v
     return out.unflatten(2, (group, t)).flatten(1, 2)
 
@@ -155,11 +170,15 @@ class BufferCache:
         self.length = past_len
         self.keys, self.values = keys, values
         self.new_keys, self.new_values = [], []
+        self.masks = None
 
     def attend(self, layer: int, start, q, k, v, visible):
         self.new_keys.append(k)
         self.new_values.append(v)
-        return buffered_attention(q, self.keys[layer], self.values[layer], start, k, v, visible)
+        if self.masks is None:  # once per step: every layer sees the same keys
+            self.masks = step_masks(start, visible, self.keys[layer].shape[2],
+                                    q.shape[1] // k.shape[1])
+        return buffered_attention(q, self.keys[layer], self.values[layer], k, v, self.masks)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.stack(self.new_keys), torch.stack(self.new_values)
@@ -337,6 +356,33 @@ def check_graph(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
+def share_weights(out_dir: Path, files: list[str], min_bytes: int = 1024) -> None:
+    """Move the graphs' initializers into one external-data file (WEIGHTS_FILE), each
+    distinct tensor once: target.onnx and target-kv.onnx hold the same weights, and both
+    drafter graphs carry the target's embedding and head. Tensors start on 4 KiB
+    boundaries; tensors under min_bytes stay inside their graph."""
+    from onnx.external_data_helper import set_external_data
+
+    offsets: dict[bytes, int] = {}
+    with open(out_dir / WEIGHTS_FILE, "wb") as data:
+        for name in files:
+            model = onnx.load(str(out_dir / name))
+            for tensor in model.graph.initializer:
+                raw = tensor.raw_data
+                if len(raw) < min_bytes:
+                    continue
+                key = hashlib.sha256(bytes([tensor.data_type]) + repr(list(tensor.dims)).encode()
+                                     + raw).digest()
+                if key not in offsets:
+                    data.write(b"\0" * (-data.tell() % 4096))
+                    offsets[key] = data.tell()
+                    data.write(raw)
+                set_external_data(tensor, WEIGHTS_FILE, offsets[key], len(raw))
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                tensor.ClearField("raw_data")
+            onnx.save(model, str(out_dir / name))
+
+
 def export_engine(target: TargetModel, drafter: DFlashDrafter | None, scaling: QueryScaling | None,
                   attention: str, out_dir: Path, progress=lambda _msg: None) -> dict:
     """Write every graph of an engine into out_dir; returns engine.json's "onnx" record.
@@ -355,6 +401,8 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | None, scaling: Q
         progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
         graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
                                            out_dir / DRAFTER_FILE)
+    progress(f"      {WEIGHTS_FILE}: the graphs' weights, each distinct tensor once")
+    share_weights(out_dir, [g["file"] for g in graphs.values()])
     plugin = None
     if scaling is not None and attention == "plugin":
         plugin = {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,

@@ -20,13 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.engine import MODES, run_mode  # noqa: E402
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", action="append", required=True, metavar="NAME=DIR[@BACKEND]")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 7680])
     p.add_argument("--modes", nargs="+", default=["target"],
-                   choices=["target", "sharpdraft", "frozen"])
+                   choices=list(MODES))
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -36,9 +38,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from runtime import speculative
     from runtime.backends import PrefillOnce
-    from runtime.documents import default_documents
+    from runtime.commands.documents import default_documents
     from runtime.engine import Engine
     from runtime.sampling import Sampler
 
@@ -63,13 +64,7 @@ def main(argv=None) -> int:
             tokens = {}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
-                    if mode == "target":
-                        gen = speculative.generate_target_only(onces[name], prompt,
-                                                               args.new_tokens, Sampler())
-                    else:
-                        gen = speculative.generate_block(onces[name],
-                                                         engine.drafter(mode == "sharpdraft"),
-                                                         prompt, args.new_tokens, Sampler())
+                    gen = run_mode(engine, onces[name], mode, prompt, args.new_tokens, Sampler())
                     speeds[name].append(gen.tokens_per_second)
                     tokens.setdefault(name, gen.tokens)
             reference = next(iter(tokens.values()))

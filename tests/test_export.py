@@ -196,7 +196,7 @@ def test_target_kv_graph_reads_the_cache_buffers_where_they_lie(onnx_engine, tor
     options.optimized_model_filepath = str(onnx_engine.parent / "target-kv.optimized.onnx")
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == list(export.target_kv_inputs(layers))
-    model = onnx.load(options.optimized_model_filepath)
+    model = onnx.load(options.optimized_model_filepath, load_external_data=False)
     consumers = {}
     for node in model.graph.node:
         for name in node.input:
@@ -206,7 +206,7 @@ def test_target_kv_graph_reads_the_cache_buffers_where_they_lie(onnx_engine, tor
     for name in buffers:
         assert set(consumers[name]) <= {"MatMul", "FusedMatMul", "Shape"}, (name, consumers[name])
         assert {"MatMul", "FusedMatMul"} & set(consumers[name]), name
-    portable = onnx.load(str(onnx_engine / export.TARGET_FILE))
+    portable = onnx.load(str(onnx_engine / export.TARGET_FILE), load_external_data=False)
     assert any(n.op_type == "Concat" for n in portable.graph.node)  # what this graph avoids
 
 
@@ -221,3 +221,20 @@ def test_manifest_records_the_target_kv_graph(onnx_engine, torch_engine):
     assert inputs["cache_keys_0"]["shape"] == ["batch", c.num_kv_heads, "capacity", c.head_dim]
     assert inputs["past_len"]["shape"] == [] and inputs["past_len"]["dtype"] == "int64"
     assert [o["name"] for o in graph["outputs"]] == list(export.TARGET_KV_OUTPUTS)
+
+
+def test_graphs_share_one_copy_of_their_weights(onnx_engine):
+    """target.onnx and target-kv.onnx read the same bytes of weights.bin, and so do the
+    drafter graphs for the target's embedding and head."""
+    def stored(name):
+        model = onnx.load(str(onnx_engine / name), load_external_data=False)
+        return {t.name: (t.external_data[0].value, {e.key: e.value for e in t.external_data})
+                for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+
+    target, kv = stored(export.TARGET_FILE), stored(export.TARGET_KV_FILE)
+    assert target and all(location == export.WEIGHTS_FILE for location, _ in target.values())
+    places = sorted((e["offset"], e["length"]) for _, e in target.values())
+    assert sorted((e["offset"], e["length"]) for _, e in kv.values()) == places
+    for drafter in (export.DRAFTER_FILE, export.FROZEN_FILE):
+        shared = {(e["offset"], e["length"]) for _, e in stored(drafter).values()}
+        assert len(shared & set(places)) >= 2  # embedding and head, stored once
