@@ -238,3 +238,28 @@ def test_graphs_share_one_copy_of_their_weights(onnx_engine):
     for drafter in (export.DRAFTER_FILE, export.FROZEN_FILE):
         shared = {(e["offset"], e["length"]) for _, e in stored(drafter).values()}
         assert len(shared & set(places)) >= 2  # embedding and head, stored once
+
+
+def test_target_kv_graph_takes_any_batch_and_ignores_the_buffer_past_the_length(
+        onnx_engine, torch_engine):
+    model = torch_engine.model
+    layers = torch_engine.drafter_model.config.target_layer_ids
+    c = model.config
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, c.vocab_size, (3, 6), generator=g)
+    past, capacity = 11, 23
+    cache = model.new_cache(capacity, batch=3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))  # past the length: garbage
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.length = past
+    buffers = {f"cache_{kind}_{i}": tensor[i].numpy().copy()
+               for kind, tensor in (("keys", cache.k), ("values", cache.v))
+               for i in range(c.num_layers)}
+    with torch.no_grad():
+        logits, features = model(ids, cache, layers)
+    session = open_session(onnx_engine / export.TARGET_KV_FILE)
+    got = session.run(None, {"ids": ids.numpy(), "logit_positions": np.arange(6),
+                             "past_len": np.array(past)} | buffers)
+    expected = (logits, features, cache.k[:, :, :, past:past + 6], cache.v[:, :, :, past:past + 6])
+    for ours, theirs in zip(got, expected):
+        np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
