@@ -127,8 +127,8 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool) -> None:
         manifest.backend = min(decode_ms, key=decode_ms.get)
         manifest.extra["backend_choice"] = {
             "decode_ms": decode_ms, "picked": manifest.backend,
-            "rule": "--backend auto: fastest measured one-token decode, mean over 512/4096/7680 "
-                    "tokens of context (clipped to max_seq_len), fitted from step_costs"}
+            "rule": "--backend auto: fastest measured one-token decode, mean over the measured "
+                    "contexts (512 and 4096 tokens, clipped to max_seq_len)"}
         progress(f"      auto: {manifest.backend} ({', '.join(f'{b} {ms} ms' for b, ms in decode_ms.items())}"
                  " per decode step)")
     manifest.write(out)
