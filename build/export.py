@@ -51,7 +51,7 @@ from plugins.attention import sharpdraft_attention
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import EXPORT_VERSION
-from runtime.models.dflash import DFlashDrafter
+from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.target import TargetModel
 
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
@@ -119,12 +119,13 @@ class DrafterStep(nn.Module):
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
         super().__init__()
         self.drafter, self.scaling = drafter, scaling
-        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+        self.embed_tokens = target.embed_tokens
+        self.head = DraftHead.for_drafter(drafter, target.lm_head)
 
     def forward(self, block_ids, context, past_keys, past_values):
         cache = ExportCache(past_keys, past_values)
         hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling)
-        return (self.lm_head(hidden[:, 1:]),) + cache.present()
+        return (self.head(hidden[:, 1:]),) + cache.present()
 
 
 def step_masks(past_len, visible, capacity: int, group: int):

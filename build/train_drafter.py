@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -35,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from build import checkpoints  # noqa: E402
 from runtime import corpus  # noqa: E402
 from runtime.cli import Parser, progress, run  # noqa: E402
-from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash  # noqa: E402
+from runtime.models.dflash import DFlashConfig, DFlashDrafter, DraftHead, save_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 
 TOP = 32  # target candidates kept per position
@@ -61,6 +62,14 @@ def parse(argv):
     p.add_argument("--init", choices=("random", "target-layers"), default="random",
                    help="target-layers: start each draft layer (and the final norm) from the "
                         "target's last layers, which share the drafter's shapes")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft only over the target tokens most often chosen (greedily) in the "
+                        "training windows: a head this many rows tall instead of the whole "
+                        "vocabulary (0: the whole vocabulary)")
+    p.add_argument("--labels", choices=("text", "greedy-path"), default="greedy-path",
+                   help="greedy-path: train block position i only while the text's tokens "
+                        "after the anchor are the target's own greedy choices, so every label "
+                        "is the target's distribution on the path speculation actually follows")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -164,19 +173,62 @@ def block_loss(drafter, embed, data, rows, args, generator):
     log_q = torch.log_softmax(vocab_logits(hidden, embed), -1)
     weight = torch.exp(-torch.arange(args.block_size - 1, dtype=torch.float32) / args.decay)
     per_pos = -(probs * log_q.gather(-1, top)).sum(-1)  # [b, blocks, block-1]
-    loss = (per_pos * weight).sum(-1).mean() / weight.sum()
+    weight = weight * on_greedy_path(data, rows, source) if args.labels == "greedy-path" else \
+        weight.expand_as(per_pos)
+    loss = (per_pos * weight).sum() / weight.sum()
     return loss, log_q.argmax(-1) == top[..., 0]
+
+
+def on_greedy_path(data, rows, source) -> torch.Tensor:
+    """1.0 where a block position's label lies on the target's greedy path: position i
+    (label from cached position anchor+i-1) counts only if the text's tokens anchor+1 ..
+    anchor+i-1 are each the target's argmax. Off that path the text's continuation is
+    one speculation never follows (at inference the drafts are checked against the
+    target's greedy choices), so its labels would teach the later positions the text's
+    entropy instead of the target's. Position 1 always counts."""
+    ids, top1 = data["ids"][rows], data["top"][rows][..., 0].long()
+    greedy = torch.ones_like(ids, dtype=torch.float32)
+    greedy[:, 1:] = (ids[:, 1:] == top1[:, :-1]).float()  # token p is the argmax at p-1
+    after = target_at({"greedy": greedy}, torch.arange(len(rows)), source[..., :-1] + 1, "greedy")
+    return torch.cat([torch.ones_like(after[..., :1]), after.cumprod(-1)], -1)
+
+
+def set_draft_vocabulary(drafter: DFlashDrafter, data: dict, size: int) -> None:
+    """Give the drafter a draft vocabulary: the `size` tokens the target most often picks
+    greedily in the training windows (what the drafts must hit), stored as EAGLE-3's d2t
+    offsets. The drafter was trained over the whole vocabulary; restricting its argmax
+    changes a draft only where the full argmax lies outside, which the target rarely picks."""
+    counts = torch.bincount(data["top"][..., 0].flatten().long(), minlength=drafter.config.vocab_size)
+    ids = counts.topk(size).indices.sort().values
+    drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
+    drafter.register_buffer("d2t", ids - torch.arange(size))
 
 
 @torch.no_grad()
 def evaluate(drafter, embed, data, args) -> dict:
-    """Full-vocabulary top-1 agreement with the target per block position, and the mean
-    accepted length it implies under teacher forcing (1 + leading agreements)."""
+    """Top-1 agreement with the target per block position, and the mean accepted length
+    it implies under teacher forcing (1 + leading agreements); with a draft vocabulary,
+    also how often the target's greedy choice lies inside it."""
     rows = torch.arange(min(16, len(data["ids"])))
     hidden, source = draft_blocks(drafter, embed, data, rows, args, torch.Generator().manual_seed(1234))
-    agree = (vocab_logits(hidden, embed).argmax(-1) == target_at(data, rows, source, "top")[..., 0]).float()
-    return {"top1_agreement_by_position": [round(x, 4) for x in agree.mean((0, 1)).tolist()],
-            "teacher_forced_mal": round(float(1 + agree.cumprod(-1).sum(-1).mean()), 4)}
+    head = DraftHead(_Head(embed), drafter.draft_token_ids())
+    target_top1 = target_at(data, rows, source, "top")[..., 0]
+    agree = (head(hidden).argmax(-1) == target_top1).float()
+    out = {"top1_agreement_by_position": [round(x, 4) for x in agree.mean((0, 1)).tolist()],
+           "teacher_forced_mal": round(float(1 + agree.cumprod(-1).sum(-1).mean()), 4)}
+    ids = drafter.draft_token_ids()
+    if ids is not None:
+        inside = torch.isin(data["top"][..., 0].long(), ids).float().mean()
+        out["target_choices_in_draft_vocab"] = round(float(inside), 4)
+    return out
+
+
+class _Head(torch.nn.Module):
+    """The frozen, tied LM head as DraftHead expects it (an object with .weight)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
 
 
 def main(argv) -> int:
@@ -210,7 +262,7 @@ def main(argv) -> int:
     state_path = work / "state.pt"
     step, history = 0, []
     recipe = {k: getattr(args, k) for k in ("layers", "block_size", "steps", "batch", "blocks",
-                                            "lr", "decay", "init")}
+                                            "lr", "decay", "init", "labels")}
     if state_path.exists():
         state = torch.load(state_path)
         if state.get("recipe") != recipe:  # resuming another recipe would mix two runs
@@ -243,9 +295,15 @@ def main(argv) -> int:
         if step % 250 == 0 or step == args.steps:
             torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(),
                         "step": step, "history": history, "recipe": recipe}, state_path)
+            drafter.eval()  # the held-out trajectory, to stop a recipe that is not learning
+            bar.write(f"step {step}: held-out {evaluate(drafter, embed, held_out, args)}",
+                      file=sys.stderr)
+            drafter.train()
     bar.close()
 
     drafter.eval()
+    if args.draft_vocab:
+        set_draft_vocabulary(drafter, train, args.draft_vocab)
     metrics = {"held_out_calibration_split": evaluate(drafter, embed, held_out, args),
                "training_windows": evaluate(drafter, embed, train, args)}
     progress(f"held-out: {json.dumps(metrics)}")
@@ -282,7 +340,7 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
             "steps": args.steps, "batch_windows": args.batch, "blocks_per_window": args.blocks,
             "block_size": config.block_size, "layers": config.num_layers,
             "target_layer_ids": list(config.target_layer_ids), "lr": args.lr, "seed": args.seed,
-            "init": args.init,
+            "init": args.init, "labels": args.labels, "draft_vocab_size": args.draft_vocab or None,
             "loss_every_tenth": losses, "final_loss_last100": round(sum(history[-100:]) / len(history[-100:]), 4),
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -303,6 +361,8 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
 - Objective: soft cross-entropy of the drafter's full-vocabulary distribution against the
   target's top-{TOP} next-token distribution (cached), {args.blocks} anchored blocks per
   window, position weights exp(-(i-1)/{args.decay}).
+- Labels: {"the target's distribution only on its own greedy path (block position i counts while the text's tokens after the anchor are the target's argmax)" if args.labels == "greedy-path" else "the target's distribution after every text token"}.
+- Draft vocabulary: {f"the {args.draft_vocab:,} tokens the target picks most often (greedily) in the training windows (`d2t` in model.safetensors, EAGLE-3's convention); the target's greedy choice lies inside it for {metrics['held_out_calibration_split'].get('target_choices_in_draft_vocab', 0):.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
 - Initialisation: {"the target's last " + str(args.layers) + " decoder layers and final norm"
                     if args.init == "target-layers" else "random"}.
 - Steps: {args.steps} x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.

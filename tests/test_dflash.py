@@ -111,3 +111,34 @@ def test_training_forward_equals_drafting_forward(tiny_target):
         drafted, visible = drafter(embeds[:, 4 * j:4 * j + 4], context[:, a - 1:a], cache, None)
         assert visible == a + 4
         assert (drafted - trained[:, 4 * j:4 * j + 4]).abs().max() < 1e-12
+
+
+def test_a_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tmp_path):
+    """EAGLE-3's d2t convention (target id = index + d2t[index]); the head's logits are
+    the full head's on the draft tokens and -inf on every other token."""
+    from runtime.models.dflash import DraftHead
+
+    path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=100)
+    assert json.loads((path / "config.json").read_text())["draft_vocab_size"] == 100
+    assert load_file(path / "model.safetensors")["d2t"].shape == (100,)
+    drafter = load_dflash(path)
+    ids = drafter.draft_token_ids()
+    assert len(ids.unique()) == 100 and int(ids.max()) < 320
+    target, _ = load_target(tiny_target)
+    hidden = torch.randn(3, target.config.hidden_size)
+    full = target.lm_head(hidden)
+    logits = DraftHead.for_drafter(drafter, target.lm_head)(hidden)
+    assert torch.allclose(logits[:, ids], full[:, ids], atol=1e-6)
+    outside = torch.ones(320, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(logits[:, outside]).all() and (logits[:, outside] < 0).all()
+    assert torch.isin(logits.argmax(-1), ids).all()
+
+
+def test_a_draft_vocabulary_outside_the_target_is_refused(tiny_target, tmp_path):
+    path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=10)
+    state = load_file(path / "model.safetensors")
+    state["d2t"] = state["d2t"] + 400
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelError, match="d2t maps the draft vocabulary outside"):
+        load_dflash(path)

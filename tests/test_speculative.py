@@ -22,14 +22,18 @@ from exact_law import chi_square_p, exact_first_tokens
 
 
 def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int = 128,
-              sharpness: float = 3.0):
+              sharpness: float = 3.0, draft_vocab: int | None = None):
+    """draft_vocab: the drafter proposes only that many (random) tokens of the vocabulary."""
     torch.manual_seed(seed)
     tc = TargetConfig("llama", vocab, 16, 32, layers, 4, 2, 4, 1e-6, 10000.0, context,
                       False, False, False)
     target = TargetModel(tc).double().eval()
     dc = DFlashConfig(16, 32, 1, 4, 2, 4, 1e-6, 10000.0, vocab, block, vocab - 1,
-                      tuple(range(layers)), layers)
+                      tuple(range(layers)), layers, draft_vocab_size=draft_vocab)
     drafter = DFlashDrafter(dc).double().eval()
+    if draft_vocab:
+        ids = torch.randperm(vocab)[:draft_vocab].sort().values
+        drafter.d2t.copy_(ids - torch.arange(draft_vocab))
     with torch.no_grad():  # peakier models: acceptances happen, ties do not
         for p in itertools.chain(target.parameters(), drafter.parameters()):
             if p.dim() == 2:
@@ -45,10 +49,11 @@ def runners(target, drafter, scaling):
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
        scaled=st.booleans(), stop=st.booleans(),
-       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)))
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)), reduced_vocab=st.booleans())
 def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, max_new,
-                                               scaled, stop, per_token):
-    target, drafter = tiny_pair(seed, vocab, block)
+                                               scaled, stop, per_token, reduced_vocab):
+    target, drafter = tiny_pair(seed, vocab, block,
+                                draft_vocab=vocab // 2 if reduced_vocab else None)
     scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if scaled else None
     t, d = runners(target, drafter, scaling)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -102,11 +107,14 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     assert max(gen.beta_per_step) > 1.0  # the trace covers scaled steps, not only beta = 1
 
 
-def test_speculative_sampling_preserves_the_target_distribution():
+@pytest.mark.parametrize("draft_vocab", [None, 3])
+def test_speculative_sampling_preserves_the_target_distribution(draft_vocab):
     """20k speculative runs (temperature 0.8, top-p 0.9) against the exact target law of
-    the first three tokens: the prefill's token, then a step that drafts up to 2."""
+    the first three tokens: the prefill's token, then a step that drafts up to 2. With a
+    draft vocabulary of 3 of the 4 tokens, the fourth has draft probability 0 and must
+    still come out at its target rate (from the residual distribution)."""
     vocab, draws = 4, 20_000
-    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
+    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5, draft_vocab=draft_vocab)
     t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     prompt = [1, 2, 0]
     sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=1234))

@@ -72,9 +72,13 @@ def drafter_config(target_dir: Path, block_size: int = 4, layers: int = 1, **ext
 
 
 def make_drafter(out: Path, target_dir: Path, block_size: int = 4, seed: int = 1,
-                 dtype: torch.dtype = torch.float32) -> Path:
+                 dtype: torch.dtype = torch.float32, draft_vocab: int | None = None) -> Path:
+    """draft_vocab: a draft vocabulary of that many (seeded, random) tokens."""
     torch.manual_seed(seed)
-    model = DFlashDrafter(drafter_config(target_dir, block_size)).to(dtype)
+    model = DFlashDrafter(drafter_config(target_dir, block_size, draft_vocab_size=draft_vocab)).to(dtype)
+    if draft_vocab:
+        ids = torch.randperm(model.config.vocab_size)[:draft_vocab].sort().values
+        model.d2t.copy_(ids - torch.arange(draft_vocab))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime.models.dflash import DFlashDrafter
+from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.target import TargetModel
 
 
@@ -50,6 +50,7 @@ class TorchDFlash:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel,
                  scaling: QueryScaling | None):
         self.drafter, self.target, self.scaling = drafter, target, scaling
+        self.head = DraftHead.for_drafter(drafter, target.lm_head)
         self.block_size = drafter.config.block_size
         self.feature_size = drafter.fc.in_features
         self.mask_token_id = drafter.config.mask_token_id
@@ -64,4 +65,4 @@ class TorchDFlash:
         ids = torch.tensor([block], dtype=torch.long, device=context.device)
         hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
                                        self.cache, self.scaling)
-        return self.target.lm_head(hidden[0, 1:]), visible
+        return self.head(hidden[0, 1:]), visible

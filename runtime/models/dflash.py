@@ -5,7 +5,10 @@ Qwen3-style layers (q_norm/k_norm, gated MLP). Context: the target's hidden stat
 them with its own k_proj/v_proj into keys/values it caches. A step drafts a block
 [bonus, mask x (block_size - 1)] that attends bidirectionally to the whole context and
 itself, so every query row sees N = context + block_size keys. The drafter has no
-embedding or head: it borrows the target's `embed_tokens` and `lm_head`.
+embedding or head: it borrows the target's `embed_tokens` and `lm_head` -- all of it, or
+only the rows of a draft vocabulary when the checkpoint carries one (`draft_vocab_size`
+in config.json, a `d2t` tensor as in EAGLE-3: target id = draft index + d2t[index]),
+which makes each drafted position's logits several times cheaper (DraftHead).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class DFlashConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 32768
     training_max_length: int | None = None
+    draft_vocab_size: int | None = None  # None: draft over the target's whole vocabulary
 
     @classmethod
     def from_json(cls, data: dict) -> "DFlashConfig":
@@ -74,6 +78,7 @@ class DFlashConfig:
                 attention_bias=bool(data.get("attention_bias", False)),
                 max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
                 training_max_length=pick("training_max_length"),
+                draft_vocab_size=data.get("draft_vocab_size"),
             )
         except KeyError as exc:
             raise ModelError(f"drafter config.json lacks {exc.args[0]!r}") from None
@@ -82,7 +87,8 @@ class DFlashConfig:
                              "(in dflash_config or at top level)") from None
 
     def to_json(self) -> dict:
-        return {
+        extra = {"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}
+        return extra | {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -121,6 +127,8 @@ class DFlashConfig:
         if bad:
             problems.append(f"target_layer_ids {bad} outside the target's "
                             f"{target.num_layers} layers")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= target.vocab_size:
+            problems.append(f"draft_vocab_size {self.draft_vocab_size} outside 1..{target.vocab_size}")
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocab "
                             f"{target.vocab_size}")
@@ -160,6 +168,14 @@ class DFlashDrafter(nn.Module):
                             config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """The target token ids the drafter can propose, or None (all of them)."""
+        if not self.config.draft_vocab_size:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.config
@@ -240,6 +256,36 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
+class DraftHead(nn.Module):
+    """The drafter's output head: the target's LM head, or only its rows for the draft
+    vocabulary. Either way the result is logits over the target's whole vocabulary
+    (-inf outside the draft vocabulary), so sampling and verification see one shape and
+    stay lossless (a token the drafter cannot propose has draft probability 0). The
+    scatter back is one gather over a padded row: one ONNX Gather in an exported graph."""
+
+    def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor | None = None):
+        super().__init__()
+        weight = lm_head.weight
+        if draft_ids is None:
+            self.weight, self.index = weight, None
+            return
+        self.register_buffer("weight", weight.detach()[draft_ids].clone(), persistent=False)
+        index = torch.full((weight.shape[0],), len(draft_ids), dtype=torch.long, device=weight.device)
+        index[draft_ids] = torch.arange(len(draft_ids), device=weight.device)
+        self.register_buffer("index", index, persistent=False)
+
+    @classmethod
+    def for_drafter(cls, drafter: "DFlashDrafter", lm_head: nn.Linear) -> "DraftHead":
+        return cls(lm_head, drafter.draft_token_ids())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        if self.index is None:
+            return logits
+        floor = logits.new_full(logits.shape[:-1] + (1,), float("-inf"))
+        return torch.cat([logits, floor], -1).index_select(-1, self.index)
+
+
 CHECKPOINT_FILES = ("config.json", "model.safetensors")  # all that load_dflash reads
 
 
@@ -282,6 +328,11 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashD
             raise ModelError(f"{weights}: tensor {name} has shape {list(state[name].shape)}, "
                              f"config says {list(tensor.shape)}")
     model.load_state_dict({k: state[k] for k in expected})
+    ids = model.draft_token_ids()
+    if ids is not None and not (0 <= int(ids.min()) and int(ids.max()) < config.vocab_size
+                                and len(ids.unique()) == len(ids)):
+        raise ModelError(f"{weights}: d2t maps the draft vocabulary outside the target's "
+                         f"{config.vocab_size} tokens or onto one token twice")
     return model.to(dtype).eval()
 
 
