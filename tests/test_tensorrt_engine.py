@@ -251,3 +251,24 @@ def test_a_context_past_the_profile_is_one_line(trt_engines, tmp_path, capsys, m
                               "--max-new-tokens", "4"])
     err = one_line_error(capsys)
     assert code == 1 and "past the plan's profile" in err and "--max-seq-len" in err
+
+
+# --- the other commands -------------------------------------------------------------------
+
+def test_bench_and_serve_accept_backend_tensorrt(trt_engines, tmp_path, capsys, monkeypatch):
+    engine_dir = trt_engines("plugin")
+    stand_in(monkeypatch)
+    capsys.readouterr()
+    # bench replays one prefill per document (PrefillOnce: the target's snapshot/restore).
+    code = run(runtime_main, ["bench", "--engine-dir", str(engine_dir), "--backend", "tensorrt",
+                              "--lengths", "200", "--new-tokens", "8", "--repeats", "1",
+                              "--max-docs", "1", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["backend"] == "tensorrt"
+    assert fake_tensorrt.MISSING == []
+    code = run(runtime_main, ["serve", "--engine-dir", str(engine_dir), "--model-repository",
+                              str(tmp_path / "repo"), "--backend", "tensorrt", "--json"])
+    assert code == 0, capsys.readouterr().err
+    config = (tmp_path / "repo" / engine_dir.name / "config.pbtxt").read_text()
+    assert 'key: "backend"\n  value: { string_value: "tensorrt" }' in config
