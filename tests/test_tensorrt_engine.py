@@ -23,7 +23,7 @@ from runtime.backends import tensorrt as trt_backend
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.manifest import EngineError
-from test_tensorrt import write_attention_graph
+from test_tensorrt import REPO, write_attention_graph
 
 MAX_SEQ_LEN = 1024  # the plans' profile: caches of up to 1024 tokens
 PROMPT_TOKENS = 600  # two prefill chunks; beta > 1 from ~70 keys on (ref_keys 64)
@@ -272,3 +272,33 @@ def test_bench_and_serve_accept_backend_tensorrt(trt_engines, tmp_path, capsys, 
     assert code == 0, capsys.readouterr().err
     config = (tmp_path / "repo" / engine_dir.name / "config.pbtxt").read_text()
     assert 'key: "backend"\n  value: { string_value: "tensorrt" }' in config
+
+
+# --- scripts/gpu_check.py's TensorRT section ------------------------------------------------
+
+def load_gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_says_why_it_skips_the_tensorrt_section(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    report = {}
+    assert load_gpu_check().tensorrt_engine(report, tmp_path)
+    assert report["tensorrt"] == {"skipped": trt_plugin.TENSORRT_MISSING}
+    assert "tensorrt engine: skipped (TensorRT is not installed" in capsys.readouterr().out
+
+
+def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
+    # The script's own code path (build, generate with both backends, compare), with the
+    # stand-in's plans: on a GPU host the same lines run real TensorRT.
+    stand_in(monkeypatch)
+    report = {}
+    assert load_gpu_check().tensorrt_engine(report, tmp_path)
+    assert report["tensorrt"]["passed"] and report["tensorrt"]["version"] == fake_tensorrt.VERSION
+    assert len(report["tensorrt"]["tokens"]["tensorrt"]) == 32
+    assert fake_tensorrt.MISSING == []
