@@ -12,7 +12,6 @@ graph signatures, sha256 of every file). Stages: load, export, check, build.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -88,13 +87,13 @@ def choose_scaling(args, drafter: str, drafter_dir: Path, overrides: dict):
 
 
 def tensorrt_usable() -> str | None:
-    """None when TensorRT engines can be built here, else why not (one line)."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return ("TensorRT is not installed (it needs an NVIDIA GPU and NVIDIA's package "
-                "index) — use --backend onnxruntime")
-    if importlib.util.find_spec("build.tensorrt") is None:
-        return "this checkout has no TensorRT builder (build/tensorrt.py) — use --backend onnxruntime"
-    return None
+    """None when TensorRT engines can be built here, else why not (one line): tensorrt
+    imports, a CUDA device is visible and TensorRT can create a builder on it
+    (build/tensorrt.py:tensorrt_available)."""
+    from build import tensorrt as tensorrt_build
+
+    usable, why = tensorrt_build.tensorrt_available()
+    return None if usable else why
 
 
 def pick_backend(requested: str) -> str:
@@ -135,7 +134,7 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool) -> None:
 
 
 def export_check_build(engine_dir: Path, backend: str, attention: str, model, drafter,
-                       scaling, max_seq_len: int) -> dict:
+                       scaling, max_seq_len: int, block_size: int) -> dict:
     """Stages 2-4 into engine_dir; returns what engine.json's `extra` gains."""
     if backend == "torch":
         progress("[2/5] export: none (the torch backend runs the checkpoints)")
@@ -154,7 +153,8 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     if backend == "tensorrt":  # build/tensorrt.py: ONNX graphs -> TensorRT plans
         from build import tensorrt as tensorrt_build
 
-        extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress)
+        extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress,
+                                                 block_size)
     return extra
 
 
@@ -220,7 +220,7 @@ def main(argv) -> int:
         if proposer is not None:
             provenance = {"ngram": proposer.settings()}
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
-            partial, backend, args.attention, model, drafter, scaling, max_seq_len)
+            partial, backend, args.attention, model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
         drafter_record = dependency_record(drafter_dir, CHECKPOINT_FILES) if drafter_dir else None
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,

@@ -25,16 +25,28 @@ class EngineBuildError(ValueError):
 
 
 def tensorrt_available() -> tuple[bool, str]:
-    """(True, "TensorRT <version>") where engines can be built here, else (False, why)."""
+    """(True, "TensorRT <version> on <GPU>") where engines can be built here, else (False,
+    why, in one line). Checks what building needs: tensorrt imports, a CUDA device is
+    visible (runtime/backends/tensorrt.gpu, the device the plans will run on), and
+    TensorRT can create a builder there (it cannot without a working CUDA driver)."""
+    from runtime.backends.tensorrt import device_name, gpu, no_gpu_reason
+
     try:
         trt = import_tensorrt()
     except TensorRTUnavailable as exc:
         return False, str(exc)
-    import torch
-
-    if not torch.cuda.is_available():
-        return False, "TensorRT is installed but no CUDA GPU is visible; engines are built on the GPU that runs them"
-    return True, f"TensorRT {trt.__version__}"
+    device = gpu()
+    if device is None:
+        return False, f"TensorRT {trt.__version__} is installed but {no_gpu_reason()}"
+    log = _make_logger(trt, lambda message: None)
+    try:
+        builder = trt.Builder(log)
+    except Exception as exc:  # pybind11 raises TypeError when the C++ factory returns null
+        return False, (f"TensorRT {trt.__version__} cannot create a builder on "
+                       f"{device_name(device)}: {log.last_error or str(exc).splitlines()[0]}")
+    if builder is None:
+        return False, f"TensorRT {trt.__version__} cannot create a builder: {log.last_error or 'no reason given'}"
+    return True, f"TensorRT {trt.__version__} on {device_name(device)}"
 
 
 def context_profile(inputs: Mapping[str, Sequence[int | str]], max_seq_len: int,
@@ -151,10 +163,77 @@ def build_engine(onnx_path: Path | str, out_path: Path | str, profiles: Sequence
         handle.write(serialized)
     seconds = time.perf_counter() - started
     progress(f"      engine written to {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB, {seconds:.0f} s)")
-    return {"path": str(out_path), "bytes": out_path.stat().st_size, "dtype": dtype,
+    return {"file": out_path.name, "bytes": out_path.stat().st_size, "dtype": dtype,
             "tensorrt": trt.__version__, "plugin_nodes": plugins,
             "profiles": [{name: [list(s) for s in shape] for name, shape in p.items()} for p in profiles],
             "build_seconds": round(seconds, 1)}
+
+
+# What each named dimension of an exported graph (build/export.py) ranges over in the
+# optimisation profile: (min, opt, max) as functions of the longest sequence and the block.
+# One sequence per step (batch 1) until per-sequence lengths land.
+def dimension_ranges(max_seq_len: int, block_size: int) -> dict[str, tuple[int, int, int]]:
+    from runtime.backends.onnxruntime import PREFILL_CHUNK
+
+    step = min(PREFILL_CHUNK, max_seq_len)  # a prefill chunk is the longest step
+    half = max(1, max_seq_len // 2)
+    return {"batch": (1, 1, 1),
+            "q_len": (1, min(block_size, step), step),  # verify steps are one block
+            "n_logits": (1, min(block_size, step), step),
+            "capacity": (1, half, max_seq_len),  # the target's cache buffers
+            "past_len": (0, half, max_seq_len),  # the drafter's committed cache
+            "context_len": (1, min(block_size, max_seq_len), max_seq_len)}  # new target features
+
+
+def graph_profile(inputs: Sequence[Mapping], ranges: Mapping[str, tuple[int, int, int]]) -> dict:
+    """The profile of one graph from engine.json's record of its inputs (name, shape with
+    our dimension names): each named dimension takes its range, fixed ones stay."""
+    profile = {}
+    for tensor in inputs:
+        low, opt, high = [], [], []
+        for dim in tensor["shape"]:
+            if isinstance(dim, int):
+                span = (dim, dim, dim)
+            elif dim in ranges:
+                span = ranges[dim]
+            else:
+                raise EngineBuildError(f"input {tensor['name']} has a dimension {dim!r} no profile "
+                                       f"range covers (known: {', '.join(ranges)})")
+            for shapes, value in zip((low, opt, high), span):
+                shapes.append(value)
+        profile[tensor["name"]] = (tuple(low), tuple(opt), tuple(high))
+    return profile
+
+
+PLANNED_GRAPHS = ("target_kv", "drafter", "drafter_frozen")  # target.onnx: the portable form only
+
+
+def build(engine_dir: Path, onnx_record: Mapping, max_seq_len: int,
+          progress: Callable[[str], None] = lambda message: None, block_size: int = 16,
+          dtype: str = "float32") -> dict:
+    """A plan per graph the runtime runs (target_kv, drafter, drafter_frozen), next to its
+    ONNX file in engine_dir; returns engine.json's "tensorrt" record: the TensorRT version
+    and GPU every plan was built with (a plan runs only there) and each plan's profile."""
+    from runtime.backends.tensorrt import PLAN_SUFFIX, device_name, gpu
+
+    usable, why = tensorrt_available()
+    if not usable:
+        raise TensorRTUnavailable(why)
+    trt = import_tensorrt()
+    gpu_name = device_name(gpu())
+    ranges = dimension_ranges(max_seq_len, block_size)
+    plans = {}
+    for name in PLANNED_GRAPHS:
+        graph = onnx_record["graphs"].get(name)
+        if graph is None:  # an n-gram engine has no drafter; a frozen one no SharpDraft graph
+            continue
+        onnx_path = Path(engine_dir) / graph["file"]
+        plan_path = onnx_path.with_suffix(PLAN_SUFFIX)
+        progress(f"      {plan_path.name}: from {onnx_path.name}, contexts up to {max_seq_len} tokens")
+        built = build_engine(onnx_path, plan_path, [graph_profile(graph["inputs"], ranges)],
+                             dtype, progress)
+        plans[name] = built | {"onnx": onnx_path.name, "gpu": gpu_name}
+    return {"version": trt.__version__, "gpu": gpu_name, "plans": plans}
 
 
 def _check_input_dtypes(trt, network, dtype: str) -> None:

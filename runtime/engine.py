@@ -57,6 +57,12 @@ class Engine:
             self.onnx = OnnxEngine(self.dir, self.manifest)
             self.tokenizer = load_tokenizer(self.manifest.target_dir)
             self.target = self.onnx.target
+        elif self.backend == "tensorrt":
+            from runtime.backends.tensorrt import TensorRTEngine
+
+            self.tensorrt = TensorRTEngine(self.dir, self.manifest)
+            self.tokenizer = load_tokenizer(self.manifest.target_dir)
+            self.target = self.tensorrt.target
         else:
             raise EngineError(f"{self.dir}: backend {self.backend!r} cannot run here (this "
                               f"runtime has {', '.join(RUNNABLE_BACKENDS)}) — pass --backend onnxruntime")
@@ -92,6 +98,8 @@ class Engine:
             raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
         if self.backend == "onnxruntime":
             return self.onnx.drafter(sharpdraft=not frozen)
+        if self.backend == "tensorrt":
+            return self.tensorrt.drafter(sharpdraft=not frozen)
         return TorchDFlash(self.drafter_model, self.model, None if frozen else self.scaling)
 
     def drafter_with_scaling(self, scaling: QueryScaling | None):

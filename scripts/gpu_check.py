@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The Triton SharpDraft kernel on a real GPU, in one short run: correctness against the
 reference op in fp32/fp16/bf16 (bf16 cannot be checked on CPU: the interpreter's tl.dot is
-wrong for it), then timings of a drafter-like step against the reference op and plain SDPA.
+wrong for it), then timings of a drafter-like step against the reference op and plain
+SDPA, then, where TensorRT imports, the TensorRT engine path: the tiny test pair built with
+--backend tensorrt (plugin form), generate, tokens compared with the torch backend
+(otherwise the section says why it is skipped).
 
     python scripts/gpu_check.py --out DIR        # writes DIR/gpu_check.json
 
@@ -12,11 +15,13 @@ given); progress goes to stderr. Exits 1 with one line when no CUDA device exist
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -166,6 +171,57 @@ def timings(report: dict, contexts, repeats: int, sm_count: int) -> None:
                   f" vs reference, x{row['speedup_vs_sdpa']:.2f} vs sdpa", flush=True)
 
 
+def tensorrt_engine(report: dict, workdir: Path) -> bool:
+    """Where TensorRT can build here: the tiny test pair built with --backend tensorrt
+    (plugin form), `python -m runtime generate` on it, tokens compared with the torch
+    backend on the same checkpoints. Elsewhere: says why the section is skipped."""
+    import build_engine
+
+    why = build_engine.tensorrt_usable()
+    if why is not None:
+        report["tensorrt"] = {"skipped": why}
+        print(f"tensorrt engine: skipped ({why})", flush=True)
+        return True
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import tiny
+    from runtime.cli import run
+    from runtime.__main__ import main as runtime_main
+
+    target = tiny.make_target(workdir / "target", context=4096)
+    drafter = tiny.make_drafter(workdir / "drafter", target)
+    engine = workdir / "engine-trt"
+    code = run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--target", str(target),
+                                   "--drafter-checkpoint", str(drafter), "--ref-keys", "64",
+                                   "--top-k", "8", "--backend", "tensorrt", "--attention", "plugin",
+                                   "--max-seq-len", "1024", "--output", str(engine)])
+    if code != 0:
+        report["tensorrt"] = {"passed": False, "error": "build_engine.py --backend tensorrt failed"}
+        return False
+    from runtime.engine import load_tokenizer
+
+    ids = load_tokenizer(target).encode(tiny.stdlib_text(), add_special_tokens=False)[:600]
+    prompt = workdir / "prompt.txt"
+    prompt.write_text(load_tokenizer(target).decode(ids))
+    tokens = {}
+    for backend in ("tensorrt", "torch"):
+        out = workdir / f"generate-{backend}.json"
+        with open(out, "w") as handle, contextlib.redirect_stdout(handle):
+            code = run(runtime_main, ["generate", "--engine-dir", str(engine), "--backend", backend,
+                                      "--prompt-file", str(prompt), "--max-new-tokens", "32",
+                                      "--json", "--ignore-eos"])
+        if code != 0:
+            report["tensorrt"] = {"passed": False, "error": f"generate --backend {backend} failed"}
+            return False
+        tokens[backend] = json.loads(out.read_text())["tokens"]
+    record = json.loads((engine / "engine.json").read_text())["extra"]["tensorrt"]
+    passed = tokens["tensorrt"] == tokens["torch"]
+    report["tensorrt"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
+                              tokens=tokens)
+    print(f"tensorrt engine: TensorRT {record['version']} on {record['gpu']}, generate tokens "
+          f"{'match' if passed else 'DIFFER FROM'} the torch backend's", flush=True)
+    return passed
+
+
 def main(argv) -> int:
     args = parse(argv)
     import torch
@@ -187,6 +243,8 @@ def main(argv) -> int:
     try:
         ok = correctness(report)
         timings(report, [int(c) for c in args.contexts.split(",") if c], args.repeats, props.multi_processor_count)
+        with tempfile.TemporaryDirectory() as workdir:
+            ok &= tensorrt_engine(report, Path(workdir))
     except Exception as exc:  # keep what was measured; say what broke in one line
         ok = False
         report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,15 +1,49 @@
-"""A stand-in for the few `tensorrt` / `tensorrt.plugin` names plugins/tensorrt.py uses, so
-its glue code runs on machines where TensorRT cannot be installed. It records what the
-plugin registers and mimics the documented calling convention (tensorrt.plugin's
-register / aot_impl docs); it proves nothing about TensorRT itself -- the skipped tests
-in test_tensorrt.py do that on a GPU host.
+"""A stand-in `tensorrt` module for machines where TensorRT cannot be installed: exactly the
+TensorRT Python API calls our code makes (plugins/tensorrt.py, build/tensorrt.py,
+runtime/backends/tensorrt.py), with TensorRT 11's names and parameter names (read from the
+tensorrt-cu12-bindings 11.4 wheel's docstrings and NVIDIA's Python API docs), and nothing
+else: any other name, on the module or on one of its objects, raises AttributeError and is
+recorded in `tensorrt.missing`, so a call TensorRT has but the stand-in lacks (or a name
+TensorRT does not have at all) fails the test even where our code catches the error.
 
-Shape expressions are plain ints here: plugins.triton_kernel.launch_grid and
-contiguous_scalars use only +, *, // so they run on both.
+What it does:
+- `tensorrt.plugin`: records what the plugin registers (register / aot_impl), following
+  tensorrt.plugin's documented calling convention.
+- Builder / OnnxParser / IBuilderConfig / IOptimizationProfile: parse_from_file reads the
+  ONNX graph's inputs (dynamic dims -1, element types as TensorRT types) and refuses a
+  plugin node whose creator was not registered (as TensorRT's parser does);
+  build_serialized_network checks the profile as IOptimizationProfile.set_shape's docs
+  require and serializes a "plan": the profile, the I/O table and the ONNX model with its
+  external weights inlined (a real plan is self-contained too).
+- Runtime / ICudaEngine / IExecutionContext: set_input_shape checks the profile;
+  get_tensor_shape derives output shapes from the graph's named dimensions;
+  set_tensor_address takes raw addresses; execute_async_v3 reads every input from the
+  memory at its address (dense, row-major, the engine's dtype -- what TensorRT assumes),
+  runs the ONNX graph with ONNX Runtime (plugin nodes through plugins/onnx.py's op) and
+  writes every output to the memory at its address.
+
+What it can prove: our code calls only these names with these arguments, builds a profile
+that admits every shape it later binds, and binds the right memory (address, shape, dtype,
+contiguity) -- including the KV buffers TensorRT updates in place -- so tokens can be
+compared with the onnxruntime backend. What it cannot: that TensorRT's parser accepts the
+graphs, that the plugin's AOT kernel runs, TensorRT's numerics, or CUDA semantics (device
+memory, stream ordering): addresses here are host memory, because the backend's `gpu()`
+is replaced by the CPU for the run. Those need a GPU host (scripts/gpu_check.py).
+
+Shape expressions of the plugin API are plain ints here: plugins.triton_kernel.launch_grid
+and contiguous_scalars use only +, *, // so they run on both.
 """
 
+import ctypes
+import importlib.machinery
+import json
 import sys
 import types
+
+import numpy as np
+
+VERSION = "11.4.0"
+PLAN_MAGIC = b"stand-in tensorrt plan\n"
 
 
 class TensorDesc:
@@ -45,13 +79,350 @@ class KernelLaunchParams:
         self.shared_mem = 0
 
 
-def install(monkeypatch=None) -> types.ModuleType:
-    """Put fake `tensorrt` and `tensorrt.plugin` modules in sys.modules; returns the plugin
-    module, whose `registered` maps (plugin_id, "register" | "aot_impl") -> function."""
+# --- the core API -------------------------------------------------------------------------
+
+MISSING: list = []  # names asked for that the stand-in does not implement (per install)
+
+
+class StandIn:
+    """Base of every stand-in object: an attribute it lacks is recorded, then refused."""
+
+    def __getattr__(self, name):
+        if not name.startswith("__"):
+            MISSING.append(f"{type(self).__name__}.{name}")
+        raise AttributeError(f"the stand-in tensorrt's {type(self).__name__} has no {name!r}")
+
+
+class DataType:  # members are plain strings, as the plugin tests compare them
+    FLOAT, HALF, BF16, INT64, INT32, BOOL = "FLOAT", "HALF", "BF16", "INT64", "INT32", "BOOL"
+
+
+ONNX_TYPES = {1: DataType.FLOAT, 10: DataType.HALF, 16: DataType.BF16, 7: DataType.INT64,
+              6: DataType.INT32, 9: DataType.BOOL}
+NUMPY_TYPES = {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT64: np.int64,
+               DataType.INT32: np.int32, DataType.BOOL: np.bool_}
+
+
+class TensorIOMode:
+    NONE, INPUT, OUTPUT = "NONE", "INPUT", "OUTPUT"
+
+
+class BuilderFlag:
+    TF32 = "TF32"
+
+
+class NetworkDefinitionCreationFlag:
+    STRONGLY_TYPED = 1  # TensorRT 11 networks are strongly typed anyway
+
+
+class ILogger:
+    class Severity:
+        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
+    def __init__(self):
+        pass
+
+
+class Logger(ILogger):
+    INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
+    def __init__(self, min_severity=ILogger.Severity.WARNING):
+        ILogger.__init__(self)
+        self.min_severity = min_severity
+
+    def log(self, severity, msg):
+        if severity <= self.min_severity:
+            print(f"[stand-in tensorrt] {msg}", file=sys.stderr)
+
+
+class ITensor(StandIn):
+    def __init__(self, name, shape, dtype):
+        self.name, self.shape, self.dtype = name, shape, dtype
+
+
+class INetworkDefinition(StandIn):
+    def __init__(self):
+        self.onnx_path = None
+        self.tensors = []
+
+    @property
+    def num_inputs(self):
+        return len(self.tensors)
+
+    def get_input(self, index):
+        return self.tensors[index]
+
+
+class ParserError(StandIn):
+    def __init__(self, node, operator, description):
+        self._node, self._operator, self._desc = node, operator, description
+
+    def node_name(self):
+        return self._node
+
+    def node_operator(self):
+        return self._operator
+
+    def desc(self):
+        return self._desc
+
+
+class OnnxParser(StandIn):
+    def __init__(self, network, logger):
+        self.network, self.logger, self.errors = network, logger, []
+
+    @property
+    def num_errors(self):
+        return len(self.errors)
+
+    def get_error(self, index):
+        return self.errors[index]
+
+    def parse_from_file(self, model):
+        import onnx
+
+        graph = onnx.load(model, load_external_data=False).graph
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx"):
+                continue
+            # TensorRT looks a plugin up by op_type, plugin_version and plugin_namespace.
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            namespace = attrs.get("plugin_namespace", b"").decode()
+            plugin = f"{namespace}::{node.op_type}" if namespace else node.op_type
+            if (plugin, "register") not in _PLUGIN.registered or (plugin, "aot_impl") not in _PLUGIN.registered:
+                self.errors.append(ParserError(node.name, node.op_type,
+                                               f"Plugin not found, are the plugin name, version, and "
+                                               f"namespace correct? ({plugin})"))
+                return False
+        initializers = {t.name for t in graph.initializer}
+        for value in graph.input:
+            if value.name in initializers:
+                continue
+            t = value.type.tensor_type
+            shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+            self.network.tensors.append(ITensor(value.name, shape, ONNX_TYPES[t.elem_type]))
+        self.network.onnx_path = model
+        return True
+
+
+class IOptimizationProfile(StandIn):
+    def __init__(self):
+        self.shapes = {}
+
+    def set_shape(self, input, min, opt, max):
+        self.shapes[input] = [list(min), list(opt), list(max)]
+
+
+class IBuilderConfig(StandIn):
+    def __init__(self):
+        self.flags = {BuilderFlag.TF32}  # on by default, as in TensorRT
+        self.profiles = []
+
+    def clear_flag(self, flag):
+        self.flags.discard(flag)
+
+    def add_optimization_profile(self, profile):
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+
+class Builder(StandIn):
+    def __init__(self, logger):
+        if not _STATE["gpu"]:  # what TensorRT does without a CUDA device
+            logger.log(ILogger.Severity.ERROR, "CUDA initialization failure with error: 100")
+            raise TypeError("pybind11::init(): factory function returned nullptr")
+        self.logger = logger
+
+    def create_network(self, flags=0):
+        return INetworkDefinition()
+
+    def create_builder_config(self):
+        return IBuilderConfig()
+
+    def create_optimization_profile(self):
+        return IOptimizationProfile()
+
+    def build_serialized_network(self, network, config):
+        import onnx
+
+        if len(config.profiles) != 1:
+            self.logger.log(ILogger.Severity.ERROR, "the stand-in builds one optimisation profile")
+            return None
+        shapes = config.profiles[0].shapes
+        for tensor in network.tensors:  # IOptimizationProfile.set_shape's conditions
+            if tensor.name not in shapes:
+                if -1 in tensor.shape:
+                    self.logger.log(ILogger.Severity.ERROR, f"{tensor.name}: dynamic, no profile")
+                    return None
+                shapes[tensor.name] = [list(tensor.shape)] * 3
+            low, opt, high = shapes[tensor.name]
+            if not len(low) == len(opt) == len(high) == len(tensor.shape) or any(
+                    not 0 <= a <= b <= c or (s != -1 and not a == b == c == s)
+                    for a, b, c, s in zip(low, opt, high, tensor.shape)):
+                self.logger.log(ILogger.Severity.ERROR, f"{tensor.name}: profile {low} {opt} {high} "
+                                f"does not fit {list(tensor.shape)}")
+                return None
+        model = onnx.load(network.onnx_path)  # external weights inlined, as in a real plan
+        outputs = [{"name": v.name, "dtype": ONNX_TYPES[v.type.tensor_type.elem_type],
+                    "dims": [d.dim_value if d.HasField("dim_value") else d.dim_param
+                             for d in v.type.tensor_type.shape.dim]} for v in model.graph.output]
+        declared = {v.name: v for v in model.graph.input}
+        inputs = [{"name": t.name, "dtype": t.dtype,
+                   "dims": [d.dim_value if d.HasField("dim_value") else d.dim_param
+                            for d in declared[t.name].type.tensor_type.shape.dim]}
+                  for t in network.tensors]
+        header = json.dumps({"version": VERSION, "profile": shapes, "inputs": inputs,
+                             "outputs": outputs, "tf32": BuilderFlag.TF32 in config.flags}).encode()
+        return PLAN_MAGIC + len(header).to_bytes(8, "little") + header + model.SerializeToString()
+
+
+class Runtime(StandIn):
+    def __init__(self, logger):
+        if not _STATE["gpu"]:
+            raise TypeError("pybind11::init(): factory function returned nullptr")
+        self.logger = logger
+
+    def deserialize_cuda_engine(self, serialized_engine):
+        data = bytes(serialized_engine)
+        if not data.startswith(PLAN_MAGIC):
+            self.logger.log(ILogger.Severity.ERROR, "not a plan")
+            return None
+        start = len(PLAN_MAGIC) + 8
+        size = int.from_bytes(data[len(PLAN_MAGIC):start], "little")
+        return ICudaEngine(json.loads(data[start:start + size]), data[start + size:])
+
+
+class ICudaEngine(StandIn):
+    def __init__(self, header, model_bytes):
+        self.header, self.model_bytes = header, model_bytes
+        self.io = header["inputs"] + header["outputs"]
+        self.modes = {t["name"]: TensorIOMode.INPUT for t in header["inputs"]}
+        self.modes |= {t["name"]: TensorIOMode.OUTPUT for t in header["outputs"]}
+        self.session = None
+
+    @property
+    def num_io_tensors(self):
+        return len(self.io)
+
+    def get_tensor_name(self, index):
+        return self.io[index]["name"]
+
+    def get_tensor_mode(self, name):
+        return self.modes.get(name, TensorIOMode.NONE)
+
+    def get_tensor_dtype(self, name):
+        return next(t["dtype"] for t in self.io if t["name"] == name)
+
+    def get_tensor_profile_shape(self, name, profile_index):
+        return self.header["profile"].get(name, []) if profile_index == 0 else []
+
+    def create_execution_context(self):
+        return IExecutionContext(self)
+
+    def run(self, feeds):
+        if self.session is None:  # the plugin op (plugins/onnx.py) stands in for the kernel
+            import onnxruntime
+            from plugins.onnx import onnxruntime_session_options
+
+            options = onnxruntime_session_options()
+            options.intra_op_num_threads = 1
+            self.session = onnxruntime.InferenceSession(self.model_bytes, options,
+                                                        providers=["CPUExecutionProvider"])
+        return dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
+
+
+def _memory(address, shape, dtype):
+    """The dense row-major array of `shape` at a raw address (what TensorRT reads/writes)."""
+    kind = np.dtype(NUMPY_TYPES[dtype])
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.empty(shape, kind)
+    if not address:
+        raise ValueError("null address for a non-empty tensor")
+    buffer = (ctypes.c_char * (count * kind.itemsize)).from_address(address)
+    return np.frombuffer(buffer, dtype=kind).reshape(shape)
+
+
+class IExecutionContext(StandIn):
+    def __init__(self, engine):
+        self.engine = engine
+        self.shapes, self.addresses = {}, {}
+
+    def set_input_shape(self, name, shape):
+        low, _, high = self.engine.get_tensor_profile_shape(name, 0)
+        shape = list(shape)
+        if len(shape) != len(low) or not all(a <= s <= b for a, s, b in zip(low, shape, high)):
+            return False
+        self.shapes[name] = shape
+        return True
+
+    def get_tensor_shape(self, name):
+        if self.engine.get_tensor_mode(name) == TensorIOMode.INPUT:
+            return self.shapes.get(name, [-1])
+        sizes = {}  # named dimension -> its size, from the inputs' shapes
+        for tensor in self.engine.header["inputs"]:
+            for dim, size in zip(tensor["dims"], self.shapes.get(tensor["name"], [])):
+                if isinstance(dim, str):
+                    sizes[dim] = size
+        dims = next(t["dims"] for t in self.engine.header["outputs"] if t["name"] == name)
+        return [d if isinstance(d, int) else sizes.get(d, -1) for d in dims]
+
+    def set_tensor_address(self, name, memory):
+        self.addresses[name] = int(memory)
+        return True
+
+    def execute_async_v3(self, stream_handle):
+        engine = self.engine
+        feeds = {}
+        for tensor in engine.header["inputs"]:
+            name = tensor["name"]
+            if name not in self.shapes or name not in self.addresses:
+                print(f"[stand-in tensorrt] {name}: shape or address not set", file=sys.stderr)
+                return False
+            feeds[name] = _memory(self.addresses[name], self.shapes[name], tensor["dtype"]).copy()
+        results = engine.run(feeds)
+        for tensor in engine.header["outputs"]:
+            name, shape = tensor["name"], self.get_tensor_shape(tensor["name"])
+            if name not in self.addresses or list(results[name].shape) != shape:
+                print(f"[stand-in tensorrt] {name}: no address, or shape {list(results[name].shape)} "
+                      f"!= {shape}", file=sys.stderr)
+                return False
+            np.copyto(_memory(self.addresses[name], shape, tensor["dtype"]), results[name])
+        return True
+
+
+# --- installing it --------------------------------------------------------------------------
+
+_STATE = {"gpu": True}
+_PLUGIN = None
+
+
+def install(monkeypatch=None, gpu: bool = True) -> types.ModuleType:
+    """Put the stand-in `tensorrt` and `tensorrt.plugin` in sys.modules; returns the plugin
+    module, whose `registered` maps (plugin_id, "register" | "aot_impl") -> function.
+    gpu=False: TensorRT installed on a machine without a usable GPU (Builder and Runtime
+    cannot be created, as with the real one). `tensorrt.missing` lists unimplemented names
+    our code asked for."""
+    global _PLUGIN
+    _STATE["gpu"] = gpu
+    MISSING.clear()
     trt = types.ModuleType("tensorrt")
-    trt.__version__ = "11.1.0"
-    trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = (
-        "FLOAT", "HALF", "BF16", "INT64", "INT32")
+    trt.__version__ = VERSION
+    trt.missing = MISSING
+    trt.DataType = DataType
+    trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32, trt.bool = (
+        DataType.FLOAT, DataType.HALF, DataType.BF16, DataType.INT64, DataType.INT32, DataType.BOOL)
+    for cls in (TensorIOMode, BuilderFlag, NetworkDefinitionCreationFlag, ILogger, Logger,
+                Builder, OnnxParser, Runtime, ICudaEngine, IExecutionContext, IBuilderConfig,
+                IOptimizationProfile, INetworkDefinition, ITensor):
+        setattr(trt, cls.__name__, cls)
+
+    def module_getattr(name):
+        if not name.startswith("__"):
+            MISSING.append(f"tensorrt.{name}")
+        raise AttributeError(f"the stand-in tensorrt has no {name!r}")
+
+    trt.__getattr__ = module_getattr
     trtp = types.ModuleType("tensorrt.plugin")
     trtp.registered = {}
 
@@ -67,7 +438,10 @@ def install(monkeypatch=None) -> types.ModuleType:
     trtp.TensorDesc, trtp.SymInt32, trtp.SymExprs = TensorDesc, SymInt32, SymExprs
     trtp.SymIntExprs, trtp.KernelLaunchParams = SymIntExprs, KernelLaunchParams
     trt.plugin = trtp
+    _PLUGIN = trtp
     for name, module in (("tensorrt", trt), ("tensorrt.plugin", trtp)):
+        # importlib.util.find_spec (transformers' probes, for one) needs a spec.
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         if monkeypatch is None:
             sys.modules[name] = module
         else:

@@ -21,7 +21,7 @@ import torch
 from plugins.scaling import QueryScaling
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what an engine can be built for
-RUNNABLE_BACKENDS = ("torch", "onnxruntime")  # what this runtime runs
+RUNNABLE_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what this runtime runs (tensorrt: on a GPU)
 
 
 class Target(Protocol):

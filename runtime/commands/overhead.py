@@ -84,7 +84,7 @@ def run(args) -> int:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft: there is no "
                          "SharpDraft drafter to compare")
     onnx = engine.manifest.extra.get("onnx") or {}
-    attention = onnx.get("attention") if engine.backend == "onnxruntime" else "reference op"
+    attention = onnx.get("attention") if engine.backend in ("onnxruntime", "tensorrt") else "reference op"
     import torch
 
     progress(f"drafter step, SharpDraft vs frozen: backend {engine.backend} ({attention}), "

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
 
@@ -23,6 +24,8 @@ def add_parser(sub):
                    help="also write NAME-stream, a decoupled model: one response per verify step")
     p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                    help="refuse requests above this (default %(default)s)")
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
+                   help="serve with this backend instead of the one engine.json names")
     p.add_argument("--threads", default="auto",
                    help="torch threads per instance ('auto': cores / instances)")
     p.add_argument("--trtllm", nargs="?", const="", metavar="DIR",
@@ -65,7 +68,8 @@ def run(args) -> int:
         models = repository.write_repository(args.engine_dir, args.model_repository,
                                              args.model_name, args.instances, args.streaming,
                                              limit, args.threads,
-                                             verify="full" if args.verify else "quick")
+                                             verify="full" if args.verify else "quick",
+                                             backend=args.backend)
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None

@@ -38,7 +38,7 @@ class TritonPythonModel:
         self.protocol, self.TextStream = protocol, TextStream
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.engine = Engine(engine_dir)
+        self.engine = Engine(engine_dir, backend=params.get("backend") or None)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
                                  f"{'streaming' if self.decoupled else 'one response per request'}")

@@ -42,7 +42,7 @@ def _tensor_block(kind: str, tensors) -> str:
 
 
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
-                 max_new_tokens_limit: int, threads: str = "auto") -> str:
+                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None) -> str:
     # Paths relative to the model's own directory (model.py resolves them against the
     # model_repository path Triton hands it), so a copied or moved checkout still serves.
     def relative(path: Path) -> str:
@@ -50,6 +50,8 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 
     params = {"engine_dir": relative(engine_dir), "repo_root": relative(REPO_ROOT),
               "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads}
+    if backend:  # else the backend engine.json names
+        params["backend"] = backend
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
             # One request per execute(): speculative decoding runs one sequence at a time.
@@ -65,13 +67,14 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 
 
 def write_model(out: Path, name: str, engine_dir: Path, instances: int, streaming: bool,
-                max_new_tokens_limit: int, threads: str = "auto") -> Path:
+                max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None) -> Path:
     model_dir = out / name
     if model_dir.exists():  # a previous run's model of the same name: replace it whole
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
-        config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads))
+        config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads,
+                     backend))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
@@ -79,7 +82,7 @@ def write_model(out: Path, name: str, engine_dir: Path, instances: int, streamin
 def write_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                     threads: str = "auto", verify: str = "quick") -> list[str]:
+                     threads: str = "auto", verify: str = "quick", backend: str | None = None) -> list[str]:
     """Write the model(s) for `engine_dir` into the repository `out`; returns their names."""
     engine_dir = Path(engine_dir)
     read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
@@ -96,7 +99,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     out.mkdir(parents=True, exist_ok=True)
     names = [name] + ([name + STREAM_SUFFIX] if streaming else [])
     for n in names:
-        write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads)
+        write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend)
     return names
 
 
