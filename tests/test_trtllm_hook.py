@@ -20,7 +20,6 @@ from plugins.trtllm import __main__ as trtllm_cli
 from plugins.trtllm import autoload
 from plugins.trtllm.kernels import WRAPPED
 
-REPO = Path(__file__).resolve().parents[1]
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 
 FILES = {
