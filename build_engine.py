@@ -17,23 +17,27 @@ import sys
 from pathlib import Path
 
 from build import checkpoints
-from runtime.manifest import DRAFTERS, EngineError, Manifest, dependency_record, engine_files, verify_files
+from runtime.manifest import (DRAFTERS, TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
+                              engine_files, verify_files)
 from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
 from runtime.backends import BACKENDS
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.models.target import DTYPES
 from runtime.ngram import NGramProposer
+from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 
 
 
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", choices=DRAFTERS, default="dflash")
+    p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
+                   help="eagle3, pard: --backend trtllm only (TensorRT-LLM runs them; give "
+                        "--drafter-checkpoint)")
     p.add_argument("--sharpdraft", action="store_true",
                    help="apply the cardinality-aware query scale in the drafter's attention")
     p.add_argument("--num-draft-tokens", type=int, default=NGramProposer().num_draft_tokens,
-                   help="ngram: tokens proposed per step")
+                   help="ngram; eagle3, pard with --backend trtllm: tokens drafted per step")
     p.add_argument("--max-ngram", type=int, default=NGramProposer().max_ngram,
                    help="ngram: longest suffix looked up in the context")
     p.add_argument("--drafter-checkpoint", metavar="DIR")
@@ -45,7 +49,10 @@ def parse(argv):
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                    help="auto: tensorrt where it works, else the faster of torch and "
-                        "onnxruntime, measured on this machine at build time")
+                        "onnxruntime, measured on this machine at build time; trtllm: "
+                        "configuration for TensorRT-LLM's own speculative decoding (docs/trtllm.md)")
+    p.add_argument("--trtllm-attention", choices=TRTLLM_ATTENTION, default=TRTLLM_ATTENTION[0],
+                   help="trtllm, dflash: TensorRT-LLM's DFlash attention kernel (attention_backend)")
     p.add_argument("--attention", choices=ATTENTION_FORMS, default="plugin",
                    help="SharpDraft in the exported drafter: the SharpDraftAttention plugin "
                         "node, or plain ONNX ops")
@@ -171,8 +178,95 @@ def ngram_proposer(args) -> NGramProposer | None:
         raise UsageError(str(exc)) from None
 
 
+def build_trtllm(args, overrides: dict, out: Path) -> int:
+    """--backend trtllm: an engine directory of configuration (engine.json + llm_api.yaml)
+    for TensorRT-LLM's own speculative decoding; TensorRT-LLM is not needed to write it.
+    Stages: load (configs only, no weights), check, write."""
+    import json
+
+    from runtime import trtllm
+    from runtime.models.target import checkpoint_files, ModelError
+
+    if args.drafter in TRTLLM_ONLY_DRAFTERS and not args.drafter_checkpoint:
+        raise UsageError(f"--drafter {args.drafter} needs --drafter-checkpoint DIR (a checkpoint "
+                         "TensorRT-LLM loads; this repository ships none)")
+    progress("[1/3] load: checkpoint configs (TensorRT-LLM loads the weights where it runs)")
+    target_dir, source = checkpoints.prepare_target(args.target, progress)
+    try:
+        context = int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
+    if args.drafter in TRTLLM_ONLY_DRAFTERS:
+        drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+        if not (drafter_dir / "config.json").is_file():
+            raise ModelError(f"{drafter_dir} has no config.json (not a {args.drafter} checkpoint)")
+        drafter_files = ["config.json"] + [p.name for p in sorted(drafter_dir.iterdir()) if p.is_file() and (
+            p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))]
+        block_size = args.num_draft_tokens + 1
+        settings = trtllm.family_settings(args.drafter)
+    else:
+        from runtime.models.dflash import CHECKPOINT_FILES, read_dflash_config
+
+        drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+        config = read_dflash_config(drafter_dir)
+        drafter_files = list(CHECKPOINT_FILES)
+        block_size = config.block_size
+        settings = trtllm.family_settings("dflash", {"mask_token_id": config.mask_token_id,
+                                                     "target_layer_ids": config.target_layer_ids},
+                                          args.trtllm_attention)
+    scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
+    max_seq_len = args.max_seq_len or context
+    if not 1 < max_seq_len <= context:
+        raise UsageError(f"--max-seq-len must be in [2, {context}] (the target's context), got {max_seq_len}")
+    progress(f"      target {target_dir}; {args.drafter} drafter {drafter_dir}, {block_size - 1} drafts per step")
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        extra = {"max_seq_len": max_seq_len,
+                 "trtllm": {"version": trtllm.pins.PINNED, "speculative": settings,
+                            "tensor_parallel_size": 1, "llm_api_config": trtllm.LLM_API_CONFIG}}
+        if scaling:
+            extra |= {"query_scaling_source": scaling_source, "family_preset": PRESETS[args.drafter].to_dict()}
+        manifest = Manifest(drafter=args.drafter, backend="trtllm",
+                            target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
+                            drafter_checkpoint=dependency_record(drafter_dir, drafter_files),
+                            query_scaling=scaling, block_size=block_size, dtype="auto", extra=extra)
+        progress(f"[2/3] check: speculative_config fields against TensorRT-LLM {trtllm.pins.PINNED}")
+        config_text = trtllm.llm_api_yaml(trtllm.llm_api_config(manifest), out)
+        progress(f"[3/3] write: {trtllm.LLM_API_CONFIG}, engine.json")
+        (partial / trtllm.LLM_API_CONFIG).write_text(config_text)
+        manifest.artifacts = engine_files(partial)
+        manifest.write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    verify_files(out, manifest, full=True)
+    beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
+            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
+    print(f"engine written to {out} (backend trtllm, TensorRT-LLM {trtllm.pins.PINNED}; {beta})")
+    print(f"next (on a GPU host with TensorRT-LLM): python -m runtime generate --engine-dir {out} "
+          "--prompt 'def fib(n):' --max-new-tokens 64")
+    return 0
+
+
 def main(argv) -> int:
     args = parse(argv)
+    if args.drafter in TRTLLM_ONLY_DRAFTERS and args.backend != "trtllm":
+        raise UsageError(f"--drafter {args.drafter} has no model in this runtime yet; only --backend "
+                         "trtllm builds it (configuration for TensorRT-LLM, with --drafter-checkpoint DIR)")
+    if args.backend == "trtllm":
+        if args.drafter == "ngram":
+            raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
+                             "drafting use another backend")
+        out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")
+                                                          + "-trtllm"))
+        if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
+            raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
+        return build_trtllm(args, scaling_overrides(args, args.drafter), out)
     proposer = ngram_proposer(args)
     overrides = scaling_overrides(args, args.drafter) if proposer is None else {}
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))

@@ -57,12 +57,18 @@ def beta(n, ref_keys: int = 2048, top_k: int = 32, slope: float = 5.0,
         n = n if n.is_floating_point() else n.to(torch.float32)
         if not _tracing() and bool(torch.isnan(n).any() | (n < 0).any()):
             raise ValueError("n (visible keys) must be >= 0 and not NaN")
-        r = ((n - top_k) / (ref_keys - top_k)).clamp(min=1.0)
-        return (1.0 + torch.log(r) / slope).clamp(max=cap)
+        return _beta_tensor(n, ref_keys, top_k, slope, cap)
     if isinstance(n, bool) or not isinstance(n, (int, float)) or math.isnan(n) or n < 0:
         raise ValueError(f"n (visible keys) must be a number >= 0, got {n!r}")
     r = max((n - top_k) / (ref_keys - top_k), 1.0)
     return min(cap, 1.0 + math.log(r) / slope)
+
+
+def _beta_tensor(n: torch.Tensor, ref_keys: int, top_k: int, slope: float, cap: float) -> torch.Tensor:
+    # The rule on a floating tensor, with no checks: shared by `beta` (after its checks)
+    # and `QueryScaling.beta_on_device` (which must not synchronise with the host).
+    r = ((n - top_k) / (ref_keys - top_k)).clamp(min=1.0)
+    return (1.0 + torch.log(r) / slope).clamp(max=cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,19 @@ class QueryScaling:
 
     def beta(self, n):
         return beta(n, self.ref_keys, self.top_k, self.slope, self.max_log_scale)
+
+    def beta_on_device(self, n: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """beta of a tensor of visible-key counts with no host synchronisation: no value
+        checks (`beta` checks, and reading a tensor's values back stalls the stream and is
+        illegal inside a CUDA graph capture). For hooks inside other engines' kernels
+        (plugins/trtllm), whose counts come from the engine's own length tensors.
+
+        Computed in float64 when `dtype` is float64, else float32; returned in `dtype`
+        (default: the computation's dtype).
+        """
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        out = _beta_tensor(n.to(work), self.ref_keys, self.top_k, self.slope, self.cap)
+        return out if dtype is None else out.to(dtype)
 
     @property
     def cap(self) -> float:

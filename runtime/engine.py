@@ -63,6 +63,9 @@ class Engine:
             self.tensorrt = TensorRTEngine(self.dir, self.manifest)
             self.tokenizer = load_tokenizer(self.manifest.target_dir)
             self.target = self.tensorrt.target
+        elif self.backend == "trtllm":
+            raise EngineError(f"{self.dir} is configuration for TensorRT-LLM: run it with `python -m "
+                              "runtime generate` or `trtllm-serve` where TensorRT-LLM is installed")
         else:
             raise EngineError(f"{self.dir}: backend {self.backend!r} cannot run here (this "
                               f"runtime has {', '.join(RUNNABLE_BACKENDS)}) — pass --backend onnxruntime")

@@ -10,6 +10,13 @@ SDPA, then, where TensorRT imports, the TensorRT engine path: the tiny test pair
 
 Results go to stdout as one line per check and to the JSON file ($OUT if --out is not
 given); progress goes to stderr. Exits 1 with one line when no CUDA device exists.
+
+Then, where `tensorrt_llm` imports, SharpDraft inside TensorRT-LLM: one prompt through a
+DFlash engine built with `build_engine.py --backend trtllm` (--trtllm-engine, default
+engines/dflash-sharpdraft-trtllm), target-only, DFlash without the hook and DFlash with
+it; greedy tokens must be equal in all three (speculative decoding is lossless whatever
+beta does to the drafts), and the hook must have wrapped the drafter. Where it does not
+import, one line says why the section is skipped.
 """
 
 from __future__ import annotations
@@ -42,7 +49,50 @@ def parse(argv):
                    help="folder for gpu_check.json (default: $OUT)")
     p.add_argument("--repeats", type=int, default=50, help="timed launches per measurement")
     p.add_argument("--contexts", default="4096,16384,65536", help="KV lengths to time")
+    p.add_argument("--trtllm-engine", metavar="DIR", default=str(Path(__file__).resolve().parent.parent
+                                                                  / "engines" / "dflash-sharpdraft-trtllm"),
+                   help="a DFlash engine built with --backend trtllm, for the TensorRT-LLM section")
+    p.add_argument("--trtllm-tokens", type=int, default=48, help="greedy tokens per TensorRT-LLM run")
     return p.parse_args(argv)
+
+
+def trtllm_section(report: dict, engine_dir: str, tokens: int) -> bool:
+    """SharpDraft's hook inside TensorRT-LLM; skipped (True) where tensorrt_llm cannot run."""
+    from runtime import trtllm
+
+    try:
+        trtllm.require_tensorrt_llm()
+    except ImportError as exc:
+        report["trtllm"] = {"skipped": str(exc)}
+        print(f"trtllm: skipped — {exc}", flush=True)
+        return True
+    from plugins.trtllm import hook
+    from runtime.manifest import read_manifest
+
+    engine = Path(engine_dir)
+    if not (engine / "engine.json").is_file():
+        reason = (f"{engine} has no engine.json — build one with: python build_engine.py --drafter dflash "
+                  f"--sharpdraft --backend trtllm --output {engine}")
+        report["trtllm"] = {"skipped": reason}
+        print(f"trtllm: skipped — {reason}", flush=True)
+        return True
+    manifest = read_manifest(engine)
+    prompt = "def fibonacci(n):\n    "
+    runs = {}
+    for mode, sharpdraft, speculative in (("target", False, False), ("frozen", False, True),
+                                          ("sharpdraft", True, True)):
+        started = time.perf_counter()
+        result = trtllm.generate(manifest, prompt, tokens, sharpdraft=sharpdraft, speculative=speculative)
+        runs[mode] = dict(tokens=result["tokens"], seconds=round(time.perf_counter() - started, 2))
+        log(f"trtllm {mode}: {len(result['tokens'])} tokens in {runs[mode]['seconds']} s")
+    hooked = len(list(hook._state.instances))
+    hook.uninstall()
+    equal = runs["frozen"]["tokens"] == runs["target"]["tokens"] == runs["sharpdraft"]["tokens"]
+    ok = equal and hooked > 0
+    report["trtllm"] = dict(runs=runs, greedy_equal=equal, drafters_hooked=hooked, passed=ok)
+    print(f"trtllm: greedy tokens {'equal' if equal else 'DIFFER'} across target-only / frozen / "
+          f"SharpDraft; hook wrapped {hooked} drafter(s)", flush=True)
+    return ok
 
 
 def case(seed, batch, heads, kv_heads, q_len, kv_len, head_dim, dtype):
@@ -245,6 +295,7 @@ def main(argv) -> int:
         timings(report, [int(c) for c in args.contexts.split(",") if c], args.repeats, props.multi_processor_count)
         with tempfile.TemporaryDirectory() as workdir:
             ok &= tensorrt_engine(report, Path(workdir))
+        ok = trtllm_section(report, args.trtllm_engine, args.trtllm_tokens) and ok
     except Exception as exc:  # keep what was measured; say what broke in one line
         ok = False
         report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

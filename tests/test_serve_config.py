@@ -1,17 +1,16 @@
 """What `python -m runtime serve` writes and decides without a server running: the
-model repository's config.pbtxt, the request contract (protocol.py), the TensorRT-LLM
-recipe, and the one-line error when no tritonserver can be found."""
+model repository's config.pbtxt, the request contract (protocol.py), and the one-line
+error when no tritonserver can be found. (TensorRT-LLM's llmapi repository:
+tests/test_trtllm_config.py.)"""
 
 import json
 import re
 
 import numpy as np
 import pytest
-import yaml
 
 from runtime.__main__ import main
 from runtime.cli import run
-from runtime.manifest import resolve_path
 from runtime.serve import protocol, repository, server
 from runtime.streaming import TextStream
 
@@ -114,35 +113,6 @@ def test_streamed_text_concatenates_to_the_whole_decode():
     deltas = [stream.push([1]), stream.push([2]), stream.push([3, 4])]
     assert deltas == ["caf", "", "é ok"]  # the half character is held back, not sent as U+FFFD
     assert "".join(deltas) + stream.flush() == decode([1, 2, 3, 4])
-
-
-def test_trtllm_recipe_carries_the_dflash_config_and_sharpdraft(tiny_engine, tiny_drafter, tmp_path):
-    yaml_path, sharp_path = repository.write_trtllm(tiny_engine, tmp_path / "trt")
-    assert yaml_path == tmp_path / "trt" / "tensorrt_llm" / "1" / "model.yaml"
-    config = yaml.safe_load(yaml_path.read_text())
-    drafter = json.loads((tiny_drafter / "config.json").read_text())
-    manifest = json.loads((tiny_engine / "engine.json").read_text())
-    assert config["backend"] == "pytorch"
-    assert config["model"] == str(resolve_path(manifest["target"]["path"]))
-    assert config["speculative_config"] == {
-        "decoding_type": "DFlash",
-        "max_draft_len": drafter["block_size"] - 1,
-        "speculative_model": str(tiny_drafter.resolve()),
-        "mask_token_id": drafter["dflash_config"]["mask_token_id"],
-        "target_layer_ids": drafter["dflash_config"]["target_layer_ids"]}
-    assert config["triton_config"] == {"max_batch_size": 0, "decoupled": False}
-    sharp = json.loads(sharp_path.read_text())
-    assert sharp["query_scaling"] == manifest["query_scaling"] and sharp["enabled"] is True
-
-
-def test_serve_trtllm_flag_writes_beside_the_repository(tiny_engine, tmp_path, capsys):
-    code = main(["serve", "--engine-dir", str(tiny_engine), "--model-repository",
-                 str(tmp_path / "repo"), "--trtllm", "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0
-    assert out["trtllm"][0] == str(tmp_path / "repo-trtllm" / "tensorrt_llm" / "1" / "model.yaml")
-    # Nothing Triton would try to load as a CPU model lands in the model repository itself.
-    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [tiny_engine.name]
 
 
 def test_missing_tritonserver_is_a_one_line_error(tiny_engine, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,5 @@
-"""One small interface, several engines (torch, onnxruntime, tensorrt).
+"""One small interface, several engines (torch, onnxruntime, tensorrt; trtllm engines
+are configuration that TensorRT-LLM runs itself: runtime/trtllm.py).
 
 The speculative loops in runtime/speculative.py only see these two roles:
 
@@ -20,7 +21,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what an engine can be built for
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "trtllm")  # what an engine can be built for
 RUNNABLE_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what this runtime runs (tensorrt: on a GPU)
 
 

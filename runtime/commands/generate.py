@@ -54,6 +54,7 @@ def read_prompt(args) -> str:
 
 def run(args) -> int:
     from runtime.engine import Engine
+    from runtime.manifest import read_manifest
     from runtime.sampling import Sampling
 
     text = read_prompt(args)
@@ -63,6 +64,9 @@ def run(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    manifest = read_manifest(Path(args.engine_dir), verify="full" if args.verify else "quick")
+    if manifest.backend == "trtllm":
+        return run_trtllm(args, manifest, text)
     engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
@@ -94,4 +98,24 @@ def run(args) -> int:
         progress(f"[{mode}] {summary['new_tokens']} tokens, MAL {summary['mean_accepted_length']:.2f} "
                  f"over {summary['verify_steps']} verify steps, "
                  f"{summary['tokens_per_second']:.1f} tok/s")
+    return 0
+
+
+def run_trtllm(args, manifest, text: str) -> int:
+    """A trtllm engine: tensorrt_llm.LLM with its speculative_config, SharpDraft's hook
+    installed first (TensorRT-LLM's own loop, so --draft-length and --ngram do not apply)."""
+    from runtime import trtllm
+
+    if args.ngram or args.backend:
+        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop --ngram/--backend")
+    mode = ("target" if args.target_only else "frozen" if args.no_sharpdraft or manifest.query_scaling is None
+            else "sharpdraft")
+    result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                             sharpdraft=mode == "sharpdraft", speculative=mode != "target")
+    scaling = manifest.query_scaling.to_dict() if mode == "sharpdraft" else None
+    if args.json:
+        print(json.dumps({"mode": mode, "backend": "trtllm", "sharpdraft": scaling} | result))
+    else:
+        print(result["text"])
+        progress(f"[{mode}] {len(result['tokens'])} tokens (TensorRT-LLM)")
     return 0

@@ -24,13 +24,15 @@ def add_parser(sub):
                    help="also write NAME-stream, a decoupled model: one response per verify step")
     p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                    help="refuse requests above this (default %(default)s)")
-    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
-                   help="serve with this backend instead of the one engine.json names")
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS + ("trtllm",),
+                   help="torch/onnxruntime/tensorrt: our Python-backend model runs the engine with "
+                        "this backend instead of the one engine.json names; trtllm: TensorRT-LLM's "
+                        "llmapi model with SharpDraft's hook, for engines built with --backend trtllm")
     p.add_argument("--threads", default="auto",
                    help="torch threads per instance ('auto': cores / instances)")
-    p.add_argument("--trtllm", nargs="?", const="", metavar="DIR",
-                   help="also write TensorRT-LLM's llmapi model.yaml (DFlash) + sharpdraft.json "
-                        "into DIR (default: OUT-trtllm) for a GPU host")
+    p.add_argument("--llmapi-model", metavar="DIR",
+                   help="trtllm: TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm, copied "
+                        "in (else 1/model.py finds it through $SHARPDRAFT_LLMAPI_MODEL)")
     p.add_argument("--start", action="store_true", help="run tritonserver on 127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
@@ -51,6 +53,13 @@ def run(args) -> int:
 
     from runtime.serve import repository, server
 
+    built_for = _engine_backend(args.engine_dir)
+    if (args.backend or built_for) == "trtllm":
+        return _write_trtllm(args)
+    if built_for == "trtllm":
+        raise UsageError(f"{args.engine_dir} is configuration for TensorRT-LLM; serve it with --backend trtllm")
+    if args.llmapi_model:
+        raise UsageError("--llmapi-model goes with --backend trtllm")
     limit = args.max_new_tokens_limit
     ports = server.Ports(args.http_port, args.grpc_port, args.metrics_port)
     try:
@@ -76,20 +85,53 @@ def run(args) -> int:
         raise
     out = Path(args.model_repository)
     result = {"model_repository": str(out.resolve()), "models": models, "max_new_tokens_limit": limit}
-    if args.trtllm is not None:
-        trt_dir = Path(args.trtllm) if args.trtllm else out.with_name(out.name + "-trtllm")
-        result["trtllm"] = [str(p) for p in repository.write_trtllm(args.engine_dir, trt_dir)]
     if not args.start:
         if args.json:
             print(json.dumps(result))
         else:
             print(f"model repository written to {out} (models: {', '.join(models)})")
-            for path in result.get("trtllm", []):
-                print(f"TensorRT-LLM recipe: {path}")
             print(f"next: python -m runtime serve --engine-dir {args.engine_dir} "
                   f"--model-repository {out} --start")
         return 0
     return _run(args, out, models, ports, install, result)
+
+
+def _engine_backend(engine_dir) -> str | None:
+    from pathlib import Path
+
+    from runtime.manifest import read_manifest
+
+    return read_manifest(Path(engine_dir), verify="skip").backend
+
+
+def _write_trtllm(args) -> int:
+    """--backend trtllm: TensorRT-LLM's llmapi model layout, written here; it runs on a GPU
+    host's tritonserver (a TensorRT-LLM container), not on this one."""
+    from runtime.serve import repository
+
+    if args.start:
+        raise UsageError("--backend trtllm writes the repository only: start tritonserver where "
+                         "TensorRT-LLM runs (docs/trtllm.md)")
+    try:
+        models = repository.write_trtllm_repository(args.engine_dir, args.model_repository, args.model_name,
+                                                    args.llmapi_model, args.streaming,
+                                                    verify="full" if args.verify else "quick")
+    except ValueError as exc:
+        if type(exc) is ValueError:
+            raise UsageError(str(exc)) from None
+        raise
+    from pathlib import Path
+
+    out = Path(args.model_repository)
+    result = {"model_repository": str(out.resolve()), "models": models, "backend": "trtllm"}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model repository written to {out} (TensorRT-LLM llmapi model {models[0]} with "
+              "SharpDraft's hook)")
+        print("next, on the GPU host: tritonserver --model-repository "
+              f"{out}  (see docs/trtllm.md)")
+    return 0
 
 
 def _run(args, out, models, ports, install, result) -> int:

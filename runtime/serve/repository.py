@@ -1,7 +1,8 @@
 """Engine directory in, Triton model repository out: <name>/config.pbtxt (tensors from
 protocol.py, the engine and limits as parameters) and <name>/1/model.py (the
-Python-backend model), plus <name>-stream (decoupled) with --streaming. For GPU hosts it
-also writes TensorRT-LLM's `llmapi` model.yaml with a DFlash speculative_config."""
+Python-backend model), plus <name>-stream (decoupled) with --streaming. For trtllm engines
+(GPU hosts) it writes TensorRT-LLM's `llmapi` model instead, with SharpDraft's hook in
+front of it (write_trtllm_repository)."""
 
 from __future__ import annotations
 
@@ -103,85 +104,82 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     return names
 
 
-# --- TensorRT-LLM (GPU hosts) -----------------------------------------------------------
+# --- TensorRT-LLM (GPU hosts): the llmapi model with SharpDraft's hook -------------------
 
-TRTLLM_MODEL = "tensorrt_llm"  # the llmapi model's directory name in its repository
+TRTLLM_MODEL = "tensorrt_llm"  # the llmapi model's usual name in its repository
+TRTLLM_TEMPLATE = Path(__file__).with_name("trtllm_model.py")
+TRTLLM_SETTINGS = "sharpdraft.json"  # read by 1/model.py at import: scaling + checkout
+STOCK_DIR = "llmapi"  # 1/llmapi/{model.py,helpers.py}: TensorRT-LLM's own model, when copied in
 
-
-def trtllm_settings(engine_dir: str | Path) -> dict:
-    """What the llmapi model.yaml needs, read from the engine's manifest and checkpoints.
-
-    Key names follow tensorrt_llm.llmapi.LLM arguments and DFlashDecodingConfig:
-    speculative_config {decoding_type: DFlash, max_draft_len, speculative_model,
-    mask_token_id, target_layer_ids}. TensorRT-LLM loads transformers directories, so
-    a GGUF target is given as the directory build_engine.py converted it into.
-    """
-    manifest = read_manifest(Path(engine_dir))
-    if manifest.drafter != "dflash":
-        raise ValueError(f"--trtllm writes a DFlash speculative_config; this engine's drafter "
-                         f"is {manifest.drafter!r}")
-    from runtime.models.dflash import read_dflash_config
-
-    drafter = read_dflash_config(manifest.drafter_dir)
-    return {
-        # TensorRT-LLM resolves paths against its own working directory: give absolute ones.
-        "model": str(manifest.target_dir),
-        "block_size": manifest.block_size,
-        "speculative_config": {
-            "decoding_type": "DFlash",
-            # One target pass verifies [bonus, d1..dK]: K = block_size - 1 drafts.
-            "max_draft_len": manifest.block_size - 1,
-            "speculative_model": str(manifest.drafter_dir),
-            "mask_token_id": drafter.mask_token_id,
-            "target_layer_ids": list(drafter.target_layer_ids),
-        },
-        "sharpdraft": manifest.query_scaling.to_dict() if manifest.query_scaling else None,
-    }
+# Tensors of the stock llmapi model (its config.pbtxt, pins.SOURCES["llmapi_model"]'s
+# directory) that a generate request needs; --llmapi-model copies its full config instead.
+TRTLLM_INPUTS = (("text_input", "TYPE_STRING", "-1", False), ("streaming", "TYPE_BOOL", "1", True),
+                 ("sampling_param_temperature", "TYPE_FP32", "1", True),
+                 ("sampling_param_top_k", "TYPE_INT32", "1", True),
+                 ("sampling_param_top_p", "TYPE_FP32", "1", True),
+                 ("sampling_param_max_tokens", "TYPE_INT32", "1", True),
+                 ("sampling_param_seed", "TYPE_UINT64", "1", True))
+TRTLLM_OUTPUTS = (("text_output", "TYPE_STRING", "-1"), ("finish_reason", "TYPE_STRING", "-1"),
+                  ("acceptance_rate", "TYPE_FP32", "1"), ("total_accepted_draft_tokens", "TYPE_INT32", "1"),
+                  ("total_draft_tokens", "TYPE_INT32", "1"))
 
 
-def trtllm_model_yaml(settings: dict, engine_dir: Path) -> str:
-    spec = settings["speculative_config"]
-    ids = ", ".join(str(i) for i in spec["target_layer_ids"])
-    return (
-        f"# TensorRT-LLM llmapi model configuration for engine {Path(engine_dir).resolve()}\n"
-        "# Written by `python -m runtime serve --trtllm`. Every key but triton_config is passed\n"
-        "# to tensorrt_llm.LLM(); see docs/serving.md (GPU deployment) for how to use it.\n"
-        f"model: {json.dumps(settings['model'])}\n"
-        'backend: "pytorch"\n'
-        "tensor_parallel_size: 1\n"
-        "pipeline_parallel_size: 1\n"
-        "speculative_config:\n"
-        f"  decoding_type: {spec['decoding_type']}\n"
-        f"  max_draft_len: {spec['max_draft_len']}\n"
-        f"  speculative_model: {json.dumps(spec['speculative_model'])}\n"
-        f"  mask_token_id: {spec['mask_token_id']}\n"
-        f"  target_layer_ids: [{ids}]\n"
-        "triton_config:\n"
-        "  max_batch_size: 0\n"
-        "  decoupled: False\n"
-    )
+def trtllm_config_pbtxt(name: str, llmapi_model: Path | None) -> str:
+    if llmapi_model is not None:  # the stock model's own tensors, under our model name
+        text = (llmapi_model / "config.pbtxt").read_text()
+        return re.sub(r'(?m)^name:\s*"[^"]*"', f'name: "{name}"', text, count=1)
+    inputs = ",\n".join(f'  {{\n    name: "{n}"\n    data_type: {t}\n    dims: [ {d} ]'
+                        + ("\n    optional: true" if optional else "") + "\n  }"
+                        for n, t, d, optional in TRTLLM_INPUTS)
+    outputs = ",\n".join(f'  {{\n    name: "{n}"\n    data_type: {t}\n    dims: [ {d} ]\n  }}'
+                         for n, t, d in TRTLLM_OUTPUTS)
+    return (f"# Written by `python -m runtime serve --backend trtllm`; regenerate rather than edit.\n"
+            f"# max_batch_size and decoupled come from 1/model.yaml's triton_config (the llmapi model\n"
+            f"# sets them itself).\n"
+            f'name: "{name}"\nbackend: "python"\n'
+            "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n")
 
 
-def write_trtllm(engine_dir: str | Path, out: str | Path) -> list[Path]:
-    """<out>/tensorrt_llm/1/model.yaml and <out>/tensorrt_llm/1/sharpdraft.json.
+def write_trtllm_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
+                            llmapi_model: str | Path | None = None, streaming: bool = False,
+                            verify: str = "quick") -> list[str]:
+    """<out>/<name>/{config.pbtxt, 1/model.py, 1/model.yaml, 1/sharpdraft.json}: TensorRT-LLM's
+    llmapi Triton model layout. 1/model.py installs SharpDraft's hook, then defers to the
+    stock llmapi model (copied into 1/llmapi/ from `llmapi_model`, TensorRT-LLM's
+    triton_backend/all_models/llmapi/tensorrt_llm, or found at run time through
+    $SHARPDRAFT_LLMAPI_MODEL). model.yaml holds the engine's LLM() arguments."""
+    from runtime import trtllm
 
-    LLM() rejects unknown keys, so the SharpDraft parameters live beside model.yaml, not
-    in it: they are what a SharpDraft-enabled drafter attention reads; stock TensorRT-LLM
-    ignores the file and runs the drafter unscaled.
-    """
-    settings = trtllm_settings(engine_dir)
-    version_dir = Path(out) / TRTLLM_MODEL / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    yaml_path = version_dir / "model.yaml"
-    yaml_path.write_text(trtllm_model_yaml(settings, Path(engine_dir)))
-    sharp_path = version_dir / "sharpdraft.json"
-    sharp_path.write_text(json.dumps({
-        "engine_dir": str(Path(engine_dir).resolve()),
-        "drafter": "dflash",
-        "block_size": settings["block_size"],
-        # DFlash's block is bidirectional: every query of a block sees context + block keys.
-        "visible_keys": "context + block_size",
-        "query_scaling": settings["sharpdraft"],
-        "enabled": settings["sharpdraft"] is not None,
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir, verify)
+    if manifest.backend != "trtllm":
+        raise ValueError(f"{engine_dir} was built for backend {manifest.backend!r}; --backend trtllm "
+                         "serves engines built with build_engine.py --backend trtllm")
+    stock = Path(llmapi_model) if llmapi_model else None
+    if stock is not None and not ((stock / "config.pbtxt").is_file() and (stock / "1" / "model.py").is_file()):
+        raise ValueError(f"{stock} is not TensorRT-LLM's llmapi model directory (config.pbtxt, 1/model.py) — "
+                         "pass <TensorRT-LLM>/triton_backend/all_models/llmapi/tensorrt_llm")
+    name = name or TRTLLM_MODEL
+    if not NAME.match(name):
+        raise ValueError(f"model name {name!r} may hold only letters, digits, '_', '.', '-' — pass --model-name")
+    model_dir = Path(out) / name
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    version = model_dir / "1"
+    version.mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(trtllm_config_pbtxt(name, stock))
+    (version / "model.yaml").write_text(
+        trtllm.model_yaml(trtllm.llm_api_config(manifest), engine_dir, decoupled=streaming))
+    (version / TRTLLM_SETTINGS).write_text(json.dumps({
+        "engine_dir": str(engine_dir.resolve()),
+        "repo_root": os.path.relpath(REPO_ROOT, version.resolve()),
+        "query_scaling": manifest.query_scaling.to_dict() if manifest.query_scaling else None,
     }, indent=2) + "\n")
-    return [yaml_path, sharp_path]
+    shutil.copyfile(TRTLLM_TEMPLATE, version / "model.py")
+    if stock is not None:
+        (version / STOCK_DIR).mkdir()
+        for file in ("model.py", "helpers.py"):
+            if (stock / "1" / file).is_file():
+                shutil.copyfile(stock / "1" / file, version / STOCK_DIR / file)
+    return [name]

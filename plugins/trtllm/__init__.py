@@ -1,0 +1,16 @@
+"""SharpDraft inside TensorRT-LLM (PyTorch backend): the drafter-attention hook.
+
+    from plugins.trtllm import install
+    install(QueryScaling(ref_keys=2048))   # before tensorrt_llm builds the drafter
+    llm = tensorrt_llm.LLM(model, speculative_config=...)
+
+Modules: pins.py (every TensorRT-LLM name relied on, with its source and commit),
+kernels.py (DFlash's attention kernels, wrapped), rope.py (generic Attention.apply_rope,
+wrapped per drafter instance: EAGLE-3, PARD), hook.py (install/uninstall, import hook,
+version guard), autoload.py (the env-gated .pth loader for worker processes),
+__main__.py (`python -m plugins.trtllm check | autoload ...`).
+"""
+
+from plugins.trtllm.hook import TrtllmHookError, active_scaling, install, installed, uninstall
+
+__all__ = ["TrtllmHookError", "active_scaling", "install", "installed", "uninstall"]

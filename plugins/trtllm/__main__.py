@@ -1,0 +1,116 @@
+"""`python -m plugins.trtllm check | autoload {install,uninstall,status}`
+
+check: what the hook would patch on this installation (or, where tensorrt_llm cannot be
+imported, the pinned plan and why). autoload: the env-gated .pth loader (autoload.py).
+Results on stdout, one-line errors on stderr (exit 1; 2 for bad usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+from plugins.trtllm import autoload, pins
+
+
+def importable() -> tuple[object | None, str]:
+    """(tensorrt_llm module or None, one line on why not)."""
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return None, "not installed"
+    try:
+        return importlib.import_module("tensorrt_llm"), ""
+    except Exception as exc:  # its __init__ needs libcuda, MPI, ...: any failure is the answer
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def check() -> dict:
+    from plugins.trtllm.hook import resolve
+
+    module, why = importable()
+    report = {"pinned": pins.PINNED, "versions": list(pins.VERSIONS), "importable": module is not None,
+              "reason": why, "patch_points": [], "kernels": pins.DFLASH_KERNELS,
+              "attention": [f"{m}.{pins.ATTENTION_CLASS}.{pins.ATTENTION_METHOD}" for m in pins.ATTENTION_MODULES]}
+    version = None
+    if module is not None:
+        version = getattr(sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE),
+                          "__version__", None)
+        report["version"] = version
+        report["version_known"] = version in pins.VERSIONS
+    for point in pins.PATCH_POINTS:
+        entry = {"name": f"{point.module}.{point.attribute}", "role": point.role,
+                 "source": f"{pins.SOURCES[point.source].path} @ {pins.SOURCES[point.source].commit}"}
+        if module is not None:
+            try:
+                entry["found"] = resolve(importlib.import_module(point.module), point.attribute) is not None
+            except Exception as exc:
+                entry["found"] = False
+                entry["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        report["patch_points"].append(entry)
+    return report
+
+
+def describe(report: dict) -> str:
+    lines = [f"SharpDraft TensorRT-LLM hook, pinned to {report['pinned']}"]
+    if not report["importable"]:
+        lines.append(f"tensorrt_llm is not importable here ({report['reason']}): showing the plan only")
+    else:
+        known = "known" if report["version_known"] else "NOT a pinned version: install() will refuse it"
+        lines.append(f"tensorrt_llm {report['version']} ({known})")
+    for entry in report["patch_points"]:
+        state = "" if "found" not in entry else ("  [found]" if entry["found"] else "  [MISSING]")
+        lines.append(f"  would wrap {entry['name']}{state}")
+        lines.append(f"      {entry['role']}; read from {entry['source']}")
+    lines.append("  DFlash kernels by attention_backend: "
+                 + ", ".join(f"{b} -> instance.{a}" for b, a in report["kernels"].items()))
+    lines.append("  EAGLE-3 / PARD: per drafter instance, " + " or ".join(report["attention"]))
+    return "\n".join(lines)
+
+
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def autoload_command(action: str, site: Path) -> str:
+    path = site / autoload.PTH_NAME
+    if action == "install":
+        path.write_text(autoload.pth_line())
+        return (f"wrote {path}: every Python process of this environment with {autoload.ENV} set "
+                "installs the hook")
+    if action == "uninstall":
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return f"removed {path}" if existed else f"nothing to remove ({path} does not exist)"
+    return f"installed: {path}" if path.exists() else f"not installed ({path} does not exist)"
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m plugins.trtllm", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="what the hook would patch on this installation")
+    c.add_argument("--json", action="store_true")
+    a = sub.add_parser("autoload", help="the env-gated .pth loader that reaches worker processes")
+    a.add_argument("action", choices=("install", "uninstall", "status"))
+    a.add_argument("--site-packages", metavar="DIR", help="default: this interpreter's purelib")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "check":
+            report = check()
+            print(json.dumps(report) if args.json else describe(report))
+        else:
+            site = Path(args.site_packages) if args.site_packages else site_packages()
+            if not site.is_dir():
+                raise FileNotFoundError(f"{site} is not a directory")
+            print(autoload_command(args.action, site))
+    except (OSError, ImportError, ValueError) as exc:
+        sys.stderr.write(f"error: {str(exc).splitlines()[0]}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

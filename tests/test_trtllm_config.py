@@ -1,0 +1,184 @@
+"""`--backend trtllm` engines: what build_engine.py writes (engine.json + the LLM-API
+config), the Triton llmapi repository `serve --backend trtllm` writes, the trtllm-serve
+wrapper's plan, and one-line refusals where TensorRT-LLM (absent here) would be needed.
+Every emitted field name must be in the pinned lists (plugins/trtllm/pins.py)."""
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import build_engine
+from plugins.trtllm import active_scaling, installed, pins, uninstall
+from runtime.__main__ import main as runtime_main
+from runtime.cli import run
+
+SHARP = ["--sharpdraft", "--ref-keys", "64", "--top-k", "8"]
+
+
+def build(*argv) -> int:
+    return run(build_engine.main, list(argv))
+
+
+def assert_pinned_fields(config: dict, triton: bool = False):
+    allowed = set(pins.LLM_API_FIELDS) | ({"triton_config"} if triton else set())
+    assert set(config) <= allowed
+    spec = config["speculative_config"]
+    family = {t: f for f, t in pins.DECODING_TYPES.items()}[spec["decoding_type"]]
+    assert set(spec) <= set(pins.SPECULATIVE_FIELDS[family])
+    if triton:
+        assert set(config["triton_config"]) <= set(pins.TRITON_CONFIG_FIELDS)
+
+
+@pytest.fixture(scope="module")
+def dflash_engine(tmp_path_factory, tiny_target, tiny_drafter):
+    out = tmp_path_factory.mktemp("trtllm") / "dflash-trtllm"
+    assert build("--drafter", "dflash", *SHARP, "--backend", "trtllm", "--target", str(tiny_target),
+                 "--drafter-checkpoint", str(tiny_drafter), "--output", str(out)) == 0
+    return out
+
+
+def test_dflash_trtllm_engine_holds_manifest_and_an_llm_api_config_of_pinned_fields(dflash_engine, tiny_drafter):
+    manifest = json.loads((dflash_engine / "engine.json").read_text())
+    assert manifest["backend"] == "trtllm" and manifest["drafter"] == "dflash"
+    assert manifest["query_scaling"]["ref_keys"] == 64 and manifest["drafter_checkpoint"]["files"]
+    config = yaml.safe_load((dflash_engine / "llm_api.yaml").read_text())
+    assert_pinned_fields(config)
+    drafter = json.loads((tiny_drafter / "config.json").read_text())
+    assert config["backend"] == "pytorch"
+    assert config["speculative_config"] == {
+        "decoding_type": "DFlash", "max_draft_len": drafter["block_size"] - 1,
+        "speculative_model": str(tiny_drafter.resolve()),
+        "mask_token_id": drafter["dflash_config"]["mask_token_id"],
+        "target_layer_ids": drafter["dflash_config"]["target_layer_ids"], "attention_backend": "VANILLA"}
+    assert "llm_api.yaml" in manifest["artifacts"]
+
+
+def fake_checkpoint(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+@pytest.mark.parametrize("family,decoding_type", [("eagle3", "Eagle3"), ("pard", "PARD")])
+def test_eagle3_and_pard_trtllm_engines_point_at_the_given_checkpoint(tmp_path, tiny_target, family, decoding_type):
+    ckpt = fake_checkpoint(tmp_path / f"{family}-ckpt")
+    out = tmp_path / family
+    assert build("--drafter", family, "--sharpdraft", "--backend", "trtllm", "--target", str(tiny_target),
+                 "--drafter-checkpoint", str(ckpt), "--num-draft-tokens", "5", "--output", str(out)) == 0
+    config = yaml.safe_load((out / "llm_api.yaml").read_text())
+    assert_pinned_fields(config)
+    assert config["speculative_config"] == {"decoding_type": decoding_type, "max_draft_len": 5,
+                                            "speculative_model": str(ckpt.resolve())}
+    manifest = json.loads((out / "engine.json").read_text())
+    preset = {"eagle3": 2048, "pard": 8192}[family]
+    assert manifest["query_scaling"]["ref_keys"] == preset
+    assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
+
+
+def test_eagle3_and_pard_are_refused_in_one_line_elsewhere(tmp_path, tiny_target, capsys):
+    assert build("--drafter", "pard", "--backend", "torch", "--target", str(tiny_target)) == 2
+    assert build("--drafter", "eagle3", "--backend", "trtllm", "--target", str(tiny_target),
+                 "--output", str(tmp_path / "x")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
+    assert "no model in this runtime" in lines[0] and "--drafter-checkpoint" in lines[1]
+
+
+def test_generate_on_a_trtllm_engine_says_in_one_line_what_is_missing(dflash_engine, capsys):
+    code = run(runtime_main, ["generate", "--engine-dir", str(dflash_engine), "--prompt", "def f():"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert err[0].startswith("error: TensorRT-LLM is not installed here") and pins.PINNED in err[0]
+    uninstall()
+
+
+def test_trtllm_serve_wrapper_plans_config_and_environment(dflash_engine, capsys, monkeypatch):
+    monkeypatch.delenv(pins.SINGLE_PROCESS_ENV, raising=False)
+    code = run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run", "--", "--port", "9"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["command"].startswith("trtllm-serve ") and "--config" in plan["command"]
+    assert plan["command"].endswith("--port 9")
+    config = plan["config"] | {"model": "x"}
+    assert_pinned_fields(config)
+    scaling = json.loads(plan["env"]["SHARPDRAFT_TRTLLM"])
+    assert scaling["ref_keys"] == 64 and plan["env"][pins.SINGLE_PROCESS_ENV] == "1"
+    assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+    if not plan["autoload_installed"]:
+        assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run",
+                                  "--", "--tp_size", "2"]) == 2
+
+
+def stock_llmapi(root: Path) -> Path:
+    """A stand-in for TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm."""
+    (root / "1").mkdir(parents=True)
+    (root / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "python"\n')
+    (root / "1" / "helpers.py").write_text("ANSWER = 42\n")
+    (root / "1" / "model.py").write_text(textwrap.dedent("""
+        from helpers import ANSWER  # the stock model imports helpers from beside itself
+        from plugins.trtllm import active_scaling, installed
+
+        SEEN_AT_IMPORT = (installed(), active_scaling())
+
+        class TritonPythonModel:
+            def initialize(self, args):
+                return ANSWER
+        """))
+    return root
+
+
+def test_serve_backend_trtllm_writes_the_llmapi_layout_whose_model_installs_the_hook_first(
+        dflash_engine, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    stock = stock_llmapi(tmp_path / "stock")
+    code = run(runtime_main, ["serve", "--engine-dir", str(dflash_engine), "--model-repository", str(repo),
+                              "--llmapi-model", str(stock), "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["models"] == ["tensorrt_llm"]
+    model = repo / "tensorrt_llm"
+    assert sorted(p.name for p in model.iterdir()) == ["1", "config.pbtxt"]
+    assert {"model.py", "model.yaml", "sharpdraft.json", "llmapi"} <= {p.name for p in (model / "1").iterdir()}
+    model_yaml = yaml.safe_load((model / "1" / "model.yaml").read_text())
+    assert_pinned_fields(model_yaml, triton=True)
+    assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": False}
+    assert model_yaml["speculative_config"]["decoding_type"] == "DFlash"
+
+    path_before = list(sys.path)
+    spec = importlib.util.spec_from_file_location("generated_trtllm_model", model / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        stock_module = sys.modules["sharpdraft_llmapi_stock"]
+        installed_then, scaling_then = stock_module.SEEN_AT_IMPORT
+        assert installed_then and scaling_then.ref_keys == 64  # the hook came before the stock model
+        assert module.TritonPythonModel.__mro__[1] is stock_module.TritonPythonModel
+        assert module.TritonPythonModel().initialize({}) == 42
+    finally:
+        uninstall()
+        sys.modules.pop("sharpdraft_llmapi_stock", None)
+        sys.path[:] = path_before
+        import os
+        os.environ.pop("SHARPDRAFT_TRTLLM", None)
+    assert not installed() and active_scaling() is None
+
+
+def test_serve_backend_trtllm_without_the_stock_model_writes_core_tensors_and_refuses_start(
+        dflash_engine, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert run(runtime_main, ["serve", "--engine-dir", str(dflash_engine), "--model-repository",
+                              str(repo)]) == 0
+    config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'name: "tensorrt_llm"' in config and '"text_input"' in config and '"text_output"' in config
+    capsys.readouterr()
+    assert run(runtime_main, ["serve", "--engine-dir", str(dflash_engine), "--model-repository",
+                              str(repo), "--start"]) == 2
+    assert run(runtime_main, ["serve", "--engine-dir", str(dflash_engine), "--model-repository",
+                              str(repo), "--backend", "torch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
