@@ -12,7 +12,8 @@ go to one external-data file, weights.bin, each distinct tensor once (share_weig
 - target-kv.onnx is the target step ONNX Runtime runs (runtime/backends/onnxruntime.py):
   each layer's cache is its own input, a preallocated buffer [batch, kv_heads, capacity,
   head_dim] (one slice of the runtime's [layers, batch, kv_heads, capacity, head_dim]
-  array) bound once and only read; `past_len` says how much of it is committed. Attention
+  array) bound once and only read; `past_len` [batch] says how much of each sequence's
+  row is committed (sequences of a batch sit at different lengths). Attention
   (buffered_attention) scores the step's queries against the buffer and against the
   step's own keys and takes one softmax over both, so nothing copies, transposes or
   concatenates the cache; the step's keys/values come out for the runtime to store.
@@ -61,7 +62,7 @@ WEIGHTS_FILE = "weights.bin"  # every graph's initializers, as ONNX external dat
 TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
 TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
 TARGET_KV_OUTPUTS = ("logits", "features", "new_keys", "new_values")  # inputs: target_kv_inputs
-DRAFTER_INPUTS = ("block_ids", "context", "past_keys", "past_values")
+DRAFTER_INPUTS = ("block_ids", "context", "context_lens", "past_keys", "past_values", "past_lens")
 DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
 
 
@@ -69,18 +70,30 @@ class ExportCache:
     """Stands in for KVCache while tracing: the past comes in as a graph input and a
     write concatenates instead of storing. The models append in order (each write
     starts where the last ended), so concatenation is exactly what KVCache.write
-    returns; the first write of each layer is the step's contribution to the cache."""
+    returns; the first write of each layer is the step's contribution to the cache.
 
-    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor):
+    With `lengths` [batch] (the drafter graph: sequences at different lengths, the past
+    padded to the longest), a write of t tokens widens the buffer by t and scatters each
+    sequence's rows to its own start instead, as KVCache.write does per sequence."""
+
+    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor, lengths=None):
         self.length = past_keys.shape[0]
+        self.lengths = lengths
         # [past, layers, batch, kv_heads, d] -> per layer [batch, kv_heads, past, d]
         self.keys = [[past_keys[:, i].permute(1, 2, 0, 3)] for i in range(past_keys.shape[1])]
         self.values = [[past_values[:, i].permute(1, 2, 0, 3)] for i in range(past_values.shape[1])]
+        self.buffers = [[keys[0], values[0]] for keys, values in zip(self.keys, self.values)]
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
         self.keys[layer].append(k)
         self.values[layer].append(v)
-        return torch.cat(self.keys[layer], 2), torch.cat(self.values[layer], 2)
+        if self.lengths is None:
+            return torch.cat(self.keys[layer], 2), torch.cat(self.values[layer], 2)
+        index = (start[:, None] + torch.arange(k.shape[2]))[:, None, :, None].expand_as(k)
+        for j, new in enumerate((k, v)):
+            wider = torch.cat([self.buffers[layer][j], torch.zeros_like(new)], 2)
+            self.buffers[layer][j] = wider.scatter(2, index, new)
+        return tuple(self.buffers[layer])
 
     def attend(self, layer: int, start, q, k, v, visible):
         k, v = self.write(layer, start, k, v)
@@ -122,9 +135,14 @@ class DrafterStep(nn.Module):
         self.embed_tokens = target.embed_tokens
         self.head = DraftHead.for_drafter(drafter, target.lm_head)
 
-    def forward(self, block_ids, context, past_keys, past_values):
-        cache = ExportCache(past_keys, past_values)
-        hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling)
+    def forward(self, block_ids, context, context_lens, past_keys, past_values, past_lens):
+        """context_lens [batch]: real rows of each sequence's context (padded to the
+        longest); past_lens [batch]: each sequence's committed drafter cache (past_keys is
+        padded to the longest). One graph runs a batch of sequences at different lengths:
+        the visible-key counts come from these two inputs (StepMetadata), never shapes."""
+        cache = ExportCache(past_keys, past_values, past_lens)
+        hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling,
+                                 context_lens=context_lens)
         return (self.head(hidden[:, 1:]),) + cache.present()
 
 
@@ -136,6 +154,7 @@ def step_masks(past_len, visible, capacity: int, group: int):
     and [b, 1, group * t, t]; every layer of a step shares them."""
     t = visible.shape[1]
     sees = visible.repeat(1, group)[:, None, :, None]
+    past_len = past_len.reshape(-1, 1, 1, 1)  # one per sequence (or one for all)
     in_buffer = torch.arange(capacity, device=visible.device)
     sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
     sees_step = (torch.arange(t, device=visible.device) + past_len) < sees
@@ -168,7 +187,7 @@ class BufferCache:
     [layers, batch, kv_heads, t, head_dim] for the runtime to store at past_len."""
 
     def __init__(self, past_len, keys, values):
-        self.length = past_len
+        self.length = past_len  # [batch]: StepMetadata reads each sequence's length
         self.keys, self.values = keys, values
         self.new_keys, self.new_values = [], []
         self.masks = None
@@ -224,7 +243,9 @@ def drafter_example(drafter: DFlashDrafter, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     block = torch.tensor([[1] + [c.mask_token_id] * (c.block_size - 1)] * BATCH)
     context = torch.randn(BATCH, CONTEXT, drafter.fc.in_features, generator=g).to(dtype)
-    return (block, context) + _cache_example(c.num_layers, c.num_kv_heads, c.head_dim, PAST, BATCH, dtype)
+    context_lens = torch.tensor([CONTEXT, CONTEXT - 1][:BATCH])
+    past = _cache_example(c.num_layers, c.num_kv_heads, c.head_dim, PAST, BATCH, dtype)
+    return (block, context, context_lens) + past + (torch.tensor([PAST, PAST - 2][:BATCH]),)
 
 
 def _dims():
@@ -251,9 +272,10 @@ def export_target_kv(target: TargetModel, feature_layers, path: Path) -> dict:
     dtype = target.embed_tokens.weight.dtype
     buffers = tuple(torch.randn(BATCH, c.num_kv_heads, CAPACITY, c.head_dim, generator=g).to(dtype)
                     for _ in range(2 * c.num_layers))
-    shapes = ({0: d["batch"], 1: d["q_len"]}, {0: d["n_logits"]}, None,
+    shapes = ({0: d["batch"], 1: d["q_len"]}, {0: d["n_logits"]}, {0: d["batch"]},
               tuple({0: d["batch"], 2: capacity} for _ in buffers))
-    _export(TargetKVStep(target, feature_layers), (ids, positions, torch.tensor(PAST)) + buffers,
+    past_lens = torch.tensor([PAST, PAST - 2][:BATCH])
+    _export(TargetKVStep(target, feature_layers), (ids, positions, past_lens) + buffers,
             shapes, target_kv_inputs(c.num_layers), TARGET_KV_OUTPUTS, path, attention="native")
     return graph_record(path, attention=None)
 
@@ -267,7 +289,8 @@ def export_drafter(drafter: DFlashDrafter, target: TargetModel, scaling: QuerySc
     form = attention if scaling is not None else "native"
     d = _dims()
     cache = {0: d["past_len"], 2: d["batch"]}
-    shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, cache, cache)
+    shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, {0: d["batch"]}, cache,
+              cache, {0: d["batch"]})
     example = drafter_example(drafter, target.embed_tokens.weight.dtype)
     _export(DrafterStep(drafter, target, scaling), example, shapes, DRAFTER_INPUTS,
             DRAFTER_OUTPUTS, path, attention=form)

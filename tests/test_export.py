@@ -219,7 +219,8 @@ def test_manifest_records_the_target_kv_graph(onnx_engine, torch_engine):
     inputs = {i["name"]: i for i in graph["inputs"]}
     assert list(inputs) == list(export.target_kv_inputs(c.num_layers))
     assert inputs["cache_keys_0"]["shape"] == ["batch", c.num_kv_heads, "capacity", c.head_dim]
-    assert inputs["past_len"]["shape"] == [] and inputs["past_len"]["dtype"] == "int64"
+    # one committed length per sequence: a batch steps at different lengths
+    assert inputs["past_len"]["shape"] == ["batch"] and inputs["past_len"]["dtype"] == "int64"
     assert [o["name"] for o in graph["outputs"]] == list(export.TARGET_KV_OUTPUTS)
 
 
@@ -263,7 +264,7 @@ def test_target_kv_graph_takes_any_batch_and_ignores_the_buffer_past_the_length(
         logits, features = model(ids, cache, layers)
     session = open_session(onnx_engine / export.TARGET_KV_FILE)
     got = session.run(None, {"ids": ids.numpy(), "logit_positions": np.arange(6),
-                             "past_len": np.array(past)} | buffers)
+                             "past_len": np.full(3, past)} | buffers)
     expected = (logits, features, cache.k[:, :, :, past:past + 6], cache.v[:, :, :, past:past + 6])
     for ours, theirs in zip(got, expected):
         np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)

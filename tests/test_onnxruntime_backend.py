@@ -209,3 +209,16 @@ def test_engine_from_the_previous_exporter_is_refused_with_one_line_error(capsys
     code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
     error = one_line_error(capsys)
     assert code == 1 and "export version 1" in error and "rebuild" in error
+
+
+def test_engine_from_export_version_2_is_refused_with_one_line_error(capsys, tmp_path, onnx_engine):
+    """Version 2 graphs derive lengths from shapes (one sequence per step): rebuild."""
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(onnx_engine, engine_dir)
+    manifest = engine_dir / "engine.json"
+    data = json.loads(manifest.read_text())
+    data["extra"]["onnx"]["export_version"] = 2
+    manifest.write_text(json.dumps(data))
+    code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
+    error = one_line_error(capsys)
+    assert code == 1 and "export version 2" in error and "rebuild" in error

@@ -30,10 +30,13 @@ import torch
 from runtime.manifest import EngineError, Manifest
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
+from runtime.step_metadata import StepMetadata
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
 # 2: the target's KV cache lives in buffers bound to target-kv.onnx (1: cache as an input).
-EXPORT_VERSION = 2
+# 3: per-sequence lengths are inputs (target-kv past_len [batch]; the drafter's past_lens
+#    and context_lens [batch]), so one graph steps a batch of sequences at different lengths.
+EXPORT_VERSION = 3
 PREFILL_CHUNK = 512  # tokens per prefill step
 
 
@@ -143,7 +146,7 @@ class OnnxTarget:
             raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
                              f"{start + t}")
         feeds = (np.asarray([ids], dtype=np.int64), np.asarray(logit_positions, dtype=np.int64),
-                 np.asarray(start, dtype=np.int64))
+                 np.asarray([start], dtype=np.int64))
         for name, value in zip(("ids", "logit_positions", "past_len"), feeds):
             binding.bind_cpu_input(name, value)
         # The outputs' shapes change with the step: unbound again, ORT allocates them per run.
@@ -208,13 +211,15 @@ class OnnxDFlash:
         self.cache = HostKVCache(capacity, *self.dims)
 
     def draft(self, context: torch.Tensor, bonus: int):
+        meta = StepMetadata(self.cache.length, context.shape[0])
         block = np.asarray([[bonus] + [self.mask_token_id] * (self.block_size - 1)], dtype=np.int64)
         feeds = {"block_ids": block,
-                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None]}
+                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
+                 "context_lens": np.asarray([meta.new], dtype=np.int64),
+                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
         logits, keys, values = self.session.run(None, feeds | self.cache.past())
         self.cache.append(keys, values)
-        # Every block row saw the cached context plus the whole block (bidirectional).
-        return torch.from_numpy(logits[0]), self.cache.length + self.block_size
+        return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
 
 
 class OnnxEngine:
@@ -232,9 +237,8 @@ class OnnxEngine:
         version = record.get("export_version", 1)
         if version != EXPORT_VERSION or "target_kv" not in record["graphs"]:
             raise EngineError(f"{engine_dir} holds ONNX graphs of export version {version}; this "
-                              f"runtime runs version {EXPORT_VERSION} (the target's KV cache in "
-                              "bound buffers) — rebuild it with build_engine.py --backend "
-                              "onnxruntime")
+                              f"runtime runs version {EXPORT_VERSION} (per-sequence lengths as "
+                              "inputs) — rebuild it with build_engine.py --backend onnxruntime")
         graphs = record["graphs"]
         # target.onnx, the portable form of the target step, is not run here.
         self.sessions = {name: open_session(Path(engine_dir) / g["file"], threads,
@@ -250,3 +254,4 @@ class OnnxEngine:
             return OnnxDFlash(self.sessions["drafter"], self.block_size, self.mask_token_id,
                               self.scaling)
         return OnnxDFlash(self.sessions["drafter_frozen"], self.block_size, self.mask_token_id, None)
+

@@ -26,6 +26,7 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime.manifest import EngineError, Manifest
 from runtime.backends.onnxruntime import PREFILL_CHUNK
+from runtime.step_metadata import StepMetadata
 
 PLAN_SUFFIX = ".plan"
 STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
@@ -202,7 +203,7 @@ class TensorRTTarget:
             feeds = {"ids": torch.tensor([ids], dtype=torch.int64, device=device.torch),
                      "logit_positions": torch.tensor(list(logit_positions), dtype=torch.int64,
                                                      device=device.torch),
-                     "past_len": torch.tensor(start, dtype=torch.int64, device=device.torch)}
+                     "past_len": torch.tensor([start], dtype=torch.int64, device=device.torch)}
             feeds |= {f"cache_keys_{i}": k for i, k in enumerate(keys)}
             feeds |= {f"cache_values_{i}": v for i, v in enumerate(values)}
             out = self.plan.run(feeds)
@@ -281,18 +282,20 @@ class TensorRTDFlash:
         device, start, c = self.plan.device, self.length, context.shape[0]
         if start + c > keys.shape[0]:
             raise ValueError(f"KV cache holds {keys.shape[0]} tokens; asked to write up to {start + c}")
+        meta = StepMetadata(start, c)
         with device.on_stream():
             block = torch.tensor([[bonus] + [self.mask_token_id] * (self.block_size - 1)],
                                  dtype=torch.int64, device=device.torch)
             feeds = {"block_ids": block,
                      "context": context.to(device.torch, self.dtype).contiguous()[None],
-                     "past_keys": keys[:start], "past_values": values[:start]}
+                     "context_lens": torch.tensor([c], dtype=torch.int64, device=device.torch),
+                     "past_keys": keys[:start], "past_values": values[:start],
+                     "past_lens": torch.tensor([start], dtype=torch.int64, device=device.torch)}
             out = self.plan.run(feeds, {"present_keys": keys[start:start + c],
                                         "present_values": values[start:start + c]})
         device.synchronize()
-        self.length = start + c
-        # Every block row saw the cached context plus the whole block (bidirectional).
-        return out["logits"][0], self.length + self.block_size
+        self.length = meta.committed()
+        return out["logits"][0], meta.block_keys(self.block_size)
 
 
 class TensorRTEngine:

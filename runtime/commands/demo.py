@@ -31,6 +31,7 @@ def run(args) -> int:
     from runtime.commands.bench import STYLE, decode_from_one_prefill, first_difference, summarize
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.step_metadata import StepMetadata
 
     engine_dir = Path(args.engine_dir)
     try:
@@ -56,7 +57,8 @@ def run(args) -> int:
     print(f"\nSharpDraft demo: {args.context}-token context from {name}, {args.new_tokens} new "
           f"tokens, greedy, backend {engine.backend}, median of {args.repeats} interleaved runs")
     print(f"query scaling: ref_keys={s.ref_keys} top_k={s.top_k} slope={s.slope} -> beta "
-          f"{s.beta(args.context + engine.manifest.block_size):.3f} at this context\n")
+          f"{s.beta(StepMetadata(0, args.context).block_keys(engine.manifest.block_size)):.3f} "
+          "at this context\n")
     print(f"{'':<22}{'MAL':>6}{'tok/s':>9}{'vs target':>11}  same tokens")
     print(f"{'target only':<22}{'1.00':>6}{row['tok_s_target']:>9.1f}{'1.00x':>11}  -")
     for mode, (_, label) in STYLE.items():

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from runtime.cli import UsageError, progress
+from runtime.step_metadata import StepMetadata
 
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 7680)
 
@@ -53,8 +54,9 @@ def measure(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
         for mode, scaling in (("frozen", None), ("sharpdraft", engine.scaling)):
             masses = {}
 
+            n = StepMetadata(0, length).block_keys(bs)  # the block drafted after `length`
+
             def probe(layer, q, k):
-                n = length + bs
                 masses[layer] = attention_mass(q, k, n, scaling.beta(n) if scaling else 1.0, top_k)
 
             cache = drafter.new_cache(length)
@@ -114,8 +116,8 @@ def run(args) -> int:
     bs = engine.drafter_model.config.block_size
     rows = []
     for length in lengths:
-        row = {"context_tokens": length, "visible_keys": length + bs,
-               "beta": round(engine.scaling.beta(length + bs), 4)}
+        n = StepMetadata(0, length).block_keys(bs)
+        row = {"context_tokens": length, "visible_keys": n, "beta": round(engine.scaling.beta(n), 4)}
         for mode in ("frozen", "sharpdraft"):
             layers = zip(*(d[mode][length] for d in per_doc))
             row[mode] = [round(sum(v) / len(v), 4) for v in layers]

@@ -33,10 +33,10 @@ def add_parser(subparsers):
 
 def _time_step(drafter, step, bonus: int, context: int) -> float:
     start = time.perf_counter()
-    drafter.draft(step, bonus)
+    _, visible = drafter.draft(step, bonus)
     seconds = time.perf_counter() - start
     drafter.cache.rollback(context)  # the next step sees the same N again
-    return seconds
+    return seconds, visible
 
 
 def measure(engine, context: int, repeats: int, warmup: int) -> dict:
@@ -55,10 +55,9 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
         # Alternate who goes first so drift (thermal, other jobs) hits both alike.
         order = list(drafters) if i % 2 == 0 else list(reversed(drafters))
         for name in order:
-            seconds = _time_step(drafters[name], features[context:], bonus, context)
+            seconds, visible = _time_step(drafters[name], features[context:], bonus, context)
             if i >= warmup:
                 times[name].append(seconds)
-    visible = context + 1 + drafters["frozen"].block_size
     sharp, frozen = (statistics.median(times[n]) * 1e3 for n in ("sharpdraft", "frozen"))
     return {"context": context, "visible_keys": visible,
             "beta": round(engine.scaling.beta(visible), 6),

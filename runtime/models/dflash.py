@@ -24,6 +24,7 @@ from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
 from runtime.models.target import ModelError, TargetConfig
+from runtime.step_metadata import StepMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,49 +178,48 @@ class DFlashDrafter(nn.Module):
             return None
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> KVCache:
         c = self.config
         p = self.fc.weight
         # + block_size: the block's own keys sit past `length` as scratch each step.
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity + c.block_size,
-                       c.head_dim, p.dtype, p.device)
+                       c.head_dim, p.dtype, p.device, per_sequence)
 
     def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache,
-                scaling: QueryScaling | None, probe=None):
-        """Draft one block.
+                scaling: QueryScaling | None, probe=None, context_lens=None):
+        """Draft one block per sequence.
 
         block_embeds [b, block, hidden]: target embeddings of [bonus, mask, ...] at
-        positions cache.length + new_context ... ; context [b, c, n_ids*hidden]: target
+        positions cached + new context ... ; context [b, c, n_ids*hidden]: target
         features of tokens committed since the last step (c >= 0), appended to the
-        cache. Returns the block's final hidden states [b, block, hidden] and the
-        visible-key count N every block row attended over. probe(layer, q, k), when given,
-        sees each layer's attention inputs (the diagnose command).
+        cache; context_lens [b]: how many of the c are real in each row (a batch of
+        sequences at different lengths; None: all). Returns the block's final hidden
+        states [b, block, hidden] and the visible-key count N of each sequence's block
+        rows (StepMetadata.block_keys). probe(layer, q, k), when given, sees each layer's
+        attention inputs (the diagnose command).
         """
         b, block = block_embeds.shape[:2]
-        start = cache.length
-        ctx_len = context.shape[1]
-        dtype = block_embeds.dtype
-        ctx_pos = torch.arange(start, start + ctx_len, device=context.device).expand(b, ctx_len)
-        blk_start = start + ctx_len
-        blk_pos = torch.arange(blk_start, blk_start + block, device=context.device).expand(b, block)
-        ctx_rope = self.rotary(ctx_pos, dtype)
-        blk_rope = self.rotary(blk_pos, dtype)
+        meta = StepMetadata.of(cache, context.shape[1] if context_lens is None else context_lens)
+        dev, dtype = context.device, block_embeds.dtype
+        ctx_rope = self.rotary(meta.positions(context.shape[1], b, dev), dtype)
+        blk_rope = self.rotary(meta.positions(block, b, dev, after_new=True), dtype)
+        visible = meta.block_visible(block, b, dev)
         ctx = self.hidden_norm(self.fc(context))
-        n = blk_start + block
-        visible = torch.full((b, block), n, dtype=torch.long, device=context.device)
         h = block_embeds
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.key_value(ctx, *ctx_rope)
-            cache.write(i, start, k_ctx, v_ctx)
+            cache.write(i, meta.cached, k_ctx, v_ctx)
 
             def with_context(k_blk, v_blk, i=i):
-                return cache.write(i, blk_start, k_blk, v_blk)
+                return cache.write(i, meta.committed(), k_blk, v_blk)
 
             layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
             h = layer(h, blk_rope, with_context, visible, scaling, probe=layer_probe)
-        cache.length = blk_start
-        return self.norm(h), n
-
+        if meta.per_sequence:
+            cache.lengths = meta.committed()
+        else:
+            cache.length = meta.committed()
+        return self.norm(h), meta.block_keys(block)
 
     def forward_train(self, block_embeds: torch.Tensor, context: torch.Tensor,
                       anchors: torch.Tensor) -> torch.Tensor:
@@ -243,7 +243,9 @@ class DFlashDrafter(nn.Module):
         block_id = torch.arange(blocks, device=dev).repeat_interleave(block)
         sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
         mask = torch.cat([sees_ctx, sees_block], dim=-1)
-        visible = torch.full(blk_pos.shape, t + blocks * block, dtype=torch.long, device=dev)
+        # every block row sees the context's keys (masked to those before its anchor) and
+        # all blocks' keys (masked to its own): kv_len = t + blocks * block
+        visible = StepMetadata(0, t).block_visible(blocks * block, b, dev)
         ctx = self.hidden_norm(self.fc(context))
         h = block_embeds
         for layer in self.layers:

@@ -96,30 +96,40 @@ class AttentionProjections(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values for every layer; `length` tokens are committed.
+    """Preallocated keys/values for every layer; `length` tokens are committed, or, in a
+    batch of sequences at different lengths, `lengths` [batch] (then `length` is unused).
 
-    Writing past `length` is allowed (scratch space a step may use and discard), so a
-    rollback is only `length = n`.
+    Writing past the committed length is allowed (scratch space a step may use and
+    discard), so a rollback is only a length change.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int,
-                 head_dim: int, dtype: torch.dtype, device=None):
+                 head_dim: int, dtype: torch.dtype, device=None, per_sequence: bool = False):
         shape = (layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device) if per_sequence else None
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v at [start, start + t) and return views of keys/values [0, start + t)."""
-        end = start + k.shape[2]
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v at [start, start + t) -- start an int, or [batch] per sequence -- and
+        return views of keys/values [0, longest start + t)."""
+        t = k.shape[2]
+        per_sequence = torch.is_tensor(start) and start.dim() == 1
+        end = (int(start.max()) if per_sequence else start) + t
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} tokens; asked to write up to {end}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        if per_sequence:
+            index = (start[:, None] + torch.arange(t, device=start.device))[:, None, :, None]
+            self.k[layer].scatter_(2, index.expand_as(k), k)
+            self.v[layer].scatter_(2, index.expand_as(v), v)
+        else:
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, layer: int, start, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
         """A causal step's attention: store the step's k/v at `start`, then row (b, i)
         attends to keys [0, visible[b, i]). The export stand-ins (build/export.py)
@@ -131,3 +141,24 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
         self.length = length
+
+    # Continuous batching: a sequence joins as the last row and leaves from any row. Each
+    # costs one copy of the cache; the steps between them write in place.
+    def join(self, other: "KVCache") -> None:
+        """Append `other`'s rows (a one-sequence cache, say) with their lengths, growing
+        the capacity to the larger of the two."""
+        capacity = max(self.capacity, other.capacity)
+
+        def widen(t):
+            return torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[3]))
+
+        self.k = torch.cat([widen(self.k), widen(other.k)], 1)
+        self.v = torch.cat([widen(self.v), widen(other.v)], 1)
+        self.capacity = capacity
+        theirs = other.lengths if other.lengths is not None else torch.full(
+            (other.k.shape[1],), other.length, dtype=torch.long, device=self.k.device)
+        self.lengths = torch.cat([self.lengths, theirs])
+
+    def drop(self, row: int) -> None:
+        keep = [i for i in range(self.k.shape[1]) if i != row]
+        self.k, self.v, self.lengths = self.k[:, keep], self.v[:, keep], self.lengths[keep]

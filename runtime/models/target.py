@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+from runtime.step_metadata import StepMetadata
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")  # weight dtypes engines are built in
@@ -106,10 +107,11 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> KVCache:
         c = self.config
         p = self.embed_tokens.weight
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype,
+                       p.device, per_sequence)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, feature_layers=(), last_logits_only=False):
         """Run `ids` [b, t] after the cache's committed tokens; commit them.
@@ -124,11 +126,13 @@ class TargetModel(nn.Module):
     def final_hidden(self, ids: torch.Tensor, cache: KVCache, feature_layers=()):
         """forward() without the LM head: final-norm states [b, t, hidden] and features
         (the ONNX export picks the rows that need logits itself)."""
-        start = cache.length  # an int, or a 0-d tensor in an exported graph
-        t = ids.shape[1]
-        positions = (torch.arange(t, device=ids.device) + start).expand(ids.shape[0], t)
+        b, t = ids.shape
+        # cached: an int, a 0-d tensor in an exported graph, or [b] lengths in a batch
+        meta = StepMetadata.of(cache, t)
+        start = meta.cached
+        positions = meta.positions(t, b, ids.device)
         cos, sin = self.rotary(positions, self.embed_tokens.weight.dtype)
-        visible = positions + 1
+        visible = meta.causal_visible(t, b, ids.device)
         h = self.embed_tokens(ids)
         wanted = set(feature_layers)
         states = {}
@@ -137,7 +141,10 @@ class TargetModel(nn.Module):
             h = layer(h, cos, sin, cache, i, start, visible)
             if i in wanted and i != last:
                 states[i] = h
-        cache.length = start + t
+        if meta.per_sequence:  # a batch: its runner rolls each sequence back
+            cache.lengths = meta.committed()
+        else:
+            cache.length = meta.committed()
         h = self.norm(h)
         if last in wanted:
             states[last] = h

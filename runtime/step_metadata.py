@@ -1,0 +1,83 @@
+"""The lengths of one decoding step, in one place (TensorRT-LLM's attention metadata,
+vLLM's CommonAttentionMetadata): per sequence, the tokens already cached and the tokens
+the step adds; from them, per query row, the positions and the visible-key count N that
+the attention op scales by. Every model, exported graph, backend and command takes N from
+here; tests/test_step_metadata.py checks that no other module derives it.
+
+Rows of a batch may sit at different lengths; a step's tensors are padded to the widest
+sequence, and a padding row's outputs are never read (its keys land past the sequence's
+committed length, which the next write overwrites).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StepMetadata:
+    """cached: tokens in each sequence's cache before the step, an int (every sequence
+    alike; a 0-d tensor while tracing) or int64 [batch]; new: tokens each sequence adds
+    (context features for a DFlash drafter, ids for the target), the same kinds."""
+
+    def __init__(self, cached, new):
+        self.cached, self.new = cached, new
+
+    @classmethod
+    def of(cls, cache, new) -> "StepMetadata":
+        """A step over `cache` (its per-sequence `lengths` when it has them)."""
+        lengths = getattr(cache, "lengths", None)
+        return cls(cache.length if lengths is None else lengths, new)
+
+    @property
+    def per_sequence(self) -> bool:
+        return torch.is_tensor(self.cached) and self.cached.dim() == 1
+
+    def _column(self, value, device):
+        if torch.is_tensor(value) and value.dim() == 1:
+            return value.to(device)[:, None]
+        return value
+
+    def positions(self, width: int, batch: int, device=None, after_new: bool = False):
+        """[batch, width] positions of the step's rows: cached + i, or, for a block that
+        follows the new context (after_new), cached + new + i."""
+        start = self._column(self.cached, device)
+        if after_new:
+            start = start + self._column(self.new, device)
+        return (torch.arange(width, device=device) + start).expand(batch, width)
+
+    def causal_visible(self, width: int, batch: int, device=None) -> torch.Tensor:
+        """Causal rows (the target, chain drafters): row i sees past + i + 1 keys."""
+        return self.positions(width, batch, device) + 1
+
+    def block_visible(self, block: int, batch: int, device=None) -> torch.Tensor:
+        """DFlash block rows (bidirectional): every row sees context + block keys."""
+        return self.positions(1, batch, device, after_new=True).expand(batch, block) + block
+
+    def block_keys(self, block: int):
+        """N of each sequence's block rows, [batch] (or an int when every sequence is alike):
+        what the stats report and beta(N) is computed from."""
+        return self.cached + self.new + block
+
+    @staticmethod
+    def tree_visible(mask: torch.Tensor) -> torch.Tensor:
+        """Tree rows: the keys a [batch, q_len, kv_len] mask leaves unmasked."""
+        return mask.sum(-1)
+
+    def committed(self):
+        """Each sequence's cache length after the step."""
+        return self.cached + self.new
+
+
+def padded(rows: list[list[int]], fill: int = 0) -> list[list[int]]:
+    """Rows of ids padded to the longest (a padding row's outputs are never read)."""
+    width = max(len(r) for r in rows)
+    return [list(r) + [fill] * (width - len(r)) for r in rows]
+
+
+def padded_context(contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context features [c_i, F] of each sequence -> [b, C, F] (C >= 1) and c_i [b]."""
+    width = max(1, max(c.shape[0] for c in contexts))
+    batch = contexts[0].new_zeros((len(contexts), width, contexts[0].shape[-1]))
+    for i, c in enumerate(contexts):
+        batch[i, :c.shape[0]] = c
+    return batch, torch.tensor([c.shape[0] for c in contexts], dtype=torch.long)
