@@ -11,6 +11,19 @@ The speculative loops in runtime/speculative.py only see these two roles:
            reset(capacity)
            draft(context [c, F], bonus) -> (logits [block - 1, vocab], visible keys N)
            scaling                -- the QueryScaling it applies, or None (frozen)
+
+The batched executor (runtime/batched.py) sees the same two roles over a batch of
+sequences at different lengths, one row each; a sequence joins as the last row and
+leaves from any row, between steps:
+
+  BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
+                verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
+                rollback(lengths)   -- each sequence's committed length
+                remove(row)
+  BatchBlockDrafter:
+                add(capacity, context [c, F]) -- the prompt's features, ingested at once
+                draft(contexts, bonuses) -> (logits [b, block - 1, vocab], visible N [b])
+                remove(row); scaling
 """
 
 from __future__ import annotations
@@ -69,3 +82,27 @@ class BlockDrafter(Protocol):
     def reset(self, capacity: int) -> None: ...
 
     def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
+
+
+class BatchTarget(Protocol):
+    context_limit: int
+
+    def add(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def verify(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollback(self, lengths: list[int]) -> None: ...
+
+    def remove(self, row: int) -> None: ...
+
+
+class BatchBlockDrafter(Protocol):
+    block_size: int
+    scaling: QueryScaling | None
+
+    def add(self, capacity: int, context: torch.Tensor) -> None: ...
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def remove(self, row: int) -> None: ...
+

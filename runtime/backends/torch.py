@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.target import TargetModel
 
@@ -66,3 +67,58 @@ class TorchDFlash:
         hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
                                        self.cache, self.scaling)
         return self.head(hidden[0, 1:]), visible
+
+
+class TorchBatchTarget:
+    """The target over a batch: one KVCache row per sequence, each at its own length."""
+
+    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
+        self.single = TorchTarget(model, feature_layers)
+        self.model, self.feature_layers = model, self.single.feature_layers
+        self.context_limit = self.single.context_limit
+        self.cache = model.new_cache(1, batch=0, per_sequence=True)
+
+    def add(self, ids: list[int], capacity: int):
+        result = self.single.prefill(ids, capacity)
+        self.cache.join(self.single.cache)
+        return result
+
+    @torch.inference_mode()
+    def verify(self, rows: list[list[int]]):
+        ids = torch.tensor(padded(rows), dtype=torch.long, device=self.cache.k.device)
+        logits, features = self.model(ids, self.cache, self.feature_layers)
+        return logits, features
+
+    def rollback(self, lengths: list[int]) -> None:
+        self.cache.lengths = torch.tensor(lengths, dtype=torch.long, device=self.cache.k.device)
+
+    def remove(self, row: int) -> None:
+        self.cache.drop(row)
+
+
+class TorchBatchDFlash:
+    """The drafter over a batch: one KVCache row per sequence, each at its own length."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
+        self.single = TorchDFlash(drafter, target, scaling)
+        self.drafter, self.scaling, self.head = drafter, scaling, self.single.head
+        self.embed_tokens = target.embed_tokens
+        self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
+        self.cache = drafter.new_cache(0, batch=0, per_sequence=True)
+
+    def add(self, capacity: int, context: torch.Tensor) -> None:
+        self.single.reset(capacity)
+        self.single.draft(context, self.mask_token_id)  # the block is scratch: only the context stays
+        self.cache.join(self.single.cache)
+
+    @torch.inference_mode()
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        context, lengths = padded_context(contexts)
+        block = [[bonus] + [self.mask_token_id] * (self.block_size - 1) for bonus in bonuses]
+        ids = torch.tensor(block, dtype=torch.long, device=context.device)
+        hidden, visible = self.drafter(self.embed_tokens(ids), context, self.cache, self.scaling,
+                                       context_lens=lengths.to(context.device))
+        return self.head(hidden[:, 1:]), visible
+
+    def remove(self, row: int) -> None:
+        self.cache.drop(row)

@@ -1,0 +1,170 @@
+"""Batching changes nothing a request sees: in-flight batched decoding gives every
+sequence its own single-sequence output (greedy: token for token; sampling: the same
+tokens for the same seed, and the target's law), with its own beta per row."""
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from plugins.attention import sharpdraft_attention
+from plugins.scaling import QueryScaling
+from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
+from runtime.batched import BatchedDecoder, Request, generate_batch
+from runtime.sampling import Sampler, Sampling
+from runtime.speculative import generate_block, generate_target_only
+from runtime.step_costs import StepCosts
+
+from exact_law import chi_square_p, exact_first_tokens
+from test_speculative import runners, tiny_pair
+
+SCALING = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
+
+
+def batched(target, drafter, scaling):
+    return (TorchBatchTarget(target, drafter.config.target_layer_ids),
+            TorchBatchDFlash(drafter, target, scaling))
+
+
+def alone(target, drafter, scaling, request, costs=None):
+    t, d = runners(target, drafter, scaling)
+    return generate_block(t, d, request.prompt, request.max_new_tokens,
+                          Sampler(request.sampling), request.stop_ids, costs=costs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([6, 12, 40]), block=st.integers(2, 6),
+       shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30), st.booleans(),
+                                 st.integers(0, 6)), min_size=1, max_size=5),
+       scaled=st.booleans(), max_batch=st.sampled_from([None, 1, 2, 3]),
+       adaptive=st.booleans())
+def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, scaled,
+                                                   max_batch, adaptive):
+    """Different prompt lengths, budgets, stop tokens and join steps; sequences leave as
+    they finish and wait for a free row under max_batch."""
+    target, drafter = tiny_pair(seed, vocab, block)
+    scaling = SCALING if scaled else None
+    g = torch.Generator().manual_seed(seed)
+    requests = [Request(torch.randint(0, vocab, (n,), generator=g).tolist(), new,
+                        stop_ids=frozenset({0}) if stop else frozenset())
+                for n, new, stop, _ in shapes]
+    join_at = [j for *_, j in shapes]
+    costs = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0)) if adaptive else None
+    got = generate_batch(*batched(target, drafter, scaling), requests, costs, max_batch, join_at)
+    for request, seq in zip(requests, got):
+        want = alone(target, drafter, scaling, request, costs)
+        assert seq.gen.tokens == want.tokens
+        assert seq.gen.committed_per_step == want.committed_per_step
+        assert seq.gen.visible_per_step == want.visible_per_step
+        assert seq.gen.beta_per_step == want.beta_per_step
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4))
+def test_batched_target_only_equals_target_only(seed, lengths):
+    target, drafter = tiny_pair(seed, 12, 3)
+    g = torch.Generator().manual_seed(seed)
+    requests = [Request(torch.randint(0, 12, (n,), generator=g).tolist(), 25 - n) for n in lengths]
+    got = generate_batch(TorchBatchTarget(target, ()), None, requests)
+    for request, seq in zip(requests, got):
+        t, _ = runners(target, drafter, None)
+        assert seq.gen.tokens == generate_target_only(t, request.prompt, request.max_new_tokens,
+                                                      Sampler()).tokens
+
+
+def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
+    """One batched call: the op is handed each sequence's N on its rows (not the longest)."""
+    import runtime.models.dflash as dflash
+
+    handed = []
+
+    def recording(q, k, v, visible, scaling=None, mask=None):
+        handed.append(visible.clone())
+        return sharpdraft_attention(q, k, v, visible, scaling, mask)
+
+    target, drafter = tiny_pair(3, vocab=12, block=4)
+    t, d = batched(target, drafter, SCALING)
+    prompts = [[1, 2], list(range(1, 12)), [5] * 30]
+    decoder = BatchedDecoder(t, d)
+    for p in prompts:
+        decoder.add(Request(p, 20))
+    monkeypatch.setattr(dflash, "sharpdraft_attention", recording)
+    decoder.step()
+    rows = handed[0]
+    assert rows.shape == (3, 4)
+    for i, p in enumerate(prompts):  # context (the prompt) + the block, bidirectional
+        assert rows[i].tolist() == [len(p) + 4] * 4
+    betas = [s.gen.beta_per_step[0] for s in decoder.active]
+    assert betas == [SCALING.beta(len(p) + 4) for p in prompts] and len(set(betas)) == 3
+
+
+def test_batched_drafter_call_equals_separate_single_sequence_calls():
+    """Logits of each row of one batched drafter step (torch op) equal that sequence's own
+    single-sequence step, at three different cached lengths and context lengths."""
+    target, drafter = tiny_pair(5, vocab=40, block=4)
+    t, d = runners(target, drafter, SCALING)
+    _, batch = batched(target, drafter, SCALING)
+    g = torch.Generator().manual_seed(0)
+    features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
+                for n in (3, 17, 40)]
+    news = [torch.randn(c, drafter.fc.in_features, generator=g, dtype=torch.float64)
+            for c in (1, 4, 2)]
+    want = []
+    for f, new, bonus in zip(features, news, (5, 6, 7)):
+        d.reset(64)
+        d.draft(f, 0)
+        want.append(d.draft(new, bonus))
+        batch.add(64, f)
+    logits, visible = batch.draft(news, [5, 6, 7])
+    assert visible.tolist() == [w[1] for w in want] == [3 + 1 + 4, 17 + 4 + 4, 40 + 2 + 4]
+    for i, (w, _) in enumerate(want):
+        torch.testing.assert_close(logits[i], w, atol=1e-12, rtol=0)
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
+    target, drafter = tiny_pair(7, vocab=12, block=4, sharpness=1.5)
+    sampling = [Sampling(0.8, 0.9, seed=s) for s in (1, 2, 3)]
+    requests = [Request(p, 30, s) for p, s in zip([[1, 2], [3] * 9, [4, 5, 6, 7]], sampling)]
+    got = generate_batch(*batched(target, drafter, SCALING), requests, join_at=[0, 2, 1])
+    for request, seq in zip(requests, got):
+        assert seq.gen.tokens == alone(target, drafter, SCALING, request).tokens
+    assert len({tuple(s.gen.tokens) for s in got}) == 3
+
+
+def test_batched_speculative_sampling_preserves_the_target_distribution():
+    """The chi-square check of tests/test_speculative.py through the batched executor:
+    the sequence under test shares every step with two others at other lengths."""
+    vocab, draws = 4, 4_000
+    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
+    prompt = [1, 2, 0]
+    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
+    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    first_step = Counter()
+    t, d = batched(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
+    for i in range(draws // 4):
+        decoder = BatchedDecoder(t, d)
+        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 8 + j)))
+                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3], prompt, [2], prompt, prompt])]
+        while decoder.active:
+            decoder.step()
+        for seq in (seqs[0], seqs[2], seqs[4], seqs[5]):
+            t1, t2, t3 = seq.gen.tokens[:3]
+            counts[(t1 * vocab + t2) * vocab + t3] += 1
+            first_step[seq.gen.committed_per_step[0]] += 1
+    assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
+    assert chi_square_p(counts, expected) > 0.001
+
+
+@pytest.mark.parametrize("bad", ["empty", "long", "budget"])
+def test_bad_input_in_a_batch_fails_that_request_alone(bad):
+    target, drafter = tiny_pair(2, vocab=12, block=4)  # context 128
+    prompt = {"empty": [], "long": [1] * 200, "budget": [1, 2]}[bad]
+    requests = [Request([1, 2, 3], 20), Request(prompt, 0 if bad == "budget" else 5),
+                Request([4, 5], 20)]
+    got = generate_batch(*batched(target, drafter, SCALING), requests, join_at=[0, 1, 1])
+    assert got[1].error and not got[1].gen.tokens
+    for i in (0, 2):
+        assert got[i].error is None
+        assert got[i].gen.tokens == alone(target, drafter, SCALING, requests[i]).tokens
