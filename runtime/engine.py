@@ -115,6 +115,30 @@ class Engine:
                               "in; try other values with the torch backend (--backend torch)")
         return TorchDFlash(self.drafter_model, self.model, scaling)
 
+    def batch_decoder(self, mode: str = "sharpdraft", adaptive: bool = True):
+        """An in-flight batching decoder (runtime/batched.py) running `mode` on this
+        engine's backend: target-only or a drafter mode (n-gram lookup is per sequence)."""
+        from runtime.batched import BatchedDecoder
+
+        if mode not in engine_modes_batched(self):
+            raise ValueError(f"mode {mode!r} cannot run batched on this engine (it batches "
+                             f"{', '.join(engine_modes_batched(self))})")
+        frozen = mode == "frozen"
+        if self.backend == "torch":
+            from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
+
+            target = TorchBatchTarget(self.model, self.target.feature_layers)
+            target.context_limit = self.context_limit
+            drafter = None if mode == "target" else TorchBatchDFlash(
+                self.drafter_model, self.model, None if frozen else self.scaling)
+        elif self.backend == "onnxruntime":
+            target = self.onnx.batch_target()
+            drafter = None if mode == "target" else self.onnx.batch_drafter(sharpdraft=not frozen)
+        else:
+            raise EngineError(f"{self.dir}: batched decoding runs on the torch and onnxruntime "
+                              f"backends, not {self.backend} (pass --backend onnxruntime)")
+        return BatchedDecoder(target, drafter, self.step_costs if adaptive and drafter else None)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -145,6 +169,10 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
     return speculative.generate_block(target, engine.drafter(frozen=mode == "frozen"), prompt,
                                       max_new_tokens, sampler, stop_ids, on_tokens,
                                       engine.step_costs if adaptive else None)
+
+
+def engine_modes_batched(engine: Engine) -> tuple[str, ...]:
+    return tuple(m for m in engine.modes if m != "ngram")
 
 
 def load_tokenizer(path: str | Path):

@@ -30,7 +30,7 @@ import torch
 from runtime.manifest import EngineError, Manifest
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
-from runtime.step_metadata import StepMetadata
+from runtime.step_metadata import StepMetadata, padded, padded_context
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
 # 2: the target's KV cache lives in buffers bound to target-kv.onnx (1: cache as an input).
@@ -222,6 +222,129 @@ class OnnxDFlash:
         return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
 
 
+class OnnxBatchTarget:
+    """target-kv.onnx over a batch: one BoundKVCache row per sequence, `lengths` per row
+    fed as past_len [batch]. A sequence is prefilled alone (OnnxTarget.prefill) and its
+    cache copied in as a new row; a leaving one is copied out (one copy per join/leave)."""
+
+    def __init__(self, session, context_limit: int):
+        self.single = OnnxTarget(session, context_limit)
+        self.session, self.context_limit = session, context_limit
+        self.cache: BoundKVCache | None = None
+        self.lengths: list[int] = []
+
+    def _rebuild(self, capacity: int, rows: list) -> None:
+        """A new cache of `rows` ((k, v) each [layers, kv_heads, capacity_i, head_dim])."""
+        s = self.single
+        cache = BoundKVCache(capacity, s.layers, s.kv_heads, s.head_dim, batch=len(rows))
+        for i, (k, v) in enumerate(rows):
+            cache.k[:, i, :, :k.shape[2]] = k
+            cache.v[:, i, :, :v.shape[2]] = v
+        self.cache = cache
+        self.binding = self.session.io_binding()
+        for layer in range(s.layers):
+            self.binding.bind_ortvalue_input(f"cache_keys_{layer}", cache.k_values[layer])
+            self.binding.bind_ortvalue_input(f"cache_values_{layer}", cache.v_values[layer])
+
+    def _rows(self):
+        if self.cache is None:
+            return []
+        return [(self.cache.k[:, i], self.cache.v[:, i]) for i in range(len(self.lengths))]
+
+    def add(self, ids: list[int], capacity: int):
+        result = self.single.prefill(ids, capacity)
+        new = self.single.cache
+        held = self.cache.capacity if self.cache is not None else 0
+        self._rebuild(max(held, capacity), self._rows() + [(new.k[:, 0], new.v[:, 0])])
+        self.lengths.append(new.length)
+        return result
+
+    def verify(self, rows: list[list[int]]):
+        ids = np.asarray(padded(rows), dtype=np.int64)
+        t = ids.shape[1]
+        meta = StepMetadata(torch.tensor(self.lengths), t)
+        if max(self.lengths) + t > self.cache.capacity:
+            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
+                             f"{max(self.lengths) + t}")
+        feeds = {"ids": ids, "logit_positions": np.arange(t, dtype=np.int64),
+                 "past_len": meta.cached.numpy()}
+        for name, value in feeds.items():
+            self.binding.bind_cpu_input(name, value)
+        for name in OnnxTarget.STEP_OUTPUTS:
+            self.binding.bind_output(name)
+        self.session.run_with_iobinding(self.binding)
+        logits, features, keys, values = (o.numpy() for o in self.binding.get_outputs())
+        for i, start in enumerate(self.lengths):
+            self.cache.k[:, i, :, start:start + t] = keys[:, i]
+            self.cache.v[:, i, :, start:start + t] = values[:, i]
+        self.lengths = meta.committed().tolist()
+        return torch.from_numpy(logits), torch.from_numpy(features)
+
+    def rollback(self, lengths: list[int]) -> None:
+        if any(not 0 <= n <= have for n, have in zip(lengths, self.lengths)):
+            raise ValueError(f"cannot roll back caches of {self.lengths} tokens to {lengths}")
+        self.lengths = list(lengths)
+
+    def remove(self, row: int) -> None:
+        rows = self._rows()
+        del rows[row], self.lengths[row]
+        self._rebuild(self.cache.capacity, rows)
+
+
+class OnnxBatchDFlash:
+    """A drafter graph over a batch: one HostKVCache row per sequence, `lengths` per row
+    fed as past_lens and each step's context lengths as context_lens."""
+
+    def __init__(self, session, block_size: int, mask_token_id: int,
+                 scaling: QueryScaling | None):
+        self.single = OnnxDFlash(session, block_size, mask_token_id, scaling)
+        self.session, self.scaling = session, scaling
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.cache: HostKVCache | None = None
+        self.lengths: list[int] = []
+
+    def add(self, capacity: int, context: torch.Tensor) -> None:
+        self.single.reset(capacity + self.block_size)
+        self.single.draft(context, self.mask_token_id)  # the block is scratch: only the context stays
+        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
+        held = self.cache.capacity if self.cache is not None else 0
+        self._rebuild(max(held, self.single.cache.capacity), rows)
+        self.lengths.append(self.single.cache.length)
+
+    def _rows(self):
+        if self.cache is None:
+            return []
+        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
+
+    def _rebuild(self, capacity: int, rows: list) -> None:
+        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
+        for i, (k, v) in enumerate(rows):
+            cache.k[:k.shape[0], :, i] = k
+            cache.v[:v.shape[0], :, i] = v
+        self.cache = cache
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        context, context_lens = padded_context(contexts)
+        meta = StepMetadata(torch.tensor(self.lengths), context_lens)
+        block = np.asarray([[b] + [self.mask_token_id] * (self.block_size - 1) for b in bonuses],
+                           dtype=np.int64)
+        longest = max(self.lengths)
+        feeds = {"block_ids": block, "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+                 "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy(),
+                 "past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
+        logits, keys, values = self.session.run(None, feeds)
+        for i, (start, c) in enumerate(zip(self.lengths, context_lens.tolist())):
+            self.cache.k[start:start + c, :, i] = keys[:c, :, i]
+            self.cache.v[start:start + c, :, i] = values[:c, :, i]
+        self.lengths = meta.committed().tolist()
+        return torch.from_numpy(logits), meta.block_keys(self.block_size)
+
+    def remove(self, row: int) -> None:
+        rows = self._rows()
+        del rows[row], self.lengths[row]
+        self._rebuild(self.cache.capacity, rows)
+
+
 class OnnxEngine:
     """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter."""
 
@@ -255,3 +378,9 @@ class OnnxEngine:
                               self.scaling)
         return OnnxDFlash(self.sessions["drafter_frozen"], self.block_size, self.mask_token_id, None)
 
+    def batch_target(self) -> OnnxBatchTarget:
+        return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
+
+    def batch_drafter(self, sharpdraft: bool = True) -> OnnxBatchDFlash:
+        single = self.drafter(sharpdraft)
+        return OnnxBatchDFlash(single.session, self.block_size, self.mask_token_id, single.scaling)
