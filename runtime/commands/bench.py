@@ -44,6 +44,9 @@ def add_parser(sub):
                    help="> 0: lossless speculative sampling instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="the same seed starts every run")
+    p.add_argument("--batch", type=int, metavar="B",
+                   help="decode B sequences of different context lengths (cycling --lengths) "
+                        "together with in-flight batching, against one at a time")
     p.add_argument("--json", metavar="OUT", help="write the results object here ('-': stdout)")
     p.add_argument("--plot", metavar="PNG")
     p.add_argument("--verify", action="store_true",
@@ -56,6 +59,8 @@ def check_args(args, context_limit: int) -> None:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
     bad = [n for n in args.lengths if n < 1 or n + args.new_tokens > context_limit]
     if bad:
         raise UsageError(f"context length(s) {bad} do not fit: each length + --new-tokens "
@@ -191,6 +196,8 @@ def run(args) -> int:
     modes = engine.modes
     paths = args.docs or default_documents("eval", args.max_docs)
     docs = tokenized(engine.encode, paths, max(args.lengths))
+    if args.batch is not None:
+        return run_batch(args, engine, docs, sampling)
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
              f"{args.lengths}, {args.new_tokens} new tokens, modes {list(modes)}, "
              f"{args.repeats} interleaved repeat(s), backend {engine.backend}")
@@ -237,6 +244,38 @@ def run(args) -> int:
         progress(f"wrote {args.plot}")
     if args.json != "-":
         print_table(rows)
+    return 0
+
+
+def run_batch(args, engine, docs, sampling) -> int:
+    from runtime.commands import bench_batch
+    from runtime.engine import engine_modes_batched
+
+    modes = list(engine_modes_batched(engine))
+    requests = bench_batch.batch_requests(docs, args.lengths, args.batch, args.new_tokens, sampling)
+    progress(f"bench --batch {args.batch}: contexts {[len(q.prompt) for q in requests]}, "
+             f"{args.new_tokens} new tokens each, modes {modes}, {args.repeats} interleaved "
+             f"repeat(s), backend {engine.backend}")
+    adaptive = args.draft_length == "adaptive"
+    bench_batch.measure(engine, requests[:1], modes, 1, adaptive)  # warm-up, untimed
+    rows = bench_batch.measure(engine, requests, modes, args.repeats, adaptive)
+    result = {
+        "command": "python -m runtime bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else []),
+        "engine_dir": str(args.engine_dir), "backend": engine.backend, "batch": args.batch,
+        "contexts": [len(q.prompt) for q in requests], "new_tokens": args.new_tokens,
+        "repeats": args.repeats, "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
+        "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
+        "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
+    }
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+        progress(f"wrote {args.json}")
+    if args.json != "-":
+        bench_batch.print_table(rows)
     return 0
 
 
