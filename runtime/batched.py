@@ -42,6 +42,7 @@ class Sequence:
     context: torch.Tensor | None = None  # target features the drafter has not seen yet
     done: bool = False
     error: str | None = None
+    failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
 
 
 class BatchedDecoder:
@@ -70,7 +71,11 @@ class BatchedDecoder:
 
     def _commit(self, seq: Sequence, new: list[int]) -> bool:
         req = seq.request
-        done = _commit(seq.gen, new, req.stop_ids, req.on_tokens)
+        try:
+            done = _commit(seq.gen, new, req.stop_ids, req.on_tokens)
+        except Exception as exc:  # its stream failed or was cancelled: it leaves, alone
+            seq.failure, seq.error = exc, str(exc) or type(exc).__name__
+            return True
         return done or len(seq.gen.tokens) >= seq.budget
 
     def _leave_finished(self) -> None:

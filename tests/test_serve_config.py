@@ -34,6 +34,16 @@ def test_repository_holds_a_python_model_per_variant(tiny_engine, tmp_path):
         assert ("decoupled: true" in config) == name.endswith("-stream")
 
 
+def test_only_the_streaming_model_batches_in_flight_with_its_limits(tiny_engine, tmp_path):
+    repository.write_repository(tiny_engine, tmp_path / "repo", streaming=True, max_batch=5,
+                                max_queue=9)
+    plain, stream = ((tmp_path / "repo" / n / "config.pbtxt").read_text()
+                     for n in (tiny_engine.name, tiny_engine.name + "-stream"))
+    assert 'key: "max_batch"\n  value: { string_value: "5" }' in stream
+    assert 'key: "max_queue"\n  value: { string_value: "9" }' in stream
+    assert "max_batch\"" not in plain and "max_batch_size: 0" in plain
+
+
 def test_config_declares_the_issue_contract(tiny_engine):
     config = repository.config_pbtxt("m", tiny_engine.parent / "repo" / "m", tiny_engine, 1, False, 10)
     declared = {m[0]: (m[1], m[2], bool(m[3])) for m in re.findall(
@@ -138,6 +148,8 @@ def test_explicit_tritonserver_must_exist(tiny_engine, tmp_path, capsys):
     (["--http-port", "70000"], "1..65535"),
     (["--instances", "0"], "--instances"),
     (["--max-new-tokens-limit", "0"], "--max-new-tokens-limit"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--max-queue", "-1"], "--max-queue"),
 ])
 def test_bad_serve_flags_are_usage_errors(tiny_engine, tmp_path, capsys, flags, message):
     code = run(main, ["serve", "--engine-dir", str(tiny_engine), "--model-repository",

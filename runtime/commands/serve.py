@@ -11,6 +11,7 @@ import threading
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
+from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 
 
 def add_parser(sub):
@@ -22,6 +23,13 @@ def add_parser(sub):
                    help="model instances (processes), each loading the engine once")
     p.add_argument("--streaming", action="store_true",
                    help="also write NAME-stream, a decoupled model: one response per verify step")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="the streaming model's in-flight batch: requests join running decoding "
+                        "steps up to this many sequences per instance (1: one at a time; "
+                        "default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests waiting for a batch row per instance before new ones are "
+                        "refused as unavailable (default %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                    help="refuse requests above this (default %(default)s)")
     p.add_argument("--backend", choices=RUNNABLE_BACKENDS + ("trtllm",),
@@ -78,7 +86,8 @@ def run(args) -> int:
                                              args.model_name, args.instances, args.streaming,
                                              limit, args.threads,
                                              verify="full" if args.verify else "quick",
-                                             backend=args.backend)
+                                             backend=args.backend, max_batch=args.max_batch,
+                                             max_queue=args.max_queue)
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None

@@ -1,5 +1,7 @@
-"""Triton Python-backend model: one SharpDraft engine per instance, one speculative
-`generate` per request. Copied verbatim into each generated repository as <model>/1/model.py
+"""Triton Python-backend model: one SharpDraft engine per instance. The streaming
+(decoupled) model batches in flight: requests join a running batch at step boundaries
+(runtime/serve/scheduler.py, up to the max_batch parameter, max_queue waiting) and stream
+their own tokens; the plain model runs one `generate` per request. Copied verbatim into each generated repository as <model>/1/model.py
 by runtime/serve/repository.py; everything it needs to know comes from config.pbtxt."""
 
 import json
@@ -39,14 +41,22 @@ class TritonPythonModel:
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine = Engine(engine_dir, backend=params.get("backend") or None)
+        self.scheduler = None
+        max_batch = int(params.get("max_batch", "1"))
+        if self.decoupled and max_batch > 1:
+            from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
+
+            self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
+            self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")))
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
-                                 f"{'streaming' if self.decoupled else 'one response per request'}")
+                                 f"{'streaming' if self.decoupled else 'one response per request'}"
+                                 + (f", in-flight batches of up to {max_batch}" if self.scheduler else ""))
 
     def execute(self, requests):
         if self.decoupled:
             for request in requests:
-                self._stream(request)
+                (self._submit if self.scheduler else self._stream)(request)
             return None
         return [self._respond(request) for request in requests]
 
@@ -119,7 +129,48 @@ class TritonPythonModel:
         arrays = self.protocol.outputs(text.flush(), [], gen, self.protocol.finish_reason(gen))
         sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
+    def _submit(self, request):
+        """Like _stream, but the request joins the scheduler's running batch: execute()
+        returns at once and the scheduler's thread sends each step's tokens and the end."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            req, ids = self._prepare(request)
+        except Exception as exc:
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+            return
+        text = self.TextStream(self.engine.decode)
+
+        def on_tokens(new):
+            if request.is_cancelled():  # the client went away: leave the batch
+                raise self.Cancelled()
+            arrays = {"text": self.protocol.text_array(text.push(new)),
+                      "token_ids": self.protocol.ids_array(new)}
+            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
+
+        def on_done(gen):
+            arrays = self.protocol.outputs(text.flush(), [], gen, self.protocol.finish_reason(gen))
+            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
+
+        def on_error(exc):
+            if isinstance(exc, self.Cancelled):
+                sender.send(flags=final)
+                return
+            if isinstance(exc, ValueError) and not isinstance(exc, self.protocol.RequestError):
+                exc = self.protocol.RequestError(str(exc))  # the request's own input
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+
+        try:
+            self.scheduler.submit(self.Job(ids, req.max_new_tokens, req.mode(self.engine),
+                                           req.sampling(), on_tokens, on_done, on_error))
+        except self.QueueFull as exc:
+            error = pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, "UNAVAILABLE",
+                                                           pb_utils.TritonError.INTERNAL))
+            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+
     def finalize(self):
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.engine = None
 
 

@@ -42,8 +42,12 @@ def _tensor_block(kind: str, tensors) -> str:
     return f"{kind} [\n" + ",\n".join(entries) + "\n]\n"
 
 
+DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 8, 64  # the streaming model's in-flight batching
+
+
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
-                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None) -> str:
+                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> str:
     # Paths relative to the model's own directory (model.py resolves them against the
     # model_repository path Triton hands it), so a copied or moved checkout still serves.
     def relative(path: Path) -> str:
@@ -53,9 +57,12 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
               "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads}
     if backend:  # else the backend engine.json names
         params["backend"] = backend
+    if streaming:  # requests join a running batch at step boundaries (model.py, scheduler.py)
+        params |= {"max_batch": str(max_batch), "max_queue": str(max_queue)}
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
-            # One request per execute(): speculative decoding runs one sequence at a time.
+            # Triton hands execute() single requests; the streaming model batches them
+            # itself, in flight (max_batch below), so Triton's own batcher stays off.
             "max_batch_size: 0\n"]
     if streaming:
         text.append("model_transaction_policy {\n  decoupled: true\n}\n")
@@ -68,14 +75,15 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 
 
 def write_model(out: Path, name: str, engine_dir: Path, instances: int, streaming: bool,
-                max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None) -> Path:
+                max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
+                max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> Path:
     model_dir = out / name
     if model_dir.exists():  # a previous run's model of the same name: replace it whole
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
         config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads,
-                     backend))
+                     backend, max_batch, max_queue))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
@@ -83,7 +91,8 @@ def write_model(out: Path, name: str, engine_dir: Path, instances: int, streamin
 def write_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                     threads: str = "auto", verify: str = "quick", backend: str | None = None) -> list[str]:
+                     threads: str = "auto", verify: str = "quick", backend: str | None = None,
+                     max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> list[str]:
     """Write the model(s) for `engine_dir` into the repository `out`; returns their names."""
     engine_dir = Path(engine_dir)
     read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
@@ -91,6 +100,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
         raise ValueError(f"--instances must be >= 1, got {instances}")
     if max_new_tokens_limit < 1:
         raise ValueError(f"--max-new-tokens-limit must be >= 1, got {max_new_tokens_limit}")
+    if max_batch < 1 or max_queue < 0:
+        raise ValueError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch}, {max_queue}")
     if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
         raise ValueError(f"--threads must be 'auto' or a whole number >= 1, got {threads!r}")
     name = model_name(engine_dir, name)
@@ -100,7 +111,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     out.mkdir(parents=True, exist_ok=True)
     names = [name] + ([name + STREAM_SUFFIX] if streaming else [])
     for n in names:
-        write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend)
+        write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend,
+                    max_batch, max_queue)
     return names
 
 

@@ -1,0 +1,98 @@
+"""The serving scheduler (runtime/serve/scheduler.py) without a server: concurrent jobs
+share decoding steps, each gets exactly its own `generate` output, and a bad, cancelled
+or refused job fails alone."""
+
+import threading
+
+import pytest
+import torch
+
+from runtime.engine import Engine
+from runtime.sampling import Sampling
+from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return Engine(tiny_engine)
+
+
+class Outcome:
+    def __init__(self, cancel_after=None):
+        self.streamed, self.gen, self.error = [], None, None
+        self.cancel_after, self.finished = cancel_after, threading.Event()
+
+    def job(self, ids, n, mode="sharpdraft", sampling=Sampling()):
+        def on_tokens(new):
+            if self.cancel_after is not None and len(self.streamed) >= self.cancel_after:
+                raise Cancelled()
+            self.streamed.append(list(new))
+
+        def on_done(gen):
+            self.gen = gen
+            self.finished.set()
+
+        def on_error(exc):
+            self.error = exc
+            self.finished.set()
+
+        return Job(ids, n, mode, sampling, on_tokens, on_done, on_error)
+
+
+def prompts(lengths):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_concurrent_jobs_share_steps_and_each_gets_its_own_generate(engine):
+    scheduler = StepScheduler(engine, max_batch=4)
+    seen = []
+    step = type(engine.batch_decoder("sharpdraft")).step
+
+    def counting_step(decoder):
+        seen.append(len(decoder.active))
+        return step(decoder)
+
+    jobs = [(ids, n, "sharpdraft" if i % 3 else "frozen", Sampling(0.7, 1.0, seed=i) if i == 4 else Sampling())
+            for i, (ids, n) in enumerate(zip(prompts([5, 80, 20, 150, 9, 33]), [20, 8, 30, 12, 16, 1]))]
+    outcomes = [Outcome() for _ in jobs]
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(type(engine.batch_decoder("sharpdraft")), "step", counting_step)
+            for outcome, (ids, n, mode, sampling) in zip(outcomes, jobs):
+                scheduler.submit(outcome.job(ids, n, mode, sampling))
+            assert all(o.finished.wait(120) for o in outcomes)
+    finally:
+        scheduler.close()
+    assert max(seen) > 1  # steps were shared
+    for outcome, (ids, n, mode, sampling) in zip(outcomes, jobs):
+        assert outcome.error is None
+        alone = engine.generate(ids, n, mode, sampling)
+        assert outcome.gen.tokens == alone.tokens == sum(outcome.streamed, [])
+        assert outcome.gen.mean_accepted_length >= 1 or n == 1
+
+
+def test_a_bad_or_cancelled_job_fails_alone(engine):
+    scheduler = StepScheduler(engine, max_batch=4)
+    good, long_, cancelled, empty = Outcome(), Outcome(), Outcome(cancel_after=2), Outcome()
+    try:
+        scheduler.submit(good.job(prompts([12])[0], 24))
+        scheduler.submit(cancelled.job(prompts([40])[0], 24))
+        scheduler.submit(empty.job([], 5))
+        scheduler.submit(long_.job([7] * (engine.context_limit + 5), 5))
+        assert all(o.finished.wait(120) for o in (good, long_, cancelled, empty))
+    finally:
+        scheduler.close()
+    assert isinstance(cancelled.error, Cancelled) and len(cancelled.streamed) == 2
+    assert isinstance(empty.error, ValueError) and isinstance(long_.error, ValueError)
+    assert good.error is None
+    assert good.gen.tokens == engine.generate(prompts([12])[0], 24).tokens
+
+
+def test_a_full_queue_refuses_the_request(engine):
+    scheduler = StepScheduler(engine, max_batch=1, max_queue=0)
+    try:
+        with pytest.raises(QueueFull, match="max_queue 0"):
+            scheduler.submit(Outcome().job([1, 2], 4))
+    finally:
+        scheduler.close()
