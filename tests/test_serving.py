@@ -289,14 +289,86 @@ def test_streaming_sends_one_response_per_verify_step(served, tiny_engine, capsy
 def test_loadtest_reports_and_matches_in_process(served, tiny_engine, capsys):
     capsys.readouterr()
     code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
-                 "--concurrency", "4", "--requests", "12", "--max-new-tokens", "8",
+                 "--concurrency", "1", "4", "--requests", "12", "--max-new-tokens", "8",
                  "--engine-dir", str(tiny_engine), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert report["model"] == served["model"]  # the only non-streaming model, found by itself
-    assert report["server"]["ok"] == 12 and report["server"]["errors"] == 0
+    # the streaming model (in-flight batching) is preferred, found by itself
+    assert report["model"] == served["stream_model"] and report["streaming"]
+    assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+    for level in report["levels"]:
+        assert level["ok"] == 12 and level["errors"] == 0
+        latency, first = level["latency_ms"], level["ttft_ms"]
+        assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+        assert 0 < first["p50"] <= first["p95"] and first["p50"] <= latency["p50"]
+        assert level["mean_accepted_length"] >= 1.0 and level["tokens_per_second"] > 0
     assert report["token_mismatches"] == 0
-    latency = report["server"]["latency_ms"]
-    assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
-    assert report["server"]["mean_accepted_length"] >= 1.0
     assert report["in_process"]["ok"] == 12
+
+
+def test_loadtest_runs_the_plain_model_when_asked(served, capsys):
+    capsys.readouterr()
+    code = main(["loadtest", "--url", f"http://127.0.0.1:{served['http_port']}", "--model",
+                 served["model"], "--concurrency", "2", "--requests", "4", "--max-new-tokens", "4",
+                 "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and not report["streaming"] and report["levels"][0]["ok"] == 4
+
+
+def _stream(served, prompt, n, responses, cancel_after=None):
+    """One gRPC stream: (token ids, final response or None, error or None)."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['grpc_port']}")
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(served["stream_model"], _inputs(grpcclient, prompt, n))
+    ids = []
+    try:
+        while True:
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                return ids, None, str(error)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return ids, result, None
+            ids += result.as_numpy("token_ids").tolist()
+            if cancel_after is not None and len(ids) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return ids, None, "cancelled"
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_concurrent_streams_batch_in_flight_and_a_bad_or_cancelled_one_fails_alone(served,
+                                                                                  tiny_engine):
+    """Eight streams at once share one instance's decoding steps (and join as others
+    leave); each gets exactly its own `generate` output and statistics, while an
+    over-long prompt is refused and a cancelled stream leaves, alone."""
+    from runtime.engine import Engine
+
+    engine = Engine(tiny_engine)
+    work = [(f"{PROMPTS[c % 3]}\n    # stream {c}" + (LONG_PROMPT if c % 4 == 0 else ""), 4 + c % 7)
+            for c in range(8)]
+    expected = [engine.generate(engine.encode(p), n) for p, n in work]
+    results, start = {}, threading.Barrier(len(work) + 2)
+
+    def run(key, prompt, n, cancel_after=None):
+        start.wait()
+        results[key] = _stream(served, prompt, n, queue.Queue(), cancel_after)
+
+    threads = [threading.Thread(target=run, args=(c, *work[c])) for c in range(len(work))]
+    threads.append(threading.Thread(target=run, args=("long", "x = 1\n" * 400, 4)))
+    threads.append(threading.Thread(target=run, args=("cancelled", LONG_PROMPT, 200, 2)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert "the target's context holds 512" in results["long"][2]
+    assert results["cancelled"][2] == "cancelled"
+    for c, want in enumerate(expected):
+        ids, final, error = results[c]
+        assert error is None and ids == want.tokens, f"stream {c}"
+        assert final.as_numpy("verify_steps")[0] == want.verify_steps
+        assert final.as_numpy("beta")[0] == pytest.approx(
+            want.beta_per_step[-1] if want.beta_per_step else 1.0, rel=1e-6)
+    # the server is still serving after the refusal and the cancellation
+    ids, final, error = _stream(served, PROMPTS[0], 6, queue.Queue())
+    assert error is None and ids == engine.generate(engine.encode(PROMPTS[0]), 6).tokens

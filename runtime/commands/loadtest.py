@@ -1,7 +1,10 @@
-"""`python -m runtime loadtest`: C concurrent clients send R requests to a served model
-(HTTP or gRPC) and report throughput, latency percentiles, errors and mean accepted
-length; with --engine-dir the same prompts also run in-process, one after another, for
-the serving overhead and a token-by-token comparison (greedy)."""
+"""`python -m runtime loadtest`: at each concurrency C (default 1, 4, 8, 16), C concurrent
+clients send R requests to a served model (HTTP or gRPC) and report throughput, p50/p95
+time to first token and per-request latency, errors and mean accepted length. The
+streaming model (in-flight batching, gRPC streams) is preferred when the server has one:
+its first response is the first token. With --engine-dir the same prompts also run
+in-process, one after another, for the serving overhead and a token-by-token comparison
+(greedy)."""
 
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ def add_parser(sub):
     p = sub.add_parser("loadtest", help="load a served model: throughput, latency, MAL")
     p.add_argument("--url", required=True,
                    help="http://HOST:PORT (HTTP) or grpc://HOST:PORT (gRPC)")
-    p.add_argument("--model", help="default: the server's only non-streaming model")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--model", help="default: the server's streaming model (in-flight batching), "
+                                   "else its only non-streaming model")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16],
+                   help="one run per level (default: %(default)s)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -53,13 +58,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(latencies: list[float], wall: float, tokens: int, mals: list[float],
-              errors: int) -> dict:
+              errors: int, first_token: list[float] | None = None) -> dict:
     done = len(latencies)
+    first_token = latencies if first_token is None else first_token
     return {
         "requests": done + errors, "ok": done, "errors": errors,
         "wall_seconds": round(wall, 3),
         "requests_per_second": round(done / wall, 3) if wall > 0 else 0.0,
         "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "ttft_ms": {f"p{q}": round(percentile(first_token, q) * 1000, 1) for q in (50, 95)},
         "latency_ms": {f"p{q}": round(percentile(latencies, q) * 1000, 1) for q in (50, 95, 99)},
         "mean_accepted_length": round(sum(mals) / len(mals), 4) if mals else 0.0,
     }
@@ -96,36 +103,71 @@ class Client:
         return bool(config.get("model_transaction_policy", config.get("modelTransactionPolicy", {}))
                     .get("decoupled"))
 
-    def call(self, prompt: str, max_new_tokens: int, temperature: float):
+    def _inputs(self, prompt: str, max_new_tokens: int, temperature: float):
         np, t = self.np, self.triton
         inputs = [t.InferInput("prompt", [1], "BYTES"), t.InferInput("max_new_tokens", [1], "INT32"),
                   t.InferInput("temperature", [1], "FP32")]
         inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
         inputs[1].set_data_from_numpy(np.array([max_new_tokens], dtype=np.int32))
         inputs[2].set_data_from_numpy(np.array([temperature], dtype=np.float32))
+        return inputs
+
+    def call(self, prompt: str, max_new_tokens: int, temperature: float):
+        """(token_ids, MAL, seconds to the first token): one response carries them all."""
+        start = time.perf_counter()
         kwargs = {"client_timeout": self.timeout} if self.grpc else {}
-        result = self.client.infer(self.model, inputs, **kwargs)
+        result = self.client.infer(self.model, self._inputs(prompt, max_new_tokens, temperature),
+                                   **kwargs)
         return (result.as_numpy("token_ids").tolist(),
-                float(result.as_numpy("mean_accepted_length")[0]))
+                float(result.as_numpy("mean_accepted_length")[0]), time.perf_counter() - start)
+
+    def call_stream(self, prompt: str, max_new_tokens: int, temperature: float):
+        """The same over a gRPC stream: tokens arrive step by step, the stats at the end."""
+        import queue
+
+        if not self.grpc:
+            raise UsageError("a streaming model is loaded over gRPC: pass --url grpc://HOST:PORT")
+        responses = queue.Queue()
+        if not getattr(self, "streaming", False):
+            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            self.streaming, self.responses = True, responses
+        start = time.perf_counter()
+        self.client.async_stream_infer(self.model, self._inputs(prompt, max_new_tokens, temperature))
+        ids, first = [], None
+        while True:
+            result, error = self.responses.get(timeout=self.timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            if first is None:
+                first = time.perf_counter() - start
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return ids, float(result.as_numpy("mean_accepted_length")[0]), first
+            ids += result.as_numpy("token_ids").tolist()
 
     def close(self):
+        if getattr(self, "streaming", False):
+            self.client.stop_stream()
         self.client.close()
 
 
 def pick_model(client: Client) -> str:
     ready = client.models()
-    plain = [m for m in ready if not client.decoupled(m)]
+    streaming = [m for m in ready if client.decoupled(m)]
+    if len(streaming) == 1:
+        return streaming[0]
+    plain = [m for m in ready if m not in streaming]
     if len(plain) != 1:
-        raise UsageError(f"the server has {len(plain)} ready non-streaming models "
-                         f"({', '.join(plain) or 'none'}) — pass --model")
+        raise UsageError(f"the server has {len(streaming)} ready streaming and {len(plain)} "
+                         f"non-streaming models ({', '.join(ready) or 'none'}) — pass --model")
     return plain[0]
 
 
-def run_server(args, prompts: list[str], model: str) -> tuple[dict, dict]:
+def run_server(args, prompts: list[str], model: str, concurrency: int,
+               streaming: bool = False) -> tuple[dict, dict]:
     """Returns (summary, {request index: token_ids})."""
     lock = threading.Lock()
     next_index = iter(range(args.requests))
-    latencies, mals, outputs, failures = [], [], {}, []
+    latencies, first_token, mals, outputs, failures = [], [], [], {}, []
 
     def worker():
         try:
@@ -141,8 +183,9 @@ def run_server(args, prompts: list[str], model: str) -> tuple[dict, dict]:
                 if i is None:
                     return
                 start = time.perf_counter()
+                call = client.call_stream if streaming else client.call
                 try:
-                    ids, mal = client.call(prompts[i % len(prompts)], args.max_new_tokens,
+                    ids, mal, first = call(prompts[i % len(prompts)], args.max_new_tokens,
                                            args.temperature)
                 except Exception as exc:
                     with lock:
@@ -151,12 +194,13 @@ def run_server(args, prompts: list[str], model: str) -> tuple[dict, dict]:
                 elapsed = time.perf_counter() - start
                 with lock:
                     latencies.append(elapsed)
+                    first_token.append(first)
                     mals.append(mal)
                     outputs[i] = ids
         finally:
             client.close()
 
-    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -164,7 +208,8 @@ def run_server(args, prompts: list[str], model: str) -> tuple[dict, dict]:
         t.join()
     wall = time.perf_counter() - start
     errors = args.requests - len(latencies)
-    summary = summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, errors)
+    summary = summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, errors,
+                        first_token)
     if failures:
         summary["first_error"] = failures[0]
     return summary, outputs
@@ -194,7 +239,9 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
 
 
 def run(args) -> int:
-    for name in ("concurrency", "requests", "max_new_tokens", "threads"):
+    if min(args.concurrency) < 1:
+        raise UsageError(f"--concurrency levels must be >= 1, got {args.concurrency}")
+    for name in ("requests", "max_new_tokens", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompts_file:
@@ -211,6 +258,7 @@ def run(args) -> int:
     probe = Client(args.url, args.model or "", args.timeout)
     try:
         model = args.model or pick_model(probe)
+        streaming = probe.decoupled(model)
     except UsageError:
         raise
     except Exception as exc:
@@ -220,38 +268,43 @@ def run(args) -> int:
     finally:
         probe.close()
 
-    progress(f"{args.requests} requests, {args.concurrency} concurrent, to {model} at {args.url}")
-    served, served_outputs = run_server(args, prompts, model)
-    report = {"url": args.url, "model": model, "concurrency": args.concurrency,
-              "max_new_tokens": args.max_new_tokens, "server": served}
+    report = {"url": args.url, "model": model, "streaming": streaming,
+              "max_new_tokens": args.max_new_tokens, "requests": args.requests, "levels": []}
+    outputs = []
+    for concurrency in args.concurrency:
+        progress(f"{args.requests} requests, {concurrency} concurrent, to {model} at {args.url}")
+        served, served_outputs = run_server(args, prompts, model, concurrency, streaming)
+        report["levels"].append({"concurrency": concurrency} | served)
+        outputs.append(served_outputs)
     if args.engine_dir:
         progress(f"the same {args.requests} prompts in-process, one at a time")
         local, local_outputs = run_in_process(args, prompts)
         report["in_process"] = local
-        if args.temperature == 0:  # greedy: the server must give the same tokens
-            report["token_mismatches"] = sum(served_outputs[i] != local_outputs[i]
-                                             for i in served_outputs)
+        if args.temperature == 0:  # greedy: the server must give the same tokens at every level
+            report["token_mismatches"] = sum(o[i] != local_outputs[i] for o in outputs for i in o)
     if args.json:
         print(json.dumps(report))
     else:
         print(format_report(report))
-    return 0 if served["errors"] == 0 and not report.get("token_mismatches") else 1
+    errors = sum(level["errors"] for level in report["levels"])
+    return 0 if errors == 0 and not report.get("token_mismatches") else 1
 
 
 def format_report(report: dict) -> str:
-    rows = [("server", report["server"])] + ([("in-process", report["in_process"])]
-                                             if "in_process" in report else [])
-    lines = [f"{report['model']} at {report['url']}: concurrency {report['concurrency']}, "
-             f"max_new_tokens {report['max_new_tokens']}",
-             f"{'':11} {'ok':>5} {'errors':>6} {'req/s':>7} {'tok/s':>8} "
-             f"{'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'MAL':>6}"]
+    rows = [(f"c={level['concurrency']}", level) for level in report["levels"]]
+    rows += [("in-process", report["in_process"])] if "in_process" in report else []
+    lines = [f"{report['model']} at {report['url']} ({'streaming, in-flight batching' if report['streaming'] else 'one response per request'}): "
+             f"{report['requests']} requests, max_new_tokens {report['max_new_tokens']}",
+             f"{'':11} {'ok':>5} {'errors':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} "
+             f"{'TTFT p95':>9} {'p50 ms':>8} {'p95 ms':>8} {'MAL':>6}"]
     for label, s in rows:
-        lat = s["latency_ms"]
+        lat, first = s["latency_ms"], s["ttft_ms"]
         lines.append(f"{label:11} {s['ok']:>5} {s['errors']:>6} {s['requests_per_second']:>7.2f} "
-                     f"{s['tokens_per_second']:>8.1f} {lat['p50']:>8.1f} {lat['p95']:>8.1f} "
-                     f"{lat['p99']:>8.1f} {s['mean_accepted_length']:>6.3f}")
-    if "first_error" in report["server"]:
-        lines.append(f"first error: {report['server']['first_error']}")
+                     f"{s['tokens_per_second']:>8.1f} {first['p50']:>9.1f} {first['p95']:>9.1f} "
+                     f"{lat['p50']:>8.1f} {lat['p95']:>8.1f} {s['mean_accepted_length']:>6.3f}")
+    for level in report["levels"]:
+        if "first_error" in level:
+            lines.append(f"first error at concurrency {level['concurrency']}: {level['first_error']}")
     if "token_mismatches" in report:
         lines.append(f"token mismatches vs in-process: {report['token_mismatches']}")
     return "\n".join(lines)
