@@ -171,7 +171,8 @@ def build_engine(onnx_path: Path | str, out_path: Path | str, profiles: Sequence
 
 # What each named dimension of an exported graph (build/export.py) ranges over in the
 # optimisation profile: (min, opt, max) as functions of the longest sequence and the block.
-# One sequence per step (batch 1) until per-sequence lengths land.
+# Plans take per-sequence lengths as inputs (export version 3), but their profile still
+# holds one sequence per step: the TensorRT backend has no batched roles yet.
 def dimension_ranges(max_seq_len: int, block_size: int) -> dict[str, tuple[int, int, int]]:
     from runtime.backends.onnxruntime import PREFILL_CHUNK
 
