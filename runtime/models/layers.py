@@ -148,12 +148,17 @@ class KVCache:
         """Append `other`'s rows (a one-sequence cache, say) with their lengths, growing
         the capacity to the larger of the two."""
         capacity = max(self.capacity, other.capacity)
+        rows = self.k.shape[1]
 
-        def widen(t):
-            return torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[3]))
+        def joined(mine, theirs):
+            # zeros, not empty: masked keys still meet a softmax weight of 0, and 0 * NaN = NaN
+            out = mine.new_zeros(mine.shape[:1] + (rows + theirs.shape[1],) + mine.shape[2:3]
+                                 + (capacity,) + mine.shape[4:])
+            out[:, :rows, :, :mine.shape[3]] = mine
+            out[:, rows:, :, :theirs.shape[3]] = theirs
+            return out
 
-        self.k = torch.cat([widen(self.k), widen(other.k)], 1)
-        self.v = torch.cat([widen(self.v), widen(other.v)], 1)
+        self.k, self.v = joined(self.k, other.k), joined(self.v, other.v)
         self.capacity = capacity
         theirs = other.lengths if other.lengths is not None else torch.full(
             (other.k.shape[1],), other.length, dtype=torch.long, device=self.k.device)
