@@ -61,10 +61,14 @@ class BatchedDecoder:
         slack = self.drafter.block_size if self.drafter else 1  # a padded verify row's scratch
         with seq.gen.timed("total"), seq.gen.timed("prefill"):
             logits, features = self.target.add(prompt, len(prompt) + budget + slack)
-            self.active.append(seq)
             if self.drafter is not None:  # it reads the prompt's features now, so a step's
-                self.drafter.add(len(prompt) + budget, features)  # context is one block at most
+                try:                      # context is one block at most
+                    self.drafter.add(len(prompt) + budget, features)
+                except Exception:
+                    self.target.remove(len(self.active))  # the row the target just added
+                    raise
                 seq.context = features[:0]
+            self.active.append(seq)
         seq.done = self._commit(seq, [seq.sampler.pick(logits)])
         self._leave_finished()
         return seq
