@@ -368,7 +368,7 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
 - Steps: {args.steps} x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.
 - Loss (mean of the last 100 steps): {card['final_loss_last100']}; every tenth:
   {losses}.
-- Teacher-forced top-1 agreement with the target by block position (full vocabulary),
+- Teacher-forced top-1 agreement with the target by block position ({'draft' if args.draft_vocab else 'full'} vocabulary),
   and the MAL it implies: held-out windows from calibration-split files
   {metrics['held_out_calibration_split']['top1_agreement_by_position']}, implied MAL
   {metrics['held_out_calibration_split']['teacher_forced_mal']}; training windows
