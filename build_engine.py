@@ -53,9 +53,12 @@ def parse(argv):
                         "configuration for TensorRT-LLM's own speculative decoding (docs/trtllm.md)")
     p.add_argument("--trtllm-attention", choices=TRTLLM_ATTENTION, default=TRTLLM_ATTENTION[0],
                    help="trtllm, dflash: TensorRT-LLM's DFlash attention kernel (attention_backend)")
-    p.add_argument("--attention", choices=ATTENTION_FORMS, default="plugin",
+    p.add_argument("--attention", choices=ATTENTION_FORMS,
                    help="SharpDraft in the exported drafter: the SharpDraftAttention plugin "
-                        "node, or plain ONNX ops")
+                        "node, or plain ONNX ops (default: plugin for TensorRT, which runs its "
+                        "fused kernel there; native for ONNX Runtime, which can run the plugin "
+                        "node only through a Python bridge that costs more than the whole "
+                        "rest of a drafter step at long context)")
     p.add_argument("--max-seq-len", type=int, metavar="N",
                    help="longest sequence the engine serves (default: the target's context)")
     p.add_argument("--output", metavar="DIR")
@@ -314,7 +317,8 @@ def main(argv) -> int:
         if proposer is not None:
             provenance = {"ngram": proposer.settings()}
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
-            partial, backend, args.attention, model, drafter, scaling, max_seq_len, block_size)
+            partial, backend, args.attention or ("plugin" if backend == "tensorrt" else "native"),
+            model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
         drafter_record = dependency_record(drafter_dir, CHECKPOINT_FILES) if drafter_dir else None
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,

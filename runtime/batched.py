@@ -19,7 +19,7 @@ from runtime.backends import BatchBlockDrafter, BatchTarget
 from runtime.metrics import Generation
 from runtime.sampling import Sampler, Sampling
 from runtime.speculative import _budget, _commit
-from runtime.step_costs import StepCosts, choose_draft_count
+from runtime.step_costs import AcceptanceRecord, StepCosts, choose_draft_count
 
 
 @dataclasses.dataclass
@@ -43,6 +43,8 @@ class Sequence:
     done: bool = False
     error: str | None = None
     failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
+    record: AcceptanceRecord = dataclasses.field(default_factory=AcceptanceRecord)
+    confidence: list[float] = dataclasses.field(default_factory=list)  # this step's drafts
 
 
 class BatchedDecoder:
@@ -103,12 +105,15 @@ class BatchedDecoder:
                 room = s.budget - len(s.gen.tokens) - 1
                 drafts[i], draft_probs[i] = s.sampler.propose(draft_logits[i, :room])
                 if self.costs is not None:
-                    confidence = s.sampler.confidence(draft_logits[i, :len(drafts[i])], draft_probs[i])
-                    drafts[i] = drafts[i][:choose_draft_count(confidence, s.committed, self.costs)]
+                    s.confidence = s.sampler.confidence(draft_logits[i, :len(drafts[i])], draft_probs[i])
+                    k = choose_draft_count(s.record.calibrate(s.confidence), s.committed, self.costs)
+                    drafts[i] = drafts[i][:k]
         logits, features = self.target.verify([[s.gen.tokens[-1]] + d for s, d in zip(batch, drafts)])
         for i, s in enumerate(batch):
             n = len(drafts[i])
             accepted, following = s.sampler.verify(drafts[i], logits[i, :n + 1], draft_probs[i])
+            if self.costs is not None and self.drafter is not None:
+                s.record.update(s.confidence, n, accepted)
             s.committed += accepted + 1
             if features is not None:
                 s.context = features[i, :accepted + 1]

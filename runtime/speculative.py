@@ -6,7 +6,8 @@ target verifies the block in one pass; the longest agreeing prefix is kept plus 
 target's own next token; the target cache rolls back to the committed length and the
 verified features of the kept tokens become the drafter's new context. With measured
 step costs, a step verifies only the first k drafts, k chosen from the drafter's own
-confidence (runtime/step_costs.py: choose_draft_count), which keeps it lossless.
+confidence, scaled by how often its drafts were accepted so far in this generation
+(runtime/step_costs.py: choose_draft_count, AcceptanceRecord), which keeps it lossless.
 
 N-gram speculation, one step: the proposer looks the context's last tokens up in the
 context itself and proposes what followed them (or nothing); the target verifies
@@ -21,7 +22,7 @@ from runtime.backends import BlockDrafter, Target
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
-from runtime.step_costs import StepCosts, choose_draft_count
+from runtime.step_costs import AcceptanceRecord, StepCosts, choose_draft_count
 
 OnTokens = Callable[[list[int]], None]
 
@@ -79,6 +80,7 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
             drafter.reset(len(prompt) + budget)
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
+        record = AcceptanceRecord()  # the drafter's confidence against what was accepted
         while not done and len(gen.tokens) < budget:
             bonus = gen.tokens[-1]
             with gen.timed("draft"):
@@ -87,10 +89,12 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                 drafts, draft_probs = sampler.propose(draft_logits[:room])
                 if costs is not None:  # verify only the drafts worth their verify cost
                     confidence = sampler.confidence(draft_logits[:len(drafts)], draft_probs)
-                    drafts = drafts[:choose_draft_count(confidence, committed, costs)]
+                    drafts = drafts[:choose_draft_count(record.calibrate(confidence), committed, costs)]
             with gen.timed("verify"):
                 logits, features = target.verify([bonus] + drafts)
                 accepted, following = sampler.verify(drafts, logits, draft_probs)
+                if costs is not None:
+                    record.update(confidence, len(drafts), accepted)
                 committed += accepted + 1
                 target.rollback(committed)
             context = features[: accepted + 1]

@@ -62,6 +62,40 @@ def choose_draft_count(confidence: list[float], context: int, costs: StepCosts) 
     return best
 
 
+class AcceptanceRecord:
+    """What the target accepted against what the drafter's confidence predicted, per draft
+    position, over one generation. The raw confidence (the largest probability of a
+    position's draft distribution) is far from the acceptance rate where the drafter is
+    confidently wrong -- a frozen drafter at 4,096 tokens of context verified whole blocks
+    of rejected drafts -- so choose_draft_count reads it scaled, per position, by accepted
+    over predicted so far (with `prior` pseudo-counts, so the first steps trust it).
+    Only past steps' outcomes enter, never the step being verified: lossless."""
+
+    def __init__(self, prior: float = 2.0):
+        self.prior = prior
+        self.predicted: list[float] = []  # sum of confidence over the drafts tested at i
+        self.accepted: list[float] = []  # how many of them the target accepted
+
+    def calibrate(self, confidence: list[float]) -> list[float]:
+        out = []
+        for i, c in enumerate(confidence):
+            predicted = self.predicted[i] if i < len(self.predicted) else 0.0
+            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            out.append(min(1.0, c * (accepted + self.prior) / (predicted + self.prior)))
+        return out
+
+    def update(self, confidence: list[float], verified: int, accepted: int) -> None:
+        """A step verified `verified` drafts and accepted the first `accepted`: draft i was
+        tested only if every draft before it was accepted (confidence reads as that
+        conditional chance)."""
+        for i in range(min(verified, accepted + 1)):
+            if i == len(self.predicted):
+                self.predicted.append(0.0)
+                self.accepted.append(0.0)
+            self.predicted[i] += confidence[i]
+            self.accepted[i] += float(i < accepted)
+
+
 def _fastest_seconds(step, repeats: int) -> float:
     # The fastest run is the least disturbed by whatever else the machine does (another
     # process's threads on 2 cores can slow a step many times over, not a few percent).

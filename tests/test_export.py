@@ -268,3 +268,15 @@ def test_target_kv_graph_takes_any_batch_and_ignores_the_buffer_past_the_length(
     expected = (logits, features, cache.k[:, :, :, past:past + 6], cache.v[:, :, :, past:past + 6])
     for ours, theirs in zip(got, expected):
         np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
+
+
+def test_onnxruntime_engines_default_to_the_native_form(tiny_target, tiny_drafter, tmp_path):
+    """ONNX Runtime runs the plugin node only through a Python bridge, so its engines
+    carry beta in plain ONNX ops unless --attention plugin asks for the node (the
+    TensorRT backend's default); both forms draft the same tokens (tested above)."""
+    out = tmp_path / "ort-default"
+    assert build_engine.main(["--sharpdraft", "--backend", "onnxruntime", "--max-seq-len", "300",
+                              "--target", str(tiny_target), "--drafter-checkpoint",
+                              str(tiny_drafter), "--output", str(out)]) == 0
+    record = json.loads((out / "engine.json").read_text())["extra"]["onnx"]
+    assert record["attention"] == "native" and record["graphs"]["drafter"]["plugin_nodes"] == 0

@@ -7,7 +7,7 @@ import pytest
 
 import build_engine
 from runtime.engine import Engine
-from runtime.step_costs import StepCosts, _fit, choose_draft_count
+from runtime.step_costs import AcceptanceRecord, StepCosts, _fit, choose_draft_count
 
 
 def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
@@ -25,6 +25,23 @@ def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
 ])
 def test_draft_count_maximises_expected_tokens_per_second(confidence, verify, expected):
     assert choose_draft_count(confidence, 100, StepCosts(verify, (0.0, 0.0))) == expected
+
+
+def test_a_confidently_wrong_drafter_stops_being_verified():
+    """Confidence 0.9 but every first draft rejected: within a few steps the record scales
+    it down until verifying drafts no longer pays; positions never tested keep their raw
+    confidence, and a drafter as good as its word keeps it too."""
+    costs = StepCosts((1.0, 0.5, 0.0, 0.0), (0.0, 0.0))
+    wrong, right = AcceptanceRecord(), AcceptanceRecord()
+    assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) == 2
+    for _ in range(6):
+        wrong.update([0.9, 0.9], verified=2, accepted=0)  # draft 2 never tested
+        right.update([0.5, 0.5], verified=2, accepted=1)  # draft 1 accepted, draft 2 not
+        right.update([0.5, 0.5], verified=2, accepted=0)
+    assert wrong.predicted == [pytest.approx(5.4)] and wrong.accepted == [0.0]
+    assert wrong.calibrate([0.9, 0.9]) == [pytest.approx(0.9 * 2 / 7.4), 0.9]
+    assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) == 0
+    assert right.calibrate([0.5, 0.5]) == pytest.approx([0.5, 0.5 * 2 / 5])  # 6 of 12; 0 of 6
 
 
 def test_context_makes_long_verifies_dearer():
