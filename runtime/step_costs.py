@@ -69,10 +69,12 @@ class AcceptanceRecord:
     confidently wrong -- a frozen drafter at 4,096 tokens of context verified whole blocks
     of rejected drafts -- so choose_draft_count reads it scaled, per position, by accepted
     over predicted so far (with `prior` pseudo-counts, so the first steps trust it).
+    Counts fade by `forget` each step, so a drafter written off (no drafts verified, so
+    nothing learned) is trusted again after a while and retested as the context moves on.
     Only past steps' outcomes enter, never the step being verified: lossless."""
 
-    def __init__(self, prior: float = 2.0):
-        self.prior = prior
+    def __init__(self, prior: float = 2.0, forget: float = 0.9):
+        self.prior, self.forget = prior, forget
         self.predicted: list[float] = []  # sum of confidence over the drafts tested at i
         self.accepted: list[float] = []  # how many of them the target accepted
 
@@ -87,7 +89,9 @@ class AcceptanceRecord:
     def update(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A step verified `verified` drafts and accepted the first `accepted`: draft i was
         tested only if every draft before it was accepted (confidence reads as that
-        conditional chance)."""
+        conditional chance). Call it every step, including steps that verified none."""
+        self.predicted = [x * self.forget for x in self.predicted]
+        self.accepted = [x * self.forget for x in self.accepted]
         for i in range(min(verified, accepted + 1)):
             if i == len(self.predicted):
                 self.predicted.append(0.0)

@@ -27,21 +27,26 @@ def test_draft_count_maximises_expected_tokens_per_second(confidence, verify, ex
     assert choose_draft_count(confidence, 100, StepCosts(verify, (0.0, 0.0))) == expected
 
 
-def test_a_confidently_wrong_drafter_stops_being_verified():
+def test_a_confidently_wrong_drafter_stops_being_verified_then_is_retested():
     """Confidence 0.9 but every first draft rejected: within a few steps the record scales
     it down until verifying drafts no longer pays; positions never tested keep their raw
-    confidence, and a drafter as good as its word keeps it too."""
+    confidence, a drafter as good as its word keeps it, and counts fade, so steps that
+    verify nothing bring the written-off drafter back to a retest."""
     costs = StepCosts((1.0, 0.5, 0.0, 0.0), (0.0, 0.0))
-    wrong, right = AcceptanceRecord(), AcceptanceRecord()
+    wrong, right = AcceptanceRecord(), AcceptanceRecord(forget=1.0)
     assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) == 2
     for _ in range(6):
         wrong.update([0.9, 0.9], verified=2, accepted=0)  # draft 2 never tested
         right.update([0.5, 0.5], verified=2, accepted=1)  # draft 1 accepted, draft 2 not
         right.update([0.5, 0.5], verified=2, accepted=0)
-    assert wrong.predicted == [pytest.approx(5.4)] and wrong.accepted == [0.0]
-    assert wrong.calibrate([0.9, 0.9]) == [pytest.approx(0.9 * 2 / 7.4), 0.9]
+    seen = 0.9 * sum(0.9 ** i for i in range(6))
+    assert wrong.predicted == [pytest.approx(seen)] and wrong.accepted == [0.0]
+    assert wrong.calibrate([0.9, 0.9]) == [pytest.approx(0.9 * 2 / (seen + 2)), 0.9]
     assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) == 0
     assert right.calibrate([0.5, 0.5]) == pytest.approx([0.5, 0.5 * 2 / 5])  # 6 of 12; 0 of 6
+    for _ in range(20):
+        wrong.update([0.9, 0.9], verified=0, accepted=0)
+    assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) >= 1
 
 
 def test_context_makes_long_verifies_dearer():
