@@ -102,6 +102,7 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
     engine = tmp_path / "engine"
     assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
                               str(drafter), "--ref-keys", "64", "--top-k", "8",
+                              "--attention", "plugin",  # the plugin fields must follow the choice
                               "--output", str(engine)]) == 0
     code = run(main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
                       "--slopes", "2", "5", "--lengths", "150", "300", "--short", "40",
