@@ -96,6 +96,14 @@ def choose_scaling(args, drafter: str, drafter_dir: Path, overrides: dict):
         raise UsageError(f"invalid query scaling: {exc}") from None
 
 
+def publish(partial: Path, out: Path, manifest) -> None:
+    """Replace `out` with the finished scratch directory; every file is hashed once more
+    and stamped for fast loads."""
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    verify_files(out, manifest, full=True)
+
+
 def tensorrt_usable() -> str | None:
     """None when TensorRT engines can be built here, else why not (one line): tensorrt
     imports, a CUDA device is visible and TensorRT can create a builder on it
@@ -245,9 +253,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    verify_files(out, manifest, full=True)
+    publish(partial, out, manifest)
     beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
             f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend trtllm, TensorRT-LLM {trtllm.pins.PINNED}; {beta})")
@@ -329,9 +335,7 @@ def main(argv) -> int:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    verify_files(out, manifest, full=True)  # every file hashed once more, and stamped for fast loads
+    publish(partial, out, manifest)
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto")
     backend = manifest.backend

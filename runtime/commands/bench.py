@@ -233,18 +233,23 @@ def run(args) -> int:
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
         "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
     }
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
-        progress(f"wrote {args.json}")
+    write_result(result, args.json)
     if args.plot:
         plot(result, args.plot)
         progress(f"wrote {args.plot}")
     if args.json != "-":
         print_table(rows)
     return 0
+
+
+def write_result(result: dict, where: str | None) -> None:
+    """The results object to stdout ('-') or a file; nothing when no --json."""
+    text = json.dumps(result, indent=2)
+    if where == "-":
+        print(text)
+    elif where:
+        Path(where).write_text(text + "\n")
+        progress(f"wrote {where}")
 
 
 def run_batch(args, engine, docs, sampling) -> int:
@@ -268,12 +273,7 @@ def run_batch(args, engine, docs, sampling) -> int:
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
         "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
     }
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
-        progress(f"wrote {args.json}")
+    write_result(result, args.json)
     if args.json != "-":
         bench_batch.print_table(rows)
     return 0
