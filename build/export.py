@@ -95,7 +95,9 @@ class ExportCache:
             self.buffers[layer][j] = wider.scatter(2, index, new)
         return tuple(self.buffers[layer])
 
-    def attend(self, layer: int, start, q, k, v, visible):
+    def attend(self, layer: int, start, q, k, v, visible, mask=None):
+        if mask is not None:
+            raise ValueError("tree verification (a tree mask) is not exported; run trees on torch")
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible)
 
@@ -192,7 +194,9 @@ class BufferCache:
         self.new_keys, self.new_values = [], []
         self.masks = None
 
-    def attend(self, layer: int, start, q, k, v, visible):
+    def attend(self, layer: int, start, q, k, v, visible, mask=None):
+        if mask is not None:
+            raise ValueError("tree verification (a tree mask) is not exported; run trees on torch")
         self.new_keys.append(k)
         self.new_values.append(v)
         if self.masks is None:  # once per step: every layer sees the same keys

@@ -11,7 +11,17 @@ committed length, which the next write overwrites).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class TreeRows(NamedTuple):
+    """What the attention of one tree step is handed (StepMetadata.tree_rows)."""
+    positions: torch.Tensor  # [b, t] RoPE positions
+    bound: torch.Tensor  # [b, t] the op's `visible` argument: every key, so the mask decides
+    mask: torch.Tensor  # [b, t, cached + s] committed keys, then the scratch keys allowed
+    write_at: int  # where the step's own keys go in the cache
 
 
 class StepMetadata:
@@ -62,6 +72,20 @@ class StepMetadata:
     def tree_visible(mask: torch.Tensor) -> torch.Tensor:
         """Tree rows: the keys a [batch, q_len, kv_len] mask leaves unmasked."""
         return mask.sum(-1)
+
+    def tree_rows(self, scratch_mask: torch.Tensor, offsets: torch.Tensor) -> "TreeRows":
+        """A step of t tree rows (EAGLE-3 drafting, the target's one-pass tree verify)
+        after `cached` committed keys (an int: one sequence) and s >= t scratch keys
+        past them, the step's own t keys last. scratch_mask [b, t, s]: the scratch keys
+        each row may see (its tree ancestors and itself); offsets [b, t]: each row's
+        position past the committed ones (its depth below the tree's root)."""
+        b, t, s = scratch_mask.shape
+        committed = scratch_mask.new_ones((b, t, self.cached))
+        mask = torch.cat([committed, scratch_mask], -1)
+        # The bound lets every key through, so the mask alone decides: the op's N for a
+        # row is then the keys left unmasked (tree_visible), never the cache's length.
+        bound = torch.full((b, t), self.cached + s, dtype=torch.long, device=mask.device)
+        return TreeRows(offsets + self.cached, bound, mask, self.cached + s - t)
 
     def committed(self):
         """Each sequence's cache length after the step."""

@@ -62,13 +62,15 @@ class AttentionProjections(nn.Module):
     """q/k/v/o projections (+ optional bias, + optional per-head q_norm/k_norm)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 bias: bool, qk_norm: bool, eps: float):
+                 bias: bool, qk_norm: bool, eps: float, output_size: int | None = None):
+        """output_size: o_proj's width when it differs from the input's (EAGLE-3's layer
+        reads [embedding, hidden] = 2 x hidden and writes hidden)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, output_size or hidden, bias=False)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
@@ -130,17 +132,35 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def attend(self, layer: int, start, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               visible: torch.Tensor) -> torch.Tensor:
+               visible: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """A causal step's attention: store the step's k/v at `start`, then row (b, i)
-        attends to keys [0, visible[b, i]). The export stand-ins (build/export.py)
+        attends to keys [0, visible[b, i]) -- of them only the unmasked ones with a tree
+        `mask` (StepMetadata.tree_rows). The export stand-ins (build/export.py)
         implement the same method over their own storage."""
         k, v = self.write(layer, start, k, v)
-        return sharpdraft_attention(q, k, v, visible)
+        return sharpdraft_attention(q, k, v, visible, None, mask)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
         self.length = length
+
+    def keep(self, rows: list[int]) -> None:
+        """Commit scratch rows: the keys/values written at length + rows[i] move to
+        length + i (a verified tree's accepted path, written in tree order, becomes
+        the next committed tokens). One gather per tensor; rows must not repeat."""
+        if self.lengths is not None:
+            raise ValueError("keep() compacts a one-sequence cache")
+        if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
+            raise ValueError(f"rows to keep must be distinct and >= 0, got {rows}")
+        end = self.length + len(rows)
+        if rows and self.length + max(rows) >= self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens; row {max(rows)} is past it")
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.k.device) + self.length
+        # index_select copies before the write, so overlapping source and target are safe
+        self.k[:, :, :, self.length:end] = self.k.index_select(3, index)
+        self.v[:, :, :, self.length:end] = self.v.index_select(3, index)
+        self.length = end
 
     # Continuous batching: a sequence joins as the last row and leaves from any row. Each
     # costs one copy of the cache; the steps between them write in place.

@@ -87,11 +87,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h, cos, sin, cache: KVCache, layer: int, start: int, visible):
+    def forward(self, h, cos, sin, cache: KVCache, layer: int, start: int, visible, mask=None):
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, cos, sin)
         k, v = self.self_attn.key_value(x, cos, sin)
-        h = h + self.self_attn.output(cache.attend(layer, start, q, k, v, visible))
+        h = h + self.self_attn.output(cache.attend(layer, start, q, k, v, visible, mask))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -113,37 +113,47 @@ class TargetModel(nn.Module):
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype,
                        p.device, per_sequence)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache, feature_layers=(), last_logits_only=False):
+    def forward(self, ids: torch.Tensor, cache: KVCache, feature_layers=(), last_logits_only=False,
+                tree=None):
         """Run `ids` [b, t] after the cache's committed tokens; commit them.
 
         Returns logits [b, t or 1, vocab] and the concatenated hidden states of
         `feature_layers` [b, t, len(ids) * hidden] in transformers' convention
         (output of layer i; the final norm's output for the last layer).
+
+        tree: (mask [b, t, t], depths [b, t]) to verify a draft tree in one pass: row i
+        sees the committed tokens and the rows mask[:, i] allows (its ancestors and
+        itself) at position committed + depth. Its keys stay scratch past the
+        committed length until the cache keeps the accepted path (KVCache.keep).
         """
-        h, features = self.final_hidden(ids, cache, feature_layers)
+        h, features = self.final_hidden(ids, cache, feature_layers, tree)
         return self.lm_head(h[:, -1:] if last_logits_only else h), features
 
-    def final_hidden(self, ids: torch.Tensor, cache: KVCache, feature_layers=()):
+    def final_hidden(self, ids: torch.Tensor, cache: KVCache, feature_layers=(), tree=None):
         """forward() without the LM head: final-norm states [b, t, hidden] and features
         (the ONNX export picks the rows that need logits itself)."""
         b, t = ids.shape
         # cached: an int, a 0-d tensor in an exported graph, or [b] lengths in a batch
         meta = StepMetadata.of(cache, t)
-        start = meta.cached
-        positions = meta.positions(t, b, ids.device)
+        start, mask = meta.cached, None
+        if tree is None:
+            positions = meta.positions(t, b, ids.device)
+            visible = meta.causal_visible(t, b, ids.device)
+        else:
+            positions, visible, mask, start = meta.tree_rows(*tree)
         cos, sin = self.rotary(positions, self.embed_tokens.weight.dtype)
-        visible = meta.causal_visible(t, b, ids.device)
         h = self.embed_tokens(ids)
         wanted = set(feature_layers)
         states = {}
         last = self.config.num_layers - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i, start, visible)
+            h = layer(h, cos, sin, cache, i, start, visible, mask)
             if i in wanted and i != last:
                 states[i] = h
-        if meta.per_sequence:  # a batch: its runner rolls each sequence back
+        # A tree's keys stay scratch until KVCache.keep commits the accepted path.
+        if tree is None and meta.per_sequence:  # a batch: its runner rolls each sequence back
             cache.lengths = meta.committed()
-        else:
+        elif tree is None:
             cache.length = meta.committed()
         h = self.norm(h)
         if last in wanted:
