@@ -1,4 +1,5 @@
-"""The decoding loops: target-only, DFlash-style block speculation, n-gram lookup.
+"""The decoding loops: target-only, DFlash-style block speculation, EAGLE-3 tree
+speculation, n-gram lookup.
 
 Block speculation, one step: the drafter sees the target features of the tokens
 committed since its last step and drafts a block [bonus, d1 .. d(k)] in one pass; the
@@ -9,6 +10,13 @@ step costs, a step verifies only the first k drafts, k chosen from the drafter's
 confidence, scaled by how often its drafts were accepted so far in this generation
 (runtime/step_costs.py: choose_draft_count, AcceptanceRecord), which keeps it lossless.
 
+Tree speculation (EAGLE-3's dynamic tree), one step: the drafter ingests the target
+features of the tokens committed since its last step and grows a tree of drafts below
+the last committed token (runtime/tree.py); the target verifies every node in one pass
+under the tree's mask; the longest path whose tokens are the target's own argmax is
+kept, plus the target's next token; both caches keep only that path (the target's by
+compacting its scratch keys, the drafter's by ingesting the path's features next step).
+
 N-gram speculation, one step: the proposer looks the context's last tokens up in the
 context itself and proposes what followed them (or nothing); the target verifies
 [last committed token, *drafts] in one pass, exactly as for a block.
@@ -18,11 +26,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from runtime.backends import BlockDrafter, Target
+from runtime.backends import BlockDrafter, Target, TreeDrafter
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
 from runtime.step_costs import AcceptanceRecord, StepCosts, choose_draft_count
+from runtime.tree import DraftTree, TreeShape
 
 OnTokens = Callable[[list[int]], None]
 
@@ -102,6 +111,38 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
             gen.visible_per_step.append(visible)
             gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
             done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
+    return gen
+
+
+def generate_tree(target: Target, drafter: TreeDrafter, prompt: list[int], max_new_tokens: int,
+                  sampler: Sampler, shape: TreeShape = TreeShape(), stop_ids=frozenset(),
+                  on_tokens: OnTokens = None) -> Generation:
+    if not sampler.sampling.greedy:
+        raise ValueError("tree speculation verifies greedily; for sampling draft a chain (top_k 1)")
+    budget = _budget(target, prompt, max_new_tokens)
+    gen = Generation(len(prompt))
+    with gen.timed("total"):
+        with gen.timed("prefill"):  # + room for one tree's scratch keys past the committed ones
+            logits, context = target.prefill(prompt, len(prompt) + budget + shape.total_tokens)
+            drafter.reset(len(prompt) + budget)
+        done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
+        following = prompt[1:] + gen.tokens[-1:]  # the token after each context row
+        while not done and len(gen.tokens) < budget:
+            room = budget - len(gen.tokens) - 1  # the step also commits the target's token
+            with gen.timed("draft"):
+                tree, visible = (drafter.draft_tree(context, following, shape.within(room)) if room
+                                 else (DraftTree.root_only(gen.tokens[-1]), None))
+            with gen.timed("verify"):
+                logits, features = target.verify_tree(tree)
+                path, token = tree.greedy_path(logits.argmax(-1).tolist())
+                target.keep_path(path)
+            following = [tree.tokens[i] for i in path[1:]] + [token]
+            context = features[path]
+            gen.committed_per_step.append(len(path))
+            if visible is not None:
+                gen.visible_per_step.append(visible)
+                gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
+            done = _commit(gen, following, stop_ids, on_tokens)
     return gen
 
 

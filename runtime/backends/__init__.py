@@ -1,12 +1,20 @@
 """One small interface, several engines (torch, onnxruntime, tensorrt; trtllm engines
 are configuration that TensorRT-LLM runs itself: runtime/trtllm.py).
 
-The speculative loops in runtime/speculative.py only see these two roles:
+The speculative loops in runtime/speculative.py only see these roles:
 
   Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
            verify(ids)            -> (logits [t, vocab], features [t, F])
            rollback(length)       -- keep the first `length` tokens of the KV cache
            snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
+           verify_tree(tree)      -> (logits [n, vocab], features [n, F]) -- a DraftTree's
+                                     nodes in one pass, their keys scratch (torch backend)
+           keep_path(nodes)       -- commit the accepted path's keys (node indices, root first)
+  Tree drafter (EAGLE-3):
+           reset(capacity)
+           draft_tree(context [c, F], following [c], shape) -> (DraftTree, visible keys N)
+                                  -- following: the token after each context row
+           scaling
   Block drafter (DFlash):
            reset(capacity)
            draft(context [c, F], bonus) -> (logits [block - 1, vocab], visible keys N)
@@ -82,6 +90,14 @@ class BlockDrafter(Protocol):
     def reset(self, capacity: int) -> None: ...
 
     def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
+
+
+class TreeDrafter(Protocol):
+    scaling: QueryScaling | None
+
+    def reset(self, capacity: int) -> None: ...
+
+    def draft_tree(self, context: torch.Tensor, following: list[int], shape) -> tuple[object, int]: ...
 
 
 class BatchTarget(Protocol):

@@ -7,7 +7,9 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.target import TargetModel
+from runtime.tree import DraftTree, TreeShape, grow_tree
 
 
 class TorchTarget:
@@ -34,6 +36,19 @@ class TorchTarget:
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
+
+    @torch.inference_mode()
+    def verify_tree(self, tree: DraftTree):
+        """Every node of a draft tree in one pass (runtime/tree.py); its keys stay
+        scratch until keep_path."""
+        ids = self._ids(list(tree.tokens))
+        structure = (tree.ancestor_mask(ids.device)[None], torch.tensor([tree.depths], device=ids.device))
+        logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
+        return logits[0], None if features is None else features[0]
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """Commit a verified tree's accepted path (node indices, root first)."""
+        self.cache.keep(nodes)
 
     def snapshot(self):
         n = self.cache.length
@@ -122,3 +137,49 @@ class TorchBatchDFlash:
 
     def remove(self, row: int) -> None:
         self.cache.drop(row)
+
+
+class TorchEagle3:
+    """EAGLE-3 drafting on the torch backend. The drafter's cache holds one entry per
+    token the target has committed, from (the target's features of token p, token p + 1);
+    each step ingests the entries of the tokens committed since the last one, then
+    drafts a tree (or a chain) in scratch past them."""
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
+                 tree: TreeShape = TreeShape()):
+        self.drafter, self.scaling, self.tree = drafter, scaling, tree
+        self.vocab = DraftVocabulary(drafter)
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        # + one tree's scratch rows: each level below the first writes top_k keys
+        self.cache = self.drafter.new_cache(capacity + self.tree.depth * self.tree.top_k)
+
+    def _ingest(self, context: torch.Tensor, following: list[int]):
+        """Entries for the newly committed tokens; the last row's output predicts the
+        token after the last one in `following`."""
+        ids = torch.tensor([following], dtype=torch.long, device=context.device)
+        logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]), self.cache,
+                                               self.scaling)
+        return logits[0, -1], hidden[0, -1], int(visible[0, -1])
+
+    @torch.inference_mode()
+    def draft_tree(self, context: torch.Tensor, following: list[int], shape: TreeShape | None = None):
+        """context [c, F]: target features of the c tokens committed since the last
+        step; following [c]: the token after each (the last: the tree's root, which the
+        target has not cached yet). Returns the tree and the most keys any drafter row
+        saw (N)."""
+        logits, hidden, visible = self._ingest(context, following)
+        largest = [visible]  # N of the rows drafted so far
+
+        def expand(tokens, parent_hidden, scratch_mask, offset):
+            ids = torch.tensor([tokens], dtype=torch.long, device=parent_hidden.device)
+            offsets = torch.full_like(ids, offset)
+            out_logits, out_hidden, counts = self.drafter(ids, parent_hidden[None], self.cache, self.scaling,
+                                                          tree=(scratch_mask[None], offsets))
+            largest.append(int(counts.max()))
+            return torch.log_softmax(out_logits[0], -1), out_hidden[0]
+
+        tree = grow_tree(following[-1], torch.log_softmax(logits, -1), hidden, expand,
+                         shape or self.tree, self.vocab.to_target)
+        return tree, max(largest)

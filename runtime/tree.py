@@ -1,0 +1,153 @@
+"""Draft trees (EAGLE-2/3's dynamic tree): how a drafter grows one, what the target
+verifies it under, and which path is accepted.
+
+A tree's node 0 is the root: the last committed token, not yet in the target's cache.
+The target verifies every node in one pass, each row seeing the committed tokens plus
+its own ancestors (ancestor_mask) at position committed + depth; under greedy decoding
+the accepted path follows, from the root, the child whose token is the target's argmax
+at its parent, and the target's argmax at the path's last node is the next token. The
+caches then keep only that path (KVCache.keep).
+
+Growing (grow_tree), as EAGLE-3 does it: the root's top_k continuations form the first
+frontier; each later level expands every frontier node into its top_k children, scores
+each by its path's summed log-probability, and keeps the top_k best children as the next
+frontier; finally the total_tokens - 1 best-scored nodes of everything seen make the
+tree. A child never outscores its parent (log-probabilities are <= 0), so the best
+nodes, taken best first and parents before children on ties, always form a tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """top_k: children kept per expanded node (and the frontier's width); depth: the
+    longest path of drafts (levels below the root; EAGLE's code counts expansions, so
+    its depth d means d + 1 levels here); total_tokens: nodes the target verifies,
+    root included (EAGLE's total_token)."""
+
+    top_k: int = 8
+    depth: int = 5
+    total_tokens: int = 32
+
+    def __post_init__(self):
+        for name in ("top_k", "depth"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"tree {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.total_tokens, int) or self.total_tokens < 2:
+            raise ValueError(f"tree total_tokens must be an integer >= 2 (the root and one draft), "
+                             f"got {self.total_tokens!r}")
+
+    def within(self, room: int) -> "TreeShape":
+        """This shape with paths no longer than `room` drafts (room >= 1)."""
+        return dataclasses.replace(self, depth=min(self.depth, room))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """tokens[i]: node i's token; parents[i]: its parent's index (< i), -1 for the root."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.tokens or len(self.tokens) != len(self.parents) or self.parents[0] != -1:
+            raise ValueError("a draft tree needs a root (parent -1) and one parent per token")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+            raise ValueError(f"every non-root node's parent must come before it: {self.parents}")
+
+    @classmethod
+    def root_only(cls, token: int) -> "DraftTree":
+        return cls((token,), (-1,))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> list[int]:
+        depths = [0] * len(self)
+        for i in range(1, len(self)):
+            depths[i] = depths[self.parents[i]] + 1
+        return depths
+
+    def ancestor_mask(self, device=None) -> torch.Tensor:
+        """[n, n] bool: row i may see node j when j is i or one of its ancestors."""
+        mask = torch.eye(len(self), dtype=torch.bool)
+        for i in range(1, len(self)):  # parents come first: their rows are complete
+            mask[i] |= mask[self.parents[i]]
+        return mask.to(device)
+
+    def greedy_path(self, choice: list[int]) -> tuple[list[int], int]:
+        """choice[i]: the target's token after node i's path (its argmax there).
+        Returns the accepted path's nodes, root first, and the target's next token."""
+        children: dict[int, dict[int, int]] = {}
+        for i in range(1, len(self)):
+            children.setdefault(self.parents[i], {})[self.tokens[i]] = i
+        path = [0]
+        while (child := children.get(path[-1], {}).get(choice[path[-1]])) is not None:
+            path.append(child)
+        return path, choice[path[-1]]
+
+
+# expand(tokens [k], hidden [k, H], scratch_mask [k, s], offset) -> (log-probs [k, V], hidden [k, H]):
+# one drafter step over a frontier, its rows at `offset` past the committed tokens, seeing
+# the scratch keys scratch_mask allows (ancestors written by earlier steps, then themselves).
+Expand = Callable[[list[int], torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class _Node:
+    score: float  # summed log-probability of the path root -> node
+    depth: int
+    parent: int  # index into the candidate list, -1: the root
+    token: int
+
+
+def grow_tree(root: int, first_logp: torch.Tensor, first_hidden: torch.Tensor, expand: Expand,
+              shape: TreeShape, to_target: Callable[[torch.Tensor], torch.Tensor]) -> DraftTree:
+    """EAGLE-3's dynamic tree below `root`. first_logp [V]: the drafter's log-probs for
+    the token after the root (over its draft vocabulary); first_hidden [H]: the hidden
+    state those came with; to_target maps draft-vocabulary indices to token ids."""
+    k = min(shape.top_k, first_logp.shape[-1])
+    top = first_logp.topk(k)
+    tokens = to_target(top.indices).tolist()
+    nodes = [_Node(float(s), 1, -1, t) for s, t in zip(top.values.tolist(), tokens)]
+    frontier = list(range(k))  # candidate indices
+    hidden = first_hidden.expand(k, -1)
+    seen = torch.zeros((k, 0), dtype=torch.bool, device=first_hidden.device)  # scratch ancestry
+    for level in range(2, shape.depth + 1):
+        scratch_mask = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], -1)
+        logp, out = expand([nodes[i].token for i in frontier], hidden, scratch_mask, level - 2)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        children = to_target(top.indices).tolist()
+        scores = top.values.double() + torch.tensor([nodes[i].score for i in frontier],
+                                                    dtype=torch.float64, device=logp.device)[:, None]
+        first_child = len(nodes)
+        width = top.indices.shape[-1]
+        for row, parent in enumerate(frontier):
+            for c in range(width):
+                nodes.append(_Node(float(scores[row, c]), level, parent, children[row][c]))
+        best = scores.flatten().topk(min(k, scores.numel())).indices.tolist()
+        frontier = [first_child + b for b in best]
+        rows = [b // width for b in best]  # the frontier row each new frontier node came from
+        hidden, seen = out[rows], scratch_mask[rows]
+    return _best_tree(root, nodes, shape.total_tokens - 1)
+
+
+def _best_tree(root: int, nodes: list[_Node], drafts: int) -> DraftTree:
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
+    place = {-1: 0}  # candidate index -> node index in the tree
+    tokens, parents = [root], [-1]
+    for i in order:
+        if len(tokens) > drafts:
+            break
+        if nodes[i].parent in place:  # always: a parent never scores below its child, sorts first on ties
+            place[i] = len(tokens)
+            tokens.append(nodes[i].token)
+            parents.append(place[nodes[i].parent])
+    return DraftTree(tuple(tokens), tuple(parents))
