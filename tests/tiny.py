@@ -102,3 +102,64 @@ def float64_target(seed: int, vocab: int, layers: int = 2, context: int = 128,
             if p.dim() == 2:
                 p.mul_(sharpness)
     return model
+
+
+def eagle3_config(target_config, aux_layer_ids=None, draft_vocab: int | None = None,
+                  eagle31: bool = False):
+    """An EAGLE-3 config for a TargetConfig: the target's widths; eagle31 turns on
+    EAGLE 3.1's fc_norm and norm_output."""
+    from runtime.models.eagle3 import Eagle3Config
+
+    t = target_config
+    return Eagle3Config(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=t.vocab_size, draft_vocab_size=draft_vocab or t.vocab_size,
+        target_hidden_size=t.hidden_size, aux_layer_ids=aux_layer_ids,
+        max_position_embeddings=t.max_position_embeddings, fc_norm=eagle31, norm_output=eagle31)
+
+
+def random_eagle3(config, seed: int, sharpness: float = 3.0, dtype: torch.dtype = torch.float64):
+    """An Eagle3Drafter with seeded random weights, a random draft vocabulary when the
+    config has one, and RMSNorm weights away from 1 (so a misplaced norm shows)."""
+    from runtime.models.eagle3 import Eagle3Drafter
+
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(sharpness)
+            else:  # the norms (there are no biases)
+                p.uniform_(0.5, 1.5)
+        if config.draft_vocab_size < config.vocab_size:
+            ids = torch.randperm(config.vocab_size)[:config.draft_vocab_size].sort().values
+            model.d2t.copy_(ids - torch.arange(config.draft_vocab_size))
+            model.t2d.zero_()
+            model.t2d[ids] = True
+    return model
+
+
+def float64_eagle3(target, seed: int, aux_layer_ids=None, draft_vocab: int | None = None,
+                   eagle31: bool = False, sharpness: float = 3.0):
+    """An EAGLE-3 drafter in memory for a float64 TargetModel (tests of token equality)."""
+    return random_eagle3(eagle3_config(target.config, aux_layer_ids, draft_vocab, eagle31), seed,
+                         sharpness)
+
+
+def make_eagle3(out: Path, target_dir: Path, seed: int = 2, draft_vocab: int | None = None,
+                eagle31: bool = False, aux_layer_ids=None) -> Path:
+    """An EAGLE-3 drafter for a tiny saved target, written in the published layout."""
+    from runtime.models.eagle3 import save_eagle3
+    from runtime.models.target import TargetConfig
+
+    t = json.loads((target_dir / "config.json").read_text())
+    config = TargetConfig("llama", t["vocab_size"], t["hidden_size"], t["intermediate_size"],
+                          t["num_hidden_layers"], t["num_attention_heads"], t["num_key_value_heads"],
+                          t["head_dim"], 1e-6, 10000.0, t["max_position_embeddings"], False, False, False)
+    n = config.num_layers
+    ids = aux_layer_ids or (1, max(1, n // 2), n - 1)
+    model = random_eagle3(eagle3_config(config, ids, draft_vocab, eagle31), seed, sharpness=4.0,
+                          dtype=torch.float32)
+    save_eagle3(model, out)
+    return out

@@ -1,0 +1,238 @@
+"""Draft trees: what grow_tree keeps, the mask and visible-key counts a tree step hands
+the attention op, the target's one-pass tree verification against plain causal passes,
+and cache compaction to the accepted path against caches built from scratch."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from plugins.attention import visible_counts
+from runtime.backends.torch import TorchTarget
+from runtime.models.layers import KVCache
+from runtime.sampling import Sampler
+from runtime.speculative import generate_target_only
+from runtime.step_metadata import StepMetadata
+from runtime.tree import DraftTree, TreeShape, grow_tree
+
+from tiny import float64_target
+
+
+def ancestors(parents, i):
+    """Node i and its ancestors, by walking the parent links (the test's own count)."""
+    out = []
+    while i != -1:
+        out.append(i)
+        i = parents[i]
+    return out
+
+
+def random_tree(seed: int, size: int, vocab: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, size)]
+    tokens = torch.randint(0, vocab, (size,), generator=g).tolist()
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def test_ancestor_mask_marks_each_node_and_its_ancestors():
+    tree = random_tree(0, 12, 5)
+    mask = tree.ancestor_mask()
+    for i in range(len(tree)):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(ancestors(tree.parents, i))
+    assert tree.depths == [len(ancestors(tree.parents, i)) - 1 for i in range(len(tree))]
+
+
+def test_greedy_path_follows_the_targets_choice():
+    #        0:a
+    #     1:b    2:c
+    #   3:d  4:e    5:d
+    tree = DraftTree((9, 1, 2, 3, 4, 3), (-1, 0, 0, 1, 1, 2))
+    assert tree.greedy_path([2, 0, 3, 0, 0, 7]) == ([0, 2, 5], 7)
+    assert tree.greedy_path([1, 4, 0, 0, 8, 0]) == ([0, 1, 4], 8)
+    assert tree.greedy_path([5, 0, 0, 0, 0, 0]) == ([0], 5)  # no child matches: the target's token
+
+
+def test_tree_shapes_and_trees_refuse_bad_values_in_one_line():
+    for kwargs in ({"top_k": 0}, {"depth": 0}, {"total_tokens": 1}, {"top_k": 2.5}):
+        with pytest.raises(ValueError) as err:
+            TreeShape(**kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError):
+        DraftTree((1, 2), (-1, 1))  # a node its own parent
+    assert TreeShape(4, 6, 20).within(2) == TreeShape(4, 2, 20)
+
+
+class FakeDrafter:
+    """Seeded log-probabilities per (level, token) and a record of every expansion."""
+
+    def __init__(self, vocab: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.log_softmax(3 * torch.randn(64, vocab, vocab, generator=g, dtype=torch.float64), -1)
+        self.calls = []
+
+    def logp(self, level: int, token: int):
+        return self.table[level, token]
+
+    def expand(self, tokens, hidden, scratch_mask, offset):
+        self.calls.append((list(tokens), scratch_mask.clone(), offset))
+        # the "hidden" state carries each row's level so the next level's rows can be checked
+        return torch.stack([self.logp(offset + 2, t) for t in tokens]), hidden + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.integers(2, 9), top_k=st.integers(1, 5),
+       depth=st.integers(1, 5), total=st.integers(2, 40))
+def test_grow_tree_keeps_the_best_paths_and_hands_each_row_its_ancestors(seed, vocab, top_k, depth, total):
+    fake = FakeDrafter(vocab, seed)
+    root = 0
+    tree = grow_tree(root, fake.logp(1, root), torch.zeros(3), fake.expand,
+                     TreeShape(top_k, depth, total), lambda i: i)
+    k = min(top_k, vocab)
+    # Every candidate the drafter offered, with its path score, computed here: level 1
+    # from the root's distribution, then top-k children of each expanded row.
+    candidates = {}  # path (tuple of tokens) -> score
+    first = fake.logp(1, root)
+    for t in first.topk(k).indices.tolist():
+        candidates[(t,)] = float(first[t])
+    frontier = sorted(candidates, key=candidates.get, reverse=True)[:k]
+    rows_keys = {}  # path -> scratch key index of its row
+    for level, (tokens, scratch_mask, offset) in enumerate(fake.calls, start=2):
+        assert offset == level - 2
+        # the rows expanded are the best k of the previous level, best first
+        assert sorted(tokens) == sorted(p[-1] for p in frontier)
+        paths = sorted(frontier, key=lambda p: (-candidates[p],))
+        by_token = {}
+        for p in paths:
+            by_token.setdefault(p[-1], []).append(p)
+        assert scratch_mask.shape == (len(tokens), (level - 1) * k)
+        row_paths = []
+        for row, token in enumerate(tokens):
+            p = by_token[token].pop(0)
+            row_paths.append(p)
+            rows_keys[p] = (level - 2) * k + row
+            # the row sees exactly its ancestors' rows written by earlier levels, and itself
+            want = {rows_keys[p[:j]] for j in range(1, len(p) + 1) if p[:j] in rows_keys}
+            assert set(torch.nonzero(scratch_mask[row]).flatten().tolist()) == want
+        children = {}
+        for p in row_paths:
+            lp = fake.logp(level, p[-1])
+            for t in lp.topk(k).indices.tolist():
+                children[p + (t,)] = candidates[p] + float(lp[t])
+        candidates.update(children)
+        frontier = sorted(children, key=children.get, reverse=True)[:k]
+    assert len(fake.calls) == max(0, depth - 1)
+    # the tree: the root and the best total - 1 candidates (ties aside), parents first
+    paths = [tuple(tree.tokens[j] for j in reversed(ancestors(tree.parents, i)))[1:]
+             for i in range(1, len(tree))]
+    assert len(tree) == 1 + min(total - 1, len(candidates))
+    assert all(p in candidates for p in paths)
+    kept = [candidates[p] for p in paths]
+    dropped = [s for p, s in candidates.items() if p not in set(paths)]
+    if kept and dropped:
+        assert min(kept) >= max(dropped) - 1e-12
+    assert max(tree.depths) <= depth
+
+
+def test_visible_count_equals_the_unmasked_keys_for_causal_block_and_tree_masks():
+    """N per row from StepMetadata (and what the op computes from what it is handed)
+    against counts of unmasked keys in masks the test builds itself, key by key."""
+    def count(row_allows, kv):
+        return sum(1 for key in range(kv) if row_allows(key))
+
+    # causal: 7 cached, 4 new rows; the row at position p sees keys 0..p
+    meta = StepMetadata(7, 4)
+    got = meta.causal_visible(4, 1)[0].tolist()
+    assert got == [count(lambda key, p=7 + i: key <= p, 11) for i in range(4)]
+    # block (DFlash): 7 cached, 2 new context rows, a block of 5 sees all 14 keys
+    meta = StepMetadata(7, 2)
+    assert meta.block_visible(5, 1)[0].tolist() == [count(lambda key: True, 14)] * 5
+    # tree: 9 committed keys, then a tree of 8 rows each seeing its ancestors and itself
+    tree = random_tree(3, 8, 5)
+    rows = StepMetadata(9, len(tree)).tree_rows(tree.ancestor_mask()[None],
+                                                torch.tensor([tree.depths]))
+    independent = [count(lambda key, i=i: key < 9 or key - 9 in ancestors(tree.parents, i), 9 + len(tree))
+                   for i in range(len(tree))]
+    assert StepMetadata.tree_visible(rows.mask)[0].tolist() == independent
+    handed, _ = visible_counts(rows.bound, rows.mask.shape[-1], rows.mask)  # what the op scales by
+    assert handed[0].tolist() == independent
+    assert rows.positions[0].tolist() == [9 + d for d in tree.depths] and rows.write_at == 9
+
+
+def test_keep_moves_the_accepted_rows_into_place():
+    cache = KVCache(2, 1, 2, 20, 3, torch.float64)
+    cache.k.copy_(torch.randn_like(cache.k))
+    cache.v.copy_(torch.randn_like(cache.v))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    cache.length = 6
+    cache.keep([0, 3, 2, 7])
+    assert cache.length == 10
+    for i, row in enumerate([0, 3, 2, 7]):
+        assert torch.equal(cache.k[:, :, :, 6 + i], before_k[:, :, :, 6 + row])
+        assert torch.equal(cache.v[:, :, :, 6 + i], before_v[:, :, :, 6 + row])
+    assert torch.equal(cache.k[:, :, :, :6], before_k[:, :, :, :6])
+    with pytest.raises(ValueError):
+        cache.keep([1, 1])
+
+
+def fresh(target_model, ids, layers):
+    """A target whose cache was built by one causal prefill over `ids`."""
+    t = TorchTarget(target_model, layers)
+    t.prefill(ids, len(ids) + 4)
+    return t
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), size=st.integers(1, 12), prompt_len=st.integers(1, 12))
+def test_one_tree_pass_equals_causal_passes_along_every_path(seed, size, prompt_len):
+    model = float64_target(seed % 1000, vocab=7, layers=3)
+    layers = (0, 2)
+    prompt = torch.randint(0, 7, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    tree = random_tree(seed, size, 7)
+    target = TorchTarget(model, layers)
+    target.prefill(prompt, prompt_len + size)
+    logits, features = target.verify_tree(tree)
+    assert target.cache.length == prompt_len  # the tree's keys are scratch
+    for i in range(size):
+        path = [tree.tokens[j] for j in reversed(ancestors(tree.parents, i))]
+        alone = TorchTarget(model, layers)
+        alone.prefill(prompt, prompt_len + size)
+        want_logits, want_features = alone.verify(path)
+        torch.testing.assert_close(logits[i], want_logits[-1], atol=1e-9, rtol=0)
+        torch.testing.assert_close(features[i], want_features[-1], atol=1e-9, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), size=st.integers(1, 10), distractors=st.integers(0, 12),
+       prompt_len=st.integers(1, 12))
+def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_scratch(
+        seed, size, distractors, prompt_len):
+    vocab = 5
+    model = float64_target(seed % 1000, vocab=vocab, layers=3)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    greedy = generate_target_only(TorchTarget(model), prompt, size + 1, Sampler()).tokens
+    # the greedy continuation as a chain below the root, then distractor children hung
+    # on random nodes (never a second child with a sibling's token, nor the target's
+    # next token under the chain's end: the path is then exactly the chain)
+    tokens, parents = greedy[:size], [-1] + list(range(size - 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(distractors):
+        parent = int(torch.randint(0, len(tokens), (), generator=g))
+        token = int(torch.randint(0, vocab, (), generator=g))
+        siblings = [tokens[j] for j in range(len(tokens)) if parents[j] == parent]
+        if token not in siblings and (parent, token) != (size - 1, greedy[size]):
+            tokens.append(token)
+            parents.append(parent)
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    target = TorchTarget(model, (1,))
+    logits, _ = target.prefill(prompt, prompt_len + len(tree) + 4)
+    assert int(logits.argmax()) == greedy[0]
+    out, _ = target.verify_tree(tree)
+    path, following = tree.greedy_path(out.argmax(-1).tolist())
+    accepted = [tree.tokens[i] for i in path]
+    assert path == list(range(size)) and accepted + [following] == greedy
+    target.keep_path(path)
+    n = target.cache.length
+    assert n == prompt_len + size
+    scratch = fresh(model, prompt + accepted, (1,))
+    assert scratch.cache.length == n
+    torch.testing.assert_close(target.cache.k[:, :, :, :n], scratch.cache.k[:, :, :, :n], atol=1e-9, rtol=0)
+    torch.testing.assert_close(target.cache.v[:, :, :, :n], scratch.cache.v[:, :, :, :n], atol=1e-9, rtol=0)
