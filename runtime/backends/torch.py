@@ -46,6 +46,7 @@ class TorchTarget:
         logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
         return logits[0], None if features is None else features[0]
 
+    @torch.inference_mode()  # the cache was made under inference mode
     def keep_path(self, nodes: list[int]) -> None:
         """Commit a verified tree's accepted path (node indices, root first)."""
         self.cache.keep(nodes)
@@ -146,14 +147,17 @@ class TorchEagle3:
     drafts a tree (or a chain) in scratch past them."""
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
-                 tree: TreeShape = TreeShape()):
+                 tree: TreeShape = TreeShape(), max_drafts: int = 16):
         self.drafter, self.scaling, self.tree = drafter, scaling, tree
         self.vocab = DraftVocabulary(drafter)
+        self.max_drafts = max_drafts  # the longest chain draft_chain writes
         self.cache = None
 
     def reset(self, capacity: int) -> None:
-        # + one tree's scratch rows: each level below the first writes top_k keys
-        self.cache = self.drafter.new_cache(capacity + self.tree.depth * self.tree.top_k)
+        # + scratch past the committed entries: a tree's levels below the first write
+        # top_k keys each, a chain one key per draft
+        self.cache = self.drafter.new_cache(capacity + max(self.tree.depth * self.tree.top_k,
+                                                           self.max_drafts))
 
     def _ingest(self, context: torch.Tensor, following: list[int]):
         """Entries for the newly committed tokens; the last row's output predicts the
@@ -183,3 +187,25 @@ class TorchEagle3:
         tree = grow_tree(following[-1], torch.log_softmax(logits, -1), hidden, expand,
                          shape or self.tree, self.vocab.to_target)
         return tree, max(largest)
+
+    @torch.inference_mode()
+    def draft_chain(self, context: torch.Tensor, following: list[int], count: int, sampler):
+        """EAGLE-3 with top_k = 1: `count` drafts, each chosen by `sampler` (argmax, or
+        drawn from the drafter's distribution) and fed back with the row's own state.
+        Returns the drafts, their distributions over the target vocabulary (None when
+        greedy) and the most keys a drafter row saw; the chain's rows are scratch."""
+        logits, hidden, visible = self._ingest(context, following)
+        if count < 1:
+            return [], None, visible
+        committed = self.cache.length
+        drafts, dists = [], []
+        for i in range(count):
+            token, q = sampler.propose(self.vocab.target_logits(logits)[None])
+            drafts += token
+            dists.append(q)
+            if i + 1 < count:  # the last draft needs no row of its own
+                ids = torch.tensor([token], dtype=torch.long, device=hidden.device)
+                out, state, counts = self.drafter(ids, hidden[None, None], self.cache, self.scaling)
+                logits, hidden, visible = out[0, -1], state[0, -1], int(counts[0, -1])
+        self.cache.rollback(committed)
+        return drafts, None if dists[0] is None else torch.cat(dists), visible

@@ -321,13 +321,13 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, target=Non
         config.check_target(target.config)
     file = path / checkpoint_files(path)[1]
     state = _read_weights(file)
-    model = Eagle3Drafter(config)
+    model = Eagle3Drafter(config).to(dtype)  # then weights convert once, to the dtype asked for
     expected = model.state_dict()
     if "embed_tokens.weight" not in state and target is not None:
         if target.config.hidden_size != config.hidden_size:
             raise ModelError(f"{file} has no embed_tokens and the target's embedding is "
                              f"{target.config.hidden_size} wide, not {config.hidden_size}")
-        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float()
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach()
     if "d2t" not in state and config.draft_vocab_size < config.vocab_size:
         raise ModelError(f"{file}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                          f"{config.vocab_size} needs a d2t map, and there is none")
@@ -349,7 +349,7 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, target=Non
     model.load_state_dict({k: state[k].to(v.dtype) for k, v in expected.items() if k in state},
                           strict=False)
     _check_vocab_maps(model, file, has_t2d="t2d" in state)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def _check_vocab_maps(model: Eagle3Drafter, file: Path, has_t2d: bool) -> None:
