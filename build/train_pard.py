@@ -62,13 +62,16 @@ def parse(argv):
                    help="K: drafts per pass in training (K-1 mask rows per anchor)")
     p.add_argument("--anchors", type=int, default=32, help="anchors per window")
     p.add_argument("--pard-token", type=int, default=16, help="<empty_output> in SmolLM2")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=900)
     p.add_argument("--batch", type=int, default=2, help="windows per step")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--decay", type=float, default=4.0, help="offset weight exp(-j/decay)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between saved states")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out reports")
+    p.add_argument("--max-minutes", type=float, default=55.0,
+                   help="stop training after this long (state saved; rerun to continue), so a "
+                        "run fits the hour on 2 cores whatever the machine's speed (0: no limit)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     for name in ("layers", "draft_tokens", "anchors", "steps", "batch", "save_every", "eval_every"):
@@ -209,6 +212,14 @@ def only_the_pard_row_trains(drafter: PARDDrafter, pard_token: int) -> None:
     drafter.embed_tokens.weight.register_hook(lambda grad: grad * keep)
 
 
+def save_state(path: Path, drafter, opt, step, history, evaluations, recipe) -> None:
+    """Everything a rerun needs to continue exactly (written whole, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "history": history, "evaluations": evaluations, "recipe": recipe}, tmp)
+    tmp.rename(path)
+
+
 def main(argv) -> int:
     args = parse(argv)
     started = time.time()
@@ -253,7 +264,13 @@ def main(argv) -> int:
     n = len(train["ids"])
     bar = tqdm(total=args.steps, initial=step, desc="train PARD", unit="step", file=sys.stderr)
     drafter.train()
+    stopped_early = None
     while step < args.steps:
+        if args.max_minutes and time.time() - started > 60 * args.max_minutes:
+            stopped_early = step
+            bar.write(f"stopping at step {step}: --max-minutes {args.max_minutes} reached "
+                      "(rerun the same command to continue)", file=sys.stderr)
+            break
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -264,7 +281,7 @@ def main(argv) -> int:
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        history.append(float(loss))
+        history.append(loss.item())
         bar.set_postfix(loss=f"{sum(history[-50:]) / len(history[-50:]):.3f}",
                         agree=f"{float(agree.float().mean()):.2f}")
         bar.update(1)
@@ -274,9 +291,10 @@ def main(argv) -> int:
             bar.write(f"step {step}: held-out {evaluations[-1]}", file=sys.stderr)
             drafter.train()
         if step % args.save_every == 0 or step == args.steps:
-            torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "history": history, "evaluations": evaluations, "recipe": recipe}, state_path)
+            save_state(state_path, drafter, opt, step, history, evaluations, recipe)
     bar.close()
+    if stopped_early is not None:
+        save_state(state_path, drafter, opt, step, history, evaluations, recipe)
 
     drafter.eval()
     metrics = {"held_out_calibration_split": evaluate(drafter, held_out, args),
@@ -285,17 +303,17 @@ def main(argv) -> int:
     out = Path(args.out)
     save_pard(drafter.to(torch.bfloat16), out)
     write_card(out, args, drafter.config, source, cache, shard_names, len(train["ids"]), seq_len,
-               history, evaluations, metrics, time.time() - started)
+               history, evaluations, metrics, time.time() - started, step)
     print(f"drafter written to {out}")
     print(f"next: python build_engine.py --drafter pard --sharpdraft --drafter-checkpoint {out}")
     return 0
 
 
 def write_card(out: Path, args, config, source, cache, shard_names, windows, seq_len, history,
-               evaluations, metrics, seconds):
+               evaluations, metrics, seconds, steps_done):
     losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
               for i in range(0, len(history), max(1, len(history) // 10))]
-    last100 = round(sum(history[-100:]) / len(history[-100:]), 4)
+    last100 = round(sum(history[-100:]) / len(history[-100:]), 4) if history else None
     size = (out / "model.safetensors").stat().st_size
     command = "python build/train_pard.py " + " ".join(sys.argv[1:])
     held = metrics["held_out_calibration_split"]
@@ -305,7 +323,8 @@ def write_card(out: Path, args, config, source, cache, shard_names, windows, seq
             "training_max_length": seq_len, "layers": config.layers.num_layers,
             "init": f"target layers 0..{config.layers.num_layers - 1}, embedding, final norm",
             "pard_token": config.pard_token, "draft_tokens_k": args.draft_tokens,
-            "anchors_per_window": args.anchors, "steps": args.steps, "batch_windows": args.batch,
+            "anchors_per_window": args.anchors, "steps": steps_done, "steps_planned": args.steps,
+            "batch_windows": args.batch,
             "lr": args.lr, "decay": args.decay, "seed": args.seed,
             "loss_every_tenth": losses, "final_loss_last100": last100,
             "held_out_during_training": evaluations, "held_out": metrics,
@@ -333,7 +352,8 @@ pass) in PARD's published layout: a transformers `LlamaForCausalLM` directory
   per window; each anchor's real row and its {args.draft_tokens - 1} mask rows match the
   target's distributions at offsets 0..{args.draft_tokens - 1} (soft cross-entropy against
   the top-32), counted on the target's greedy path, weights exp(-j/{args.decay}).
-- Steps: {args.steps} x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.
+- Steps: {steps_done} of {args.steps} planned x {args.batch} windows, AdamW lr {args.lr}
+  cosine over the planned steps, seed {args.seed}.
 - Loss (mean of the last 100 steps): {last100}; every tenth: {losses}.
 - Teacher-forced top-1 agreement with the target by draft position, held-out windows:
   {held['top1_agreement_by_position']}, implied MAL {held['teacher_forced_mal']};

@@ -57,3 +57,18 @@ def test_the_recipe_trains_resumes_and_writes_the_published_layout(tmp_path, tin
         assert key in card
     assert len(card["held_out"]["held_out_calibration_split"]["top1_agreement_by_position"]) == 4
     assert "PARD" in (tmp_path / "pard" / "README.md").read_text()
+
+
+def test_the_recipe_stops_at_its_time_limit_and_continues_on_rerun(tmp_path, tiny_target, capsys):
+    from build import train_pard
+
+    cache = fake_cache(tmp_path / "cache", tiny_target)
+    args = ["--target", str(tiny_target), "--cache", str(cache), "--work", str(tmp_path / "work"),
+            "--out", str(tmp_path / "pard"), "--layers", "1", "--draft-tokens", "3", "--anchors", "4",
+            "--pard-token", str(tiny.PARD_TOKEN), "--batch", "1", "--steps", "2"]
+    assert run(train_pard.main, args + ["--max-minutes", "1e-9"]) == 0
+    assert "stopping at step 0" in capsys.readouterr().err
+    card = json.loads((tmp_path / "pard" / "training.json").read_text())
+    assert (card["steps"], card["steps_planned"]) == (0, 2)
+    assert run(train_pard.main, args) == 0  # same recipe: continues from the saved state
+    assert json.loads((tmp_path / "pard" / "training.json").read_text())["steps"] == 2
