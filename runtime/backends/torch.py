@@ -1,12 +1,14 @@
-"""The torch backend: our TargetModel and DFlashDrafter run eagerly (CPU or CUDA)."""
+"""The torch backend: our TargetModel and the drafters (DFlash, PARD) run eagerly (CPU or CUDA)."""
 
 from __future__ import annotations
 
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime.backends import ChainDraft
 from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 
 
@@ -67,6 +69,31 @@ class TorchDFlash:
         hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
                                        self.cache, self.scaling)
         return self.head(hidden[0, 1:]), visible
+
+
+class TorchPARD:
+    """The PARD chain drafter: one pass over [unread tokens, pard x (k - 1)], drafts from
+    the last k rows' logits (over the target's `vocab_size` ids)."""
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
+                 scaling: QueryScaling | None):
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+        self.max_drafts = max_drafts
+        self.pard_token = drafter.config.pard_token
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        # + max_drafts: the pard rows' keys sit past `length` as scratch each step.
+        self.cache = self.drafter.new_cache(capacity + self.max_drafts)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        hidden, visible = self.drafter(x, self.cache, self.scaling, keep=len(ids))
+        first = len(row) - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
+                                  visible[0, first:], sampler)
 
 
 class TorchBatchTarget:

@@ -169,11 +169,14 @@ def plot(result: dict, path: str) -> None:
 
 
 def training_max_length(engine) -> int | None:
+    """The drafter's training max length, as its config.json records it (None: unknown)."""
     from runtime.models.dflash import read_dflash_config
+    from runtime.models.pard import read_pard_config
 
     if engine.manifest.drafter_dir is None:
         return None
-    return read_dflash_config(engine.manifest.drafter_dir).training_max_length
+    read = read_pard_config if engine.manifest.drafter == "pard" else read_dflash_config
+    return read(engine.manifest.drafter_dir).training_max_length
 
 
 def machine() -> dict:
