@@ -32,12 +32,12 @@ from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
-                   help="eagle3, pard: --backend trtllm only (TensorRT-LLM runs them; give "
+                   help="eagle3: --backend trtllm only (TensorRT-LLM runs it; give "
                         "--drafter-checkpoint)")
     p.add_argument("--sharpdraft", action="store_true",
                    help="apply the cardinality-aware query scale in the drafter's attention")
     p.add_argument("--num-draft-tokens", type=int, default=NGramProposer().num_draft_tokens,
-                   help="ngram; eagle3, pard with --backend trtllm: tokens drafted per step")
+                   help="ngram, pard; eagle3 with --backend trtllm: tokens drafted per step")
     p.add_argument("--max-ngram", type=int, default=NGramProposer().max_ngram,
                    help="ngram: longest suffix looked up in the context")
     p.add_argument("--drafter-checkpoint", metavar="DIR")
@@ -176,6 +176,34 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     return extra
 
 
+# What an engine reads from a drafter checkpoint: both families publish these two files.
+DRAFTER_FILES = ("config.json", "model.safetensors")
+
+
+def load_drafter(args, drafter_dir: Path, target_config):
+    """The drafter model of --drafter dflash|pard, checked against the target, and the
+    tokens one verify pass checks (DFlash: its block; PARD: --num-draft-tokens + 1)."""
+    if args.drafter == "pard":
+        from runtime.models.pard import load_pard
+
+        if args.num_draft_tokens < 1:
+            raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+        drafter = load_pard(drafter_dir)
+        drafter.config.check_target(target_config)
+        c = drafter.config.layers
+        progress(f"      drafter: PARD, {c.num_layers} layers, hidden {c.hidden_size}, "
+                 f"{args.num_draft_tokens} drafts per step, pard_token {drafter.config.pard_token} "
+                 f"({drafter_dir})")
+        return drafter, args.num_draft_tokens + 1
+    from runtime.models.dflash import load_dflash
+
+    drafter = load_dflash(drafter_dir)
+    drafter.config.check_target(target_config)
+    progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
+             f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
+    return drafter, drafter.config.block_size
+
+
 def ngram_proposer(args) -> NGramProposer | None:
     """--drafter ngram: the proposer its options describe (checked before anything loads)."""
     if args.drafter != "ngram":
@@ -198,7 +226,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     from runtime import trtllm
     from runtime.models.target import checkpoint_files, ModelError
 
-    if args.drafter in TRTLLM_ONLY_DRAFTERS and not args.drafter_checkpoint:
+    if args.drafter not in checkpoints.DEFAULT_DRAFTERS and not args.drafter_checkpoint:
         raise UsageError(f"--drafter {args.drafter} needs --drafter-checkpoint DIR (a checkpoint "
                          "TensorRT-LLM loads; this repository ships none)")
     progress("[1/3] load: checkpoint configs (TensorRT-LLM loads the weights where it runs)")
@@ -207,7 +235,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
         context = int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
-    if args.drafter in TRTLLM_ONLY_DRAFTERS:
+    if args.drafter != "dflash":
         drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
         if not (drafter_dir / "config.json").is_file():
             raise ModelError(f"{drafter_dir} has no config.json (not a {args.drafter} checkpoint)")
@@ -282,11 +310,13 @@ def main(argv) -> int:
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
     backend = pick_backend(args.backend)
+    if backend == "tensorrt" and args.drafter == "pard":
+        raise UsageError("--drafter pard builds for the torch and onnxruntime backends; TensorRT "
+                         "plans for PARD are not written yet (pass --backend onnxruntime)")
     if backend != "torch" and args.dtype != "float32":
         raise UsageError(f"--backend {backend} exports float32 graphs here; pass --dtype float32")
 
     import torch
-    from runtime.models.dflash import CHECKPOINT_FILES, load_dflash
     from runtime.models.target import checkpoint_files, load_target
 
     progress(f"[1/5] load (backend {backend})")
@@ -302,11 +332,7 @@ def main(argv) -> int:
     else:
         drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
         scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
-        drafter = load_dflash(drafter_dir)
-        drafter.config.check_target(model.config)
-        block_size = drafter.config.block_size
-        progress(f"      drafter: {drafter.config.num_layers} layers, block {block_size}, "
-                 f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
+        drafter, block_size = load_drafter(args, drafter_dir, model.config)
     context = model.config.max_position_embeddings
     max_seq_len = args.max_seq_len or context
     if not 1 < max_seq_len <= context:
@@ -326,7 +352,7 @@ def main(argv) -> int:
             partial, backend, args.attention or ("plugin" if backend == "tensorrt" else "native"),
             model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
-        drafter_record = dependency_record(drafter_dir, CHECKPOINT_FILES) if drafter_dir else None
+        drafter_record = dependency_record(drafter_dir, DRAFTER_FILES) if drafter_dir else None
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
                             drafter_checkpoint=drafter_record,
                             query_scaling=scaling, block_size=block_size,

@@ -22,7 +22,10 @@ DEFAULT_TARGET = {
     "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     "name": "smollm2-135m-instruct",
 }
-DEFAULT_DRAFTERS = {"dflash": REPO / "checkpoints" / "dflash-smollm2-135m"}
+DEFAULT_DRAFTERS = {"dflash": REPO / "checkpoints" / "dflash-smollm2-135m",
+                    "pard": REPO / "checkpoints" / "pard-smollm2-135m"}
+# The recipe that trains each default drafter (named when its checkpoint is missing).
+RECIPES = {"dflash": "build/train_drafter.py", "pard": "build/train_pard.py"}
 
 
 def default_target_gguf() -> Path:
@@ -80,7 +83,7 @@ def drafter_checkpoint(kind: str, spec: str | Path | None) -> Path:
     if path is None:
         raise ModelError(f"no default {kind} checkpoint — pass --drafter-checkpoint DIR")
     if not path.is_dir():
-        hint = " — train it with `python build/train_drafter.py`" if not spec else ""
+        hint = f" — train it with `python {RECIPES[kind]}`" if not spec and kind in RECIPES else ""
         raise ModelError(f"drafter checkpoint {path} does not exist{hint}")
     return path.resolve()
 

@@ -1,4 +1,4 @@
-"""torch -> ONNX: the target step graphs and the DFlash drafter step graphs of an engine.
+"""torch -> ONNX: the target step graphs and the drafter step graphs (DFlash, PARD) of an engine.
 
 Graphs are traced from the same torch modules the torch backend runs, through a cache
 stand-in (the `attend`/`write` methods of KVCache), never rewritten here. Their weights
@@ -8,7 +8,10 @@ go to one external-data file, weights.bin, each distinct tensor once (share_weig
   [tokens, layers, batch, kv_heads, head_dim], and return only the keys/values of the
   tokens they add: portable graphs of standard ops, the form another runtime (TensorRT's
   ONNX parser) reads. The drafter's attention is the SharpDraftAttention plugin node or
-  plain ONNX ops (plugins/onnx.py).
+  plain ONNX ops (plugins/onnx.py). A PARD drafter graph (PARD_INPUTS) takes ids [batch,
+  t] (unread tokens, then pard tokens), the rows whose logits to return, its own cache and
+  past_lens [batch]: each row's visible-key count is past_lens + row + 1
+  (StepMetadata.causal_visible), read from that input, never from a shape.
 - target-kv.onnx is the target step ONNX Runtime runs (runtime/backends/onnxruntime.py):
   each layer's cache is its own input, a preallocated buffer [batch, kv_heads, capacity,
   head_dim] (one slice of the runtime's [layers, batch, kv_heads, capacity, head_dim]
@@ -53,6 +56,7 @@ from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, p
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import EXPORT_VERSION
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
@@ -64,6 +68,7 @@ TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
 TARGET_KV_OUTPUTS = ("logits", "features", "new_keys", "new_values")  # inputs: target_kv_inputs
 DRAFTER_INPUTS = ("block_ids", "context", "context_lens", "past_keys", "past_values", "past_lens")
 DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
+PARD_INPUTS = ("ids", "logit_positions", "past_keys", "past_values", "past_lens")
 
 
 class ExportCache:
@@ -146,6 +151,22 @@ class DrafterStep(nn.Module):
         hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling,
                                  context_lens=context_lens)
         return (self.head(hidden[:, 1:]),) + cache.present()
+
+
+class PARDStep(nn.Module):
+    """One PARD step: ids after each sequence's past_lens committed tokens, causal; logits
+    (over the target's vocab_size ids) only at `logit_positions`; every row's keys and
+    values come out, the runtime keeps the real tokens' rows."""
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, scaling: QueryScaling | None):
+        super().__init__()
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+
+    def forward(self, ids, logit_positions, past_keys, past_values, past_lens):
+        cache = ExportCache(past_keys, past_values, past_lens)
+        hidden, _ = self.drafter(ids, cache, self.scaling)
+        logits = self.drafter.logits(hidden.index_select(1, logit_positions), self.vocab_size)
+        return (logits,) + cache.present()
 
 
 def step_masks(past_len, visible, capacity: int, group: int):
@@ -284,19 +305,37 @@ def export_target_kv(target: TargetModel, feature_layers, path: Path) -> dict:
     return graph_record(path, attention=None)
 
 
-def export_drafter(drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
-                   attention: str, path: Path) -> dict:
+def export_drafter(drafter: DFlashDrafter | PARDDrafter, target: TargetModel,
+                   scaling: QueryScaling | None, attention: str, path: Path) -> dict:
     """The drafter step graph; scaling=None exports the frozen drafter (plain attention)."""
     if attention not in onnx_attention.ATTENTION_FORMS:
         raise ValueError(f"attention form must be one of {onnx_attention.ATTENTION_FORMS}, "
                          f"got {attention!r}")
     form = attention if scaling is not None else "native"
+    if isinstance(drafter, PARDDrafter):
+        return export_pard(drafter, target, scaling, form, path)
     d = _dims()
     cache = {0: d["past_len"], 2: d["batch"]}
     shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, {0: d["batch"]}, cache,
               cache, {0: d["batch"]})
     example = drafter_example(drafter, target.embed_tokens.weight.dtype)
     _export(DrafterStep(drafter, target, scaling), example, shapes, DRAFTER_INPUTS,
+            DRAFTER_OUTPUTS, path, attention=form)
+    return graph_record(path, attention=form if scaling is not None else None)
+
+
+def export_pard(drafter: PARDDrafter, target: TargetModel, scaling: QueryScaling | None,
+                form: str, path: Path) -> dict:
+    d = _dims()
+    c = drafter.config.layers
+    cache = {0: d["past_len"], 2: d["batch"]}
+    shapes = ({0: d["batch"], 1: d["q_len"]}, {0: d["n_logits"]}, cache, cache, {0: d["batch"]})
+    ids = torch.randint(0, c.vocab_size, (BATCH, Q_LEN), generator=torch.Generator().manual_seed(0))
+    example = ((ids, torch.arange(Q_LEN - N_LOGITS, Q_LEN))
+               + _cache_example(c.num_layers, c.num_kv_heads, c.head_dim, PAST, BATCH,
+                                drafter.embed_tokens.weight.dtype)
+               + (torch.tensor([PAST, PAST - 2][:BATCH]),))
+    _export(PARDStep(drafter, target.config.vocab_size, scaling), example, shapes, PARD_INPUTS,
             DRAFTER_OUTPUTS, path, attention=form)
     return graph_record(path, attention=form if scaling is not None else None)
 
@@ -411,11 +450,14 @@ def share_weights(out_dir: Path, files: list[str], min_bytes: int = 1024) -> Non
             onnx.save(model, str(out_dir / name))
 
 
-def export_engine(target: TargetModel, drafter: DFlashDrafter | None, scaling: QueryScaling | None,
-                  attention: str, out_dir: Path, progress=lambda _msg: None) -> dict:
+def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | None,
+                  scaling: QueryScaling | None, attention: str, out_dir: Path,
+                  progress=lambda _msg: None) -> dict:
     """Write every graph of an engine into out_dir; returns engine.json's "onnx" record.
-    drafter None (n-gram engines): the target graph alone."""
-    layers = drafter.config.target_layer_ids if drafter else ()
+    drafter None (n-gram engines): the target graph alone. A PARD drafter reads no target
+    features; its mask token (mask_token_id in the record) is its pard_token."""
+    pard = isinstance(drafter, PARDDrafter)
+    layers = drafter.config.target_layer_ids if drafter is not None and not pard else ()
     graphs = {}
     progress(f"      {TARGET_FILE}: prefill/verify step, features of layers {list(layers)}")
     graphs["target"] = export_target(target, layers, out_dir / TARGET_FILE)
@@ -437,4 +479,5 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | None, scaling: Q
                   "domain": onnx_attention.DOMAIN, "fields": plugin_fields(scaling)}
     return {"export_version": EXPORT_VERSION, "opset": OPSET,
             "attention": attention if scaling is not None else None, "plugin": plugin,
-            "mask_token_id": drafter.config.mask_token_id if drafter else None, "graphs": graphs}
+            "mask_token_id": (drafter.config.pard_token if pard else drafter.config.mask_token_id)
+            if drafter else None, "graphs": graphs}

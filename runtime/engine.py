@@ -1,7 +1,8 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
 interface (the one engine.json names, or an override), and `generate` in the modes
 every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter
-(an ngram engine has the first two)."""
+(an ngram engine has the first two). The drafter family decides the loop: DFlash drafts
+blocks (speculative.generate_block), PARD chains (speculative.generate_chain)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ import torch
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
 from runtime import speculative
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.backends.torch import TorchDFlash, TorchPARD, TorchTarget
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.step_costs import StepCosts
 from runtime.models.dflash import load_dflash
+from runtime.models.pard import load_pard
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
 from plugins.scaling import QueryScaling
 
 # no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta
 MODES = ("target", "ngram", "frozen", "sharpdraft")
+# How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
+DRAFTING = {"dflash": "block", "pard": "chain"}
 
 
 class Engine:
@@ -34,7 +38,10 @@ class Engine:
                               "by this runtime yet")
         self.backend = backend or self.manifest.backend
         self.scaling = self.manifest.query_scaling
-        self.has_drafter_model = self.manifest.drafter == "dflash"
+        self.has_drafter_model = self.manifest.drafter in DRAFTING
+        self.drafting = DRAFTING.get(self.manifest.drafter)  # None: no drafter model
+        # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
+        self.max_drafts = self.manifest.block_size - 1
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
@@ -46,10 +53,13 @@ class Engine:
             dtype = getattr(torch, self.manifest.dtype)
             self.model, self.tokenizer = load_target(self.manifest.target_dir, dtype)
             feature_layers = ()
-            if self.has_drafter_model:
+            if self.drafting == "block":
                 self.drafter_model = load_dflash(self.manifest.drafter_dir, dtype)
                 self.drafter_model.config.check_target(self.model.config)
                 feature_layers = self.drafter_model.config.target_layer_ids
+            elif self.drafting == "chain":
+                self.drafter_model = load_pard(self.manifest.drafter_dir, dtype)
+                self.drafter_model.config.check_target(self.model.config)
             self.target = TorchTarget(self.model, feature_layers)
         elif self.backend == "onnxruntime":
             from runtime.backends.onnxruntime import OnnxEngine
@@ -103,7 +113,12 @@ class Engine:
             return self.onnx.drafter(sharpdraft=not frozen)
         if self.backend == "tensorrt":
             return self.tensorrt.drafter(sharpdraft=not frozen)
-        return TorchDFlash(self.drafter_model, self.model, None if frozen else self.scaling)
+        return self._torch_drafter(None if frozen else self.scaling)
+
+    def _torch_drafter(self, scaling: QueryScaling | None):
+        if self.drafting == "chain":
+            return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.max_drafts, scaling)
+        return TorchDFlash(self.drafter_model, self.model, scaling)
 
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): torch only,
@@ -113,13 +128,17 @@ class Engine:
         if self.backend != "torch":
             raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
                               "in; try other values with the torch backend (--backend torch)")
-        return TorchDFlash(self.drafter_model, self.model, scaling)
+        return self._torch_drafter(scaling)
 
     def batch_decoder(self, mode: str = "sharpdraft", adaptive: bool = True):
         """An in-flight batching decoder (runtime/batched.py) running `mode` on this
         engine's backend: target-only or a drafter mode (n-gram lookup is per sequence)."""
         from runtime.batched import BatchedDecoder
 
+        if self.drafting == "chain" and mode != "target":
+            raise EngineError(f"{self.dir}: batched decoding runs block drafters (DFlash); "
+                              f"{self.manifest.drafter} chains run one sequence at a time "
+                              "(batched chains are not written yet)")
         if mode not in engine_modes_batched(self):
             raise ValueError(f"mode {mode!r} cannot run batched on this engine (it batches "
                              f"{', '.join(engine_modes_batched(self))})")
@@ -166,9 +185,14 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
     if mode == "ngram":
         return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens)
-    return speculative.generate_block(target, engine.drafter(frozen=mode == "frozen"), prompt,
-                                      max_new_tokens, sampler, stop_ids, on_tokens,
-                                      engine.step_costs if adaptive else None)
+    return speculative_loop(engine)(target, engine.drafter(frozen=mode == "frozen"), prompt,
+                                    max_new_tokens, sampler, stop_ids, on_tokens,
+                                    engine.step_costs if adaptive else None)
+
+
+def speculative_loop(engine: Engine):
+    """The loop of runtime/speculative.py that runs this engine's drafter."""
+    return speculative.generate_chain if engine.drafting == "chain" else speculative.generate_block
 
 
 def engine_modes_batched(engine: Engine) -> tuple[str, ...]:

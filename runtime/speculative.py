@@ -1,5 +1,5 @@
-"""The decoding loops: target-only, DFlash-style block speculation, EAGLE-3 tree
-speculation, n-gram lookup.
+"""The decoding loops: target-only, DFlash-style block speculation, chain speculation
+(PARD; EAGLE-3 with top_k = 1), EAGLE-3 tree speculation, n-gram lookup.
 
 Block speculation, one step: the drafter sees the target features of the tokens
 committed since its last step and drafts a block [bonus, d1 .. d(k)] in one pass; the
@@ -9,6 +9,14 @@ verified features of the kept tokens become the drafter's new context. With meas
 step costs, a step verifies only the first k drafts, k chosen from the drafter's own
 confidence, scaled by how often its drafts were accepted so far in this generation
 (runtime/step_costs.py: choose_draft_count, AcceptanceRecord), which keeps it lossless.
+
+Chain speculation, one step: the drafter reads the tokens committed since its last step
+(and, if it wants them, the target's features of the tokens before them) and proposes k
+drafts d1 .. dk, each row causal over the drafter's own cache; the target verifies
+[last committed token, d1 .. dk] in one pass, exactly as for a block; the accepted
+drafts and the target's own next token are what the drafter reads next. Adaptive draft
+length works as for blocks (the drafter's confidence per position, never a drawn draft's
+own probability).
 
 Tree speculation (EAGLE-3's dynamic tree), one step: the drafter ingests the target
 features of the tokens committed since its last step and grows a tree of drafts below
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from runtime.backends import BlockDrafter, Target, TreeDrafter
+from runtime.backends import BlockDrafter, ChainDrafter, Target, TreeDrafter
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
@@ -111,6 +119,47 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
             gen.visible_per_step.append(visible)
             gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
             done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
+    return gen
+
+
+def generate_chain(target: Target, drafter: ChainDrafter, prompt: list[int],
+                   max_new_tokens: int, sampler: Sampler, stop_ids=frozenset(),
+                   on_tokens: OnTokens = None, costs: StepCosts | None = None) -> Generation:
+    budget = _budget(target, prompt, max_new_tokens)
+    gen = Generation(len(prompt))
+    with gen.timed("total"):
+        with gen.timed("prefill"):
+            logits, features = target.prefill(prompt, len(prompt) + budget)
+            drafter.reset(len(prompt) + budget)
+        done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
+        unread = prompt + gen.tokens  # what the drafter has not read yet
+        committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
+        record = AcceptanceRecord()  # the drafter's confidence against what was accepted
+        while not done and len(gen.tokens) < budget:
+            room = budget - len(gen.tokens) - 1  # the step also commits the target's token
+            drafts, draft_probs = [], None  # no room: the last step is a plain decode step
+            if room > 0:
+                with gen.timed("draft"):
+                    proposal = drafter.draft(unread, features, min(drafter.max_drafts, room), sampler)
+                    drafts, draft_probs = proposal.tokens, proposal.probs
+                    if costs is not None:  # verify only the drafts worth their verify cost
+                        confidence = sampler.confidence(proposal.logits, draft_probs)
+                        drafts = drafts[:choose_draft_count(record.calibrate(confidence), committed, costs)]
+                # N of the first draft row: the row whose acceptance every other one needs
+                visible = int(proposal.visible[0])
+                gen.visible_per_step.append(visible)
+                gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
+            with gen.timed("verify"):
+                logits, verified = target.verify(gen.tokens[-1:] + drafts)
+                accepted, following = sampler.verify(drafts, logits, draft_probs)
+                if costs is not None and room > 0:
+                    record.update(confidence, len(drafts), accepted)
+                committed += accepted + 1
+                target.rollback(committed)
+            unread = drafts[:accepted] + [following]
+            features = None if verified is None else verified[: accepted + 1]
+            gen.committed_per_step.append(accepted + 1)
+            done = _commit(gen, unread, stop_ids, on_tokens)
     return gen
 
 

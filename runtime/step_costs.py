@@ -136,12 +136,9 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
             rows.append((1.0, n, context, n * context))
             times.append(_fastest_seconds(verify, repeats))
         if engine.has_drafter_model:
-            drafter = engine.drafter(frozen=True)
-            drafter.reset(context + 1 + repeats + 1)
-            drafter.draft(features[:-1], ids[0])  # fill its cache to ~context tokens
-            drafter.draft(features[-1:], ids[1])  # warm-up
             draft_rows.append((1.0, context))
-            draft_times.append(_fastest_seconds(lambda: drafter.draft(features[-1:], ids[1]), repeats))
+            draft_times.append(_fastest_seconds(_drafter_step(engine, ids, features, context,
+                                                              repeats), repeats))
         if progress:
             progress(f"      step costs at {context} tokens: verify "
                      + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(sizes, times[-len(sizes):]))
@@ -152,6 +149,30 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     elif draft_rows:  # one context measured (a short engine): a flat cost
         draft_fit = (round(draft_times[0], 9), 0.0)
     return StepCosts(_fit(rows, times), draft_fit)
+
+
+def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
+    """A drafter step with ~context tokens in the drafter's cache, its cache filled and
+    one warm-up step run: a block step (context features + bonus) or a chain step (one
+    new token, the engine's draft count)."""
+    from runtime.sampling import Sampler
+
+    drafter = engine.drafter(frozen=True)
+    if engine.drafting == "chain":
+        k, sampler = engine.max_drafts, Sampler()
+        drafter.reset(context + repeats + 2)
+        drafter.draft(ids[:context], features, k, sampler)  # fill its cache to context tokens
+
+        def step():
+            drafter.draft(ids[context:context + 1], None, k, sampler)
+    else:
+        drafter.reset(context + 1 + repeats + 1)
+        drafter.draft(features[:-1], ids[0])  # fill its cache to ~context tokens
+
+        def step():
+            drafter.draft(features[-1:], ids[1])
+    step()  # warm-up
+    return step
 
 
 def decode_seconds(costs: StepCosts, limit: int) -> float:

@@ -81,8 +81,8 @@ def test_eagle3_and_pard_trtllm_engines_point_at_the_given_checkpoint(tmp_path, 
     assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
 
 
-def test_eagle3_and_pard_are_refused_in_one_line_elsewhere(tmp_path, tiny_target, capsys):
-    assert build("--drafter", "pard", "--backend", "torch", "--target", str(tiny_target)) == 2
+def test_eagle3_is_refused_in_one_line_elsewhere(tmp_path, tiny_target, capsys):
+    assert build("--drafter", "eagle3", "--backend", "torch", "--target", str(tiny_target)) == 2
     assert build("--drafter", "eagle3", "--backend", "trtllm", "--target", str(tiny_target),
                  "--output", str(tmp_path / "x")) == 2
     lines = capsys.readouterr().err.strip().splitlines()

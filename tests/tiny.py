@@ -1,6 +1,7 @@
 """Tiny real checkpoints for tests: transformers decoders with random weights saved in
-their published layouts, a BPE tokenizer trained on CPython sources, and DFlash
-drafters written in the z-lab/dflash layout. Seeded, built in about a second."""
+their published layouts, a BPE tokenizer trained on CPython sources, DFlash drafters
+written in the z-lab/dflash layout and PARD drafters in PARD's (a transformers causal
+LM + pard_token). Seeded, built in about a second."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from runtime.models.dflash import DFlashConfig, DFlashDrafter, save_dflash
+from runtime.models.pard import PARDConfig, PARDDrafter, save_pard
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 
@@ -163,3 +165,53 @@ def make_eagle3(out: Path, target_dir: Path, seed: int = 2, draft_vocab: int | N
                           dtype=torch.float32)
     save_eagle3(model, out)
     return out
+
+
+PARD_TOKEN = 3  # "<mask>" in SPECIALS
+
+
+def pard_config(vocab: int, context: int, layers: int = 1, hidden: int = 24,
+                pard_token: int = PARD_TOKEN, tied: bool = False) -> PARDConfig:
+    """A PARD drafter's config: its own width (hidden 24 against the tiny targets' 32 or
+    16: PARD is target-independent), the target's vocabulary and context."""
+    from runtime.models.target import TargetConfig
+
+    return PARDConfig(TargetConfig("llama", vocab, hidden, 2 * hidden, layers, 4, 2, hidden // 4,
+                                   1e-6, 10000.0, context, False, False, tied),
+                      pard_token, training_max_length=64)
+
+
+def make_pard(out: Path, target_dir: Path, seed: int = 2, layers: int = 1,
+              dtype: torch.dtype = torch.float32) -> Path:
+    t = json.loads((target_dir / "config.json").read_text())
+    torch.manual_seed(seed)
+    model = PARDDrafter(pard_config(t["vocab_size"], t["max_position_embeddings"], layers)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    save_pard(model, out)
+    return out
+
+
+def float64_pard(seed: int, vocab: int, layers: int = 1, context: int = 128,
+                 sharpness: float = 3.0, pard_token: int | None = None) -> PARDDrafter:
+    """A random float64 PARD drafter in memory (pard_token default: the last id)."""
+    torch.manual_seed(seed)
+    token = vocab - 1 if pard_token is None else pard_token
+    model = PARDDrafter(pard_config(vocab, context, layers, pard_token=token)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(sharpness)
+    return model
+
+
+def pard_from_target(target, pard_token: int) -> PARDDrafter:
+    """A PARD drafter that IS the target (same layers and head): its first draft of a step
+    is the target's own next-token choice, so the tests' drafts do get accepted."""
+    import dataclasses
+
+    drafter = PARDDrafter(PARDConfig(dataclasses.replace(target.config), pard_token))
+    drafter.load_state_dict(target.state_dict(), strict=False)
+    return drafter.to(target.embed_tokens.weight.dtype).eval()

@@ -19,6 +19,20 @@ The speculative loops in runtime/speculative.py only see these roles:
            reset(capacity)
            draft(context [c, F], bonus) -> (logits [block - 1, vocab], visible keys N)
            scaling                -- the QueryScaling it applies, or None (frozen)
+  Chain drafter (PARD; EAGLE-3 with top_k = 1):
+           reset(capacity)
+           draft(ids, features, k, sampler) -> ChainDraft(tokens [k], probs [k, vocab] or
+                  None (greedy), logits [k, vocab], visible [k]: N of each draft row)
+                  -- ids: tokens committed since the last call (the prompt and the first
+                  token at the first call), ending with the newest, which the target has
+                  not run yet; features: the target's features of the tokens just before
+                  the last len(features) ids ([t, F] or None: a drafter that reads none,
+                  like PARD, ignores them). Commits exactly `ids` to the drafter's cache:
+                  whatever it writes while drafting lies past that length, as scratch.
+                  Drafts come from `sampler` (Sampler.propose), so sampling stays lossless:
+                  a drafter that drafts token by token draws each from its own q.
+           max_drafts             -- the most drafts one call makes (K)
+           scaling
 
 The batched executor (runtime/batched.py) sees the same two roles over a batch of
 sequences at different lengths, one row each; a sequence joins as the last row and
@@ -36,6 +50,7 @@ leaves from any row, between steps:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -90,6 +105,31 @@ class BlockDrafter(Protocol):
     def reset(self, capacity: int) -> None: ...
 
     def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
+
+
+@dataclasses.dataclass
+class ChainDraft:
+    """What a chain drafter proposes in one call."""
+    tokens: list[int]
+    probs: torch.Tensor | None  # the distributions the tokens were drawn from; None: greedy
+    logits: torch.Tensor  # [k, vocab]
+    visible: torch.Tensor  # [k]: visible-key count of each draft row
+
+    @classmethod
+    def propose(cls, logits: torch.Tensor, visible: torch.Tensor, sampler) -> "ChainDraft":
+        """Drafts drawn from logits computed in one pass (PARD): each row's token from
+        its own row, by the sampler's rule."""
+        tokens, probs = sampler.propose(logits)
+        return cls(tokens, probs, logits, visible)
+
+
+class ChainDrafter(Protocol):
+    max_drafts: int
+    scaling: QueryScaling | None
+
+    def reset(self, capacity: int) -> None: ...
+
+    def draft(self, ids: list[int], features: torch.Tensor | None, k: int, sampler) -> ChainDraft: ...
 
 
 class TreeDrafter(Protocol):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.backends import ChainDraft
 from runtime.manifest import EngineError, Manifest
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
@@ -222,6 +223,40 @@ class OnnxDFlash:
         return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
 
 
+class OnnxPARD:
+    """A PARD drafter graph: [unread tokens, pard x (k - 1)] after the HostKVCache's
+    committed tokens; logits of the last k rows; the real tokens' keys/values are kept."""
+
+    def __init__(self, session, pard_token: int, max_drafts: int, scaling: QueryScaling | None):
+        self.session, self.pard_token, self.scaling = session, pard_token, scaling
+        self.max_drafts = max_drafts
+        self.dims = _cache_dims(session)
+        self.cache: HostKVCache | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = HostKVCache(capacity, *self.dims)
+
+    def _step(self, row: list[int], logit_rows: int, keep: int):
+        meta = StepMetadata(self.cache.length, len(row))
+        feeds = {"ids": np.asarray([row], dtype=np.int64),
+                 "logit_positions": np.arange(len(row) - logit_rows, len(row), dtype=np.int64),
+                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
+        logits, keys, values = self.session.run(None, feeds | self.cache.past())
+        self.cache.append(keys[:keep], values[:keep])
+        return torch.from_numpy(logits[0]), meta.causal_visible(len(row), 1)[0]
+
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        ids = list(ids)
+        # A long first read (the prompt) goes in PREFILL_CHUNK-token steps, as the
+        # target's prefill does: each step's scores are [chunk, past + chunk].
+        while len(ids) > PREFILL_CHUNK:
+            self._step(ids[:PREFILL_CHUNK], 1, PREFILL_CHUNK)
+            ids = ids[PREFILL_CHUNK:]
+        row = ids + [self.pard_token] * max(k - 1, 0)
+        logits, visible = self._step(row, max(k, 1), len(ids))
+        return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
+
+
 class OnnxBatchTarget:
     """target-kv.onnx over a batch: one BoundKVCache row per sequence, `lengths` per row
     fed as past_len [batch]. A sequence is prefilled alone (OnnxTarget.prefill) and its
@@ -370,9 +405,15 @@ class OnnxEngine:
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
+        self.drafter_family = manifest.drafter
         self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]))
 
-    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash:
+    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | OnnxPARD:
+        if self.drafter_family == "pard":
+            session = self.sessions["drafter" if sharpdraft and self.scaling is not None
+                                    else "drafter_frozen"]
+            scaling = self.scaling if sharpdraft else None
+            return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         if sharpdraft and self.scaling is not None:
             return OnnxDFlash(self.sessions["drafter"], self.block_size, self.mask_token_id,
                               self.scaling)
@@ -382,5 +423,7 @@ class OnnxEngine:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
 
     def batch_drafter(self, sharpdraft: bool = True) -> OnnxBatchDFlash:
+        if self.drafter_family != "dflash":
+            raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
         single = self.drafter(sharpdraft)
         return OnnxBatchDFlash(single.session, self.block_size, self.mask_token_id, single.scaling)

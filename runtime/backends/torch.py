@@ -1,13 +1,15 @@
-"""The torch backend: our TargetModel and DFlashDrafter run eagerly (CPU or CUDA)."""
+"""The torch backend: our TargetModel and the drafters (DFlash, PARD, EAGLE-3) run eagerly (CPU or CUDA)."""
 
 from __future__ import annotations
 
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime.backends import ChainDraft
 from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
+from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 from runtime.tree import DraftTree, TreeShape, grow_tree
 
@@ -85,6 +87,31 @@ class TorchDFlash:
         return self.head(hidden[0, 1:]), visible
 
 
+class TorchPARD:
+    """The PARD chain drafter: one pass over [unread tokens, pard x (k - 1)], drafts from
+    the last k rows' logits (over the target's `vocab_size` ids)."""
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
+                 scaling: QueryScaling | None):
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+        self.max_drafts = max_drafts
+        self.pard_token = drafter.config.pard_token
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        # + max_drafts: the pard rows' keys sit past `length` as scratch each step.
+        self.cache = self.drafter.new_cache(capacity + self.max_drafts)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        hidden, visible = self.drafter(x, self.cache, self.scaling, keep=len(ids))
+        first = len(row) - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
+                                  visible[0, first:], sampler)
+
+
 class TorchBatchTarget:
     """The target over a batch: one KVCache row per sequence, each at its own length."""
 
@@ -150,7 +177,7 @@ class TorchEagle3:
                  tree: TreeShape = TreeShape(), max_drafts: int = 16):
         self.drafter, self.scaling, self.tree = drafter, scaling, tree
         self.vocab = DraftVocabulary(drafter)
-        self.max_drafts = max_drafts  # the longest chain draft_chain writes
+        self.max_drafts = max_drafts  # the longest chain draft() writes (K)
         self.cache = None
 
     def reset(self, capacity: int) -> None:
@@ -189,23 +216,28 @@ class TorchEagle3:
         return tree, max(largest)
 
     @torch.inference_mode()
-    def draft_chain(self, context: torch.Tensor, following: list[int], count: int, sampler):
-        """EAGLE-3 with top_k = 1: `count` drafts, each chosen by `sampler` (argmax, or
-        drawn from the drafter's distribution) and fed back with the row's own state.
-        Returns the drafts, their distributions over the target vocabulary (None when
-        greedy) and the most keys a drafter row saw; the chain's rows are scratch."""
-        logits, hidden, visible = self._ingest(context, following)
-        if count < 1:
-            return [], None, visible
+    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
+        """The chain role (EAGLE-3 with top_k = 1, speculative.generate_chain): ingest
+        `features` [c, F], each row paired with the token after it (the last c ids), then
+        draft k tokens, each chosen by `sampler` (argmax, or drawn from the drafter's own
+        distribution, which is then the q verification divides by) and fed back as the
+        next row's token with the row's own state. The chain's rows are scratch."""
+        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
         committed = self.cache.length
-        drafts, dists = [], []
-        for i in range(count):
-            token, q = sampler.propose(self.vocab.target_logits(logits)[None])
-            drafts += token
+        tokens, dists, rows, counts = [], [], [], []
+        for i in range(k):
+            row = self.vocab.target_logits(logits)
+            token, q = sampler.propose(row[None])
+            tokens += token
             dists.append(q)
-            if i + 1 < count:  # the last draft needs no row of its own
-                ids = torch.tensor([token], dtype=torch.long, device=hidden.device)
-                out, state, counts = self.drafter(ids, hidden[None, None], self.cache, self.scaling)
-                logits, hidden, visible = out[0, -1], state[0, -1], int(counts[0, -1])
+            rows.append(row)
+            counts.append(visible)
+            if i + 1 < k:  # the last draft needs no row of its own
+                x = torch.tensor([token], dtype=torch.long, device=hidden.device)
+                out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
+                logits, hidden, visible = out[0, -1], state[0, -1], int(n[0, -1])
         self.cache.rollback(committed)
-        return drafts, None if dists[0] is None else torch.cat(dists), visible
+        probs = None if not dists or dists[0] is None else torch.cat(dists)
+        empty = logits.new_zeros((0, self.vocab.index.shape[0]))
+        return ChainDraft(tokens, probs, torch.stack(rows) if rows else empty,
+                          torch.tensor(counts, dtype=torch.long))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
-from runtime.metrics import pooled_mean_accepted_length, pooled_tokens_per_second
+from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
 
@@ -116,6 +116,10 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
     row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
                                for m in drafting}
+    if {"frozen", "sharpdraft"} <= set(drafting):  # SharpDraft's effect, with its noise
+        row["mal_ratio_sharpdraft_frozen"] = paired_ratio_ci(
+            [r["sharpdraft"][0].mean_accepted_length for r in runs],
+            [r["frozen"][0].mean_accepted_length for r in runs])
     if greedy:  # sampled runs draw different tokens by design; only greedy must agree
         row["first_divergence"] = {
             m: [first_difference(g.tokens, r["target"][0].tokens) for r in runs for g in r[m]]
@@ -165,11 +169,14 @@ def plot(result: dict, path: str) -> None:
 
 
 def training_max_length(engine) -> int | None:
+    """The drafter's training max length, as its config.json records it (None: unknown)."""
     from runtime.models.dflash import read_dflash_config
+    from runtime.models.pard import read_pard_config
 
     if engine.manifest.drafter_dir is None:
         return None
-    return read_dflash_config(engine.manifest.drafter_dir).training_max_length
+    read = read_pard_config if engine.manifest.drafter == "pard" else read_dflash_config
+    return read(engine.manifest.drafter_dir).training_max_length
 
 
 def machine() -> dict:
@@ -285,10 +292,19 @@ def print_table(rows: list[dict]) -> None:
     header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
     header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
     header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
+    ratio = "mal_ratio_sharpdraft_frozen" in rows[0]
+    if ratio:
+        header += f" {'MAL sharpdraft/frozen [95% CI]':>31}"
     print(header)
     for r in rows:
         same = r.get("identical_to_target")
         same = "-" if same is None else "yes" if all(sum(same.values(), [])) else "NO"
         print(f"{r['context_tokens']:>8}" + "".join(f" {r[f'mal_{m}']:>15.3f}" for m in drafting)
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
-              + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}")
+              + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
+              + (f" {format_ratio(r['mal_ratio_sharpdraft_frozen']):>31}" if ratio else ""))
+
+
+def format_ratio(ratio: dict) -> str:
+    low, high = ratio["ci"]
+    return f"{ratio['mean']:.3f} [{low:.3f}, {high:.3f}] n={ratio['items']}"

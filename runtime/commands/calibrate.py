@@ -46,8 +46,8 @@ def add_parser(sub):
 
 def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
     """{setting: {length: [Generation per doc]}}; setting None = frozen drafter."""
-    from runtime import speculative
     from runtime.backends import PrefillOnce
+    from runtime.engine import speculative_loop
     from runtime.sampling import Sampler
 
     results = {s: {n: [] for n in [short, *lengths]} for s in [None, *settings]}
@@ -57,7 +57,7 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
             for setting in results:
                 drafter = engine.drafter_with_scaling(setting)
                 results[setting][length].append(
-                    speculative.generate_block(once, drafter, ids[:length], new_tokens, Sampler()))
+                    speculative_loop(engine)(once, drafter, ids[:length], new_tokens, Sampler()))
                 bar.update(1)
     return results
 
@@ -119,7 +119,7 @@ def run(args) -> int:
                     for r, s in itertools.product(args.ref_keys, args.slopes)]
     except ValueError as exc:
         raise UsageError(f"invalid grid: {exc}") from None
-    bs = engine.drafter_model.config.block_size
+    bs = engine.manifest.block_size  # tokens one verify pass checks
     trained = training_max_length(engine)
     short = args.short or (trained - bs - 8 if trained else 448)
     lengths = sorted(set(args.lengths))

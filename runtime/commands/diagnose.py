@@ -1,6 +1,7 @@
 """`python -m runtime diagnose`: the paper's Figure-1 measurement for our drafter -- the
 mean attention mass on each query's top-32 keys, per drafter layer, against the number
-of visible keys, with the drafter frozen and with SharpDraft's scale.
+of visible keys, with the drafter frozen and with SharpDraft's scale (DFlash: the block's
+rows; PARD: the draft rows of one chain step).
 
 One target prefill per document at the longest length gives the context features of
 every shorter prefix too (causal attention), so each length costs one drafter step.
@@ -65,6 +66,32 @@ def measure(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
     return out
 
 
+@torch.inference_mode()
+def measure_chain(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
+    """measure() for a chain drafter (PARD): one drafter pass per length over the first
+    `length` tokens and its pard rows; the mass is the mean over the draft rows, each
+    row over its own N keys with its own beta."""
+    drafter = engine.drafter_model
+    k = engine.max_drafts
+    out = {"frozen": {}, "sharpdraft": {}}
+    for length in lengths:
+        row = ids[:length] + [drafter.config.pard_token] * (k - 1)
+        x = torch.tensor([row])
+        visible = StepMetadata(0, len(row)).causal_visible(len(row), 1)[0, -k:].tolist()
+        for mode, scaling in (("frozen", None), ("sharpdraft", engine.scaling)):
+            masses = {}
+
+            def probe(layer, q, keys):
+                masses[layer] = sum(
+                    attention_mass(q[:, :, len(row) - k + j:len(row) - k + j + 1], keys, n,
+                                   scaling.beta(n) if scaling else 1.0, top_k)
+                    for j, n in enumerate(visible)) / k
+
+            drafter(x, drafter.new_cache(len(row)), scaling, probe=probe)
+            out[mode][length] = [masses[i] for i in range(len(masses))]
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -102,6 +129,8 @@ def run(args) -> int:
     from runtime.engine import Engine
 
     engine = Engine(args.engine_dir, backend="torch")  # the probe reads torch tensors
+    if not engine.has_drafter_model:
+        raise UsageError(f"{args.engine_dir} has no drafter model; nothing to diagnose")
     if engine.scaling is None:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft; nothing to compare")
     lengths = sorted(set(args.lengths))
@@ -112,11 +141,13 @@ def run(args) -> int:
     per_doc = []
     for name, ids in docs:
         progress(f"diagnose: {name} (prefill {lengths[-1]} tokens, then one drafter step per length)")
-        per_doc.append(measure(engine, ids, lengths, args.top_k))
-    bs = engine.drafter_model.config.block_size
+        chain = engine.drafting == "chain"
+        per_doc.append((measure_chain if chain else measure)(engine, ids, lengths, args.top_k))
     rows = []
     for length in lengths:
-        n = StepMetadata(0, length).block_keys(bs)
+        # N of the first drafted row: a DFlash block's (all rows alike), a chain's first
+        n = (StepMetadata(length - 1, 1).causal_visible(1, 1).item() if engine.drafting == "chain"
+             else StepMetadata(0, length).block_keys(engine.drafter_model.config.block_size))
         row = {"context_tokens": length, "visible_keys": n, "beta": round(engine.scaling.beta(n), 4)}
         for mode in ("frozen", "sharpdraft"):
             layers = zip(*(d[mode][length] for d in per_doc))

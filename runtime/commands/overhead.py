@@ -79,6 +79,9 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
     engine = Engine(args.engine_dir, backend=args.backend)
+    if engine.drafting == "chain":
+        raise UsageError(f"{args.engine_dir}: overhead times DFlash block steps; a "
+                         f"{engine.manifest.drafter} engine's step is not timed by it yet")
     if engine.scaling is None:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft: there is no "
                          "SharpDraft drafter to compare")

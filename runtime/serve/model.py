@@ -96,54 +96,28 @@ class TritonPythonModel:
         except Exception as exc:  # one bad request must not take the instance down
             return pb_utils.InferenceResponse(error=self._error(exc))
 
-    def _stream(self, request):
-        """One response per commit -- the prefill's first token, then each verify step --
-        carrying that commit's token_ids and text; a last response, flagged final, carries
-        the generation's statistics (and any text held back mid-character)."""
+    def _open_stream(self, request, cancelled):
+        """What both streaming paths share: parse the request (on bad input an error
+        response ends the stream and this returns None), then callbacks that send each
+        commit's token_ids and text (raising `cancelled` once the client has gone, so the
+        instance stops spending steps on it), the final response with the generation's
+        statistics (and any text held back mid-character), or an error."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+        def fail(exc):
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+
         try:
             req, ids = self._prepare(request)
         except Exception as exc:
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
-            return
+            fail(exc)
+            return None
         text = self.TextStream(self.engine.decode)
 
         def on_tokens(new):
-            if request.is_cancelled():  # the client went away: stop spending the instance on it
-                raise _Cancelled()
-            arrays = {"text": self.protocol.text_array(text.push(new)),
-                      "token_ids": self.protocol.ids_array(new)}
-            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
-
-        try:
-            gen = self.engine.generate(ids, req.max_new_tokens,
-                                       req.mode(self.engine), req.sampling(),
-                                       on_tokens=on_tokens)
-        except _Cancelled:
-            sender.send(flags=final)
-            return
-        except Exception as exc:
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
-            return
-        arrays = self.protocol.outputs(text.flush(), [], gen, self.protocol.finish_reason(gen))
-        sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
-
-    def _submit(self, request):
-        """Like _stream, but the request joins the scheduler's running batch: execute()
-        returns at once and the scheduler's thread sends each step's tokens and the end."""
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        try:
-            req, ids = self._prepare(request)
-        except Exception as exc:
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
-            return
-        text = self.TextStream(self.engine.decode)
-
-        def on_tokens(new):
-            if request.is_cancelled():  # the client went away: leave the batch
-                raise self.Cancelled()
+            if request.is_cancelled():
+                raise cancelled()
             arrays = {"text": self.protocol.text_array(text.push(new)),
                       "token_ids": self.protocol.ids_array(new)}
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
@@ -153,12 +127,42 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
-            if isinstance(exc, self.Cancelled):
+            if isinstance(exc, cancelled):
                 sender.send(flags=final)
-                return
+            else:
+                fail(exc)
+
+        return req, ids, on_tokens, on_done, on_error, sender
+
+    def _stream(self, request):
+        """One response per commit -- the prefill's first token, then each verify step --
+        and a last one, flagged final, with the statistics; decoded here, one request at a
+        time."""
+        opened = self._open_stream(request, _Cancelled)
+        if opened is None:
+            return
+        req, ids, on_tokens, on_done, on_error, _ = opened
+        try:
+            gen = self.engine.generate(ids, req.max_new_tokens,
+                                       req.mode(self.engine), req.sampling(),
+                                       on_tokens=on_tokens)
+        except Exception as exc:
+            on_error(exc)
+            return
+        on_done(gen)
+
+    def _submit(self, request):
+        """Like _stream, but the request joins the scheduler's running batch: execute()
+        returns at once and the scheduler's thread sends each step's tokens and the end."""
+        opened = self._open_stream(request, self.Cancelled)
+        if opened is None:
+            return
+        req, ids, on_tokens, on_done, send_error, sender = opened
+
+        def on_error(exc):
             if isinstance(exc, ValueError) and not isinstance(exc, self.protocol.RequestError):
                 exc = self.protocol.RequestError(str(exc))  # the request's own input
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+            send_error(exc)
 
         try:
             self.scheduler.submit(self.Job(ids, req.max_new_tokens, req.mode(self.engine),
@@ -166,7 +170,8 @@ class TritonPythonModel:
         except self.QueueFull as exc:
             error = pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, "UNAVAILABLE",
                                                            pb_utils.TritonError.INTERNAL))
-            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            sender.send(pb_utils.InferenceResponse(error=error),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
         if self.scheduler is not None:

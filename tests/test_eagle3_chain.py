@@ -1,0 +1,106 @@
+"""EAGLE-3 with top_k = 1 drafts a chain and runs in speculative.generate_chain (the
+loop PARD shares): greedy output equals target-only output token for token, with and
+without SharpDraft, and speculative sampling leaves the target's law unchanged."""
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import runtime.models.eagle3 as eagle3
+from plugins.attention import sharpdraft_attention
+from plugins.scaling import QueryScaling
+from runtime.backends import PrefillOnce
+from runtime.backends.torch import TorchEagle3, TorchTarget
+from runtime.sampling import Sampler, Sampling
+from runtime.speculative import generate_chain, generate_target_only
+from runtime.step_costs import StepCosts
+
+from exact_law import chi_square_p, exact_first_tokens
+from test_eagle3 import eagle_pair
+
+
+def chain_runners(target, drafter, scaling, k):
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    return TorchTarget(target, layers), TorchEagle3(drafter, scaling, max_drafts=k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]), k=st.integers(1, 6),
+       prompt_len=st.integers(1, 24), max_new=st.integers(1, 40), scaled=st.booleans(),
+       stop=st.booleans(), reduced_vocab=st.booleans(), eagle31=st.booleans(),
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)))
+def test_greedy_chain_speculation_equals_target_only(seed, vocab, k, prompt_len, max_new, scaled,
+                                                     stop, reduced_vocab, eagle31, per_token):
+    target, drafter = eagle_pair(seed % 5000, vocab, vocab // 2 if reduced_vocab else None, eagle31)
+    scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if scaled else None
+    t, d = chain_runners(target, drafter, scaling, k)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    stop_ids = frozenset({0}) if stop else frozenset()
+    # per_token: adaptive draft length under a verify cost of 1 + per_token * tokens
+    costs = None if per_token is None else StepCosts((1.0, per_token, 0.0, 0.0), (0.2, 0.0))
+    want = generate_target_only(t, prompt, max_new, Sampler(), stop_ids)
+    got = generate_chain(t, d, prompt, max_new, Sampler(), stop_ids, costs=costs)
+    assert got.tokens == want.tokens
+    if got.stopped_by == "length":
+        assert sum(got.committed_per_step) + 1 == len(got.tokens)
+    assert all(1 <= c <= k + 1 for c in got.committed_per_step)
+
+
+def test_the_chain_check_exercises_acceptance():
+    accepted = []
+    for seed in range(8):
+        target, drafter = eagle_pair(seed, vocab=4)
+        t, d = chain_runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0), 5)
+        accepted.append(generate_chain(t, d, [1, 2, 3], 40, Sampler()).mean_accepted_length)
+    assert max(accepted) > 1.5, accepted
+
+
+def test_chain_rows_are_causal_and_report_their_own_visible_keys(monkeypatch):
+    """Recorded at the op: c context rows see 1..c keys, chain row i sees c + i + 1; the
+    ChainDraft's visible counts are those of the rows each draft came from."""
+    handed = []
+
+    def recording(q, k, v, visible, scaling=None, mask=None):
+        handed.append((visible.clone(), mask, scaling))
+        return sharpdraft_attention(q, k, v, visible, scaling, mask)
+
+    monkeypatch.setattr(eagle3, "sharpdraft_attention", recording)
+    target, drafter = eagle_pair(3, vocab=12)
+    scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
+    d = TorchEagle3(drafter, scaling, max_drafts=4)
+    d.reset(30)
+    c = 7
+    features = torch.randn(c, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    draft = d.draft(list(range(c + 1)), features, 4, Sampler())
+    assert [h[1] for h in handed] == [None] * 4 and all(h[2] is scaling for h in handed)
+    assert handed[0][0][0].tolist() == list(range(1, c + 1))
+    assert [int(h[0][0, 0]) for h in handed[1:]] == [c + 1, c + 2, c + 3]
+    assert draft.visible.tolist() == [c, c + 1, c + 2, c + 3]
+    assert d.cache.length == c  # the chain's rows are scratch
+    assert len(draft.tokens) == 4 and draft.probs is None and draft.logits.shape == (4, 12)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 3])
+def test_chain_sampling_preserves_the_target_distribution(draft_vocab):
+    """20k runs (temperature 0.8, top-p 0.9) against the exact law of the first three
+    tokens: the prefill's token, then a step drafting 2 tokens autoregressively, each
+    drawn from the drafter's own distribution. With a draft vocabulary of 3 of the 4
+    tokens, the fourth (draft probability 0) still comes out at its target rate."""
+    vocab, draws = 4, 20_000
+    target, drafter = eagle_pair(11, vocab, draft_vocab, sharpness=1.5)
+    t, d = chain_runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0), 2)
+    prompt = [1, 2, 0]
+    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=4321))
+    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    first_step = Counter()
+    once = PrefillOnce(t, prompt, len(prompt) + 4)
+    for _ in range(draws):
+        gen = generate_chain(once, d, prompt, 4, sampler)
+        t1, t2, t3 = gen.tokens[:3]
+        counts[(t1 * vocab + t2) * vocab + t3] += 1
+        first_step[gen.committed_per_step[0]] += 1
+    assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
+    assert chi_square_p(counts, expected) > 0.001

@@ -1,0 +1,187 @@
+"""PARD engines end to end on tiny checkpoints: build_engine.py --drafter pard for torch
+and onnxruntime (the drafter graph carries the SharpDraftAttention node, counts from its
+past_lens input), the same tokens and drafts on both backends and in both attention
+forms, and the commands (generate, bench, calibrate, diagnose) on a PARD engine."""
+
+import json
+
+import pytest
+import torch
+
+import tiny
+from runtime import speculative
+from runtime.__main__ import main as runtime_main
+from runtime.backends.onnxruntime import OnnxPARD, open_session
+from runtime.cli import run
+from runtime.engine import Engine
+from runtime.sampling import Sampler
+
+NEW_TOKENS = 24
+
+
+def build(*args) -> int:
+    import build_engine
+
+    return run(build_engine.main, list(args))
+
+
+@pytest.fixture(scope="module")
+def pard_checkpoint(tmp_path_factory, long_target):
+    return tiny.make_pard(tmp_path_factory.mktemp("pard"), long_target)
+
+
+@pytest.fixture(scope="module")
+def pard_onnx_engine(tmp_path_factory, long_target, pard_checkpoint):
+    """ONNX graphs, plugin form; ref_keys 64 puts beta > 1 from ~70 keys on."""
+    out = tmp_path_factory.mktemp("engines") / "pard-onnx"
+    assert build("--drafter", "pard", "--sharpdraft", "--target", str(long_target),
+                 "--drafter-checkpoint", str(pard_checkpoint), "--ref-keys", "64", "--top-k", "8",
+                 "--num-draft-tokens", "3", "--backend", "onnxruntime", "--attention", "plugin",
+                 "--output", str(out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def pard_torch_engine(tmp_path_factory, tiny_target):
+    out = tmp_path_factory.mktemp("engines") / "pard-torch"
+    ckpt = tiny.make_pard(tmp_path_factory.mktemp("pard-small"), tiny_target)
+    assert build("--drafter", "pard", "--sharpdraft", "--target", str(tiny_target),
+                 "--drafter-checkpoint", str(ckpt), "--ref-keys", "64", "--top-k", "8",
+                 "--backend", "torch", "--output", str(out)) == 0
+    return out
+
+
+class RecordedChain:
+    """Passes a chain drafter through, keeping every chain it proposed."""
+
+    def __init__(self, inner):
+        self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
+        self.proposals = []
+
+    def reset(self, capacity):
+        self.inner.reset(capacity)
+
+    def draft(self, ids, features, k, sampler):
+        proposal = self.inner.draft(ids, features, k, sampler)
+        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
+        return proposal
+
+
+def speculate(engine, drafter, prompt):
+    recorded = RecordedChain(drafter)
+    gen = speculative.generate_chain(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
+    return gen.tokens, gen.committed_per_step, gen.visible_per_step, recorded.proposals
+
+
+def test_the_engine_records_a_pard_drafter(pard_onnx_engine):
+    manifest = json.loads((pard_onnx_engine / "engine.json").read_text())
+    assert manifest["drafter"] == "pard" and manifest["block_size"] == 4
+    assert manifest["query_scaling"]["ref_keys"] == 64
+    assert manifest["extra"]["family_preset"]["ref_keys"] == 8192  # the paper's PARD count
+    assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
+    graphs = manifest["extra"]["onnx"]["graphs"]
+    assert graphs["drafter"]["plugin_nodes"] == 1  # one per drafter layer
+    assert graphs["drafter_frozen"]["plugin_nodes"] == 0
+    assert "past_lens" in [i["name"] for i in graphs["drafter"]["inputs"]]
+    assert manifest["extra"]["onnx"]["mask_token_id"] == tiny.PARD_TOKEN
+    assert manifest["extra"]["step_costs"]["onnxruntime"]["draft"] is not None
+
+
+@pytest.mark.parametrize("length", (17, 600))  # 600: the drafter's first read is chunked
+@pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
+def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, sharpdraft):
+    ort, torch_side = Engine(pard_onnx_engine), Engine(pard_onnx_engine, backend="torch")
+    prompt = torch_side.encode(tiny.stdlib_text())[:length]
+    ours = speculate(ort, ort.drafter(frozen=not sharpdraft), prompt)
+    theirs = speculate(torch_side, torch_side.drafter(frozen=not sharpdraft), prompt)
+    assert ours[:3] == theirs[:3]
+    assert [p[0] for p in ours[3]] == [p[0] for p in theirs[3]]  # the same drafts
+    assert [p[1] for p in ours[3]] == [p[1] for p in theirs[3]]  # and the same N per row
+    assert len(ours[0]) == NEW_TOKENS
+    if sharpdraft and length == 600:
+        assert ort.scaling.beta(ours[2][0]) > 1.0  # the comparison covers scaled rows
+
+
+def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
+    """The drafter graph exported again with beta in plain ONNX ops gives the plugin
+    node's logits, with the per-row counts read from past_lens."""
+    from build import export
+
+    engine = Engine(pard_onnx_engine, backend="torch")
+    path = tmp_path / "drafter-native.onnx"
+    export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
+    plugin = Engine(pard_onnx_engine).drafter()
+    native = OnnxPARD(open_session(path), tiny.PARD_TOKEN, 3, engine.scaling)
+    ids = engine.encode(tiny.stdlib_text())[:140]
+    for drafter in (plugin, native):
+        drafter.reset(200)
+    for start, end in ((0, 120), (120, 121), (121, 140)):
+        a = plugin.draft(ids[start:end], None, 3, Sampler())
+        b = native.draft(ids[start:end], None, 3, Sampler())
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+        assert a.visible.tolist() == b.visible.tolist()
+
+
+def test_generate_runs_every_mode_with_the_same_greedy_tokens(pard_torch_engine, capsys):
+    outputs = {}
+    for mode in ([], ["--no-sharpdraft"], ["--target-only"]):
+        code = run(runtime_main, ["generate", "--engine-dir", str(pard_torch_engine), "--prompt",
+                                  "import os\n", "--max-new-tokens", "20", "--ignore-eos", "--json",
+                                  *mode])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        result = json.loads(captured.out)
+        outputs[result["mode"]] = result["tokens"]
+    assert outputs["sharpdraft"] == outputs["frozen"] == outputs["target"]
+    assert len(outputs["target"]) == 20
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs") / "doc.txt"
+    path.write_text(tiny.stdlib_text(30_000))
+    return path
+
+
+def test_bench_diagnose_and_calibrate_run_on_a_pard_engine(pard_torch_engine, doc, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = run(runtime_main, ["bench", "--engine-dir", str(pard_torch_engine), "--lengths", "16", "160",
+                              "--new-tokens", "10", "--docs", str(doc), "--repeats", "1",
+                              "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["drafter"] == "pard" and result["training_max_length"] == 64
+    assert all(all(r["identical_to_target"]["sharpdraft"]) for r in result["rows"])
+
+    code = run(runtime_main, ["diagnose", "--engine-dir", str(pard_torch_engine), "--lengths", "8", "300",
+                              "--top-k", "8", "--docs", str(doc), "--json", str(tmp_path / "d.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert rows[0]["frozen"] == rows[0]["sharpdraft"]  # beta = 1 at 8 keys
+    assert all(s > f for f, s in zip(rows[-1]["frozen"], rows[-1]["sharpdraft"]))
+
+    code = run(runtime_main, ["calibrate", "--engine-dir", str(pard_torch_engine), "--ref-keys", "32", "128",
+                              "--slopes", "2", "--lengths", "150", "--short", "40", "--new-tokens", "6",
+                              "--docs", str(doc), "--dry-run", "--json", str(tmp_path / "c.json")])
+    assert code == 0, capsys.readouterr().err
+    assert len(json.loads((tmp_path / "c.json").read_text())["grid"]) == 2
+
+
+def test_what_pard_engines_cannot_do_yet_is_one_line(pard_torch_engine, capsys):
+    code = run(runtime_main, ["bench", "--engine-dir", str(pard_torch_engine), "--lengths", "16",
+                              "--new-tokens", "4", "--batch", "2", "--docs", __file__])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: ") and "one sequence at a time" in err[-1]
+    code = run(runtime_main, ["overhead", "--engine-dir", str(pard_torch_engine)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not timed by it yet" in err[0]
+
+
+def test_a_mismatched_drafter_is_refused_at_build_in_one_line(tmp_path, tiny_target, capsys):
+    from runtime.models.pard import PARDDrafter, save_pard
+
+    save_pard(PARDDrafter(tiny.pard_config(300, 512)), tmp_path / "small")
+    code = build("--drafter", "pard", "--target", str(tiny_target), "--drafter-checkpoint",
+                 str(tmp_path / "small"), "--backend", "torch", "--output", str(tmp_path / "e"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: ") and "vocab_size 300 vs target 320" in err[-1]
