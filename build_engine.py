@@ -12,6 +12,7 @@ graph signatures, sha256 of every file). Stages: load, export, check, build.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from runtime.backends import BACKENDS
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.models.target import DTYPES
 from runtime.ngram import NGramProposer
+from runtime.tree import TreeShape
 from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 
 
@@ -32,12 +34,20 @@ from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
-                   help="eagle3: --backend trtllm only (TensorRT-LLM runs it; give "
-                        "--drafter-checkpoint)")
+                   help="eagle3: the torch backend (or --backend trtllm: configuration for "
+                        "TensorRT-LLM)")
     p.add_argument("--sharpdraft", action="store_true",
                    help="apply the cardinality-aware query scale in the drafter's attention")
     p.add_argument("--num-draft-tokens", type=int, default=NGramProposer().num_draft_tokens,
-                   help="ngram, pard; eagle3 with --backend trtllm: tokens drafted per step")
+                   help="ngram, pard; eagle3 with --tree-top-k 1 or --backend trtllm: tokens "
+                        "drafted per step")
+    p.add_argument("--tree-top-k", type=int, default=TreeShape().top_k,
+                   help="eagle3: children kept per expanded node of the dynamic draft tree "
+                        "(1: a chain of --num-draft-tokens, which also samples losslessly)")
+    p.add_argument("--tree-depth", type=int, default=TreeShape().depth,
+                   help="eagle3: the tree's longest path of drafts")
+    p.add_argument("--tree-total-tokens", type=int, default=TreeShape().total_tokens,
+                   help="eagle3: tree nodes the target verifies in one pass, the root included")
     p.add_argument("--max-ngram", type=int, default=NGramProposer().max_ngram,
                    help="ngram: longest suffix looked up in the context")
     p.add_argument("--drafter-checkpoint", metavar="DIR")
@@ -180,9 +190,46 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
-def load_drafter(args, drafter_dir: Path, target_config):
-    """The drafter model of --drafter dflash|pard, checked against the target, and the
-    tokens one verify pass checks (DFlash: its block; PARD: --num-draft-tokens + 1)."""
+def eagle3_shape(args) -> TreeShape:
+    """--tree-top-k/--tree-depth/--tree-total-tokens, checked before anything loads; with
+    top_k 1 the drafter drafts a chain of --num-draft-tokens."""
+    try:
+        if args.tree_top_k == 1:
+            if args.num_draft_tokens < 1:
+                raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+            return TreeShape(1, args.num_draft_tokens, args.num_draft_tokens + 1)
+        return TreeShape(args.tree_top_k, args.tree_depth, args.tree_total_tokens)
+    except ValueError as exc:
+        raise UsageError(f"invalid EAGLE-3 tree: {exc}") from None
+
+
+def drafter_files(drafter: str, drafter_dir: Path) -> list[str]:
+    """What an engine reads from a drafter checkpoint (EAGLE's own checkpoints may hold
+    pytorch_model.bin instead of model.safetensors)."""
+    if drafter == "eagle3":
+        from runtime.models.eagle3 import checkpoint_files as eagle3_files
+
+        return eagle3_files(drafter_dir)
+    return list(DRAFTER_FILES)
+
+
+def load_drafter(args, drafter_dir: Path, target):
+    """The drafter model of --drafter dflash|pard|eagle3, checked against the target
+    (a TargetModel), and the tokens one verify pass commits at most (DFlash: its block;
+    PARD, an EAGLE-3 chain: --num-draft-tokens + 1; an EAGLE-3 tree: its depth + 1)."""
+    target_config = target.config
+    if args.drafter == "eagle3":
+        from runtime.models.eagle3 import load_eagle3
+
+        shape = eagle3_shape(args)
+        drafter = load_eagle3(drafter_dir, target=target)  # checks it against the target
+        c = drafter.config
+        progress(f"      drafter: EAGLE-3, hidden {c.hidden_size}, target layers "
+                 f"{list(c.aux_layers(target_config.num_layers))}, draft vocabulary {c.draft_vocab_size}, "
+                 + (f"chain of {shape.depth}" if shape.top_k == 1 else
+                    f"tree top_k {shape.top_k} depth {shape.depth} total {shape.total_tokens}")
+                 + f" ({drafter_dir})")
+        return drafter, shape.depth + 1
     if args.drafter == "pard":
         from runtime.models.pard import load_pard
 
@@ -309,7 +356,13 @@ def main(argv) -> int:
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
-    backend = pick_backend(args.backend)
+    if args.drafter == "eagle3":
+        if args.backend not in ("auto", "torch"):
+            raise UsageError(f"--drafter eagle3 builds for the torch backend only: its graphs are not "
+                             f"exported (a tree verify needs a tree mask the ONNX graphs do not take) "
+                             f"— pass --backend torch")
+        eagle3_shape(args)
+    backend = "torch" if args.drafter == "eagle3" else pick_backend(args.backend)
     if backend == "tensorrt" and args.drafter == "pard":
         raise UsageError("--drafter pard builds for the torch and onnxruntime backends; TensorRT "
                          "plans for PARD are not written yet (pass --backend onnxruntime)")
@@ -332,7 +385,7 @@ def main(argv) -> int:
     else:
         drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
         scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
-        drafter, block_size = load_drafter(args, drafter_dir, model.config)
+        drafter, block_size = load_drafter(args, drafter_dir, model)
     context = model.config.max_position_embeddings
     max_seq_len = args.max_seq_len or context
     if not 1 < max_seq_len <= context:
@@ -348,11 +401,14 @@ def main(argv) -> int:
                        "family_preset": PRESETS[args.drafter].to_dict()} if scaling else {})
         if proposer is not None:
             provenance = {"ngram": proposer.settings()}
+        if args.drafter == "eagle3":
+            provenance["eagle3"] = dataclasses.asdict(eagle3_shape(args))
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention or ("plugin" if backend == "tensorrt" else "native"),
             model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
-        drafter_record = dependency_record(drafter_dir, DRAFTER_FILES) if drafter_dir else None
+        drafter_record = (dependency_record(drafter_dir, drafter_files(args.drafter, drafter_dir))
+                          if drafter_dir else None)
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
                             drafter_checkpoint=drafter_record,
                             query_scaling=scaling, block_size=block_size,

@@ -23,9 +23,11 @@ DEFAULT_TARGET = {
     "name": "smollm2-135m-instruct",
 }
 DEFAULT_DRAFTERS = {"dflash": REPO / "checkpoints" / "dflash-smollm2-135m",
+                    "eagle3": REPO / "checkpoints" / "eagle3-smollm2-135m",
                     "pard": REPO / "checkpoints" / "pard-smollm2-135m"}
 # The recipe that trains each default drafter (named when its checkpoint is missing).
-RECIPES = {"dflash": "build/train_drafter.py", "pard": "build/train_pard.py"}
+RECIPES = {"dflash": "build/train_drafter.py", "eagle3": "build/train_eagle3.py",
+           "pard": "build/train_pard.py"}
 
 
 def default_target_gguf() -> Path:

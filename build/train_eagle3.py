@@ -41,12 +41,11 @@ from runtime.cli import Parser, progress, run  # noqa: E402
 from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 
-DEFAULT_OUT = checkpoints.REPO / "checkpoints" / "eagle3-smollm2-135m"
 
 
 def parse(argv):
     p = Parser(prog="build/train_eagle3.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--out", default=str(checkpoints.DEFAULT_DRAFTERS["eagle3"]))
     p.add_argument("--target", help="target directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache", default=".cache/train-dflash",
                    help="train_drafter.py's cached target states (shard-*.pt, held-out.pt, meta.json)")

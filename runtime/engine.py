@@ -2,7 +2,8 @@
 interface (the one engine.json names, or an override), and `generate` in the modes
 every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter
 (an ngram engine has the first two). The drafter family decides the loop: DFlash drafts
-blocks (speculative.generate_block), PARD chains (speculative.generate_chain)."""
+blocks (speculative.generate_block), PARD chains (speculative.generate_chain), EAGLE-3
+trees (speculative.generate_tree) or, built with top_k 1, chains."""
 
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ import torch
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
 from runtime import speculative
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.backends.torch import TorchDFlash, TorchPARD, TorchTarget
+from runtime.backends.torch import TorchDFlash, TorchEagle3, TorchPARD, TorchTarget
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.step_costs import StepCosts
 from runtime.models.dflash import load_dflash
+from runtime.models.eagle3 import load_eagle3
 from runtime.models.pard import load_pard
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
+from runtime.tree import TreeShape
 from plugins.scaling import QueryScaling
 
 # no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta
 MODES = ("target", "ngram", "frozen", "sharpdraft")
 # How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
-DRAFTING = {"dflash": "block", "pard": "chain"}
+DRAFTING = {"dflash": "block", "pard": "chain", "eagle3": "tree"}
 
 
 class Engine:
@@ -42,6 +45,14 @@ class Engine:
         self.drafting = DRAFTING.get(self.manifest.drafter)  # None: no drafter model
         # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
         self.max_drafts = self.manifest.block_size - 1
+        self.tree_shape = None
+        if self.manifest.drafter == "eagle3":
+            self.tree_shape = eagle3_tree_shape(self.dir, self.manifest)
+            if self.tree_shape.top_k == 1:  # one child per node: a chain
+                self.drafting = "chain"
+            if self.backend != "torch":
+                raise EngineError(f"{self.dir}: EAGLE-3 runs on the torch backend only (its graphs "
+                                  "are not exported) — pass --backend torch")
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
@@ -53,13 +64,16 @@ class Engine:
             dtype = getattr(torch, self.manifest.dtype)
             self.model, self.tokenizer = load_target(self.manifest.target_dir, dtype)
             feature_layers = ()
-            if self.drafting == "block":
+            if self.manifest.drafter == "dflash":
                 self.drafter_model = load_dflash(self.manifest.drafter_dir, dtype)
                 self.drafter_model.config.check_target(self.model.config)
                 feature_layers = self.drafter_model.config.target_layer_ids
-            elif self.drafting == "chain":
+            elif self.manifest.drafter == "pard":
                 self.drafter_model = load_pard(self.manifest.drafter_dir, dtype)
                 self.drafter_model.config.check_target(self.model.config)
+            elif self.manifest.drafter == "eagle3":  # checked against the target as it loads
+                self.drafter_model = load_eagle3(self.manifest.drafter_dir, dtype, self.model)
+                feature_layers = self.drafter_model.config.feature_layers(self.model.config.num_layers)
             self.target = TorchTarget(self.model, feature_layers)
         elif self.backend == "onnxruntime":
             from runtime.backends.onnxruntime import OnnxEngine
@@ -116,6 +130,8 @@ class Engine:
         return self._torch_drafter(None if frozen else self.scaling)
 
     def _torch_drafter(self, scaling: QueryScaling | None):
+        if self.manifest.drafter == "eagle3":
+            return TorchEagle3(self.drafter_model, scaling, self.tree_shape, max(self.max_drafts, 1))
         if self.drafting == "chain":
             return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.max_drafts, scaling)
         return TorchDFlash(self.drafter_model, self.model, scaling)
@@ -135,10 +151,10 @@ class Engine:
         engine's backend: target-only or a drafter mode (n-gram lookup is per sequence)."""
         from runtime.batched import BatchedDecoder
 
-        if self.drafting == "chain" and mode != "target":
+        if self.drafting in ("chain", "tree") and mode != "target":
             raise EngineError(f"{self.dir}: batched decoding runs block drafters (DFlash); "
-                              f"{self.manifest.drafter} chains run one sequence at a time "
-                              "(batched chains are not written yet)")
+                              f"{self.manifest.drafter} {self.drafting}s run one sequence at a time "
+                              f"(batched {self.drafting}s are not written yet)")
         if mode not in engine_modes_batched(self):
             raise ValueError(f"mode {mode!r} cannot run batched on this engine (it batches "
                              f"{', '.join(engine_modes_batched(self))})")
@@ -191,8 +207,25 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
 
 
 def speculative_loop(engine: Engine):
-    """The loop of runtime/speculative.py that runs this engine's drafter."""
+    """The loop of runtime/speculative.py that runs this engine's drafter, called as
+    loop(target, drafter, prompt, max_new_tokens, sampler, stop_ids, on_tokens, costs)."""
+    if engine.drafting == "tree":
+        def tree(target, drafter, prompt, max_new_tokens, sampler, stop_ids=frozenset(),
+                 on_tokens=None, costs=None):
+            # the tree's shape was fixed at build time; measured costs size chains, not trees
+            return speculative.generate_tree(target, drafter, prompt, max_new_tokens, sampler,
+                                             engine.tree_shape, stop_ids, on_tokens)
+        return tree
     return speculative.generate_chain if engine.drafting == "chain" else speculative.generate_block
+
+
+def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
+    """The draft tree an EAGLE-3 engine was built for (engine.json extra.eagle3)."""
+    try:
+        return TreeShape(**manifest.extra["eagle3"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{engine_dir}: engine.json has no valid extra.eagle3 tree shape ({exc}) "
+                          "— rebuild the engine") from None
 
 
 def engine_modes_batched(engine: Engine) -> tuple[str, ...]:

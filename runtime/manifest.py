@@ -28,10 +28,10 @@ FORMAT_VERSION = 2  # 2: checkout-relative dependency paths, exact dependency li
 MANIFEST = "engine.json"
 STAMP = ".verified.json"
 VERIFY_MODES = ("quick", "full", "skip")
-DRAFTERS = ("dflash", "ngram", "pard")  # the drafters this runtime runs
+DRAFTERS = ("dflash", "eagle3", "ngram", "pard")  # the drafters this runtime runs
 # Drafters whose models this runtime does not have yet: only --backend trtllm builds an
 # engine for them, i.e. configuration for TensorRT-LLM pointing at their checkpoint.
-TRTLLM_ONLY_DRAFTERS = ("eagle3",)
+TRTLLM_ONLY_DRAFTERS = ()
 CHECKOUT = Path(__file__).resolve().parents[1]
 # A file modified within this many seconds of being stamped could change again within the
 # same timestamp tick, unseen; such files are hashed again next time instead of stamped.

@@ -167,12 +167,13 @@ def generate_tree(target: Target, drafter: TreeDrafter, prompt: list[int], max_n
                   sampler: Sampler, shape: TreeShape = TreeShape(), stop_ids=frozenset(),
                   on_tokens: OnTokens = None) -> Generation:
     if not sampler.sampling.greedy:
-        raise ValueError("tree speculation verifies greedily; for sampling draft a chain (top_k 1)")
+        raise ValueError("tree speculation verifies greedily; to sample, draft a chain "
+                         "(EAGLE-3: top_k 1, build_engine.py --tree-top-k 1)")
     budget = _budget(target, prompt, max_new_tokens)
     gen = Generation(len(prompt))
     with gen.timed("total"):
-        with gen.timed("prefill"):  # + room for one tree's scratch keys past the committed ones
-            logits, context = target.prefill(prompt, len(prompt) + budget + shape.total_tokens)
+        with gen.timed("prefill"):
+            logits, context = target.prefill(prompt, len(prompt) + budget)
             drafter.reset(len(prompt) + budget)
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         following = prompt[1:] + gen.tokens[-1:]  # the token after each context row

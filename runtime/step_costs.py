@@ -153,18 +153,27 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
 
 def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
     """A drafter step with ~context tokens in the drafter's cache, its cache filled and
-    one warm-up step run: a block step (context features + bonus) or a chain step (one
-    new token, the engine's draft count)."""
+    one warm-up step run: a block step (context features + bonus), a chain step (one
+    new token, the engine's draft count) or a tree step (one new token, the whole tree)."""
     from runtime.sampling import Sampler
 
     drafter = engine.drafter(frozen=True)
-    if engine.drafting == "chain":
+    if engine.drafting == "tree":  # EAGLE-3: one context row, then the tree's levels
+        shape = engine.tree_shape
+        drafter.reset(context + repeats + 2)
+        drafter.draft_tree(features[:-1], ids[1:context], shape)  # fill its cache
+
+        def step():
+            drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
+    elif engine.drafting == "chain":
         k, sampler = engine.max_drafts, Sampler()
         drafter.reset(context + repeats + 2)
         drafter.draft(ids[:context], features, k, sampler)  # fill its cache to context tokens
+        # the newest token's features (a drafter that reads features reads one row per token)
+        newest = None if features is None else features[-1:]
 
         def step():
-            drafter.draft(ids[context:context + 1], None, k, sampler)
+            drafter.draft(ids[context:context + 1], newest, k, sampler)
     else:
         drafter.reset(context + 1 + repeats + 1)
         drafter.draft(features[:-1], ids[0])  # fill its cache to ~context tokens

@@ -31,9 +31,11 @@ class TreeShape:
     its depth d means d + 1 levels here); total_tokens: nodes the target verifies,
     root included (EAGLE's total_token)."""
 
-    top_k: int = 8
+    # Smaller than EAGLE's GPU defaults (10, 6, 60): on a CPU a verify pass costs about
+    # in proportion to the tokens it checks, so a tree pays for every node it adds.
+    top_k: int = 4
     depth: int = 5
-    total_tokens: int = 32
+    total_tokens: int = 16
 
     def __post_init__(self):
         for name in ("top_k", "depth"):

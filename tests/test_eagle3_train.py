@@ -3,21 +3,18 @@ in train_drafter.py's format give a checkpoint in the published layout that load
 against the target and decodes losslessly; a rerun resumes; another recipe is refused."""
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 import tiny
+from build import train_eagle3
 from runtime.backends.torch import TorchEagle3, TorchTarget
 from runtime.models.eagle3 import load_eagle3
 from runtime.models.target import load_target
 from runtime.sampling import Sampler
 from runtime.speculative import generate_target_only, generate_tree
 from runtime.tree import TreeShape
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
-import train_eagle3  # noqa: E402
 
 CACHED_LAYERS = [0, 1, 2]
 

@@ -81,13 +81,18 @@ def test_eagle3_and_pard_trtllm_engines_point_at_the_given_checkpoint(tmp_path, 
     assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
 
 
-def test_eagle3_is_refused_in_one_line_elsewhere(tmp_path, tiny_target, capsys):
-    assert build("--drafter", "eagle3", "--backend", "torch", "--target", str(tiny_target)) == 2
+def test_eagle3_without_a_checkpoint_is_refused_in_one_line(tmp_path, tiny_target, capsys, monkeypatch):
+    """Without the default EAGLE-3 checkpoint both backends name the recipe that trains it."""
+    from build import checkpoints
+
+    monkeypatch.setitem(checkpoints.DEFAULT_DRAFTERS, "eagle3", tmp_path / "no-eagle3")
+    assert build("--drafter", "eagle3", "--backend", "torch", "--target", str(tiny_target),
+                 "--output", str(tmp_path / "t")) == 1
     assert build("--drafter", "eagle3", "--backend", "trtllm", "--target", str(tiny_target),
-                 "--output", str(tmp_path / "x")) == 2
+                 "--output", str(tmp_path / "x")) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
-    assert "no model in this runtime" in lines[0] and "--drafter-checkpoint" in lines[1]
+    lines = [line for line in lines if line.startswith("error: ")]
+    assert len(lines) == 2 and all("build/train_eagle3.py" in line for line in lines)
 
 
 def test_generate_on_a_trtllm_engine_says_in_one_line_what_is_missing(dflash_engine, capsys):

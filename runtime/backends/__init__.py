@@ -8,7 +8,8 @@ The speculative loops in runtime/speculative.py only see these roles:
            rollback(length)       -- keep the first `length` tokens of the KV cache
            snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
            verify_tree(tree)      -> (logits [n, vocab], features [n, F]) -- a DraftTree's
-                                     nodes in one pass, their keys scratch (torch backend)
+                                     nodes in one pass, their keys scratch past the committed
+                                     ones (the target makes room for them; torch backend)
            keep_path(nodes)       -- commit the accepted path's keys (node indices, root first)
   Tree drafter (EAGLE-3):
            reset(capacity)
@@ -96,6 +97,12 @@ class PrefillOnce:
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
+
+    def verify_tree(self, tree):
+        return self.target.verify_tree(tree)
+
+    def keep_path(self, nodes: list[int]) -> None:
+        self.target.keep_path(nodes)
 
 
 class BlockDrafter(Protocol):

@@ -44,6 +44,7 @@ class TorchTarget:
         """Every node of a draft tree in one pass (runtime/tree.py); its keys stay
         scratch until keep_path."""
         ids = self._ids(list(tree.tokens))
+        self.cache.reserve(self.cache.length + len(tree))
         structure = (tree.ancestor_mask(ids.device)[None], torch.tensor([tree.depths], device=ids.device))
         logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
         return logits[0], None if features is None else features[0]

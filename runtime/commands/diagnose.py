@@ -131,6 +131,9 @@ def run(args) -> int:
     engine = Engine(args.engine_dir, backend="torch")  # the probe reads torch tensors
     if not engine.has_drafter_model:
         raise UsageError(f"{args.engine_dir} has no drafter model; nothing to diagnose")
+    if engine.manifest.drafter == "eagle3":
+        raise UsageError(f"{args.engine_dir}: diagnose probes DFlash and PARD drafters; the "
+                         "EAGLE-3 probe is not written yet")
     if engine.scaling is None:
         raise UsageError(f"{args.engine_dir} was built without --sharpdraft; nothing to compare")
     lengths = sorted(set(args.lengths))

@@ -79,7 +79,7 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
     engine = Engine(args.engine_dir, backend=args.backend)
-    if engine.drafting == "chain":
+    if engine.drafting in ("chain", "tree"):
         raise UsageError(f"{args.engine_dir}: overhead times DFlash block steps; a "
                          f"{engine.manifest.drafter} engine's step is not timed by it yet")
     if engine.scaling is None:

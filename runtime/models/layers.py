@@ -145,6 +145,19 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
         self.length = length
 
+    def reserve(self, capacity: int) -> None:
+        """Grow to hold `capacity` tokens, keeping the committed ones (one copy): a step
+        that needs more scratch than the preallocation left, like a draft tree verified
+        near the end of a generation's budget."""
+        if capacity <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (capacity,) + old.shape[4:])
+            new[:, :, :, :self.capacity] = old
+            setattr(self, name, new)
+        self.capacity = capacity
+
     def keep(self, rows: list[int]) -> None:
         """Commit scratch rows: the keys/values written at length + rows[i] move to
         length + i (a verified tree's accepted path, written in tree order, becomes

@@ -1,0 +1,100 @@
+"""EAGLE-3 engines, built by build_engine.py itself over the tiny target: a tree engine and
+a chain engine (--tree-top-k 1) decode exactly what target-only decoding does, through
+Engine and the generate command; what they cannot do is refused in one line."""
+
+import json
+
+import pytest
+
+import build_engine
+import tiny
+from runtime.__main__ import main as runtime_main
+from runtime.cli import run
+from runtime.engine import Engine
+from runtime.manifest import EngineError
+
+
+def build(*args) -> int:
+    return run(build_engine.main, list(args))
+
+
+@pytest.fixture(scope="module")
+def eagle3_checkpoint(tmp_path_factory, tiny_target):
+    return tiny.make_eagle3(tmp_path_factory.mktemp("eagle3"), tiny_target, draft_vocab=200)
+
+
+@pytest.fixture(scope="module")
+def tree_engine(tmp_path_factory, tiny_target, eagle3_checkpoint):
+    out = tmp_path_factory.mktemp("engines") / "eagle3-tree"
+    assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(tiny_target),
+                 "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
+                 "--tree-top-k", "3", "--tree-depth", "3", "--tree-total-tokens", "8",
+                 "--output", str(out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_engine(tmp_path_factory, tiny_target, eagle3_checkpoint):
+    out = tmp_path_factory.mktemp("engines") / "eagle3-chain"
+    assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(tiny_target),
+                 "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
+                 "--tree-top-k", "1", "--num-draft-tokens", "3", "--backend", "torch",
+                 "--output", str(out)) == 0
+    return out
+
+
+def test_tree_engine_records_its_tree_and_decodes_like_the_target(tree_engine, eagle3_checkpoint):
+    manifest = json.loads((tree_engine / "engine.json").read_text())
+    assert manifest["drafter"] == "eagle3" and manifest["backend"] == "torch"
+    assert manifest["extra"]["eagle3"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
+    assert manifest["block_size"] == 4  # a path commits at most depth + 1 tokens
+    assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
+    engine = Engine(tree_engine)
+    assert engine.drafting == "tree" and engine.modes == ("target", "ngram", "frozen", "sharpdraft")
+    prompt = engine.encode("def fibonacci(n):\n    ")
+    want = engine.generate(prompt, 24, mode="target", stop=False).tokens
+    for mode in ("frozen", "sharpdraft"):
+        gen = engine.generate(prompt, 24, mode=mode, stop=False)
+        assert gen.tokens == want, mode
+        assert all(1 <= n <= 4 for n in gen.committed_per_step)
+
+
+def test_chain_engine_decodes_like_the_target_and_samples(chain_engine):
+    from runtime.sampling import Sampling
+
+    engine = Engine(chain_engine)
+    assert engine.drafting == "chain" and engine.max_drafts == 3
+    prompt = engine.encode("import os\n")
+    want = engine.generate(prompt, 20, mode="target", stop=False).tokens
+    assert engine.generate(prompt, 20, mode="sharpdraft", stop=False).tokens == want
+    sampled = engine.generate(prompt, 20, mode="sharpdraft", stop=False,
+                              sampling=Sampling(temperature=0.8, seed=3))
+    assert len(sampled.tokens) == 20
+
+
+def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engine, capsys):
+    assert run(runtime_main, ["generate", "--engine-dir", str(tree_engine), "--prompt", "x = ",
+                              "--max-new-tokens", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "sharpdraft" and result["backend"] == "torch"
+    code = run(runtime_main, ["generate", "--engine-dir", str(tree_engine), "--prompt", "x = ",
+                              "--max-new-tokens", "8", "--temperature", "0.8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: ") and "--tree-top-k 1" in err[-1]
+
+
+def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_target,
+                                                               eagle3_checkpoint, tmp_path, capsys):
+    with pytest.raises(EngineError) as err:
+        Engine(tree_engine, backend="onnxruntime")
+    assert "torch backend only" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(EngineError, match="one sequence at a time"):
+        Engine(tree_engine).batch_decoder("sharpdraft")
+    capsys.readouterr()
+    assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
+                 str(eagle3_checkpoint), "--backend", "onnxruntime", "--output", str(tmp_path / "o")) == 2
+    assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
+                 str(eagle3_checkpoint), "--tree-top-k", "0", "--output", str(tmp_path / "z")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
+    assert "torch backend only" in lines[0] and "invalid EAGLE-3 tree" in lines[1]
