@@ -236,3 +236,16 @@ def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_s
     assert scratch.cache.length == n
     torch.testing.assert_close(target.cache.k[:, :, :, :n], scratch.cache.k[:, :, :, :n], atol=1e-9, rtol=0)
     torch.testing.assert_close(target.cache.v[:, :, :, :n], scratch.cache.v[:, :, :, :n], atol=1e-9, rtol=0)
+
+
+def test_reserve_grows_the_cache_and_keeps_what_it_held():
+    cache = KVCache(2, 1, 2, 8, 3, torch.float64)
+    cache.k.copy_(torch.randn_like(cache.k))
+    before = cache.k.clone()
+    cache.length = 5
+    cache.reserve(6)  # already room: nothing changes
+    assert cache.capacity == 8 and torch.equal(cache.k, before)
+    cache.reserve(13)
+    assert cache.capacity == 13 and cache.k.shape[3] == 13 and cache.length == 5
+    assert torch.equal(cache.k[:, :, :, :8], before)
+    cache.write(0, 5, torch.ones(1, 2, 8, 3, dtype=torch.float64), torch.ones(1, 2, 8, 3, dtype=torch.float64))
