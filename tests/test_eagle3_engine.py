@@ -98,3 +98,19 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
     assert "torch backend only" in lines[0] and "invalid EAGLE-3 tree" in lines[1]
+
+
+def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
+    """bench and calibrate run speculative_loop(engine) over a PrefillOnce target: a tree
+    verified there (near the end of its budget too) decodes what target-only does."""
+    from runtime.backends import PrefillOnce
+    from runtime.engine import speculative_loop
+    from runtime.sampling import Sampler
+    from runtime.speculative import generate_target_only
+
+    engine = Engine(tree_engine)
+    prompt = engine.encode("class Node:\n    def __init__(self")
+    once = PrefillOnce(engine.target, prompt, len(prompt) + 16)
+    want = generate_target_only(once, prompt, 16, Sampler()).tokens
+    got = speculative_loop(engine)(once, engine.drafter(), prompt, 16, Sampler())
+    assert got.tokens == want and got.verify_steps < 16
