@@ -53,7 +53,7 @@ def parse(argv):
     p.add_argument("--aux-layers", type=int, nargs=3, default=[1, 14, 27], metavar="L",
                    help="three of the cached layers (their outputs) for fc; EAGLE ids are these + 1")
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test steps (drafts ahead)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=900)
     p.add_argument("--batch", type=int, default=2, help="windows per step")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--decay", type=float, default=0.8, help="weight of step j: decay^j")
@@ -64,6 +64,10 @@ def parse(argv):
                         "highest aux layer through")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-windows", type=int, help="use only this many training windows (smoke tests)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
+    p.add_argument("--max-minutes", type=float, default=55.0,
+                   help="stop training after this long (state saved; rerun to continue), so a run "
+                        "fits the hour on 2 cores (a step took ~11 s there; 0: no limit)")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -258,7 +262,13 @@ def main(argv) -> int:
     n = len(train["ids"])
     bar = tqdm(total=args.steps, initial=step, desc="train eagle3", unit="step", file=sys.stderr)
     drafter.train()
+    stopped_early = False
     while step < args.steps:
+        if args.max_minutes and time.time() - started > 60 * args.max_minutes:
+            stopped_early = True
+            bar.write(f"stopping at step {step}: --max-minutes {args.max_minutes} reached "
+                      "(rerun the same command to continue)", file=sys.stderr)
+            break
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -274,14 +284,16 @@ def main(argv) -> int:
         bar.set_postfix(loss=f"{sum(history[-50:]) / len(history[-50:]):.3f}",
                         agree=f"{float(first[0].sum() / first[1].sum().clamp(min=1)):.2f}")
         bar.update(1)
+        if step % args.save_every == 0 or step == args.steps:
+            save_state(state_path, drafter, opt, step, history, recipe)
         if step % 250 == 0 or step == args.steps:
-            torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "history": history, "recipe": recipe}, state_path)
             drafter.eval()  # the held-out trajectory, to stop a recipe that is not learning
             bar.write(f"step {step}: held-out {evaluate(drafter, held_out, args, to_draft, ids)}",
                       file=sys.stderr)
             drafter.train()
     bar.close()
+    if stopped_early:
+        save_state(state_path, drafter, opt, step, history, recipe)
 
     drafter.eval()
     metrics = {"held_out_calibration_split": evaluate(drafter, held_out, args, to_draft, ids),
@@ -289,10 +301,19 @@ def main(argv) -> int:
     progress(f"held-out: {json.dumps(metrics)}")
     out = Path(args.out)
     publish(drafter, out)
-    write_card(out, args, drafter.config, source, n, history, metrics, time.time() - started)
-    print(f"drafter written to {out}")
+    write_card(out, args, drafter.config, source, n, history, metrics, time.time() - started, step)
+    print(f"drafter written to {out}" + (f" after {step} of {args.steps} steps (rerun to continue)"
+                                         if stopped_early else ""))
     print(f"next: python build_engine.py --drafter eagle3 --drafter-checkpoint {out} --backend torch")
     return 0
+
+
+def save_state(path: Path, drafter, opt, step, history, recipe) -> None:
+    """Everything a rerun needs to continue exactly (written whole, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "history": history, "recipe": recipe}, tmp)
+    tmp.rename(path)
 
 
 def publish(drafter: Eagle3Drafter, out: Path) -> None:
@@ -305,14 +326,15 @@ def publish(drafter: Eagle3Drafter, out: Path) -> None:
     save_file(state, out / "model.safetensors")
 
 
-def write_card(out: Path, args, config, source, windows, history, metrics, seconds):
+def write_card(out: Path, args, config, source, windows, history, metrics, seconds, steps_done):
     losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
               for i in range(0, len(history), max(1, len(history) // 10))]
     size = (out / "model.safetensors").stat().st_size
-    last = round(sum(history[-100:]) / len(history[-100:]), 4)
+    last = round(sum(history[-100:]) / len(history[-100:]), 4) if history else None
     seq_len = config.training_max_length
     card = {"target": source, "training_max_length": seq_len, "windows": windows, "tokens": windows * seq_len,
-            "steps": args.steps, "batch_windows": args.batch, "ttt_steps": args.ttt_steps,
+            "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch,
+            "ttt_steps": args.ttt_steps,
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "lr": args.lr,
             "decay": args.decay, "seed": args.seed, "init": args.init,
             "draft_vocab_size": config.draft_vocab_size, "loss_every_tenth": losses,
@@ -338,7 +360,8 @@ shared at load time).
   the target's top-32 distribution inside the draft vocabulary, on the target's greedy
   path, step j weighted {args.decay}^j.
 - Draft vocabulary: {config.draft_vocab_size:,} tokens (the target's most frequent greedy choices).
-- Init: {args.init}; {args.steps} steps x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.
+- Init: {args.init}; {steps_done} of {args.steps} planned steps x {args.batch} windows, AdamW lr
+  {args.lr} cosine, seed {args.seed}.
 - Loss (last 100 steps): {last}; every tenth: {losses}.
 - Held-out teacher-forced top-1 agreement by step {held['top1_agreement_by_step']},
   implied chain MAL {held['teacher_forced_mal']}.

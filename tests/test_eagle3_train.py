@@ -44,12 +44,17 @@ def test_training_smoke_writes_a_loadable_lossless_checkpoint_and_resumes(tmp_pa
     args = ["--target", str(target_dir), "--cache", str(cache), "--work", str(tmp_path / "work"),
             "--out", str(tmp_path / "eagle3"), "--aux-layers", *map(str, CACHED_LAYERS),
             "--steps", "3", "--batch", "2", "--ttt-steps", "2", "--draft-vocab", "64"]
-    assert train_eagle3.main(args) == 0
+    # a run out of time stops before its steps, saves its state and still writes a card
+    assert train_eagle3.main(args + ["--max-minutes", "0.000001"]) == 0
+    assert "--max-minutes" in capsys.readouterr().err
+    assert json.loads((tmp_path / "eagle3" / "training.json").read_text())["steps"] == 0
+    assert train_eagle3.main(args) == 0  # the same command continues it
     out = tmp_path / "eagle3"
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert config["draft_vocab_size"] == 64 and config["eagle_config"]["training_max_length"] == 24
     card = json.loads((out / "training.json").read_text())
+    assert card["steps"] == 3
     assert len(card["held_out"]["held_out_calibration_split"]["top1_agreement_by_step"]) == 2
     assert (out / "README.md").is_file()
     drafter = load_eagle3(out, torch.float32, model)  # embed_tokens left out: the target's
