@@ -14,6 +14,7 @@ from runtime import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
 from runtime.backends.onnxruntime import PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
+from runtime.backends.torch import TorchDFlash
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.sampling import Sampler
@@ -293,3 +294,26 @@ def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path,
         ours = older.generate(prompt, NEW_TOKENS, mode, stop=False)
         theirs = native_ort_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
         assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
+
+
+def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native_engine,
+                                                                torch_engine):
+    """calibrate re-exports drafter-kv.onnx with the chosen values, not only drafter.onnx:
+    the in-place drafter then drafts what torch's drafter drafts with them."""
+    from plugins.scaling import QueryScaling
+    from runtime.commands import calibrate
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(native_engine, engine_dir)
+    chosen = QueryScaling(ref_keys=16, top_k=8, slope=2.0)
+    calibrate.apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"chosen": "test"})
+    ours = Engine(engine_dir).onnx.drafter()
+    assert isinstance(ours, BoundDFlash) and ours.scaling == chosen
+    theirs = TorchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
+    features = torch.randn(201, ours.feature_size, generator=torch.Generator().manual_seed(7))
+    for drafter in (ours, theirs):
+        drafter.reset(201)
+        drafter.draft(features[:200], 3)
+    got, want = ours.draft(features[200:], 5), theirs.draft(features[200:], 5)
+    assert got[1] == want[1] == 201 + ours.block_size
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
