@@ -24,6 +24,14 @@ go to one external-data file, weights.bin, each distinct tensor once (share_weig
   every layer, ONNX Runtime decoded at 0.43x torch's speed at 4,096 tokens and 0.37x at
   7,680; on target-kv.onnx it decodes at 1.5-1.6x torch's (SmolLM2-135M, fp32, 2
   threads, scripts/bench_backends.py, same machine and session for each pair).
+- drafter-kv.onnx / drafter-frozen-kv.onnx (native-form engines) are the drafter steps
+  ONNX Runtime runs, in the same way (BlockBufferCache): per-layer buffers read in place
+  under `past_lens` [batch]; the block's rows attend to the buffer, the step's context
+  keys and the block's own in one softmax; only the context's keys/values come out (the
+  block's are scratch). drafter.onnx fed the past as an input, permuted it per layer and
+  widened-and-scattered it for each of its two writes per layer: several full copies of
+  K and V per layer per step (4.4 ms at 512 tokens, 14.9 ms at 4,096 for a ~2 ms step).
+  The plugin form (TensorRT's) has no such graph: its drafters stay in drafter.onnx.
 
   Chosen by measurement (target-only decode tok/s, medians of 5): ORT's com.microsoft
   GroupQueryAttention with a shared past/present buffer (in-place cache writes, cost
@@ -51,7 +59,8 @@ import torch
 from torch import nn
 
 from plugins import onnx as onnx_attention
-from plugins.attention import sharpdraft_attention
+from plugins.attention import register as register_attention_op
+from plugins.attention import scaled_query, sharpdraft_attention
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import EXPORT_VERSION
@@ -62,6 +71,7 @@ from runtime.models.target import TargetModel
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
 TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
 TARGET_KV_FILE = "target-kv.onnx"
+DRAFTER_KV_FILE, FROZEN_KV_FILE = "drafter-kv.onnx", "drafter-frozen-kv.onnx"
 WEIGHTS_FILE = "weights.bin"  # every graph's initializers, as ONNX external data
 TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
 TARGET_OUTPUTS = ("logits", "features", "present_keys", "present_values")
@@ -69,6 +79,7 @@ TARGET_KV_OUTPUTS = ("logits", "features", "new_keys", "new_values")  # inputs: 
 DRAFTER_INPUTS = ("block_ids", "context", "context_lens", "past_keys", "past_values", "past_lens")
 DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
 PARD_INPUTS = ("ids", "logit_positions", "past_keys", "past_values", "past_lens")
+DRAFTER_KV_OUTPUTS = ("logits", "new_keys", "new_values")  # inputs: drafter_kv_inputs
 
 
 class ExportCache:
@@ -105,6 +116,10 @@ class ExportCache:
             raise ValueError("tree verification (a tree mask) is not exported; run trees on torch")
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible)
+
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+        k, v = self.write(layer, start, k, v)
+        return sharpdraft_attention(q, k, v, visible, scaling)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The first write of every layer, as [t, layers, batch, kv_heads, d]."""
@@ -148,9 +163,12 @@ class DrafterStep(nn.Module):
         padded to the longest). One graph runs a batch of sequences at different lengths:
         the visible-key counts come from these two inputs (StepMetadata), never shapes."""
         cache = ExportCache(past_keys, past_values, past_lens)
+        return (self.logits(block_ids, context, context_lens, cache),) + cache.present()
+
+    def logits(self, block_ids, context, context_lens, cache):
         hidden, _ = self.drafter(self.embed_tokens(block_ids), context, cache, self.scaling,
                                  context_lens=context_lens)
-        return (self.head(hidden[:, 1:]),) + cache.present()
+        return self.head(hidden[:, 1:])
 
 
 class PARDStep(nn.Module):
@@ -169,18 +187,21 @@ class PARDStep(nn.Module):
         return (logits,) + cache.present()
 
 
-def step_masks(past_len, visible, capacity: int, group: int):
+def step_masks(past_len, visible, capacity: int, group: int, positions=None):
     """Additive masks (0 or -inf) of a step's attention, rows (g, i) for g < group:
     row i sees buffer position j when j < min(past_len, visible[b, i]) and the step's
-    own key j (position past_len + j) when past_len + j < visible[b, i], exactly the
-    keys sharpdraft_attention gives it over the joined cache. [b, 1, group * t, capacity]
-    and [b, 1, group * t, t]; every layer of a step shares them."""
+    own key j when its position positions[b, j] < visible[b, i], exactly the keys
+    sharpdraft_attention gives it over the joined cache. positions default to
+    past_len + j (a causal step's keys sit where its rows do). [b, 1, group * t, capacity]
+    and [b, 1, group * t, keys]; every layer of a step shares them."""
     t = visible.shape[1]
+    past_len = past_len.reshape(-1, 1)  # one per sequence (or one for all)
+    if positions is None:
+        positions = torch.arange(t, device=visible.device) + past_len
     sees = visible.repeat(1, group)[:, None, :, None]
-    past_len = past_len.reshape(-1, 1, 1, 1)  # one per sequence (or one for all)
     in_buffer = torch.arange(capacity, device=visible.device)
-    sees_buffer = (in_buffer < past_len) & (in_buffer < sees)
-    sees_step = (torch.arange(t, device=visible.device) + past_len) < sees
+    sees_buffer = (in_buffer < past_len[:, :, None, None]) & (in_buffer < sees)
+    sees_step = positions[:, None, None, :] < sees
     zero = torch.zeros((), dtype=torch.float32, device=visible.device)
     return (torch.where(sees_buffer, zero, -torch.inf), torch.where(sees_step, zero, -torch.inf))
 
@@ -229,6 +250,47 @@ class BufferCache:
         return torch.stack(self.new_keys), torch.stack(self.new_values)
 
 
+class BlockBufferCache:
+    """Stands in for KVCache while tracing the in-place drafter graphs (drafter-kv.onnx):
+    layer i's cache is a graph input [batch, kv_heads, capacity, head_dim] whose first
+    `lengths` positions are committed; the graph only reads it. Each layer's new context
+    keys (its first write) join the block's as the step's own keys; the context's come
+    out as [layers, batch, kv_heads, context, head_dim] for the runtime to store at
+    `lengths`, the block's are scratch (KVCache overwrites them next step) and never
+    leave the graph."""
+
+    def __init__(self, past_lens, keys, values):
+        self.lengths = past_lens  # [batch]: StepMetadata reads each sequence's length
+        self.keys, self.values = keys, values
+        self.new_keys, self.new_values = [], []
+        self.masks = None
+
+    def write(self, layer: int, start, k, v):
+        self.new_keys.append(k)
+        self.new_values.append(v)
+
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+        """Block rows over the buffer, the context and the block, which starts at `start`
+        [batch] (each sequence's cached + real context tokens)."""
+        context = self.new_keys[layer].shape[2]
+        if self.masks is None:  # once per step: every layer's block sees the same keys
+            held = torch.arange(context, device=q.device) + self.lengths[:, None]
+            # A padding row of the context sits where the block goes (KVCache writes the
+            # block over it): give it the first position no block row sees.
+            held = torch.where(held < start[:, None], held, visible[:, :1])
+            block = torch.arange(k.shape[2], device=q.device) + start[:, None]
+            positions = torch.cat([held, block], 1)
+            self.masks = step_masks(self.lengths, visible, self.keys[layer].shape[2],
+                                    q.shape[1] // k.shape[1], positions)
+        k = torch.cat([self.new_keys[layer], k], 2)
+        v = torch.cat([self.new_values[layer], v], 2)
+        return buffered_attention(scaled_query(q, visible, scaling), self.keys[layer],
+                                  self.values[layer], k, v, self.masks)
+
+    def present(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack(self.new_keys), torch.stack(self.new_values)
+
+
 class TargetKVStep(TargetStep):
     """TargetStep over the runtime's cache buffers: `ids` after `past_len` committed
     tokens, then 2 x layers buffers (every layer's keys, then every layer's values)."""
@@ -239,9 +301,28 @@ class TargetKVStep(TargetStep):
         return self.logits_and_features(ids, logit_positions, cache) + cache.present()
 
 
-def target_kv_inputs(layers: int) -> tuple[str, ...]:
-    return (("ids", "logit_positions", "past_len") + tuple(f"cache_keys_{i}" for i in range(layers))
+class DrafterKVStep(DrafterStep):
+    """DrafterStep over the runtime's cache buffers: past_lens [batch] committed, then
+    2 x layers buffers (every layer's keys, then every layer's values); out come the
+    logits and the step's context keys/values."""
+
+    def forward(self, block_ids, context, context_lens, past_lens, *buffers):
+        layers = len(buffers) // 2
+        cache = BlockBufferCache(past_lens, buffers[:layers], buffers[layers:])
+        return (self.logits(block_ids, context, context_lens, cache),) + cache.present()
+
+
+def cache_buffer_inputs(layers: int) -> tuple[str, ...]:
+    return (tuple(f"cache_keys_{i}" for i in range(layers))
             + tuple(f"cache_values_{i}" for i in range(layers)))
+
+
+def target_kv_inputs(layers: int) -> tuple[str, ...]:
+    return ("ids", "logit_positions", "past_len") + cache_buffer_inputs(layers)
+
+
+def drafter_kv_inputs(layers: int) -> tuple[str, ...]:
+    return ("block_ids", "context", "context_lens", "past_lens") + cache_buffer_inputs(layers)
 
 
 def _cache_example(layers, kv_heads, head_dim, past, batch, dtype):
@@ -273,6 +354,12 @@ def drafter_example(drafter: DFlashDrafter, dtype: torch.dtype):
     return (block, context, context_lens) + past + (torch.tensor([PAST, PAST - 2][:BATCH]),)
 
 
+def _cache_buffers(layers, kv_heads, head_dim, dtype):
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(BATCH, kv_heads, CAPACITY, head_dim, generator=g).to(dtype)
+                 for _ in range(2 * layers))
+
+
 def _dims():
     D = torch.export.Dim
     return {name: D(name, min=low) for name, low in
@@ -293,10 +380,8 @@ def export_target_kv(target: TargetModel, feature_layers, path: Path) -> dict:
     d = _dims()
     capacity = torch.export.Dim("capacity", min=2)
     ids, positions = target_example(target)[:2]
-    g = torch.Generator().manual_seed(1)
-    dtype = target.embed_tokens.weight.dtype
-    buffers = tuple(torch.randn(BATCH, c.num_kv_heads, CAPACITY, c.head_dim, generator=g).to(dtype)
-                    for _ in range(2 * c.num_layers))
+    buffers = _cache_buffers(c.num_layers, c.num_kv_heads, c.head_dim,
+                             target.embed_tokens.weight.dtype)
     shapes = ({0: d["batch"], 1: d["q_len"]}, {0: d["n_logits"]}, {0: d["batch"]},
               tuple({0: d["batch"], 2: capacity} for _ in buffers))
     past_lens = torch.tensor([PAST, PAST - 2][:BATCH])
@@ -340,6 +425,24 @@ def export_pard(drafter: PARDDrafter, target: TargetModel, scaling: QueryScaling
     return graph_record(path, attention=form if scaling is not None else None)
 
 
+def export_drafter_kv(drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
+                      path: Path) -> dict:
+    """The in-place drafter step graph, native form (scaling=None: frozen)."""
+    c = drafter.config
+    d = _dims()
+    capacity = torch.export.Dim("capacity", min=2)
+    dtype = target.embed_tokens.weight.dtype
+    block, context, context_lens = drafter_example(drafter, dtype)[:3]
+    buffers = _cache_buffers(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    past_lens = torch.tensor([PAST, PAST - 2][:BATCH])
+    shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, {0: d["batch"]},
+              {0: d["batch"]}, tuple({0: d["batch"], 2: capacity} for _ in buffers))
+    example = (block, context, context_lens, past_lens) + buffers
+    _export(DrafterKVStep(drafter, target, scaling), example, shapes,
+            drafter_kv_inputs(c.num_layers), DRAFTER_KV_OUTPUTS, path, attention="native")
+    return graph_record(path, attention="native" if scaling is not None else None)
+
+
 def _export(module, example, shapes, input_names, output_names, path: Path, attention: str):
     with torch.no_grad(), _quiet():
         program = torch.export.export(module.eval(), example, dynamic_shapes=shapes, strict=False)
@@ -348,6 +451,7 @@ def _export(module, example, shapes, input_names, output_names, path: Path, atte
             onnx_attention.register_schema()  # the onnxscript tracer must know the node
             table = {torch.ops.sharpdraft.attention.default: onnx_attention.plugin_translation}
         else:
+            register_attention_op()  # a graph over cache buffers may never have called it
             program = program.run_decompositions(
                 {torch.ops.sharpdraft.attention.default: onnx_attention.native_decomposition})
         onnx_program = torch.onnx.export(program, example, input_names=list(input_names),
@@ -471,6 +575,20 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | No
         progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
         graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
                                            out_dir / DRAFTER_FILE)
+    # The native form's drafters again, over the runtime's cache buffers (what ONNX
+    # Runtime runs). A plugin-form engine keeps both drafters in the portable form, so
+    # its SharpDraft and frozen steps stay comparable (the overhead command). DFlash
+    # only: PARD's graph still concatenates its past (not written for buffers yet).
+    if drafter is not None and not pard and (scaling is None or attention == "native"):
+        progress(f"      {FROZEN_KV_FILE}: the frozen drafter step over the runtime's cache "
+                 "buffers")
+        graphs["drafter_frozen_kv"] = export_drafter_kv(drafter, target, None,
+                                                        out_dir / FROZEN_KV_FILE)
+        if scaling is not None:
+            progress(f"      {DRAFTER_KV_FILE}: the SharpDraft drafter step over the runtime's "
+                     "cache buffers")
+            graphs["drafter_kv"] = export_drafter_kv(drafter, target, scaling,
+                                                     out_dir / DRAFTER_KV_FILE)
     progress(f"      {WEIGHTS_FILE}: the graphs' weights, each distinct tensor once")
     share_weights(out_dir, [g["file"] for g in graphs.values()])
     plugin = None

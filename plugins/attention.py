@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from plugins.scaling import QueryScaling, _tracing
 
-__all__ = ["sharpdraft_attention", "reference_attention", "visible_counts", "check_inputs", "register"]
+__all__ = ["sharpdraft_attention", "reference_attention", "scaled_query", "visible_counts",
+           "check_inputs", "register"]
 
 
 def visible_counts(visible: torch.Tensor, kv_len: int, mask: torch.Tensor | None = None):
@@ -28,13 +29,20 @@ def visible_counts(visible: torch.Tensor, kv_len: int, mask: torch.Tensor | None
     return allowed.sum(-1), allowed
 
 
+def scaled_query(q, n, scaling: QueryScaling | None):
+    """q [b, heads, q_len, d] with row (b, i) multiplied by beta(n[b, i]), its visible-key
+    count (q as it is without scaling). The reference, and so the native ONNX form, scale
+    this way; build/export.py's in-place drafter graph does too."""
+    if scaling is None:
+        return q
+    return q * scaling.beta(n.to(q.dtype))[:, None, :, None]
+
+
 def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
     """Differentiable reference; computes in float32 at least and returns q's dtype."""
     compute = torch.promote_types(q.dtype, torch.float32)
     n, allowed = visible_counts(visible, k.shape[2], mask)
-    qc = q.to(compute)
-    if scaling is not None:
-        qc = qc * scaling.beta(n.to(compute))[:, None, :, None]
+    qc = scaled_query(q.to(compute), n, scaling)
     # A plain causal prefill can use SDPA's causal path: same result, half the time.
     # (Not while tracing for export: the test reads data, and the graph must be general.)
     causal = not _tracing() and mask is None and q.shape[2] == k.shape[2] and torch.equal(

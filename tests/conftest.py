@@ -74,6 +74,28 @@ def onnx_engine(tmp_path_factory, long_target, long_drafter) -> Path:
 
 
 @pytest.fixture(scope="session")
+def native_engine(tmp_path_factory, long_target, long_drafter) -> Path:
+    """onnx_engine's pair and scaling in ONNX Runtime's default form: beta in plain ONNX
+    ops, and each drafter also over the runtime's cache buffers (drafter-kv.onnx,
+    drafter-frozen-kv.onnx), the graphs the runtime then runs."""
+    import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-native"
+    code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
+                              "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
+                              "--top-k", "8", "--backend", "onnxruntime", "--output", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def native_ort_engine(native_engine):
+    from runtime.engine import Engine
+
+    return Engine(native_engine)
+
+
+@pytest.fixture(scope="session")
 def native_drafter_graph(tmp_path_factory, onnx_engine) -> Path:
     """onnx_engine's SharpDraft drafter exported again, with beta in plain ONNX ops."""
     from build import export

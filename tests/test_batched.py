@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
 from runtime.batched import BatchedDecoder, Request, generate_batch
@@ -75,13 +74,14 @@ def test_batched_target_only_equals_target_only(seed, lengths):
 
 def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     """One batched call: the op is handed each sequence's N on its rows (not the longest)."""
-    import runtime.models.dflash as dflash
+    from runtime.models.layers import KVCache
 
     handed = []
+    attend_block = KVCache.attend_block  # hands the counts to the op as they are
 
-    def recording(q, k, v, visible, scaling=None, mask=None):
+    def recording(self, layer, start, q, k, v, visible, scaling, probe=None):
         handed.append(visible.clone())
-        return sharpdraft_attention(q, k, v, visible, scaling, mask)
+        return attend_block(self, layer, start, q, k, v, visible, scaling, probe)
 
     target, drafter = tiny_pair(3, vocab=12, block=4)
     t, d = batched(target, drafter, SCALING)
@@ -89,7 +89,7 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     decoder = BatchedDecoder(t, d)
     for p in prompts:
         decoder.add(Request(p, 20))
-    monkeypatch.setattr(dflash, "sharpdraft_attention", recording)
+    monkeypatch.setattr(KVCache, "attend_block", recording)
     decoder.step()
     rows = handed[0]
     assert rows.shape == (3, 4)

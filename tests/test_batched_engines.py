@@ -14,10 +14,13 @@ def prompts(engine, lengths):
 
 
 @pytest.mark.parametrize("mode", ["sharpdraft", "frozen", "target"])
+@pytest.mark.parametrize("engine", ["ort_engine", "native_ort_engine"])
 def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_time(
-        mode, torch_engine, ort_engine):
+        mode, engine, torch_engine, request):
     """Four sequences at 5, 90, 300 and 40 tokens (beta 1 and > 1 side by side), two of
-    them joining later, one with a short budget leaving early."""
+    them joining later, one with a short budget leaving early; on the drafters' portable
+    graphs (plugin-form engine) and on their graphs over cache buffers (native form)."""
+    ort_engine = request.getfixturevalue(engine)
     lengths, budgets, join_at = [5, 90, 300, 40], [24, 6, 24, 16], [0, 0, 1, 3]
     requests = [Request(p, n, stop_ids=torch_engine.stop_ids)
                 for p, n in zip(prompts(torch_engine, lengths), budgets)]

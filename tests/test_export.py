@@ -14,7 +14,7 @@ from build import export
 from runtime.manifest import EngineError, read_manifest
 from plugins.onnx import DOMAIN
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
-from runtime.backends.onnxruntime import OnnxDFlash, open_session
+from runtime.backends.onnxruntime import BoundDFlash, OnnxDFlash, open_session
 from runtime.cli import run
 from runtime.engine import Engine
 
@@ -78,6 +78,8 @@ def test_manifest_records_the_build(onnx_engine, torch_engine):
     assert [i["name"] for i in drafter["inputs"]] == list(export.DRAFTER_INPUTS)
     assert drafter["outputs"][0]["shape"] == ["batch", 3, 320]  # block 4 -> 3 drafts
     assert drafter["plugin_nodes"] == 1 and record["graphs"]["drafter_frozen"]["plugin_nodes"] == 0
+    # The plugin form keeps both drafters in the portable graphs (none over cache buffers).
+    assert set(record["graphs"]) == {"target", "target_kv", "drafter", "drafter_frozen"}
     on_disk = {p.name for p in onnx_engine.iterdir()} - {"engine.json", ".verified.json"}
     assert set(data["artifacts"]) == on_disk
     read_manifest(onnx_engine, verify="full")  # every sha256 matches
@@ -102,27 +104,35 @@ def test_target_graph_matches_torch(context, torch_engine, ort_engine):
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
-def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_drafter_graph):
+def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_drafter_graph,
+                                    native_ort_engine):
     scaling = torch_engine.scaling
     native = OnnxDFlash(open_session(native_drafter_graph), torch_engine.drafter_model.config.block_size,
                         torch_engine.drafter_model.config.mask_token_id, scaling)
     drafters = {"torch": torch_engine.drafter(), "plugin": ort_engine.drafter(),
-                "native": native, "torch frozen": torch_engine.drafter(frozen=True),
-                "ort frozen": ort_engine.drafter(frozen=True)}
-    features = torch.randn(context + 1, drafters["torch"].feature_size,
+                "native": native, "in place": native_ort_engine.drafter(),
+                "torch frozen": torch_engine.drafter(frozen=True),
+                "ort frozen": ort_engine.drafter(frozen=True),
+                "in place frozen": native_ort_engine.drafter(frozen=True)}
+    assert isinstance(drafters["in place"], BoundDFlash)
+    assert isinstance(drafters["in place frozen"], BoundDFlash)
+    features = torch.randn(context + 3, drafters["torch"].feature_size,
                            generator=torch.Generator().manual_seed(context))
     out = {}
     for name, drafter in drafters.items():
-        drafter.reset(context + 1)
+        drafter.reset(context + 3)
         first, n_first = drafter.draft(features[:context], 7)
-        second, n_second = drafter.draft(features[context:], 9)  # one more, through the cache
-        out[name] = (first, second)
-        assert (n_first, n_second) == (context + 4, context + 5)
-    for name in ("plugin", "native"):
+        second, n_second = drafter.draft(features[context:context + 2], 9)  # through the cache
+        drafter.cache.rollback(context + 1)  # the target kept one of the two
+        third, n_third = drafter.draft(features[context + 2:], 4)
+        out[name] = (first, second, third)
+        assert (n_first, n_second, n_third) == (context + 4, context + 6, context + 6)
+    for name in ("plugin", "native", "in place"):
         for ours, theirs in zip(out[name], out["torch"]):
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
-    for ours, theirs in zip(out["ort frozen"], out["torch frozen"]):
-        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    for name in ("ort frozen", "in place frozen"):
+        for ours, theirs in zip(out[name], out["torch frozen"]):
+            torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
     # beta is 1 up to ref_keys (64) visible keys and > 1 beyond: the scale is really in.
     differs = not torch.allclose(out["plugin"][1], out["ort frozen"][1], atol=ATOL)
     assert differs == (scaling.beta(context + 5) > 1.0)
@@ -270,13 +280,60 @@ def test_target_kv_graph_takes_any_batch_and_ignores_the_buffer_past_the_length(
         np.testing.assert_allclose(ours, theirs.numpy(), atol=ATOL, rtol=0)
 
 
-def test_onnxruntime_engines_default_to_the_native_form(tiny_target, tiny_drafter, tmp_path):
+def test_onnxruntime_engines_default_to_the_native_form(native_engine):
     """ONNX Runtime runs the plugin node only through a Python bridge, so its engines
     carry beta in plain ONNX ops unless --attention plugin asks for the node (the
-    TensorRT backend's default); both forms draft the same tokens (tested above)."""
-    out = tmp_path / "ort-default"
-    assert build_engine.main(["--sharpdraft", "--backend", "onnxruntime", "--max-seq-len", "300",
-                              "--target", str(tiny_target), "--drafter-checkpoint",
-                              str(tiny_drafter), "--output", str(out)]) == 0
-    record = json.loads((out / "engine.json").read_text())["extra"]["onnx"]
+    TensorRT backend's default); both forms draft the same tokens (tested above).
+    native_engine is built with --backend onnxruntime and no --attention."""
+    record = json.loads((native_engine / "engine.json").read_text())["extra"]["onnx"]
     assert record["attention"] == "native" and record["graphs"]["drafter"]["plugin_nodes"] == 0
+
+
+def test_native_engines_carry_the_drafters_over_cache_buffers(native_engine, torch_engine):
+    """ONNX Runtime's default form: each drafter also as a graph over per-layer cache
+    buffers [batch, kv_heads, capacity, head_dim], one committed length per sequence,
+    returning only the step's new context keys/values; plain ONNX ops, checked in full."""
+    record = json.loads((native_engine / "engine.json").read_text())["extra"]["onnx"]
+    c = torch_engine.drafter_model.config
+    files = {"drafter_kv": export.DRAFTER_KV_FILE, "drafter_frozen_kv": export.FROZEN_KV_FILE}
+    for name, file in files.items():
+        graph = record["graphs"][name]
+        assert graph["file"] == file and graph["plugin_nodes"] == 0
+        assert graph["attention"] == ("native" if name == "drafter_kv" else None)
+        inputs = {i["name"]: i for i in graph["inputs"]}
+        assert list(inputs) == list(export.drafter_kv_inputs(c.num_layers))
+        assert inputs["cache_keys_0"]["shape"] == ["batch", c.num_kv_heads, "capacity", c.head_dim]
+        assert inputs["past_lens"]["shape"] == ["batch"] and inputs["past_lens"]["dtype"] == "int64"
+        outputs = {o["name"]: o for o in graph["outputs"]}
+        assert list(outputs) == list(export.DRAFTER_KV_OUTPUTS)
+        assert outputs["new_keys"]["shape"] == [c.num_layers, "batch", c.num_kv_heads,
+                                                "context_len", c.head_dim]
+        export.check_graph(native_engine / file)
+        model = onnx.load(str(native_engine / file), load_external_data=False)
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, file
+    # the portable graphs stay, for TensorRT's parser and runtimes without buffers
+    assert {"target", "drafter", "drafter_frozen"} <= set(record["graphs"])
+    read_manifest(native_engine, verify="full")
+
+
+@pytest.mark.parametrize("file", [export.DRAFTER_KV_FILE, export.FROZEN_KV_FILE])
+def test_drafter_kv_graph_reads_the_cache_buffers_where_they_lie(file, native_engine, tmp_path):
+    """As ONNX Runtime optimises drafter-kv.onnx, every cache buffer feeds matrix
+    products only: no Concat, Transpose, Scatter or Slice copies the drafter's cache in
+    a step (drafter.onnx copied all of it several times per layer)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    onnxruntime.InferenceSession(str(native_engine / file), options,
+                                 providers=["CPUExecutionProvider"])
+    model = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    consumers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    buffers = [i.name for i in model.graph.input if i.name.startswith("cache_")]
+    assert buffers
+    for name in buffers:
+        assert set(consumers[name]) <= {"MatMul", "FusedMatMul", "Shape"}, (name, consumers[name])
+        assert {"MatMul", "FusedMatMul"} & set(consumers[name]), name

@@ -13,7 +13,8 @@ import torch
 from runtime import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
-from runtime.backends.onnxruntime import PREFILL_CHUNK, OnnxDFlash, open_session
+from runtime.backends.onnxruntime import PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
+from runtime.backends.torch import TorchDFlash
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.sampling import Sampler
@@ -50,9 +51,17 @@ def text_prompt(engine, n):
     return ids[:n]
 
 
+# The plugin-form engine runs the drafters' portable graphs (cache as an input); the
+# native-form one runs them over cache buffers (drafter-kv.onnx).
+ORT_ENGINES = ["ort_engine", "native_ort_engine"]
+
+
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 @pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
-def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, torch_engine, ort_engine):
+@pytest.mark.parametrize("engine", ORT_ENGINES)
+def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, engine, torch_engine,
+                                                     request):
+    ort_engine = request.getfixturevalue(engine)
     prompt = text_prompt(torch_engine, length)
     ours = speculate(ort_engine, ort_engine.drafter(frozen=not sharpdraft), prompt)
     theirs = speculate(torch_engine, torch_engine.drafter(frozen=not sharpdraft), prompt)
@@ -62,20 +71,23 @@ def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, torch_e
 
 
 @pytest.mark.parametrize("mode", ["sharpdraft", "frozen", "target"])
-def test_engine_generate_is_token_identical_across_backends(mode, torch_engine, ort_engine):
+@pytest.mark.parametrize("engine", ORT_ENGINES)
+def test_engine_generate_is_token_identical_across_backends(mode, engine, torch_engine, request):
+    ort_engine = request.getfixturevalue(engine)
     prompt = text_prompt(torch_engine, 300)
     ours = ort_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
     theirs = torch_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
     assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
 
 
-def test_plugin_and_native_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
-                                                       ort_engine):
+def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
+                                                                ort_engine, native_ort_engine):
     native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,
                         ort_engine.onnx.mask_token_id, ort_engine.scaling)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
-    assert speculate(ort_engine, native, prompt) == speculate(ort_engine, ort_engine.drafter(),
-                                                              prompt)
+    plugin = speculate(ort_engine, ort_engine.drafter(), prompt)
+    assert speculate(ort_engine, native, prompt) == plugin
+    assert speculate(ort_engine, native_ort_engine.drafter(), prompt) == plugin
 
 
 def test_generate_cli_runs_either_backend_on_one_engine(capsys, onnx_engine):
@@ -222,3 +234,86 @@ def test_engine_from_export_version_2_is_refused_with_one_line_error(capsys, tmp
     code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
     error = one_line_error(capsys)
     assert code == 1 and "export version 2" in error and "rebuild" in error
+
+
+def test_in_place_drafter_reads_and_writes_its_bound_cache_in_place(torch_engine,
+                                                                   native_ort_engine):
+    """BoundDFlash's buffers stay where they were bound; a step adds only its context's
+    keys (the block's are scratch), at the committed length, the same keys torch's
+    drafter caches; a rollback is a length change that the next step writes over."""
+    ours, theirs = native_ort_engine.drafter(), torch_engine.drafter()
+    features = torch.randn(46, ours.feature_size, generator=torch.Generator().manual_seed(6))
+    for drafter in (ours, theirs):
+        drafter.reset(46)
+        drafter.draft(features[:40], 3)
+    cache = ours.cache
+    address = cache.k.ctypes.data, cache.v.ctypes.data
+    bound = [value.data_ptr() for value in cache.k_values + cache.v_values]
+    assert bound == [cache.k[i].ctypes.data for i in range(len(cache.k))] + [
+        cache.v[i].ctypes.data for i in range(len(cache.v))]
+    prefix = cache.k[:, :, :, :40].copy()
+    steps = []
+    for drafter in (ours, theirs):
+        drafter.draft(features[40:43], 5)
+        drafter.cache.rollback(41)  # the target accepted one of the three
+        steps.append(drafter.draft(features[43:45], 8))
+    assert steps[0][1] == steps[1][1] == 41 + 2 + ours.block_size
+    torch.testing.assert_close(steps[0][0], steps[1][0], atol=1e-4, rtol=0)
+    assert ours.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
+    assert [value.data_ptr() for value in cache.k_values + cache.v_values] == bound
+    np.testing.assert_array_equal(cache.k[:, :, :, :40], prefix)
+    n = 43
+    assert cache.length == theirs.cache.length == n
+    assert not cache.k[:, :, :, n:].any()  # the block's keys never reach the cache
+    torch.testing.assert_close(torch.from_numpy(cache.k[:, :, :, :n]), theirs.cache.k[:, :, :, :n],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(cache.v[:, :, :, :n]), theirs.cache.v[:, :, :, :n],
+                               atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="holds"):
+        ours.draft(features[:4], 1)  # 43 + 4 > 46
+
+
+def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path, native_engine,
+                                                                      native_ort_engine):
+    """A native-form engine built before drafter-kv.onnx (no *_kv drafter graphs) still
+    loads, runs drafter.onnx, and decodes the same tokens."""
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(native_engine, engine_dir)
+    manifest = engine_dir / "engine.json"
+    data = json.loads(manifest.read_text())
+    graphs = data["extra"]["onnx"]["graphs"]
+    for name in ("drafter_kv", "drafter_frozen_kv"):
+        (engine_dir / graphs.pop(name)["file"]).unlink()
+    data["artifacts"] = {k: v for k, v in data["artifacts"].items() if (engine_dir / k).exists()}
+    manifest.write_text(json.dumps(data))
+    older = Engine(engine_dir)
+    assert isinstance(older.onnx.drafter(), OnnxDFlash)
+    assert isinstance(native_ort_engine.onnx.drafter(), BoundDFlash)
+    prompt = text_prompt(native_ort_engine, 300)
+    for mode in ("sharpdraft", "frozen"):
+        ours = older.generate(prompt, NEW_TOKENS, mode, stop=False)
+        theirs = native_ort_engine.generate(prompt, NEW_TOKENS, mode, stop=False)
+        assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
+
+
+def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native_engine,
+                                                                torch_engine):
+    """calibrate re-exports drafter-kv.onnx with the chosen values, not only drafter.onnx:
+    the in-place drafter then drafts what torch's drafter drafts with them."""
+    from plugins.scaling import QueryScaling
+    from runtime.commands import calibrate
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(native_engine, engine_dir)
+    chosen = QueryScaling(ref_keys=16, top_k=8, slope=2.0)
+    calibrate.apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"chosen": "test"})
+    ours = Engine(engine_dir).onnx.drafter()
+    assert isinstance(ours, BoundDFlash) and ours.scaling == chosen
+    theirs = TorchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
+    features = torch.randn(201, ours.feature_size, generator=torch.Generator().manual_seed(7))
+    for drafter in (ours, theirs):
+        drafter.reset(201)
+        drafter.draft(features[:200], 3)
+    got, want = ours.draft(features[200:], 5), theirs.draft(features[200:], 5)
+    assert got[1] == want[1] == 201 + ours.block_size
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)

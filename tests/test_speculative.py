@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
 from runtime.backends.torch import TorchDFlash, TorchTarget
@@ -80,15 +79,16 @@ def test_the_lossless_check_exercises_acceptance():
 
 
 def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
-    import runtime.models.dflash as dflash
+    from runtime.models.layers import KVCache
 
     handed = []  # (visible counts, scaling) of every drafter attention call
+    attend_block = KVCache.attend_block  # hands both to the op as they are
 
-    def recording(q, k, v, visible, scaling=None, mask=None):
+    def recording(self, layer, start, q, k, v, visible, scaling, probe=None):
         handed.append((visible.clone(), scaling))
-        return sharpdraft_attention(q, k, v, visible, scaling, mask)
+        return attend_block(self, layer, start, q, k, v, visible, scaling, probe)
 
-    monkeypatch.setattr(dflash, "sharpdraft_attention", recording)
+    monkeypatch.setattr(KVCache, "attend_block", recording)
     target, drafter = tiny_pair(3, vocab=8, block=4)
     scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
     t, d = runners(target, drafter, scaling)

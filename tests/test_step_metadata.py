@@ -1,6 +1,7 @@
 """Lengths have one source (runtime/step_metadata.py), and in one batched call every
-sequence's rows get beta of its own N: on the torch op, the ONNX drafter graph in ONNX
-Runtime (plugin and native forms) and the Triton kernel under the interpreter."""
+sequence's rows get beta of its own N: on the torch op, the ONNX drafter graphs in ONNX
+Runtime (plugin and native forms, and the native one over cache buffers) and the Triton
+kernel under the interpreter."""
 
 import re
 from pathlib import Path
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.backends.onnxruntime import OnnxBatchDFlash, OnnxDFlash, open_session
+from runtime.backends.onnxruntime import (BoundBatchDFlash, BoundDFlash, OnnxBatchDFlash,
+                                          OnnxDFlash, open_session)
 from runtime.step_metadata import StepMetadata
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,13 +67,15 @@ def test_the_guard_recognises_a_derived_count():
     assert not DERIVES.search("visible = meta.block_visible(block, b, dev)")
 
 
-def _batch_and_singles(session, engine, scaling, lengths, news):
+def _batch_and_singles(session, engine, scaling, lengths, news, in_place=False):
     """Drafter logits of one batched graph call and of each sequence's own calls."""
     config = engine.drafter_model.config
     features = [torch.randn(n + c, engine.drafter_model.fc.in_features,
                             generator=torch.Generator().manual_seed(n)) for n, c in zip(lengths, news)]
-    batch = OnnxBatchDFlash(session, config.block_size, config.mask_token_id, scaling)
-    single = OnnxDFlash(session, config.block_size, config.mask_token_id, scaling)
+    batch_class, single_class = ((BoundBatchDFlash, BoundDFlash) if in_place
+                                 else (OnnxBatchDFlash, OnnxDFlash))
+    batch = batch_class(session, config.block_size, config.mask_token_id, scaling)
+    single = single_class(session, config.block_size, config.mask_token_id, scaling)
     want = []
     for f, n in zip(features, lengths):
         single.reset(n + 8)
@@ -82,15 +86,19 @@ def _batch_and_singles(session, engine, scaling, lengths, news):
     return got, want
 
 
-@pytest.mark.parametrize("form", ["plugin", "native"])
+@pytest.mark.parametrize("form", ["plugin", "native", "in place"])
 def test_onnx_drafter_graph_gives_each_sequence_its_own_beta(form, onnx_engine, torch_engine,
-                                                             native_drafter_graph):
+                                                             native_drafter_graph, native_engine):
     """Three sequences at 10, 70 and 300 cached tokens (beta 1, just above, well above
-    with ref_keys 64) in one call of the exported graph equal three separate calls."""
-    path = onnx_engine / "drafter.onnx" if form == "plugin" else native_drafter_graph
+    with ref_keys 64) in one call of the exported graph equal three separate calls; in
+    place: the graph over cache buffers (drafter-kv.onnx), the rows' contexts of
+    different lengths padded in one step."""
+    path = {"plugin": onnx_engine / "drafter.onnx", "native": native_drafter_graph,
+            "in place": native_engine / "drafter-kv.onnx"}[form]
     session = open_session(path, python_ops=form == "plugin")
     scaling = torch_engine.scaling
-    (logits, visible), want = _batch_and_singles(session, torch_engine, scaling, [10, 70, 300], [1, 3, 2])
+    (logits, visible), want = _batch_and_singles(session, torch_engine, scaling, [10, 70, 300],
+                                                 [1, 3, 2], in_place=form == "in place")
     assert visible.tolist() == [w[1] for w in want] == [10 + 1 + 4, 70 + 3 + 4, 300 + 2 + 4]
     assert len({round(scaling.beta(int(n)), 6) for n in visible}) == 3
     for i, (w, _) in enumerate(want):

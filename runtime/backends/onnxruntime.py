@@ -13,6 +13,11 @@ at 4,096 tokens 4.2 tok/s against torch's 9.6 in one session; now 16.9 against 1
 another; see build/export.py.) A prefill runs in PREFILL_CHUNK-token steps over compact
 copies of the prefix (OnnxTarget.prefill).
 
+The drafters of native-form engines run the same way: drafter-kv.onnx over a
+BoundKVCache (BoundDFlash, BoundBatchDFlash), storing only each step's context keys.
+Older engines, and plugin-form ones, run drafter.onnx with the committed cache as an
+input (HostKVCache; OnnxDFlash, OnnxBatchDFlash); engine.json's graph keys say which.
+
 Threads: intra-op pools spin while a run is in flight (fast hand-off between small
 decode nodes) but stop when it returns (session.force_spinning_stop), else the target's
 idle workers starve the drafter that runs next; a graph with the Python plugin op does
@@ -37,6 +42,8 @@ from runtime.step_metadata import StepMetadata, padded, padded_context
 # 2: the target's KV cache lives in buffers bound to target-kv.onnx (1: cache as an input).
 # 3: per-sequence lengths are inputs (target-kv past_len [batch]; the drafter's past_lens
 #    and context_lens [batch]), so one graph steps a batch of sequences at different lengths.
+#    Engines exported since may add the drafters over cache buffers (graphs drafter_kv,
+#    drafter_frozen_kv): the runtime runs them where present; without them, drafter.onnx.
 EXPORT_VERSION = 3
 PREFILL_CHUNK = 512  # tokens per prefill step
 
@@ -113,6 +120,33 @@ class BoundKVCache:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
         self.length = length
 
+    def bind(self, session):
+        """An IO binding of `session` with every layer's buffers bound as its
+        cache_keys_i / cache_values_i inputs, for as long as the cache lives."""
+        binding = session.io_binding()
+        for i, (keys, values) in enumerate(zip(self.k_values, self.v_values)):
+            binding.bind_ortvalue_input(f"cache_keys_{i}", keys)
+            binding.bind_ortvalue_input(f"cache_values_{i}", values)
+        return binding
+
+
+def run_bound(session, binding, feeds: dict, outputs) -> list[np.ndarray]:
+    """One step over a binding whose cache buffers are bound: the step's small inputs
+    copied in, its outputs (their shapes change with the step) allocated by ORT."""
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    for name in outputs:
+        binding.bind_output(name)
+    session.run_with_iobinding(binding)
+    return [o.numpy() for o in binding.get_outputs()]
+
+
+def _buffer_dims(session) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a graph over cache buffers (target-kv, drafter-kv)."""
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    _, kv_heads, _, head_dim = inputs["cache_keys_0"]
+    return sum(name.startswith("cache_keys_") for name in inputs), kv_heads, head_dim
+
 
 class OnnxTarget:
     """target-kv.onnx run through one IO binding per BoundKVCache."""
@@ -122,18 +156,13 @@ class OnnxTarget:
     def __init__(self, session, context_limit: int):
         self.session = session
         self.context_limit = context_limit
-        inputs = {i.name: i.shape for i in session.get_inputs()}
-        self.layers = sum(name.startswith("cache_keys_") for name in inputs)
-        _, self.kv_heads, _, self.head_dim = inputs["cache_keys_0"]
+        self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.cache: BoundKVCache | None = None
         self.binding = None
 
     def _new_cache(self, capacity: int) -> None:
-        self.cache = cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
-        self.binding = self.session.io_binding()
-        self._bind(cache.k_values, cache.v_values)
-        for name in self.STEP_OUTPUTS:
-            self.binding.bind_output(name)
+        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
+        self.binding = self.cache.bind(self.session)
 
     def _bind(self, keys, values) -> None:
         for i in range(self.layers):
@@ -146,15 +175,10 @@ class OnnxTarget:
         if start + t > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
                              f"{start + t}")
-        feeds = (np.asarray([ids], dtype=np.int64), np.asarray(logit_positions, dtype=np.int64),
-                 np.asarray([start], dtype=np.int64))
-        for name, value in zip(("ids", "logit_positions", "past_len"), feeds):
-            binding.bind_cpu_input(name, value)
-        # The outputs' shapes change with the step: unbound again, ORT allocates them per run.
-        for name in self.STEP_OUTPUTS:
-            binding.bind_output(name)
-        self.session.run_with_iobinding(binding)
-        logits, features, keys, values = (o.numpy() for o in binding.get_outputs())
+        feeds = {"ids": np.asarray([ids], dtype=np.int64),
+                 "logit_positions": np.asarray(logit_positions, dtype=np.int64),
+                 "past_len": np.asarray([start], dtype=np.int64)}
+        logits, features, keys, values = run_bound(self.session, binding, feeds, self.STEP_OUTPUTS)
         cache.k[:, :, :, start:start + t] = keys  # [layers, batch, kv_heads, t, head_dim]
         cache.v[:, :, :, start:start + t] = values
         cache.length = start + t
@@ -257,16 +281,15 @@ class OnnxPARD:
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
 
 
-class OnnxBatchTarget:
-    """target-kv.onnx over a batch: one BoundKVCache row per sequence, `lengths` per row
-    fed as past_len [batch]. A sequence is prefilled alone (OnnxTarget.prefill) and its
-    cache copied in as a new row; a leaving one is copied out (one copy per join/leave)."""
+class BoundRows:
+    """A batch's rows in one BoundKVCache bound to `session`, `lengths` committed per
+    row. A sequence joins as the last row (its one-sequence cache copied in) and leaves
+    from any row (the others copied out): one copy per join/leave; the steps between
+    them read the buffers in place. Subclasses set `single` (its layers, kv_heads and
+    head_dim) and `session`."""
 
-    def __init__(self, session, context_limit: int):
-        self.single = OnnxTarget(session, context_limit)
-        self.session, self.context_limit = session, context_limit
-        self.cache: BoundKVCache | None = None
-        self.lengths: list[int] = []
+    cache: BoundKVCache | None = None
+    lengths: list[int]
 
     def _rebuild(self, capacity: int, rows: list) -> None:
         """A new cache of `rows` ((k, v) each [layers, kv_heads, capacity_i, head_dim])."""
@@ -276,22 +299,43 @@ class OnnxBatchTarget:
             cache.k[:, i, :, :k.shape[2]] = k
             cache.v[:, i, :, :v.shape[2]] = v
         self.cache = cache
-        self.binding = self.session.io_binding()
-        for layer in range(s.layers):
-            self.binding.bind_ortvalue_input(f"cache_keys_{layer}", cache.k_values[layer])
-            self.binding.bind_ortvalue_input(f"cache_values_{layer}", cache.v_values[layer])
+        self.binding = cache.bind(self.session)
 
     def _rows(self):
         if self.cache is None:
             return []
         return [(self.cache.k[:, i], self.cache.v[:, i]) for i in range(len(self.lengths))]
 
+    def _join(self, new: BoundKVCache) -> None:
+        held = self.cache.capacity if self.cache is not None else 0
+        self._rebuild(max(held, new.capacity), self._rows() + [(new.k[:, 0], new.v[:, 0])])
+        self.lengths.append(new.length)
+
+    def _store(self, keys: np.ndarray, values: np.ndarray, counts: list[int]) -> None:
+        """A step's new keys/values [layers, batch, kv_heads, t, head_dim]: the first
+        counts[i] of row i at its committed length."""
+        for i, (start, c) in enumerate(zip(self.lengths, counts)):
+            self.cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
+            self.cache.v[:, i, :, start:start + c] = values[:, i, :, :c]
+
+    def remove(self, row: int) -> None:
+        rows = self._rows()
+        del rows[row], self.lengths[row]
+        self._rebuild(self.cache.capacity, rows)
+
+
+class OnnxBatchTarget(BoundRows):
+    """target-kv.onnx over a batch (BoundRows), `lengths` fed as past_len [batch]. A
+    sequence is prefilled alone (OnnxTarget.prefill), then joins."""
+
+    def __init__(self, session, context_limit: int):
+        self.single = OnnxTarget(session, context_limit)
+        self.session, self.context_limit = session, context_limit
+        self.lengths: list[int] = []
+
     def add(self, ids: list[int], capacity: int):
         result = self.single.prefill(ids, capacity)
-        new = self.single.cache
-        held = self.cache.capacity if self.cache is not None else 0
-        self._rebuild(max(held, capacity), self._rows() + [(new.k[:, 0], new.v[:, 0])])
-        self.lengths.append(new.length)
+        self._join(self.single.cache)
         return result
 
     def verify(self, rows: list[list[int]]):
@@ -303,15 +347,9 @@ class OnnxBatchTarget:
                              f"{max(self.lengths) + t}")
         feeds = {"ids": ids, "logit_positions": np.arange(t, dtype=np.int64),
                  "past_len": meta.cached.numpy()}
-        for name, value in feeds.items():
-            self.binding.bind_cpu_input(name, value)
-        for name in OnnxTarget.STEP_OUTPUTS:
-            self.binding.bind_output(name)
-        self.session.run_with_iobinding(self.binding)
-        logits, features, keys, values = (o.numpy() for o in self.binding.get_outputs())
-        for i, start in enumerate(self.lengths):
-            self.cache.k[:, i, :, start:start + t] = keys[:, i]
-            self.cache.v[:, i, :, start:start + t] = values[:, i]
+        logits, features, keys, values = run_bound(self.session, self.binding, feeds,
+                                                   OnnxTarget.STEP_OUTPUTS)
+        self._store(keys, values, [t] * len(self.lengths))
         self.lengths = meta.committed().tolist()
         return torch.from_numpy(logits), torch.from_numpy(features)
 
@@ -319,11 +357,6 @@ class OnnxBatchTarget:
         if any(not 0 <= n <= have for n, have in zip(lengths, self.lengths)):
             raise ValueError(f"cannot roll back caches of {self.lengths} tokens to {lengths}")
         self.lengths = list(lengths)
-
-    def remove(self, row: int) -> None:
-        rows = self._rows()
-        del rows[row], self.lengths[row]
-        self._rebuild(self.cache.capacity, rows)
 
 
 class OnnxBatchDFlash:
@@ -380,6 +413,82 @@ class OnnxBatchDFlash:
         self._rebuild(self.cache.capacity, rows)
 
 
+class BoundDFlash:
+    """drafter-kv.onnx for one sequence: its cache is a BoundKVCache whose buffers stay
+    bound to the session and are only read; a step's new context keys/values land at
+    the committed length, the block's are scratch the graph never returns, and a
+    rollback is a length change. (drafter.onnx took the committed cache as an input
+    and copied all of it several times per layer and step: 14.9 ms a step at 4,096
+    tokens, where the arithmetic is ~2 ms.)"""
+
+    STEP_OUTPUTS = ("logits", "new_keys", "new_values")
+
+    def __init__(self, session, block_size: int, mask_token_id: int,
+                 scaling: QueryScaling | None):
+        self.session, self.scaling = session, scaling
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
+        self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
+        self.cache: BoundKVCache | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
+        self.binding = self.cache.bind(self.session)
+
+    def draft(self, context: torch.Tensor, bonus: int):
+        cache = self.cache
+        meta = StepMetadata(cache.length, context.shape[0])
+        end = meta.committed()
+        if end > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to {end}")
+        feeds = {"block_ids": np.asarray([[bonus] + [self.mask_token_id] * (self.block_size - 1)],
+                                         dtype=np.int64),
+                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
+                 "context_lens": np.asarray([meta.new], dtype=np.int64),
+                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
+        logits, keys, values = run_bound(self.session, self.binding, feeds, self.STEP_OUTPUTS)
+        cache.k[:, :, :, meta.cached:end] = keys  # [layers, batch, kv_heads, new, head_dim]
+        cache.v[:, :, :, meta.cached:end] = values
+        cache.length = end
+        return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
+
+
+class BoundBatchDFlash(BoundRows):
+    """drafter-kv.onnx over a batch (BoundRows), `lengths` fed as past_lens and each
+    step's context lengths as context_lens. A sequence reads its prompt's features
+    alone (BoundDFlash), then joins."""
+
+    def __init__(self, session, block_size: int, mask_token_id: int,
+                 scaling: QueryScaling | None):
+        self.single = BoundDFlash(session, block_size, mask_token_id, scaling)
+        self.session, self.scaling = session, scaling
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.lengths: list[int] = []
+
+    def add(self, capacity: int, context: torch.Tensor) -> None:
+        self.single.reset(capacity)
+        self.single.draft(context, self.mask_token_id)  # the block is scratch: the context stays
+        self._join(self.single.cache)
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        context, context_lens = padded_context(contexts)
+        meta = StepMetadata(torch.tensor(self.lengths), context_lens)
+        end = int(meta.committed().max())
+        if end > self.cache.capacity:
+            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
+                             f"{end}")
+        block = np.asarray([[b] + [self.mask_token_id] * (self.block_size - 1) for b in bonuses],
+                           dtype=np.int64)
+        feeds = {"block_ids": block,
+                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+                 "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
+        logits, keys, values = run_bound(self.session, self.binding, feeds,
+                                         BoundDFlash.STEP_OUTPUTS)
+        self._store(keys, values, context_lens.tolist())
+        self.lengths = meta.committed().tolist()
+        return torch.from_numpy(logits), meta.block_keys(self.block_size)
+
+
 class OnnxEngine:
     """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter."""
 
@@ -398,32 +507,38 @@ class OnnxEngine:
                               f"runtime runs version {EXPORT_VERSION} (per-sequence lengths as "
                               "inputs) — rebuild it with build_engine.py --backend onnxruntime")
         graphs = record["graphs"]
-        # target.onnx, the portable form of the target step, is not run here.
+        # A graph whose form over the runtime's cache buffers (name + "_kv") the engine
+        # has is not run here: target.onnx, and the drafter graphs of native-form engines
+        # built since drafter-kv.onnx (older engines and plugin-form ones have none).
         self.sessions = {name: open_session(Path(engine_dir) / g["file"], threads,
                                             python_ops=bool(g.get("plugin_nodes")))
-                         for name, g in graphs.items() if name != "target"}
+                         for name, g in graphs.items() if name + "_kv" not in graphs}
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
         self.drafter_family = manifest.drafter
         self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]))
 
-    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | OnnxPARD:
+    def _drafter_graph(self, sharpdraft: bool):
+        """(session, scaling, in place) of the SharpDraft or the frozen drafter."""
+        name, scaling = (("drafter", self.scaling) if sharpdraft and self.scaling is not None
+                         else ("drafter_frozen", None))
+        in_place = name + "_kv" in self.sessions
+        return self.sessions[name + "_kv" if in_place else name], scaling, in_place
+
+    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | BoundDFlash | OnnxPARD:
+        session, scaling, in_place = self._drafter_graph(sharpdraft)
         if self.drafter_family == "pard":
-            session = self.sessions["drafter" if sharpdraft and self.scaling is not None
-                                    else "drafter_frozen"]
-            scaling = self.scaling if sharpdraft else None
             return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
-        if sharpdraft and self.scaling is not None:
-            return OnnxDFlash(self.sessions["drafter"], self.block_size, self.mask_token_id,
-                              self.scaling)
-        return OnnxDFlash(self.sessions["drafter_frozen"], self.block_size, self.mask_token_id, None)
+        return (BoundDFlash if in_place else OnnxDFlash)(session, self.block_size,
+                                                         self.mask_token_id, scaling)
 
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
 
-    def batch_drafter(self, sharpdraft: bool = True) -> OnnxBatchDFlash:
+    def batch_drafter(self, sharpdraft: bool = True) -> OnnxBatchDFlash | BoundBatchDFlash:
         if self.drafter_family != "dflash":
             raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
-        single = self.drafter(sharpdraft)
-        return OnnxBatchDFlash(single.session, self.block_size, self.mask_token_id, single.scaling)
+        session, scaling, in_place = self._drafter_graph(sharpdraft)
+        return (BoundBatchDFlash if in_place else OnnxBatchDFlash)(session, self.block_size,
+                                                                   self.mask_token_id, scaling)

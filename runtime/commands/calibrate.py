@@ -92,10 +92,15 @@ def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
         from build import export
         from plugins.plugin_spec import plugin_fields
 
-        progress("calibrate: re-exporting the SharpDraft drafter graph with the chosen values")
-        path = engine_dir / onnx["graphs"]["drafter"]["file"]
-        onnx["graphs"]["drafter"] = export.export_drafter(engine.drafter_model, engine.model, chosen,
-                                                          onnx["attention"], path)
+        progress("calibrate: re-exporting the SharpDraft drafter graphs with the chosen values")
+        graphs = onnx["graphs"]
+        graphs["drafter"] = export.export_drafter(engine.drafter_model, engine.model, chosen,
+                                                  onnx["attention"],
+                                                  engine_dir / graphs["drafter"]["file"])
+        if "drafter_kv" in graphs:  # the form ONNX Runtime runs, where the engine has it
+            graphs["drafter_kv"] = export.export_drafter_kv(engine.drafter_model, engine.model,
+                                                            chosen,
+                                                            engine_dir / graphs["drafter_kv"]["file"])
         if onnx.get("plugin"):
             onnx["plugin"]["fields"] = plugin_fields(chosen)
         manifest.artifacts = engine_files(engine_dir)

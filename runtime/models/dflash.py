@@ -146,16 +146,12 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h, rope, with_context, visible, scaling, mask=None, probe=None):
-        """h: block states; with_context(k_blk, v_blk) puts the context's keys/values
-        before the block's and returns what the block attends over. probe(q, k), when
-        given, sees the attention inputs (diagnostics)."""
+    def forward(self, h, rope, attend):
+        """h: block states; attend(q, k_blk, v_blk) is the block's attention over the
+        context's keys/values and its own."""
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, *rope)
-        k, v = with_context(*self.self_attn.key_value(x, *rope))
-        if probe is not None:
-            probe(q, k)
-        h = h + self.self_attn.output(sharpdraft_attention(q, k, v, visible, scaling, mask))
+        h = h + self.self_attn.output(attend(q, *self.self_attn.key_value(x, *rope)))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -209,12 +205,16 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.self_attn.key_value(ctx, *ctx_rope)
             cache.write(i, meta.cached, k_ctx, v_ctx)
-
-            def with_context(k_blk, v_blk, i=i):
-                return cache.write(i, meta.committed(), k_blk, v_blk)
-
             layer_probe = None if probe is None else (lambda q, k, i=i: probe(i, q, k))
-            h = layer(h, blk_rope, with_context, visible, scaling, probe=layer_probe)
+
+            # The cache attends (KVCache.attend_block), so an export stand-in can attend
+            # over buffers it only reads instead of joining them (build/export.py).
+
+            def attend(q, k_blk, v_blk, i=i, layer_probe=layer_probe):
+                return cache.attend_block(i, meta.committed(), q, k_blk, v_blk, visible, scaling,
+                                          layer_probe)
+
+            h = layer(h, blk_rope, attend)
         if meta.per_sequence:
             cache.lengths = meta.committed()
         else:
@@ -251,10 +251,11 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             k_ctx, v_ctx = layer.self_attn.key_value(ctx, *ctx_rope)
 
-            def with_context(k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
-                return torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
+            def attend(q, k_blk, v_blk, k_ctx=k_ctx, v_ctx=v_ctx):
+                return sharpdraft_attention(q, torch.cat([k_ctx, k_blk], 2),
+                                            torch.cat([v_ctx, v_blk], 2), visible, None, mask)
 
-            h = layer(h, blk_rope, with_context, visible, None, mask)
+            h = layer(h, blk_rope, attend)
         return self.norm(h)
 
 

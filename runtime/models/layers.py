@@ -140,6 +140,16 @@ class KVCache:
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible, None, mask)
 
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+        """A DFlash block's attention: store the block's k/v at `start` (past the committed
+        length: scratch the next step overwrites), then row (b, i) attends to keys
+        [0, visible[b, i]), the context's and the whole block's, its query scaled by beta.
+        probe(q, k), when given, sees the keys attended over (the diagnose command)."""
+        k, v = self.write(layer, start, k, v)
+        if probe is not None:
+            probe(q, k)
+        return sharpdraft_attention(q, k, v, visible, scaling)
+
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
