@@ -23,7 +23,7 @@ from torch import nn
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
-from runtime.models.target import ModelError, TargetConfig
+from runtime.models.target import ModelError, TargetConfig, read_config_json
 from runtime.step_metadata import StepMetadata
 
 
@@ -294,16 +294,7 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors")  # all that load_dflash 
 
 def read_dflash_config(path: str | Path) -> DFlashConfig:
     """A drafter checkpoint's config.json, checked: the one parser of it."""
-    cfg_file = Path(path) / CHECKPOINT_FILES[0]
-    if not cfg_file.is_file():
-        raise ModelError(f"{path} has no config.json (not a DFlash checkpoint)")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{cfg_file} must hold a JSON object")
-    return DFlashConfig.from_json(data)
+    return DFlashConfig.from_json(read_config_json(path, "a DFlash checkpoint"))
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

@@ -23,7 +23,7 @@ from torch import nn
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
-from runtime.models.target import ModelError, TargetConfig
+from runtime.models.target import ModelError, TargetConfig, read_config_json
 from runtime.step_metadata import StepMetadata
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -272,16 +272,7 @@ class DraftVocabulary:
 
 def read_eagle3_config(path: str | Path) -> Eagle3Config:
     """A drafter checkpoint's config.json, checked: the one parser of it."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise ModelError(f"{path} has no config.json (not an EAGLE-3 checkpoint)")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{cfg_file} must hold a JSON object")
-    return Eagle3Config.from_json(data)
+    return Eagle3Config.from_json(read_config_json(path, "an EAGLE-3 checkpoint"))
 
 
 def checkpoint_files(path: str | Path) -> list[str]:

@@ -26,7 +26,8 @@ from torch import nn
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.models.layers import KVCache, RMSNorm, Rotary
-from runtime.models.target import SUPPORTED_TYPES, DecoderLayer, ModelError, TargetConfig
+from runtime.models.target import (SUPPORTED_TYPES, DecoderLayer, ModelError, TargetConfig,
+                                   read_config_json)
 from runtime.step_metadata import StepMetadata
 
 SPD_TYPE = "pard"
@@ -195,16 +196,7 @@ class PARDDrafter(nn.Module):
 
 def read_pard_config(path: str | Path) -> PARDConfig:
     """A PARD checkpoint's config.json, checked: the one parser of it."""
-    cfg_file = Path(path) / CHECKPOINT_FILES[0]
-    if not cfg_file.is_file():
-        raise ModelError(f"{path} has no config.json (not a PARD checkpoint)")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{cfg_file} must hold a JSON object")
-    return PARDConfig.from_json(data)
+    return PARDConfig.from_json(read_config_json(path, "a PARD checkpoint"))
 
 
 def load_pard(path: str | Path, dtype: torch.dtype = torch.float32) -> PARDDrafter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,21 @@ DTYPES = ("float32", "bfloat16", "float16")  # weight dtypes engines are built i
 
 class ModelError(ValueError):
     """A checkpoint or config we refuse, with a one-line reason."""
+
+
+def read_config_json(path, kind: str) -> dict:
+    """A checkpoint directory's config.json as a dict, or a one-line ModelError naming
+    what is wrong (`kind` names the checkpoint expected, e.g. "a DFlash checkpoint")."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(f"{path} has no config.json (not {kind})")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{cfg_file} must hold a JSON object")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
