@@ -47,6 +47,30 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
     assert "MAL ngram" in capsys.readouterr().out
 
 
+def test_bench_modes_adds_the_family_preset_beside_the_calibrated_scaling(tiny_engine, doc,
+                                                                          tmp_path, capsys):
+    out = tmp_path / "preset.json"
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "160",
+                      "--new-tokens", "12", "--docs", str(doc), str(doc), "--repeats", "1",
+                      "--modes", "sharpdraft", "preset", "frozen", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["modes"] == ["target", "frozen", "preset", "sharpdraft"]  # no n-gram asked
+    assert result["preset_scaling"]["ref_keys"] == 2048  # DFlash's preset, recorded at build
+    row = result["rows"][0]
+    # 164 keys < the preset's 2048: beta 1, so the preset drafter IS the frozen one, while
+    # the engine's own ref_keys 64 sharpens it
+    assert row["mal_per_document"]["preset"] == row["mal_per_document"]["frozen"]
+    assert row["mal_ratio_preset_frozen"]["mean"] == 1.0
+    assert row["mal_ratio_sharpdraft_frozen"]["items"] == 2
+    assert all(row["identical_to_target"]["preset"])
+    assert "MAL preset/frozen" in capsys.readouterr().out
+    code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "160",
+                      "--docs", str(doc), "--modes", "bogus"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot run mode(s) ['bogus']" in err and "Traceback" not in err
+
+
 def test_bench_under_sampling_reports_mal_without_identity(tiny_engine, doc, tmp_path, capsys):
     out = tmp_path / "sampled.json"
     code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "100",

@@ -3,10 +3,12 @@
 For each context length, the first N tokens of each document are prefilled ONCE; from
 that same prefill the engine then decodes every way it can -- target-only, n-gram lookup
 (the drafter-free peer), frozen drafter, SharpDraft drafter -- greedily (or with lossless
-sampling, --temperature), --repeats times, interleaved in a rotating order. Rows report
-MAL, tokens/s (the median over repeats of the tokens/s pooled over documents), speedup
-over target-only, how often beta > 1 and, for greedy runs, whether every way produced the
-target's tokens.
+sampling, --temperature), --repeats times, interleaved in a rotating order. On the torch
+backend `--modes ... preset` adds the drafter under its family's preset scaling (the
+paper's values) beside the engine's own (calibrated) one. Rows report MAL, tokens/s (the
+median over repeats of the tokens/s pooled over documents), speedup over target-only, how
+often beta > 1, each scaled mode's per-document MAL ratio over frozen with a bootstrap
+interval and, for greedy runs, whether every way produced the target's tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from runtime.cli import UsageError, progress
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
+# modes with query scaling, whose MAL over frozen is SharpDraft's effect
+SCALED_MODES = ("preset", "sharpdraft")
 
 
 def add_parser(sub):
@@ -35,6 +39,10 @@ def add_parser(sub):
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
+    p.add_argument("--modes", nargs="+", metavar="MODE",
+                   help="decode only these ways (target-only always runs: every other way is "
+                        "checked against it); 'preset' (torch backend): the drafter under its "
+                        "family's preset scaling. Default: every way the engine runs")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="drafter steps verify the drafts their confidence and the measured "
                         "verify cost make worthwhile (adaptive), or the whole block")
@@ -72,7 +80,7 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
     of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode
+    from runtime.engine import run_mode, speculative_loop
     from runtime.sampling import Sampler, Sampling
 
     sampling = sampling or Sampling()
@@ -81,9 +89,39 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     for r in range(repeats):
         k = (rotation + r) % len(modes)
         for mode in modes[k:] + modes[:k]:
-            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
-                                       adaptive=adaptive))
+            if mode == "preset":  # the family's preset scaling, through the same loop
+                drafter = engine.drafter_with_scaling(family_preset(engine))
+                gen = speculative_loop(engine)(once, drafter, prompt, new_tokens, Sampler(sampling),
+                                               costs=engine.step_costs if adaptive else None)
+            else:
+                gen = run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
+                               adaptive=adaptive)
+            gens[mode].append(gen)
     return gens
+
+
+def family_preset(engine):
+    """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS), as
+    engine.json recorded it at build time."""
+    from plugins.scaling import PRESETS, QueryScaling
+
+    recorded = engine.manifest.extra.get("family_preset")
+    return QueryScaling.from_dict(recorded) if recorded else PRESETS[engine.manifest.drafter]
+
+
+def bench_modes(engine, asked: list[str] | None) -> tuple[str, ...]:
+    """The ways to decode: target-only first, then the asked ones the engine can run."""
+    if not asked:
+        return engine.modes
+    runnable = [*engine.modes, *(["preset"] if engine.scaling is not None else [])]
+    unknown = [m for m in asked if m not in runnable]
+    if unknown:
+        raise UsageError(f"{engine.dir} cannot run mode(s) {unknown} (it runs {', '.join(runnable)})")
+    if "preset" in asked and engine.backend != "torch":
+        raise UsageError(f"mode 'preset' swaps the drafter's scaling, which a {engine.backend} "
+                         "drafter has compiled in — pass --backend torch")
+    order = ("target", "ngram", "frozen", "preset", "sharpdraft")
+    return tuple(m for m in order if m == "target" or m in asked)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -116,10 +154,11 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
     row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
                                for m in drafting}
-    if {"frozen", "sharpdraft"} <= set(drafting):  # SharpDraft's effect, with its noise
-        row["mal_ratio_sharpdraft_frozen"] = paired_ratio_ci(
-            [r["sharpdraft"][0].mean_accepted_length for r in runs],
-            [r["frozen"][0].mean_accepted_length for r in runs])
+    for mode in SCALED_MODES:  # SharpDraft's effect, with its noise
+        if {"frozen", mode} <= set(drafting):
+            row[f"mal_ratio_{mode}_frozen"] = paired_ratio_ci(
+                [r[mode][0].mean_accepted_length for r in runs],
+                [r["frozen"][0].mean_accepted_length for r in runs])
     if greedy:  # sampled runs draw different tokens by design; only greedy must agree
         row["first_divergence"] = {
             m: [first_difference(g.tokens, r["target"][0].tokens) for r in runs for g in r[m]]
@@ -130,6 +169,7 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
 
 
 STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
+         "preset": ("tab:orange", "SharpDraft, family preset"),
          "sharpdraft": ("tab:blue", "SharpDraft")}
 
 
@@ -202,10 +242,12 @@ def run(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    modes = engine.modes
+    modes = bench_modes(engine, args.modes)
     paths = args.docs or default_documents("eval", args.max_docs)
     docs = tokenized(engine.encode, paths, max(args.lengths))
     if args.batch is not None:
+        if args.modes:
+            raise UsageError("--modes is for one-at-a-time runs; --batch runs every mode it can batch")
         return run_batch(args, engine, docs, sampling)
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
              f"{args.lengths}, {args.new_tokens} new tokens, modes {list(modes)}, "
@@ -237,6 +279,7 @@ def run(args) -> int:
         "drafter_checkpoint": (engine.manifest.drafter_checkpoint or {}).get("path"),
         "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
         "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
+        "preset_scaling": family_preset(engine).to_dict() if "preset" in modes else None,
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
@@ -294,9 +337,8 @@ def print_table(rows: list[dict]) -> None:
     header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
     header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
     header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
-    ratio = "mal_ratio_sharpdraft_frozen" in rows[0]
-    if ratio:
-        header += f" {'MAL sharpdraft/frozen [95% CI]':>31}"
+    ratios = [m for m in SCALED_MODES if f"mal_ratio_{m}_frozen" in rows[0]]
+    header += "".join(f" {'MAL ' + m + '/frozen [95% CI]':>31}" for m in ratios)
     print(header)
     for r in rows:
         same = r.get("identical_to_target")
@@ -304,7 +346,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['context_tokens']:>8}" + "".join(f" {r[f'mal_{m}']:>15.3f}" for m in drafting)
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
-              + (f" {format_ratio(r['mal_ratio_sharpdraft_frozen']):>31}" if ratio else ""))
+              + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))
 
 
 def format_ratio(ratio: dict) -> str:
