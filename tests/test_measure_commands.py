@@ -71,6 +71,25 @@ def test_bench_modes_adds_the_family_preset_beside_the_calibrated_scaling(tiny_e
     assert code == 2 and "cannot run mode(s) ['bogus']" in err and "Traceback" not in err
 
 
+def test_bench_runs_a_kept_preset_once(tiny_target, tiny_drafter, doc, tmp_path, capsys):
+    import build_engine
+
+    engine = tmp_path / "preset-engine"  # no calibration, no --ref-keys: the preset itself
+    assert build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(tiny_target),
+                              "--drafter-checkpoint", str(tiny_drafter), "--backend", "torch",
+                              "--output", str(engine)]) == 0
+    out = tmp_path / "kept.json"
+    code = run(main, ["bench", "--engine-dir", str(engine), "--lengths", "100", "--new-tokens",
+                      "8", "--docs", str(doc), "--repeats", "1", "--modes", "preset", "sharpdraft",
+                      "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["preset_is_calibrated"] and result["modes"] == ["target", "preset", "sharpdraft"]
+    row = result["rows"][0]
+    assert row["mal_preset"] == row["mal_sharpdraft"]
+    assert row["tok_s_preset_repeats"] == row["tok_s_sharpdraft_repeats"]  # the same runs
+
+
 def test_bench_under_sampling_reports_mal_without_identity(tiny_engine, doc, tmp_path, capsys):
     out = tmp_path / "sampled.json"
     code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "100",

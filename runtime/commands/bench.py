@@ -85,10 +85,13 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
 
     sampling = sampling or Sampling()
     once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
-    gens = {mode: [] for mode in modes}
+    # calibration may keep the preset: then the preset runs are the SharpDraft runs
+    same = "preset" in modes and "sharpdraft" in modes and family_preset(engine) == engine.scaling
+    runs = [m for m in modes if not (same and m == "preset")]
+    gens = {mode: [] for mode in runs}
     for r in range(repeats):
-        k = (rotation + r) % len(modes)
-        for mode in modes[k:] + modes[:k]:
+        k = (rotation + r) % len(runs)
+        for mode in runs[k:] + runs[:k]:
             if mode == "preset":  # the family's preset scaling, through the same loop
                 drafter = engine.drafter_with_scaling(family_preset(engine))
                 gen = speculative_loop(engine)(once, drafter, prompt, new_tokens, Sampler(sampling),
@@ -97,7 +100,9 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
                 gen = run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
                                adaptive=adaptive)
             gens[mode].append(gen)
-    return gens
+    if same:
+        gens["preset"] = gens["sharpdraft"]
+    return {mode: gens[mode] for mode in modes}
 
 
 def family_preset(engine):
@@ -280,6 +285,7 @@ def run(args) -> int:
         "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
         "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
         "preset_scaling": family_preset(engine).to_dict() if "preset" in modes else None,
+        "preset_is_calibrated": "preset" in modes and family_preset(engine) == engine.scaling,
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
