@@ -25,7 +25,6 @@ the target states build/train_drafter.py already cached.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,18 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from build import checkpoints  # noqa: E402
+from build import checkpoints, recipe  # noqa: E402
 from plugins.attention import sharpdraft_attention  # noqa: E402
 from runtime.cli import Parser, progress, run  # noqa: E402
 from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 
 
-
 def parse(argv):
     p = Parser(prog="build/train_eagle3.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(checkpoints.DEFAULT_DRAFTERS["eagle3"]))
-    p.add_argument("--target", help="target directory or .gguf (default: SmolLM2-135M-Instruct)")
+    recipe.add_target_and_out(p, "eagle3")
     p.add_argument("--cache", default=".cache/train-dflash",
                    help="train_drafter.py's cached target states (shard-*.pt, held-out.pt, meta.json)")
     p.add_argument("--work", default=".cache/train-eagle3", help="resumable training state")
@@ -65,9 +62,7 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-windows", type=int, help="use only this many training windows (smoke tests)")
     p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
-    p.add_argument("--max-minutes", type=float, default=55.0,
-                   help="stop training after this long (state saved; rerun to continue), so a run "
-                        "fits the hour on 2 cores (a step took ~11 s there; 0: no limit)")
+    recipe.add_time_limit(p, " (a step took ~11 s there)")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -242,42 +237,25 @@ def main(argv) -> int:
     to_draft = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
     to_draft[ids] = torch.arange(len(ids))
 
-    recipe = {k: getattr(args, k) for k in ("aux_layers", "ttt_steps", "steps", "batch", "lr", "decay",
-                                            "draft_vocab", "init", "seed", "max_windows")}
+    settings = {k: getattr(args, k) for k in ("aux_layers", "ttt_steps", "steps", "batch", "lr", "decay",
+                                              "draft_vocab", "init", "seed", "max_windows")}
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.01, betas=(0.9, 0.95))
     state_path = work / "state.pt"
-    step, history = 0, []
-    if state_path.exists():
-        state = torch.load(state_path)
-        if state.get("recipe") != recipe:  # resuming another recipe would mix two runs
-            raise ValueError(f"{state_path} holds a run of another recipe ({state.get('recipe')}); "
-                             "pass another --work or delete it")
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
-        progress(f"resuming at step {step}")
+    step, history, _ = recipe.resume(state_path, settings, drafter, opt)
     g = torch.Generator().manual_seed(args.seed + step)
-    warmup = max(1, args.steps // 30)
     n = len(train["ids"])
     bar = tqdm(total=args.steps, initial=step, desc="train eagle3", unit="step", file=sys.stderr)
     drafter.train()
     stopped_early = False
     while step < args.steps:
-        if args.max_minutes and time.time() - started > 60 * args.max_minutes:
+        if recipe.out_of_time(started, args.max_minutes, step):
             stopped_early = True
-            bar.write(f"stopping at step {step}: --max-minutes {args.max_minutes} reached "
-                      "(rerun the same command to continue)", file=sys.stderr)
             break
-        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        recipe.set_lr(opt, recipe.cosine_lr(args.lr, step, args.steps))
         rows = torch.randint(0, n, (args.batch,), generator=g)
         loss, agree = ttt_loss(drafter, train, rows, args, to_draft, ids)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        recipe.optimizer_step(drafter, opt, loss)
         step += 1
         history.append(loss.item())
         first = agree[0]
@@ -285,7 +263,7 @@ def main(argv) -> int:
                         agree=f"{float(first[0].sum() / first[1].sum().clamp(min=1)):.2f}")
         bar.update(1)
         if step % args.save_every == 0 or step == args.steps:
-            save_state(state_path, drafter, opt, step, history, recipe)
+            recipe.save_state(state_path, drafter, opt, step, history, settings)
         if step % 250 == 0 or step == args.steps:
             drafter.eval()  # the held-out trajectory, to stop a recipe that is not learning
             bar.write(f"step {step}: held-out {evaluate(drafter, held_out, args, to_draft, ids)}",
@@ -293,7 +271,7 @@ def main(argv) -> int:
             drafter.train()
     bar.close()
     if stopped_early:
-        save_state(state_path, drafter, opt, step, history, recipe)
+        recipe.save_state(state_path, drafter, opt, step, history, settings)
 
     drafter.eval()
     metrics = {"held_out_calibration_split": evaluate(drafter, held_out, args, to_draft, ids),
@@ -308,14 +286,6 @@ def main(argv) -> int:
     return 0
 
 
-def save_state(path: Path, drafter, opt, step, history, recipe) -> None:
-    """Everything a rerun needs to continue exactly (written whole, then renamed)."""
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history, "recipe": recipe}, tmp)
-    tmp.rename(path)
-
-
 def publish(drafter: Eagle3Drafter, out: Path) -> None:
     """The published layout in bfloat16, without embed_tokens (the target's own)."""
     from safetensors.torch import save_file
@@ -327,10 +297,8 @@ def publish(drafter: Eagle3Drafter, out: Path) -> None:
 
 
 def write_card(out: Path, args, config, source, windows, history, metrics, seconds, steps_done):
-    losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
-              for i in range(0, len(history), max(1, len(history) // 10))]
+    losses, last = recipe.loss_summary(history)
     size = (out / "model.safetensors").stat().st_size
-    last = round(sum(history[-100:]) / len(history[-100:]), 4) if history else None
     seq_len = config.training_max_length
     card = {"target": source, "training_max_length": seq_len, "windows": windows, "tokens": windows * seq_len,
             "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch,
@@ -341,7 +309,7 @@ def write_card(out: Path, args, config, source, windows, history, metrics, secon
             "final_loss_last100": last, "held_out": metrics, "wall_seconds_this_run": round(seconds),
             "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
-    command = "python build/train_eagle3.py " + " ".join(sys.argv[1:])
+    command = recipe.command_line("train_eagle3.py")
     held = metrics["held_out_calibration_split"]
     (out / "README.md").write_text(f"""# EAGLE-3 drafter for SmolLM2-135M-Instruct (trained here, on CPU)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from build import checkpoints  # noqa: E402
+from build import checkpoints, recipe  # noqa: E402
 from runtime.cli import Parser, UsageError, progress, run  # noqa: E402
 from runtime.models.pard import PARDConfig, PARDDrafter, save_pard  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
@@ -52,8 +51,7 @@ from runtime.models.target import load_target  # noqa: E402
 
 def parse(argv):
     p = Parser(prog="build/train_pard.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(checkpoints.DEFAULT_DRAFTERS["pard"]))
-    p.add_argument("--target", help="target directory or .gguf (default: SmolLM2-135M-Instruct)")
+    recipe.add_target_and_out(p, "pard")
     p.add_argument("--cache", default=".cache/train-dflash",
                    help="the DFlash recipe's work dir: shard-*.pt and held-out.pt")
     p.add_argument("--work", default=".cache/train-pard", help="resumable state")
@@ -69,9 +67,7 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100, help="steps between saved states")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out reports")
-    p.add_argument("--max-minutes", type=float, default=55.0,
-                   help="stop training after this long (state saved; rerun to continue), so a "
-                        "run fits the hour on 2 cores whatever the machine's speed (0: no limit)")
+    recipe.add_time_limit(p, " whatever the machine's speed")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     for name in ("layers", "draft_tokens", "anchors", "steps", "batch", "save_every", "eval_every"):
@@ -212,14 +208,6 @@ def only_the_pard_row_trains(drafter: PARDDrafter, pard_token: int) -> None:
     drafter.embed_tokens.weight.register_hook(lambda grad: grad * keep)
 
 
-def save_state(path: Path, drafter, opt, step, history, evaluations, recipe) -> None:
-    """Everything a rerun needs to continue exactly (written whole, then renamed)."""
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history, "evaluations": evaluations, "recipe": recipe}, tmp)
-    tmp.rename(path)
-
-
 def main(argv) -> int:
     args = parse(argv)
     started = time.time()
@@ -247,39 +235,24 @@ def main(argv) -> int:
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "state.pt"
-    recipe = {k: getattr(args, k) for k in ("layers", "draft_tokens", "anchors", "pard_token",
-                                            "steps", "batch", "lr", "decay", "seed")}
-    recipe["cache_shards"] = shard_names
-    step, history, evaluations = 0, [], []
-    if state_path.exists():
-        state = torch.load(state_path)
-        if state.get("recipe") != recipe:  # resuming another recipe would mix two runs
-            raise UsageError(f"{state_path} holds a run of another recipe; pass another --work or delete it")
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, history, evaluations = state["step"], state["history"], state["evaluations"]
-        progress(f"resuming at step {step}")
+    settings = {k: getattr(args, k) for k in ("layers", "draft_tokens", "anchors", "pard_token",
+                                              "steps", "batch", "lr", "decay", "seed")}
+    settings["cache_shards"] = shard_names
+    step, history, extras = recipe.resume(state_path, settings, drafter, opt, error=UsageError)
+    evaluations = extras.get("evaluations", [])
     g = torch.Generator().manual_seed(args.seed + step)
-    warmup = max(1, args.steps // 30)
     n = len(train["ids"])
     bar = tqdm(total=args.steps, initial=step, desc="train PARD", unit="step", file=sys.stderr)
     drafter.train()
-    stopped_early = None
+    stopped_early = False
     while step < args.steps:
-        if args.max_minutes and time.time() - started > 60 * args.max_minutes:
-            stopped_early = step
-            bar.write(f"stopping at step {step}: --max-minutes {args.max_minutes} reached "
-                      "(rerun the same command to continue)", file=sys.stderr)
+        if recipe.out_of_time(started, args.max_minutes, step):
+            stopped_early = True
             break
-        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        recipe.set_lr(opt, recipe.cosine_lr(args.lr, step, args.steps))
         rows = torch.randint(0, n, (args.batch,), generator=g)
         loss, agree = pard_loss(drafter, train, rows, args, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        recipe.optimizer_step(drafter, opt, loss)
         step += 1
         history.append(loss.item())
         bar.set_postfix(loss=f"{sum(history[-50:]) / len(history[-50:]):.3f}",
@@ -291,10 +264,10 @@ def main(argv) -> int:
             bar.write(f"step {step}: held-out {evaluations[-1]}", file=sys.stderr)
             drafter.train()
         if step % args.save_every == 0 or step == args.steps:
-            save_state(state_path, drafter, opt, step, history, evaluations, recipe)
+            recipe.save_state(state_path, drafter, opt, step, history, settings, evaluations=evaluations)
     bar.close()
-    if stopped_early is not None:
-        save_state(state_path, drafter, opt, step, history, evaluations, recipe)
+    if stopped_early:
+        recipe.save_state(state_path, drafter, opt, step, history, settings, evaluations=evaluations)
 
     drafter.eval()
     metrics = {"held_out_calibration_split": evaluate(drafter, held_out, args),
@@ -311,11 +284,9 @@ def main(argv) -> int:
 
 def write_card(out: Path, args, config, source, cache, shard_names, windows, seq_len, history,
                evaluations, metrics, seconds, steps_done):
-    losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
-              for i in range(0, len(history), max(1, len(history) // 10))]
-    last100 = round(sum(history[-100:]) / len(history[-100:]), 4) if history else None
+    losses, last100 = recipe.loss_summary(history)
     size = (out / "model.safetensors").stat().st_size
-    command = "python build/train_pard.py " + " ".join(sys.argv[1:])
+    command = recipe.command_line("train_pard.py")
     held = metrics["held_out_calibration_split"]
     card = {"target": source, "data": {"cache": str(cache), "shards": shard_names, "windows": windows,
                                        "tokens": windows * seq_len, "split": "train (runtime/corpus.py)",
