@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from build import checkpoints  # noqa: E402
+from build import checkpoints, recipe  # noqa: E402
 from runtime import corpus  # noqa: E402
 from runtime.cli import Parser, progress, run  # noqa: E402
 from runtime.models.dflash import DFlashConfig, DFlashDrafter, DraftHead, save_dflash  # noqa: E402
@@ -44,8 +43,7 @@ TOP = 32  # target candidates kept per position
 
 def parse(argv):
     p = Parser(prog="build/train_drafter.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(checkpoints.DEFAULT_DRAFTERS["dflash"]))
-    p.add_argument("--target", help="target directory or .gguf (default: SmolLM2-135M-Instruct)")
+    recipe.add_target_and_out(p, "dflash")
     p.add_argument("--work", default=".cache/train-dflash", help="cache + resumable state")
     p.add_argument("--tokens", type=int, default=393_216, help="training tokens to cache")
     p.add_argument("--seq-len", type=int, default=512, help="training max length")
@@ -70,6 +68,7 @@ def parse(argv):
                    help="greedy-path: train block position i only while the text's tokens "
                         "after the anchor are the target's own greedy choices, so every label "
                         "is the target's distribution on the path speculation actually follows")
+    recipe.add_time_limit(p, " (the target states are cached in the same hour)")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -260,46 +259,36 @@ def main(argv) -> int:
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     state_path = work / "state.pt"
-    step, history = 0, []
-    recipe = {k: getattr(args, k) for k in ("layers", "block_size", "steps", "batch", "blocks",
-                                            "lr", "decay", "init", "labels")}
-    if state_path.exists():
-        state = torch.load(state_path)
-        if state.get("recipe") != recipe:  # resuming another recipe would mix two runs
-            raise ValueError(f"{state_path} holds a run of another recipe ({state.get('recipe')}); "
-                             "pass another --work or delete it")
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
-        progress(f"resuming at step {step}")
+    settings = {k: getattr(args, k) for k in ("layers", "block_size", "steps", "batch", "blocks",
+                                              "lr", "decay", "init", "labels")}
+    step, history, _ = recipe.resume(state_path, settings, drafter, opt)
     g = torch.Generator().manual_seed(args.seed + step)
-    warmup = max(1, args.steps // 30)
     n = len(train["ids"])
     bar = tqdm(total=args.steps, initial=step, desc="train drafter", unit="step", file=sys.stderr)
     drafter.train()
+    stopped_early = False
     while step < args.steps:
-        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        if recipe.out_of_time(started, args.max_minutes, step):
+            stopped_early = True
+            break
+        recipe.set_lr(opt, recipe.cosine_lr(args.lr, step, args.steps))
         rows = torch.randint(0, n, (args.batch,), generator=g)
         loss, agree = block_loss(drafter, embed, train, rows, args, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        recipe.optimizer_step(drafter, opt, loss)
         step += 1
         history.append(float(loss))
         bar.set_postfix(loss=f"{sum(history[-50:]) / len(history[-50:]):.3f}",
                         agree=f"{float(agree.float().mean()):.2f}")
         bar.update(1)
         if step % 250 == 0 or step == args.steps:
-            torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step, "history": history, "recipe": recipe}, state_path)
+            recipe.save_state(state_path, drafter, opt, step, history, settings)
             drafter.eval()  # the held-out trajectory, to stop a recipe that is not learning
             bar.write(f"step {step}: held-out {evaluate(drafter, embed, held_out, args)}",
                       file=sys.stderr)
             drafter.train()
     bar.close()
+    if stopped_early:
+        recipe.save_state(state_path, drafter, opt, step, history, settings)
 
     drafter.eval()
     if args.draft_vocab:
@@ -310,8 +299,9 @@ def main(argv) -> int:
     out = Path(args.out)
     save_dflash(drafter.to(torch.bfloat16), out)
     write_card(out, args, config, source, len(train["ids"]), history, metrics,
-               time.time() - started)
-    print(f"drafter written to {out}")
+               time.time() - started, step)
+    print(f"drafter written to {out}" + (f" after {step} of {args.steps} steps (rerun to continue)"
+                                         if stopped_early else ""))
     return 0
 
 
@@ -331,20 +321,19 @@ def initialise_from_target(drafter: DFlashDrafter, target) -> None:
              f"{first}..{len(target.layers) - 1}")
 
 
-def write_card(out: Path, args, config, source, windows_used, history, metrics, seconds):
-    losses = [round(sum(history[i:i + 100]) / len(history[i:i + 100]), 4)
-              for i in range(0, len(history), max(1, len(history) // 10))]
+def write_card(out: Path, args, config, source, windows_used, history, metrics, seconds, steps_done):
+    losses, last100 = recipe.loss_summary(history)
     size = (out / "model.safetensors").stat().st_size
     card = {"target": source, "training_max_length": args.seq_len,
             "windows": windows_used, "tokens": windows_used * args.seq_len,
-            "steps": args.steps, "batch_windows": args.batch, "blocks_per_window": args.blocks,
+            "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch, "blocks_per_window": args.blocks,
             "block_size": config.block_size, "layers": config.num_layers,
             "target_layer_ids": list(config.target_layer_ids), "lr": args.lr, "seed": args.seed,
             "init": args.init, "labels": args.labels, "draft_vocab_size": args.draft_vocab or None,
-            "loss_every_tenth": losses, "final_loss_last100": round(sum(history[-100:]) / len(history[-100:]), 4),
+            "loss_every_tenth": losses, "final_loss_last100": last100,
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
-    command = "python build/train_drafter.py " + " ".join(sys.argv[1:])
+    command = recipe.command_line("train_drafter.py")
     (out / "README.md").write_text(f"""# DFlash drafter for SmolLM2-135M-Instruct (trained here, on CPU)
 
 A {config.num_layers}-layer DFlash drafter (hidden {config.hidden_size}, block size
@@ -365,7 +354,8 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
 - Draft vocabulary: {f"the {args.draft_vocab:,} tokens the target picks most often (greedily) in the training windows (`d2t` in model.safetensors, EAGLE-3's convention); the target's greedy choice lies inside it for {metrics['held_out_calibration_split'].get('target_choices_in_draft_vocab', 0):.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
 - Initialisation: {"the target's last " + str(args.layers) + " decoder layers and final norm"
                     if args.init == "target-layers" else "random"}.
-- Steps: {args.steps} x {args.batch} windows, AdamW lr {args.lr} cosine, seed {args.seed}.
+- Steps: {steps_done} of {args.steps} planned x {args.batch} windows, AdamW lr {args.lr}
+  cosine over the planned steps, seed {args.seed}.
 - Loss (mean of the last 100 steps): {card['final_loss_last100']}; every tenth:
   {losses}.
 - Teacher-forced top-1 agreement with the target by block position ({'draft' if args.draft_vocab else 'full'} vocabulary),
