@@ -2,6 +2,8 @@
 """Train our DFlash drafter for the default target (SmolLM2-135M-Instruct) on CPU.
 
     python build/train_drafter.py            # ~40 min on 2 cores; resumable
+    python build/train_drafter.py --init checkpoint --init-checkpoint checkpoints/dflash-smollm2-135m \
+        --tokens 1572864 --work .cache/train-dflash-warm     # continue the shipped drafter on more data
 
 1. Sequences: CPython stdlib sources of the *train* split (runtime/corpus.py), cut into
    512-token windows -- short on purpose: the target reads 8,192 tokens, so long
@@ -34,9 +36,10 @@ from tqdm import tqdm  # noqa: E402
 
 from build import checkpoints, recipe  # noqa: E402
 from runtime import corpus  # noqa: E402
-from runtime.cli import Parser, progress, run  # noqa: E402
-from runtime.models.dflash import DFlashConfig, DFlashDrafter, DraftHead, save_dflash  # noqa: E402
-from runtime.models.target import load_target  # noqa: E402
+from runtime.cli import Parser, UsageError, progress, run  # noqa: E402
+from runtime.models.dflash import (DFlashConfig, DFlashDrafter, DraftHead, load_dflash,  # noqa: E402
+                                   read_dflash_config, save_dflash)
+from runtime.models.target import load_target, sha256_file  # noqa: E402
 
 TOP = 32  # target candidates kept per position
 
@@ -57,9 +60,14 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=4.0, help="position weight exp(-(i-1)/decay)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init", choices=("random", "target-layers"), default="random",
+    p.add_argument("--init", choices=("random", "target-layers", "checkpoint"), default="random",
                    help="target-layers: start each draft layer (and the final norm) from the "
-                        "target's last layers, which share the drafter's shapes")
+                        "target's last layers, which share the drafter's shapes; checkpoint: "
+                        "continue from the DFlash drafter at --init-checkpoint (its weights and "
+                        "draft vocabulary; a fresh optimizer)")
+    p.add_argument("--init-checkpoint", metavar="DIR",
+                   help="with --init checkpoint: a DFlash drafter in the published layout, e.g. "
+                        "checkpoints/dflash-smollm2-135m")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft only over the target tokens most often chosen (greedily) in the "
                         "training windows: a head this many rows tall instead of the whole "
@@ -70,7 +78,10 @@ def parse(argv):
                         "is the target's distribution on the path speculation actually follows")
     recipe.add_time_limit(p, " (the target states are cached in the same hour)")
     p.add_argument("--debug", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.init == "checkpoint") != (args.init_checkpoint is not None):
+        raise UsageError("--init checkpoint and --init-checkpoint DIR go together")
+    return args
 
 
 def windows(tokenizer, seq_len: int, count: int, seed: int, split: str = "train") -> list[list[int]]:
@@ -192,15 +203,19 @@ def on_greedy_path(data, rows, source) -> torch.Tensor:
     return torch.cat([torch.ones_like(after[..., :1]), after.cumprod(-1)], -1)
 
 
-def set_draft_vocabulary(drafter: DFlashDrafter, data: dict, size: int) -> None:
-    """Give the drafter a draft vocabulary: the `size` tokens the target most often picks
-    greedily in the training windows (what the drafts must hit), stored as EAGLE-3's d2t
+def most_chosen_tokens(data: dict, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` tokens the target most often picks greedily in the training windows
+    (what the drafts must hit), sorted."""
+    counts = torch.bincount(data["top"][..., 0].flatten().long(), minlength=vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def set_draft_vocabulary(drafter: DFlashDrafter, ids: torch.Tensor) -> None:
+    """Give the drafter a draft vocabulary (target token ids), stored as EAGLE-3's d2t
     offsets. The drafter was trained over the whole vocabulary; restricting its argmax
     changes a draft only where the full argmax lies outside, which the target rarely picks."""
-    counts = torch.bincount(data["top"][..., 0].flatten().long(), minlength=drafter.config.vocab_size)
-    ids = counts.topk(size).indices.sort().values
-    drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
-    drafter.register_buffer("d2t", ids - torch.arange(size))
+    drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=len(ids))
+    drafter.register_buffer("d2t", ids - torch.arange(len(ids)))
 
 
 @torch.no_grad()
@@ -247,6 +262,8 @@ def main(argv) -> int:
         target_layer_ids=tuple(args.target_layer_ids), num_target_layers=tc.num_layers,
         max_position_embeddings=tc.max_position_embeddings, training_max_length=args.seq_len)
     config.check_target(tc)
+    if args.init == "checkpoint":  # refuse a misfit before the long caching, not after it
+        check_warm_start(Path(args.init_checkpoint), config, args.draft_vocab)
 
     check_work_dir(work, args, source)
     paths, held_out_path = cache_shards(args, work, target, tokenizer)
@@ -255,12 +272,15 @@ def main(argv) -> int:
     drafter = DFlashDrafter(config)
     if args.init == "target-layers":
         initialise_from_target(drafter, target)
+    warm = warm_start(drafter, Path(args.init_checkpoint)) if args.init == "checkpoint" else None
     del target
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     state_path = work / "state.pt"
     settings = {k: getattr(args, k) for k in ("layers", "block_size", "steps", "batch", "blocks",
                                               "lr", "decay", "init", "labels")}
+    if warm:  # continuing from another drafter is another run (a key only then: old states resume)
+        settings["init_checkpoint"] = warm["sha256"]
     step, history, _ = recipe.resume(state_path, settings, drafter, opt)
     g = torch.Generator().manual_seed(args.seed + step)
     n = len(train["ids"])
@@ -291,15 +311,17 @@ def main(argv) -> int:
         recipe.save_state(state_path, drafter, opt, step, history, settings)
 
     drafter.eval()
-    if args.draft_vocab:
-        set_draft_vocabulary(drafter, train, args.draft_vocab)
+    if warm and warm["draft_token_ids"] is not None:  # the checkpoint's, never recomputed
+        set_draft_vocabulary(drafter, warm["draft_token_ids"])
+    elif args.draft_vocab:
+        set_draft_vocabulary(drafter, most_chosen_tokens(train, config.vocab_size, args.draft_vocab))
     metrics = {"held_out_calibration_split": evaluate(drafter, embed, held_out, args),
                "training_windows": evaluate(drafter, embed, train, args)}
     progress(f"held-out: {json.dumps(metrics)}")
     out = Path(args.out)
     save_dflash(drafter.to(torch.bfloat16), out)
     write_card(out, args, config, source, len(train["ids"]), history, metrics,
-               time.time() - started, step)
+               time.time() - started, step, warm)
     print(f"drafter written to {out}" + (f" after {step} of {args.steps} steps (rerun to continue)"
                                          if stopped_early else ""))
     return 0
@@ -321,15 +343,65 @@ def initialise_from_target(drafter: DFlashDrafter, target) -> None:
              f"{first}..{len(target.layers) - 1}")
 
 
-def write_card(out: Path, args, config, source, windows_used, history, metrics, seconds, steps_done):
+# what a warm start must share with the recipe (its shapes and what it reads), and the flag
+# that sets each; norms' eps, rope theta and the training length follow this run
+WARM_START_FIELDS = (("num_layers", "--layers"), ("block_size", "--block-size"),
+                     ("target_layer_ids", "--target-layer-ids"), ("mask_token_id", "--mask-token-id"),
+                     ("hidden_size", "the target"), ("intermediate_size", "the target"),
+                     ("num_heads", "the target"), ("num_kv_heads", "the target"),
+                     ("head_dim", "the target"), ("vocab_size", "the target"),
+                     ("num_target_layers", "the target"))
+
+
+def check_warm_start(path: Path, config: DFlashConfig, draft_vocab: int) -> None:
+    """Refuse, in one line, a checkpoint that is not this recipe's drafter: another shape,
+    other target layers, or another draft vocabulary size than --draft-vocab (the warm
+    start keeps the checkpoint's d2t, so the result drafts over the same tokens as the
+    drafter it continues; recounting them on other windows would quietly change that)."""
+    theirs = read_dflash_config(path)
+    misfits = [f"{name} {getattr(theirs, name)} there, {getattr(config, name)} here ({flag})"
+               for name, flag in WARM_START_FIELDS if getattr(theirs, name) != getattr(config, name)]
+    if misfits:
+        raise UsageError(f"{path} does not fit this recipe: {'; '.join(misfits)}")
+    if (theirs.draft_vocab_size or 0) != draft_vocab:
+        raise UsageError(f"{path} drafts over a vocabulary of {theirs.draft_vocab_size or 'all'} tokens "
+                         f"but --draft-vocab is {draft_vocab}; pass --draft-vocab "
+                         f"{theirs.draft_vocab_size or 0} (a warm start keeps the checkpoint's d2t)")
+
+
+def warm_start(drafter: DFlashDrafter, path: Path) -> dict:
+    """Load the (checked) DFlash checkpoint at `path` into the drafter. Training runs over
+    the whole vocabulary, as from scratch; the checkpoint's draft vocabulary comes back
+    with its provenance, to be put back on the drafter when it is written."""
+    checkpoint = load_dflash(path)
+    drafter.load_state_dict({k: v for k, v in checkpoint.state_dict().items() if k != "d2t"})
+    sha = sha256_file(path / "model.safetensors")
+    progress(f"warm start from {path} (model.safetensors sha256 {sha[:16]}…)")
+    return {"path": str(path), "sha256": sha, "draft_token_ids": checkpoint.draft_token_ids()}
+
+
+def write_card(out: Path, args, config, source, windows_used, history, metrics, seconds, steps_done,
+               warm: dict | None):
     losses, last100 = recipe.loss_summary(history)
     size = (out / "model.safetensors").stat().st_size
+    in_vocab = metrics["held_out_calibration_split"].get("target_choices_in_draft_vocab", 0)
+    if warm:
+        initialisation = (f"the DFlash drafter at `{warm['path']}` (model.safetensors sha256 "
+                          f"{warm['sha256'][:16]}…), continued with a fresh optimizer")
+        chosen = f"the {args.draft_vocab:,} tokens of that drafter's own draft vocabulary, kept as it was"
+    else:
+        initialisation = ("the target's last " + str(args.layers) + " decoder layers and final norm"
+                          if args.init == "target-layers" else "random")
+        chosen = f"the {args.draft_vocab:,} tokens the target picks most often (greedily) in the training windows"
     card = {"target": source, "training_max_length": args.seq_len,
             "windows": windows_used, "tokens": windows_used * args.seq_len,
-            "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch, "blocks_per_window": args.blocks,
+            "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch,
+            "blocks_per_window": args.blocks,
             "block_size": config.block_size, "layers": config.num_layers,
             "target_layer_ids": list(config.target_layer_ids), "lr": args.lr, "seed": args.seed,
-            "init": args.init, "labels": args.labels, "draft_vocab_size": args.draft_vocab or None,
+            "init": args.init,
+            **({"init_checkpoint": {"path": warm["path"], "sha256": warm["sha256"]}} if warm else {}),
+            "labels": args.labels, "draft_vocab_size": args.draft_vocab or None,
             "loss_every_tenth": losses, "final_loss_last100": last100,
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -351,9 +423,8 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
   target's top-{TOP} next-token distribution (cached), {args.blocks} anchored blocks per
   window, position weights exp(-(i-1)/{args.decay}).
 - Labels: {"the target's distribution only on its own greedy path (block position i counts while the text's tokens after the anchor are the target's argmax)" if args.labels == "greedy-path" else "the target's distribution after every text token"}.
-- Draft vocabulary: {f"the {args.draft_vocab:,} tokens the target picks most often (greedily) in the training windows (`d2t` in model.safetensors, EAGLE-3's convention); the target's greedy choice lies inside it for {metrics['held_out_calibration_split'].get('target_choices_in_draft_vocab', 0):.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
-- Initialisation: {"the target's last " + str(args.layers) + " decoder layers and final norm"
-                    if args.init == "target-layers" else "random"}.
+- Draft vocabulary: {f"{chosen} (`d2t` in model.safetensors, EAGLE-3's convention); the target's greedy choice lies inside it for {in_vocab:.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
+- Initialisation: {initialisation}.
 - Steps: {steps_done} of {args.steps} planned x {args.batch} windows, AdamW lr {args.lr}
   cosine over the planned steps, seed {args.seed}.
 - Loss (mean of the last 100 steps): {card['final_loss_last100']}; every tenth:

@@ -1,0 +1,77 @@
+"""build/train_drafter.py on a tiny target, in seconds: a warm start from a DFlash
+checkpoint begins from that checkpoint's weights and draft vocabulary (0 steps give it
+back), the card names it by hash, and a checkpoint that does not fit is refused in one line."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from build import train_drafter
+from runtime.cli import run
+
+
+def recipe_args(target, tmp_path, *more):
+    """A DFlash recipe the size of tiny.drafter_config: 1 layer, block 4, target layers 0..2,
+    16 windows of 32 tokens from the stdlib train split."""
+    return ["--target", str(target), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+            "--tokens", "512", "--seq-len", "32", "--layers", "1", "--block-size", "4",
+            "--target-layer-ids", "0", "1", "2", "--mask-token-id", "3", "--blocks", "4",
+            "--batch", "2", *more]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_target):
+    # bfloat16, as the recipe publishes: the round trip through float32 training is exact
+    return tiny.make_drafter(tmp_path_factory.mktemp("warm"), tiny_target, dtype=torch.bfloat16,
+                             draft_vocab=64)
+
+
+def test_a_warm_start_begins_from_the_checkpoints_weights_and_draft_vocabulary(
+        tmp_path, tiny_target, checkpoint, capsys):
+    args = recipe_args(tiny_target, tmp_path, "--init", "checkpoint", "--init-checkpoint",
+                       str(checkpoint), "--draft-vocab", "64", "--steps", "0")
+    assert run(train_drafter.main, args) == 0, capsys.readouterr().err
+    theirs, ours = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name in theirs:  # d2t included: the checkpoint's, not recomputed from these windows
+        assert torch.equal(ours[name], theirs[name]), name
+    card = json.loads((tmp_path / "out" / "training.json").read_text())
+    digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()
+    assert card["init"] == "checkpoint"
+    assert card["init_checkpoint"] == {"path": str(checkpoint), "sha256": digest}
+    assert digest[:16] in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_warm_started_run_trains_away_from_the_checkpoint(tmp_path, tiny_target, checkpoint, capsys):
+    args = recipe_args(tiny_target, tmp_path, "--init", "checkpoint", "--init-checkpoint",
+                       str(checkpoint), "--draft-vocab", "64", "--steps", "2", "--lr", "1e-2")
+    assert run(train_drafter.main, args) == 0, capsys.readouterr().err
+    theirs, ours = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(ours["d2t"], theirs["d2t"])
+    assert not torch.equal(ours["fc.weight"], theirs["fc.weight"])
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--layers", "2"], "num_layers 1 there, 2 here (--layers)"),
+    (["--block-size", "8"], "block_size 4 there, 8 here (--block-size)"),
+    (["--target-layer-ids", "0", "2"], "--target-layer-ids"),
+    (["--draft-vocab", "128"], "--draft-vocab 64"),
+])
+def test_a_checkpoint_that_does_not_fit_the_recipe_is_refused_in_one_line(
+        tmp_path, tiny_target, checkpoint, capsys, change, named):
+    args = recipe_args(tiny_target, tmp_path, "--init", "checkpoint", "--init-checkpoint",
+                       str(checkpoint), "--draft-vocab", "64", "--steps", "0") + change
+    assert run(train_drafter.main, args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and str(checkpoint) in err[-1] and named in err[-1]
+    assert not (tmp_path / "work" / "shard-0000.pt").exists()  # refused before caching
+
+
+def test_init_checkpoint_needs_its_directory(tmp_path, tiny_target, capsys):
+    assert run(train_drafter.main, recipe_args(tiny_target, tmp_path, "--init", "checkpoint")) == 2
+    assert "--init-checkpoint" in capsys.readouterr().err
