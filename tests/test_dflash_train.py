@@ -75,3 +75,18 @@ def test_a_checkpoint_that_does_not_fit_the_recipe_is_refused_in_one_line(
 def test_init_checkpoint_needs_its_directory(tmp_path, tiny_target, capsys):
     assert run(train_drafter.main, recipe_args(tiny_target, tmp_path, "--init", "checkpoint")) == 2
     assert "--init-checkpoint" in capsys.readouterr().err
+
+
+def test_the_recipe_stops_at_its_time_limit_and_continues_on_rerun(tmp_path, tiny_target, capsys):
+    args = recipe_args(tiny_target, tmp_path, "--steps", "2", "--draft-vocab", "64")
+    assert run(train_drafter.main, args + ["--max-minutes", "1e-9"]) == 0, capsys.readouterr().err
+    assert "stopping at step 0" in capsys.readouterr().err
+    card = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert (card["steps"], card["steps_planned"], card["final_loss_last100"]) == (0, 2, None)
+    assert run(train_drafter.main, args) == 0  # same recipe: continues from the saved state
+    assert "resuming at step 0" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["steps"] == 2
+    # another recipe in the same work dir is refused, naming what differs
+    assert run(train_drafter.main, args + ["--lr", "0.5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "another recipe (it differs in lr)" in err[-1]
