@@ -27,7 +27,7 @@ def add_target_and_out(parser, drafter: str) -> None:
 def add_time_limit(parser, note: str = "") -> None:
     parser.add_argument("--max-minutes", type=float, default=55.0,
                         help="stop training after this long (state saved; rerun to continue), so a "
-                             f"run fits the hour on 2 cores{note} (0: no limit)")
+                             f"run fits the hour on 2 cores{note}; 0: no limit")
 
 
 def cosine_lr(base: float, step: int, steps: int) -> float:

@@ -76,7 +76,7 @@ def parse(argv):
                    help="greedy-path: train block position i only while the text's tokens "
                         "after the anchor are the target's own greedy choices, so every label "
                         "is the target's distribution on the path speculation actually follows")
-    recipe.add_time_limit(p, " (the target states are cached in the same hour)")
+    recipe.add_time_limit(p, ", caching the target states included")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     if (args.init == "checkpoint") != (args.init_checkpoint is not None):
@@ -392,7 +392,8 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
     else:
         initialisation = ("the target's last " + str(args.layers) + " decoder layers and final norm"
                           if args.init == "target-layers" else "random")
-        chosen = f"the {args.draft_vocab:,} tokens the target picks most often (greedily) in the training windows"
+        chosen = (f"the {args.draft_vocab:,} tokens the target picks most often (greedily) "
+                  "in the training windows")
     card = {"target": source, "training_max_length": args.seq_len,
             "windows": windows_used, "tokens": windows_used * args.seq_len,
             "steps": steps_done, "steps_planned": args.steps, "batch_windows": args.batch,

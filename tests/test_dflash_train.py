@@ -35,7 +35,8 @@ def test_a_warm_start_begins_from_the_checkpoints_weights_and_draft_vocabulary(
     args = recipe_args(tiny_target, tmp_path, "--init", "checkpoint", "--init-checkpoint",
                        str(checkpoint), "--draft-vocab", "64", "--steps", "0")
     assert run(train_drafter.main, args) == 0, capsys.readouterr().err
-    theirs, ours = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    theirs = load_file(checkpoint / "model.safetensors")
+    ours = load_file(tmp_path / "out" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for name in theirs:  # d2t included: the checkpoint's, not recomputed from these windows
         assert torch.equal(ours[name], theirs[name]), name
@@ -50,7 +51,8 @@ def test_a_warm_started_run_trains_away_from_the_checkpoint(tmp_path, tiny_targe
     args = recipe_args(tiny_target, tmp_path, "--init", "checkpoint", "--init-checkpoint",
                        str(checkpoint), "--draft-vocab", "64", "--steps", "2", "--lr", "1e-2")
     assert run(train_drafter.main, args) == 0, capsys.readouterr().err
-    theirs, ours = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    theirs = load_file(checkpoint / "model.safetensors")
+    ours = load_file(tmp_path / "out" / "model.safetensors")
     assert torch.equal(ours["d2t"], theirs["d2t"])
     assert not torch.equal(ours["fc.weight"], theirs["fc.weight"])
     assert json.loads((tmp_path / "out" / "training.json").read_text())["steps"] == 2
