@@ -18,6 +18,11 @@ BoundKVCache (BoundDFlash, BoundBatchDFlash), storing only each step's context k
 Older engines, and plugin-form ones, run drafter.onnx with the committed cache as an
 input (HostKVCache; OnnxDFlash, OnnxBatchDFlash); engine.json's graph keys say which.
 
+EAGLE-3 engines: the target verifies a draft tree in one pass of target-tree.onnx over
+the same bound buffers (OnnxTarget.verify_tree; keep_path compacts the accepted path);
+the drafter (OnnxEagle3) runs its causal step and its tree levels over a HostKVCache,
+the levels' keys as scratch past the committed entries.
+
 Threads: intra-op pools spin while a run is in flight (fast hand-off between small
 decode nodes) but stop when it returns (session.force_spinning_stop), else the target's
 idle workers starve the drafter that runs next; a graph with the Python plugin op does
