@@ -34,8 +34,8 @@ from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
-                   help="eagle3: the torch backend (or --backend trtllm: configuration for "
-                        "TensorRT-LLM)")
+                   help="eagle3: the torch and onnxruntime backends (or --backend trtllm: "
+                        "configuration for TensorRT-LLM)")
     p.add_argument("--sharpdraft", action="store_true",
                    help="apply the cardinality-aware query scale in the drafter's attention")
     p.add_argument("--num-draft-tokens", type=int, default=NGramProposer().num_draft_tokens,
@@ -357,12 +357,15 @@ def main(argv) -> int:
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
     if args.drafter == "eagle3":
-        if args.backend not in ("auto", "torch"):
-            raise UsageError(f"--drafter eagle3 builds for the torch backend only: its graphs are not "
-                             f"exported (a tree verify needs a tree mask the ONNX graphs do not take) "
-                             f"— pass --backend torch")
+        if args.backend == "tensorrt":
+            raise UsageError("--drafter eagle3 builds for the torch and onnxruntime backends; "
+                             "TensorRT plans for EAGLE-3 are not written yet (pass --backend "
+                             "onnxruntime)")
         eagle3_shape(args)
-    backend = "torch" if args.drafter == "eagle3" else pick_backend(args.backend)
+    # No TensorRT plans for EAGLE-3: auto exports its ONNX graphs and then measures torch
+    # against onnxruntime, as it does where TensorRT cannot run.
+    graphs_only = args.drafter == "eagle3" and args.backend == "auto"
+    backend = "onnxruntime" if graphs_only else pick_backend(args.backend)
     if backend == "tensorrt" and args.drafter == "pard":
         raise UsageError("--drafter pard builds for the torch and onnxruntime backends; TensorRT "
                          "plans for PARD are not written yet (pass --backend onnxruntime)")

@@ -1,4 +1,4 @@
-"""torch -> ONNX: the target step graphs and the drafter step graphs (DFlash, PARD) of an engine.
+"""torch -> ONNX: the target step graphs and the drafter step graphs (DFlash, PARD, EAGLE-3) of an engine.
 
 Graphs are traced from the same torch modules the torch backend runs, through a cache
 stand-in (the `attend`/`write` methods of KVCache), never rewritten here. Their weights
@@ -24,6 +24,13 @@ go to one external-data file, weights.bin, each distinct tensor once (share_weig
   every layer, ONNX Runtime decoded at 0.43x torch's speed at 4,096 tokens and 0.37x at
   7,680; on target-kv.onnx it decodes at 1.5-1.6x torch's (SmolLM2-135M, fp32, 2
   threads, scripts/bench_backends.py, same machine and session for each pair).
+- EAGLE-3 engines: drafter.onnx / drafter-frozen.onnx are the drafter's causal step
+  (Eagle3Step: committed tokens' entries from the target's features, plugin node or
+  native), drafter-tree.onnx / drafter-frozen-tree.onnx one level of a draft tree
+  (Eagle3TreeStep, native: the plugin node takes no mask), both over the committed
+  cache as an input like PARD's; target-tree.onnx verifies a whole tree in one pass
+  over the target's cache buffers, under its ancestor mask at per-node positions
+  (TargetTreeStep), the nodes' keys out as scratch for keep_path.
 - drafter-kv.onnx / drafter-frozen-kv.onnx (native-form engines) are the drafter steps
   ONNX Runtime runs, in the same way (BlockBufferCache): per-layer buffers read in place
   under `past_lens` [batch]; the block's rows attend to the buffer, the step's context
@@ -65,12 +72,15 @@ from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, p
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import EXPORT_VERSION
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
 TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
 TARGET_KV_FILE = "target-kv.onnx"
+TARGET_TREE_FILE = "target-tree.onnx"
+TREE_FILE, FROZEN_TREE_FILE = "drafter-tree.onnx", "drafter-frozen-tree.onnx"
 DRAFTER_KV_FILE, FROZEN_KV_FILE = "drafter-kv.onnx", "drafter-frozen-kv.onnx"
 WEIGHTS_FILE = "weights.bin"  # every graph's initializers, as ONNX external data
 TARGET_INPUTS = ("ids", "logit_positions", "past_keys", "past_values")
@@ -80,6 +90,11 @@ DRAFTER_INPUTS = ("block_ids", "context", "context_lens", "past_keys", "past_val
 DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
 PARD_INPUTS = ("ids", "logit_positions", "past_keys", "past_values", "past_lens")
 DRAFTER_KV_OUTPUTS = ("logits", "new_keys", "new_values")  # inputs: drafter_kv_inputs
+TARGET_TREE_OUTPUTS = TARGET_KV_OUTPUTS  # inputs: target_tree_inputs
+EAGLE3_INPUTS = ("ids", "features", "past_keys", "past_values")
+EAGLE3_TREE_INPUTS = ("ids", "hidden", "ancestors", "offsets", "past_keys", "past_values",
+                      "scratch_keys", "scratch_values")
+EAGLE3_OUTPUTS = ("logits", "state", "visible", "present_keys", "present_values")
 
 
 class ExportCache:
@@ -187,6 +202,68 @@ class PARDStep(nn.Module):
         return (logits,) + cache.present()
 
 
+class Eagle3Step(nn.Module):
+    """EAGLE-3's causal step (the drafter-*.onnx of an EAGLE-3 engine): the entries of
+    newly committed tokens, `ids` [b, c] (the token after each row) with the target's
+    `features` [b, c, F], after past_keys/past_values, the committed entries (the
+    HostKVCache's first `length` rows, so the count is the input's length, a shape).
+    Row i sees past + i + 1 keys (StepMetadata.causal_visible), returned as `visible`.
+    Out: the last row's logits over the target's vocabulary (DraftVocabulary puts -inf
+    where the drafter cannot propose), its state for the next drafting step, and every
+    row's keys/values, which the runtime commits."""
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None):
+        super().__init__()
+        self.drafter, self.scaling = drafter, scaling
+        self.vocab = DraftVocabulary(drafter)
+
+    def forward(self, ids, features, past_keys, past_values):
+        cache = ExportCache(past_keys, past_values)
+        logits, hidden, visible = self.drafter(ids, self.drafter.project(features), cache,
+                                               self.scaling)
+        return (self.vocab.target_logits(logits[:, -1]), hidden[:, -1], visible) + cache.present()
+
+
+class ScratchExportCache(ExportCache):
+    """ExportCache with scratch keys between the committed past and the step's own: the
+    keys earlier levels of a draft tree (or links of a chain) wrote past the committed
+    length. `length` stays the committed count (a tree step's metadata counts committed
+    keys and scratch keys apart); the step's own keys are the second write."""
+
+    def __init__(self, past_keys, past_values, scratch_keys, scratch_values):
+        super().__init__(past_keys, past_values)
+        for i in range(len(self.keys)):
+            self.keys[i].append(scratch_keys[:, i].permute(1, 2, 0, 3))
+            self.values[i].append(scratch_values[:, i].permute(1, 2, 0, 3))
+
+    def present(self) -> tuple[torch.Tensor, torch.Tensor]:
+        def stack(per_layer):
+            return torch.stack([written[2] for written in per_layer]).permute(3, 0, 1, 2, 4)
+        return stack(self.keys), stack(self.values)
+
+
+class Eagle3TreeStep(Eagle3Step):
+    """One level of an EAGLE-3 draft tree (or one link of a chain: a tree of one child per
+    node) (drafter-tree.onnx): rows (ids [b, t], the parents' states hidden [b, t, H])
+    at `offsets` [b, t] past the committed entries, after the committed past and the
+    scratch keys earlier levels wrote. ancestors [b, t, S] says which scratch keys each
+    row sees; it also sees its own key and no sibling's, as a tree level does
+    (runtime/tree.py: grow_tree), so the scratch mask the drafter gets is [ancestors,
+    identity]. Each row's N is the keys that mask leaves unmasked, committed ones
+    included (StepMetadata.tree_visible), returned as `visible`. The attention is the
+    native form: the plugin node has no mask input."""
+
+    def forward(self, ids, hidden, ancestors, offsets, past_keys, past_values, scratch_keys,
+                scratch_values):
+        cache = ScratchExportCache(past_keys, past_values, scratch_keys, scratch_values)
+        t = ids.shape[1]
+        own = torch.arange(t)[:, None] == torch.arange(t)[None, :]
+        scratch_mask = torch.cat([ancestors, own.expand(ids.shape[0], t, t)], -1)
+        logits, out, visible = self.drafter(ids, hidden, cache, self.scaling,
+                                            tree=(scratch_mask, offsets))
+        return (self.vocab.target_logits(logits), out, visible) + cache.present()
+
+
 def step_masks(past_len, visible, capacity: int, group: int, positions=None):
     """Additive masks (0 or -inf) of a step's attention, rows (g, i) for g < group:
     row i sees buffer position j when j < min(past_len, visible[b, i]) and the step's
@@ -250,6 +327,30 @@ class BufferCache:
         return torch.stack(self.new_keys), torch.stack(self.new_values)
 
 
+class TreeBufferCache(BufferCache):
+    """BufferCache for a draft tree verified in one pass (target-tree.onnx): every row
+    sees the buffer's first `past_len` positions and, of the step's own keys, those its
+    tree mask allows (its ancestors and itself). The step's metadata counts no committed
+    keys (length 0): the graph's positions input already holds committed + depth, and the
+    committed keys are read from the buffer, so the mask the model hands attend() covers
+    the step's own keys only. The step's keys come out as scratch (keep_path commits)."""
+
+    def __init__(self, past_len, keys, values):
+        super().__init__(past_len, keys, values)
+        self.past_len, self.length = past_len, 0
+
+    def attend(self, layer: int, start, q, k, v, visible, mask=None):
+        self.new_keys.append(k)
+        self.new_values.append(v)
+        if self.masks is None:  # once per step: every layer sees the same keys
+            group, capacity = q.shape[1] // k.shape[1], self.keys[layer].shape[2]
+            sees_buffer = torch.arange(capacity, device=q.device) < self.past_len[:, None]
+            zero = torch.zeros((), dtype=torch.float32, device=q.device)
+            self.masks = (torch.where(sees_buffer, zero, -torch.inf)[:, None, None, :],
+                          torch.where(mask.repeat(1, group, 1), zero, -torch.inf)[:, None])
+        return buffered_attention(q, self.keys[layer], self.values[layer], k, v, self.masks)
+
+
 class BlockBufferCache:
     """Stands in for KVCache while tracing the in-place drafter graphs (drafter-kv.onnx):
     layer i's cache is a graph input [batch, kv_heads, capacity, head_dim] whose first
@@ -301,6 +402,22 @@ class TargetKVStep(TargetStep):
         return self.logits_and_features(ids, logit_positions, cache) + cache.present()
 
 
+class TargetTreeStep(TargetStep):
+    """A draft tree's nodes verified in one pass over the runtime's cache buffers: ids
+    [b, t], positions [b, t] (committed + each node's depth), tree_mask [b, t, t] (node j
+    is i or one of its ancestors: DraftTree.ancestor_mask), past_len [b], then the 2 x
+    layers buffers. Logits of every node; the nodes' keys/values come out as scratch."""
+
+    def forward(self, ids, positions, tree_mask, past_len, *buffers):
+        layers = len(buffers) // 2
+        cache = TreeBufferCache(past_len, buffers[:layers], buffers[layers:])
+        h, features = self.target.final_hidden(ids, cache, self.feature_layers,
+                                               tree=(tree_mask, positions))
+        if features is None:
+            features = h[..., :0]
+        return (self.target.lm_head(h), features) + cache.present()
+
+
 class DrafterKVStep(DrafterStep):
     """DrafterStep over the runtime's cache buffers: past_lens [batch] committed, then
     2 x layers buffers (every layer's keys, then every layer's values); out come the
@@ -321,6 +438,10 @@ def target_kv_inputs(layers: int) -> tuple[str, ...]:
     return ("ids", "logit_positions", "past_len") + cache_buffer_inputs(layers)
 
 
+def target_tree_inputs(layers: int) -> tuple[str, ...]:
+    return ("ids", "positions", "tree_mask", "past_len") + cache_buffer_inputs(layers)
+
+
 def drafter_kv_inputs(layers: int) -> tuple[str, ...]:
     return ("block_ids", "context", "context_lens", "past_lens") + cache_buffer_inputs(layers)
 
@@ -333,7 +454,7 @@ def _cache_example(layers, kv_heads, head_dim, past, batch, dtype):
 
 # Example sizes are distinct and > 1 so torch.export neither specialises a dimension
 # nor merges two of them; the graphs stay general in every dynamic one.
-BATCH, Q_LEN, N_LOGITS, PAST, CONTEXT, CAPACITY = 2, 5, 3, 7, 3, 13
+BATCH, Q_LEN, N_LOGITS, PAST, CONTEXT, CAPACITY, SCRATCH = 2, 5, 3, 7, 3, 13, 6
 
 
 def target_example(target: TargetModel):
@@ -399,6 +520,8 @@ def export_drafter(drafter: DFlashDrafter | PARDDrafter, target: TargetModel,
     form = attention if scaling is not None else "native"
     if isinstance(drafter, PARDDrafter):
         return export_pard(drafter, target, scaling, form, path)
+    if isinstance(drafter, Eagle3Drafter):
+        return export_eagle3(drafter, scaling, form, path)
     d = _dims()
     cache = {0: d["past_len"], 2: d["batch"]}
     shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, {0: d["batch"]}, cache,
@@ -423,6 +546,69 @@ def export_pard(drafter: PARDDrafter, target: TargetModel, scaling: QueryScaling
     _export(PARDStep(drafter, target.config.vocab_size, scaling), example, shapes, PARD_INPUTS,
             DRAFTER_OUTPUTS, path, attention=form)
     return graph_record(path, attention=form if scaling is not None else None)
+
+
+def export_target_tree(target: TargetModel, feature_layers, path: Path) -> dict:
+    """target-tree.onnx: a draft tree verified in one pass (TargetTreeStep)."""
+    c = target.config
+    d = _dims()
+    capacity = torch.export.Dim("capacity", min=2)
+    ids = target_example(target)[0]
+    positions = torch.arange(Q_LEN).expand(BATCH, Q_LEN) + torch.tensor([[PAST], [PAST - 2]])
+    tree_mask = torch.ones(Q_LEN, Q_LEN, dtype=torch.bool).tril().expand(BATCH, Q_LEN, Q_LEN)
+    buffers = _cache_buffers(c.num_layers, c.num_kv_heads, c.head_dim,
+                             target.embed_tokens.weight.dtype)
+    rows = {0: d["batch"], 1: d["q_len"]}
+    shapes = (rows, rows, {0: d["batch"], 1: d["q_len"], 2: d["q_len"]}, {0: d["batch"]},
+              tuple({0: d["batch"], 2: capacity} for _ in buffers))
+    past_lens = torch.tensor([PAST, PAST - 2][:BATCH])
+    _export(TargetTreeStep(target, feature_layers), (ids, positions, tree_mask, past_lens) + buffers,
+            shapes, target_tree_inputs(c.num_layers), TARGET_TREE_OUTPUTS, path,
+            attention="native")
+    return graph_record(path, attention=None)
+
+
+def _eagle3_past(drafter: Eagle3Drafter, length: int):
+    c = drafter.config
+    return _cache_example(1, c.num_kv_heads, c.head_dim, length, BATCH, drafter.fc.weight.dtype)
+
+
+def export_eagle3(drafter: Eagle3Drafter, scaling: QueryScaling | None, form: str,
+                  path: Path) -> dict:
+    """EAGLE-3's causal step (Eagle3Step) in `form` (scaling=None: frozen, native)."""
+    d = _dims()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.config.vocab_size, (BATCH, CONTEXT), generator=g)
+    features = torch.randn(BATCH, CONTEXT, drafter.fc.in_features, generator=g).to(
+        drafter.fc.weight.dtype)
+    cache = {0: d["past_len"], 2: d["batch"]}
+    shapes = ({0: d["batch"], 1: d["context_len"]}, {0: d["batch"], 1: d["context_len"]},
+              cache, cache)
+    _export(Eagle3Step(drafter, scaling), (ids, features) + _eagle3_past(drafter, PAST), shapes,
+            EAGLE3_INPUTS, EAGLE3_OUTPUTS, path, attention=form)
+    return graph_record(path, attention=form if scaling is not None else None)
+
+
+def export_eagle3_tree(drafter: Eagle3Drafter, scaling: QueryScaling | None, path: Path) -> dict:
+    """One EAGLE-3 tree level (Eagle3TreeStep), native form (scaling=None: frozen)."""
+    d = _dims()
+    scratch = torch.export.Dim("scratch_len", min=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.config.vocab_size, (BATCH, Q_LEN), generator=g)
+    hidden = torch.randn(BATCH, Q_LEN, drafter.config.hidden_size, generator=g).to(
+        drafter.fc.weight.dtype)
+    ancestors = torch.rand(BATCH, Q_LEN, SCRATCH, generator=g) < 0.5
+    offsets = torch.full((BATCH, Q_LEN), 2)
+    rows = {0: d["batch"], 1: d["q_len"]}
+    cache = {0: d["past_len"], 2: d["batch"]}
+    scratch_cache = {0: scratch, 2: d["batch"]}
+    shapes = (rows, rows, {0: d["batch"], 1: d["q_len"], 2: scratch}, rows, cache, cache,
+              scratch_cache, scratch_cache)
+    example = ((ids, hidden, ancestors, offsets) + _eagle3_past(drafter, PAST)
+               + _eagle3_past(drafter, SCRATCH))
+    _export(Eagle3TreeStep(drafter, scaling), example, shapes, EAGLE3_TREE_INPUTS,
+            EAGLE3_OUTPUTS, path, attention="native")
+    return graph_record(path, attention="native" if scaling is not None else None)
 
 
 def export_drafter_kv(drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
@@ -554,19 +740,30 @@ def share_weights(out_dir: Path, files: list[str], min_bytes: int = 1024) -> Non
             onnx.save(model, str(out_dir / name))
 
 
-def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | None,
+def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | Eagle3Drafter | None,
                   scaling: QueryScaling | None, attention: str, out_dir: Path,
                   progress=lambda _msg: None) -> dict:
     """Write every graph of an engine into out_dir; returns engine.json's "onnx" record.
     drafter None (n-gram engines): the target graph alone. A PARD drafter reads no target
-    features; its mask token (mask_token_id in the record) is its pard_token."""
+    features; its mask token (mask_token_id in the record) is its pard_token. An EAGLE-3
+    engine adds the tree graphs: target-tree.onnx and the drafter's tree level (the
+    drafter graphs are its causal step); it has no mask token."""
     pard = isinstance(drafter, PARDDrafter)
-    layers = drafter.config.target_layer_ids if drafter is not None and not pard else ()
+    eagle3 = isinstance(drafter, Eagle3Drafter)
+    layers = ()
+    if eagle3:
+        layers = drafter.config.feature_layers(target.config.num_layers)
+    elif drafter is not None and not pard:
+        layers = drafter.config.target_layer_ids
     graphs = {}
     progress(f"      {TARGET_FILE}: prefill/verify step, features of layers {list(layers)}")
     graphs["target"] = export_target(target, layers, out_dir / TARGET_FILE)
     progress(f"      {TARGET_KV_FILE}: the same step over the runtime's cache buffers")
     graphs["target_kv"] = export_target_kv(target, layers, out_dir / TARGET_KV_FILE)
+    if eagle3:
+        progress(f"      {TARGET_TREE_FILE}: a draft tree verified in one pass, under its "
+                 "ancestor mask")
+        graphs["target_tree"] = export_target_tree(target, layers, out_dir / TARGET_TREE_FILE)
     if drafter is not None:
         progress(f"      {FROZEN_FILE}: drafter step without SharpDraft (plain attention)")
         graphs["drafter_frozen"] = export_drafter(drafter, target, None, "native",
@@ -575,11 +772,20 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | No
         progress(f"      {DRAFTER_FILE}: drafter step with SharpDraft ({attention} attention)")
         graphs["drafter"] = export_drafter(drafter, target, scaling, attention,
                                            out_dir / DRAFTER_FILE)
+    if eagle3:  # a tree level reads a mask, which the plugin node does not take: native
+        progress(f"      {FROZEN_TREE_FILE}: a draft tree level without SharpDraft")
+        graphs["drafter_frozen_tree"] = export_eagle3_tree(drafter, None,
+                                                           out_dir / FROZEN_TREE_FILE)
+        if scaling is not None:
+            progress(f"      {TREE_FILE}: a draft tree level with SharpDraft (native attention, "
+                     "N from the tree mask)")
+            graphs["drafter_tree"] = export_eagle3_tree(drafter, scaling, out_dir / TREE_FILE)
     # The native form's drafters again, over the runtime's cache buffers (what ONNX
     # Runtime runs). A plugin-form engine keeps both drafters in the portable form, so
     # its SharpDraft and frozen steps stay comparable (the overhead command). DFlash
-    # only: PARD's graph still concatenates its past (not written for buffers yet).
-    if drafter is not None and not pard and (scaling is None or attention == "native"):
+    # only: PARD's and EAGLE-3's graphs still concatenate their past (not written for
+    # buffers yet).
+    if drafter is not None and not pard and not eagle3 and (scaling is None or attention == "native"):
         progress(f"      {FROZEN_KV_FILE}: the frozen drafter step over the runtime's cache "
                  "buffers")
         graphs["drafter_frozen_kv"] = export_drafter_kv(drafter, target, None,
@@ -597,5 +803,6 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | No
                   "domain": onnx_attention.DOMAIN, "fields": plugin_fields(scaling)}
     return {"export_version": EXPORT_VERSION, "opset": OPSET,
             "attention": attention if scaling is not None else None, "plugin": plugin,
-            "mask_token_id": (drafter.config.pard_token if pard else drafter.config.mask_token_id)
+            "mask_token_id": (drafter.config.pard_token if pard else
+                              None if eagle3 else drafter.config.mask_token_id)
             if drafter else None, "graphs": graphs}

@@ -50,9 +50,9 @@ class Engine:
             self.tree_shape = eagle3_tree_shape(self.dir, self.manifest)
             if self.tree_shape.top_k == 1:  # one child per node: a chain
                 self.drafting = "chain"
-            if self.backend != "torch":
-                raise EngineError(f"{self.dir}: EAGLE-3 runs on the torch backend only (its graphs "
-                                  "are not exported) — pass --backend torch")
+            if self.backend not in ("torch", "onnxruntime"):
+                raise EngineError(f"{self.dir}: EAGLE-3 runs on the torch and onnxruntime backends, "
+                                  f"not {self.backend} — pass --backend onnxruntime")
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()

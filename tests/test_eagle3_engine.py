@@ -1,6 +1,7 @@
 """EAGLE-3 engines, built by build_engine.py itself over the tiny target: a tree engine and
 a chain engine (--tree-top-k 1) decode exactly what target-only decoding does, through
-Engine and the generate command; what they cannot do is refused in one line."""
+Engine and the generate command; what they cannot do is refused in one line. (The
+onnxruntime backend's EAGLE-3 engines: tests/test_eagle3_onnx.py.)"""
 
 import json
 
@@ -29,7 +30,7 @@ def tree_engine(tmp_path_factory, tiny_target, eagle3_checkpoint):
     assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(tiny_target),
                  "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
                  "--tree-top-k", "3", "--tree-depth", "3", "--tree-total-tokens", "8",
-                 "--output", str(out)) == 0
+                 "--backend", "torch", "--output", str(out)) == 0
     return out
 
 
@@ -85,19 +86,19 @@ def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engin
 
 def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_target,
                                                                eagle3_checkpoint, tmp_path, capsys):
-    with pytest.raises(EngineError) as err:
+    with pytest.raises(EngineError) as err:  # built for torch: no graphs to run
         Engine(tree_engine, backend="onnxruntime")
-    assert "torch backend only" in str(err.value) and "\n" not in str(err.value)
+    assert "holds no ONNX graphs" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(EngineError, match="one sequence at a time"):
         Engine(tree_engine).batch_decoder("sharpdraft")
     capsys.readouterr()
     assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
-                 str(eagle3_checkpoint), "--backend", "onnxruntime", "--output", str(tmp_path / "o")) == 2
+                 str(eagle3_checkpoint), "--backend", "tensorrt", "--output", str(tmp_path / "o")) == 2
     assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
                  str(eagle3_checkpoint), "--tree-top-k", "0", "--output", str(tmp_path / "z")) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
-    assert "torch backend only" in lines[0] and "invalid EAGLE-3 tree" in lines[1]
+    assert "TensorRT plans for EAGLE-3" in lines[0] and "invalid EAGLE-3 tree" in lines[1]
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):

@@ -9,7 +9,8 @@ The speculative loops in runtime/speculative.py only see these roles:
            snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
            verify_tree(tree)      -> (logits [n, vocab], features [n, F]) -- a DraftTree's
                                      nodes in one pass, their keys scratch past the committed
-                                     ones (the target makes room for them; torch backend)
+                                     ones (the target makes room for them; torch and
+                                     onnxruntime backends, EAGLE-3 engines)
            keep_path(nodes)       -- commit the accepted path's keys (node indices, root first)
   Tree drafter (EAGLE-3):
            reset(capacity)

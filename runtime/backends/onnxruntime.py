@@ -18,6 +18,11 @@ BoundKVCache (BoundDFlash, BoundBatchDFlash), storing only each step's context k
 Older engines, and plugin-form ones, run drafter.onnx with the committed cache as an
 input (HostKVCache; OnnxDFlash, OnnxBatchDFlash); engine.json's graph keys say which.
 
+EAGLE-3 engines: the target verifies a draft tree in one pass of target-tree.onnx over
+the same bound buffers (OnnxTarget.verify_tree; keep_path compacts the accepted path);
+the drafter (OnnxEagle3) runs its causal step and its tree levels over a HostKVCache,
+the levels' keys as scratch past the committed entries.
+
 Threads: intra-op pools spin while a run is in flight (fast hand-off between small
 decode nodes) but stop when it returns (session.force_spinning_stop), else the target's
 idle workers starve the drafter that runs next; a graph with the Python plugin op does
@@ -37,6 +42,7 @@ from runtime.manifest import EngineError, Manifest
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
 from runtime.step_metadata import StepMetadata, padded, padded_context
+from runtime.tree import TreeShape, grow_tree
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
 # 2: the target's KV cache lives in buffers bound to target-kv.onnx (1: cache as an input).
@@ -149,20 +155,24 @@ def _buffer_dims(session) -> tuple[int, int, int]:
 
 
 class OnnxTarget:
-    """target-kv.onnx run through one IO binding per BoundKVCache."""
+    """target-kv.onnx run through one IO binding per BoundKVCache; an EAGLE-3 engine's
+    target-tree.onnx (tree_session) verifies draft trees over the same buffers through
+    a second binding."""
 
     STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
 
-    def __init__(self, session, context_limit: int):
-        self.session = session
+    def __init__(self, session, context_limit: int, tree_session=None):
+        self.session, self.tree_session = session, tree_session
         self.context_limit = context_limit
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.cache: BoundKVCache | None = None
-        self.binding = None
+        self.binding = self.tree_binding = None
 
     def _new_cache(self, capacity: int) -> None:
         self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
         self.binding = self.cache.bind(self.session)
+        if self.tree_session is not None:
+            self.tree_binding = self.cache.bind(self.tree_session)
 
     def _bind(self, keys, values) -> None:
         for i in range(self.layers):
@@ -210,6 +220,39 @@ class OnnxTarget:
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
+
+    def verify_tree(self, tree):
+        """Every node of a DraftTree (runtime/tree.py) in one pass of target-tree.onnx,
+        each row seeing the committed tokens and its ancestors at committed + depth; the
+        nodes' keys land past the committed length as scratch until keep_path."""
+        if self.tree_session is None:
+            raise EngineError("this engine has no target-tree.onnx (not an EAGLE-3 engine) — "
+                              "rebuild it with build_engine.py --drafter eagle3")
+        cache, start, n = self.cache, self.cache.length, len(tree)
+        if start + n > cache.capacity:  # a tree near the end of the budget: grow, as torch does
+            self.restore(self.snapshot(), start + n)
+            cache = self.cache
+        feeds = {"ids": np.asarray([tree.tokens], dtype=np.int64),
+                 "positions": np.asarray([tree.depths], dtype=np.int64) + start,
+                 "tree_mask": tree.ancestor_mask().numpy()[None],
+                 "past_len": np.asarray([start], dtype=np.int64)}
+        logits, features, keys, values = run_bound(self.tree_session, self.tree_binding, feeds,
+                                                   self.STEP_OUTPUTS)
+        cache.k[:, :, :, start:start + n] = keys
+        cache.v[:, :, :, start:start + n] = values
+        return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """Commit a verified tree's accepted path (node indices, root first): the keys
+        written at length + nodes[i] move to length + i (KVCache.keep's rule)."""
+        cache, start = self.cache, self.cache.length
+        if len(set(nodes)) != len(nodes) or any(r < 0 for r in nodes):
+            raise ValueError(f"rows to keep must be distinct and >= 0, got {nodes}")
+        rows = start + np.asarray(nodes, dtype=np.int64)
+        # fancy indexing copies before the write, so overlapping rows are safe
+        cache.k[:, :, :, start:start + len(nodes)] = cache.k[:, :, :, rows]
+        cache.v[:, :, :, start:start + len(nodes)] = cache.v[:, :, :, rows]
+        cache.length = start + len(nodes)
 
     def snapshot(self):
         n = self.cache.length
@@ -279,6 +322,91 @@ class OnnxPARD:
         row = ids + [self.pard_token] * max(k - 1, 0)
         logits, visible = self._step(row, max(k, 1), len(ids))
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
+
+
+class OnnxEagle3:
+    """EAGLE-3 drafting over an engine's two drafter graphs (build/export.py): `step`
+    (Eagle3Step, causal) commits the entries of newly committed tokens; `tree`
+    (Eagle3TreeStep) runs one level of a draft tree, or one link of a chain, in scratch
+    past them. The HostKVCache holds the committed entries, then the scratch keys the
+    current draft wrote (never committed: the next step overwrites them). The graphs
+    return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
+    and each row's visible-key count N, the one the graph scaled by. Same roles as
+    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1)."""
+
+    def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
+        self.step_session, self.tree_session, self.scaling = step, tree, scaling
+        self.tree, self.max_drafts = shape, max_drafts
+        self.dims = _cache_dims(step)
+        self.cache: HostKVCache | None = None
+
+    def reset(self, capacity: int) -> None:
+        # + scratch past the committed entries, as TorchEagle3.reset sizes it
+        self.cache = HostKVCache(capacity + max(self.tree.depth * self.tree.top_k,
+                                                self.max_drafts), *self.dims)
+
+    def _ingest(self, context: torch.Tensor, following: list[int]):
+        feeds = {"ids": np.asarray([following], dtype=np.int64),
+                 "features": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None]}
+        logits, state, visible, keys, values = self.step_session.run(
+            None, feeds | self.cache.past())
+        self.cache.append(keys, values)
+        return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), int(visible[0, -1])
+
+    def _level(self, tokens: list[int], hidden: torch.Tensor, ancestors: np.ndarray, offset: int):
+        """Rows (tokens, parents' states [t, H]) at `offset` past the committed entries,
+        seeing the scratch keys `ancestors` [t, S] marks (the first S scratch rows) and
+        their own; their keys go to scratch rows S.. S + t."""
+        cache, t, written = self.cache, len(tokens), ancestors.shape[1]
+        start, end = cache.length + written, cache.length + written + t
+        if end > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to {end}")
+        feeds = {"ids": np.asarray([tokens], dtype=np.int64),
+                 "hidden": np.ascontiguousarray(hidden.numpy(), dtype=np.float32)[None],
+                 "ancestors": ancestors[None], "offsets": np.full((1, t), offset, dtype=np.int64),
+                 "scratch_keys": cache.k[cache.length:start],
+                 "scratch_values": cache.v[cache.length:start]}
+        logits, state, visible, keys, values = self.tree_session.run(None, feeds | cache.past())
+        cache.k[start:end], cache.v[start:end] = keys, values
+        return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), torch.from_numpy(visible[0])
+
+    def draft_tree(self, context: torch.Tensor, following: list[int], shape=None):
+        """As TorchEagle3.draft_tree: the tree and the most keys any drafter row saw."""
+        logits, hidden, visible = self._ingest(context, following)
+        largest = [visible]
+
+        def expand(tokens, parent_hidden, scratch_mask, offset):
+            written = scratch_mask.shape[1] - len(tokens)
+            if not torch.equal(scratch_mask[:, written:], torch.eye(len(tokens), dtype=torch.bool)):
+                raise ValueError("a tree level's rows see their own keys and no sibling's")
+            out_logits, out_hidden, counts = self._level(
+                tokens, parent_hidden, np.ascontiguousarray(scratch_mask[:, :written].numpy()),
+                offset)
+            largest.append(int(counts.max()))
+            return torch.log_softmax(out_logits, -1), out_hidden
+
+        tree = grow_tree(following[-1], torch.log_softmax(logits, -1), hidden, expand,
+                         shape or self.tree, lambda indices: indices)  # target ids already
+        return tree, max(largest)
+
+    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
+        """As TorchEagle3.draft (the chain role): ingest, then k drafts, each link a tree
+        level of one row that sees every earlier link."""
+        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
+        tokens, dists, rows, counts = [], [], [], []
+        for i in range(k):
+            token, q = sampler.propose(logits[None])
+            tokens += token
+            dists.append(q)
+            rows.append(logits)
+            counts.append(visible)
+            if i + 1 < k:  # the last draft needs no row of its own
+                out, state, n = self._level(token, hidden[None], np.ones((1, i), dtype=bool), i)
+                logits, hidden, visible = out[0], state[0], int(n[0])
+        probs = None if not dists or dists[0] is None else torch.cat(dists)
+        empty = logits.new_zeros((0, logits.shape[-1]))
+        return ChainDraft(tokens, probs, torch.stack(rows) if rows else empty,
+                          torch.tensor(counts, dtype=torch.long))
 
 
 class BoundRows:
@@ -517,7 +645,9 @@ class OnnxEngine:
         self.block_size = manifest.block_size
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
         self.drafter_family = manifest.drafter
-        self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]))
+        self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
+        self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]),
+                                 self.sessions.get("target_tree"))
 
     def _drafter_graph(self, sharpdraft: bool):
         """(session, scaling, in place) of the SharpDraft or the frozen drafter."""
@@ -526,8 +656,11 @@ class OnnxEngine:
         in_place = name + "_kv" in self.sessions
         return self.sessions[name + "_kv" if in_place else name], scaling, in_place
 
-    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | BoundDFlash | OnnxPARD:
+    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | BoundDFlash | OnnxPARD | OnnxEagle3:
         session, scaling, in_place = self._drafter_graph(sharpdraft)
+        if self.drafter_family == "eagle3":
+            tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
+            return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
         if self.drafter_family == "pard":
             return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         return (BoundDFlash if in_place else OnnxDFlash)(session, self.block_size,

@@ -101,6 +101,9 @@ def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
             graphs["drafter_kv"] = export.export_drafter_kv(engine.drafter_model, engine.model,
                                                             chosen,
                                                             engine_dir / graphs["drafter_kv"]["file"])
+        if "drafter_tree" in graphs:  # EAGLE-3: its tree levels scale by beta too
+            graphs["drafter_tree"] = export.export_eagle3_tree(
+                engine.drafter_model, chosen, engine_dir / graphs["drafter_tree"]["file"])
         if onnx.get("plugin"):
             onnx["plugin"]["fields"] = plugin_fields(chosen)
         manifest.artifacts = engine_files(engine_dir)

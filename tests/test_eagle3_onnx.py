@@ -1,0 +1,229 @@
+"""EAGLE-3 engines on ONNX Runtime, built by build_engine.py itself over the long-context
+tiny target: the tree engine (native form) and the chain engine (plugin form) draft the
+same trees and chains, with the same per-row N, and decode the same tokens as the torch
+backend running the same checkpoints, SharpDraft on and off; a tree level's N is the keys
+its mask leaves unmasked; calibrate re-exports the tree graph with its choice."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from runtime import speculative
+from runtime.cli import run
+from runtime.engine import Engine
+from runtime.sampling import Sampler
+
+NEW_TOKENS = 20
+PROMPT = 300  # tokens: past ref_keys 64, so SharpDraft's rows scale by beta > 1
+
+
+def build(*args) -> int:
+    import build_engine
+
+    return run(build_engine.main, list(args))
+
+
+@pytest.fixture(scope="module")
+def eagle3_checkpoint(tmp_path_factory, long_target):
+    return tiny.make_eagle3(tmp_path_factory.mktemp("eagle3"), long_target, draft_vocab=200)
+
+
+@pytest.fixture(scope="module")
+def tree_engine(tmp_path_factory, long_target, eagle3_checkpoint):
+    out = tmp_path_factory.mktemp("engines") / "eagle3-tree-onnx"
+    assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(long_target),
+                 "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
+                 "--tree-top-k", "3", "--tree-depth", "3", "--tree-total-tokens", "8",
+                 "--backend", "onnxruntime", "--max-seq-len", "512", "--output", str(out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_engine(tmp_path_factory, long_target, eagle3_checkpoint):
+    out = tmp_path_factory.mktemp("engines") / "eagle3-chain-onnx"
+    assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(long_target),
+                 "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
+                 "--tree-top-k", "1", "--num-draft-tokens", "3", "--backend", "onnxruntime",
+                 "--attention", "plugin", "--max-seq-len", "512", "--output", str(out)) == 0
+    return out
+
+
+class RecordedTrees:
+    """Passes a tree drafter through, keeping every tree and N it proposed."""
+
+    def __init__(self, inner):
+        self.inner, self.scaling = inner, inner.scaling
+        self.trees = []
+
+    def reset(self, capacity):
+        self.inner.reset(capacity)
+
+    def draft_tree(self, context, following, shape):
+        tree, visible = self.inner.draft_tree(context, following, shape)
+        self.trees.append((tree, visible))
+        return tree, visible
+
+
+class RecordedChain:
+    def __init__(self, inner):
+        self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
+        self.proposals = []
+
+    def reset(self, capacity):
+        self.inner.reset(capacity)
+
+    def draft(self, ids, features, k, sampler):
+        proposal = self.inner.draft(ids, features, k, sampler)
+        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
+        return proposal
+
+
+def test_the_engine_records_the_tree_graphs(tree_engine, chain_engine):
+    manifest = json.loads((tree_engine / "engine.json").read_text())
+    assert manifest["drafter"] == "eagle3" and manifest["backend"] == "onnxruntime"
+    graphs = manifest["extra"]["onnx"]["graphs"]
+    assert set(graphs) == {"target", "target_kv", "target_tree", "drafter", "drafter_frozen",
+                           "drafter_tree", "drafter_frozen_tree"}
+    names = {name: [i["name"] for i in g["inputs"]] for name, g in graphs.items()}
+    assert names["target_tree"][:4] == ["ids", "positions", "tree_mask", "past_len"]
+    assert "ancestors" in names["drafter_tree"] and "visible" in [
+        o["name"] for o in graphs["drafter_tree"]["outputs"]]
+    assert graphs["drafter_tree"]["attention"] == "native"
+    assert manifest["extra"]["step_costs"]["onnxruntime"]["draft"] is not None
+    plugin = json.loads((chain_engine / "engine.json").read_text())["extra"]["onnx"]
+    assert plugin["graphs"]["drafter"]["plugin_nodes"] == 1  # the causal step: one layer
+    assert plugin["graphs"]["drafter_frozen"]["plugin_nodes"] == 0
+    assert plugin["graphs"]["drafter_tree"]["plugin_nodes"] == 0  # a mask: native form
+
+
+@pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
+def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft):
+    runs = []
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine(tree_engine, backend=backend)
+        prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
+        drafter = RecordedTrees(engine.drafter(frozen=not sharpdraft))
+        gen = speculative.generate_tree(engine.target, drafter, prompt, NEW_TOKENS, Sampler(),
+                                        engine.tree_shape)
+        runs.append((gen.tokens, gen.committed_per_step, drafter.trees))
+        want = engine.generate(prompt, NEW_TOKENS, mode="target", stop=False).tokens
+        assert gen.tokens == want, backend
+    (ours, our_steps, our_trees), (theirs, their_steps, their_trees) = runs
+    assert ours == theirs and our_steps == their_steps and len(ours) == NEW_TOKENS
+    assert our_trees == their_trees  # the same trees, and the same largest N per step
+    if sharpdraft:
+        scaling = Engine(tree_engine).scaling
+        assert scaling.beta(our_trees[0][1]) > 1.0  # the comparison covers scaled rows
+
+
+@pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
+def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdraft):
+    runs = []
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine(chain_engine, backend=backend)
+        assert engine.drafting == "chain"
+        prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
+        drafter = RecordedChain(engine.drafter(frozen=not sharpdraft))
+        gen = speculative.generate_chain(engine.target, drafter, prompt, NEW_TOKENS, Sampler())
+        runs.append((gen.tokens, gen.committed_per_step, drafter.proposals))
+    assert runs[0] == runs[1] and len(runs[0][0]) == NEW_TOKENS
+    # a chain's rows see the committed entries and every earlier link: N = L, L + 1, ...
+    for tokens, visible in runs[0][2]:
+        assert visible == list(range(visible[0], visible[0] + len(tokens)))
+
+
+def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
+    """One tree level on the ONNX graph, with an irregular ancestry: each row's N (the
+    graph's `visible`, what beta was computed from) is the count of a mask built here
+    from the committed entries, the scratch keys it may see and itself; the logits are
+    the torch drafter's under the same mask."""
+    ort, reference = Engine(tree_engine), Engine(tree_engine, backend="torch")
+    drafter = ort.drafter()
+    features = torch.randn(40, reference.drafter_model.fc.in_features,
+                           generator=torch.Generator().manual_seed(5))
+    following = reference.encode(tiny.stdlib_text())[1:41]
+    drafter.reset(64)
+    drafter._ingest(features, following)
+    ancestors = np.array([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=bool)
+    drafter.cache.k[40:45] = np.random.default_rng(0).standard_normal(drafter.cache.k[40:45].shape)
+    drafter.cache.v[40:45] = np.random.default_rng(1).standard_normal(drafter.cache.v[40:45].shape)
+    hidden = torch.randn(3, reference.drafter_model.config.hidden_size,
+                         generator=torch.Generator().manual_seed(6))
+    logits, _, visible = drafter._level([7, 8, 9], hidden, ancestors, 2)
+
+    rows = []
+    for i in range(3):  # committed entries, scratch keys 40..44, the level's own keys 45..47
+        sees = [True] * 40 + list(ancestors[i]) + [j == i for j in range(3)]
+        rows.append(sum(sees))
+    assert visible.tolist() == rows == [43, 41, 46]
+
+    torch_side = reference.drafter()
+    torch_side.reset(64)
+    torch_side._ingest(features, following)
+    cache = torch_side.cache
+    cache.k[0, 0, :, 40:45] = torch.from_numpy(drafter.cache.k[40:45, 0, 0]).permute(1, 0, 2)
+    cache.v[0, 0, :, 40:45] = torch.from_numpy(drafter.cache.v[40:45, 0, 0]).permute(1, 0, 2)
+    mask = torch.cat([torch.from_numpy(ancestors), torch.eye(3, dtype=torch.bool)], -1)
+    with torch.inference_mode():
+        out, _, counts = torch_side.drafter(torch.tensor([[7, 8, 9]]), hidden[None], cache,
+                                            torch_side.scaling, tree=(mask[None], torch.full((1, 3), 2)))
+    assert counts[0].tolist() == rows
+    torch.testing.assert_close(logits, torch_side.vocab.target_logits(out[0]), atol=1e-4, rtol=0)
+
+
+def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
+    from plugins.scaling import QueryScaling
+    from runtime.commands.calibrate import apply
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tree_engine, engine_dir)
+    chosen = QueryScaling(32, 8, 2.0, 0.5)
+    apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"test": True})
+    ort, reference = Engine(engine_dir), Engine(engine_dir, backend="torch")
+    assert ort.scaling == chosen
+    prompt = reference.encode(tiny.stdlib_text())[:PROMPT]
+    trees = []
+    for engine in (ort, reference):
+        drafter = engine.drafter()
+        drafter.reset(PROMPT + 16)
+        features = engine.target.prefill(prompt, PROMPT + 16)[1]
+        trees.append(drafter.draft_tree(features, prompt[1:] + [5], engine.tree_shape))
+    assert trees[0] == trees[1]
+
+
+def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target,
+                                                        eagle3_checkpoint, tmp_path, capsys):
+    from runtime.manifest import EngineError
+
+    with pytest.raises(EngineError, match="one sequence at a time"):
+        Engine(tree_engine).batch_decoder("sharpdraft")
+    with pytest.raises(EngineError) as err:
+        Engine(tree_engine, backend="tensorrt")
+    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    assert build("--drafter", "eagle3", "--target", str(long_target), "--drafter-checkpoint",
+                 str(eagle3_checkpoint), "--backend", "tensorrt", "--output", str(tmp_path / "t")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "onnxruntime" in lines[0]
+
+
+def test_the_commands_loop_replays_one_prefill_and_grows_the_cache_for_a_late_tree(tree_engine):
+    """bench and calibrate run speculative_loop(engine) over a PrefillOnce target: on
+    ONNX Runtime a tree verified near the end of the budget outgrows the bound buffers,
+    which are rebuilt and rebound (as KVCache.reserve grows torch's), and the tokens stay
+    target-only's."""
+    from runtime.backends import PrefillOnce
+    from runtime.engine import speculative_loop
+    from runtime.speculative import generate_target_only
+
+    engine = Engine(tree_engine)
+    prompt = engine.encode(tiny.stdlib_text())[:40]
+    once = PrefillOnce(engine.target, prompt, len(prompt) + 16)
+    want = generate_target_only(once, prompt, 16, Sampler()).tokens
+    got = speculative_loop(engine)(once, engine.drafter(), prompt, 16, Sampler())
+    assert got.tokens == want and got.verify_steps < 16
+    assert engine.target.cache.capacity > len(prompt) + 16  # a late tree grew it
