@@ -2,13 +2,15 @@
 # The three-family result in the README: MAL against context length for DFlash, PARD and
 # EAGLE-3, frozen vs family preset vs calibrated SharpDraft, 8 evaluation documents, 128
 # greedy tokens each, whole blocks/chains/trees (--draft-length full: MAL, not speed).
-# A family whose JSON exists is kept (FORCE=1 reruns it); then the table and the plot.
+# A family whose JSON exists is kept (FORCE=1 reruns it); FAMILIES picks some (two at once
+# with OMP_NUM_THREADS=1 use both cores without stalling each other); once all three JSONs
+# exist, the table and the plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 LENGTHS=${LENGTHS:-512 1024 2048 4096 7680}
 declare -A ENGINE=([dflash]=engines/dflash-sharpdraft [pard]=engines/pard-torch [eagle3]=engines/eagle3-torch)
-for F in pard eagle3 dflash; do
+for F in ${FAMILIES:-pard eagle3 dflash}; do
   if [ ! -f "${ENGINE[$F]}/engine.json" ]; then
     $PY build_engine.py --drafter $F --sharpdraft --backend torch --output "${ENGINE[$F]}"
   fi
@@ -20,6 +22,7 @@ for F in pard eagle3 dflash; do
       --json "$OUT.tmp"
   mv "$OUT.tmp" "$OUT"
 done
+for F in dflash pard eagle3; do [ -f results/families-$F.json ] || exit 0; done
 $PY scripts/plot_families.py results/families-{dflash,pard,eagle3}.json --plot results/families.png \
     > results/families.md
 cat results/families.md
