@@ -1,9 +1,11 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
 interface (the one engine.json names, or an override), and `generate` in the modes
-every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter
-(an ngram engine has the first two). The drafter family decides the loop: DFlash drafts
-blocks (speculative.generate_block), PARD chains (speculative.generate_chain), EAGLE-3
-trees (speculative.generate_tree) or, built with top_k 1, chains."""
+every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter,
+and hybrid -- SharpDraft's blocks, with n-gram lookup's drafts verified instead when it
+finds a better proposal (block drafters only; an ngram engine has the first two). The
+drafter family decides the loop: DFlash drafts blocks (speculative.generate_block), PARD
+chains (speculative.generate_chain), EAGLE-3 trees (speculative.generate_tree) or, built
+with top_k 1, chains."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from runtime.sampling import Sampler, Sampling
 from runtime.tree import TreeShape
 from plugins.scaling import QueryScaling
 
-# no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta
-MODES = ("target", "ngram", "frozen", "sharpdraft")
+# no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta; drafter with
+# beta, n-gram-assisted (speculative.generate_block with a proposer)
+MODES = ("target", "ngram", "frozen", "sharpdraft", "hybrid")
 # How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
 DRAFTING = {"dflash": "block", "pard": "chain", "eagle3": "tree"}
 
@@ -106,6 +109,8 @@ class Engine:
         """The decoding modes this engine can run, in MODES order."""
         have = {"target", "ngram"} | ({"frozen"} if self.has_drafter_model else set())
         have |= {"sharpdraft"} if self.scaling is not None else set()
+        # n-gram assistance is written for the block loop (DFlash) only
+        have |= {"hybrid"} if self.scaling is not None and self.drafting == "block" else set()
         return tuple(m for m in MODES if m in have)
 
     def mode_for(self, sharpdraft: bool = True) -> str:
@@ -201,6 +206,11 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
     if mode == "ngram":
         return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens)
+    if mode == "hybrid":
+        return speculative.generate_block(target, engine.drafter(), prompt, max_new_tokens,
+                                          sampler, stop_ids, on_tokens,
+                                          engine.step_costs if adaptive else None,
+                                          proposer=engine.proposer())
     return speculative_loop(engine)(target, engine.drafter(frozen=mode == "frozen"), prompt,
                                     max_new_tokens, sampler, stop_ids, on_tokens,
                                     engine.step_costs if adaptive else None)
@@ -229,7 +239,8 @@ def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
 
 
 def engine_modes_batched(engine: Engine) -> tuple[str, ...]:
-    return tuple(m for m in engine.modes if m != "ngram")
+    # n-gram lookup (alone or assisting the drafter) runs one sequence at a time
+    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid"))
 
 
 def load_tokenizer(path: str | Path):

@@ -1,5 +1,6 @@
 """What a generation reports: committed tokens, mean accepted length (MAL), the
-acceptance histogram, the visible-key count and beta of each drafter step, and wall
+acceptance histogram, the visible-key count and beta of each drafter step, how many
+steps verified n-gram drafts instead of the drafter's (n-gram-assisted drafting), and wall
 time split into prefill / draft / verify / other."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Generation:
     committed_per_step: list[int] = dataclasses.field(default_factory=list)
     visible_per_step: list[int] = dataclasses.field(default_factory=list)
     beta_per_step: list[float] = dataclasses.field(default_factory=list)
+    ngram_steps: int = 0  # drafter loops given a proposer: steps that verified its drafts
     seconds: Counter = dataclasses.field(default_factory=Counter)
     stopped_by: str = "length"
 
@@ -60,6 +62,7 @@ class Generation:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "ngram_steps": self.ngram_steps,
             "stopped_by": self.stopped_by,
             "seconds": {p: round(self.seconds[p], 4) for p in ("prefill", "draft", "verify")}
             | {"other": round(max(other, 0.0), 4), "total": round(self.seconds["total"], 4)},

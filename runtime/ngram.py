@@ -32,7 +32,8 @@ class NGramProposer:
     The lookup index (for each n, n-gram -> where its latest occurrence ends) is extended
     with only the tokens added since the last call, so a step costs O(new tokens) in
     Python (plus a C-speed prefix compare), not a scan of the context. A call with tokens
-    that do not extend the previous ones rebuilds it from scratch.
+    that do not extend the previous ones rebuilds it from scratch. After a call, `matched`
+    is the n of the n-gram the proposal followed (0: nothing matched).
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft_tokens: int = 4):
@@ -41,6 +42,7 @@ class NGramProposer:
         _check_count("num_draft_tokens", num_draft_tokens, 1)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens = num_draft_tokens
+        self.matched = 0
         self._tokens: list[int] = []  # the tokens the index covers
         self._latest_end = {n: {} for n in range(min_ngram, max_ngram + 1)}
 
@@ -61,7 +63,9 @@ class NGramProposer:
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             end = self._latest_end[n].get(suffixes[n - 1])
             if end is not None:
+                self.matched = n
                 return tokens[end: end + self.num_draft_tokens]
+        self.matched = 0
         return []
 
     def _index(self, tokens: list[int]) -> None:

@@ -26,14 +26,15 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
                       "--json", str(out), "--plot", str(png)])
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
-    assert result["modes"] == ["target", "ngram", "frozen", "sharpdraft"]
+    assert result["modes"] == ["target", "ngram", "frozen", "sharpdraft", "hybrid"]
     assert [r["context_tokens"] for r in result["rows"]] == [16, 160]
     for row in result["rows"]:
-        for mode in ("target", "ngram", "frozen", "sharpdraft"):
+        for mode in ("target", "ngram", "frozen", "sharpdraft", "hybrid"):
             assert len(row[f"tok_s_{mode}_repeats"]) == 3
             assert row[f"tok_s_{mode}"] == pytest.approx(
                 statistics.median(row[f"tok_s_{mode}_repeats"]), rel=1e-3)
-        for mode in ("ngram", "frozen", "sharpdraft"):
+        assert 0 <= row["ngram_share_hybrid"] <= 1
+        for mode in ("ngram", "frozen", "sharpdraft", "hybrid"):
             assert row[f"tok_s_{mode}"] > 0 and row["tok_s_target"] > 0
             assert row[f"speedup_{mode}"] == pytest.approx(
                 row[f"tok_s_{mode}"] / row["tok_s_target"], rel=1e-3)
@@ -44,7 +45,8 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
     assert result["rows"][0]["beta_above_1_fraction"] == 0.0
     assert result["rows"][1]["beta_above_1_fraction"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "MAL ngram" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MAL ngram" in out and "MAL hybrid" in out and "hybrid n-gram share" in out
 
 
 def test_bench_modes_adds_the_family_preset_beside_the_calibrated_scaling(tiny_engine, doc,

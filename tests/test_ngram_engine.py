@@ -57,6 +57,21 @@ def test_ngram_drafting_runs_on_a_dflash_engine_too(tiny_engine, capsys):
     assert speculative["mode"] == "ngram" and speculative["tokens"] == plain["tokens"]
 
 
+def test_hybrid_runs_on_a_dflash_engine_with_the_target_only_tokens(tiny_engine, capsys):
+    hybrid = generate(tiny_engine, capsys, "--hybrid")
+    plain = generate(tiny_engine, capsys, "--target-only")
+    assert hybrid["mode"] == "hybrid" and hybrid["tokens"] == plain["tokens"]
+    assert hybrid["sharpdraft"] is not None  # the drafter it runs is SharpDraft's
+    assert 0 < hybrid["ngram_steps"] <= hybrid["verify_steps"]  # this prompt repeats itself
+
+
+def test_ngram_engine_refuses_hybrid_in_one_line(ngram_engine, capsys):
+    code = run(runtime_main, ["generate", "--engine-dir", str(ngram_engine), "--prompt", "x",
+                              "--hybrid"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot run 'hybrid'" in err and err.count("\n") == 1
+
+
 def test_sharpdraft_with_ngram_is_a_usage_error(tiny_target, tmp_path, capsys):
     code = run(build_engine.main, ["--drafter", "ngram", "--sharpdraft", "--target",
                                    str(tiny_target), "--output", str(tmp_path / "e")])

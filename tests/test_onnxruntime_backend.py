@@ -70,7 +70,7 @@ def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, engine,
     assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
 
 
-@pytest.mark.parametrize("mode", ["sharpdraft", "frozen", "target"])
+@pytest.mark.parametrize("mode", ["sharpdraft", "frozen", "target", "hybrid"])
 @pytest.mark.parametrize("engine", ORT_ENGINES)
 def test_engine_generate_is_token_identical_across_backends(mode, engine, torch_engine, request):
     ort_engine = request.getfixturevalue(engine)

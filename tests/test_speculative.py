@@ -1,5 +1,6 @@
 """Lossless means lossless: greedy speculative output equals target-only greedy output
-token for token, and speculative sampling leaves the target's distribution unchanged."""
+token for token, and speculative sampling leaves the target's distribution unchanged --
+for the drafter's blocks alone and with n-gram lookup assisting it (hybrid)."""
 
 import itertools
 from collections import Counter
@@ -13,11 +14,13 @@ from runtime.backends import PrefillOnce
 from runtime.backends.torch import TorchDFlash, TorchTarget
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
 from runtime.models.target import TargetConfig, TargetModel
+from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler, Sampling
 from runtime.speculative import generate_block, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens
+from test_ngram import CheckedTarget, ngram_shapes, repetitive_prompt
 
 
 def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int = 128,
@@ -65,6 +68,48 @@ def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, m
     if got.stopped_by == "length":  # a stop token may cut the last step's block short
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
     assert all(1 <= c <= block for c in got.committed_per_step)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
+       block=st.integers(2, 7), repetitive=st.booleans(), prompt_len=st.integers(1, 24),
+       max_new=st.integers(1, 40), shape=ngram_shapes, stop=st.booleans(),
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)))
+def test_greedy_hybrid_equals_target_only(seed, vocab, block, repetitive, prompt_len, max_new,
+                                          shape, stop, per_token):
+    """n-gram-assisted blocks: each step verifies the lookup's drafts or the drafter's, and
+    the drafter reads the features of every committed token either way."""
+    target, drafter = tiny_pair(seed, vocab, block)
+    t, d = runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0))
+    t = CheckedTarget(t)  # refuses a verify pass past the budget
+    g = torch.Generator().manual_seed(seed)
+    prompt = (repetitive_prompt(seed, vocab, prompt_len) if repetitive
+              else torch.randint(0, vocab, (prompt_len,), generator=g).tolist())
+    stop_ids = frozenset({0}) if stop else frozenset()
+    costs = None if per_token is None else StepCosts((1.0, per_token, 0.0, 0.0), (0.2, 0.0))
+    want = generate_target_only(t, prompt, max_new, Sampler(), stop_ids)
+    got = generate_block(t, d, prompt, max_new, Sampler(), stop_ids, costs=costs,
+                         proposer=NGramProposer(*shape))
+    assert got.tokens == want.tokens
+    if got.stopped_by == "length":
+        assert sum(got.committed_per_step) + 1 == len(got.tokens)
+    assert all(1 <= c <= max(block, shape[2] + 1) for c in got.committed_per_step)
+    assert 0 <= got.ngram_steps <= got.verify_steps
+
+
+def test_the_hybrid_lossless_check_exercises_both_proposers():
+    """Guard for the property test above: steps verify n-gram drafts and drafter blocks,
+    and both get drafts accepted."""
+    ngram_steps, drafter_steps, mals = 0, 0, []
+    for seed in range(6):
+        target, drafter = tiny_pair(seed, vocab=6, block=5)
+        t, d = runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0))
+        gen = generate_block(t, d, [1, 2, 3, 4], 40, Sampler(), proposer=NGramProposer(3, 1, 4))
+        ngram_steps += gen.ngram_steps
+        drafter_steps += gen.verify_steps - gen.ngram_steps
+        mals.append(gen.mean_accepted_length)
+    assert ngram_steps > 0 and drafter_steps > 0, (ngram_steps, drafter_steps)
+    assert max(mals) > 1.5, mals
 
 
 def test_the_lossless_check_exercises_acceptance():
@@ -171,4 +216,36 @@ def test_adaptive_draft_length_sampling_preserves_the_target_distribution():
         first_step[gen.committed_per_step[0]] += 1
     assert first_pass == Counter({2: draws})  # bonus + 1 draft, not the 2 there was room for
     assert all(first_step[n] > 0.02 * draws for n in (1, 2)), first_step  # reject and accept
+    assert chi_square_p(counts, expected) > 0.001
+
+
+@pytest.mark.parametrize("costs", [None, StepCosts((0.2, 0.8, 0.0, 0.0), (0.0, 0.0))],
+                         ids=["full", "adaptive"])
+def test_hybrid_sampling_preserves_the_target_distribution(costs):
+    """As above with n-gram lookup assisting the drafter. After the prefill's token 0 or 1
+    the context ends in a 2-gram seen before (0 0, 0 1), so the first step verifies the
+    lookup's one-hot drafts (1 3, 3 0); after a 2 or a 3 only a 1-gram matches and the
+    drafter's block is verified. Either way the law must be the target's."""
+    vocab, draws = 4, 10_000
+    target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
+    t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
+    prompt = [2, 0, 0, 1, 3, 0]
+    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=5))
+    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    for t1 in range(vocab):  # the docstring's reading of the rule, as the lookup sees it
+        lookup = NGramProposer(max_ngram=3, min_ngram=1, num_draft_tokens=2)
+        lookup.propose(prompt + [t1])
+        assert (lookup.matched >= 2) == (t1 in (0, 1))
+    first_step = Counter()
+    once = PrefillOnce(t, prompt, len(prompt) + 4)
+    for _ in range(draws):
+        gen = generate_block(once, d, prompt, 4, sampler, costs=costs,
+                             proposer=NGramProposer(max_ngram=3, min_ngram=1, num_draft_tokens=2))
+        t1, t2, t3 = gen.tokens[:3]
+        counts[(t1 * vocab + t2) * vocab + t3] += 1
+        first_step[("ngram" if t1 in (0, 1) else "drafter", gen.committed_per_step[0])] += 1
+    # both proposers ran first steps, and the lookup's drafts were rejected and accepted
+    assert sum(n for (who, _), n in first_step.items() if who == "drafter") > 0.02 * draws
+    assert all(first_step[("ngram", n)] > 0.02 * draws for n in (1, 2)), first_step
     assert chi_square_p(counts, expected) > 0.001

@@ -2,13 +2,15 @@
 
 For each context length, the first N tokens of each document are prefilled ONCE; from
 that same prefill the engine then decodes every way it can -- target-only, n-gram lookup
-(the drafter-free peer), frozen drafter, SharpDraft drafter -- greedily (or with lossless
+(the drafter-free peer), frozen drafter, SharpDraft drafter, hybrid (SharpDraft with
+n-gram lookup verified instead when it finds a better proposal) -- greedily (or with lossless
 sampling, --temperature), --repeats times, interleaved in a rotating order. On the torch
 backend `--modes ... preset` adds the drafter under its family's preset scaling (the
 paper's values) beside the engine's own (calibrated) one. Rows report MAL, tokens/s (the
 median over repeats of the tokens/s pooled over documents), speedup over target-only, how
-often beta > 1, each scaled mode's per-document MAL ratio over frozen with a bootstrap
-interval and, for greedy runs, whether every way produced the target's tokens.
+often beta > 1, the share of hybrid steps that verified n-gram drafts, each scaled mode's
+per-document MAL ratio over frozen with a bootstrap interval and, for greedy runs, whether
+every way produced the target's tokens.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def bench_modes(engine, asked: list[str] | None) -> tuple[str, ...]:
     if "preset" in asked and engine.backend != "torch":
         raise UsageError(f"mode 'preset' swaps the drafter's scaling, which a {engine.backend} "
                          "drafter has compiled in — pass --backend torch")
-    order = ("target", "ngram", "frozen", "preset", "sharpdraft")
+    order = ("target", "ngram", "frozen", "preset", "sharpdraft", "hybrid")
     return tuple(m for m in order if m == "target" or m in asked)
 
 
@@ -157,6 +159,10 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
         row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
+    if "hybrid" in modes:  # how often the lookup's drafts were verified instead of the drafter's
+        hybrid = [r["hybrid"][0] for r in runs]
+        row["ngram_share_hybrid"] = round(sum(g.ngram_steps for g in hybrid)
+                                          / sum(g.verify_steps for g in hybrid), 4)
     row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
                                for m in drafting}
     for mode in SCALED_MODES:  # SharpDraft's effect, with its noise
@@ -175,7 +181,7 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
 
 STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
          "preset": ("tab:orange", "SharpDraft, family preset"),
-         "sharpdraft": ("tab:blue", "SharpDraft")}
+         "sharpdraft": ("tab:blue", "SharpDraft"), "hybrid": ("tab:purple", "SharpDraft + n-gram")}
 
 
 def plot(result: dict, path: str) -> None:
@@ -343,6 +349,9 @@ def print_table(rows: list[dict]) -> None:
     header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
     header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
     header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
+    share = "ngram_share_hybrid" in rows[0]
+    if share:
+        header += f" {'hybrid n-gram share':>20}"
     ratios = [m for m in SCALED_MODES if f"mal_ratio_{m}_frozen" in rows[0]]
     header += "".join(f" {'MAL ' + m + '/frozen [95% CI]':>31}" for m in ratios)
     print(header)
@@ -352,6 +361,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['context_tokens']:>8}" + "".join(f" {r[f'mal_{m}']:>15.3f}" for m in drafting)
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
+              + (f" {r['ngram_share_hybrid']:>20.2f}" if share else "")
               + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))
 
 

@@ -1,8 +1,9 @@
 """`python -m runtime demo` (what `make demo` runs): build the SharpDraft engine on the
 default pair -- SmolLM2-135M-Instruct and the DFlash drafter shipped in checkpoints/ --
 if it is not built yet, then continue a long evaluation document from ~4K tokens of
-context four ways (target-only, n-gram lookup, frozen drafter, SharpDraft) from the same
-prefill, each several times interleaved, and print the medians."""
+context five ways (target-only, n-gram lookup, frozen drafter, SharpDraft, SharpDraft
+assisted by n-gram lookup) from the same prefill, each several times interleaved, and
+print the medians."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ENGINE = Path("engines") / "dflash-sharpdraft"
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="build the default SharpDraft engine if needed and compare "
-                                    "target-only / n-gram / frozen / SharpDraft on a long document")
+                                    "target-only / n-gram / frozen / SharpDraft / hybrid on a long document")
     p.add_argument("--engine-dir", default=str(ENGINE))
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -62,6 +63,8 @@ def run(args) -> int:
     print(f"{'':<22}{'MAL':>6}{'tok/s':>9}{'vs target':>11}  same tokens")
     print(f"{'target only':<22}{'1.00':>6}{row['tok_s_target']:>9.1f}{'1.00x':>11}  -")
     for mode, (_, label) in STYLE.items():
+        if mode not in gens:
+            continue
         diff = first_difference(gens[mode][0].tokens, gens["target"][0].tokens)
         print(f"{label:<22}{row['mal_' + mode]:>6.2f}{row['tok_s_' + mode]:>9.1f}"
               f"{row['speedup_' + mode]:>10.2f}x  {'yes' if diff is None else f'no (from token {diff})'}")

@@ -1,5 +1,6 @@
 """`python -m runtime generate`: one prompt through an engine, streamed to the terminal
-(or one JSON object with --json), with the drafter under SharpDraft, frozen, or not at all."""
+(or one JSON object with --json), with the drafter under SharpDraft, frozen, or not at all,
+by n-gram lookup, or SharpDraft assisted by n-gram lookup (--hybrid)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def add_parser(sub):
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     mode.add_argument("--ngram", action="store_true",
                       help="draft by n-gram lookup in the context instead of the drafter")
+    mode.add_argument("--hybrid", action="store_true",
+                      help="SharpDraft drafter, with n-gram lookup's drafts verified instead "
+                           "when it finds a better proposal (DFlash engines)")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="verify the drafts worth their measured cost (adaptive) or the whole block")
     p.add_argument("--ignore-eos", action="store_true")
@@ -72,7 +76,7 @@ def run(args) -> int:
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
-    mode = ("target" if args.target_only else "ngram" if args.ngram
+    mode = ("target" if args.target_only else "ngram" if args.ngram else "hybrid" if args.hybrid
             else "frozen" if args.no_sharpdraft else engine.mode_for())
     if mode not in engine.modes:
         raise UsageError(f"{args.engine_dir} cannot run {mode!r} (it runs {', '.join(engine.modes)})")
@@ -86,7 +90,7 @@ def run(args) -> int:
                           stop=not args.ignore_eos, on_tokens=None if args.json else show,
                           adaptive=args.draft_length == "adaptive")
     summary = gen.summary()
-    scaling = engine.scaling.to_dict() if mode == "sharpdraft" else None
+    scaling = engine.scaling.to_dict() if mode in ("sharpdraft", "hybrid") else None
     if args.json:
         # Peak resident memory of this process (KiB on Linux): model, caches and all.
         peak_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -106,8 +110,8 @@ def run_trtllm(args, manifest, text: str) -> int:
     installed first (TensorRT-LLM's own loop, so --draft-length and --ngram do not apply)."""
     from runtime import trtllm
 
-    if args.ngram or args.backend:
-        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop --ngram/--backend")
+    if args.ngram or args.hybrid or args.backend:
+        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop --ngram/--hybrid/--backend")
     mode = ("target" if args.target_only else "frozen" if args.no_sharpdraft or manifest.query_scaling is None
             else "sharpdraft")
     result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
