@@ -96,3 +96,56 @@ def test_a_full_queue_refuses_the_request(engine):
             scheduler.submit(Outcome().job([1, 2], 4))
     finally:
         scheduler.close()
+
+
+@pytest.fixture(scope="module", params=["pard", "eagle3"])
+def one_at_a_time_engine(request, tmp_path_factory, tiny_target):
+    """A PARD chain engine and an EAGLE-3 tree engine: batched chains and trees are not
+    written, so a batching server must still serve them, one request at a time."""
+    import build_engine
+    import tiny
+
+    folder = tmp_path_factory.mktemp(request.param)
+    make = {"pard": tiny.make_pard, "eagle3": tiny.make_eagle3}[request.param]
+    out = folder / "engine"
+    assert build_engine.main(["--drafter", request.param, "--sharpdraft", "--target", str(tiny_target),
+                              "--drafter-checkpoint", str(make(folder / "ckpt", tiny_target)),
+                              "--ref-keys", "64", "--top-k", "8", "--backend", "torch",
+                              "--output", str(out)]) == 0
+    return Engine(out)
+
+
+def test_chain_and_tree_engines_are_served_one_request_at_a_time(one_at_a_time_engine):
+    engine = one_at_a_time_engine
+    scheduler = StepScheduler(engine, max_batch=4)
+    jobs = list(zip(prompts([7, 60, 25]), [12, 6, 9], ["sharpdraft", "frozen", "target"]))
+    outcomes = [Outcome() for _ in jobs]
+    try:
+        for outcome, (ids, n, mode) in zip(outcomes, jobs):
+            scheduler.submit(outcome.job(ids, n, mode))
+        assert all(o.finished.wait(120) for o in outcomes)
+        assert scheduler.decoders["sharpdraft"] is None  # no batch decoder: one at a time
+    finally:
+        scheduler.close()
+    for outcome, (ids, n, mode) in zip(outcomes, jobs):
+        assert outcome.error is None
+        alone = engine.generate(ids, n, mode)
+        assert outcome.gen.tokens == alone.tokens == sum(outcome.streamed, [])
+        assert alone.tokens == engine.generate(ids, n, "target").tokens  # lossless
+
+
+def test_a_mode_that_does_not_batch_runs_beside_a_batch(engine):
+    """n-gram lookup and hybrid run one request at a time; before this was fixed, the
+    first such request stopped the scheduler's thread and every later request hung."""
+    scheduler = StepScheduler(engine, max_batch=4)
+    jobs = list(zip(prompts([30, 12, 40, 9]), [10, 6, 8, 5], ["ngram", "sharpdraft", "hybrid", "frozen"]))
+    outcomes = [Outcome() for _ in jobs]
+    try:
+        for outcome, (ids, n, mode) in zip(outcomes, jobs):
+            scheduler.submit(outcome.job(ids, n, mode))
+        assert all(o.finished.wait(120) for o in outcomes)
+    finally:
+        scheduler.close()
+    for outcome, (ids, n, mode) in zip(outcomes, jobs):
+        assert outcome.error is None
+        assert outcome.gen.tokens == engine.generate(ids, n, mode).tokens

@@ -66,7 +66,8 @@ class StepScheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(d.active) for d in self.decoders.values())
+        # None: a mode that runs one request at a time (chains, trees, n-gram lookup)
+        return sum(len(d.active) for d in self.decoders.values() if d is not None)
 
     def _decoder(self, mode: str):
         if mode not in self.decoders:
