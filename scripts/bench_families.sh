@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-LENGTHS=${LENGTHS:-512 1024 2048 4096 7680}
+LENGTHS=${LENGTHS:-512 2048 4096 7680}
 declare -A ENGINE=([dflash]=engines/dflash-sharpdraft [pard]=engines/pard-torch [eagle3]=engines/eagle3-torch)
 for F in ${FAMILIES:-pard eagle3 dflash}; do
   if [ ! -f "${ENGINE[$F]}/engine.json" ]; then
