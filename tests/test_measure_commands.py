@@ -67,6 +67,19 @@ def test_bench_modes_adds_the_family_preset_beside_the_calibrated_scaling(tiny_e
     assert row["mal_ratio_sharpdraft_frozen"]["items"] == 2
     assert all(row["identical_to_target"]["preset"])
     assert "MAL preset/frozen" in capsys.readouterr().out
+    # the three-family report reads such files: one table row per context, and the plot
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import plot_families
+
+    png = tmp_path / "families.png"
+    assert plot_families.main([str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "| dflash | 160 |" in table and "1.000 [1.000, 1.000]" in table  # preset = frozen here
+    assert "every run identical to target-only: True" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code = run(main, ["bench", "--engine-dir", str(tiny_engine), "--lengths", "160",
                       "--docs", str(doc), "--modes", "bogus"])
     err = capsys.readouterr().err
