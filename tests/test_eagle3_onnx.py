@@ -68,20 +68,6 @@ class RecordedTrees:
         return tree, visible
 
 
-class RecordedChain:
-    def __init__(self, inner):
-        self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
-        self.proposals = []
-
-    def reset(self, capacity):
-        self.inner.reset(capacity)
-
-    def draft(self, ids, features, k, sampler):
-        proposal = self.inner.draft(ids, features, k, sampler)
-        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
-        return proposal
-
-
 def test_the_engine_records_the_tree_graphs(tree_engine, chain_engine):
     manifest = json.loads((tree_engine / "engine.json").read_text())
     assert manifest["drafter"] == "eagle3" and manifest["backend"] == "onnxruntime"
@@ -127,7 +113,7 @@ def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdra
         engine = Engine(chain_engine, backend=backend)
         assert engine.drafting == "chain"
         prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
-        drafter = RecordedChain(engine.drafter(frozen=not sharpdraft))
+        drafter = tiny.RecordedChain(engine.drafter(frozen=not sharpdraft))
         gen = speculative.generate_chain(engine.target, drafter, prompt, NEW_TOKENS, Sampler())
         runs.append((gen.tokens, gen.committed_per_step, drafter.proposals))
     assert runs[0] == runs[1] and len(runs[0][0]) == NEW_TOKENS

@@ -51,24 +51,8 @@ def pard_torch_engine(tmp_path_factory, tiny_target):
     return out
 
 
-class RecordedChain:
-    """Passes a chain drafter through, keeping every chain it proposed."""
-
-    def __init__(self, inner):
-        self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
-        self.proposals = []
-
-    def reset(self, capacity):
-        self.inner.reset(capacity)
-
-    def draft(self, ids, features, k, sampler):
-        proposal = self.inner.draft(ids, features, k, sampler)
-        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
-        return proposal
-
-
 def speculate(engine, drafter, prompt):
-    recorded = RecordedChain(drafter)
+    recorded = tiny.RecordedChain(drafter)
     gen = speculative.generate_chain(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
     return gen.tokens, gen.committed_per_step, gen.visible_per_step, recorded.proposals
 

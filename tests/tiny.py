@@ -215,3 +215,19 @@ def pard_from_target(target, pard_token: int) -> PARDDrafter:
     drafter = PARDDrafter(PARDConfig(dataclasses.replace(target.config), pard_token))
     drafter.load_state_dict(target.state_dict(), strict=False)
     return drafter.to(target.embed_tokens.weight.dtype).eval()
+
+
+class RecordedChain:
+    """Passes a chain drafter through, keeping every chain it proposed."""
+
+    def __init__(self, inner):
+        self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
+        self.proposals = []
+
+    def reset(self, capacity):
+        self.inner.reset(capacity)
+
+    def draft(self, ids, features, k, sampler):
+        proposal = self.inner.draft(ids, features, k, sampler)
+        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
+        return proposal
