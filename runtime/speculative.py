@@ -12,8 +12,11 @@ confidence, scaled by how often its drafts were accepted so far in this generati
 N-gram-assisted (hybrid): a step whose context ends in a 2+-token n-gram seen before
 verifies the lookup's drafts instead (one-hot, as n-gram speculation does) and skips the
 drafter; the drafter's next step reads the verified features of every token committed
-since its last one, so its cache stays exact. The choice reads only the context, never
-the target's verdict, so it keeps decoding lossless.
+since its last one, so its cache stays exact. With measured step costs, a step without
+such a match runs the drafter only when it pays (runtime/step_costs.py: HybridChoice):
+otherwise it verifies a 1-token match's drafts, or decodes one token, as n-gram
+speculation does. The choice reads the context and past steps' outcomes, never the
+target's verdict on the step itself, so it keeps decoding lossless.
 
 Chain speculation, one step: the drafter reads the tokens committed since its last step
 (and, if it wants them, the target's features of the tokens before them) and proposes k
@@ -45,7 +48,7 @@ from runtime.backends import BlockDrafter, ChainDrafter, Target, TreeDrafter
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler
-from runtime.step_costs import AcceptanceRecord, StepCosts, choose_draft_count
+from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 from runtime.tree import DraftTree, TreeShape
 
 OnTokens = Callable[[list[int]], None]
@@ -99,7 +102,9 @@ def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
 # 2-core machine): lookup on any match, MAL 1.80 / 1.91 (n-gram alone 1.80 / 1.85); on 2+
 # token matches, 2.25 / 1.97 and the fastest of the three. Running the drafter every step
 # to weigh its confidence against the lookup cost more than it bought (its step was a
-# third of a verify pass there), so the choice reads the lookup alone.
+# third of a verify pass there), so the choice reads the lookup alone. Without such a
+# match, measured costs decide between the drafter and a 1-token lookup (HybridChoice):
+# far past the drafter's training length the drafter stopped paying for itself.
 LOOKUP_MIN_MATCH = 2
 
 
@@ -116,13 +121,21 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
         record = AcceptanceRecord()  # the drafter's confidence against what was accepted
+        # with measured costs, unmatched hybrid steps weigh the drafter against the lookup
+        choice = HybridChoice(costs) if proposer and costs is not None else None
         unread = [context]  # verified features the drafter has not read yet
         while not done and len(gen.tokens) < budget:
             bonus = gen.tokens[-1]
             room = budget - len(gen.tokens) - 1  # the step also commits the target's token
             with gen.timed("draft"):
                 drafts = proposer.propose(prompt + gen.tokens)[:room] if proposer else []
-                lookup = bool(drafts) and proposer.matched >= LOOKUP_MIN_MATCH
+                strong = bool(drafts) and proposer.matched >= LOOKUP_MIN_MATCH
+                offered = len(drafts)
+                if choice is not None:  # verify only the lookup drafts worth their cost
+                    drafts = drafts[:choice.lookup_drafts(offered, strong, committed)]
+                # lookup: verify the lookup's drafts (maybe none: a plain decode step)
+                lookup = strong or (choice is not None
+                                    and not choice.use_drafter(committed, len(drafts)))
                 if not lookup:
                     context = unread[0] if len(unread) == 1 else torch.cat(unread)
                     draft_logits, visible = drafter.draft(context, bonus)
@@ -139,6 +152,9 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                     accepted, following = sampler.verify(drafts, logits, draft_probs)
                     if costs is not None:
                         record.update(confidence, len(drafts), accepted)
+                if choice is not None:
+                    choice.update("lookup" if lookup else "drafter", strong, offered,
+                                  len(drafts), accepted)
                 committed += accepted + 1
                 target.rollback(committed)
             unread.append(features[: accepted + 1])

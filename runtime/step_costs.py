@@ -14,6 +14,8 @@ with n*context) by least squares over a small grid, so any (n, context) can be p
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import statistics
 import time
 
@@ -98,6 +100,76 @@ class AcceptanceRecord:
                 self.accepted.append(0.0)
             self.predicted[i] += confidence[i]
             self.accepted[i] += float(i < accepted)
+
+
+class HybridChoice:
+    """The decisions of a hybrid step (SharpDraft assisted by n-gram lookup) with measured
+    step costs, each the one that commits more tokens per second by the costs priced at
+    this context against what was accepted so far in this generation:
+
+    - how many of a lookup's drafts to verify (lookup_drafts), with a record of accepted
+      lookup drafts per position (AcceptanceRecord, confidence 1 for a one-hot draft),
+      kept apart for 2+-token and 1-token matches;
+    - for a step whose context ends in no 2+-token n-gram seen before, whether to run the
+      drafter or verify what a 1-token lookup found, as n-gram drafting would (a plain
+      one-token decode step when it found nothing) (use_drafter). Far past the drafter's
+      training length its step (draft pass + a wider verify) commits too little to beat a
+      plain decode step, and in repetitive text 1-token lookups beat it too.
+
+    The drafter's counts fade by `forget` each step toward `prior` pseudo-steps at `hope`
+    accepted drafts, the lookup records as AcceptanceRecord's do, so a way written off is
+    retried after a while (the context moves on; nothing is learned about a way not
+    taken). Only past steps' outcomes enter, never the step being verified: lossless."""
+
+    def __init__(self, costs: StepCosts, prior: float = 1.0, forget: float = 0.97,
+                 hope: float = 1.0):
+        self.costs, self.prior, self.forget, self.hope = costs, prior, forget, hope
+        self.lookup_costs = dataclasses.replace(costs, draft=None)  # a lookup costs nothing
+        self.lookups = {True: AcceptanceRecord(), False: AcceptanceRecord()}  # by 2+-token match
+        self.steps = self.verified = self.accepted = 0.0  # the drafter's, faded
+
+    def lookup_drafts(self, offered: int, strong: bool, context: int) -> int:
+        """How many of the `offered` drafts of a lookup (a 2+-token match when `strong`)
+        are worth verifying."""
+        if not offered:
+            return 0
+        return choose_draft_count(self._lookup_confidence(strong, offered), context,
+                                  self.lookup_costs)
+
+    def _lookup_confidence(self, strong: bool, drafts: int) -> list[float]:
+        """The chance each lookup draft lands given the ones before it did: its record's
+        rate, and for positions never tested yet the last tested one's (a one-hot draft
+        has no confidence of its own to fall back on, unlike the drafter's)."""
+        record = self.lookups[strong]
+        confidence = record.calibrate([1.0] * drafts)
+        tested = len(record.predicted)
+        if 0 < tested < drafts:
+            confidence[tested:] = [confidence[tested - 1]] * (drafts - tested)
+        return confidence
+
+    def use_drafter(self, context: int, lookup_drafts: int) -> bool:
+        """Run the drafter at `context` committed tokens, where verifying a 1-token
+        lookup's `lookup_drafts` drafts (0: a plain decode step) is the other way?"""
+        accepted = (self.accepted + self.prior * self.hope) / (self.steps + self.prior)
+        verified = (self.verified + self.prior * (self.hope + 1)) / (self.steps + self.prior)
+        drafter = (1 + accepted) / (self.costs.draft_seconds(context)
+                                    + self.costs.verify_seconds(1 + verified, context))
+        confidence = self._lookup_confidence(False, lookup_drafts)
+        expected = 1 + sum(itertools.accumulate(confidence, operator.mul))
+        return drafter >= expected / self.costs.verify_seconds(1 + lookup_drafts, context)
+
+    def update(self, way: str, strong: bool = False, offered: int = 0, verified: int = 0,
+               accepted: int = 0) -> None:
+        """Call once a step: `way` "drafter" or "lookup" (a 2+-token match when `strong`)
+        verified `verified` of the `offered` drafts and accepted `accepted`."""
+        self.steps, self.verified, self.accepted = (
+            x * self.forget for x in (self.steps, self.verified, self.accepted))
+        if way == "drafter":
+            self.steps, self.verified, self.accepted = (
+                self.steps + 1, self.verified + verified, self.accepted + accepted)
+        for kind, record in self.lookups.items():  # fade both; learn from the one tested
+            tested = way == "lookup" and kind == strong
+            record.update([1.0] * offered if tested else [], verified if tested else 0, accepted)
 
 
 def _fastest_seconds(step, repeats: int) -> float:

@@ -47,7 +47,8 @@ def add_parser(sub):
                         "family's preset scaling. Default: every way the engine runs")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="drafter steps verify the drafts their confidence and the measured "
-                        "verify cost make worthwhile (adaptive), or the whole block")
+                        "verify cost make worthwhile, and hybrid runs the drafter only where "
+                        "it pays (adaptive); or the whole block, every unmatched step")
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved decoding runs per mode from each prefill (speed: median)")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -35,7 +35,8 @@ def add_parser(sub):
                       help="SharpDraft drafter, with n-gram lookup's drafts verified instead "
                            "when it finds a better proposal (DFlash engines)")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
-                   help="verify the drafts worth their measured cost (adaptive) or the whole block")
+                   help="verify the drafts worth their measured cost, and with --hybrid run the "
+                        "drafter only where it pays (adaptive); or the whole block")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     p.add_argument("--verify", action="store_true",
