@@ -108,6 +108,16 @@ def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
 LOOKUP_MIN_MATCH = 2
 
 
+def _drafter_prefill(drafter: BlockDrafter, context: torch.Tensor, token: int) -> None:
+    """Store the drafter's cache entries for the prompt's features, as serving engines
+    run the draft model's prefill with the target's: otherwise the first decode step pays
+    for the whole prompt (~0.5 s at 7,680 tokens on one core, a tenth of a 64-token
+    decode). A DFlash context row's entry depends on its own features and position
+    alone, so storing them in two calls stores the same cache; the block drafted here
+    with `token` is scratch the next step overwrites."""
+    drafter.draft(context, token)
+
+
 def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                    max_new_tokens: int, sampler: Sampler, stop_ids=frozenset(),
                    on_tokens: OnTokens = None, costs: StepCosts | None = None,
@@ -118,6 +128,9 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
         with gen.timed("prefill"):
             logits, context = target.prefill(prompt, len(prompt) + budget)
             drafter.reset(len(prompt) + budget)
+            if len(context) > 1:  # the drafter's own prefill: see _drafter_prefill
+                _drafter_prefill(drafter, context[:-1], prompt[-1])
+                context = context[-1:]
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
         record = AcceptanceRecord()  # the drafter's confidence against what was accepted

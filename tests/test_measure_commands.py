@@ -33,6 +33,7 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
             assert len(row[f"tok_s_{mode}_repeats"]) == 3
             assert row[f"tok_s_{mode}"] == pytest.approx(
                 statistics.median(row[f"tok_s_{mode}_repeats"]), rel=1e-3)
+            assert row[f"prefill_ms_{mode}"] >= 0
         assert 0 <= row["ngram_share_hybrid"] <= 1
         for mode in ("ngram", "frozen", "sharpdraft", "hybrid"):
             assert row[f"tok_s_{mode}"] > 0 and row["tok_s_target"] > 0
@@ -47,6 +48,7 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "MAL ngram" in out and "MAL hybrid" in out and "hybrid n-gram share" in out
+    assert "+prefill ms sharpdraft" in out  # the drafter's own prefill, beside the speeds
 
 
 def test_bench_modes_adds_the_family_preset_beside_the_calibrated_scaling(tiny_engine, doc,

@@ -158,11 +158,14 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     t, d = runners(target, drafter, scaling)
     gen = generate_block(t, d, list(range(1, 8)), 30, Sampler())
     layers = drafter.config.num_layers
-    assert len(handed) == layers * gen.verify_steps
+    # the drafter's prefill pass (the prompt's rows but the last, its block scratch), then
+    # one pass a step
+    assert len(handed) == layers * (gen.verify_steps + 1)
+    assert handed[0][0].unique().tolist() == [6 + 4]
     committed = 7
     for step, (visible, b, c) in enumerate(zip(gen.visible_per_step, gen.beta_per_step,
                                                gen.committed_per_step)):
-        counts, applied = handed[step * layers]
+        counts, applied = handed[(step + 1) * layers]
         # every block row sees the committed context plus the whole block (bidirectional)
         assert counts.unique().tolist() == [committed + 4] == [visible]
         assert applied is scaling and b == applied.beta(int(counts[0, 0]))

@@ -156,6 +156,10 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
     for mode in drafting:
         # ratio of medians; the per-repeat ratios are in the JSON via the repeats above
         row[f"speedup_{mode}"] = round(row[f"tok_s_{mode}"] / row["tok_s_target"], 4)
+    for mode in modes:  # the target's prefill is replayed, so this is the drafter's own
+        row[f"prefill_ms_{mode}"] = round(statistics.median(
+            statistics.fmean(r[mode][i].seconds["prefill"] for r in runs)
+            for i in range(repeats)) * 1e3, 1)
     if "sharpdraft" in modes:
         betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
         row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
@@ -353,6 +357,9 @@ def print_table(rows: list[dict]) -> None:
     share = "ngram_share_hybrid" in rows[0]
     if share:
         header += f" {'hybrid n-gram share':>20}"
+    # time to first token beyond target-only's: the drafter reading the prompt's features
+    prefill = [m for m in drafting if f"prefill_ms_{m}" in rows[0]]
+    header += "".join(f" {'+prefill ms ' + m:>22}" for m in prefill)
     ratios = [m for m in SCALED_MODES if f"mal_ratio_{m}_frozen" in rows[0]]
     header += "".join(f" {'MAL ' + m + '/frozen [95% CI]':>31}" for m in ratios)
     print(header)
@@ -363,6 +370,7 @@ def print_table(rows: list[dict]) -> None:
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
               + (f" {r['ngram_share_hybrid']:>20.2f}" if share else "")
+              + "".join(f" {r[f'prefill_ms_{m}'] - r['prefill_ms_target']:>22.1f}" for m in prefill)
               + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))
 
 
