@@ -13,9 +13,9 @@ N-gram-assisted (hybrid): a step whose context ends in a 2+-token n-gram seen be
 verifies the lookup's drafts instead (one-hot, as n-gram speculation does) and skips the
 drafter; the drafter's next step reads the verified features of every token committed
 since its last one, so its cache stays exact. With measured step costs, a step without
-such a match runs the drafter only when it pays (runtime/step_costs.py: HybridChoice):
-otherwise it verifies a 1-token match's drafts, or decodes one token, as n-gram
-speculation does. The choice reads the context and past steps' outcomes, never the
+such a match runs the drafter only when it beats a plain decode step (runtime/step_costs.py:
+HybridChoice); otherwise it verifies a 1-token match's drafts, or decodes one token, as
+n-gram speculation does; and lookups verify only the drafts their record says land. The choice reads the context and past steps' outcomes, never the
 target's verdict on the step itself, so it keeps decoding lossless.
 
 Chain speculation, one step: the drafter reads the tokens committed since its last step
@@ -103,8 +103,7 @@ def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
 # token matches, 2.25 / 1.97 and the fastest of the three. Running the drafter every step
 # to weigh its confidence against the lookup cost more than it bought (its step was a
 # third of a verify pass there), so the choice reads the lookup alone. Without such a
-# match, measured costs decide between the drafter and a 1-token lookup (HybridChoice):
-# far past the drafter's training length the drafter stopped paying for itself.
+# match and with measured costs, the drafter runs only where it pays (HybridChoice).
 LOOKUP_MIN_MATCH = 2
 
 
@@ -147,8 +146,7 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                 if choice is not None:  # verify only the lookup drafts worth their cost
                     drafts = drafts[:choice.lookup_drafts(offered, strong, committed)]
                 # lookup: verify the lookup's drafts (maybe none: a plain decode step)
-                lookup = strong or (choice is not None
-                                    and not choice.use_drafter(committed, len(drafts)))
+                lookup = strong or (choice is not None and not choice.use_drafter(committed))
                 if not lookup:
                     context = unread[0] if len(unread) == 1 else torch.cat(unread)
                     draft_logits, visible = drafter.draft(context, bonus)

@@ -52,24 +52,23 @@ def test_a_confidently_wrong_drafter_stops_being_verified_then_is_retested():
 def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
     """Priced as the default engine at 7,680 tokens of context (a 1-token decode 62 ms, the
     drafter's step 7 ms plus a wider verify): a drafter accepting 0.25 drafts a step loses
-    to a plain decode step, one accepting 1.5 wins; 1-token lookups that land beat the
-    drafter; a way left alone fades back toward the prior and is tried again."""
+    to a plain decode step, one accepting 1.5 wins; lookup steps teach nothing about it,
+    and a drafter left alone fades back toward the prior and is tried again."""
     costs = StepCosts((0.027, 0.0016, 3.7e-6, 6.35e-7), (0.0034, 5e-7))
     context = 7680
     poor, good = HybridChoice(costs), HybridChoice(costs)
-    assert poor.use_drafter(context, lookup_drafts=0)  # the prior: a drafter worth a try
+    assert poor.use_drafter(context)  # the prior: a drafter worth a try
     for step in range(30):
         poor.update("drafter", verified=2, accepted=int(step % 4 == 0))
         good.update("drafter", verified=3, accepted=1 + step % 2)
-    assert not poor.use_drafter(context, lookup_drafts=0)
-    assert good.use_drafter(context, lookup_drafts=0)
-    for _ in range(30):
-        good.update("lookup", strong=False, offered=4, verified=4, accepted=3)
-    assert not good.use_drafter(context, lookup_drafts=4)  # lookups landing 3 of 4 win
-    assert good.use_drafter(context, lookup_drafts=0)  # ... but none found: the drafter
-    for _ in range(60):  # plain decode steps teach nothing; counts fade toward the prior
-        poor.update("lookup")
-    assert poor.use_drafter(context, lookup_drafts=0)
+    assert not poor.use_drafter(context)
+    assert good.use_drafter(context)
+    for _ in range(20):
+        poor.update("lookup", strong=False, offered=4, verified=4, accepted=3)
+    assert not poor.use_drafter(context)
+    for _ in range(40):
+        poor.update("lookup")  # plain decode steps
+    assert poor.use_drafter(context)
 
 
 def test_hybrid_choice_prices_the_context():
@@ -80,8 +79,8 @@ def test_hybrid_choice_prices_the_context():
     for _ in range(30):
         choice.update("drafter", verified=4, accepted=0)
         choice.update("drafter", verified=4, accepted=1)
-    assert choice.use_drafter(512, lookup_drafts=0)
-    assert not choice.use_drafter(7680, lookup_drafts=0)
+    assert choice.use_drafter(512)
+    assert not choice.use_drafter(7680)
 
 
 def test_hybrid_choice_verifies_the_lookup_drafts_that_land():
