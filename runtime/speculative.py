@@ -13,10 +13,11 @@ N-gram-assisted (hybrid): a step whose context ends in a 2+-token n-gram seen be
 verifies the lookup's drafts instead (one-hot, as n-gram speculation does) and skips the
 drafter; the drafter's next step reads the verified features of every token committed
 since its last one, so its cache stays exact. With measured step costs, a step without
-such a match runs the drafter only when it beats a plain decode step (runtime/step_costs.py:
-HybridChoice); otherwise it verifies a 1-token match's drafts, or decodes one token, as
-n-gram speculation does; and lookups verify only the drafts their record says land. The choice reads the context and past steps' outcomes, never the
-target's verdict on the step itself, so it keeps decoding lossless.
+such a match runs the drafter only when it beats a plain decode step, else it verifies a
+1-token match's drafts or decodes one token, as n-gram speculation does; and lookups
+verify only the drafts their record says land (runtime/step_costs.py: HybridChoice).
+These choices read the context and past steps' outcomes, never the target's verdict on
+the step itself, so decoding stays lossless.
 
 Chain speculation, one step: the drafter reads the tokens committed since its last step
 (and, if it wants them, the target's features of the tokens before them) and proposes k
@@ -133,7 +134,7 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
         record = AcceptanceRecord()  # the drafter's confidence against what was accepted
-        # with measured costs, unmatched hybrid steps weigh the drafter against the lookup
+        # with measured costs, hybrid steps run the drafter and verify lookups where they pay
         choice = HybridChoice(costs) if proposer and costs is not None else None
         unread = [context]  # verified features the drafter has not read yet
         while not done and len(gen.tokens) < budget:
