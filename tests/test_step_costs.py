@@ -49,12 +49,16 @@ def test_a_confidently_wrong_drafter_stops_being_verified_then_is_retested():
     assert choose_draft_count(wrong.calibrate([0.9, 0.9]), 100, costs) >= 1
 
 
+# the default engine's measured ONNX Runtime costs (seconds), as engine.json keeps them
+ENGINE_COSTS = StepCosts((0.027, 0.0016, 3.7e-6, 6.35e-7), (0.0034, 5e-7))
+
+
 def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
     """Priced as the default engine at 7,680 tokens of context (a 1-token decode 62 ms, the
     drafter's step 7 ms plus a wider verify): a drafter accepting 0.25 drafts a step loses
     to a plain decode step, one accepting 1.5 wins; lookup steps teach nothing about it,
     and a drafter left alone fades back toward the prior and is tried again."""
-    costs = StepCosts((0.027, 0.0016, 3.7e-6, 6.35e-7), (0.0034, 5e-7))
+    costs = ENGINE_COSTS
     context = 7680
     poor, good = HybridChoice(costs), HybridChoice(costs)
     assert poor.use_drafter(context)  # the prior: a drafter worth a try
@@ -74,7 +78,7 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
 def test_hybrid_choice_prices_the_context():
     """The same record: at 512 tokens the drafter's step costs little next to a decode
     step and pays; at 7,680 its wider verify costs more than its drafts bring."""
-    costs = StepCosts((0.027, 0.0016, 3.7e-6, 6.35e-7), (0.0034, 5e-7))
+    costs = ENGINE_COSTS
     choice = HybridChoice(costs)
     for _ in range(30):
         choice.update("drafter", verified=4, accepted=0)
@@ -88,7 +92,7 @@ def test_hybrid_choice_verifies_the_lookup_drafts_that_land():
     once 2+-token matches have landed their first draft and missed their second for a
     while, only the first is (positions never tested take the last tested one's rate);
     1-token matches keep their own record."""
-    costs = StepCosts((0.027, 0.0016, 3.7e-6, 6.35e-7), (0.0034, 5e-7))
+    costs = ENGINE_COSTS
     choice = HybridChoice(costs)
     assert choice.lookup_drafts(4, strong=True, context=7680) == 4
     assert choice.lookup_drafts(0, strong=True, context=7680) == 0
