@@ -115,11 +115,10 @@ class HybridChoice:
       kept apart for 2+-token and 1-token matches.
 
     Weighing the drafter against the 1-token lookup's record instead of a plain step was
-    tried and dropped: priced by the default engine's measured step costs (the previous
-    round's drafter) over the three evaluation documents, 64 greedy tokens, it took the
-    lookup where the drafter did better: 1.94x / 1.52x / 1.87x target-only at 512 /
-    4,096 / 7,680 tokens, against 2.09x / 1.62x / 1.85x for this rule and 1.91x / 1.46x /
-    1.83x for n-gram drafting.
+    tried and dropped (commit d89ff26): on the evaluation documents it took the lookup
+    nearly everywhere, so hybrid's MAL fell to about n-gram drafting's (2.305 / 1.929 at
+    512 / 4,096 tokens against 2.520 / 2.011 with the drafter on every unmatched step;
+    README, "Speed on this machine").
 
     The drafter's counts fade by `forget` each step toward `prior` pseudo-steps at `hope`
     accepted drafts, the lookup records as AcceptanceRecord's do, so a way written off is
