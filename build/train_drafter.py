@@ -49,6 +49,10 @@ def parse(argv):
     recipe.add_target_and_out(p, "dflash")
     p.add_argument("--work", default=".cache/train-dflash", help="cache + resumable state")
     p.add_argument("--tokens", type=int, default=393_216, help="training tokens to cache")
+    p.add_argument("--extend", metavar="WORK", action="append", default=[],
+                   help="train also on the windows another work dir cached (same target, "
+                        "length, seed, layers); this one caches --tokens more of the train "
+                        "split, none of them a window WORK holds (repeatable)")
     p.add_argument("--seq-len", type=int, default=512, help="training max length")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
@@ -104,8 +108,11 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
     """Training shards from the train split and one held-out shard from the calibration
     split (documents the drafter never trains on)."""
     count = args.tokens // args.seq_len // shard * shard
-    jobs = [(f"shard-{n:04d}.pt", chunk) for n, chunk in
-            enumerate(batched(windows(tokenizer, args.seq_len, count, args.seed), shard))]
+    earlier = [p for w in args.extend for p in sorted(Path(w).glob("shard-*.pt"))]
+    held = {tuple(row) for p in earlier for row in torch.load(p, mmap=True)["ids"].tolist()}
+    fresh = [w for w in windows(tokenizer, args.seq_len, count + len(held), args.seed)
+             if tuple(w) not in held][:count]
+    jobs = [(f"shard-{n:04d}.pt", chunk) for n, chunk in enumerate(batched(fresh, shard))]
     jobs.append(("held-out.pt", windows(tokenizer, args.seq_len, shard, args.seed, "calibration")))
     bar = tqdm(total=sum(len(c) for _, c in jobs), desc="cache target states", unit="seq",
                file=sys.stderr)
@@ -122,7 +129,7 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
             path.with_suffix(".tmp").rename(path)
         bar.update(len(chunk))
     bar.close()
-    return [work / name for name, _ in jobs[:-1]], work / jobs[-1][0]
+    return earlier + [work / name for name, _ in jobs[:-1]], work / jobs[-1][0]
 
 
 def batched(items: list, size: int) -> list[list]:
@@ -133,6 +140,17 @@ def check_work_dir(work: Path, args, source: dict) -> None:
     """A work dir caches one configuration; resuming another would mix data silently."""
     meta = {"target": source.get("sha256") or source.get("path"), "tokens": args.tokens,
             "seq_len": args.seq_len, "seed": args.seed, "target_layer_ids": args.target_layer_ids}
+    if args.extend:  # the windows this dir holds depend on the ones it extends
+        for w in args.extend:
+            if not (Path(w) / "meta.json").is_file() or Path(w).resolve() == work.resolve():
+                raise UsageError(f"--extend {w}: not another drafter work dir (no meta.json)")
+        meta["extends"] = [json.loads((Path(w) / "meta.json").read_text()) for w in args.extend]
+        for w, theirs in zip(args.extend, meta["extends"]):
+            mine = {k: meta[k] for k in ("target", "seq_len", "seed", "target_layer_ids")}
+            if {k: theirs.get(k) for k in mine} != mine:
+                raise UsageError(f"--extend {w} caches another target, length, seed or layers")
+            if len(list(Path(w).glob("shard-*.pt"))) != theirs["tokens"] // args.seq_len // 16:
+                raise UsageError(f"--extend {w} is not fully cached yet: finish it first")
     path = work / "meta.json"
     if path.exists() and json.loads(path.read_text()) != meta:
         raise ValueError(f"{work} caches another configuration ({path}); "
@@ -141,7 +159,7 @@ def check_work_dir(work: Path, args, source: dict) -> None:
 
 
 def load_shards(paths: list[Path]) -> dict:
-    parts = [torch.load(p) for p in paths]
+    parts = [torch.load(p, mmap=True) for p in paths]  # one copy in memory, not two
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 

@@ -92,3 +92,20 @@ def test_the_recipe_stops_at_its_time_limit_and_continues_on_rerun(tmp_path, tin
     assert run(train_drafter.main, args + ["--lr", "0.5"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and "another recipe (it differs in lr)" in err[-1]
+
+
+def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target, capsys):
+    first = recipe_args(tiny_target, tmp_path, "--steps", "0", "--draft-vocab", "64")
+    assert run(train_drafter.main, first) == 0, capsys.readouterr().err
+    more = tmp_path / "more"
+    second = recipe_args(tiny_target, tmp_path, "--steps", "0", "--draft-vocab", "64",
+                         "--work", str(more), "--extend", str(tmp_path / "work"))
+    assert run(train_drafter.main, second) == 0, capsys.readouterr().err
+    old = torch.load(tmp_path / "work" / "shard-0000.pt")["ids"].tolist()
+    new = torch.load(more / "shard-0000.pt")["ids"].tolist()
+    assert len(new) == 16 and not {tuple(r) for r in old} & {tuple(r) for r in new}
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 32
+    assert json.loads((more / "meta.json").read_text())["extends"][0]["tokens"] == 512
+    # a work dir cached for another length cannot be extended
+    assert run(train_drafter.main, second + ["--seq-len", "16", "--work", str(tmp_path / "x")]) == 2
+    assert "--extend" in capsys.readouterr().err.strip().splitlines()[-1]
