@@ -19,7 +19,7 @@ from runtime.backends import BatchBlockDrafter, BatchTarget
 from runtime.metrics import Generation
 from runtime.sampling import Sampler, Sampling
 from runtime.speculative import _budget, _commit
-from runtime.step_costs import AcceptanceRecord, StepCosts, choose_draft_count
+from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class Sequence:
     failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
     record: AcceptanceRecord = dataclasses.field(default_factory=AcceptanceRecord)
     confidence: list[float] = dataclasses.field(default_factory=list)  # this step's drafts
+    choice: HybridChoice | None = None  # with measured costs: does its drafter pay?
 
 
 class BatchedDecoder:
@@ -60,6 +61,8 @@ class BatchedDecoder:
         prompt = request.prompt
         seq = Sequence(request, budget, Sampler(request.sampling), Generation(len(prompt)),
                        len(prompt))
+        if self.costs is not None and self.drafter is not None:
+            seq.choice = HybridChoice(self.costs)
         slack = self.drafter.block_size if self.drafter else 1  # a padded verify row's scratch
         with seq.gen.timed("total"), seq.gen.timed("prefill"):
             logits, features = self.target.add(prompt, len(prompt) + budget + slack)
@@ -98,10 +101,16 @@ class BatchedDecoder:
         if not batch:
             return []
         drafts, draft_probs, visible = [[] for _ in batch], [None] * len(batch), None
+        # as generate_block decides: a sequence whose drafter does not pay takes a plain
+        # step; the batch's drafter pass still stores its context (shared, one pass)
+        drafting = [self.drafter is not None and (s.choice is None or s.choice.use_drafter(s.committed))
+                    for s in batch]
         if self.drafter is not None:
             contexts = [s.context for s in batch]
             draft_logits, visible = self.drafter.draft(contexts, [s.gen.tokens[-1] for s in batch])
             for i, s in enumerate(batch):
+                if not drafting[i]:
+                    continue
                 room = s.budget - len(s.gen.tokens) - 1
                 drafts[i], draft_probs[i] = s.sampler.propose(draft_logits[i, :room])
                 if self.costs is not None:
@@ -112,13 +121,17 @@ class BatchedDecoder:
         for i, s in enumerate(batch):
             n = len(drafts[i])
             accepted, following = s.sampler.verify(drafts[i], logits[i, :n + 1], draft_probs[i])
-            if self.costs is not None and self.drafter is not None:
+            if self.costs is not None and drafting[i]:
                 s.record.update(s.confidence, n, accepted)
+            if s.choice is not None:
+                s.choice.update("drafter" if drafting[i] else "lookup", verified=n, accepted=accepted)
             s.committed += accepted + 1
             if features is not None:
                 s.context = features[i, :accepted + 1]
             s.gen.committed_per_step.append(accepted + 1)
-            if visible is not None:
+            if self.drafter is not None and not drafting[i]:
+                s.gen.ngram_steps += 1  # a step without the drafter's drafts
+            elif visible is not None:
                 n_keys = int(visible[i])
                 s.gen.visible_per_step.append(n_keys)
                 scaling = self.drafter.scaling

@@ -19,8 +19,8 @@ class Generation:
     committed_per_step: list[int] = dataclasses.field(default_factory=list)
     visible_per_step: list[int] = dataclasses.field(default_factory=list)
     beta_per_step: list[float] = dataclasses.field(default_factory=list)
-    ngram_steps: int = 0  # drafter loops given a proposer: steps that skipped the drafter
-    # (verified the lookup's drafts, or, hybrid with measured costs, decoded one token)
+    ngram_steps: int = 0  # block loops: steps that skipped the drafter (verified a
+    # lookup's drafts, or, with measured costs, decoded one token where it did not pay)
     seconds: Counter = dataclasses.field(default_factory=Counter)
     stopped_by: str = "length"
 

@@ -16,8 +16,10 @@ since its last one, so its cache stays exact. With measured step costs, a step w
 such a match runs the drafter only when it beats a plain decode step, else it verifies a
 1-token match's drafts or decodes one token, as n-gram speculation does; and lookups
 verify only the drafts their record says land (runtime/step_costs.py: HybridChoice).
-These choices read the context and past steps' outcomes, never the target's verdict on
-the step itself, so decoding stays lossless.
+Without a proposer the same rule makes a step whose drafter does not pay a plain decode
+step (the drafter reads the skipped tokens' features next time). These choices read the
+context and past steps' outcomes, never the target's verdict on the step itself, so
+decoding stays lossless.
 
 Chain speculation, one step: the drafter reads the tokens committed since its last step
 (and, if it wants them, the target's features of the tokens before them) and proposes k
@@ -134,8 +136,8 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
         record = AcceptanceRecord()  # the drafter's confidence against what was accepted
-        # with measured costs, hybrid steps run the drafter and verify lookups where they pay
-        choice = HybridChoice(costs) if proposer and costs is not None else None
+        # with measured costs, steps run the drafter (and verify lookups) only where it pays
+        choice = HybridChoice(costs) if costs is not None else None
         unread = [context]  # verified features the drafter has not read yet
         while not done and len(gen.tokens) < budget:
             bonus = gen.tokens[-1]

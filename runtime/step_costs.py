@@ -120,8 +120,12 @@ class HybridChoice:
     512 / 4,096 tokens against 2.520 / 2.011 with the drafter on every unmatched step;
     README, "Speed on this machine").
 
-    The drafter's counts fade by `forget` each step toward `prior` pseudo-steps at `hope`
-    accepted drafts, the lookup records as AcceptanceRecord's do, so a way written off is
+    Without a proposer (plain block speculation) only the first decision is made: a step
+    whose drafter does not pay is a plain decode step.
+
+    The drafter's counts fade by `forget` each step toward `prior` pseudo-steps that
+    verified `hope` drafts and accepted them all (so a fresh drafter is tried first), the
+    lookup records as AcceptanceRecord's do, so a way written off is
     retried after a while (the context moves on; nothing is learned about a way not
     taken). Only past steps' outcomes enter, never the step being verified: lossless."""
 
@@ -154,7 +158,7 @@ class HybridChoice:
     def use_drafter(self, context: int) -> bool:
         """Does a drafter step at `context` committed tokens beat a plain decode step?"""
         accepted = (self.accepted + self.prior * self.hope) / (self.steps + self.prior)
-        verified = (self.verified + self.prior * (self.hope + 1)) / (self.steps + self.prior)
+        verified = (self.verified + self.prior * self.hope) / (self.steps + self.prior)
         drafter = (1 + accepted) / (self.costs.draft_seconds(context)
                                     + self.costs.verify_seconds(1 + verified, context))
         return drafter >= 1 / self.costs.verify_seconds(1, context)

@@ -1,3 +1,4 @@
+import json
 import os
 
 import torch
@@ -42,7 +43,21 @@ def tiny_engine(tmp_path_factory, tiny_target, tiny_drafter) -> Path:
                               "--drafter-checkpoint", str(tiny_drafter), "--ref-keys", "64",
                               "--top-k", "8", "--backend", "torch", "--output", str(out)])
     assert code == 0
+    pin_step_costs(out)
     return out
+
+
+def pin_step_costs(engine_dir: Path) -> None:
+    """Replace the step costs the build measured (this machine's timing, so a test would
+    see the drafter pay on one run and sit out on the next) with fixed ones under which
+    drafting always pays: a free drafter and a verify that costs the same for any width,
+    so every drafter step verifies its whole block."""
+    path = engine_dir / "engine.json"
+    manifest = json.loads(path.read_text())
+    for backend in manifest["extra"]["step_costs"]:
+        manifest["extra"]["step_costs"][backend] = {"verify": [1e-3, 0.0, 0.0, 0.0],
+                                                    "draft": [1e-6, 0.0]}
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +85,7 @@ def onnx_engine(tmp_path_factory, long_target, long_drafter) -> Path:
                               "--top-k", "8", "--backend", "onnxruntime", "--attention", "plugin",
                               "--output", str(out)])
     assert code == 0
+    pin_step_costs(out)
     return out
 
 
@@ -85,6 +101,7 @@ def native_engine(tmp_path_factory, long_target, long_drafter) -> Path:
                               "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
                               "--top-k", "8", "--backend", "onnxruntime", "--output", str(out)])
     assert code == 0
+    pin_step_costs(out)
     return out
 
 

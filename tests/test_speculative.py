@@ -112,11 +112,12 @@ def test_the_hybrid_lossless_check_exercises_both_proposers():
     assert max(mals) > 1.5, mals
 
 
-def test_hybrid_with_costs_drops_a_drafter_that_does_not_pay():
-    """Guard for the property test above (its per_token cases run HybridChoice): a tiny
-    drafter over 40 tokens rarely lands a draft, so with measured costs the unmatched
-    steps try it, then mostly decode plainly or verify 1-token lookups, as n-gram
-    drafting would -- with the target-only tokens either way."""
+@pytest.mark.parametrize("lookup", [True, False], ids=["hybrid", "sharpdraft"])
+def test_with_costs_a_drafter_that_does_not_pay_sits_out(lookup):
+    """Guard for the property tests above (their per_token cases run HybridChoice): a tiny
+    drafter over 40 tokens rarely lands a draft, so with measured costs the steps try it,
+    then mostly decode plainly (or verify 1-token lookups, as n-gram drafting would) --
+    with the target-only tokens either way."""
     target, drafter = tiny_pair(1, vocab=40, block=5)
     t, d = runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0))
     prompt = torch.randint(0, 40, (12,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -124,7 +125,7 @@ def test_hybrid_with_costs_drops_a_drafter_that_does_not_pay():
     drafter_steps = {}
     for name, costs in (("always", None), ("priced", StepCosts((1.0, 0.2, 0.0, 0.0), (0.2, 0.0)))):
         gen = generate_block(t, d, prompt, 60, Sampler(), costs=costs,
-                             proposer=NGramProposer(3, 1, 4))
+                             proposer=NGramProposer(3, 1, 4) if lookup else None)
         assert gen.tokens == want.tokens
         drafter_steps[name] = gen.verify_steps - gen.ngram_steps
         assert drafter_steps[name] == len(gen.visible_per_step)

@@ -67,10 +67,10 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
         good.update("drafter", verified=3, accepted=1 + step % 2)
     assert not poor.use_drafter(context)
     assert good.use_drafter(context)
-    for _ in range(20):
+    for _ in range(10):
         poor.update("lookup", strong=False, offered=4, verified=4, accepted=3)
     assert not poor.use_drafter(context)
-    for _ in range(40):
+    for _ in range(50):
         poor.update("lookup")  # plain decode steps
     assert poor.use_drafter(context)
 

@@ -164,6 +164,11 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
         row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
+    for mode in ("frozen", "preset", "sharpdraft"):  # adaptive: steps its drafter sat out
+        if mode in modes:
+            gens = [r[mode][0] for r in runs]
+            row[f"plain_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
+                                               / max(sum(g.verify_steps for g in gens), 1), 4)
     if "hybrid" in modes:  # how often the lookup's drafts were verified instead of the drafter's
         hybrid = [r["hybrid"][0] for r in runs]
         row["ngram_share_hybrid"] = round(sum(g.ngram_steps for g in hybrid)
