@@ -362,6 +362,9 @@ def print_table(rows: list[dict]) -> None:
     share = "ngram_share_hybrid" in rows[0]
     if share:
         header += f" {'hybrid n-gram share':>20}"
+    plain = "plain_share_sharpdraft" in rows[0]  # adaptive: steps the drafter sat out
+    if plain:
+        header += f" {'sharpdraft plain share':>23}"
     # time to first token beyond target-only's: the drafter reading the prompt's features
     prefill = [m for m in drafting if f"prefill_ms_{m}" in rows[0]]
     header += "".join(f" {'+prefill ms ' + m:>22}" for m in prefill)
@@ -375,6 +378,7 @@ def print_table(rows: list[dict]) -> None:
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
               + (f" {r['ngram_share_hybrid']:>20.2f}" if share else "")
+              + (f" {r['plain_share_sharpdraft']:>23.2f}" if plain else "")
               + "".join(f" {r[f'prefill_ms_{m}'] - r['prefill_ms_target']:>22.1f}" for m in prefill)
               + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))
 
