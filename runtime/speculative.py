@@ -191,8 +191,12 @@ def generate_chain(target: Target, drafter: ChainDrafter, prompt: list[int],
         with gen.timed("prefill"):
             logits, features = target.prefill(prompt, len(prompt) + budget)
             drafter.reset(len(prompt) + budget)
+            read = len(prompt) if len(prompt) > 1 else 0  # the drafter's own prefill
+            if read:  # (as _drafter_prefill): all but the last row of features
+                drafter.read(prompt, None if features is None else features[:-1])
+                features = None if features is None else features[-1:]
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
-        unread = prompt + gen.tokens  # what the drafter has not read yet
+        unread = prompt[read:] + gen.tokens  # what the drafter has not read yet
         committed = len(prompt)  # tokens in the target's cache; gen.tokens[-1] is not yet
         record = AcceptanceRecord()  # the drafter's confidence against what was accepted
         while not done and len(gen.tokens) < budget:
@@ -235,8 +239,12 @@ def generate_tree(target: Target, drafter: TreeDrafter, prompt: list[int], max_n
         with gen.timed("prefill"):
             logits, context = target.prefill(prompt, len(prompt) + budget)
             drafter.reset(len(prompt) + budget)
+            if len(context) > 1:  # the drafter's own prefill (as _drafter_prefill)
+                drafter.read(prompt[1:], context[:-1])
+                context = context[-1:]
         done = _commit(gen, [sampler.pick(logits)], stop_ids, on_tokens)
-        following = prompt[1:] + gen.tokens[-1:]  # the token after each context row
+        # the token after each context row
+        following = prompt[len(prompt) - len(context) + 1:] + gen.tokens[-1:]
         while not done and len(gen.tokens) < budget:
             room = budget - len(gen.tokens) - 1  # the step also commits the target's token
             with gen.timed("draft"):

@@ -62,6 +62,9 @@ class RecordedTrees:
     def reset(self, capacity):
         self.inner.reset(capacity)
 
+    def read(self, ids, features):
+        self.inner.read(ids, features)
+
     def draft_tree(self, context, following, shape):
         tree, visible = self.inner.draft_tree(context, following, shape)
         self.trees.append((tree, visible))

@@ -152,7 +152,9 @@ def test_each_row_sees_the_keys_its_causal_mask_leaves(monkeypatch):
     t, d = runners(target, tiny.pard_from_target(target, 7), 3, scaling)
     gen = generate_chain(t, d, list(range(1, 8)), 30, Sampler())
     layers = len(d.drafter.layers)
-    assert handed and len(handed) == layers * len(gen.visible_per_step)
+    # the prompt's read during prefill, then one pass per step
+    assert handed and len(handed) == layers * (1 + len(gen.visible_per_step))
+    assert [h[1] for h in handed[:layers]] == [7] * layers
     for visible, q_len, kv_len, applied in handed:
         row_position = torch.arange(kv_len - q_len, kv_len)[:, None]
         mask = torch.arange(kv_len)[None, :] <= row_position  # causal: keys up to the row

@@ -227,6 +227,9 @@ class RecordedChain:
     def reset(self, capacity):
         self.inner.reset(capacity)
 
+    def read(self, ids, features):
+        self.inner.read(ids, features)
+
     def draft(self, ids, features, k, sampler):
         proposal = self.inner.draft(ids, features, k, sampler)
         self.proposals.append((proposal.tokens, proposal.visible.tolist()))

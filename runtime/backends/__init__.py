@@ -137,6 +137,10 @@ class ChainDrafter(Protocol):
 
     def reset(self, capacity: int) -> None: ...
 
+    def read(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """Store the cache entries of committed tokens without drafting (the prompt,
+        during prefill); `features` as draft() takes them."""
+
     def draft(self, ids: list[int], features: torch.Tensor | None, k: int, sampler) -> ChainDraft: ...
 
 
@@ -144,6 +148,9 @@ class TreeDrafter(Protocol):
     scaling: QueryScaling | None
 
     def reset(self, capacity: int) -> None: ...
+
+    def read(self, ids: list[int], features: torch.Tensor) -> None:
+        """As ChainDrafter.read: feature row i paired with token ids[-len(features) + i]."""
 
     def draft_tree(self, context: torch.Tensor, following: list[int], shape) -> tuple[object, int]: ...
 

@@ -312,13 +312,18 @@ class OnnxPARD:
         self.cache.append(keys[:keep], values[:keep])
         return torch.from_numpy(logits[0]), meta.causal_visible(len(row), 1)[0]
 
+    def read(self, ids: list[int], features=None) -> None:
+        # in PREFILL_CHUNK-token steps, as the target's prefill reads the prompt: each
+        # step's scores are [chunk, past + chunk]
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = list(ids[start:start + PREFILL_CHUNK])
+            self._step(chunk, 1, len(chunk))
+
     def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
         ids = list(ids)
-        # A long first read (the prompt) goes in PREFILL_CHUNK-token steps, as the
-        # target's prefill does: each step's scores are [chunk, past + chunk].
-        while len(ids) > PREFILL_CHUNK:
-            self._step(ids[:PREFILL_CHUNK], 1, PREFILL_CHUNK)
-            ids = ids[PREFILL_CHUNK:]
+        if len(ids) > PREFILL_CHUNK:  # a long first read that skipped read()
+            self.read(ids[:-PREFILL_CHUNK])
+            ids = ids[-PREFILL_CHUNK:]
         row = ids + [self.pard_token] * max(k - 1, 0)
         logits, visible = self._step(row, max(k, 1), len(ids))
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
@@ -369,6 +374,9 @@ class OnnxEagle3:
         logits, state, visible, keys, values = self.tree_session.run(None, feeds | cache.past())
         cache.k[start:end], cache.v[start:end] = keys, values
         return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), torch.from_numpy(visible[0])
+
+    def read(self, ids: list[int], features: torch.Tensor) -> None:
+        self._ingest(features, list(ids[-len(features):]))
 
     def draft_tree(self, context: torch.Tensor, following: list[int], shape=None):
         """As TorchEagle3.draft_tree: the tree and the most keys any drafter row saw."""

@@ -104,6 +104,11 @@ class TorchPARD:
         self.cache = self.drafter.new_cache(capacity + self.max_drafts)
 
     @torch.inference_mode()
+    def read(self, ids: list[int], features=None) -> None:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        self.drafter(x, self.cache, self.scaling, keep=len(ids))
+
+    @torch.inference_mode()
     def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
         row = list(ids) + [self.pard_token] * max(k - 1, 0)
         x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
@@ -194,6 +199,10 @@ class TorchEagle3:
         logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]), self.cache,
                                                self.scaling)
         return logits[0, -1], hidden[0, -1], int(visible[0, -1])
+
+    @torch.inference_mode()
+    def read(self, ids: list[int], features: torch.Tensor) -> None:
+        self._ingest(features, list(ids[-len(features):]))
 
     @torch.inference_mode()
     def draft_tree(self, context: torch.Tensor, following: list[int], shape: TreeShape | None = None):
