@@ -63,7 +63,7 @@ class Generation:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "tokens_per_second": round(self.tokens_per_second, 3),
-            "ngram_steps": self.ngram_steps,
+            "steps_without_drafter": self.ngram_steps,  # lookup or plain decode steps
             "stopped_by": self.stopped_by,
             "seconds": {p: round(self.seconds[p], 4) for p in ("prefill", "draft", "verify")}
             | {"other": round(max(other, 0.0), 4), "total": round(self.seconds["total"], 4)},

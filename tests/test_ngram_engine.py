@@ -62,7 +62,7 @@ def test_hybrid_runs_on_a_dflash_engine_with_the_target_only_tokens(tiny_engine,
     plain = generate(tiny_engine, capsys, "--target-only")
     assert hybrid["mode"] == "hybrid" and hybrid["tokens"] == plain["tokens"]
     assert hybrid["sharpdraft"] is not None  # the drafter it runs is SharpDraft's
-    assert 0 < hybrid["ngram_steps"] <= hybrid["verify_steps"]  # this prompt repeats itself
+    assert 0 < hybrid["steps_without_drafter"] <= hybrid["verify_steps"]  # this prompt repeats itself
 
 
 def test_ngram_engine_refuses_hybrid_in_one_line(ngram_engine, capsys):
