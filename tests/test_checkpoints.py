@@ -59,6 +59,20 @@ def test_corpus_split_is_fixed_and_disjoint():
     assert {p.name for p in corpus.long_documents("eval", 30_000)[:3]} <= {p.name for p in splits["eval"]}
 
 
+def test_default_documents_are_source_files_even_with_the_docs_installed(tmp_path, monkeypatch):
+    """Installing python3.11-doc adds training text; the documents results are measured
+    on (the longest eval/calibration files) stay the stdlib's .py files."""
+    docs = tmp_path / "_sources"
+    (docs / "library").mkdir(parents=True)
+    for i in range(40):  # enough names that the hash puts some in every split
+        (docs / "library" / f"m{i}.rst.txt").write_text("x" * 500_000)
+    monkeypatch.setattr(corpus, "DOCS", docs)
+    rst = {s: [p for p in corpus.documents(s) if p.name.endswith(".rst.txt")] for s in corpus.SPLITS}
+    assert all(rst.values())  # the reST files are split like the sources
+    for split in ("eval", "calibration"):
+        assert all(p.suffix == ".py" for p in corpus.long_documents(split, 30_000))
+
+
 def test_drafter_can_start_from_the_targets_last_layers(tiny_target):
     from build.train_drafter import initialise_from_target
     from runtime.models.dflash import DFlashDrafter
