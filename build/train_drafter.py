@@ -106,14 +106,19 @@ def windows(tokenizer, seq_len: int, count: int, seed: int, split: str = "train"
 @torch.inference_mode()
 def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[list[Path], Path]:
     """Training shards from the train split and one held-out shard from the calibration
-    split (documents the drafter never trains on)."""
+    split (documents the drafter never trains on). Extending another work dir: its
+    held-out shard, so held-out agreement stays comparable even if the corpus grew."""
     count = args.tokens // args.seq_len // shard * shard
     earlier = [p for w in args.extend for p in sorted(Path(w).glob("shard-*.pt"))]
     held = {tuple(row) for p in earlier for row in torch.load(p, mmap=True)["ids"].tolist()}
     fresh = [w for w in windows(tokenizer, args.seq_len, count + len(held), args.seed)
              if tuple(w) not in held][:count]
     jobs = [(f"shard-{n:04d}.pt", chunk) for n, chunk in enumerate(batched(fresh, shard))]
-    jobs.append(("held-out.pt", windows(tokenizer, args.seq_len, shard, args.seed, "calibration")))
+    if args.extend:
+        held_out = Path(args.extend[0]) / "held-out.pt"
+    else:
+        held_out = work / "held-out.pt"
+        jobs.append((held_out.name, windows(tokenizer, args.seq_len, shard, args.seed, "calibration")))
     bar = tqdm(total=sum(len(c) for _, c in jobs), desc="cache target states", unit="seq",
                file=sys.stderr)
     for name, chunk in jobs:
@@ -129,7 +134,7 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
             path.with_suffix(".tmp").rename(path)
         bar.update(len(chunk))
     bar.close()
-    return earlier + [work / name for name, _ in jobs[:-1]], work / jobs[-1][0]
+    return earlier + [work / name for name, _ in jobs if name != held_out.name], held_out
 
 
 def batched(items: list, size: int) -> list[list]:
@@ -149,7 +154,8 @@ def check_work_dir(work: Path, args, source: dict) -> None:
             mine = {k: meta[k] for k in ("target", "seq_len", "seed", "target_layer_ids")}
             if {k: theirs.get(k) for k in mine} != mine:
                 raise UsageError(f"--extend {w} caches another target, length, seed or layers")
-            if len(list(Path(w).glob("shard-*.pt"))) != theirs["tokens"] // args.seq_len // 16:
+            if (len(list(Path(w).glob("shard-*.pt"))) != theirs["tokens"] // args.seq_len // 16
+                    or not (Path(w) / "held-out.pt").is_file()):
                 raise UsageError(f"--extend {w} is not fully cached yet: finish it first")
     path = work / "meta.json"
     if path.exists() and json.loads(path.read_text()) != meta:

@@ -106,6 +106,7 @@ def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target
     assert len(new) == 16 and not {tuple(r) for r in old} & {tuple(r) for r in new}
     assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 32
     assert json.loads((more / "meta.json").read_text())["extends"][0]["tokens"] == 512
+    assert not (more / "held-out.pt").exists()  # the extended dir's: comparable agreement
     # a work dir cached for another length cannot be extended
     assert run(train_drafter.main, second + ["--seq-len", "16", "--work", str(tmp_path / "x")]) == 2
     assert "--extend" in capsys.readouterr().err.strip().splitlines()[-1]
