@@ -113,6 +113,9 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
     held = {tuple(row) for p in earlier for row in torch.load(p, mmap=True)["ids"].tolist()}
     fresh = [w for w in windows(tokenizer, args.seq_len, count + len(held), args.seed)
              if tuple(w) not in held][:count]
+    if len(fresh) < count:
+        raise UsageError(f"the train split holds {len(fresh)} windows of {args.seq_len} tokens "
+                         f"beyond the extended dirs' {len(held)}; ask for fewer --tokens")
     jobs = [(f"shard-{n:04d}.pt", chunk) for n, chunk in enumerate(batched(fresh, shard))]
     if args.extend:
         held_out = Path(args.extend[0]) / "held-out.pt"

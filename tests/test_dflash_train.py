@@ -107,6 +107,10 @@ def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target
     assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 32
     assert json.loads((more / "meta.json").read_text())["extends"][0]["tokens"] == 512
     assert not (more / "held-out.pt").exists()  # the extended dir's: comparable agreement
+    # more new windows than the train split holds: refused in one line
+    too_many = second + ["--work", str(tmp_path / "huge"), "--tokens", str(10 ** 9)]
+    assert run(train_drafter.main, too_many) == 2
+    assert "ask for fewer --tokens" in capsys.readouterr().err.strip().splitlines()[-1]
     # a work dir cached for another length cannot be extended
     assert run(train_drafter.main, second + ["--seq-len", "16", "--work", str(tmp_path / "x")]) == 2
     assert "--extend" in capsys.readouterr().err.strip().splitlines()[-1]
