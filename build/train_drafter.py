@@ -167,9 +167,27 @@ def check_work_dir(work: Path, args, source: dict) -> None:
     path.write_text(json.dumps(meta) + "\n")
 
 
+class Rows:
+    """Windows spread over memory-mapped shards, indexed like one tensor by a 1-D tensor
+    of window numbers (what training reads): the target's features are ~2.9 MB a window
+    in fp16, so 6,400 windows would not fit in memory concatenated."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+        self.starts = torch.tensor([0] + [len(p) for p in parts]).cumsum(0)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        part = torch.searchsorted(self.starts, rows, right=True) - 1
+        return torch.stack([self.parts[i][r - self.starts[i]] for i, r in zip(part.tolist(), rows.tolist())])
+
+
 def load_shards(paths: list[Path]) -> dict:
-    parts = [torch.load(p, mmap=True) for p in paths]  # one copy in memory, not two
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    parts = [torch.load(p, mmap=True) for p in paths]
+    data = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "features"}
+    return data | {"features": Rows([p["features"] for p in parts])}
 
 
 def draft_blocks(drafter, embed, data, rows, args, generator):

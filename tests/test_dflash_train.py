@@ -114,3 +114,11 @@ def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target
     # a work dir cached for another length cannot be extended
     assert run(train_drafter.main, second + ["--seq-len", "16", "--work", str(tmp_path / "x")]) == 2
     assert "--extend" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_windows_read_across_shards_as_from_one_tensor():
+    parts = [torch.randn(n, 5, 3).half() for n in (4, 1, 7)]
+    rows = train_drafter.Rows(parts)
+    rows_wanted = torch.tensor([0, 3, 4, 5, 11, 2, 4])
+    assert len(rows) == 12
+    assert torch.equal(rows[rows_wanted], torch.cat(parts)[rows_wanted])
