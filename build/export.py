@@ -61,6 +61,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ from plugins.attention import scaled_query, sharpdraft_attention
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import EXPORT_VERSION
+from runtime.manifest import DRAFT_VOCAB_FILE
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
@@ -164,7 +166,8 @@ class TargetStep(nn.Module):
 
 class DrafterStep(nn.Module):
     """One DFlash step with the target's embedding and head inside the graph: block ids
-    in, logits of block positions 1.. out; new context features join the cache."""
+    in, logits of block positions 1.. out (over the draft vocabulary where the drafter
+    has one: DraftHead); new context features join the cache."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
         super().__init__()
@@ -797,6 +800,12 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | Ea
                                                      out_dir / DRAFTER_KV_FILE)
     progress(f"      {WEIGHTS_FILE}: the graphs' weights, each distinct tensor once")
     share_weights(out_dir, [g["file"] for g in graphs.values()])
+    draft_vocab = None
+    if isinstance(drafter, DFlashDrafter) and drafter.draft_token_ids() is not None:
+        # the DFlash graphs' logits are over the draft vocabulary (DraftHead): which
+        # target token each column is, for the runtime's sampler (read_draft_vocab)
+        np.save(out_dir / DRAFT_VOCAB_FILE, drafter.draft_token_ids().cpu().numpy().astype(np.int64))
+        draft_vocab = {"file": DRAFT_VOCAB_FILE, "target_vocab_size": target.config.vocab_size}
     plugin = None
     if scaling is not None and attention == "plugin":
         plugin = {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,
@@ -805,4 +814,4 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | Ea
             "attention": attention if scaling is not None else None, "plugin": plugin,
             "mask_token_id": (drafter.config.pard_token if pard else
                               None if eagle3 else drafter.config.mask_token_id)
-            if drafter else None, "graphs": graphs}
+            if drafter else None, "draft_vocab": draft_vocab, "graphs": graphs}

@@ -112,7 +112,7 @@ class BatchedDecoder:
                 if not drafting[i]:
                     continue
                 room = s.budget - len(s.gen.tokens) - 1
-                drafts[i], draft_probs[i] = s.sampler.propose(draft_logits[i, :room])
+                drafts[i], draft_probs[i] = s.sampler.propose(draft_logits[i, :room], self.drafter.vocab)
                 if self.costs is not None:
                     s.confidence = s.sampler.confidence(draft_logits[i, :len(drafts[i])], draft_probs[i])
                     k = choose_draft_count(s.record.calibrate(s.confidence), s.committed, self.costs)

@@ -191,3 +191,31 @@ def _write_stamp(engine_dir: Path, stamp: dict) -> None:
         os.replace(tmp, engine_dir / STAMP)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+DRAFT_VOCAB_FILE = "draft-vocab.npy"  # a DFlash drafter's draft vocabulary (target ids)
+
+
+def read_draft_vocab(engine_dir: Path, record: dict):
+    """The DraftVocab of an engine's DFlash drafter graphs (their logits' columns), from
+    the file export's record names; None where the graphs return logits over the whole
+    vocabulary (no draft vocabulary, or an engine exported before they were compact)."""
+    import numpy as np
+    import torch
+
+    from runtime.sampling import DraftVocab
+
+    entry = record.get("draft_vocab")
+    if not entry:
+        return None
+    path = Path(engine_dir) / entry["file"]
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path} cannot be read ({exc}) — rebuild the engine") from None
+    size = int(entry["target_vocab_size"])
+    if (ids.ndim != 1 or ids.dtype != np.int64 or not len(ids) or ids.min() < 0
+            or ids.max() >= size or len(np.unique(ids)) != len(ids)):
+        raise EngineError(f"{path} is not a draft vocabulary of distinct target ids below "
+                          f"{size} — rebuild the engine")
+    return DraftVocab(torch.from_numpy(ids), size)

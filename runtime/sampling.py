@@ -34,6 +34,24 @@ class Sampling:
         return self.temperature == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftVocab:
+    """The columns of a drafter's logits when it drafts over a draft vocabulary (EAGLE-3's
+    d2t idea): column j is target token ids[j] of the target's `size`. The drafter leaves
+    its logits compact and the sampler maps the drafts it picks, so no step scatters
+    8,192 columns into 49,152 (a graph's gather, then an argmax and a softmax over the
+    wide row: ~2.5 ms of a DFlash step at one thread, measured). Tokens outside it have
+    draft probability 0, which verification reads from the expanded q: lossless."""
+    ids: torch.Tensor  # [columns], int64 target ids, distinct
+    size: int  # the target's vocabulary
+
+    def expand(self, probs: torch.Tensor) -> torch.Tensor:
+        """Distributions over the columns -> over the target's vocabulary (0 elsewhere)."""
+        full = probs.new_zeros(probs.shape[:-1] + (self.size,))
+        full[..., self.ids] = probs
+        return full
+
+
 class Sampler:
     def __init__(self, sampling: Sampling = Sampling()):
         self.sampling = sampling
@@ -62,12 +80,18 @@ class Sampler:
             return int(logits.argmax())
         return self._draw(self.probs(logits))
 
-    def propose(self, draft_logits: torch.Tensor):
-        """Draft tokens from drafter logits [k, vocab]: (tokens, their distributions or None)."""
+    def propose(self, draft_logits: torch.Tensor, vocab: DraftVocab | None = None):
+        """Draft tokens from drafter logits [k, columns]: (target token ids, their
+        distributions over the target's vocabulary, or None when greedy). vocab: what the
+        columns are (None: the target's vocabulary itself)."""
         if self.sampling.greedy:
-            return draft_logits.argmax(-1).tolist(), None
+            columns = draft_logits.argmax(-1)
+            return (columns if vocab is None else vocab.ids[columns]).tolist(), None
         q = self.probs(draft_logits)
-        return [self._draw(row) for row in q], q
+        columns = [self._draw(row) for row in q]
+        if vocab is None:
+            return columns, q
+        return vocab.ids[columns].tolist(), vocab.expand(q)
 
     def confidence(self, draft_logits: torch.Tensor, draft_probs) -> list[float]:
         """Per draft position, the largest probability of the distribution its draft comes

@@ -154,7 +154,7 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                     context = unread[0] if len(unread) == 1 else torch.cat(unread)
                     draft_logits, visible = drafter.draft(context, bonus)
                     unread = []
-                    drafts, draft_probs = sampler.propose(draft_logits[:room])
+                    drafts, draft_probs = sampler.propose(draft_logits[:room], drafter.vocab)
                     if costs is not None:  # verify only the drafts worth their verify cost
                         confidence = sampler.confidence(draft_logits[:len(drafts)], draft_probs)
                         drafts = drafts[:choose_draft_count(record.calibrate(confidence), committed, costs)]

@@ -69,7 +69,8 @@ def long_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def long_drafter(tmp_path_factory, long_target) -> Path:
     """With a draft vocabulary (256 of 320 tokens): the ONNX engine's parity tests cover
-    the reduced head's gather; the torch-only engines keep the full head."""
+    the reduced head's compact logits and the sampler's mapping of them; the torch-only
+    engines keep the full head."""
     return tiny.make_drafter(tmp_path_factory.mktemp("long-drafter"), long_target, draft_vocab=256)
 
 

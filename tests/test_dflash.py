@@ -115,8 +115,11 @@ def test_training_forward_equals_drafting_forward(tiny_target):
 
 def test_a_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tmp_path):
     """EAGLE-3's d2t convention (target id = index + d2t[index]); the head's logits are
-    the full head's on the draft tokens and -inf on every other token."""
+    the full head's on the draft tokens, one column each, and the sampler's picks map
+    back to those target ids -- greedy and sampled, whose q over the target's vocabulary
+    is 0 off the draft vocabulary."""
     from runtime.models.dflash import DraftHead
+    from runtime.sampling import Sampler, Sampling
 
     path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=100)
     assert json.loads((path / "config.json").read_text())["draft_vocab_size"] == 100
@@ -127,12 +130,17 @@ def test_a_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, 
     target, _ = load_target(tiny_target)
     hidden = torch.randn(3, target.config.hidden_size)
     full = target.lm_head(hidden)
-    logits = DraftHead.for_drafter(drafter, target.lm_head)(hidden)
-    assert torch.allclose(logits[:, ids], full[:, ids], atol=1e-6)
-    outside = torch.ones(320, dtype=torch.bool)
-    outside[ids] = False
-    assert torch.isinf(logits[:, outside]).all() and (logits[:, outside] < 0).all()
-    assert torch.isin(logits.argmax(-1), ids).all()
+    head = DraftHead.for_drafter(drafter, target.lm_head)
+    logits = head(hidden)
+    assert logits.shape == (3, 100) and torch.equal(head.vocab.ids, ids) and head.vocab.size == 320
+    assert torch.allclose(logits, full[:, ids], atol=1e-6)
+    masked = torch.full_like(full, float("-inf"))
+    masked[:, ids] = full[:, ids]
+    tokens, q = Sampler().propose(logits, head.vocab)
+    assert tokens == masked.argmax(-1).tolist() and q is None
+    tokens, q = Sampler(Sampling(temperature=1.0, seed=0)).propose(logits, head.vocab)
+    assert q.shape == (3, 320) and torch.allclose(q, torch.softmax(masked.double(), -1))
+    assert all(q[i, t] > 0 for i, t in enumerate(tokens)) and torch.isin(torch.tensor(tokens), ids).all()
 
 
 def test_a_draft_vocabulary_outside_the_target_is_refused(tiny_target, tmp_path):

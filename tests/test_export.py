@@ -76,7 +76,9 @@ def test_manifest_records_the_build(onnx_engine, torch_engine):
     assert target["inputs"][0]["shape"] == ["batch", "q_len"]
     drafter = record["graphs"]["drafter"]
     assert [i["name"] for i in drafter["inputs"]] == list(export.DRAFTER_INPUTS)
-    assert drafter["outputs"][0]["shape"] == ["batch", 3, 320]  # block 4 -> 3 drafts
+    # block 4 -> 3 drafts, over the drafter's 256-token draft vocabulary (draft-vocab.npy)
+    assert drafter["outputs"][0]["shape"] == ["batch", 3, 256]
+    assert record["draft_vocab"] == {"file": "draft-vocab.npy", "target_vocab_size": 320}
     assert drafter["plugin_nodes"] == 1 and record["graphs"]["drafter_frozen"]["plugin_nodes"] == 0
     # The plugin form keeps both drafters in the portable graphs (none over cache buffers).
     assert set(record["graphs"]) == {"target", "target_kv", "drafter", "drafter_frozen"}

@@ -28,6 +28,7 @@ class RecordedDrafter:
 
     def __init__(self, inner):
         self.inner, self.block_size, self.scaling = inner, inner.block_size, inner.scaling
+        self.vocab = inner.vocab
         self.proposals = []
 
     def reset(self, capacity):
@@ -35,7 +36,7 @@ class RecordedDrafter:
 
     def draft(self, context, bonus):
         logits, visible = self.inner.draft(context, bonus)
-        self.proposals.append(logits.argmax(-1).tolist())
+        self.proposals.append(Sampler().propose(logits, self.vocab)[0])  # target ids
         return logits, visible
 
 
@@ -83,7 +84,7 @@ def test_engine_generate_is_token_identical_across_backends(mode, engine, torch_
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
                                                                 ort_engine, native_ort_engine):
     native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,
-                        ort_engine.onnx.mask_token_id, ort_engine.scaling)
+                        ort_engine.onnx.mask_token_id, ort_engine.scaling, ort_engine.onnx.vocab)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
     plugin = speculate(ort_engine, ort_engine.drafter(), prompt)
     assert speculate(ort_engine, native, prompt) == plugin
@@ -118,6 +119,25 @@ def test_tampered_graph_is_refused_with_one_line_error(capsys, tmp_path, onnx_en
     code = run(runtime_main, ["generate", "--engine-dir", str(engine_dir), "--prompt", "x"])
     assert code == 1
     assert "drafter.onnx does not match the sha256" in one_line_error(capsys)
+
+
+def test_drafter_graphs_return_draft_vocabulary_logits_and_name_their_columns(tmp_path,
+                                                                              native_engine):
+    """The long pair's drafter drafts over 256 of 320 tokens: every DFlash graph returns
+    256 columns, and draft-vocab.npy (an engine artifact) says which target token each
+    is -- the drafter's own d2t, read back; a file that is not such a list is refused."""
+    from runtime.manifest import EngineError, read_draft_vocab
+
+    record = json.loads((native_engine / "engine.json").read_text())["extra"]["onnx"]
+    vocab = read_draft_vocab(native_engine, record)
+    ids = Engine(native_engine, backend="torch").drafter_model.draft_token_ids()
+    assert torch.equal(vocab.ids, ids) and vocab.size == 320
+    for name in ("drafter", "drafter_frozen", "drafter_kv", "drafter_frozen_kv"):
+        assert record["graphs"][name]["outputs"][0]["shape"][-1] == 256, name
+    for bad in (np.array([3, 3, 5]), np.array([1.0, 2.0]), np.array([0, 320])):
+        np.save(tmp_path / record["draft_vocab"]["file"], bad)
+        with pytest.raises(EngineError, match="not a draft vocabulary"):
+            read_draft_vocab(tmp_path, record)
 
 
 def test_unknown_engine_format_is_refused_with_one_line_error(capsys, tmp_path, onnx_engine):

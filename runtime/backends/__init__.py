@@ -19,7 +19,9 @@ The speculative loops in runtime/speculative.py only see these roles:
            scaling
   Block drafter (DFlash):
            reset(capacity)
-           draft(context [c, F], bonus) -> (logits [block - 1, vocab], visible keys N)
+           draft(context [c, F], bonus) -> (logits [block - 1, columns], visible keys N)
+           vocab                  -- the target ids of the logits' columns (a DraftVocab:
+                                     the drafter's draft vocabulary), or None (all of them)
            scaling                -- the QueryScaling it applies, or None (frozen)
   Chain drafter (PARD; EAGLE-3 with top_k = 1):
            reset(capacity)
@@ -46,8 +48,8 @@ leaves from any row, between steps:
                 remove(row)
   BatchBlockDrafter:
                 add(capacity, context [c, F]) -- the prompt's features, ingested at once
-                draft(contexts, bonuses) -> (logits [b, block - 1, vocab], visible N [b])
-                remove(row); scaling
+                draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
+                remove(row); scaling; vocab (as BlockDrafter's)
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from typing import Protocol
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime.sampling import DraftVocab
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "trtllm")  # what an engine can be built for
 RUNNABLE_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what this runtime runs (tensorrt: on a GPU)
@@ -109,6 +112,7 @@ class PrefillOnce:
 class BlockDrafter(Protocol):
     block_size: int
     scaling: QueryScaling | None
+    vocab: DraftVocab | None
 
     def reset(self, capacity: int) -> None: ...
 
@@ -170,6 +174,7 @@ class BatchTarget(Protocol):
 class BatchBlockDrafter(Protocol):
     block_size: int
     scaling: QueryScaling | None
+    vocab: DraftVocab | None
 
     def add(self, capacity: int, context: torch.Tensor) -> None: ...
 

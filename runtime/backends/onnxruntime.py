@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from runtime.backends import ChainDraft
-from runtime.manifest import EngineError, Manifest
+from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
+from runtime.sampling import DraftVocab
 from runtime.step_metadata import StepMetadata, padded, padded_context
 from runtime.tree import TreeShape, grow_tree
 
@@ -268,8 +269,8 @@ class OnnxTarget:
 
 class OnnxDFlash:
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None):
-        self.session, self.scaling = session, scaling
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
+        self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.dims = _cache_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
@@ -500,9 +501,9 @@ class OnnxBatchDFlash:
     fed as past_lens and each step's context lengths as context_lens."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None):
-        self.single = OnnxDFlash(session, block_size, mask_token_id, scaling)
-        self.session, self.scaling = session, scaling
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
+        self.single = OnnxDFlash(session, block_size, mask_token_id, scaling, vocab)
+        self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
@@ -560,8 +561,8 @@ class BoundDFlash:
     STEP_OUTPUTS = ("logits", "new_keys", "new_values")
 
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None):
-        self.session, self.scaling = session, scaling
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
+        self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
@@ -595,9 +596,9 @@ class BoundBatchDFlash(BoundRows):
     alone (BoundDFlash), then joins."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None):
-        self.single = BoundDFlash(session, block_size, mask_token_id, scaling)
-        self.session, self.scaling = session, scaling
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
+        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab)
+        self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.lengths: list[int] = []
 
@@ -652,6 +653,7 @@ class OnnxEngine:
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
+        self.vocab = read_draft_vocab(engine_dir, record)
         self.drafter_family = manifest.drafter
         self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
         self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]),
@@ -672,7 +674,7 @@ class OnnxEngine:
         if self.drafter_family == "pard":
             return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         return (BoundDFlash if in_place else OnnxDFlash)(session, self.block_size,
-                                                         self.mask_token_id, scaling)
+                                                         self.mask_token_id, scaling, self.vocab)
 
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
@@ -682,4 +684,5 @@ class OnnxEngine:
             raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
         session, scaling, in_place = self._drafter_graph(sharpdraft)
         return (BoundBatchDFlash if in_place else OnnxBatchDFlash)(session, self.block_size,
-                                                                   self.mask_token_id, scaling)
+                                                                   self.mask_token_id, scaling,
+                                                                   self.vocab)

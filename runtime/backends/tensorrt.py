@@ -19,13 +19,15 @@ tensorrt and CUDA are imported only when an engine is opened.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime.manifest import EngineError, Manifest
+from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
+from runtime.sampling import DraftVocab
 from runtime.step_metadata import StepMetadata
 
 PLAN_SUFFIX = ".plan"
@@ -255,8 +257,8 @@ class TensorRTDFlash:
     the plan writes in place."""
 
     def __init__(self, plan: Plan, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None, dtype: torch.dtype):
-        self.plan, self.scaling, self.dtype = plan, scaling, dtype
+                 scaling: QueryScaling | None, dtype: torch.dtype, vocab: DraftVocab | None = None):
+        self.plan, self.scaling, self.dtype, self.vocab = plan, scaling, dtype, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         low = plan.profile["past_keys"][0]
         self.dims = (low[1], low[3], low[4])  # layers, kv_heads, head_dim
@@ -335,12 +337,15 @@ class TensorRTEngine:
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
         self.mask_token_id = manifest.extra["onnx"]["mask_token_id"]
+        self.vocab = read_draft_vocab(engine_dir, manifest.extra["onnx"])
+        if self.vocab is not None:  # the sampler indexes it with the plan's (device) argmax
+            self.vocab = dataclasses.replace(self.vocab, ids=self.vocab.ids.to(self.device.torch))
         self.target = TensorRTTarget(self.plans["target_kv"], self.dtype,
                                      int(manifest.extra["max_seq_len"]))
 
     def drafter(self, sharpdraft: bool = True) -> TensorRTDFlash:
         if sharpdraft and self.scaling is not None:
             return TensorRTDFlash(self.plans["drafter"], self.block_size, self.mask_token_id,
-                                  self.scaling, self.dtype)
+                                  self.scaling, self.dtype, self.vocab)
         return TensorRTDFlash(self.plans["drafter_frozen"], self.block_size, self.mask_token_id,
-                              None, self.dtype)
+                              None, self.dtype, self.vocab)

@@ -71,6 +71,7 @@ class TorchDFlash:
                  scaling: QueryScaling | None):
         self.drafter, self.target, self.scaling = drafter, target, scaling
         self.head = DraftHead.for_drafter(drafter, target.lm_head)
+        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
         self.block_size = drafter.config.block_size
         self.feature_size = drafter.fc.in_features
         self.mask_token_id = drafter.config.mask_token_id
@@ -151,6 +152,7 @@ class TorchBatchDFlash:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
         self.single = TorchDFlash(drafter, target, scaling)
         self.drafter, self.scaling, self.head = drafter, scaling, self.single.head
+        self.vocab = self.single.vocab
         self.embed_tokens = target.embed_tokens
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
         self.cache = drafter.new_cache(0, batch=0, per_sequence=True)

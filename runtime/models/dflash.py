@@ -8,7 +8,8 @@ itself, so every query row sees N = context + block_size keys. The drafter has n
 embedding or head: it borrows the target's `embed_tokens` and `lm_head` -- all of it, or
 only the rows of a draft vocabulary when the checkpoint carries one (`draft_vocab_size`
 in config.json, a `d2t` tensor as in EAGLE-3: target id = draft index + d2t[index]),
-which makes each drafted position's logits several times cheaper (DraftHead).
+which makes each drafted position's logits several times cheaper (DraftHead; they stay
+over the draft vocabulary and the sampler maps the drafts it picks).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
 from runtime.models.target import ModelError, TargetConfig, read_config_json
+from runtime.sampling import DraftVocab
 from runtime.step_metadata import StepMetadata
 
 
@@ -261,32 +263,26 @@ class DFlashDrafter(nn.Module):
 
 class DraftHead(nn.Module):
     """The drafter's output head: the target's LM head, or only its rows for the draft
-    vocabulary. Either way the result is logits over the target's whole vocabulary
-    (-inf outside the draft vocabulary), so sampling and verification see one shape and
-    stay lossless (a token the drafter cannot propose has draft probability 0). The
-    scatter back is one gather over a padded row: one ONNX Gather in an exported graph."""
+    vocabulary. Logits come over the head's rows (`vocab`: which target token each column
+    is; None: the whole vocabulary), never scattered back to the target's width: the
+    sampler maps the drafts it picks (Sampler.propose), and a token the drafter cannot
+    propose has draft probability 0, so verification stays lossless."""
 
     def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor | None = None):
         super().__init__()
         weight = lm_head.weight
         if draft_ids is None:
-            self.weight, self.index = weight, None
+            self.weight, self.vocab = weight, None
             return
         self.register_buffer("weight", weight.detach()[draft_ids].clone(), persistent=False)
-        index = torch.full((weight.shape[0],), len(draft_ids), dtype=torch.long, device=weight.device)
-        index[draft_ids] = torch.arange(len(draft_ids), device=weight.device)
-        self.register_buffer("index", index, persistent=False)
+        self.vocab = DraftVocab(draft_ids.detach().clone(), weight.shape[0])
 
     @classmethod
     def for_drafter(cls, drafter: "DFlashDrafter", lm_head: nn.Linear) -> "DraftHead":
         return cls(lm_head, drafter.draft_token_ids())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, self.weight)
-        if self.index is None:
-            return logits
-        floor = logits.new_full(logits.shape[:-1] + (1,), float("-inf"))
-        return torch.cat([logits, floor], -1).index_select(-1, self.index)
+        return torch.nn.functional.linear(hidden, self.weight)
 
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")  # all that load_dflash reads
