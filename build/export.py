@@ -801,10 +801,11 @@ def export_engine(target: TargetModel, drafter: DFlashDrafter | PARDDrafter | Ea
     progress(f"      {WEIGHTS_FILE}: the graphs' weights, each distinct tensor once")
     share_weights(out_dir, [g["file"] for g in graphs.values()])
     draft_vocab = None
-    if isinstance(drafter, DFlashDrafter) and drafter.draft_token_ids() is not None:
+    ids = drafter.draft_token_ids() if isinstance(drafter, DFlashDrafter) else None
+    if ids is not None:
         # the DFlash graphs' logits are over the draft vocabulary (DraftHead): which
         # target token each column is, for the runtime's sampler (read_draft_vocab)
-        np.save(out_dir / DRAFT_VOCAB_FILE, drafter.draft_token_ids().cpu().numpy().astype(np.int64))
+        np.save(out_dir / DRAFT_VOCAB_FILE, ids.cpu().numpy().astype(np.int64))
         draft_vocab = {"file": DRAFT_VOCAB_FILE, "target_vocab_size": target.config.vocab_size}
     plugin = None
     if scaling is not None and attention == "plugin":

@@ -40,6 +40,7 @@ from runtime.cli import Parser, UsageError, progress, run  # noqa: E402
 from runtime.models.dflash import (DFlashConfig, DFlashDrafter, DraftHead, load_dflash,  # noqa: E402
                                    read_dflash_config, save_dflash)
 from runtime.models.target import load_target, sha256_file  # noqa: E402
+from runtime.sampling import target_ids  # noqa: E402
 
 TOP = 32  # target candidates kept per position
 
@@ -272,10 +273,7 @@ def evaluate(drafter, embed, data, args) -> dict:
     hidden, source = draft_blocks(drafter, embed, data, rows, args, torch.Generator().manual_seed(1234))
     head = DraftHead(_Head(embed), drafter.draft_token_ids())
     target_top1 = target_at(data, rows, source, "top")[..., 0]
-    drafted = head(hidden).argmax(-1)  # a column of the head: map it to its target id
-    if head.vocab is not None:
-        drafted = head.vocab.ids[drafted]
-    agree = (drafted == target_top1).float()
+    agree = (target_ids(head(hidden).argmax(-1), head.vocab) == target_top1).float()
     out = {"top1_agreement_by_position": [round(x, 4) for x in agree.mean((0, 1)).tolist()],
            "teacher_forced_mal": round(float(1 + agree.cumprod(-1).sum(-1).mean()), 4)}
     ids = drafter.draft_token_ids()

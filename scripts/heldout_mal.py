@@ -23,24 +23,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from build.train_drafter import load_shards  # noqa: E402
+from build.train_drafter import _Head, load_shards, target_at  # noqa: E402
 from runtime.models.dflash import DraftHead, load_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
+from runtime.sampling import target_ids  # noqa: E402
 
 CHUNK = 64  # anchors per forward pass: bounds the block-attention memory
-
-
-class _TiedHead:
-    """The target's tied LM head, as DraftHead reads it (an object with .weight)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
 
 
 @torch.no_grad()
 def heldout_mal(drafter, embed: torch.Tensor, data: dict) -> torch.Tensor:
     """MAL of every anchored block of every window, flattened."""
-    head = DraftHead(_TiedHead(embed), drafter.draft_token_ids())
+    head = DraftHead(_Head(embed), drafter.draft_token_ids())  # the target's tied head
     block, seq = drafter.config.block_size, data["ids"].shape[1]
     out = []
     for w in range(len(data["ids"])):
@@ -51,9 +45,9 @@ def heldout_mal(drafter, embed: torch.Tensor, data: dict) -> torch.Tensor:
             block_ids[:, :, 0] = data["ids"][w][anchors]
             hidden = drafter.forward_train(F.embedding(block_ids.flatten(1), embed), features, anchors)
             hidden = hidden.unflatten(1, (anchors.shape[1], block))[:, :, 1:]
-            columns = head(hidden).argmax(-1)
-            drafted = columns if head.vocab is None else head.vocab.ids[columns]
-            want = data["top"][w][anchors[:, :, None] + torch.arange(block - 1), 0].long()
+            drafted = target_ids(head(hidden).argmax(-1), head.vocab)
+            source = anchors[:, :, None] + torch.arange(block - 1)  # the target's row for each draft
+            want = target_at(data, torch.tensor([w]), source, "top")[..., 0].long()
             out.append(1 + (drafted == want).float().cumprod(-1).sum(-1).flatten())
     return torch.cat(out)
 
