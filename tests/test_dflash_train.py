@@ -122,3 +122,45 @@ def test_windows_read_across_shards_as_from_one_tensor():
     rows_wanted = torch.tensor([0, 3, 4, 5, 11, 2, 4])
     assert len(rows) == 12
     assert torch.equal(rows[rows_wanted], torch.cat(parts)[rows_wanted])
+
+
+def test_heldout_mal_scores_every_anchor_as_one_block_at_a_time(tiny_target, checkpoint):
+    """scripts/heldout_mal.py drafts 64 anchors per pass over every window; each block's MAL
+    must equal the same block drafted alone, its drafts mapped through the draft
+    vocabulary and checked against the target's top-1 at positions a .. a+block-2. The
+    labels make every block's first draft right, so MAL >= 2 tests the alignment."""
+    import importlib.util
+    from pathlib import Path
+
+    from runtime.models.dflash import DraftHead, load_dflash
+    from runtime.models.target import load_target
+    from runtime.sampling import target_ids
+
+    spec = importlib.util.spec_from_file_location(
+        "heldout_mal", Path(__file__).resolve().parent.parent / "scripts" / "heldout_mal.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    drafter = load_dflash(checkpoint).float().eval()
+    target, _ = load_target(tiny_target)
+    embed = target.embed_tokens.weight.detach().float()
+    c, seq, windows = drafter.config, 80, 2
+    g = torch.Generator().manual_seed(0)
+    data = {"ids": torch.randint(0, c.vocab_size, (windows, seq), generator=g),
+            "features": torch.randn(windows, seq, drafter.fc.in_features, generator=g),
+            "top": torch.randint(0, c.vocab_size, (windows, seq, 32), generator=g)}
+    head = DraftHead(train_drafter._Head(embed), drafter.draft_token_ids())
+    alone = {}
+    with torch.no_grad():
+        for w in range(windows):
+            for a in range(1, seq - c.block_size + 1):
+                ids = torch.tensor([[data["ids"][w, a]] + [c.mask_token_id] * (c.block_size - 1)])
+                hidden = drafter.forward_train(torch.nn.functional.embedding(ids, embed),
+                                               data["features"][w:w + 1], torch.tensor([[a]]))
+                alone[w, a] = target_ids(head(hidden[0, 1:]).argmax(-1), head.vocab)
+                data["top"][w, a, 0] = alone[w, a][0]  # the first draft is the target's choice
+    expected = []
+    for (w, a), drafts in alone.items():
+        want = data["top"][w, a:a + c.block_size - 1, 0]
+        expected.append(1 + float((drafts == want).float().cumprod(0).sum()))
+    got = script.heldout_mal(drafter, embed, data)
+    assert got.tolist() == expected and min(expected) >= 2 and max(expected) <= c.block_size
