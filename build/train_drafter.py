@@ -55,6 +55,13 @@ def parse(argv):
                         "length, seed, layers); this one caches --tokens more of the train "
                         "split, none of them a window WORK holds (repeatable)")
     p.add_argument("--seq-len", type=int, default=512, help="training max length")
+    p.add_argument("--data", choices=("text", "continuations"), default="text",
+                   help="continuations: each window keeps the first --prompt-len tokens of the "
+                        "text and continues it with the target's own greedy tokens, the text "
+                        "speculation verifies after a prompt (every block position then lies on "
+                        "the target's greedy path); its held-out shard is continued likewise")
+    p.add_argument("--prompt-len", type=int, default=192,
+                   help="with --data continuations: text tokens before the target's own")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 7, 14, 20, 27])
@@ -84,6 +91,8 @@ def parse(argv):
     recipe.add_time_limit(p, ", caching the target states included")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
+    if args.data == "continuations" and not 0 < args.prompt_len < args.seq_len:
+        raise UsageError(f"--prompt-len must lie in 1..{args.seq_len - 1} (--seq-len)")
     if (args.init == "checkpoint") != (args.init_checkpoint is not None):
         raise UsageError("--init checkpoint and --init-checkpoint DIR go together")
     return args
@@ -111,9 +120,12 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
     held-out shard, so held-out agreement stays comparable even if the corpus grew."""
     count = args.tokens // args.seq_len // shard * shard
     earlier = [p for w in args.extend for p in sorted(Path(w).glob("shard-*.pt"))]
-    held = {tuple(row) for p in earlier for row in torch.load(p, mmap=True)["ids"].tolist()}
+    # a window is known by its text: a continuation's first prompt_len tokens
+    key = min([text_tokens(args)] + [text_tokens(json.loads((Path(w) / "meta.json").read_text()))
+                                     for w in args.extend])
+    held = {tuple(row[:key]) for p in earlier for row in torch.load(p, mmap=True)["ids"].tolist()}
     fresh = [w for w in windows(tokenizer, args.seq_len, count + len(held), args.seed)
-             if tuple(w) not in held][:count]
+             if tuple(w[:key]) not in held][:count]
     if len(fresh) < count:
         raise UsageError(f"the train split holds {len(fresh)} windows of {args.seq_len} tokens "
                          f"beyond the extended dirs' {len(held)}; ask for fewer --tokens")
@@ -125,20 +137,48 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
         jobs.append((held_out.name, windows(tokenizer, args.seq_len, shard, args.seed, "calibration")))
     bar = tqdm(total=sum(len(c) for _, c in jobs), desc="cache target states", unit="seq",
                file=sys.stderr)
+    layers = tuple(args.target_layer_ids)
     for name, chunk in jobs:
         path = work / name
         if not path.exists():
             ids = torch.tensor(chunk)
-            cache = target.new_cache(args.seq_len, batch=len(chunk))
-            logits, features = target(ids, cache, tuple(args.target_layer_ids))
-            top_logits, top = logits.topk(TOP, dim=-1)
-            probs = torch.exp(top_logits - torch.logsumexp(logits, -1, keepdim=True))
-            torch.save({"ids": ids, "features": features.half(), "top": top.int(),
-                        "probs": probs.half()}, path.with_suffix(".tmp"))
+            if args.data == "continuations":
+                states = greedy_continuation(target, ids[:, :args.prompt_len], args.seq_len, layers)
+            else:
+                states = target_states(target, ids, target.new_cache(args.seq_len, batch=len(ids)), layers)
+            torch.save(states, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)
         bar.update(len(chunk))
     bar.close()
     return earlier + [work / name for name, _ in jobs if name != held_out.name], held_out
+
+
+def target_states(target, ids: torch.Tensor, cache, layers: tuple) -> dict:
+    """What training reads of the target at each position of `ids` [b, t] (run after the
+    cache's tokens): its features at `layers` and its top-32 next-token distribution."""
+    logits, features = target(ids, cache, layers)
+    top_logits, top = logits.topk(TOP, dim=-1)
+    probs = torch.exp(top_logits - torch.logsumexp(logits, -1, keepdim=True))
+    return {"ids": ids, "features": features.half(), "top": top.int(), "probs": probs.half()}
+
+
+def greedy_continuation(target, prompts: torch.Tensor, seq_len: int, layers: tuple) -> dict:
+    """Continue each prompt [b, p] with the target's greedy tokens to seq_len, keeping
+    the target's states as they are computed (prefill, then one decode step a token):
+    the same record target_states makes of a text window, at no second forward pass."""
+    cache = target.new_cache(seq_len, batch=len(prompts))
+    parts = [target_states(target, prompts, cache, layers)]
+    while cache.length < seq_len:
+        parts.append(target_states(target, parts[-1]["top"][:, -1:, 0].long(), cache, layers))
+    return {k: torch.cat([part[k] for part in parts], 1) for k in parts[0]}
+
+
+def text_tokens(run) -> int:
+    """How many leading tokens of a window are the text's: all, or a continuation's
+    prompt (`run`: this run's arguments, or another work dir's meta.json)."""
+    if isinstance(run, dict):
+        return run.get("continuations_after", run["seq_len"])
+    return run.prompt_len if run.data == "continuations" else run.seq_len
 
 
 def batched(items: list, size: int) -> list[list]:
@@ -149,6 +189,8 @@ def check_work_dir(work: Path, args, source: dict) -> None:
     """A work dir caches one configuration; resuming another would mix data silently."""
     meta = {"target": source.get("sha256") or source.get("path"), "tokens": args.tokens,
             "seq_len": args.seq_len, "seed": args.seed, "target_layer_ids": args.target_layer_ids}
+    if args.data == "continuations":  # a key only then: text work dirs keep their meta.json
+        meta["continuations_after"] = args.prompt_len
     if args.extend:  # the windows this dir holds depend on the ones it extends
         for w in args.extend:
             if not (Path(w) / "meta.json").is_file() or Path(w).resolve() == work.resolve():

@@ -164,3 +164,44 @@ def test_heldout_mal_scores_every_anchor_as_one_block_at_a_time(tiny_target, che
         expected.append(1 + float((drafts == want).float().cumprod(0).sum()))
     got = script.heldout_mal(drafter, embed, data)
     assert got.tolist() == expected and min(expected) >= 2 and max(expected) <= c.block_size
+
+
+def test_continuation_windows_are_the_targets_greedy_path_after_a_text_prompt(
+        tmp_path, tiny_target, capsys):
+    """--data continuations: each window is a text window's first --prompt-len tokens and
+    then the target's own greedy tokens, and the states kept while generating (one decode
+    step a token) are the ones a whole-window forward pass computes. The held-out shard is
+    continued too. So every block position past the prompt lies on the greedy path."""
+    from runtime.models.target import load_target
+
+    prompt = 12
+    args = recipe_args(tiny_target, tmp_path, "--steps", "0", "--draft-vocab", "64",
+                       "--data", "continuations", "--prompt-len", str(prompt))
+    assert run(train_drafter.main, args) == 0, capsys.readouterr().err
+    target, tokenizer = load_target(tiny_target)
+    text = train_drafter.windows(tokenizer, 32, 16, 0)
+    for name in ("shard-0000.pt", "held-out.pt"):
+        shard = torch.load(tmp_path / "work" / name)
+        ids, top = shard["ids"], shard["top"].long()
+        if name == "shard-0000.pt":
+            assert ids[:, :prompt].tolist() == [w[:prompt] for w in text]
+        assert torch.equal(ids[:, prompt:], top[:, prompt - 1:-1, 0])  # the target's argmax
+        assert not torch.equal(ids, torch.tensor(text))  # the target's own text, not the file's
+        with torch.inference_mode():
+            whole = train_drafter.target_states(target, ids, target.new_cache(32, batch=len(ids)),
+                                                (0, 1, 2))
+        assert torch.allclose(shard["features"].float(), whole["features"].float(), atol=2e-3)
+        assert torch.equal(shard["top"][..., :4], whole["top"][..., :4])
+        anchors = torch.arange(prompt - 1, 29)  # blocks whose drafts all lie past the prompt
+        source = anchors[None, :, None] + torch.arange(3)
+        greedy = train_drafter.on_greedy_path(shard, torch.arange(len(ids)), source)
+        assert bool((greedy == 1).all())
+    assert json.loads((tmp_path / "work" / "meta.json").read_text())["continuations_after"] == prompt
+
+
+@pytest.mark.parametrize("prompt_len", ["0", "32"])
+def test_a_prompt_that_leaves_no_continuation_is_refused_in_one_line(
+        tmp_path, tiny_target, capsys, prompt_len):
+    args = recipe_args(tiny_target, tmp_path, "--data", "continuations", "--prompt-len", prompt_len)
+    assert run(train_drafter.main, args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --prompt-len must lie in 1..31")
