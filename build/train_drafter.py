@@ -491,10 +491,14 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
             "init": args.init,
             **({"init_checkpoint": {"path": warm["path"], "sha256": warm["sha256"]}} if warm else {}),
             "labels": args.labels, "draft_vocab_size": args.draft_vocab or None,
+            "data": args.data, **({"prompt_len": args.prompt_len} if args.data == "continuations" else {}),
             "loss_every_tenth": losses, "final_loss_last100": last100,
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
     command = recipe.command_line("train_drafter.py")
+    continued = ("" if args.data == "text" else
+                 f": in this work dir's windows, the first {args.prompt_len} tokens of a text window, "
+                 f"then the target's own greedy continuation (`--data continuations`)")
     (out / "README.md").write_text(f"""# DFlash drafter for SmolLM2-135M-Instruct (trained here, on CPU)
 
 A {config.num_layers}-layer DFlash drafter (hidden {config.hidden_size}, block size
@@ -505,7 +509,7 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
   to float32 (sha256 {source.get('sha256', '?')[:16]}…).
 - Data: CPython {sys.version.split()[0]} standard-library sources, *train* split of
   `runtime/corpus.py` (a hash of each file's name; eval and calibration files never seen),
-  {windows_used} windows x {args.seq_len} tokens = {windows_used * args.seq_len:,} tokens.
+  {windows_used} windows x {args.seq_len} tokens = {windows_used * args.seq_len:,} tokens{continued}.
 - Training max length: **{args.seq_len} tokens** on purpose (the target reads 8,192), so
   long contexts dilute this drafter as the SharpDraft paper describes.
 - Objective: soft cross-entropy of the drafter's full-vocabulary distribution against the

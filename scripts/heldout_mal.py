@@ -32,14 +32,14 @@ CHUNK = 64  # anchors per forward pass: bounds the block-attention memory
 
 
 @torch.no_grad()
-def heldout_mal(drafter, embed: torch.Tensor, data: dict) -> torch.Tensor:
-    """MAL of every anchored block of every window, flattened."""
+def heldout_mal(drafter, embed: torch.Tensor, data: dict, first_anchor: int = 1) -> torch.Tensor:
+    """MAL of every block anchored at first_anchor or later in every window, flattened."""
     head = DraftHead(_Head(embed), drafter.draft_token_ids())  # the target's tied head
     block, seq = drafter.config.block_size, data["ids"].shape[1]
     out = []
     for w in range(len(data["ids"])):
         features = data["features"][torch.tensor([w])].float()
-        for start in range(1, seq - block + 1, CHUNK):
+        for start in range(first_anchor, seq - block + 1, CHUNK):
             anchors = torch.arange(start, min(start + CHUNK, seq - block + 1))[None]
             block_ids = torch.full((1, anchors.shape[1], block), drafter.config.mask_token_id)
             block_ids[:, :, 0] = data["ids"][w][anchors]
@@ -57,6 +57,12 @@ def main(argv=None) -> int:
     p.add_argument("drafters", nargs="+", help="DFlash checkpoint directories")
     p.add_argument("--held-out", default=".cache/train-dflash-800k/held-out.pt",
                    help="a held-out.pt that train_drafter.py cached")
+    p.add_argument("--anchors-from", type=int, default=1, metavar="A",
+                   help="score only blocks anchored at token A or later: on a held-out shard of "
+                        "continuations (train_drafter.py --data continuations), A = its "
+                        "--prompt-len keeps the blocks whose bonus token and every checked "
+                        "token are the target's own greedy text: what greedy speculation with "
+                        "whole blocks would accept there, given the same context")
     p.add_argument("--target", default=None, help="target directory (default: the one engines/targets holds)")
     args = p.parse_args(argv)
     data = load_shards([Path(args.held_out)])
@@ -65,7 +71,11 @@ def main(argv=None) -> int:
     embed = target.embed_tokens.weight.detach().float()
     first = None
     for path in args.drafters:
-        mal = heldout_mal(load_dflash(path).float().eval(), embed, data)
+        drafter = load_dflash(path).float().eval()
+        last = data["ids"].shape[1] - drafter.config.block_size  # the last anchor a whole block fits
+        if not 1 <= args.anchors_from <= last:
+            p.error(f"--anchors-from must lie in 1..{last} for these windows and {path}'s blocks")
+        mal = heldout_mal(drafter, embed, data, args.anchors_from)
         line = f"{path}: teacher-forced MAL {float(mal.mean()):.4f} over {len(mal)} blocks"
         if first is None:
             first = mal

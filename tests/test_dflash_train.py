@@ -164,6 +164,9 @@ def test_heldout_mal_scores_every_anchor_as_one_block_at_a_time(tiny_target, che
         expected.append(1 + float((drafts == want).float().cumprod(0).sum()))
     got = script.heldout_mal(drafter, embed, data)
     assert got.tolist() == expected and min(expected) >= 2 and max(expected) <= c.block_size
+    # --anchors-from A: the same blocks' MALs, those anchored at A or later
+    later = [mal for (w, a), mal in zip(alone, expected) if a >= 30]
+    assert script.heldout_mal(drafter, embed, data, first_anchor=30).tolist() == later
 
 
 def test_continuation_windows_are_the_targets_greedy_path_after_a_text_prompt(
@@ -197,6 +200,9 @@ def test_continuation_windows_are_the_targets_greedy_path_after_a_text_prompt(
         greedy = train_drafter.on_greedy_path(shard, torch.arange(len(ids)), source)
         assert bool((greedy == 1).all())
     assert json.loads((tmp_path / "work" / "meta.json").read_text())["continuations_after"] == prompt
+    card = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert (card["data"], card["prompt_len"]) == ("continuations", prompt)
+    assert "the target's own greedy continuation" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("prompt_len", ["0", "32"])
