@@ -497,8 +497,8 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
     command = recipe.command_line("train_drafter.py")
     continued = ("" if args.data == "text" else
-                 f": in this work dir's windows, the first {args.prompt_len} tokens of a text window, "
-                 f"then the target's own greedy continuation (`--data continuations`)")
+                 f"; each window this run cached is the first {args.prompt_len} tokens of a text "
+                 f"window, then the target's own greedy continuation (`--data continuations`)")
     (out / "README.md").write_text(f"""# DFlash drafter for SmolLM2-135M-Instruct (trained here, on CPU)
 
 A {config.num_layers}-layer DFlash drafter (hidden {config.hidden_size}, block size
