@@ -4,8 +4,11 @@ paired (same blocks for each drafter). train_drafter.py's evaluate draws 16 rand
 blocks per window (256 blocks: a standard error of ~0.05 MAL, as large as the gains
 being compared); every anchor of the 16 windows is 8,064 blocks.
 
-    python scripts/heldout_mal.py checkpoints/dflash-smollm2-135m .cache/drafter-v5 \
-        --held-out .cache/train-dflash-800k/held-out.pt
+    python scripts/heldout_mal.py checkpoints/dflash-smollm2-135m .cache/drafter-v8 \
+        --held-out .cache/train-dflash-cont/held-out.pt --anchors-from 192
+
+(held-out.pt: the held-out shard a train_drafter.py work dir caches, from the calibration
+split; rebuild one with the drafter card's command.)
 
 A block anchored after token a drafts positions a+1 .. a+block-1 from the target's
 features of tokens < a and its own token a; MAL is 1 + the leading drafts equal to the
@@ -55,8 +58,8 @@ def heldout_mal(drafter, embed: torch.Tensor, data: dict, first_anchor: int = 1)
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("drafters", nargs="+", help="DFlash checkpoint directories")
-    p.add_argument("--held-out", default=".cache/train-dflash-800k/held-out.pt",
-                   help="a held-out.pt that train_drafter.py cached")
+    p.add_argument("--held-out", required=True, metavar="FILE",
+                   help="a held-out.pt that train_drafter.py cached in its work dir")
     p.add_argument("--anchors-from", type=int, default=1, metavar="A",
                    help="score only blocks anchored at token A or later: on a held-out shard of "
                         "continuations (train_drafter.py --data continuations), A = its "
@@ -65,6 +68,12 @@ def main(argv=None) -> int:
                         "whole blocks would accept there, given the same context")
     p.add_argument("--target", default=None, help="target directory (default: the one engines/targets holds)")
     args = p.parse_args(argv)
+    if not Path(args.held_out).is_file():
+        p.error(f"--held-out {args.held_out}: no such file (train_drafter.py caches "
+                "held-out.pt in its --work dir)")
+    for path in args.drafters:
+        if not (Path(path) / "config.json").is_file():
+            p.error(f"{path}: not a DFlash checkpoint directory (no config.json)")
     data = load_shards([Path(args.held_out)])
     target_dir = Path(args.target) if args.target else next(Path("engines/targets").iterdir())
     target, _ = load_target(target_dir)

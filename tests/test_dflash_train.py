@@ -169,6 +169,41 @@ def test_heldout_mal_scores_every_anchor_as_one_block_at_a_time(tiny_target, che
     assert script.heldout_mal(drafter, embed, data, first_anchor=30).tolist() == later
 
 
+def test_heldout_mal_refuses_bad_input_in_one_line(tmp_path, tiny_target, checkpoint, capsys):
+    """A missing held-out file, a directory that is no checkpoint, and an --anchors-from
+    past the last whole block each exit 2 with one line naming the problem."""
+    import importlib.util
+    from pathlib import Path
+
+    from runtime.models.dflash import load_dflash
+
+    spec = importlib.util.spec_from_file_location(
+        "heldout_mal", Path(__file__).resolve().parent.parent / "scripts" / "heldout_mal.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    drafter = load_dflash(checkpoint)
+    g = torch.Generator().manual_seed(0)
+    held_out = tmp_path / "held-out.pt"
+    torch.save({"ids": torch.randint(0, drafter.config.vocab_size, (2, 40), generator=g),
+                "features": torch.randn(2, 40, drafter.fc.in_features, generator=g).half(),
+                "top": torch.randint(0, drafter.config.vocab_size, (2, 40, 32), generator=g)},
+               held_out)
+    base = [str(checkpoint), "--target", str(tiny_target)]
+    cases = [(base + ["--held-out", str(tmp_path / "none.pt")], "none.pt: no such file"),
+             ([str(tmp_path), "--target", str(tiny_target), "--held-out", str(held_out)],
+              "not a DFlash checkpoint"),
+             (base + ["--held-out", str(held_out), "--anchors-from", "40"],
+              f"--anchors-from must lie in 1..{40 - drafter.config.block_size}")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            script.main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in err and "Traceback" not in err
+    assert script.main(base + ["--held-out", str(held_out), "--anchors-from", "20"]) == 0
+    assert "teacher-forced MAL" in capsys.readouterr().out
+
+
 def test_continuation_windows_are_the_targets_greedy_path_after_a_text_prompt(
         tmp_path, tiny_target, capsys):
     """--data continuations: each window is a text window's first --prompt-len tokens and
