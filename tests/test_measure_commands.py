@@ -189,3 +189,30 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
     assert rebuilt["query_scaling"] == calibration["chosen"]
     assert rebuilt["extra"]["query_scaling_source"].startswith("calibrated")
     assert rebuilt["extra"]["family_preset"]["ref_keys"] == 2048
+
+
+def test_ab_step_costs_decodes_under_both_tables(tiny_engine, doc, tmp_path, capsys):
+    """scripts/ab_step_costs.py swaps the engine's step costs for another build's: under a
+    table where every verified token costs a whole step, no draft is worth verifying (MAL
+    1), under the engine's own (verifying free) the lookups' drafts land on this
+    repetitive text (the tiny drafter's rarely do); both lossless."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "ab_step_costs", Path(__file__).resolve().parent.parent / "scripts" / "ab_step_costs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    manifest = json.loads((tiny_engine / "engine.json").read_text())
+    for backend in manifest["extra"]["step_costs"]:
+        manifest["extra"]["step_costs"][backend] = {"verify": [0.0, 1.0, 0.0, 0.0], "draft": [0.0, 0.0]}
+    other = tmp_path / "engine.json"
+    other.write_text(json.dumps(manifest))
+    argv = ["--engine-dir", str(tiny_engine), "--costs-from", str(other), "--lengths", "40",
+            "--new-tokens", "24", "--docs", str(doc), "--modes", "hybrid"]
+    assert script.main(argv) == 0
+    mal = {line.split()[2]: float(line.split()[4]) for line in capsys.readouterr().out.splitlines()
+           if line.split()[:2] == ["40", "hybrid"]}
+    assert mal["other"] == 1.0 and mal["own"] > 1.0
+    assert script.main(argv[:2] + ["--costs-from", str(tmp_path / "none.json")] + argv[4:]) == 2
+    assert "error:" in capsys.readouterr().err

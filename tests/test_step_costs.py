@@ -119,3 +119,44 @@ def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_pat
         costs = StepCosts.from_dict(manifest["extra"]["step_costs"][backend])
         assert costs.verify_seconds(1, 64) > 0 and costs.draft_seconds(64) >= 0
         assert Engine(out, backend=backend).step_costs == costs
+
+
+def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch):
+    """Each timed drafter step follows a target pass of DRAFTER_AFTER_VERIFY tokens (as in
+    decoding, where the target's weights have just gone through the caches) and reads
+    DRAFTER_ROWS rows of features; only the drafter step is inside the timer."""
+    import time
+    import types
+
+    import runtime.step_costs as step_costs
+
+    engine = Engine(tiny_engine)
+    drafter_type = type(engine.drafter(frozen=True))
+    log, timing = [], []
+    real_verify, real_draft = type(engine.target).verify, drafter_type.draft
+
+    def verify(self, ids):
+        log.append(("verify", len(ids), bool(timing)))
+        return real_verify(self, ids)
+
+    def draft(self, context, bonus):
+        log.append(("draft", context.shape[0], bool(timing)))
+        return real_draft(self, context, bonus)
+
+    real_clock = time.perf_counter
+
+    def clock():  # timer on at the first read of a pair, off at the second
+        timing.append(1) if not timing else timing.clear()
+        return real_clock()
+
+    monkeypatch.setattr(type(engine.target), "verify", verify)
+    monkeypatch.setattr(drafter_type, "draft", draft)
+    monkeypatch.setattr(step_costs, "time", types.SimpleNamespace(perf_counter=clock))
+    costs = step_costs.measure(engine, contexts=(24,), sizes=(1, 2), repeats=3)
+    assert costs.draft is not None
+    drafts = [i for i, (kind, _, _) in enumerate(log) if kind == "draft"]
+    timed = [i for i in drafts if log[i][2]]
+    assert len(timed) == 3  # the repeats; the fill and warm-up steps are untimed
+    for i in timed:
+        assert log[i][1] == step_costs.DRAFTER_ROWS
+        assert log[i - 1] == ("verify", step_costs.DRAFTER_AFTER_VERIFY, False)
