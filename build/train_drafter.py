@@ -200,8 +200,10 @@ def check_work_dir(work: Path, args, source: dict) -> None:
             mine = {k: meta[k] for k in ("target", "seq_len", "seed", "target_layer_ids")}
             if {k: theirs.get(k) for k in mine} != mine:
                 raise UsageError(f"--extend {w} caches another target, length, seed or layers")
+            # a dir that extends others holds no held-out shard: it scores on theirs
+            held_out_there = "extends" in theirs or (Path(w) / "held-out.pt").is_file()
             if (len(list(Path(w).glob("shard-*.pt"))) != theirs["tokens"] // args.seq_len // 16
-                    or not (Path(w) / "held-out.pt").is_file()):
+                    or not held_out_there):
                 raise UsageError(f"--extend {w} is not fully cached yet: finish it first")
     path = work / "meta.json"
     if path.exists() and json.loads(path.read_text()) != meta:

@@ -107,6 +107,12 @@ def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target
     assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 32
     assert json.loads((more / "meta.json").read_text())["extends"][0]["tokens"] == 512
     assert not (more / "held-out.pt").exists()  # the extended dir's: comparable agreement
+    # a third dir extends both (the second has no held-out shard of its own)
+    third = second + ["--work", str(tmp_path / "third"), "--extend", str(more)]
+    assert run(train_drafter.main, third) == 0, capsys.readouterr().err
+    newest = torch.load(tmp_path / "third" / "shard-0000.pt")["ids"].tolist()
+    assert not {tuple(r) for r in old + new} & {tuple(r) for r in newest}
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 48
     # more new windows than the train split holds: refused in one line
     too_many = second + ["--work", str(tmp_path / "huge"), "--tokens", str(10 ** 9)]
     assert run(train_drafter.main, too_many) == 2
