@@ -50,7 +50,7 @@ import torch
 from runtime.backends import BlockDrafter, ChainDrafter, Target, TreeDrafter
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
-from runtime.sampling import Sampler
+from runtime.sampling import Sampler, greedy_choice
 from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 from runtime.tree import DraftTree, TreeShape
 
@@ -252,7 +252,7 @@ def generate_tree(target: Target, drafter: TreeDrafter, prompt: list[int], max_n
                                  else (DraftTree.root_only(gen.tokens[-1]), None))
             with gen.timed("verify"):
                 logits, features = target.verify_tree(tree)
-                path, token = tree.greedy_path(logits.argmax(-1).tolist())
+                path, token = tree.greedy_path(greedy_choice(logits).tolist())
                 target.keep_path(path)
             following = [tree.tokens[i] for i in path[1:]] + [token]
             context = features[path]

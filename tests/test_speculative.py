@@ -272,3 +272,22 @@ def test_hybrid_sampling_preserves_the_target_distribution(costs):
     assert sum(n for (who, _), n in first_step.items() if who == "drafter") > 0.02 * draws
     assert all(first_step[("ngram", n)] > 0.02 * draws for n in (1, 2)), first_step
     assert chi_square_p(counts, expected) > 0.001
+
+
+def test_greedy_reductions_match_torch_ties_included():
+    """The greedy sampler's argmax and confidence run in numpy (greedy_choice: torch's
+    threads would spin on the cores ONNX Runtime's next step needs). They must choose as
+    torch does: ties go to the first maximum, for every dtype the backends hand over."""
+    from runtime.sampling import Sampler, greedy_choice
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (5, 300), generator=g).float()  # many ties per row
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        y = x.to(dtype)
+        assert greedy_choice(y).tolist() == y.argmax(-1).tolist()
+        assert int(greedy_choice(y[2])) == int(y[2].argmax())
+    logits = torch.randn(6, 8192, generator=g) * 4
+    want = torch.softmax(logits.double(), -1).max(-1).values
+    assert Sampler().confidence(logits, None) == pytest.approx(want.tolist(), rel=1e-12)
+    drafts, probs = Sampler().propose(logits, None)
+    assert drafts == logits.argmax(-1).tolist() and probs is None
