@@ -131,7 +131,7 @@ def cache_shards(args, work: Path, target, tokenizer, shard: int = 16) -> tuple[
                          f"beyond the extended dirs' {len(held)}; ask for fewer --tokens")
     jobs = [(f"shard-{n:04d}.pt", chunk) for n, chunk in enumerate(batched(fresh, shard))]
     if args.extend:
-        held_out = Path(args.extend[0]) / "held-out.pt"
+        held_out = extended_held_out(args)
     else:
         held_out = work / "held-out.pt"
         jobs.append((held_out.name, windows(tokenizer, args.seq_len, shard, args.seed, "calibration")))
@@ -185,6 +185,13 @@ def batched(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def extended_held_out(args) -> Path | None:
+    """The held-out shard an extending run scores on: the first --extend dir's that holds
+    one (a dir that extends others holds none)."""
+    return next((Path(w) / "held-out.pt" for w in args.extend
+                 if (Path(w) / "held-out.pt").is_file()), None)
+
+
 def check_work_dir(work: Path, args, source: dict) -> None:
     """A work dir caches one configuration; resuming another would mix data silently."""
     meta = {"target": source.get("sha256") or source.get("path"), "tokens": args.tokens,
@@ -200,11 +207,14 @@ def check_work_dir(work: Path, args, source: dict) -> None:
             mine = {k: meta[k] for k in ("target", "seq_len", "seed", "target_layer_ids")}
             if {k: theirs.get(k) for k in mine} != mine:
                 raise UsageError(f"--extend {w} caches another target, length, seed or layers")
-            # a dir that extends others holds no held-out shard: it scores on theirs
-            held_out_there = "extends" in theirs or (Path(w) / "held-out.pt").is_file()
-            if (len(list(Path(w).glob("shard-*.pt"))) != theirs["tokens"] // args.seq_len // 16
-                    or not held_out_there):
+            # a dir that extends others holds no held-out shard (it scored on theirs), so
+            # completeness is its shards, and the held-out shard is looked for below
+            done = len(list(Path(w).glob("shard-*.pt"))) == theirs["tokens"] // args.seq_len // 16
+            if not done or ("extends" not in theirs and not (Path(w) / "held-out.pt").is_file()):
                 raise UsageError(f"--extend {w} is not fully cached yet: finish it first")
+        if extended_held_out(args) is None:
+            raise UsageError("--extend: none of these dirs holds a held-out shard (a dir that "
+                             "extends another scores on that one's: pass it too)")
     path = work / "meta.json"
     if path.exists() and json.loads(path.read_text()) != meta:
         raise ValueError(f"{work} caches another configuration ({path}); "

@@ -113,6 +113,11 @@ def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target
     newest = torch.load(tmp_path / "third" / "shard-0000.pt")["ids"].tolist()
     assert not {tuple(r) for r in old + new} & {tuple(r) for r in newest}
     assert json.loads((tmp_path / "out" / "training.json").read_text())["windows"] == 48
+    # an extension dir alone has no held-out shard to score on: refused in one line
+    alone = recipe_args(tiny_target, tmp_path, "--steps", "0", "--draft-vocab", "64",
+                        "--work", str(tmp_path / "alone"), "--extend", str(more))
+    assert run(train_drafter.main, alone) == 2
+    assert "holds a held-out shard" in capsys.readouterr().err.strip().splitlines()[-1]
     # more new windows than the train split holds: refused in one line
     too_many = second + ["--work", str(tmp_path / "huge"), "--tokens", str(10 ** 9)]
     assert run(train_drafter.main, too_many) == 2
