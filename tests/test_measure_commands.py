@@ -216,3 +216,31 @@ def test_ab_step_costs_decodes_under_both_tables(tiny_engine, doc, tmp_path, cap
     assert mal["other"] == 1.0 and mal["own"] > 1.0
     assert script.main(argv[:2] + ["--costs-from", str(tmp_path / "none.json")] + argv[4:]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
+    """Long-context MALs within --tolerance of the best are one measurement: the choice
+    among them is the largest ref_keys (beta stays exactly 1 over more short contexts),
+    then the larger slope; a clear winner still wins, and a setting that loses the short
+    context is never chosen however well it does long."""
+    from plugins.scaling import QueryScaling
+    from runtime.commands.calibrate import choose
+    from runtime.metrics import Generation
+
+    def gen(mal):  # 100 verify passes committing `mal` tokens each on average
+        return Generation(prompt_tokens=1, committed_per_step=[1] * 100 if mal == 1 else
+                          [int(mal * 100) - 99] + [1] * 99)
+
+    def results(long_mals, short_mals):
+        out = {None: {40: [gen(1.5)], 300: [gen(1.2)]}}
+        for setting, mal in long_mals.items():
+            out[setting] = {40: [gen(short_mals.get(setting, 1.5))], 300: [gen(mal)]}
+        return out
+
+    r512, r1024, r256 = QueryScaling(512, 32, 2.5), QueryScaling(1024, 32, 2.5), QueryScaling(256, 32, 5.0)
+    chosen, _ = choose(results({r512: 1.813, r1024: 1.80, r256: 1.90}, {r256: 1.40}), [300], 40, 0.01)
+    assert chosen == r1024  # 1.80 is within 1% of 1.813; 256 lost the short context
+    chosen, _ = choose(results({r512: 1.90, r1024: 1.80}, {}), [300], 40, 0.01)
+    assert chosen == r512  # 5% apart is not a tie
+    chosen, _ = choose(results({r512: 1.80, QueryScaling(512, 32, 5.0): 1.80}, {}), [300], 40, 0.01)
+    assert chosen.slope == 5.0
