@@ -291,3 +291,27 @@ def test_greedy_reductions_match_torch_ties_included():
     assert Sampler().confidence(logits, None) == pytest.approx(want.tolist(), rel=1e-12)
     drafts, probs = Sampler().propose(logits, None)
     assert drafts == logits.argmax(-1).tolist() and probs is None
+
+
+def test_sampling_ops_run_on_one_torch_thread_and_give_it_back(monkeypatch):
+    """Sampling-mode probabilities, rejection steps and EAGLE-3's tree scores run their
+    torch ops on one thread (one_torch_thread: the pool's spinning workers slowed ONNX
+    Runtime's next step), and the caller's thread count is restored after each -- also
+    when the op raises."""
+    from runtime import sampling
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: counts[-1])
+    counts = [2]
+    monkeypatch.setattr(torch, "set_num_threads", counts.append)
+    seen = []
+    real_softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: seen.append(counts[-1]) or real_softmax(*a, **k))
+    sampler = sampling.Sampler(sampling.Sampling(0.8, seed=0))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    drafts, q = sampler.propose(logits[:2])
+    sampler.verify(drafts, logits, q)
+    sampling.log_softmax(logits)
+    assert seen and set(seen) == {1} and counts[-1] == 2
+    with pytest.raises(RuntimeError):
+        sampling.log_softmax(torch.tensor([1, 2]))  # log_softmax of an int tensor raises
+    assert counts[-1] == 2

@@ -41,7 +41,7 @@ from runtime.backends import ChainDraft
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
-from runtime.sampling import DraftVocab
+from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, padded, padded_context
 from runtime.tree import TreeShape, grow_tree
 
@@ -392,9 +392,9 @@ class OnnxEagle3:
                 tokens, parent_hidden, np.ascontiguousarray(scratch_mask[:, :written].numpy()),
                 offset)
             largest.append(int(counts.max()))
-            return torch.log_softmax(out_logits, -1), out_hidden
+            return log_softmax(out_logits, -1), out_hidden
 
-        tree = grow_tree(following[-1], torch.log_softmax(logits, -1), hidden, expand,
+        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
                          shape or self.tree, lambda indices: indices)  # target ids already
         return tree, max(largest)
 

@@ -6,6 +6,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime.backends import ChainDraft
+from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
@@ -221,9 +222,9 @@ class TorchEagle3:
             out_logits, out_hidden, counts = self.drafter(ids, parent_hidden[None], self.cache, self.scaling,
                                                           tree=(scratch_mask[None], offsets))
             largest.append(int(counts.max()))
-            return torch.log_softmax(out_logits[0], -1), out_hidden[0]
+            return log_softmax(out_logits[0], -1), out_hidden[0]
 
-        tree = grow_tree(following[-1], torch.log_softmax(logits, -1), hidden, expand,
+        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
                          shape or self.tree, self.vocab.to_target)
         return tree, max(largest)
 
