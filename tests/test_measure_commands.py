@@ -228,8 +228,7 @@ def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     from runtime.metrics import Generation
 
     def gen(mal):  # 100 verify passes committing `mal` tokens each on average
-        return Generation(prompt_tokens=1, committed_per_step=[1] * 100 if mal == 1 else
-                          [int(mal * 100) - 99] + [1] * 99)
+        return Generation(prompt_tokens=1, committed_per_step=[round(mal * 100) - 99] + [1] * 99)
 
     def results(long_mals, short_mals):
         out = {None: {40: [gen(1.5)], 300: [gen(1.2)]}}
