@@ -26,7 +26,7 @@ def one_torch_thread():
     and its workers then spin on the cores the next ONNX Runtime step needs. Measured on
     the default engine at 512 tokens: a float64 softmax over [4, 49,152] on 2 threads, then
     a 1-token decode step 27.1 ms; the same softmax on 1 thread, then the step 22.6 ms
-    (none: 22.5 ms), the softmax itself 0.7 ms either way (medians of 20, interleaved).
+    (none: 22.5 ms), the softmax itself 0.6-0.7 ms either way (medians of 20, interleaved).
     Thread counts are per calling thread, so a decoding thread does not change another's."""
     threads = torch.get_num_threads()
     if threads == 1:

@@ -305,13 +305,17 @@ def test_sampling_ops_run_on_one_torch_thread_and_give_it_back(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", counts.append)
     seen = []
     real_softmax = torch.softmax
+    real_log_softmax = torch.log_softmax
     monkeypatch.setattr(torch, "softmax", lambda *a, **k: seen.append(counts[-1]) or real_softmax(*a, **k))
+    monkeypatch.setattr(torch, "log_softmax",
+                        lambda *a, **k: seen.append(("log", counts[-1])) or real_log_softmax(*a, **k))
     sampler = sampling.Sampler(sampling.Sampling(0.8, seed=0))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     drafts, q = sampler.propose(logits[:2])
     sampler.verify(drafts, logits, q)
-    sampling.log_softmax(logits)
     assert seen and set(seen) == {1} and counts[-1] == 2
+    sampling.log_softmax(logits)
+    assert seen[-1] == ("log", 1) and counts[-1] == 2
     with pytest.raises(RuntimeError):
         sampling.log_softmax(torch.tensor([1, 2]))  # log_softmax of an int tensor raises
     assert counts[-1] == 2
