@@ -165,14 +165,16 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
                               "--attention", "plugin",  # the plugin fields must follow the choice
                               "--output", str(engine)]) == 0
     code = run(main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
-                      "--slopes", "2", "5", "--lengths", "150", "300", "--short", "40",
-                      "--new-tokens", "8", "--docs", str(doc), "--write-checkpoint"])
+                      "--slopes", "2", "5", "--max-log-scales", "0.5", "1.0", "--lengths", "150",
+                      "300", "--short", "40", "--new-tokens", "8", "--docs", str(doc),
+                      "--write-checkpoint"])
     assert code == 0, capsys.readouterr().err
     manifest = json.loads((engine / "engine.json").read_text())
     calibration = manifest["extra"]["calibration"]
     assert calibration["previous_scaling"]["ref_keys"] == 64
     assert manifest["query_scaling"] == calibration["chosen"]
-    assert len(calibration["grid"]) == 4
+    assert len(calibration["grid"]) == 8
+    assert {row["query_scaling"]["max_log_scale"] for row in calibration["grid"]} == {0.5, 1.0}
     assert manifest["extra"]["onnx"]["plugin"]["fields"]["ref_keys"] == calibration["chosen"]["ref_keys"]
     # the re-exported graph is what the manifest hashes: the engine still loads and runs
     code = run(main, ["generate", "--engine-dir", str(engine), "--prompt", "import re\n",
@@ -243,3 +245,8 @@ def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     assert chosen == r512  # 5% apart is not a tie
     chosen, _ = choose(results({r512: 1.80, QueryScaling(512, 32, 5.0): 1.80}, {}), [300], 40, 0.01)
     assert chosen.slope == 5.0
+    higher_cap = QueryScaling(1024, 32, 2.5, max_log_scale=0.75)
+    chosen, _ = choose(results({r1024: 1.80, higher_cap: 1.805}, {}), [300], 40, 0.01)
+    assert chosen == r1024  # a tie keeps the paper's lower cap
+    chosen, _ = choose(results({r1024: 1.80, higher_cap: 1.90}, {}), [300], 40, 0.01)
+    assert chosen == higher_cap  # a cap that wins clearly is taken

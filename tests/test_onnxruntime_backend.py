@@ -13,7 +13,7 @@ import torch
 from runtime import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
-from runtime.backends.onnxruntime import PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
+from runtime.backends.onnxruntime import HOST_PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
 from runtime.backends.torch import TorchDFlash
 from runtime.cli import run
 from runtime.engine import Engine
@@ -195,7 +195,7 @@ def test_target_steps_read_and_write_the_bound_cache_in_place(torch_engine, ort_
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("length", [PREFILL_CHUNK, 2 * PREFILL_CHUNK + 1])
+@pytest.mark.parametrize("length", [HOST_PREFILL_CHUNK, 2 * HOST_PREFILL_CHUNK + 1])
 def test_chunked_prefill_and_a_full_cache_match_torch(length, torch_engine, ort_engine):
     ids = random_prompt(length)
     runs = {}

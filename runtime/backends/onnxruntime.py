@@ -10,8 +10,8 @@ where they lie and hands back only its own keys/values, which land in the buffer
 committed length; a rollback is a length change. (The previous backend fed the committed
 prefix as an input and the graph concatenated it with the step's keys in every layer:
 at 4,096 tokens 4.2 tok/s against torch's 9.6 in one session; now 16.9 against 10.5 in
-another; see build/export.py.) A prefill runs in PREFILL_CHUNK-token steps over compact
-copies of the prefix (OnnxTarget.prefill).
+another; see build/export.py.) A prefill runs in HOST_PREFILL_CHUNK-token steps over
+compact copies of the prefix (OnnxTarget.prefill).
 
 The drafters of native-form engines run the same way: drafter-kv.onnx over a
 BoundKVCache (BoundDFlash, BoundBatchDFlash), storing only each step's context keys.
@@ -52,7 +52,14 @@ from runtime.tree import TreeShape, grow_tree
 #    Engines exported since may add the drafters over cache buffers (graphs drafter_kv,
 #    drafter_frozen_kv): the runtime runs them where present; without them, drafter.onnx.
 EXPORT_VERSION = 3
-PREFILL_CHUNK = 512  # tokens per prefill step
+PREFILL_CHUNK = 512  # the longest step an engine's graphs take (TensorRT's profiles)
+# Tokens per step of the target's prefill here. The graph scores a chunk against the
+# whole prefix in one materialised block ([kv_heads, group x chunk, prefix]) and passes
+# over it several times (mask, join, softmax, split), so ONNX Runtime's arena grows with
+# the chunk: at 7,680 tokens of pydoc.py, peak RSS 2,834 / 2,583 / 2,441 MiB with
+# 512 / 256 / 128-token chunks, the prefill no slower (91 / 86 / 86 s beside a training
+# run; one session, fresh process each). The pass count, not the chunk, sets its cost.
+HOST_PREFILL_CHUNK = 128
 
 
 class HostKVCache:
@@ -196,8 +203,8 @@ class OnnxTarget:
         return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
 
     def prefill(self, ids: list[int], capacity: int):
-        """In PREFILL_CHUNK-token steps, each over a compact copy of the prefix committed
-        so far rather than the whole buffer: a step's scores are [chunk, prefix + chunk]
+        """In HOST_PREFILL_CHUNK-token steps, each over a compact copy of the prefix
+        committed so far rather than the whole buffer: a step's scores are [chunk, prefix + chunk]
         per head, so a long prefill costs causal attention (the masked capacity would
         roughly double it) at the price of copying the prefix once per chunk."""
         import onnxruntime
@@ -205,12 +212,12 @@ class OnnxTarget:
         self._new_cache(capacity)
         cache, wrap = self.cache, onnxruntime.OrtValue.ortvalue_from_numpy
         features = []
-        for begin in range(0, len(ids), PREFILL_CHUNK):
+        for begin in range(0, len(ids), HOST_PREFILL_CHUNK):
             held = max(begin, 1)  # a buffer needs a position; past_len 0 masks it
             prefix = [[wrap(np.ascontiguousarray(buffer[i, :, :, :held]))
                        for i in range(self.layers)] for buffer in (cache.k, cache.v)]
             self._bind(*prefix)
-            chunk = ids[begin:begin + PREFILL_CHUNK]
+            chunk = ids[begin:begin + HOST_PREFILL_CHUNK]
             logits, chunk_features = self._step(chunk, [len(chunk) - 1])
             features.append(chunk_features)
         self._bind(cache.k_values, cache.v_values)

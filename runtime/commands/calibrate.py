@@ -1,4 +1,4 @@
-"""`python -m runtime calibrate`: choose ref_keys and slope for THIS drafter.
+"""`python -m runtime calibrate`: choose ref_keys and slope (and the cap) for THIS drafter.
 
 The paper's DFlash preset (ref_keys 2048) was tuned for a drafter trained on 3,072-token
 sequences and asks to be re-validated per drafter. This sweeps ref_keys x slope on the
@@ -6,6 +6,8 @@ calibration split (never the evaluation documents), measuring greedy MAL at long
 contexts and at one context within the drafter's training length, and keeps the setting
 with the best long-context MAL that loses no more than --tolerance at the short one
 (settings within --tolerance of that best count as tied: the gentlest of them wins).
+--max-log-scales adds the cap on beta (the paper's e^0.5) to the grid: it binds only
+where 1 + ln(r) / slope exceeds it, so only long contexts (--lengths) can tell caps apart.
 The choice becomes the engine's query scaling; the scaling it replaces and the whole grid
 stay recorded in engine.json (extra.calibration); --write-checkpoint also saves it beside
 the drafter (sharpdraft.json), which engines read at build time only.
@@ -28,6 +30,8 @@ def add_parser(sub):
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--ref-keys", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--slopes", type=float, nargs="+", default=[2.5, 5.0, 10.0])
+    p.add_argument("--max-log-scales", type=float, nargs="+", metavar="CAP",
+                   help="caps on ln(beta) to try (default: the engine's own, the paper's 0.5)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096],
                    help="long contexts whose mean MAL is maximised")
     p.add_argument("--short", type=int, help="a context within the training length that must not "
@@ -80,10 +84,12 @@ def choose(results, lengths, short, tolerance):
     # accepted tokens over a few docs); among them keep the gentlest setting. A larger
     # ref_keys first: beta is exactly 1 up to ref_keys keys, so every context shorter than
     # that decodes exactly as the frozen drafter -- short contexts then cost nothing by
-    # construction, not only on the one short context measured here. Then a larger slope.
+    # construction, not only on the one short context measured here. Then a larger slope,
+    # then a lower cap.
     top = max(r["mal_long"] for _, r in candidates)
     near = [(s, r) for s, r in candidates if r["mal_long"] >= (1 - tolerance) * top]
-    best = max(near, key=lambda sr: (sr[0].ref_keys, sr[0].slope, sr[1]["mal_long"]))
+    best = max(near, key=lambda sr: (sr[0].ref_keys, sr[0].slope, -sr[0].max_log_scale,
+                                     sr[1]["mal_long"]))
     return best[0], [r for _, r in table]
 
 
@@ -130,8 +136,9 @@ def run(args) -> int:
     if engine.scaling is None:
         raise UsageError(f"{engine_dir} was built without --sharpdraft; nothing to calibrate")
     try:
-        settings = [QueryScaling(r, engine.scaling.top_k, s, engine.scaling.max_log_scale)
-                    for r, s in itertools.product(args.ref_keys, args.slopes)]
+        caps = args.max_log_scales or [engine.scaling.max_log_scale]
+        settings = [QueryScaling(r, engine.scaling.top_k, s, c)
+                    for r, s, c in itertools.product(args.ref_keys, args.slopes, caps)]
     except ValueError as exc:
         raise UsageError(f"invalid grid: {exc}") from None
     bs = engine.manifest.block_size  # tokens one verify pass checks
@@ -152,18 +159,19 @@ def run(args) -> int:
     record = {"previous_scaling": engine.scaling.to_dict(),
               "chosen": chosen.to_dict() if chosen else None, "criterion":
               (f"max mean MAL at {lengths} (within {args.tolerance} of the max: the largest "
-               f"ref_keys, then slope); MAL at {short} >= (1 - {args.tolerance}) x frozen"),
+               f"ref_keys, then slope, then the lowest cap); MAL at {short} >= "
+               f"(1 - {args.tolerance}) x frozen"),
               "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
               "documents": [n for n, _ in docs], "split": "calibration" if not args.docs else "user",
               "frozen": frozen, "grid": table[1:],
               "command": "python -m runtime calibrate " + " ".join(sys.argv[2:])}
-    print(f"{'ref_keys':>8} {'slope':>6} {'MAL short':>9} {'MAL long':>9}  keeps short")
-    print(f"{'frozen':>8} {'':>6} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
+    print(f"{'ref_keys':>8} {'slope':>6} {'cap':>5} {'MAL short':>9} {'MAL long':>9}  keeps short")
+    print(f"{'frozen':>8} {'':>6} {'':>5} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
     for row in table[1:]:
         s = row["query_scaling"]
         mark = " <- chosen" if chosen and s == chosen.to_dict() else ""
-        print(f"{s['ref_keys']:>8} {s['slope']:>6} {row['mal_short']:>9.3f} {row['mal_long']:>9.3f}"
-              f"  {'yes' if row['keeps_short'] else 'no'}{mark}")
+        print(f"{s['ref_keys']:>8} {s['slope']:>6} {s['max_log_scale']:>5} {row['mal_short']:>9.3f} "
+              f"{row['mal_long']:>9.3f}  {'yes' if row['keeps_short'] else 'no'}{mark}")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     if chosen is None:
