@@ -57,7 +57,8 @@ def run(args) -> int:
     s = engine.scaling
     print(f"\nSharpDraft demo: {args.context}-token context from {name}, {args.new_tokens} new "
           f"tokens, greedy, backend {engine.backend}, median of {args.repeats} interleaved runs")
-    print(f"query scaling: ref_keys={s.ref_keys} top_k={s.top_k} slope={s.slope} -> beta "
+    print(f"query scaling: ref_keys={s.ref_keys} top_k={s.top_k} slope={s.slope} "
+          f"max_log_scale={s.max_log_scale} -> beta "
           f"{s.beta(StepMetadata(0, args.context).block_keys(engine.manifest.block_size)):.3f} "
           "at this context\n")
     print(f"{'':<22}{'MAL':>6}{'tok/s':>9}{'vs target':>11}  same tokens")

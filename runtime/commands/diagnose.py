@@ -116,7 +116,8 @@ def plot(result: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     s = result["query_scaling"]
-    ax.set_title(f"drafter attention dilution; beta ref_keys={s['ref_keys']}, slope={s['slope']}",
+    ax.set_title(f"drafter attention dilution; beta ref_keys={s['ref_keys']}, slope={s['slope']}, "
+                 f"cap e^{s['max_log_scale']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
