@@ -204,9 +204,9 @@ class OnnxTarget:
 
     def prefill(self, ids: list[int], capacity: int):
         """In HOST_PREFILL_CHUNK-token steps, each over a compact copy of the prefix
-        committed so far rather than the whole buffer: a step's scores are [chunk, prefix + chunk]
-        per head, so a long prefill costs causal attention (the masked capacity would
-        roughly double it) at the price of copying the prefix once per chunk."""
+        committed so far rather than the whole buffer: a step's scores are [chunk, prefix +
+        chunk] per head, so a long prefill costs causal attention (the masked capacity
+        would roughly double it) at the price of copying the prefix once per chunk."""
         import onnxruntime
 
         self._new_cache(capacity)
