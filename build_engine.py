@@ -329,8 +329,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     publish(partial, out, manifest)
-    beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
-            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
+    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend trtllm, TensorRT-LLM {trtllm.pins.PINNED}; {beta})")
     print(f"next (on a GPU host with TensorRT-LLM): python -m runtime generate --engine-dir {out} "
           "--prompt 'def fib(n):' --max-new-tokens 64")
@@ -424,8 +423,7 @@ def main(argv) -> int:
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto")
     backend = manifest.backend
-    beta = (f"SharpDraft on: ref_keys={scaling.ref_keys} top_k={scaling.top_k} slope={scaling.slope} "
-            f"cap={scaling.cap:.4f}, {scaling_source}" if scaling else
+    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else
             "n-gram drafting" if proposer else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend {backend}; {beta})")
     print(f"next: python -m runtime generate --engine-dir {out} --prompt 'def fib(n):' "

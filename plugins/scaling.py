@@ -127,6 +127,11 @@ class QueryScaling:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        """One line for logs, summaries and plot titles (every command prints it the same way)."""
+        return (f"ref_keys={self.ref_keys} top_k={self.top_k} slope={self.slope:g} "
+                f"max_log_scale={self.max_log_scale:g} (cap {self.cap:.3f})")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "QueryScaling":
         if not isinstance(data, dict):

@@ -89,6 +89,12 @@ def test_from_dict_round_trip_and_unknown_fields():
         QueryScaling.from_dict({"ref_keys": 4096, "temperature": 2})
 
 
+def test_describe_names_all_four_parameters_and_the_cap():
+    s = QueryScaling(ref_keys=1024, top_k=32, slope=2.5, max_log_scale=0.75)
+    assert s.describe() == "ref_keys=1024 top_k=32 slope=2.5 max_log_scale=0.75 (cap 2.117)"
+    assert "slope=5 max_log_scale=0.5 (cap 1.649)" in QueryScaling().describe()
+
+
 @settings(max_examples=40)
 @given(st.integers(0, 2**31 - 1), st.integers(33, 5000), st.floats(0.1, 4.0))
 def test_log_odds_decomposition_is_exact(seed, n, spread):

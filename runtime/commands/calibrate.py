@@ -180,9 +180,8 @@ def run(args) -> int:
         progress("calibrate: --dry-run, engine unchanged")
     else:
         apply(engine_dir, engine, chosen, record)
-        progress(f"calibrate: {engine_dir}/engine.json now uses ref_keys={chosen.ref_keys} "
-                 f"slope={chosen.slope} max_log_scale={chosen.max_log_scale} (the previous "
-                 f"values kept under extra.calibration)")
+        progress(f"calibrate: {engine_dir}/engine.json now uses {chosen.describe()} (the "
+                 "previous values kept under extra.calibration)")
         if args.write_checkpoint:
             from build.checkpoints import CALIBRATION_FILE
 

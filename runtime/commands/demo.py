@@ -57,10 +57,8 @@ def run(args) -> int:
     s = engine.scaling
     print(f"\nSharpDraft demo: {args.context}-token context from {name}, {args.new_tokens} new "
           f"tokens, greedy, backend {engine.backend}, median of {args.repeats} interleaved runs")
-    print(f"query scaling: ref_keys={s.ref_keys} top_k={s.top_k} slope={s.slope} "
-          f"max_log_scale={s.max_log_scale} -> beta "
-          f"{s.beta(StepMetadata(0, args.context).block_keys(engine.manifest.block_size)):.3f} "
-          "at this context\n")
+    keys = StepMetadata(0, args.context).block_keys(engine.manifest.block_size)
+    print(f"query scaling: {s.describe()} -> beta {s.beta(keys):.3f} at this context\n")
     print(f"{'':<22}{'MAL':>6}{'tok/s':>9}{'vs target':>11}  same tokens")
     print(f"{'target only':<22}{'1.00':>6}{row['tok_s_target']:>9.1f}{'1.00x':>11}  -")
     for mode, (_, label) in STYLE.items():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from plugins.scaling import QueryScaling
 from runtime.cli import UsageError, progress
 from runtime.step_metadata import StepMetadata
 
@@ -115,10 +116,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel(f"mean top-{result['top_k']} attention mass")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    s = result["query_scaling"]
-    ax.set_title(f"drafter attention dilution; beta ref_keys={s['ref_keys']}, slope={s['slope']}, "
-                 f"cap e^{s['max_log_scale']}",
-                 fontsize=9)
+    scaling = QueryScaling.from_dict(result["query_scaling"])
+    ax.set_title(f"drafter attention dilution; beta {scaling.describe()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
