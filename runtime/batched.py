@@ -128,7 +128,7 @@ class BatchedDecoder:
             s.committed += accepted + 1
             if features is not None:
                 s.context = features[i, :accepted + 1]
-            s.gen.committed_per_step.append(accepted + 1)
+            s.gen.step(verified=n, committed=accepted + 1)
             if self.drafter is not None and not drafting[i]:
                 s.gen.ngram_steps += 1  # a step without the drafter's drafts
             elif visible is not None:

@@ -1,5 +1,5 @@
 """What a generation reports: committed tokens, mean accepted length (MAL), the
-acceptance histogram, the visible-key count and beta of each drafter step, how many
+acceptance histogram, the drafts each step verified, the visible-key count and beta of each drafter step, how many
 steps verified n-gram drafts instead of the drafter's (n-gram-assisted drafting), and wall
 time split into prefill / draft / verify / other."""
 
@@ -17,6 +17,7 @@ class Generation:
     prompt_tokens: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     committed_per_step: list[int] = dataclasses.field(default_factory=list)
+    verified_per_step: list[int] = dataclasses.field(default_factory=list)  # drafts checked
     visible_per_step: list[int] = dataclasses.field(default_factory=list)
     beta_per_step: list[float] = dataclasses.field(default_factory=list)
     ngram_steps: int = 0  # block loops: steps that skipped the drafter (verified a
@@ -31,6 +32,12 @@ class Generation:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
+
+    def step(self, verified: int, committed: int) -> None:
+        """One target verify pass: it checked `verified` drafts and committed `committed`
+        tokens (the accepted drafts and the target's own)."""
+        self.verified_per_step.append(verified)
+        self.committed_per_step.append(committed)
 
     @property
     def verify_steps(self) -> int:
@@ -61,6 +68,7 @@ class Generation:
             "new_tokens": len(self.tokens),
             "verify_steps": self.verify_steps,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "drafts_verified": sum(self.verified_per_step),
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "tokens_per_second": round(self.tokens_per_second, 3),
             "steps_without_drafter": self.ngram_steps,  # lookup or plain decode steps

@@ -94,7 +94,7 @@ def generate_target_only(target: Target, prompt: list[int], max_new_tokens: int,
         while not done and len(gen.tokens) < budget:
             with gen.timed("verify"):
                 logits, _ = target.verify(gen.tokens[-1:])
-            gen.committed_per_step.append(1)
+            gen.step(verified=0, committed=1)
             done = _commit(gen, [sampler.pick(logits[-1])], stop_ids, on_tokens)
     return gen
 
@@ -172,7 +172,7 @@ def generate_block(target: Target, drafter: BlockDrafter, prompt: list[int],
                 committed += accepted + 1
                 target.rollback(committed)
             unread.append(features[: accepted + 1])
-            gen.committed_per_step.append(accepted + 1)
+            gen.step(verified=len(drafts), committed=accepted + 1)
             if lookup:
                 gen.ngram_steps += 1
             else:
@@ -222,7 +222,7 @@ def generate_chain(target: Target, drafter: ChainDrafter, prompt: list[int],
                 target.rollback(committed)
             unread = drafts[:accepted] + [following]
             features = None if verified is None else verified[: accepted + 1]
-            gen.committed_per_step.append(accepted + 1)
+            gen.step(verified=len(drafts), committed=accepted + 1)
             done = _commit(gen, unread, stop_ids, on_tokens)
     return gen
 
@@ -256,7 +256,7 @@ def generate_tree(target: Target, drafter: TreeDrafter, prompt: list[int], max_n
                 target.keep_path(path)
             following = [tree.tokens[i] for i in path[1:]] + [token]
             context = features[path]
-            gen.committed_per_step.append(len(path))
+            gen.step(verified=len(tree) - 1, committed=len(path))
             if visible is not None:
                 gen.visible_per_step.append(visible)
                 gen.beta_per_step.append(drafter.scaling.beta(visible) if drafter.scaling else 1.0)
@@ -284,6 +284,6 @@ def generate_ngram(target: Target, proposer: NGramProposer, prompt: list[int],
                 accepted, following = sampler.verify_deterministic(drafts, logits)
                 committed += accepted + 1
                 target.rollback(committed)
-            gen.committed_per_step.append(accepted + 1)
+            gen.step(verified=len(drafts), committed=accepted + 1)
             done = _commit(gen, drafts[:accepted] + [following], stop_ids, on_tokens)
     return gen

@@ -40,6 +40,8 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
             assert row[f"speedup_{mode}"] == pytest.approx(
                 row[f"tok_s_{mode}"] / row["tok_s_target"], rel=1e-3)
             assert 1 <= row[f"mal_{mode}"] <= 5
+            # a verify pass commits at most one token more than it checked drafts
+            assert 0 <= row[f"mal_{mode}"] - 1 <= row[f"drafts_per_step_{mode}"]
             # greedy: every repeat of every mode reproduces the target's tokens
             assert row["identical_to_target"][mode] == [True] * 6
     # tiny engine: ref_keys 64, so beta stays 1 at 16 + 4 keys and exceeds 1 at 160 + 4

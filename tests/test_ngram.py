@@ -139,7 +139,8 @@ def test_greedy_ngram_equals_target_only(seed, vocab, repetitive, prompt_len, ma
     assert got.tokens == want.tokens
     if got.stopped_by == "length":  # a stop token may cut the last step's drafts short
         assert sum(got.committed_per_step) + 1 == len(got.tokens) == max_new
-    assert all(1 <= c <= shape[2] + 1 for c in got.committed_per_step)
+    assert all(1 <= c <= v + 1 <= shape[2] + 1
+               for v, c in zip(got.verified_per_step, got.committed_per_step, strict=True))
     assert got.visible_per_step == got.beta_per_step == []  # no drafter attention
 
 

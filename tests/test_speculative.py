@@ -67,7 +67,9 @@ def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, m
     assert got.tokens == want.tokens
     if got.stopped_by == "length":  # a stop token may cut the last step's block short
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
-    assert all(1 <= c <= block for c in got.committed_per_step)
+    # a step commits its accepted drafts and the target's token: at most one more than it checked
+    assert all(1 <= c <= v + 1 <= block
+               for v, c in zip(got.verified_per_step, got.committed_per_step, strict=True))
 
 
 @settings(max_examples=40, deadline=None)
@@ -93,7 +95,8 @@ def test_greedy_hybrid_equals_target_only(seed, vocab, block, repetitive, prompt
     assert got.tokens == want.tokens
     if got.stopped_by == "length":
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
-    assert all(1 <= c <= max(block, shape[2] + 1) for c in got.committed_per_step)
+    assert all(1 <= c <= v + 1 <= max(block, shape[2] + 1)
+               for v, c in zip(got.verified_per_step, got.committed_per_step, strict=True))
     assert 0 <= got.ngram_steps <= got.verify_steps
 
 

@@ -169,6 +169,10 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
             gens = [r[mode][0] for r in runs]
             row[f"plain_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
                                                / max(sum(g.verify_steps for g in gens), 1), 4)
+    for mode in drafting:  # what a verify pass checked: adaptive length cuts it below the block
+        gens = [r[mode][0] for r in runs]
+        row[f"drafts_per_step_{mode}"] = round(sum(sum(g.verified_per_step) for g in gens)
+                                               / max(sum(g.verify_steps for g in gens), 1), 4)
     if "hybrid" in modes:  # how often the lookup's drafts were verified instead of the drafter's
         hybrid = [r["hybrid"][0] for r in runs]
         row["ngram_share_hybrid"] = round(sum(g.ngram_steps for g in hybrid)
