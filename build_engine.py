@@ -329,7 +329,8 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     publish(partial, out, manifest)
-    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else "SharpDraft off (frozen drafter)")
+    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
+            else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend trtllm, TensorRT-LLM {trtllm.pins.PINNED}; {beta})")
     print(f"next (on a GPU host with TensorRT-LLM): python -m runtime generate --engine-dir {out} "
           "--prompt 'def fib(n):' --max-new-tokens 64")

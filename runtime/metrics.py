@@ -1,7 +1,7 @@
 """What a generation reports: committed tokens, mean accepted length (MAL), the
-acceptance histogram, the drafts each step verified, the visible-key count and beta of each drafter step, how many
-steps verified n-gram drafts instead of the drafter's (n-gram-assisted drafting), and wall
-time split into prefill / draft / verify / other."""
+acceptance histogram, the drafts each step verified, the visible-key count and beta of
+each drafter step, how many steps verified n-gram drafts instead of the drafter's
+(n-gram-assisted drafting), and wall time split into prefill / draft / verify / other."""
 
 from __future__ import annotations
 
