@@ -102,7 +102,7 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
-    """bench and calibrate run speculative_loop(engine) over a PrefillOnce target: a tree
+    """bench runs speculative_loop(engine) over a PrefillOnce target: a tree
     verified there (near the end of its budget too) decodes what target-only does."""
     from runtime.backends import PrefillOnce
     from runtime.engine import speculative_loop
@@ -115,3 +115,20 @@ def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
     got = speculative_loop(engine)(once, engine.drafter(), prompt, 16, Sampler())
     assert got.tokens == want and got.verify_steps < 16
+
+
+def test_calibrate_scores_tree_and_chain_engines(tree_engine, chain_engine, tmp_path, capsys):
+    """calibrate's teacher-forced sweep drafts a tree (or a chain) at every anchor."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(tiny.stdlib_text(30_000))
+    for engine in (tree_engine, chain_engine):
+        out = tmp_path / f"{engine.name}.json"
+        code = run(runtime_main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
+                                  "--slopes", "2", "--lengths", "150", "--short", "40",
+                                  "--new-tokens", "6", "--docs", str(doc), "--dry-run",
+                                  "--json", str(out)])
+        assert code == 0, capsys.readouterr().err
+        record = json.loads(out.read_text())
+        assert record["anchors"] == {"40": 6, "150": 6} and len(record["grid"]) == 2
+        # a step commits at most 3 drafts (both engines' depth / chain) + the target's token
+        assert all(1 <= r["mal_long"] <= 4 for r in [record["frozen"], *record["grid"]])

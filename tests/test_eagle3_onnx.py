@@ -201,7 +201,7 @@ def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target
 
 
 def test_the_commands_loop_replays_one_prefill_and_grows_the_cache_for_a_late_tree(tree_engine):
-    """bench and calibrate run speculative_loop(engine) over a PrefillOnce target: on
+    """bench runs speculative_loop(engine) over a PrefillOnce target: on
     ONNX Runtime a tree verified near the end of the budget outgrows the bound buffers,
     which are rebuilt and rebound (as KVCache.reserve grows torch's), and the tokens stay
     target-only's."""

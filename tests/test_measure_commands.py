@@ -176,6 +176,8 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
     assert calibration["previous_scaling"]["ref_keys"] == 64
     assert manifest["query_scaling"] == calibration["chosen"]
     assert len(calibration["grid"]) == 8
+    # teacher-forced: every setting scored at each of the 8 anchors of each context
+    assert calibration["anchors"] == {"40": 8, "150": 8, "300": 8}
     assert {row["query_scaling"]["max_log_scale"] for row in calibration["grid"]} == {0.5, 1.0}
     assert manifest["extra"]["onnx"]["plugin"]["fields"]["ref_keys"] == calibration["chosen"]["ref_keys"]
     # the re-exported graph is what the manifest hashes: the engine still loads and runs
@@ -229,15 +231,14 @@ def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     context is never chosen however well it does long."""
     from plugins.scaling import QueryScaling
     from runtime.commands.calibrate import choose
-    from runtime.metrics import Generation
 
-    def gen(mal):  # 100 verify passes committing `mal` tokens each on average
-        return Generation(prompt_tokens=1, committed_per_step=[round(mal * 100) - 99] + [1] * 99)
+    def gen(mal):  # 100 anchors committing `mal` tokens each on average
+        return [round(mal * 100) - 99] + [1] * 99
 
     def results(long_mals, short_mals):
-        out = {None: {40: [gen(1.5)], 300: [gen(1.2)]}}
+        out = {None: {40: gen(1.5), 300: gen(1.2)}}
         for setting, mal in long_mals.items():
-            out[setting] = {40: [gen(short_mals.get(setting, 1.5))], 300: [gen(mal)]}
+            out[setting] = {40: gen(short_mals.get(setting, 1.5)), 300: gen(mal)}
         return out
 
     r512, r1024, r256 = QueryScaling(512, 32, 2.5), QueryScaling(1024, 32, 2.5), QueryScaling(256, 32, 5.0)

@@ -8,6 +8,16 @@ with the best long-context MAL that loses no more than --tolerance at the short 
 (settings within --tolerance of that best count as tied: the gentlest of them wins).
 --max-log-scales adds the cap on beta (the paper's e^0.5) to the grid: it binds only
 where 1 + ln(r) / slope exceeds it, so only long contexts (--lengths) can tell caps apart.
+
+MAL here is teacher-forced (runtime/acceptance.py): the target decodes --new-tokens
+greedy tokens after each document's prefix once, and every setting drafts at every one
+of them, scoring what a greedy step anchored there commits. That is what decoding would
+commit at the anchors it visits, over about MAL times as many anchors, and the target's
+passes are paid once rather than once per setting: the same time buys more documents and
+tokens, which the settings' small differences need (two documents x 64 decoded tokens
+picked a setting that the evaluation documents then disagreed with by more than a
+drafter generation's gain).
+
 The choice becomes the engine's query scaling; the scaling it replaces and the whole grid
 stay recorded in engine.json (extra.calibration); --write-checkpoint also saves it beside
 the drafter (sharpdraft.json), which engines read at build time only.
@@ -21,7 +31,6 @@ import sys
 from pathlib import Path
 
 from runtime.cli import UsageError, progress
-from runtime.metrics import pooled_mean_accepted_length
 
 
 def add_parser(sub):
@@ -37,10 +46,12 @@ def add_parser(sub):
     p.add_argument("--short", type=int, help="a context within the training length that must not "
                                              "lose MAL (default: training length - block - 8)")
     p.add_argument("--tolerance", type=float, default=0.01)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--docs", nargs="+", metavar="FILE", help="default: the 2 longest "
+    p.add_argument("--new-tokens", type=int, default=128,
+                   help="anchors per document and context: greedy tokens the target decodes "
+                        "once, every setting drafting at each")
+    p.add_argument("--docs", nargs="+", metavar="FILE", help="default: the --max-docs longest "
                                                                "calibration-split stdlib files")
-    p.add_argument("--max-docs", type=int, default=2)
+    p.add_argument("--max-docs", type=int, default=5)
     p.add_argument("--dry-run", action="store_true", help="measure and report, change nothing")
     p.add_argument("--write-checkpoint", action="store_true",
                    help="also save the choice as the drafter checkpoint's sharpdraft.json, the "
@@ -49,32 +60,35 @@ def add_parser(sub):
     p.add_argument("--debug", action="store_true")
 
 
-def sweep(engine, docs, lengths, short, settings, new_tokens, bar) -> dict:
-    """{setting: {length: [Generation per doc]}}; setting None = frozen drafter."""
-    from runtime.backends import PrefillOnce
-    from runtime.engine import speculative_loop
-    from runtime.sampling import Sampler
+def sweep(engine, docs, lengths, short, settings, new_tokens, extra, bar) -> dict:
+    """{setting: {length: [tokens committed at each anchor, all docs]}}; None = frozen.
+    extra: the tokens the last anchor's step checks, decoded past the anchors."""
+    from runtime.acceptance import committed_per_anchor, greedy_continuation
 
+    drafting, shape = engine.drafting, engine.tree_shape
     results = {s: {n: [] for n in [short, *lengths]} for s in [None, *settings]}
     for length in [short, *lengths]:
         for _, ids in docs:
-            once = PrefillOnce(engine.target, ids[:length], length + new_tokens)
+            cont = greedy_continuation(engine.target, ids[:length], new_tokens + extra)
             for setting in results:
                 drafter = engine.drafter_with_scaling(setting)
-                results[setting][length].append(
-                    speculative_loop(engine)(once, drafter, ids[:length], new_tokens, Sampler()))
+                results[setting][length] += committed_per_anchor(drafter, cont, drafting, shape)
                 bar.update(1)
     return results
 
 
+def mean(values: list[int]) -> float:
+    return round(sum(values) / len(values), 4)
+
+
 def choose(results, lengths, short, tolerance):
-    frozen_short = pooled_mean_accepted_length(results[None][short])
+    frozen_short = mean(results[None][short])
     table = []
     for setting, by_length in results.items():
         row = {"query_scaling": setting.to_dict() if setting else None,
-               "mal_short": round(pooled_mean_accepted_length(by_length[short]), 4),
-               "mal_long": round(pooled_mean_accepted_length([g for n in lengths for g in by_length[n]]), 4),
-               "mal_by_length": {str(n): round(pooled_mean_accepted_length(by_length[n]), 4) for n in lengths}}
+               "mal_short": mean(by_length[short]),
+               "mal_long": mean([c for n in lengths for c in by_length[n]]),
+               "mal_by_length": {str(n): mean(by_length[n]) for n in lengths}}
         row["keeps_short"] = row["mal_short"] >= (1 - tolerance) * frozen_short
         table.append((setting, row))
     candidates = [(s, r) for s, r in table if s is not None and r["keeps_short"]]
@@ -127,6 +141,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from plugins.scaling import QueryScaling
+    from runtime.acceptance import max_drafts
     from runtime.commands.bench import training_max_length
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
@@ -145,19 +160,28 @@ def run(args) -> int:
     trained = training_max_length(engine)
     short = args.short or (trained - bs - 8 if trained else 448)
     lengths = sorted(set(args.lengths))
-    if short < 1 or lengths[-1] + args.new_tokens > engine.context_limit:
-        raise UsageError(f"lengths + --new-tokens must fit the target's {engine.context_limit}")
+    extra = max_drafts(engine.drafter_with_scaling(None), engine.drafting, engine.tree_shape)
+    if args.new_tokens < 1:
+        raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if short < 2 or lengths[0] < 2 or lengths[-1] + args.new_tokens + extra > engine.context_limit:
+        raise UsageError(f"lengths + --new-tokens + {extra} (the last anchor's drafts) must fit the "
+                         f"target's {engine.context_limit}, and every length be >= 2")
     paths = args.docs or default_documents("calibration", args.max_docs)
     docs = tokenized(engine.encode, paths, lengths[-1])
     runs = (len(settings) + 1) * (len(lengths) + 1) * len(docs)
     progress(f"calibrate: {len(settings)} settings x contexts {[short, *lengths]} x "
-             f"{len(docs)} docs {[n for n, _ in docs]}, {args.new_tokens} new tokens")
+             f"{len(docs)} docs {[n for n, _ in docs]}, teacher-forced at {args.new_tokens} "
+             "anchors each")
     with tqdm(total=runs, desc="calibrate", unit="run", file=sys.stderr) as bar:
-        results = sweep(engine, docs, lengths, short, settings, args.new_tokens, bar)
+        results = sweep(engine, docs, lengths, short, settings, args.new_tokens, extra, bar)
     chosen, table = choose(results, lengths, short, args.tolerance)
     frozen = table[0]
     record = {"previous_scaling": engine.scaling.to_dict(),
-              "chosen": chosen.to_dict() if chosen else None, "criterion":
+              "chosen": chosen.to_dict() if chosen else None,
+              "measure": (f"teacher-forced MAL: what a greedy step anchored at each of {args.new_tokens} "
+                          "target greedy tokens commits (runtime/acceptance.py)"),
+              "anchors": {str(n): len(results[None][n]) for n in [short, *lengths]},
+              "criterion":
               (f"max mean MAL at {lengths} (within {args.tolerance} of the max: the largest "
                f"ref_keys, then slope, then the lowest cap); MAL at {short} >= "
                f"(1 - {args.tolerance}) x frozen"),
