@@ -224,6 +224,18 @@ def test_ab_step_costs_decodes_under_both_tables(tiny_engine, doc, tmp_path, cap
     assert "error:" in capsys.readouterr().err
 
 
+def test_calibrate_refuses_what_it_cannot_score_in_one_line(tiny_engine, doc, capsys):
+    # 500 + 10 anchors + 3 drafts after the last one overrun the tiny target's 512 (with
+    # 9 anchors they fit: the limit counts the last anchor's drafts, not more)
+    for new_tokens, length, message in (("0", "150", "--new-tokens must be >= 1"),
+                                        ("10", "500", "must fit the target's 512")):
+        code = run(main, ["calibrate", "--engine-dir", str(tiny_engine), "--ref-keys", "32",
+                          "--short", "40", "--docs", str(doc), "--dry-run",
+                          "--new-tokens", new_tokens, "--lengths", length])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
 def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     """Long-context MALs within --tolerance of the best are one measurement: the choice
     among them is the largest ref_keys (beta stays exactly 1 over more short contexts),
