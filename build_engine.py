@@ -69,6 +69,9 @@ def parse(argv):
                         "fused kernel there; native for ONNX Runtime, which can run the plugin "
                         "node only through a Python bridge that costs more than the whole "
                         "rest of a drafter step at long context)")
+    p.add_argument("--draft-window", type=int, metavar="N",
+                   help="DFlash: the window mode's draft window, context keys a block row sees "
+                        "(default: the drafter's training length)")
     p.add_argument("--max-seq-len", type=int, metavar="N",
                    help="longest sequence the engine serves (default: the target's context)")
     p.add_argument("--output", metavar="DIR")
@@ -369,6 +372,9 @@ def main(argv) -> int:
     if backend == "tensorrt" and args.drafter == "pard":
         raise UsageError("--drafter pard builds for the torch and onnxruntime backends; TensorRT "
                          "plans for PARD are not written yet (pass --backend onnxruntime)")
+    if args.draft_window is not None and (args.drafter != "dflash" or args.draft_window < 1):
+        raise UsageError(f"--draft-window takes a DFlash drafter and N >= 1, got --drafter "
+                         f"{args.drafter} --draft-window {args.draft_window}")
     if backend != "torch" and args.dtype != "float32":
         raise UsageError(f"--backend {backend} exports float32 graphs here; pass --dtype float32")
 
@@ -406,6 +412,10 @@ def main(argv) -> int:
             provenance = {"ngram": proposer.settings()}
         if args.drafter == "eagle3":
             provenance["eagle3"] = dataclasses.asdict(eagle3_shape(args))
+        if args.drafter == "dflash":  # the window mode: the drafter sees what it trained on
+            window = args.draft_window or drafter.config.training_max_length
+            if window is not None:
+                provenance["draft_window"] = int(window)
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention or ("plugin" if backend == "tensorrt" else "native"),
             model, drafter, scaling, max_seq_len, block_size)

@@ -134,7 +134,10 @@ class ExportCache:
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible)
 
-    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None,
+                     window=None):
+        if window is not None:  # the plugin node has no window field (TensorRT's graphs)
+            raise ValueError("a draft window is exported in drafter-kv.onnx only")
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible, scaling)
 
@@ -267,13 +270,14 @@ class Eagle3TreeStep(Eagle3Step):
         return (self.vocab.target_logits(logits), out, visible) + cache.present()
 
 
-def step_masks(past_len, visible, capacity: int, group: int, positions=None):
+def step_masks(past_len, visible, capacity: int, group: int, positions=None, lowest=None):
     """Additive masks (0 or -inf) of a step's attention, rows (g, i) for g < group:
     row i sees buffer position j when j < min(past_len, visible[b, i]) and the step's
     own key j when its position positions[b, j] < visible[b, i], exactly the keys
-    sharpdraft_attention gives it over the joined cache. positions default to
-    past_len + j (a causal step's keys sit where its rows do). [b, 1, group * t, capacity]
-    and [b, 1, group * t, keys]; every layer of a step shares them."""
+    sharpdraft_attention gives it over the joined cache; with `lowest` [b, t] (a draft
+    window), only positions >= lowest[b, i]. positions default to past_len + j (a causal
+    step's keys sit where its rows do). [b, 1, group * t, capacity] and [b, 1, group * t,
+    keys]; every layer of a step shares them."""
     t = visible.shape[1]
     past_len = past_len.reshape(-1, 1)  # one per sequence (or one for all)
     if positions is None:
@@ -282,6 +286,10 @@ def step_masks(past_len, visible, capacity: int, group: int, positions=None):
     in_buffer = torch.arange(capacity, device=visible.device)
     sees_buffer = (in_buffer < past_len[:, :, None, None]) & (in_buffer < sees)
     sees_step = positions[:, None, None, :] < sees
+    if lowest is not None:
+        lowest = lowest.repeat(1, group)[:, None, :, None]
+        sees_buffer = sees_buffer & (in_buffer >= lowest)
+        sees_step = sees_step & (positions[:, None, None, :] >= lowest)
     zero = torch.zeros((), dtype=torch.float32, device=visible.device)
     return (torch.where(sees_buffer, zero, -torch.inf), torch.where(sees_step, zero, -torch.inf))
 
@@ -363,21 +371,32 @@ class BlockBufferCache:
     `lengths`, the block's are scratch (KVCache overwrites them next step) and never
     leave the graph."""
 
-    def __init__(self, past_lens, keys, values):
+    def __init__(self, past_lens, keys, values, window=None):
         self.lengths = past_lens  # [batch]: StepMetadata reads each sequence's length
         self.keys, self.values = keys, values
+        self.window = window  # [1] int64, the graph's draft window (0: the whole context)
         self.new_keys, self.new_values = [], []
-        self.masks = None
+        self.masks = self.counts = None
 
     def write(self, layer: int, start, k, v):
         self.new_keys.append(k)
         self.new_values.append(v)
 
-    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None,
+                     window=None):
         """Block rows over the buffer, the context and the block, which starts at `start`
-        [batch] (each sequence's cached + real context tokens)."""
+        [batch] (each sequence's cached + real context tokens). The draft window is the
+        graph's input (self.window), not the argument: the rule is KVCache's
+        (layers.window_mask), with beta read from the keys left."""
         context = self.new_keys[layer].shape[2]
         if self.masks is None:  # once per step: every layer's block sees the same keys
+            lowest, self.counts = None, visible
+            if self.window is not None:  # window 0: lowest 0, every key (counts unchanged)
+                block_len = k.shape[2]
+                on = self.window > 0
+                lowest = torch.where(on, visible - block_len - self.window, 0)
+                self.counts = torch.where(on, torch.minimum(visible, self.window + block_len),
+                                          visible)
             held = torch.arange(context, device=q.device) + self.lengths[:, None]
             # A padding row of the context sits where the block goes (KVCache writes the
             # block over it): give it the first position no block row sees.
@@ -385,10 +404,10 @@ class BlockBufferCache:
             block = torch.arange(k.shape[2], device=q.device) + start[:, None]
             positions = torch.cat([held, block], 1)
             self.masks = step_masks(self.lengths, visible, self.keys[layer].shape[2],
-                                    q.shape[1] // k.shape[1], positions)
+                                    q.shape[1] // k.shape[1], positions, lowest)
         k = torch.cat([self.new_keys[layer], k], 2)
         v = torch.cat([self.new_values[layer], v], 2)
-        return buffered_attention(scaled_query(q, visible, scaling), self.keys[layer],
+        return buffered_attention(scaled_query(q, self.counts, scaling), self.keys[layer],
                                   self.values[layer], k, v, self.masks)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,13 +441,13 @@ class TargetTreeStep(TargetStep):
 
 
 class DrafterKVStep(DrafterStep):
-    """DrafterStep over the runtime's cache buffers: past_lens [batch] committed, then
-    2 x layers buffers (every layer's keys, then every layer's values); out come the
+    """DrafterStep over the runtime's cache buffers: past_lens [batch] committed, the
+    draft window [1] (0: none; layers.window_mask), then 2 x layers buffers (every layer's keys, then every layer's values); out come the
     logits and the step's context keys/values."""
 
-    def forward(self, block_ids, context, context_lens, past_lens, *buffers):
+    def forward(self, block_ids, context, context_lens, past_lens, window, *buffers):
         layers = len(buffers) // 2
-        cache = BlockBufferCache(past_lens, buffers[:layers], buffers[layers:])
+        cache = BlockBufferCache(past_lens, buffers[:layers], buffers[layers:], window)
         return (self.logits(block_ids, context, context_lens, cache),) + cache.present()
 
 
@@ -446,7 +465,7 @@ def target_tree_inputs(layers: int) -> tuple[str, ...]:
 
 
 def drafter_kv_inputs(layers: int) -> tuple[str, ...]:
-    return ("block_ids", "context", "context_lens", "past_lens") + cache_buffer_inputs(layers)
+    return ("block_ids", "context", "context_lens", "past_lens", "window") + cache_buffer_inputs(layers)
 
 
 def _cache_example(layers, kv_heads, head_dim, past, batch, dtype):
@@ -624,9 +643,10 @@ def export_drafter_kv(drafter: DFlashDrafter, target: TargetModel, scaling: Quer
     block, context, context_lens = drafter_example(drafter, dtype)[:3]
     buffers = _cache_buffers(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
     past_lens = torch.tensor([PAST, PAST - 2][:BATCH])
+    window = torch.tensor([PAST - 3])  # any value: the mask reads it, nothing branches on it
     shapes = ({0: d["batch"]}, {0: d["batch"], 1: d["context_len"]}, {0: d["batch"]},
-              {0: d["batch"]}, tuple({0: d["batch"], 2: capacity} for _ in buffers))
-    example = (block, context, context_lens, past_lens) + buffers
+              {0: d["batch"]}, None, tuple({0: d["batch"], 2: capacity} for _ in buffers))
+    example = (block, context, context_lens, past_lens, window) + buffers
     _export(DrafterKVStep(drafter, target, scaling), example, shapes,
             drafter_kv_inputs(c.num_layers), DRAFTER_KV_OUTPUTS, path, attention="native")
     return graph_record(path, attention="native" if scaling is not None else None)

@@ -1,7 +1,8 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
 interface (the one engine.json names, or an override), and `generate` in the modes
-every command compares: target-only, n-gram lookup, frozen drafter, SharpDraft drafter,
-and hybrid -- SharpDraft's blocks, with n-gram lookup's drafts verified instead when it
+every command compares: target-only, n-gram lookup, frozen drafter, the frozen drafter
+under a draft window (its training length: the drafter-side peer of SharpDraft, DFlash
+engines), SharpDraft drafter, and hybrid -- SharpDraft's blocks, with n-gram lookup's drafts verified instead when it
 finds a better proposal (block drafters only; an ngram engine has the first two). The
 drafter family decides the loop: DFlash drafts blocks (speculative.generate_block), PARD
 chains (speculative.generate_chain), EAGLE-3 trees (speculative.generate_tree) or, built
@@ -28,9 +29,10 @@ from runtime.sampling import Sampler, Sampling
 from runtime.tree import TreeShape
 from plugins.scaling import QueryScaling
 
-# no drafter; n-gram lookup (no model); drafter unscaled; drafter with beta; drafter with
-# beta, n-gram-assisted (speculative.generate_block with a proposer)
-MODES = ("target", "ngram", "frozen", "sharpdraft", "hybrid")
+# no drafter; n-gram lookup (no model); drafter unscaled; drafter unscaled, seeing only the
+# last `draft_window` context keys; drafter with beta; drafter with beta, n-gram-assisted
+# (speculative.generate_block with a proposer)
+MODES = ("target", "ngram", "frozen", "window", "sharpdraft", "hybrid")
 # How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
 DRAFTING = {"dflash": "block", "pard": "chain", "eagle3": "tree"}
 
@@ -111,7 +113,19 @@ class Engine:
         have |= {"sharpdraft"} if self.scaling is not None else set()
         # n-gram assistance is written for the block loop (DFlash) only
         have |= {"hybrid"} if self.scaling is not None and self.drafting == "block" else set()
+        have |= {"window"} if self.draft_window is not None else set()
         return tuple(m for m in MODES if m in have)
+
+    @property
+    def draft_window(self) -> int | None:
+        """The window mode's draft window: the DFlash drafter's training length, recorded at
+        build time (extra.draft_window), where this backend's drafter can take one."""
+        window = self.manifest.extra.get("draft_window")
+        if window is None or self.drafting != "block" or self.manifest.drafter != "dflash":
+            return None
+        if self.backend == "torch" or (self.backend == "onnxruntime" and self.onnx.has_window()):
+            return int(window)
+        return None
 
     def mode_for(self, sharpdraft: bool = True) -> str:
         """What a request runs by default: SharpDraft where the engine has it, the drafter
@@ -124,14 +138,23 @@ class Engine:
         """A fresh n-gram proposer (it indexes one sequence as it grows)."""
         return NGramProposer.from_settings(self.ngram_settings)
 
-    def drafter(self, frozen: bool = False):
-        """The drafter with the engine's query scaling, or frozen (no scaling)."""
+    def drafter(self, frozen: bool = False, window: int | None = None):
+        """The drafter with the engine's query scaling, or frozen (no scaling); with a
+        `window`, its block rows see only the last `window` context keys (DFlash)."""
         if not self.has_drafter_model:
             raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
+        if window is not None and self.drafting != "block":
+            raise EngineError(f"{self.dir}: a draft window is written for DFlash blocks only")
         if self.backend == "onnxruntime":
-            return self.onnx.drafter(sharpdraft=not frozen)
+            return self.onnx.drafter(sharpdraft=not frozen, window=window)
         if self.backend == "tensorrt":
+            if window is not None:
+                raise EngineError(f"{self.dir}: TensorRT plans take no draft window (the plugin "
+                                  "has no such field) — pass --backend onnxruntime")
             return self.tensorrt.drafter(sharpdraft=not frozen)
+        if window is not None:
+            return TorchDFlash(self.drafter_model, self.model, None if frozen else self.scaling,
+                               window)
         return self._torch_drafter(None if frozen else self.scaling)
 
     def _torch_drafter(self, scaling: QueryScaling | None):
@@ -211,9 +234,10 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
                                           sampler, stop_ids, on_tokens,
                                           engine.step_costs if adaptive else None,
                                           proposer=engine.proposer())
-    return speculative_loop(engine)(target, engine.drafter(frozen=mode == "frozen"), prompt,
-                                    max_new_tokens, sampler, stop_ids, on_tokens,
-                                    engine.step_costs if adaptive else None)
+    drafter = (engine.drafter(frozen=True, window=engine.draft_window) if mode == "window"
+               else engine.drafter(frozen=mode == "frozen"))
+    return speculative_loop(engine)(target, drafter, prompt, max_new_tokens, sampler, stop_ids,
+                                    on_tokens, engine.step_costs if adaptive else None)
 
 
 def speculative_loop(engine: Engine):
@@ -239,8 +263,9 @@ def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
 
 
 def engine_modes_batched(engine: Engine) -> tuple[str, ...]:
-    # n-gram lookup (alone or assisting the drafter) runs one sequence at a time
-    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid"))
+    # n-gram lookup (alone or assisting the drafter) and draft windows run one sequence at
+    # a time
+    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid", "window"))
 
 
 def load_tokenizer(path: str | Path):

@@ -94,13 +94,15 @@ def onnx_engine(tmp_path_factory, long_target, long_drafter) -> Path:
 def native_engine(tmp_path_factory, long_target, long_drafter) -> Path:
     """onnx_engine's pair and scaling in ONNX Runtime's default form: beta in plain ONNX
     ops, and each drafter also over the runtime's cache buffers (drafter-kv.onnx,
-    drafter-frozen-kv.onnx), the graphs the runtime then runs."""
+    drafter-frozen-kv.onnx), the graphs the runtime then runs; a draft window of 48 context
+    keys for the window mode (the tiny drafter records no training length)."""
     import build_engine
 
     out = tmp_path_factory.mktemp("engines") / "tiny-native"
     code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
                               "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--backend", "onnxruntime", "--output", str(out)])
+                              "--top-k", "8", "--backend", "onnxruntime", "--draft-window", "48",
+                              "--output", str(out)])
     assert code == 0
     pin_step_costs(out)
     return out

@@ -113,6 +113,34 @@ def test_training_forward_equals_drafting_forward(tiny_target):
         assert (drafted - trained[:, 4 * j:4 * j + 4]).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("window", [1, 5, 12])
+def test_a_draft_window_sees_only_the_last_window_context_keys(tiny_target, window):
+    """Under a draft window the block rows read the block and the last `window` context
+    keys: older cache entries can hold anything, the newest one cannot."""
+    from runtime.models.dflash import DFlashDrafter
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny.drafter_config(tiny_target, block_size=4, layers=2)).double().eval()
+    context = torch.randn(1, 20, drafter.fc.in_features, dtype=torch.float64)
+    embeds = torch.randn(1, 4, 32, dtype=torch.float64)
+
+    def draft(corrupt=None):
+        cache = drafter.new_cache(64)
+        drafter(embeds, context[:, :19], cache, None)
+        if corrupt is not None:  # overwrite one committed context entry in every layer
+            cache.k[:, :, :, corrupt] = 7.0
+            cache.v[:, :, :, corrupt] = -7.0
+        return drafter(embeds, context[:, 19:], cache, None, window=window)[0]
+
+    clean = draft()
+    for old in range(20 - window):  # outside the window
+        assert torch.equal(draft(old), clean), old
+    if window > 1:  # the oldest key inside (the last context key is written after corrupt)
+        assert not torch.allclose(draft(20 - window), clean)
+    unwindowed = drafter(embeds, context, drafter.new_cache(64), None)[0]
+    assert not torch.allclose(unwindowed, clean)
+
+
 def test_a_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, tmp_path):
     """EAGLE-3's d2t convention (target id = index + d2t[index]); the head's logits are
     the full head's on the draft tokens, one column each, and the sampler's picks map

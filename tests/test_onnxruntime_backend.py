@@ -81,6 +81,39 @@ def test_engine_generate_is_token_identical_across_backends(mode, engine, torch_
     assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
 
 
+@pytest.mark.parametrize("sharpdraft", [False, True], ids=["frozen", "sharpdraft"])
+@pytest.mark.parametrize("window", [40, 5000])
+def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdraft, torch_engine,
+                                                                native_ort_engine):
+    """drafter-kv.onnx's window input follows KVCache's rule (layers.window_mask, beta from
+    the keys left): the same blocks as torch's drafter under the same window; a window
+    wider than the context changes nothing, a narrow one changes the blocks."""
+    prompt = text_prompt(torch_engine, 600)
+    frozen = not sharpdraft
+    ours = speculate(native_ort_engine, native_ort_engine.drafter(frozen, window=window), prompt)
+    theirs = speculate(torch_engine, torch_engine.drafter(frozen, window=window), prompt)
+    assert ours == theirs
+    whole = speculate(torch_engine, torch_engine.drafter(frozen), prompt)
+    assert (ours[4] == whole[4]) == (window > len(prompt) + NEW_TOKENS)
+
+
+def test_window_mode_runs_the_recorded_window_on_either_backend(native_engine, native_ort_engine):
+    """build_engine.py --draft-window records the window mode's window; both backends run
+    it, token-identical to target-only; batched decoding does not offer it."""
+    from runtime.engine import engine_modes_batched
+
+    torch_side = Engine(native_engine, backend="torch")
+    prompt = text_prompt(torch_side, 300)
+    runs = {}
+    for engine in (native_ort_engine, torch_side):
+        assert engine.draft_window == 48 and "window" in engine.modes
+        assert "window" not in engine_modes_batched(engine)
+        runs[engine.backend] = engine.generate(prompt, NEW_TOKENS, "window", stop=False)
+    target = native_ort_engine.generate(prompt, NEW_TOKENS, "target", stop=False)
+    assert runs["onnxruntime"].tokens == runs["torch"].tokens == target.tokens
+    assert runs["onnxruntime"].committed_per_step == runs["torch"].committed_per_step
+
+
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
                                                                 ort_engine, native_ort_engine):
     native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,

@@ -43,21 +43,24 @@ def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int =
     return target, drafter
 
 
-def runners(target, drafter, scaling):
-    return TorchTarget(target, drafter.config.target_layer_ids), TorchDFlash(drafter, target, scaling)
+def runners(target, drafter, scaling, window=None):
+    return (TorchTarget(target, drafter.config.target_layer_ids),
+            TorchDFlash(drafter, target, scaling, window))
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
        scaled=st.booleans(), stop=st.booleans(),
-       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)), reduced_vocab=st.booleans())
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)), reduced_vocab=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 20)))
 def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, max_new,
-                                               scaled, stop, per_token, reduced_vocab):
+                                               scaled, stop, per_token, reduced_vocab, window):
+    """window: the drafter's blocks see only the last `window` context keys (window mode)."""
     target, drafter = tiny_pair(seed, vocab, block,
                                 draft_vocab=vocab // 2 if reduced_vocab else None)
     scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if scaled else None
-    t, d = runners(target, drafter, scaling)
+    t, d = runners(target, drafter, scaling, window)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     stop_ids = frozenset({0}) if stop else frozenset()
     # per_token: adaptive draft length under a verify cost of 1 + per_token * tokens

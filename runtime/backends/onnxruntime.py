@@ -557,6 +557,24 @@ class OnnxBatchDFlash:
         self._rebuild(self.cache.capacity, rows)
 
 
+def has_window(session) -> bool:
+    """Whether a drafter-kv graph takes a draft window (engines exported since it does)."""
+    return any(i.name == "window" for i in session.get_inputs())
+
+
+def window_feed(session, window: int | None) -> dict:
+    """The `window` input of a drafter-kv graph: 0 (none) unless one is asked for; graphs
+    exported before the input existed take none, and refuse a window."""
+    if not has_window(session):
+        if window is not None:
+            raise EngineError("this engine's drafter graph takes no draft window — rebuild it "
+                              "with build_engine.py")
+        return {}
+    if window is not None and window < 1:
+        raise ValueError(f"a draft window must be >= 1 token, got {window}")
+    return {"window": np.asarray([window or 0], dtype=np.int64)}
+
+
 class BoundDFlash:
     """drafter-kv.onnx for one sequence: its cache is a BoundKVCache whose buffers stay
     bound to the session and are only read; a step's new context keys/values land at
@@ -568,12 +586,14 @@ class BoundDFlash:
     STEP_OUTPUTS = ("logits", "new_keys", "new_values")
 
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None,
+                 window: int | None = None):
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
         self.cache: BoundKVCache | None = None
+        self.window_feed = window_feed(session, window)
 
     def reset(self, capacity: int) -> None:
         self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
@@ -589,7 +609,7 @@ class BoundDFlash:
                                          dtype=np.int64),
                  "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
                  "context_lens": np.asarray([meta.new], dtype=np.int64),
-                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
+                 "past_lens": np.asarray([meta.cached], dtype=np.int64)} | self.window_feed
         logits, keys, values = run_bound(self.session, self.binding, feeds, self.STEP_OUTPUTS)
         cache.k[:, :, :, meta.cached:end] = keys  # [layers, batch, kv_heads, new, head_dim]
         cache.v[:, :, :, meta.cached:end] = values
@@ -626,8 +646,8 @@ class BoundBatchDFlash(BoundRows):
         feeds = {"block_ids": block,
                  "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
                  "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
-        logits, keys, values = run_bound(self.session, self.binding, feeds,
-                                         BoundDFlash.STEP_OUTPUTS)
+        logits, keys, values = run_bound(self.session, self.binding,
+                                         feeds | self.single.window_feed, BoundDFlash.STEP_OUTPUTS)
         self._store(keys, values, context_lens.tolist())
         self.lengths = meta.committed().tolist()
         return torch.from_numpy(logits), meta.block_keys(self.block_size)
@@ -673,8 +693,20 @@ class OnnxEngine:
         in_place = name + "_kv" in self.sessions
         return self.sessions[name + "_kv" if in_place else name], scaling, in_place
 
-    def drafter(self, sharpdraft: bool = True) -> OnnxDFlash | BoundDFlash | OnnxPARD | OnnxEagle3:
+    def has_window(self) -> bool:
+        """Whether the frozen drafter can draft under a window (window mode)."""
+        session, _, in_place = self._drafter_graph(sharpdraft=False)
+        return self.drafter_family == "dflash" and in_place and has_window(session)
+
+    def drafter(self, sharpdraft: bool = True, window: int | None = None
+                ) -> OnnxDFlash | BoundDFlash | OnnxPARD | OnnxEagle3:
         session, scaling, in_place = self._drafter_graph(sharpdraft)
+        if window is not None:
+            if not self.has_window():
+                raise EngineError("this engine's drafter graphs take no draft window — rebuild "
+                                  "it with build_engine.py (native attention)")
+            return BoundDFlash(session, self.block_size, self.mask_token_id, scaling, self.vocab,
+                               window)
         if self.drafter_family == "eagle3":
             tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
             return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))

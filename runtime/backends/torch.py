@@ -69,8 +69,9 @@ class TorchTarget:
 
 class TorchDFlash:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel,
-                 scaling: QueryScaling | None):
+                 scaling: QueryScaling | None, window: int | None = None):
         self.drafter, self.target, self.scaling = drafter, target, scaling
+        self.window = window  # draft window (layers.window_mask); None: the whole context
         self.head = DraftHead.for_drafter(drafter, target.lm_head)
         self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
         self.block_size = drafter.config.block_size
@@ -86,7 +87,7 @@ class TorchDFlash:
         block = [bonus] + [self.mask_token_id] * (self.block_size - 1)
         ids = torch.tensor([block], dtype=torch.long, device=context.device)
         hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
-                                       self.cache, self.scaling)
+                                       self.cache, self.scaling, window=self.window)
         return self.head(hidden[0, 1:]), visible
 
 

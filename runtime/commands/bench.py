@@ -2,7 +2,9 @@
 
 For each context length, the first N tokens of each document are prefilled ONCE; from
 that same prefill the engine then decodes every way it can -- target-only, n-gram lookup
-(the drafter-free peer), frozen drafter, SharpDraft drafter, hybrid (SharpDraft with
+(the drafter-free peer), frozen drafter, the frozen drafter under a draft window of its
+training length (the drafter-side peer: it never sees more keys than it trained on),
+SharpDraft drafter, hybrid (SharpDraft with
 n-gram lookup verified instead when it finds a better proposal) -- greedily (or with lossless
 sampling, --temperature), --repeats times, interleaved in a rotating order. On the torch
 backend `--modes ... preset` adds the drafter under its family's preset scaling (the
@@ -128,7 +130,7 @@ def bench_modes(engine, asked: list[str] | None) -> tuple[str, ...]:
     if "preset" in asked and engine.backend != "torch":
         raise UsageError(f"mode 'preset' swaps the drafter's scaling, which a {engine.backend} "
                          "drafter has compiled in — pass --backend torch")
-    order = ("target", "ngram", "frozen", "preset", "sharpdraft", "hybrid")
+    order = ("target", "ngram", "frozen", "window", "preset", "sharpdraft", "hybrid")
     return tuple(m for m in order if m == "target" or m in asked)
 
 
@@ -164,7 +166,7 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
         row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
-    for mode in ("frozen", "preset", "sharpdraft"):  # adaptive: steps its drafter sat out
+    for mode in ("frozen", "window", "preset", "sharpdraft"):  # adaptive: steps its drafter sat out
         if mode in modes:
             gens = [r[mode][0] for r in runs]
             row[f"plain_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
@@ -184,6 +186,10 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
             row[f"mal_ratio_{mode}_frozen"] = paired_ratio_ci(
                 [r[mode][0].mean_accepted_length for r in runs],
                 [r["frozen"][0].mean_accepted_length for r in runs])
+    if {"window", "sharpdraft"} <= set(drafting):  # SharpDraft against the draft-window peer
+        row["mal_ratio_sharpdraft_window"] = paired_ratio_ci(
+            [r["sharpdraft"][0].mean_accepted_length for r in runs],
+            [r["window"][0].mean_accepted_length for r in runs])
     if greedy:  # sampled runs draw different tokens by design; only greedy must agree
         row["first_divergence"] = {
             m: [first_difference(g.tokens, r["target"][0].tokens) for r in runs for g in r[m]]
@@ -194,6 +200,7 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
 
 
 STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
+         "window": ("tab:brown", "frozen, draft window"),
          "preset": ("tab:orange", "SharpDraft, family preset"),
          "sharpdraft": ("tab:blue", "SharpDraft"), "hybrid": ("tab:purple", "SharpDraft + n-gram")}
 

@@ -31,6 +31,9 @@ def add_parser(sub):
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     mode.add_argument("--ngram", action="store_true",
                       help="draft by n-gram lookup in the context instead of the drafter")
+    mode.add_argument("--window", action="store_true",
+                      help="the drafter frozen, its blocks seeing only the last context keys "
+                           "of its training length (engine.json extra.draft_window; DFlash)")
     mode.add_argument("--hybrid", action="store_true",
                       help="SharpDraft drafter, with n-gram lookup's drafts verified instead "
                            "when it finds a better proposal (DFlash engines)")
@@ -78,7 +81,7 @@ def run(args) -> int:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
     mode = ("target" if args.target_only else "ngram" if args.ngram else "hybrid" if args.hybrid
-            else "frozen" if args.no_sharpdraft else engine.mode_for())
+            else "window" if args.window else "frozen" if args.no_sharpdraft else engine.mode_for())
     if mode not in engine.modes:
         raise UsageError(f"{args.engine_dir} cannot run {mode!r} (it runs {', '.join(engine.modes)})")
     stream = None if args.json else TextStream(engine.decode)

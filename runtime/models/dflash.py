@@ -184,7 +184,8 @@ class DFlashDrafter(nn.Module):
                        c.head_dim, p.dtype, p.device, per_sequence)
 
     def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache,
-                scaling: QueryScaling | None, probe=None, context_lens=None):
+                scaling: QueryScaling | None, probe=None, context_lens=None,
+                window: int | None = None):
         """Draft one block per sequence.
 
         block_embeds [b, block, hidden]: target embeddings of [bonus, mask, ...] at
@@ -194,7 +195,8 @@ class DFlashDrafter(nn.Module):
         sequences at different lengths; None: all). Returns the block's final hidden
         states [b, block, hidden] and the visible-key count N of each sequence's block
         rows (StepMetadata.block_keys). probe(layer, q, k), when given, sees each layer's
-        attention inputs (the diagnose command).
+        attention inputs (the diagnose command); window: block rows see only the last
+        `window` context keys (layers.window_mask; None: all of them).
         """
         b, block = block_embeds.shape[:2]
         meta = StepMetadata.of(cache, context.shape[1] if context_lens is None else context_lens)
@@ -214,7 +216,7 @@ class DFlashDrafter(nn.Module):
 
             def attend(q, k_blk, v_blk, i=i, layer_probe=layer_probe):
                 return cache.attend_block(i, meta.committed(), q, k_blk, v_blk, visible, scaling,
-                                          layer_probe)
+                                          layer_probe, window)
 
             h = layer(h, blk_rope, attend)
         if meta.per_sequence:

@@ -97,6 +97,15 @@ class AttentionProjections(nn.Module):
         return self.o_proj(attn.transpose(1, 2).flatten(2))
 
 
+def window_mask(visible: torch.Tensor, block: int, window: int, kv_len: int) -> torch.Tensor:
+    """[batch, block, kv_len]: what a block row sees under a draft window -- its block and
+    the last `window` context keys before it, the most a drafter trained on windows of
+    `window` tokens ever saw (visible counts the block: keys [visible - block - window,
+    visible)). Beta, where it applies, then reads the keys left: min(visible, window + block)."""
+    lowest = (visible - block - window)[..., None]
+    return torch.arange(kv_len, device=visible.device) >= lowest
+
+
 class KVCache:
     """Preallocated keys/values for every layer; `length` tokens are committed, or, in a
     batch of sequences at different lengths, `lengths` [batch] (then `length` is unused).
@@ -140,15 +149,19 @@ class KVCache:
         k, v = self.write(layer, start, k, v)
         return sharpdraft_attention(q, k, v, visible, None, mask)
 
-    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None):
+    def attend_block(self, layer: int, start, q, k, v, visible, scaling, probe=None,
+                     window: int | None = None):
         """A DFlash block's attention: store the block's k/v at `start` (past the committed
         length: scratch the next step overwrites), then row (b, i) attends to keys
-        [0, visible[b, i]), the context's and the whole block's, its query scaled by beta.
-        probe(q, k), when given, sees the keys attended over (the diagnose command)."""
+        [0, visible[b, i]), the context's and the whole block's, its query scaled by beta;
+        with a `window`, to the block and the last `window` context keys only
+        (window_mask). probe(q, k), when given, sees the keys attended over (the diagnose
+        command)."""
         k, v = self.write(layer, start, k, v)
         if probe is not None:
             probe(q, k)
-        return sharpdraft_attention(q, k, v, visible, scaling)
+        mask = None if window is None else window_mask(visible, q.shape[2], window, k.shape[2])
+        return sharpdraft_attention(q, k, v, visible, scaling, mask)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
