@@ -2,11 +2,11 @@
 interface (the one engine.json names, or an override), and `generate` in the modes
 every command compares: target-only, n-gram lookup, frozen drafter, the frozen drafter
 under a draft window (its training length: the drafter-side peer of SharpDraft, DFlash
-engines), SharpDraft drafter, and hybrid -- SharpDraft's blocks, with n-gram lookup's drafts verified instead when it
-finds a better proposal (block drafters only; an ngram engine has the first two). The
-drafter family decides the loop: DFlash drafts blocks (speculative.generate_block), PARD
-chains (speculative.generate_chain), EAGLE-3 trees (speculative.generate_tree) or, built
-with top_k 1, chains."""
+engines), SharpDraft drafter, and hybrid -- SharpDraft's blocks, with n-gram lookup's
+drafts verified instead when it finds a better proposal (block drafters only; an ngram
+engine has the first two). The drafter family decides the loop: DFlash drafts blocks
+(speculative.generate_block), PARD chains (speculative.generate_chain), EAGLE-3 trees
+(speculative.generate_tree) or, built with top_k 1, chains."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.acceptance import committed_per_anchor, greedy_continuation  # noqa: E402
 from runtime.backends.torch import TorchDFlash  # noqa: E402
+from runtime.cli import UsageError  # noqa: E402
 from runtime.commands.documents import default_documents, tokenized  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.manifest import EngineError  # noqa: E402
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
                    help="also SharpDraft under these windows (beta from the keys left)")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 7680])
     p.add_argument("--max-docs", type=int, default=5)
+    p.add_argument("--docs", nargs="+", metavar="FILE",
+                   help="text files instead of the calibration split's long files")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -52,9 +55,14 @@ def main(argv=None) -> int:
     ways = {"frozen": (None, None), "sharpdraft": (engine.scaling, None)}
     ways |= {f"window {w}": (None, w) for w in args.windows}
     ways |= {f"sharpdraft, window {w}": (engine.scaling, w) for w in args.sharpdraft_windows}
-    docs = tokenized(engine.encode, default_documents("calibration", args.max_docs), max(args.lengths))
+    try:
+        paths = args.docs or default_documents("calibration", args.max_docs)
+        docs = tokenized(engine.encode, paths, max(args.lengths))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     counts = {way: {n: [] for n in args.lengths} for way in ways}
-    extra = engine.manifest.block_size  # the last anchor's step checks a whole block
+    extra = engine.manifest.block_size - 1  # the drafts the last anchor's step checks
     for n in args.lengths:
         for name, ids in docs:
             cont = greedy_continuation(engine.target, ids[:n], args.new_tokens + extra)

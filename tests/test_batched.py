@@ -79,9 +79,9 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     handed = []
     attend_block = KVCache.attend_block  # hands the counts to the op as they are
 
-    def recording(self, layer, start, q, k, v, visible, scaling, probe=None):
+    def recording(self, layer, start, q, k, v, visible, scaling, probe=None, window=None):
         handed.append(visible.clone())
-        return attend_block(self, layer, start, q, k, v, visible, scaling, probe)
+        return attend_block(self, layer, start, q, k, v, visible, scaling, probe, window)
 
     target, drafter = tiny_pair(3, vocab=12, block=4)
     t, d = batched(target, drafter, SCALING)

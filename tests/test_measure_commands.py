@@ -265,3 +265,29 @@ def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     assert chosen == r1024  # a tie keeps the paper's lower cap
     chosen, _ = choose(results({r1024: 1.80, higher_cap: 1.90}, {}), [300], 40, 0.01)
     assert chosen == higher_cap  # a cap that wins clearly is taken
+
+
+def test_draft_window_sweep_scores_each_window_at_every_anchor(tiny_engine, doc, tmp_path, capsys):
+    """scripts/draft_window_sweep.py: every way scored at the same anchors; a window wider
+    than the context is no window (the frozen drafter's counts exactly); bad input gets
+    one line and exit 2."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "draft_window_sweep",
+        Path(__file__).resolve().parent.parent / "scripts" / "draft_window_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "sweep.json"
+    argv = ["--engine-dir", str(tiny_engine), "--windows", "4", "100000", "--lengths", "150",
+            "--new-tokens", "12", "--docs", str(doc), "--json", str(out)]
+    assert script.main(argv) == 0, capsys.readouterr().err
+    counts = {way: per["150"] for way, per in json.loads(out.read_text())["committed_per_anchor"].items()}
+    assert set(counts) == {"frozen", "sharpdraft", "window 4", "window 100000"}
+    block = json.loads((tiny_engine / "engine.json").read_text())["block_size"]
+    assert all(len(c) == 12 and all(1 <= n <= block for n in c) for c in counts.values())
+    assert counts["window 100000"] == counts["frozen"]
+    assert script.main(argv[:2] + ["--windows", "0"] + argv[4:]) == 2
+    assert script.main(argv[:-4] + ["--docs", str(tmp_path / "missing.txt")]) == 2
+    assert capsys.readouterr().err.count("error:") == 2

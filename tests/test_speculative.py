@@ -155,9 +155,9 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     handed = []  # (visible counts, scaling) of every drafter attention call
     attend_block = KVCache.attend_block  # hands both to the op as they are
 
-    def recording(self, layer, start, q, k, v, visible, scaling, probe=None):
+    def recording(self, layer, start, q, k, v, visible, scaling, probe=None, window=None):
         handed.append((visible.clone(), scaling))
-        return attend_block(self, layer, start, q, k, v, visible, scaling, probe)
+        return attend_block(self, layer, start, q, k, v, visible, scaling, probe, window)
 
     monkeypatch.setattr(KVCache, "attend_block", recording)
     target, drafter = tiny_pair(3, vocab=8, block=4)

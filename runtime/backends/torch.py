@@ -71,6 +71,8 @@ class TorchDFlash:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel,
                  scaling: QueryScaling | None, window: int | None = None):
         self.drafter, self.target, self.scaling = drafter, target, scaling
+        if window is not None and window < 1:
+            raise ValueError(f"a draft window must be >= 1 token, got {window}")
         self.window = window  # draft window (layers.window_mask); None: the whole context
         self.head = DraftHead.for_drafter(drafter, target.lm_head)
         self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)

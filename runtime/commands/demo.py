@@ -1,9 +1,9 @@
 """`python -m runtime demo` (what `make demo` runs): build the SharpDraft engine on the
 default pair -- SmolLM2-135M-Instruct and the DFlash drafter shipped in checkpoints/ --
 if it is not built yet, then continue a long evaluation document from ~4K tokens of
-context five ways (target-only, n-gram lookup, frozen drafter, SharpDraft, SharpDraft
-assisted by n-gram lookup) from the same prefill, each several times interleaved, and
-print the medians."""
+context six ways (target-only, n-gram lookup, frozen drafter, the frozen drafter under
+its draft window, SharpDraft, SharpDraft assisted by n-gram lookup) from the same
+prefill, each several times interleaved, and print the medians."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ ENGINE = Path("engines") / "dflash-sharpdraft"
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="build the default SharpDraft engine if needed and compare "
-                                    "target-only / n-gram / frozen / SharpDraft / hybrid on a long document")
+                                    "target-only / n-gram / frozen / window / SharpDraft / hybrid on a "
+                                    "long document")
     p.add_argument("--engine-dir", default=str(ENGINE))
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=128)
