@@ -2,9 +2,9 @@
 interface (the one engine.json names, or an override), and `generate` in the modes
 every command compares: target-only, n-gram lookup, frozen drafter, the frozen drafter
 under a draft window (its training length: the drafter-side peer of SharpDraft, DFlash
-engines), SharpDraft drafter, and hybrid -- SharpDraft's blocks, with n-gram lookup's
+engines), SharpDraft drafter, hybrid -- SharpDraft's blocks, with n-gram lookup's
 drafts verified instead when it finds a better proposal (block drafters only; an ngram
-engine has the first two). The drafter family decides the loop: DFlash drafts blocks
+engine has the first two) -- and window-hybrid, the same with the windowed drafter. The drafter family decides the loop: DFlash drafts blocks
 (speculative.generate_block), PARD chains (speculative.generate_chain), EAGLE-3 trees
 (speculative.generate_tree) or, built with top_k 1, chains."""
 
@@ -31,8 +31,8 @@ from plugins.scaling import QueryScaling
 
 # no drafter; n-gram lookup (no model); drafter unscaled; drafter unscaled, seeing only the
 # last `draft_window` context keys; drafter with beta; drafter with beta, n-gram-assisted
-# (speculative.generate_block with a proposer)
-MODES = ("target", "ngram", "frozen", "window", "sharpdraft", "hybrid")
+# (speculative.generate_block with a proposer); the windowed drafter, n-gram-assisted
+MODES = ("target", "ngram", "frozen", "window", "sharpdraft", "hybrid", "window-hybrid")
 # How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
 DRAFTING = {"dflash": "block", "pard": "chain", "eagle3": "tree"}
 
@@ -113,7 +113,7 @@ class Engine:
         have |= {"sharpdraft"} if self.scaling is not None else set()
         # n-gram assistance is written for the block loop (DFlash) only
         have |= {"hybrid"} if self.scaling is not None and self.drafting == "block" else set()
-        have |= {"window"} if self.draft_window is not None else set()
+        have |= {"window", "window-hybrid"} if self.draft_window is not None else set()
         return tuple(m for m in MODES if m in have)
 
     @property
@@ -229,13 +229,13 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
     if mode == "ngram":
         return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens)
-    if mode == "hybrid":
-        return speculative.generate_block(target, engine.drafter(), prompt, max_new_tokens,
+    drafter = (engine.drafter(frozen=True, window=engine.draft_window) if "window" in mode
+               else engine.drafter(frozen=mode == "frozen"))
+    if mode in ("hybrid", "window-hybrid"):
+        return speculative.generate_block(target, drafter, prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens,
                                           engine.step_costs if adaptive else None,
                                           proposer=engine.proposer())
-    drafter = (engine.drafter(frozen=True, window=engine.draft_window) if mode == "window"
-               else engine.drafter(frozen=mode == "frozen"))
     return speculative_loop(engine)(target, drafter, prompt, max_new_tokens, sampler, stop_ids,
                                     on_tokens, engine.step_costs if adaptive else None)
 
@@ -265,7 +265,7 @@ def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
 def engine_modes_batched(engine: Engine) -> tuple[str, ...]:
     # n-gram lookup (alone or assisting the drafter) and draft windows run one sequence at
     # a time
-    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid", "window"))
+    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid", "window", "window-hybrid"))
 
 
 def load_tokenizer(path: str | Path):

@@ -97,21 +97,40 @@ def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdr
     assert (ours[4] == whole[4]) == (window > len(prompt) + NEW_TOKENS)
 
 
-def test_window_mode_runs_the_recorded_window_on_either_backend(native_engine, native_ort_engine):
-    """build_engine.py --draft-window records the window mode's window; both backends run
-    it, token-identical to target-only; batched decoding does not offer it."""
+@pytest.mark.parametrize("mode", ["window", "window-hybrid"])
+def test_window_modes_run_the_recorded_window_on_either_backend(mode, native_engine,
+                                                                native_ort_engine):
+    """build_engine.py --draft-window records the window modes' window; both backends run
+    them (alone, or assisted by n-gram lookup), token-identical to target-only; batched
+    decoding does not offer them."""
     from runtime.engine import engine_modes_batched
 
     torch_side = Engine(native_engine, backend="torch")
     prompt = text_prompt(torch_side, 300)
     runs = {}
     for engine in (native_ort_engine, torch_side):
-        assert engine.draft_window == 48 and "window" in engine.modes
-        assert "window" not in engine_modes_batched(engine)
-        runs[engine.backend] = engine.generate(prompt, NEW_TOKENS, "window", stop=False)
+        assert engine.draft_window == 48 and mode in engine.modes
+        assert mode not in engine_modes_batched(engine)
+        runs[engine.backend] = engine.generate(prompt, NEW_TOKENS, mode, stop=False)
     target = native_ort_engine.generate(prompt, NEW_TOKENS, "target", stop=False)
     assert runs["onnxruntime"].tokens == runs["torch"].tokens == target.tokens
     assert runs["onnxruntime"].committed_per_step == runs["torch"].committed_per_step
+    if mode == "window-hybrid":  # this source repeats itself: some steps verify lookups
+        assert 0 < runs["torch"].ngram_steps < runs["torch"].verify_steps
+
+
+def test_generate_window_flag_picks_the_windowed_drafter_or_refuses_in_one_line(native_engine,
+                                                                                capsys):
+    base = ["generate", "--engine-dir", str(native_engine), "--prompt", "def f(x):\n",
+            "--max-new-tokens", "8", "--ignore-eos", "--json", "--window"]
+    for extra, mode in (([], "window"), (["--hybrid"], "window-hybrid")):
+        assert run(runtime_main, base + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["mode"] == mode and out["sharpdraft"] is None and len(out["tokens"]) == 8
+    for extra in (["--ngram"], ["--target-only"]):
+        assert run(runtime_main, base + extra) == 2
+        err = capsys.readouterr().err
+        assert "--window" in err and err.count("\n") == 1
 
 
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,

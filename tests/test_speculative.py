@@ -79,13 +79,16 @@ def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, m
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), repetitive=st.booleans(), prompt_len=st.integers(1, 24),
        max_new=st.integers(1, 40), shape=ngram_shapes, stop=st.booleans(),
-       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)))
+       per_token=st.one_of(st.none(), st.floats(0.0, 2.0)),
+       window=st.one_of(st.none(), st.integers(1, 20)))
 def test_greedy_hybrid_equals_target_only(seed, vocab, block, repetitive, prompt_len, max_new,
-                                          shape, stop, per_token):
+                                          shape, stop, per_token, window):
     """n-gram-assisted blocks: each step verifies the lookup's drafts or the drafter's, and
-    the drafter reads the features of every committed token either way."""
+    the drafter reads the features of every committed token either way. window: the
+    window-hybrid mode's drafter (frozen, seeing only the last `window` context keys)."""
     target, drafter = tiny_pair(seed, vocab, block)
-    t, d = runners(target, drafter, QueryScaling(ref_keys=12, top_k=4, slope=2.0))
+    scaling = QueryScaling(ref_keys=12, top_k=4, slope=2.0) if window is None else None
+    t, d = runners(target, drafter, scaling, window)
     t = CheckedTarget(t)  # refuses a verify pass past the budget
     g = torch.Generator().manual_seed(seed)
     prompt = (repetitive_prompt(seed, vocab, prompt_len) if repetitive

@@ -5,7 +5,8 @@ that same prefill the engine then decodes every way it can -- target-only, n-gra
 (the drafter-free peer), frozen drafter, the frozen drafter under a draft window of its
 training length (the drafter-side peer: it never sees more keys than it trained on),
 SharpDraft drafter, hybrid (SharpDraft with
-n-gram lookup verified instead when it finds a better proposal) -- greedily (or with lossless
+n-gram lookup verified instead when it finds a better proposal), window-hybrid (the same
+with the windowed drafter) -- greedily (or with lossless
 sampling, --temperature), --repeats times, interleaved in a rotating order. On the torch
 backend `--modes ... preset` adds the drafter under its family's preset scaling (the
 paper's values) beside the engine's own (calibrated) one. Rows report MAL, tokens/s (the
@@ -130,7 +131,7 @@ def bench_modes(engine, asked: list[str] | None) -> tuple[str, ...]:
     if "preset" in asked and engine.backend != "torch":
         raise UsageError(f"mode 'preset' swaps the drafter's scaling, which a {engine.backend} "
                          "drafter has compiled in — pass --backend torch")
-    order = ("target", "ngram", "frozen", "window", "preset", "sharpdraft", "hybrid")
+    order = ("target", "ngram", "frozen", "window", "preset", "sharpdraft", "hybrid", "window-hybrid")
     return tuple(m for m in order if m == "target" or m in asked)
 
 
@@ -175,10 +176,11 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         gens = [r[mode][0] for r in runs]
         row[f"drafts_per_step_{mode}"] = round(sum(sum(g.verified_per_step) for g in gens)
                                                / max(sum(g.verify_steps for g in gens), 1), 4)
-    if "hybrid" in modes:  # how often the lookup's drafts were verified instead of the drafter's
-        hybrid = [r["hybrid"][0] for r in runs]
-        row["ngram_share_hybrid"] = round(sum(g.ngram_steps for g in hybrid)
-                                          / sum(g.verify_steps for g in hybrid), 4)
+    for mode in ("hybrid", "window-hybrid"):  # how often the lookup's drafts were verified
+        if mode in modes:
+            gens = [r[mode][0] for r in runs]
+            row[f"ngram_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
+                                               / sum(g.verify_steps for g in gens), 4)
     row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
                                for m in drafting}
     for mode in SCALED_MODES:  # SharpDraft's effect, with its noise
@@ -202,7 +204,8 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
 STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
          "window": ("tab:brown", "frozen, draft window"),
          "preset": ("tab:orange", "SharpDraft, family preset"),
-         "sharpdraft": ("tab:blue", "SharpDraft"), "hybrid": ("tab:purple", "SharpDraft + n-gram")}
+         "sharpdraft": ("tab:blue", "SharpDraft"), "hybrid": ("tab:purple", "SharpDraft + n-gram"),
+         "window-hybrid": ("tab:pink", "draft window + n-gram")}
 
 
 def plot(result: dict, path: str) -> None:
@@ -370,9 +373,8 @@ def print_table(rows: list[dict]) -> None:
     header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
     header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
     header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
-    share = "ngram_share_hybrid" in rows[0]
-    if share:
-        header += f" {'hybrid n-gram share':>20}"
+    shares = [m for m in ("hybrid", "window-hybrid") if f"ngram_share_{m}" in rows[0]]
+    header += "".join(f" {m + ' n-gram share':>27}" for m in shares)
     plain = "plain_share_sharpdraft" in rows[0]  # adaptive: steps the drafter sat out
     if plain:
         header += f" {'sharpdraft plain share':>23}"
@@ -388,7 +390,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['context_tokens']:>8}" + "".join(f" {r[f'mal_{m}']:>15.3f}" for m in drafting)
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
-              + (f" {r['ngram_share_hybrid']:>20.2f}" if share else "")
+              + "".join(f" {r[f'ngram_share_{m}']:>27.2f}" for m in shares)
               + (f" {r['plain_share_sharpdraft']:>23.2f}" if plain else "")
               + "".join(f" {r[f'prefill_ms_{m}'] - r['prefill_ms_target']:>22.1f}" for m in prefill)
               + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))

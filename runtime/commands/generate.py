@@ -1,6 +1,7 @@
 """`python -m runtime generate`: one prompt through an engine, streamed to the terminal
 (or one JSON object with --json), with the drafter under SharpDraft, frozen, or not at all,
-by n-gram lookup, or SharpDraft assisted by n-gram lookup (--hybrid)."""
+by n-gram lookup, or SharpDraft assisted by n-gram lookup (--hybrid); --window runs the
+frozen drafter under its draft window instead (alone, or with --hybrid)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ def add_parser(sub):
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     mode.add_argument("--ngram", action="store_true",
                       help="draft by n-gram lookup in the context instead of the drafter")
-    mode.add_argument("--window", action="store_true",
-                      help="the drafter frozen, its blocks seeing only the last context keys "
-                           "of its training length (engine.json extra.draft_window; DFlash)")
     mode.add_argument("--hybrid", action="store_true",
                       help="SharpDraft drafter, with n-gram lookup's drafts verified instead "
                            "when it finds a better proposal (DFlash engines)")
+    p.add_argument("--window", action="store_true",
+                   help="the drafter frozen, its blocks seeing only the last context keys of "
+                        "its training length (engine.json extra.draft_window; DFlash); with "
+                        "--hybrid, that drafter assisted by n-gram lookup")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="verify the drafts worth their measured cost, and with --hybrid run the "
                         "drafter only where it pays (adaptive); or the whole block")
@@ -60,6 +62,17 @@ def read_prompt(args) -> str:
     return text
 
 
+def decoding_mode(args, engine) -> str:
+    """The mode the flags ask for; --window swaps the drafter for its windowed, frozen self."""
+    if args.window:
+        if args.target_only or args.ngram:
+            raise UsageError("--window is a drafter's draft window; it does not combine with "
+                             "--target-only or --ngram")
+        return "window-hybrid" if args.hybrid else "window"
+    return ("target" if args.target_only else "ngram" if args.ngram else "hybrid" if args.hybrid
+            else "frozen" if args.no_sharpdraft else engine.mode_for())
+
+
 def run(args) -> int:
     from runtime.engine import Engine
     from runtime.manifest import read_manifest
@@ -80,8 +93,7 @@ def run(args) -> int:
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
-    mode = ("target" if args.target_only else "ngram" if args.ngram else "hybrid" if args.hybrid
-            else "window" if args.window else "frozen" if args.no_sharpdraft else engine.mode_for())
+    mode = decoding_mode(args, engine)
     if mode not in engine.modes:
         raise UsageError(f"{args.engine_dir} cannot run {mode!r} (it runs {', '.join(engine.modes)})")
     stream = None if args.json else TextStream(engine.decode)
