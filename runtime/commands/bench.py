@@ -216,7 +216,7 @@ def plot(result: dict, path: str) -> None:
 
     rows = result["rows"]
     x = [r["context_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 6), dpi=120)
     ax2 = ax.twinx()
     for mode, (color, label) in STYLE.items():
         if f"mal_{mode}" not in rows[0]:
@@ -233,7 +233,9 @@ def plot(result: dict, path: str) -> None:
     ax2.set_ylabel("decode speedup over target-only")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="best")
+    # below the axes, in two columns: with six modes, a legend inside hides the lines
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, ncol=2,
+              loc="upper center", bbox_to_anchor=(0.5, -0.14))
     scaling = result.get("query_scaling") or {}
     ax.set_title(f"{result['target']}, {result['backend']}: drafter trained at "
                  f"{result.get('training_max_length')} tokens; beta ref_keys={scaling.get('ref_keys')}",
