@@ -103,6 +103,15 @@ def test_generate_on_a_trtllm_engine_says_in_one_line_what_is_missing(dflash_eng
     uninstall()
 
 
+@pytest.mark.parametrize("flag", ["--window", "--hybrid", "--ngram"])
+def test_generate_on_a_trtllm_engine_refuses_our_own_loops_flags(dflash_engine, capsys, flag):
+    # TensorRT-LLM runs its own loop: a flag only ours honours must not be silently dropped
+    code = run(runtime_main, ["generate", "--engine-dir", str(dflash_engine), "--prompt", "def f():",
+                              flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "runs in TensorRT-LLM: drop" in err[0]
+
+
 def test_trtllm_serve_wrapper_plans_config_and_environment(dflash_engine, capsys, monkeypatch):
     monkeypatch.delenv(pins.SINGLE_PROCESS_ENV, raising=False)
     code = run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run", "--", "--port", "9"])

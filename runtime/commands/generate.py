@@ -126,8 +126,9 @@ def run_trtllm(args, manifest, text: str) -> int:
     installed first (TensorRT-LLM's own loop, so --draft-length and --ngram do not apply)."""
     from runtime import trtllm
 
-    if args.ngram or args.hybrid or args.backend:
-        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop --ngram/--hybrid/--backend")
+    if args.ngram or args.hybrid or args.window or args.backend:
+        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop "
+                         "--ngram/--hybrid/--window/--backend")
     mode = ("target" if args.target_only else "frozen" if args.no_sharpdraft or manifest.query_scaling is None
             else "sharpdraft")
     result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
