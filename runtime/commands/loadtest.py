@@ -224,7 +224,7 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine(args.engine_dir)
-    mode = "sharpdraft" if engine.scaling is not None else "frozen"
+    mode = engine.mode_for()  # what the server runs for a request that names none
     latencies, mals, outputs = [], [], {}
     start = time.perf_counter()
     for i in range(args.requests):
