@@ -29,6 +29,7 @@ from runtime.cli import UsageError  # noqa: E402
 from runtime.commands.documents import default_documents, tokenized  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.manifest import EngineError  # noqa: E402
+from runtime.modes import Mode  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     if engine.drafting != "block" or min(args.windows + args.sharpdraft_windows) < 1:
         print("error: draft windows are for DFlash engines, each window >= 1", file=sys.stderr)
         return 2
-    ways = {"frozen": (None, None), "sharpdraft": (engine.scaling, None)}
+    ways = {str(Mode.FROZEN): (None, None), str(Mode.SHARPDRAFT): (engine.scaling, None)}
     ways |= {f"window {w}": (None, w) for w in args.windows}
     ways |= {f"sharpdraft, window {w}": (engine.scaling, w) for w in args.sharpdraft_windows}
     try:
