@@ -73,10 +73,16 @@ def test_batching_follows_the_table():
     assert "torch and onnxruntime" in modes.batch_refusal(Mode.TARGET, "block", "tensorrt")
 
 
-def test_every_backend_the_runtime_builds_for_is_in_the_table():
-    from runtime.backends import BACKENDS
+def test_the_backend_registries_are_the_table():
+    from plugins.onnx import ATTENTION_FORMS
+    from runtime.backends import BACKENDS, RUNNABLE_BACKENDS
+    from runtime.manifest import DRAFTERS
 
-    assert set(modes.BACKENDS) == set(BACKENDS)
+    assert BACKENDS == ("torch", "onnxruntime", "tensorrt", "trtllm")
+    assert RUNNABLE_BACKENDS == ("torch", "onnxruntime", "tensorrt")  # trtllm: its own loop
+    assert DRAFTERS == ("dflash", "eagle3", "ngram", "pard")
+    for can in modes.BACKENDS.values():
+        assert set(can.attention_forms) <= set(ATTENTION_FORMS)
 
 
 def generate_argv(engine_dir, *flags) -> list[str]:
