@@ -308,6 +308,20 @@ def test_loadtest_reports_and_matches_in_process(served, tiny_engine, capsys):
     assert report["in_process"]["ok"] == 12
 
 
+def test_loadtest_mode_names_the_mode_of_every_request(served, tiny_engine, capsys):
+    capsys.readouterr()
+    code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
+                 "--concurrency", "2", "--requests", "4", "--max-new-tokens", "8", "--mode",
+                 "frozen-hybrid", "--engine-dir", str(tiny_engine), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["mode"] == "frozen-hybrid" and report["levels"][0]["ok"] == 4
+    assert report["token_mismatches"] == 0  # against in-process frozen-hybrid decoding
+    code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
+                 "--concurrency", "1", "--requests", "1", "--mode", "window", "--json"])
+    report = json.loads(capsys.readouterr().out)  # the server refuses what the engine lacks
+    assert code == 1 and report["levels"][0]["errors"] == 1
+
+
 def test_loadtest_runs_the_plain_model_when_asked(served, capsys):
     capsys.readouterr()
     code = main(["loadtest", "--url", f"http://127.0.0.1:{served['http_port']}", "--model",
