@@ -32,7 +32,8 @@ class Mode(StrEnum):
     NGRAM = ("ngram", LOOKUP, None, None, False, False, "tab:green", "n-gram lookup")
     FROZEN = ("frozen", MODEL, UNSCALED, None, False, False, "tab:gray", "frozen drafter")
     WINDOW = ("window", MODEL, WINDOWED, None, False, False, "tab:brown", "frozen, draft window")
-    PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True, "tab:orange", "SharpDraft, family preset")
+    PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True, "tab:orange",
+              "SharpDraft, family preset")
     SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False, "tab:blue", "SharpDraft")
     HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False, "tab:purple", "SharpDraft + n-gram")
     FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False, "tab:olive",
