@@ -158,3 +158,16 @@ def test_build_refuses_a_family_the_backend_cannot_draft_naming_the_ones_that_ca
     assert "torch and onnxruntime" in str(err.value) and "--backend onnxruntime" in str(err.value)
     build_engine.refuse_family_on("dflash", "tensorrt")  # DFlash blocks build there
     build_engine.refuse_family_on("ngram", "tensorrt")  # no drafter model to refuse
+
+
+def test_calibrate_refuses_an_engine_without_the_sharpdraft_mode_saying_why(tiny_target, tmp_path,
+                                                                            capsys):
+    import build_engine
+
+    out = tmp_path / "ngram"
+    assert build_engine.main(["--drafter", "ngram", "--target", str(tiny_target), "--backend",
+                              "torch", "--output", str(out)]) == 0
+    capsys.readouterr()
+    assert run(main, ["calibrate", "--engine-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing to calibrate" in err and "n-gram engine" in err

@@ -149,8 +149,9 @@ def run(args) -> int:
 
     engine_dir = Path(args.engine_dir)
     engine = Engine(engine_dir, backend="torch")  # try settings without recompiling graphs
-    if engine.scaling is None:
-        raise UsageError(f"{engine_dir} was built without --sharpdraft; nothing to calibrate")
+    why = engine.refusal(Mode.SHARPDRAFT)  # calibration picks that mode's QueryScaling
+    if why:
+        raise UsageError(f"{engine_dir} has no SharpDraft mode, nothing to calibrate: {why}")
     try:
         caps = args.max_log_scales or [engine.scaling.max_log_scale]
         settings = [QueryScaling(r, engine.scaling.top_k, s, c)
