@@ -46,9 +46,10 @@ def add_parser(sub):
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
     p.add_argument("--modes", nargs="+", metavar="MODE",
-                   help="decode only these ways (target-only always runs: every other way is "
-                        "checked against it); 'preset' (torch backend): the drafter under its "
-                        "family's preset scaling. Default: every way the engine runs")
+                   help="decode only these ways (docs/modes.md; target-only always runs: every "
+                        f"other way is checked against it); '{Mode.PRESET}' (torch backend): the "
+                        "drafter under its family's preset scaling. Default: every way the engine "
+                        "lists")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="drafter steps verify the drafts their confidence and the measured "
                         "verify cost make worthwhile, and hybrid runs the drafter only where "

@@ -152,7 +152,8 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     mode = _text(arrays, specs["mode"])
     if mode is not None:
         if sharpdraft is not None:
-            raise RequestError("send mode or sharpdraft, not both (mode 'frozen' is sharpdraft false)")
+            raise RequestError(f"send mode or sharpdraft, not both (mode '{modes.Mode.FROZEN}' is "
+                               "sharpdraft false)")
         try:
             modes.parse(mode)
         except ValueError as exc:
