@@ -45,7 +45,7 @@ def check() -> dict:
         except ValueError:
             report["version_known"] = False
     for point in pins.PATCH_POINTS:
-        entry = {"name": f"{point.module}.{point.attribute}", "role": point.role,
+        entry = {"name": f"{point.module}.{point.attribute}", "role": point.role, "required": point.required,
                  "source": f"{pins.SOURCES[point.source].path} @ {pins.SOURCES[point.source].commit}"}
         if module is not None:
             try:
@@ -66,7 +66,8 @@ def describe(report: dict) -> str:
                  else "OUTSIDE the tested range: our launchers refuse SharpDraft on it")
         lines.append(f"tensorrt_llm {report['version']} ({known})")
     for entry in report["patch_points"]:
-        state = "" if "found" not in entry else ("  [found]" if entry["found"] else "  [MISSING]")
+        state = "" if "found" not in entry else ("  [found]" if entry["found"] else
+                                                 "  [MISSING]" if entry["required"] else "  [absent: other layout]")
         lines.append(f"  would wrap {entry['name']}{state}")
         lines.append(f"      {entry['role']}; read from {entry['source']}")
     lines.append("  DFlash kernels by attention_backend: "
