@@ -308,6 +308,7 @@ def generate(manifest: Manifest, prompt: str, max_new_tokens: int, temperature: 
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             **({"seed": seed} if seed is not None else {}))
+    applied = launch.require() if launch is not None else None
     try:
         output = llm.generate([prompt], params)[0]
     finally:
@@ -315,4 +316,4 @@ def generate(manifest: Manifest, prompt: str, max_new_tokens: int, temperature: 
         if launch is not None:
             launch.close()
     completion = output.outputs[0]
-    return {"text": completion.text, "tokens": list(completion.token_ids)}
+    return {"text": completion.text, "tokens": list(completion.token_ids), "sharpdraft_applied": applied}

@@ -38,9 +38,7 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 
 FILES = {
     "tensorrt_llm/__init__.py": """
-        import os
-
-        from .llmapi.llm import LLM
+        from .llmapi.llm import LLM, SamplingParams
         """,
     "tensorrt_llm/version.py": "__version__ = {version!r}\n",
     "tensorrt_llm/llmapi/__init__.py": "",
@@ -63,6 +61,7 @@ FILES = {
         """,
     "tensorrt_llm/llmapi/llm.py": """
         import os
+        import types
 
 
         def worker_main(speculative_config):
@@ -95,10 +94,19 @@ FILES = {
                     futures = self._session.submit(worker_main, speculative_config)
                     self.worker_pids = [f.result() for f in futures]
 
+            def generate(self, prompts, params):
+                completion = types.SimpleNamespace(text=" pass", token_ids=[1, 2])
+                return [types.SimpleNamespace(outputs=[completion]) for _ in prompts]
+
             def shutdown(self):
                 if self._session is not None:
                     self._session.shutdown()
                     self._session = None
+
+
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
         """,
     "tensorrt_llm/_torch/__init__.py": "",
     "tensorrt_llm/_torch/models/__init__.py": "",
