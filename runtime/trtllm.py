@@ -57,6 +57,8 @@ def llm_api_config(manifest: Manifest) -> dict:
         "model": str(manifest.target_dir),
         "backend": "pytorch",
         "tensor_parallel_size": int(settings.get("tensor_parallel_size", 1)),
+        **({"pipeline_parallel_size": int(settings["pipeline_parallel_size"])}
+           if settings.get("pipeline_parallel_size") else {}),
         "speculative_config": {
             "decoding_type": pins.DECODING_TYPES[manifest.drafter],
             # One target pass verifies [bonus, d1..dK]: K = block_size - 1 drafts.

@@ -140,7 +140,8 @@ def run(args) -> int:
     config.pop("model")
     if args.dry_run:
         print(json.dumps({"command": shlex.join(a or "<config>" for a in what["argv"]), "env": what["env"],
-                          "config": config, "autoload_installed": what["autoload"], "world": what["world"]}))
+                          "config": config, "autoload_installed": what["autoload"], "world": what["world"],
+                          "sharpdraft": what["scaling"].to_dict() if what["scaling"] else None}))
         return 0
     trtllm.require_tensorrt_llm()
     module_name, attribute = pins.SERVE_ENTRY
