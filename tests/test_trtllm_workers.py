@@ -258,3 +258,36 @@ def test_triton_llmapi_model_refuses_to_load_when_no_drafter_was_wrapped(venvs, 
     done = initialize(venvs["plain"], repository, standin)
     lines = [line for line in done.stderr.splitlines() if line.startswith("refused: ")]
     assert done.returncode == 3 and len(lines) == 1 and lines[0].startswith(f"refused: {HEAD}"), done.stderr
+
+
+# --- runtime trtllm-serve --------------------------------------------------------------------
+
+def serve(python: Path, engine: Path, standin: Path, *serve_args, single_process=None):
+    return subprocess.run([str(python), "-m", "runtime", "trtllm-serve", "--engine-dir", str(engine), "--",
+                           "--port", "9", *serve_args], cwd=standin, env=environment(standin, single_process),
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["plain"], engine, standin, "--tp_size", "1")
+    assert done.returncode == 0 and "serving on localhost:9" in done.stdout, done.stderr
+    applied = [json.loads(line)["sharpdraft_applied"] for line in done.stderr.splitlines()
+               if line.startswith('{"sharpdraft_applied"')]
+    assert len(applied) == 1 and applied[0]["drafters"] == ["DFlashForCausalLM"]
+
+
+def test_trtllm_serve_tensor_parallel_workers_are_reached_through_the_autoloader(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["autoload"], engine, standin, "--tp_size=2")
+    assert done.returncode == 0 and "serving on" in done.stdout, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith('{"sharpdraft_applied"')]
+    assert len(json.loads(line)["sharpdraft_applied"]["processes"]) == 2
+
+
+def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["plain"], engine, standin, single_process="0")  # a worker our hook cannot reach
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "serving" not in done.stdout
+    assert err[-1].startswith(f"error: {HEAD}: no proof"), done.stderr

@@ -22,6 +22,10 @@ and commits below; plugins/trtllm/pins.py cites the same):
   imports flash_attn_with_kvcache from flash_attn at call time.
 - _torch/models/modeling_dflash.py @ 009d8fa4 and _torch/speculative/dflash_attention.py
   @ 0352547d: the kernel held on the instance by dflash_attention_backend.
+- tensorrt_llm/commands/serve.py @ 4c05a748: `from tensorrt_llm import LLM as PyTorchLLM`;
+  launch_server builds PyTorchLLM(**llm_args), then serves; the click command `serve`
+  (console script trtllm-serve -> main) merges the --extra_llm_api_options/--config YAML
+  over its command-line options (the file wins).
 - triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @ 044a90d2: initialize() imports
   tensorrt_llm and builds LLM(**model.yaml less triton_config); finalize() stops it.
 """
@@ -107,6 +111,35 @@ FILES = {
         class SamplingParams:
             def __init__(self, **kwargs):
                 self.kwargs = kwargs
+        """,
+    "tensorrt_llm/commands/__init__.py": "",
+    "tensorrt_llm/commands/serve.py": """
+        import click
+        import yaml
+
+        from tensorrt_llm import LLM as PyTorchLLM
+
+
+        def launch_server(host, port, llm_args):
+            llm = PyTorchLLM(**llm_args)
+            # OpenAIServer(llm=llm, ...) would serve from here on
+            print(f"serving on {{host}}:{{port}} with workers {{llm.worker_pids}}", flush=True)
+            llm.shutdown()
+
+
+        @click.command("serve")
+        @click.argument("model", type=str)
+        @click.option("--host", type=str, default="localhost")
+        @click.option("--port", type=int, default=8000)
+        @click.option("--tp_size", type=int, default=1)
+        @click.option("--pp_size", type=int, default=1)
+        @click.option("--config", "--extra_llm_api_options", "config", type=str, default=None)
+        def main(model, host, port, tp_size, pp_size, config):
+            llm_args = {{"model": model, "tensor_parallel_size": tp_size, "pipeline_parallel_size": pp_size}}
+            if config is not None:
+                with open(config) as f:
+                    llm_args.update(yaml.safe_load(f))  # update_llm_args_with_extra_dict: the file wins
+            launch_server(host, port, llm_args)
         """,
     "tensorrt_llm/_torch/__init__.py": "",
     "tensorrt_llm/_torch/models/__init__.py": "",
@@ -245,7 +278,7 @@ def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] 
     files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
     for rel, text in files.items():
         text = textwrap.dedent(text)
-        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py")):
+        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py")):
             text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "")
         if drop and rel.endswith(drop[0]):
             text = text.replace(drop[1], "_removed_" + drop[1])
