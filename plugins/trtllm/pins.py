@@ -160,7 +160,9 @@ PATCH_POINTS = (
 WATCHED = (DFLASH_MODULE, SPECULATIVE_MODULE)
 # Any other class of a watched module whose name says it is a drafter gets a constructor
 # that records a refusal: a drafter class we do not know never runs unscaled silently.
-DRAFTER_CLASS_PATTERN = r"(Eagle|DFlash|PARD|Pard).*ForCausalLM$"
+# (00679c6's comments name a newer `DFlashDrafter`; a drafter built in a module we do not
+# watch leaves no proof at all, which our launchers refuse just the same.)
+DRAFTER_CLASS_PATTERN = r"((Eagle|DFlash|PARD|Pard).*ForCausalLM|Drafter)$"
 
 # The older DFlash layout imports its kernel from this module inside dflash_forward.
 FLASH_ATTN_MODULE = "flash_attn"
