@@ -75,6 +75,8 @@ def read_activation(path: Path) -> dict | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # 0 would signal our own process group: not a launcher
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
