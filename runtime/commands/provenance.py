@@ -1,0 +1,30 @@
+"""Where a result came from: the command line that produced it, the machine it ran on and
+when (UTC). Every command that writes a results JSON records these three, so that
+`python -m runtime report` can print them beside each table without guessing."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def command_line(command: str) -> str:
+    """`python -m runtime <command> <its arguments>` as this process was started."""
+    args = sys.argv[2:] if sys.argv[1:2] == [command] else []
+    return shlex.join(["python", "-m", "runtime", command, *args])
+
+
+def provenance(command: str) -> dict:
+    return {"command": command_line(command), "machine": machine(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
