@@ -176,7 +176,27 @@ def bench_section(folder: Path, name: str, title: str, intro: str, plot: str | N
                                             for k in ratios)],
                        [[r["context_tokens"], *(ratio(r, k) for k in ratios)] for r in data["rows"]],
                        right=1)
+    spread = repeat_spread(data["rows"], modes)
+    if spread:
+        lines += ["", "Speed over target-only in each interleaved repeat (repeat i of a mode over "
+                  "repeat i of target-only), lowest–highest:", ""]
+        lines += table(["context tokens", *(MODE_NAMES[m] for m in modes)], spread, right=1)
     return [*lines, "", *(plot_line(folder, plot, title) if plot else [])]
+
+
+def repeat_spread(rows: list[dict], modes: list[str]) -> list[list]:
+    """Per-repeat speedups, where the file keeps more than one repeat per mode."""
+    if not all(len(r.get("tok_s_target_repeats", [])) > 1 for r in rows):
+        return []
+    out = []
+    for r in rows:
+        target = r["tok_s_target_repeats"]
+        cells = []
+        for m in modes:
+            ratios = [x / t for x, t in zip(r.get(f"tok_s_{m}_repeats", []), target)]
+            cells.append(f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "—")
+        out.append([r["context_tokens"], *cells])
+    return out
 
 
 def scaling(s) -> str:
