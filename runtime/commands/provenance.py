@@ -12,11 +12,18 @@ import sys
 
 
 def machine() -> dict:
-    import torch
+    """The host, and torch's thread count where this process runs torch (a load test's
+    client does not: it is not imported for this)."""
+    from importlib import metadata
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    torch = sys.modules.get("torch")
+    try:
+        version = torch.__version__ if torch else metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads() if torch else None,
             "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": version}
 
 
 def command_line(command: str) -> str:

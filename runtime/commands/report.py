@@ -102,9 +102,10 @@ def table(header: list[str], rows: list[list], right: int = 0) -> list[str]:
 def describe_machine(machine) -> str:
     if not machine:
         return NOT_RECORDED
+    threads = machine.get("torch_threads")
     return (f"{machine.get('cpus', '?')} CPUs ({machine.get('processor', '?')}), "
-            f"{machine.get('torch_threads', '?')} torch thread(s), torch {machine.get('torch', '?')}, "
-            f"Python {machine.get('python', '?')}")
+            + (f"{threads} torch thread(s), " if threads else "")
+            + f"torch {machine.get('torch', '?')}, Python {machine.get('python', '?')}")
 
 
 def provenance_lines(data: dict, name: str, folder: Path, command: str | None = None) -> list[str]:
