@@ -183,3 +183,43 @@ def test_every_figure_in_the_readme_results_section_is_in_a_results_file():
     missing = [f for f in set(figures)
                if not any(f"{v:.{len(f.split('.')[1])}f}" == f for v in values)]
     assert not missing, f"README figures not found in results/*.json: {sorted(missing)}"
+
+
+def test_heldout_mal_json_records_its_provenance_and_the_report_prints_it(
+        tmp_path, results, tiny_target, capsys):
+    """scripts/heldout_mal.py --json writes the scores it prints, with its command line,
+    machine and date; the report shows them as a held-out table."""
+    import importlib.util
+
+    import torch
+
+    import tiny
+    from runtime.models.dflash import load_dflash
+
+    spec = importlib.util.spec_from_file_location("heldout_mal", REPO / "scripts" / "heldout_mal.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    checkpoint = tiny.make_drafter(tmp_path / "drafter", tiny_target)
+    drafter = load_dflash(checkpoint)
+    g = torch.Generator().manual_seed(0)
+    held_out = tmp_path / "held-out.pt"
+    torch.save({"ids": torch.randint(0, drafter.config.vocab_size, (2, 40), generator=g),
+                "features": torch.randn(2, 40, drafter.fc.in_features, generator=g).half(),
+                "top": torch.randint(0, drafter.config.vocab_size, (2, 40, 32), generator=g)},
+               held_out)
+    out = results / "heldout-tiny.json"
+    argv = [str(checkpoint), str(checkpoint), "--target", str(tiny_target), "--held-out",
+            str(held_out), "--json", str(out)]
+    assert script.main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    record = json.loads(out.read_text())
+    assert record["command"] == "python scripts/heldout_mal.py " + " ".join(argv)
+    assert record["machine"]["cpus"] >= 1 and record["date"].endswith("Z")
+    first, second = record["drafters"]
+    assert f"teacher-forced MAL {first['mal']:.4f} over {first['blocks']} blocks" in printed[0]
+    assert second["minus_first"] == 0 and second["mal"] == first["mal"]  # the same drafter twice
+    page = tmp_path / "results.md"
+    code, _, err = call(["--results", str(results), "--output", str(page)], capsys)
+    assert code == 0, err
+    text = page.read_text()
+    assert "## Held-out MAL of drafters" in text and f"| {first['mal']:.4f} | {first['blocks']} |" in text

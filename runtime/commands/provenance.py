@@ -32,6 +32,8 @@ def command_line(command: str) -> str:
     return shlex.join(["python", "-m", "runtime", command, *args])
 
 
-def provenance(command: str) -> dict:
-    return {"command": command_line(command), "machine": machine(),
+def provenance(command: str, line: str | None = None) -> dict:
+    """command: a `python -m runtime` command's name; or pass the whole command `line`
+    (scripts: `shlex.join(["python", "scripts/x.py", *argv])`)."""
+    return {"command": line or command_line(command), "machine": machine(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

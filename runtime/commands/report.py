@@ -359,6 +359,24 @@ def backends_section(folder: Path) -> list[str]:
             *table(["context", "mode", "backend", "tok/s median", "same tokens"], body), ""]
 
 
+def heldout_section(folder: Path) -> list[str]:
+    """scripts/heldout_mal.py --json files; none yet from before it wrote JSON."""
+    lines = []
+    for name in sorted(p.name for p in folder.glob("heldout*.json")):
+        data = load(folder, name)
+        body = [[d["drafter"], f"{d['mal']:.4f}", d["blocks"],
+                 f"{d['minus_first']:+.4f} ({d['paired_standard_error']:.4f})" if "minus_first" in d else "—"]
+                for d in field(data, name, "drafters")]
+        lines += [f"### `{name}`", "", *provenance_lines(data, name, folder),
+                  f"- held-out windows: `{data.get('held_out')}`, blocks anchored at token "
+                  f"{data.get('anchors_from')} or later", "",
+                  *table(["drafter", "teacher-forced MAL", "blocks",
+                          "minus the first (paired standard error)"], body), ""]
+    if not lines:
+        return []
+    return ["## Held-out MAL of drafters (scripts/heldout_mal.py)", "", *lines]
+
+
 def render(folder: Path) -> str:
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder of results")
@@ -382,6 +400,7 @@ def render(folder: Path) -> str:
     lines += loadtest_section(folder)
     lines += rss_section(folder)
     lines += backends_section(folder)
+    lines += heldout_section(folder)
     older = sorted(p.name for p in folder.glob("bench-*.json")
                    if p.name not in {"bench-mal.json", "bench-batch8.json"})
     if older:
