@@ -158,10 +158,11 @@ def ratio(r: dict, key: str) -> str:
     return f"{value['mean']:.3f} [{value['ci'][0]:.3f}, {value['ci'][1]:.3f}]"
 
 
-def bench_section(folder: Path, name: str, title: str, intro: str, plot: str | None) -> list[str]:
+def bench_section(folder: Path, name: str, title: str, intro: str, plot: str | None,
+                  level: str = "##") -> list[str]:
     data = load(folder, name)
     modes = modes_of(data, name)
-    lines = [f"## {title}", "", intro, "", *provenance_lines(data, name, folder),
+    lines = [f"{level} {title}", "", *([intro, ""] if intro else []), *provenance_lines(data, name, folder),
              f"- engine: `{data.get('engine_dir', NOT_RECORDED)}` ({data.get('backend', '?')} backend), "
              f"drafter `{data.get('drafter_checkpoint') or NOT_RECORDED}`, query scaling "
              f"{scaling(data.get('query_scaling'))}",
@@ -258,7 +259,7 @@ def calibrate_section(folder: Path) -> list[str]:
                          *(f"{row['mal_by_length'][n]:.3f}" for n in longs),
                          "yes" if row["keeps_short"] else "no"])
         lines += [f"### `{name}`", "", *provenance_lines(data, name, folder),
-                  f"- measure: {data.get('measure', 'MAL of decoded tokens')}",
+                  f"- measure: {data.get('measure', NOT_RECORDED)}",
                   f"- criterion: {data.get('criterion')}",
                   f"- documents ({data.get('split')} split): {', '.join(data.get('documents', []))}",
                   f"- chosen: {scaling(chosen)}", "",
@@ -409,7 +410,7 @@ def render(folder: Path) -> str:
                   "(see CHANGELOG.md).", ""]
         for name in older:
             stem = Path(name).stem
-            lines += bench_section(folder, name, f"`{name}`", "", stem)[2:]
+            lines += bench_section(folder, name, f"`{name}`", "", stem, level="###")
     text_only = [n for n in TEXT_ONLY if (folder / n).is_file()]
     if text_only:
         lines += ["## Results kept as text only (not in JSON)", "",
