@@ -15,6 +15,7 @@ import time
 from urllib.parse import urlparse
 
 from runtime.cli import UsageError, progress
+from runtime.commands.provenance import provenance
 
 # Short prompts in the register both the tiny test tokenizer (CPython sources) and a chat
 # target handle; request i gets PROMPTS[i % len(PROMPTS)].
@@ -268,7 +269,7 @@ def run(args) -> int:
     finally:
         probe.close()
 
-    report = {"url": args.url, "model": model, "streaming": streaming,
+    report = {**provenance("loadtest"), "url": args.url, "model": model, "streaming": streaming,
               "max_new_tokens": args.max_new_tokens, "requests": args.requests, "levels": []}
     outputs = []
     for concurrency in args.concurrency:
