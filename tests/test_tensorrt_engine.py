@@ -30,9 +30,9 @@ PROMPT_TOKENS = 600  # two prefill chunks; beta > 1 from ~70 keys on (ref_keys 6
 NEW_TOKENS = 16
 
 
-def stand_in(patch: pytest.MonkeyPatch, gpu: bool = True):
+def stand_in(patch: pytest.MonkeyPatch, gpu: bool = True, version: str = fake_tensorrt.VERSION):
     """The stand-in tensorrt; with `gpu`, the backend's device (gpu()) is the CPU."""
-    trtp = fake_tensorrt.install(patch, gpu=gpu)
+    trtp = fake_tensorrt.install(patch, gpu=gpu, version=version)
     patch.setattr(trt_plugin, "_registered", False)  # register with this stand-in afresh
     if gpu:
         patch.setattr(trt_backend, "gpu", lambda: torch.device("cpu"))
@@ -302,3 +302,117 @@ def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
     assert report["tensorrt"]["passed"] and report["tensorrt"]["version"] == fake_tensorrt.VERSION
     assert len(report["tensorrt"]["tokens"]["tensorrt"]) == 32
     assert fake_tensorrt.MISSING == []
+
+
+# --- bound addresses: 256-byte aligned, whatever the capacity and slice start ------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads, head_dim", [(3, 64), (2, 16), (1, 8)])
+def test_target_cache_layers_start_aligned_for_every_capacity(dtype, kv_heads, head_dim):
+    # SmolLM2-135M: 3 KV heads x 64 x fp16 = 384 bytes a position: odd capacities put every
+    # other layer 128 bytes off a boundary in a dense [layers, ...] buffer.
+    for capacity in range(1, 40):
+        cache = trt_backend.DeviceKVCache(capacity, 5, kv_heads, head_dim, dtype, "cpu")
+        for buffer in (cache.k, cache.v):
+            assert tuple(buffer.shape) == (5, 1, kv_heads, capacity, head_dim)
+            for layer in buffer:
+                assert layer.is_contiguous() and layer.data_ptr() % trt_backend.ALIGNMENT == 0
+                assert not layer.any()
+        # Layers are distinct memory: writing one leaves the others as they were.
+        cache.k[1].fill_(1)
+        assert cache.k[1].all() and not cache.k[0].any() and not cache.k[2:].any()
+
+
+def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, monkeypatch):
+    # The stand-in refuses an unaligned address as setTensorAddress's contract says; here
+    # every address bound is also checked, over an odd target capacity and a drafter cache
+    # written from 14 starts, odd and even (the tiny models keep 64 bytes a position).
+    stand_in(monkeypatch)
+    engine_dir = trt_engines("plugin")
+    ours, theirs = Engine(engine_dir), Engine(engine_dir, backend="onnxruntime")
+    prompt = ours.encode(prompt_file.read_text())[:101]
+    a = ours.generate(prompt, 6, "sharpdraft", stop=False)
+    b = theirs.generate(prompt, 6, "sharpdraft", stop=False)
+    assert a.tokens == b.tokens
+    target = ours.target
+    target.prefill(prompt[:30], 33)  # an odd capacity
+    target.verify([5, 6, 7])
+    drafter, reference = ours.drafter(), theirs.drafter()
+    drafter.reset(63)
+    reference.reset(63)
+    generator = torch.Generator().manual_seed(1)
+    starts = set()
+    for size in [1, 2, 1, 3, 1, 1, 2, 5, 1, 1, 3, 2, 1, 4]:
+        starts.add(drafter.length)
+        context = torch.randn(size, reference.feature_size, generator=generator)
+        got, _ = drafter.draft(context, 3)
+        want, _ = reference.draft(context, 3)
+        assert torch.equal(got, want)
+    assert len(starts) == 14 and drafter.length == 28  # 14 distinct starts, odd and even
+    length = drafter.length
+    assert torch.equal(drafter.cache[0][:length], torch.from_numpy(reference.cache.k[:length]))
+    assert fake_tensorrt.BOUND and all(address % 256 == 0 for _, address in fake_tensorrt.BOUND)
+    bound = {name for name, _ in fake_tensorrt.BOUND}
+    assert {"cache_keys_0", "cache_keys_2", "present_keys", "past_keys", "logits"} <= bound
+
+
+def test_plan_refuses_an_unaligned_address_in_one_line(trt_engines, monkeypatch):
+    stand_in(monkeypatch)
+    engine = Engine(trt_engines("plugin"))
+    drafter = engine.drafter()
+    drafter.reset(16)
+    keys, values = drafter.cache
+    plan = drafter.plan
+    feeds = {"block_ids": torch.zeros(1, drafter.block_size, dtype=torch.int64),
+             "context": torch.zeros(1, 1, drafter.plan.profile["context"][0][2]),
+             "context_lens": torch.ones(1, dtype=torch.int64), "past_keys": keys[:0],
+             "past_values": values[:0], "past_lens": torch.zeros(1, dtype=torch.int64)}
+    feeds = {name: trt_backend.aligned(t) for name, t in feeds.items()}
+    raw = torch.zeros(64 + 1, dtype=torch.int64)
+    skip = (-raw.data_ptr() % 256) // 8 + 1  # 8 bytes past a boundary
+    feeds["context_lens"] = raw[skip:skip + 1]
+    with pytest.raises(EngineError, match="256-byte alignment") as caught:
+        plan.run(feeds)
+    assert "\n" not in str(caught.value)
+
+
+# --- TensorRT 10: the same build and run on the 10.x flavour -----------------------------
+
+def test_tensorrt_10_builds_the_plugin_engine_and_matches_onnxruntime(tmp_path, long_target,
+                                                                       long_drafter, prompt_file):
+    # The 10.x creator converts fields with int(f.data) unless they are NDArray-typed, and a
+    # TensorRT 10 network is strongly typed only with the flag build/tensorrt.py sets.
+    out = tmp_path / "trt10"
+    with pytest.MonkeyPatch.context() as patch:
+        stand_in(patch, version="10.16.1")
+        assert build(out, long_target, long_drafter, "plugin") == 0
+        assert fake_tensorrt.MISSING == []
+        record = json.loads((out / "engine.json").read_text())["extra"]["tensorrt"]
+        assert record["version"] == "10.16.1" and record["plans"]["drafter"]["plugin_nodes"] == 1
+        ours, theirs = Engine(out), Engine(out, backend="onnxruntime")
+        prompt = ours.encode(prompt_file.read_text())[:120]
+        assert ours.generate(prompt, 6, "sharpdraft", stop=False).tokens == \
+            theirs.generate(prompt, 6, "sharpdraft", stop=False).tokens
+
+
+def test_tensorrt_without_aot_plugins_refuses_before_registering(tmp_path, long_target,
+                                                                 long_drafter, capsys, monkeypatch):
+    trtp = stand_in(monkeypatch, version="10.8.0")
+    for _ in range(2):  # a retry says the same, not "already has a definition"
+        with pytest.raises(trt_plugin.TensorRTUnavailable, match="no ahead-of-time Python plugins"):
+            trt_plugin.register_plugin()
+    assert trtp.registered == {} and fake_tensorrt.MISSING == ["tensorrt.QuickPluginCreationRequest"] * 2
+    capsys.readouterr()
+    code = build(tmp_path / "e", long_target, long_drafter, "plugin")
+    err = one_line_error(capsys)
+    assert code == 1 and "TensorRT 10.8.0 has no ahead-of-time Python plugins" in err
+    assert "--attention native" in err
+
+
+def test_registration_is_idempotent_even_after_a_reload(monkeypatch):
+    trtp = stand_in(monkeypatch)
+    assert trt_plugin.register_plugin() == trt_plugin.register_plugin()
+    monkeypatch.setattr(trt_plugin, "_registered", False)  # as after importlib.reload
+    assert trt_plugin.register_plugin() == "sharpdraft::SharpDraftAttention"
+    assert list(trtp.registered) == [("sharpdraft::SharpDraftAttention", "register"),
+                                     ("sharpdraft::SharpDraftAttention", "aot_impl")]
