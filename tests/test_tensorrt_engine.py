@@ -285,12 +285,42 @@ def load_gpu_check():
     return module
 
 
-def test_gpu_check_says_why_it_skips_the_tensorrt_section(monkeypatch, tmp_path, capsys):
+def test_gpu_check_reports_a_section_that_cannot_run_as_not_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
+    gpu_check = load_gpu_check()
     report = {}
-    assert load_gpu_check().tensorrt_engine(report, tmp_path)
-    assert report["tensorrt"] == {"skipped": trt_plugin.TENSORRT_MISSING}
-    assert "tensorrt engine: skipped (TensorRT is not installed" in capsys.readouterr().out
+    ok = gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
+    assert ok  # nothing failed ...
+    assert report["sections"]["tensorrt"] == {"status": "not run", "reason": trt_plugin.TENSORRT_MISSING}
+    assert "tensorrt: not run (TensorRT is not installed" in capsys.readouterr().out
+    # ... and the last line does not call it passed.
+    line = gpu_check.summary(report)
+    assert line == "gpu_check passed (0 of 1 sections ran): tensorrt not run"
+
+
+def test_gpu_check_sections_passed_failed_not_run(capsys):
+    gpu_check = load_gpu_check()
+
+    def cannot():
+        raise gpu_check.NotRun("no tensorrt_llm here")
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    report = {}
+    assert not gpu_check.run_sections(report, [("correctness", lambda: True), ("timings", lambda: False),
+                                               ("trtllm", cannot), ("tensorrt", broken),
+                                               ("after", lambda: True)])
+    assert report["sections"] == {
+        "correctness": {"status": "passed"}, "timings": {"status": "failed"},
+        "trtllm": {"status": "not run", "reason": "no tensorrt_llm here"},
+        "tensorrt": {"status": "failed", "reason": "RuntimeError: CUDA error: an illegal memory access"},
+        "after": {"status": "not run", "reason": "stopped after tensorrt raised RuntimeError"}}
+    assert gpu_check.summary(report) == (
+        "gpu_check FAILED (3 of 5 sections ran): correctness passed; timings failed; trtllm not run; "
+        "tensorrt failed; after not run")
+    out = capsys.readouterr().out
+    assert "trtllm: not run (no tensorrt_llm here)" in out and "after: not run" in out
 
 
 def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
@@ -298,7 +328,9 @@ def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
     # stand-in's plans: on a GPU host the same lines run real TensorRT.
     stand_in(monkeypatch)
     report = {}
-    assert load_gpu_check().tensorrt_engine(report, tmp_path)
+    gpu_check = load_gpu_check()
+    assert gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
+    assert report["sections"]["tensorrt"] == {"status": "passed"}
     assert report["tensorrt"]["passed"] and report["tensorrt"]["version"] == fake_tensorrt.VERSION
     assert len(report["tensorrt"]["tokens"]["tensorrt"]) == 32
     assert fake_tensorrt.MISSING == []
