@@ -240,7 +240,8 @@ class OnnxParser(StandIn):
         graph = onnx.load(model, load_external_data=False).graph
         descs = None
         for node in graph.node:
-            if node.domain in ("", "ai.onnx"):
+            # An op_type ONNX does not define is a plugin, whatever the node's domain.
+            if node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type):
                 continue
             # TensorRT looks a plugin up by op_type, plugin_version and plugin_namespace.
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -277,7 +278,11 @@ def _input_descs(model_path) -> dict:
     from plugins.onnx import register_schema
 
     register_schema()
-    inferred = onnx.shape_inference.infer_shapes(onnx.load(model_path, load_external_data=False))
+    model = onnx.load(model_path, load_external_data=False)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # an op it cannot type: what the graph declares is all there is
+        inferred = model
     descs = {}
     for value in [*inferred.graph.input, *inferred.graph.value_info]:
         t = value.type.tensor_type

@@ -189,6 +189,67 @@ def test_plugin_output_is_like_q_and_bad_types_are_refused(stand_in):
         describe(q, desc((1, 2, -1, 64), "FLOAT"), k, visible, **fields)
 
 
+def parse(path):
+    """The stand-in's ONNX parser on one file: (ok, first error's description)."""
+    import tensorrt as trt
+
+    network = trt.Builder(trt.Logger()).create_network(0)
+    parser = trt.OnnxParser(network, trt.Logger())
+    ok = parser.parse_from_file(str(path))
+    return ok, (parser.get_error(0).desc() if parser.num_errors else "")
+
+
+def test_stand_in_parser_finds_plugins_by_name_version_and_namespace(stand_in, tmp_path):
+    path = write_attention_graph(tmp_path / "ok.onnx", QueryScaling())
+    assert parse(path) == (True, "")
+    model = onnx.load(str(path))
+    for attribute in model.graph.node[0].attribute:
+        if attribute.name == "plugin_version":
+            attribute.s = b"2"
+    onnx.save(model, str(tmp_path / "v2.onnx"))
+    ok, why = parse(tmp_path / "v2.onnx")
+    assert not ok and "Plugin not found" in why and "version 2" in why
+
+
+def test_stand_in_parser_calls_the_description_with_converted_fields(stand_in, tmp_path):
+    # The description runs at parse time (TensorRT asks for output types while building).
+    path = write_attention_graph(tmp_path / "bad.onnx", QueryScaling())
+    model = onnx.load(str(path))
+    model.graph.input[3].type.tensor_type.elem_type = TensorProto.INT32  # visible
+    onnx.save(model, str(path))
+    ok, why = parse(path)
+    assert not ok and "visible must be int64" in why
+
+
+@pytest.mark.parametrize("version, fails", [("10.16.1", True), ("11.4.0", False)])
+def test_stand_in_converts_builtin_fields_as_each_version_does(monkeypatch, tmp_path, version, fails):
+    trtp = fake_tensorrt.install(monkeypatch, version=version)
+
+    @trtp.register("probe::Probe")
+    def describe(q: trtp.TensorDesc, n: int) -> trtp.TensorDesc:
+        return q.like()
+
+    trtp.aot_impl("probe::Probe")(lambda q, n, outputs, tactic: None)
+    q = helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 4])
+    node = helper.make_node("Probe", ["q"], ["out"], domain="probe", plugin_namespace="probe", n=7)
+    graph = helper.make_graph([node], "g", [q], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("probe", 1)])
+    onnx.save(model, str(tmp_path / "probe.onnx"))
+    ok, why = parse(tmp_path / "probe.onnx")
+    assert ok != fails and ("0-dimensional" in why) == fails
+
+
+def test_stand_in_launch_types_refuse_what_tensorrt_refuses(stand_in):
+    params = stand_in.KernelLaunchParams()
+    params.grid_x = 3
+    with pytest.raises(AttributeError, match="no attribute 'threads'"):
+        params.threads = 128
+    for value in (np.int64(3), 3.0, "3"):
+        with pytest.raises(TypeError, match="SymInt32 takes an int"):
+            stand_in.SymInt32(value)
+    assert [s.value for s in stand_in.SymIntExprs.from_tuple([1, stand_in.SymInt32(2)])] == [1, 2]
+
+
 AOT_SCRIPT = r"""
 import json, re, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]

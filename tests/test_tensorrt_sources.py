@@ -46,13 +46,13 @@ def test_real_creator_creates_our_plugin_and_converts_its_fields(real):
     creator = trt.get_plugin_registry().get_creator(plugin_spec.PLUGIN_NAME, plugin_spec.PLUGIN_VERSION,
                                                     plugin_spec.PLUGIN_NAMESPACE)
     assert creator is not None  # what the parser finds by name + version + namespace
+    plugin = creator.create_plugin(plugin_spec.PLUGIN_NAME, plugin_spec.PLUGIN_NAMESPACE,
+                                   parser_fields(trt, creator), trt.TensorRTPhase.BUILD,
+                                   trt.QuickPluginCreationRequest.STRICT_AOT)
     # The creator declares ONNX's attribute types: int32 and float32 fields.
     assert {f.name: f.type for f in creator.field_names} == {
         name: trt.PluginFieldType.INT32 if kind is int else trt.PluginFieldType.FLOAT32
         for name, kind in plugin_spec.FIELD_TYPES.items()}
-    plugin = creator.create_plugin(plugin_spec.PLUGIN_NAME, plugin_spec.PLUGIN_NAMESPACE,
-                                   parser_fields(trt, creator), trt.TensorRTPhase.BUILD,
-                                   trt.QuickPluginCreationRequest.STRICT_AOT)
     assert type(plugin).__name__ == "_TemplateAOTPlugin"
     back = plugin_spec.scaling_from_fields(plugin.attrs)
     assert (back.ref_keys, back.top_k) == (SCALING.ref_keys, SCALING.top_k)
