@@ -119,5 +119,6 @@ def load(version: str, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     trtp = importlib.import_module("tensorrt.plugin")
     for name in [n for n in sys.modules if n.startswith("tensorrt.")]:
-        monkeypatch.setitem(sys.modules, name, sys.modules[name])  # removed again after the test
+        # Out and back in through monkeypatch, which then removes it after the test.
+        monkeypatch.setitem(sys.modules, name, sys.modules.pop(name))
     return trt, trtp
