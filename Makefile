@@ -9,10 +9,16 @@ STAMP := $(VENV)/.installed
 # numpy 1 that only the stub sees goes beside it (runtime/serve/server.py wires both up).
 PYTRITON := .cache/pytriton
 PYTRITON_STAMP := $(PYTRITON)/.installed
+# TensorRT's pure-Python plugin package (tensorrt/plugin/*.py) from the bindings wheels,
+# unpacked only, never installed: tests/test_tensorrt_sources.py runs our plugin against
+# TensorRT 10's and 11's own creator code on CPU (the wheels need libnvinfer to import).
+TRT_WHEELS := .cache/tensorrt-wheels
+TENSORRT_BINDINGS := 10.16.1.11 11.4.0.106
+TRT_WHEELS_STAMP := $(TRT_WHEELS)/.unpacked
 
 .PHONY: setup demo test engine clean
 
-setup: $(STAMP) $(PYTRITON_STAMP)
+setup: $(STAMP) $(PYTRITON_STAMP) $(TRT_WHEELS_STAMP)
 
 $(STAMP): requirements.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +33,16 @@ $(PYTRITON_STAMP): Makefile | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps --target $(PYTRITON)/wheel nvidia-pytriton==0.7.0
 	$(PY) -m pip install --quiet --no-deps --target $(PYTRITON)/stub-site numpy==1.26.4
 	touch $(PYTRITON_STAMP)
+
+$(TRT_WHEELS_STAMP): Makefile | $(STAMP)
+	mkdir -p $(TRT_WHEELS)
+	for v in $(TENSORRT_BINDINGS); do \
+	  $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+	    --platform manylinux_2_28_x86_64 -d $(TRT_WHEELS) tensorrt-cu12-bindings==$$v || exit 1; \
+	  wheel=$$(ls $(TRT_WHEELS)/tensorrt_cu12_bindings-$$v-*.whl); \
+	  $(PY) -m zipfile -e $$wheel $${wheel%.whl} || exit 1; \
+	done
+	touch $(TRT_WHEELS_STAMP)
 
 engine: setup
 	$(PY) build_engine.py --drafter dflash --sharpdraft

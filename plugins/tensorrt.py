@@ -7,7 +7,12 @@ Only build/tensorrt.py needs this, on a GPU host; tensorrt is imported inside fu
 """
 
 # No `from __future__ import annotations`: tensorrt.plugin reads the decorated functions'
-# annotations as real classes (TensorDesc, int, float ...), not strings.
+# annotations as real classes (TensorDesc, numpy NDArray ...), not strings.
+
+import re
+
+import numpy as np
+import numpy.typing as npt
 
 from plugins import plugin_spec
 
@@ -28,25 +33,47 @@ def import_tensorrt():
     return tensorrt
 
 
+# Plugin fields are one-element numpy arrays, not `int` / `float`: the ONNX parser hands
+# every field over as a numpy array, and TensorRT 10.x's creator converts a builtin-typed
+# field with `int(f.data)`, which numpy 2 refuses for a 1-d array ("only 0-dimensional
+# arrays can be converted"); an NDArray-typed field is `f.data.astype(dtype)` on 10.x and
+# 11.x alike (tensorrt/plugin/_lib.py, _TemplatePluginCreator.create_plugin). int32 and
+# float32 are what ONNX INT / FLOAT attributes become as TensorRT plugin fields.
+IntField = npt.NDArray[np.int32]
+FloatField = npt.NDArray[np.float32]
+FIELD_ANNOTATIONS = {int: IntField, float: FloatField}
+
+
 _registered = False
+
+# TensorRT's own test for AOT Python plugins (tensorrt/plugin/_export.py: IS_AOT_ENABLED):
+# KernelLaunchParams and aot_impl's plugin class exist only where this does (TensorRT >= 10.9).
+AOT_MARKER = "QuickPluginCreationRequest"
 
 
 def register_plugin() -> str:
     """Register SharpDraftAttention with TensorRT's plugin registry (once per process) so
     the ONNX parser finds the node by op_type / plugin_version / plugin_namespace.
-    Returns the plugin id ("sharpdraft::SharpDraftAttention")."""
+    Returns the plugin id ("sharpdraft::SharpDraftAttention").
+
+    Refuses a TensorRT without AOT plugins BEFORE `@trtp.register` runs: registering first
+    would leave a half-defined plugin that a retry could not redefine. Idempotent across
+    module reloads too: a plugin tensorrt.plugin already defines is not defined again."""
     global _registered
     if _registered:
         return plugin_spec.PLUGIN_ID
     trt = import_tensorrt()
+    if not hasattr(trt, AOT_MARKER):
+        raise TensorRTUnavailable(f"TensorRT {getattr(trt, '__version__', '?')} has no ahead-of-time "
+                                  "Python plugins (they need TensorRT >= 10.9); use --attention native")
     try:
         import tensorrt.plugin as trtp
     except Exception:
-        raise TensorRTUnavailable("this TensorRT has no tensorrt.plugin module (Python plugins need "
-                                  "TensorRT >= 10.7, AOT plugins in ONNX >= 10.9)") from None
-    if not hasattr(trtp, "aot_impl"):
-        raise TensorRTUnavailable("this TensorRT's tensorrt.plugin has no aot_impl (needs TensorRT >= 10.9)")
-    _define_plugin(trt, trtp)
+        raise TensorRTUnavailable("this TensorRT has no tensorrt.plugin module (AOT Python plugins "
+                                  "need TensorRT >= 10.9); use --attention native") from None
+    namespace = getattr(getattr(trtp, "op", None), plugin_spec.PLUGIN_NAMESPACE, None)
+    if not hasattr(namespace, plugin_spec.PLUGIN_NAME):
+        _define_plugin(trt, trtp)
     _registered = True
     return plugin_spec.PLUGIN_ID
 
@@ -56,11 +83,12 @@ def _define_plugin(trt, trtp) -> None:
 
     kernel_dtypes = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
 
-    # The attribute parameters are the plugin fields, named and typed as plugin_spec says
-    # (checked by tests/test_tensorrt.py against plugin_spec.FIELD_TYPES).
+    # The attribute parameters are the plugin fields, named as plugin_spec says and typed
+    # as FIELD_ANNOTATIONS (checked by tests/test_tensorrt.py against both creators).
     @trtp.register(plugin_spec.PLUGIN_ID)
     def describe(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, visible: trtp.TensorDesc,
-                 ref_keys: int, top_k: int, slope: float, max_log_scale: float) -> trtp.TensorDesc:
+                 ref_keys: IntField, top_k: IntField, slope: FloatField, max_log_scale: FloatField
+                 ) -> trtp.TensorDesc:
         # Fail the build with a reason rather than launch a kernel on the wrong bytes.
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or visible.ndim != 2:
             raise ValueError(f"{plugin_spec.PLUGIN_NAME}: expected q/k/v of rank 4 and visible of "
@@ -74,19 +102,22 @@ def _define_plugin(trt, trtp) -> None:
 
     @trtp.aot_impl(plugin_spec.PLUGIN_ID)
     def compile_kernel(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc,
-                       visible: trtp.TensorDesc, ref_keys: int, top_k: int, slope: float,
-                       max_log_scale: float, outputs: Tuple[trtp.TensorDesc], tactic: int
+                       visible: trtp.TensorDesc, ref_keys: IntField, top_k: IntField,
+                       slope: FloatField, max_log_scale: FloatField, outputs: Tuple[trtp.TensorDesc],
+                       tactic: int
                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         scaling = plugin_spec.scaling_from_fields(dict(ref_keys=ref_keys, top_k=top_k, slope=slope,
                                                        max_log_scale=max_log_scale))
         launch = aot_launch(q, k, kernel_dtypes[q.dtype], scaling, build_arch())
+        ptx = tensorrt_ptx(launch["ptx"], launch["name"], len(plugin_spec.INPUTS)
+                           + len(launch["scalars"]) + len(plugin_spec.OUTPUTS))
         params = trtp.KernelLaunchParams()
         params.grid_x, params.grid_y = launch["grid"]
         params.block_x = launch["threads"]
         params.shared_mem = launch["shared_mem"]
         # TensorRT passes these int32s between the input and output pointers, in this order.
         scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in launch["scalars"]])
-        return launch["name"], launch["ptx"], params, scalars
+        return launch["name"], ptx, params, scalars
 
 
 def aot_launch(q, k, dtype: str, scaling, arch: int) -> dict:
@@ -119,3 +150,29 @@ def build_arch() -> int:
         raise TensorRTUnavailable("building a TensorRT engine needs a CUDA GPU; none is visible")
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor
+
+
+def tensorrt_ptx(ptx: str, name: str, launched: int) -> str:
+    """The PTX with exactly the `launched` parameters TensorRT passes: input pointers, the
+    int32 extra arguments, output pointers (aot_impl's contract in tensorrt/plugin/_lib.py:
+    "scalar inputs ... located after the tensor inputs and before the tensor outputs").
+
+    Triton appends two pointers of its own after those (global and profile scratch, filled
+    by Triton's launcher). Nothing says TensorRT's launcher passes them, and a kernel that
+    declares more parameters than the launch supplies reads past the argument array. The
+    kernel needs no scratch memory (aot_compile refuses one that does), so the trailing
+    parameters are dropped here, after checking that no instruction reads them; a launch
+    that passes more arguments than the kernel declares is harmless."""
+    head = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+    if head is None:
+        raise RuntimeError(f"no .entry {name} in the compiled PTX")
+    params = [p.strip() for p in head.group(1).split(",") if p.strip()]
+    if len(params) < launched:
+        raise RuntimeError(f"{name} declares {len(params)} parameters, TensorRT launches {launched}")
+    extra = [p.split()[-1] for p in params[launched:]]
+    body = ptx[head.end():]
+    used = [p for p in extra if re.search(r"\[" + re.escape(p) + r"\b", body)]
+    if used:
+        raise RuntimeError(f"{name} reads parameter(s) {', '.join(used)} that TensorRT does not pass")
+    kept = ",\n".join("\t" + p for p in params[:launched])
+    return ptx[:head.start(1)] + "\n" + kept + "\n" + ptx[head.end(1):]

@@ -27,25 +27,29 @@ CALIBRATED, FAMILY_PRESET = "calibrated", "family preset"
 class Mode(StrEnum):
     """A decoding mode; its value is the name users type (`generate --mode NAME`)."""
 
-    # name, drafter, attention, scaling, n-gram assist, study, plot color, label
-    TARGET = ("target", NO_DRAFTER, None, None, False, False, "black", "target-only")
-    NGRAM = ("ngram", LOOKUP, None, None, False, False, "tab:green", "n-gram lookup")
-    FROZEN = ("frozen", MODEL, UNSCALED, None, False, False, "tab:gray", "frozen drafter")
-    WINDOW = ("window", MODEL, WINDOWED, None, False, False, "tab:brown", "frozen, draft window")
+    # name, drafter, attention, scaling, n-gram assist, study, plot color, plot label,
+    # the word a results table heads its column with
+    TARGET = ("target", NO_DRAFTER, None, None, False, False, "black", "target-only", "target-only")
+    NGRAM = ("ngram", LOOKUP, None, None, False, False, "tab:green", "n-gram lookup", "n-gram")
+    FROZEN = ("frozen", MODEL, UNSCALED, None, False, False, "tab:gray", "frozen drafter", "frozen")
+    WINDOW = ("window", MODEL, WINDOWED, None, False, False, "tab:brown", "frozen, draft window",
+              "window")
     PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True, "tab:orange",
-              "SharpDraft, family preset")
-    SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False, "tab:blue", "SharpDraft")
-    HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False, "tab:purple", "SharpDraft + n-gram")
+              "SharpDraft, family preset", "preset")
+    SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False, "tab:blue", "SharpDraft",
+                  "SharpDraft")
+    HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False, "tab:purple", "SharpDraft + n-gram",
+              "SharpDraft + n-gram")
     FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False, "tab:olive",
-                     "frozen + n-gram")
+                     "frozen + n-gram", "frozen + n-gram")
     WINDOW_HYBRID = ("window-hybrid", MODEL, WINDOWED, None, True, False, "tab:pink",
-                     "draft window + n-gram")
+                     "draft window + n-gram", "window + n-gram")
 
-    def __new__(cls, name, drafter, attention, scaling, ngram_assist, study, color, label):
+    def __new__(cls, name, drafter, attention, scaling, ngram_assist, study, color, label, word):
         mode = str.__new__(cls, name)
         mode._value_ = name
         mode.drafter, mode.attention, mode.scaling = drafter, attention, scaling
-        mode.ngram_assist, mode.color, mode.label = ngram_assist, color, label
+        mode.ngram_assist, mode.color, mode.label, mode.word = ngram_assist, color, label, word
         # A comparison run only when asked (bench --modes preset): not an engine's
         # everyday mode, so not in Engine.modes, demo or serving.
         mode.study = study

@@ -71,7 +71,7 @@ class DraftVocab:
     d2t idea): column j is target token ids[j] of the target's `size`. The drafter leaves
     its logits compact and the sampler maps the drafts it picks, so no step scatters
     8,192 columns into 49,152 (a graph's gather, then an argmax and a softmax over the
-    wide rows: 1.2-1.5 ms of a DFlash step on the default engine, measured; README).
+    wide rows: 1.2-1.5 ms of a DFlash step on the default engine, measured; CHANGELOG.md).
     Tokens outside it have draft probability 0, which verification reads from the
     expanded q: lossless."""
     ids: torch.Tensor  # [columns], int64 target ids, distinct

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import autoload, pins
+from plugins.trtllm import autoload, pins, proof, versions
 from runtime.manifest import Manifest
 
 LLM_API_CONFIG = "llm_api.yaml"
@@ -55,6 +57,8 @@ def llm_api_config(manifest: Manifest) -> dict:
         "model": str(manifest.target_dir),
         "backend": "pytorch",
         "tensor_parallel_size": int(settings.get("tensor_parallel_size", 1)),
+        **({"pipeline_parallel_size": int(settings["pipeline_parallel_size"])}
+           if settings.get("pipeline_parallel_size") else {}),
         "speculative_config": {
             "decoding_type": pins.DECODING_TYPES[manifest.drafter],
             # One target pass verifies [bonus, d1..dK]: K = block_size - 1 drafts.
@@ -84,6 +88,9 @@ def check_fields(config: dict, triton: bool = False) -> None:
     if unknown:
         raise ConfigFieldError(f"field(s) {', '.join(sorted(unknown))} are not in the pinned TensorRT-LLM "
                                f"{pins.PINNED} lists (plugins/trtllm/pins.py)")
+    if spec.get("use_dynamic_tree") and "dynamic_tree_max_topK" not in spec:
+        raise ConfigFieldError("speculative_config.use_dynamic_tree needs dynamic_tree_max_topK beside it "
+                               "(TensorRT-LLM rejects it alone)")
 
 
 def to_yaml(data: dict, indent: int = 0) -> str:
@@ -116,9 +123,28 @@ def model_yaml(config: dict, engine_dir: Path, decoupled: bool = False) -> str:
 
 
 def scaling_env(scaling: QueryScaling | None) -> dict:
-    """Environment for TensorRT-LLM processes: the .pth autoloader (plugins/trtllm/autoload.py)
-    installs the hook in every worker when SHARPDRAFT_TRTLLM is set."""
+    """Environment for TensorRT-LLM processes of your own launches: the .pth autoloader
+    (plugins/trtllm/autoload.py) installs the hook where SHARPDRAFT_TRTLLM is set. Our
+    launchers do not rely on it (workers need not inherit it): see `Launch`."""
     return {autoload.ENV: autoload.env_value(scaling)} if scaling else {}
+
+
+def installed_version() -> str | None:
+    """TensorRT-LLM's version: from its distribution metadata (no import needed), else from
+    tensorrt_llm.version where the package is importable without metadata (a source tree)."""
+    import importlib
+    from importlib import metadata
+
+    try:
+        return metadata.version(pins.DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        module = importlib.import_module(pins.VERSION_MODULE)
+    except Exception:  # not installed, or needs a GPU driver to import
+        return None
+    version = getattr(module, "__version__", None)
+    return None if version is None else str(version)
 
 
 def require_tensorrt_llm():
@@ -138,40 +164,158 @@ def require_tensorrt_llm():
                           f"{first})") from None
 
 
-def build_llm(manifest: Manifest, sharpdraft: bool = True, speculative: bool = True, **overrides):
-    """tensorrt_llm.LLM for an engine, with SharpDraft's hook installed first (before the
-    drafter is built) when the engine has a QueryScaling and `sharpdraft`."""
-    from plugins.trtllm import install, uninstall
+def world_sizes(config: dict) -> dict:
+    """{tp, pp, cp} of an LLM-API configuration (missing: 1)."""
+    return {k: int(config.get(field) or 1) for k, field in pins.PARALLEL_FIELDS.items()}
 
-    config = llm_api_config(manifest)
+
+def refuse_inexact(config: dict, family: str | None, drafter_dir: Path | None = None) -> None:
+    """One line (UsageError) for a configuration whose visible-key count SharpDraft cannot
+    derive exactly: KV compression / sparse attention, a global attention window, context
+    parallelism; for EAGLE-3 / PARD also a drafter checkpoint with sliding-window or chunked
+    attention (DFlash's kernels are handed their window and count it)."""
+    from runtime.cli import UsageError
+
+    if config.get(pins.SPARSE_ATTENTION):
+        raise UsageError(f"SharpDraft cannot count visible keys under {pins.SPARSE_ATTENTION} (KV "
+                         "compression): drop it or run with --no-sharpdraft")
+    if (config.get("kv_cache_config") or {}).get("max_attention_window"):
+        raise UsageError("SharpDraft cannot count visible keys under kv_cache_config.max_attention_window "
+                         "(sliding windows set outside the model): drop it or run with --no-sharpdraft")
+    if world_sizes(config)["cp"] > 1:
+        raise UsageError("SharpDraft with context parallelism (cp > 1) is not supported: a rank's KV length "
+                         "is not the count a query sees — use tp/pp, or --no-sharpdraft")
+    if family in ("eagle3", "pard") and drafter_dir is not None:
+        path = Path(drafter_dir) / "config.json"
+        try:
+            drafter = json.loads(path.read_text())
+        except (OSError, ValueError):
+            drafter = {}
+        # Qwen2-style configs carry sliding_window with use_sliding_window: false (unused);
+        # Mistral-style ones carry sliding_window alone (used).
+        windowed = (drafter.get("use_sliding_window") is True
+                    or "sliding_attention" in (drafter.get("layer_types") or ())
+                    or (bool(drafter.get("sliding_window")) and "use_sliding_window" not in drafter))
+        if drafter.get(pins.CHUNK_ATTRIBUTE) or windowed:
+            raise UsageError(f"{path}: sliding-window / chunked attention in a {family} drafter — SharpDraft "
+                             "counts keys there from the metadata only without a window; run with "
+                             "--no-sharpdraft")
+
+
+class Launch:
+    """SharpDraft for one launch: the version guard and the refusals before TensorRT-LLM
+    builds anything, the hook in this process, the activation file that reaches worker
+    processes through the .pth autoloader, and the proof check once the model is built.
+
+        launch = Launch(scaling, config, family, drafter_dir)   # refuses in one line
+        llm = tensorrt_llm.LLM(**config)
+        applied = launch.require()                               # refuses in one line
+        ...
+        launch.close()
+    """
+
+    def __init__(self, scaling: QueryScaling, config: dict, family: str | None = None,
+                 drafter_dir: Path | None = None, site: Path | None = None):
+        from runtime.cli import UsageError
+
+        self.scaling = scaling
+        version = installed_version()
+        if version is None:
+            raise UsageError("cannot read TensorRT-LLM's version (no tensorrt_llm distribution metadata "
+                             "or tensorrt_llm.version): SharpDraft's hook cannot vouch for it — "
+                             "run with --no-sharpdraft")
+        else:
+            try:
+                in_range = versions.in_range(version, pins.MIN_VERSION, pins.MAX_VERSION)
+            except ValueError:
+                in_range = False
+            if not in_range:
+                raise UsageError(f"SharpDraft's TensorRT-LLM hook was tested on "
+                                 f"{versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}; this "
+                                 f"environment has {version} — run with --no-sharpdraft, or a tested release")
+        refuse_inexact(config, family, drafter_dir)
+        self.site = site if site is not None else autoload.find_site()
+        sizes = world_sizes(config)
+        self.world = sizes["tp"] * sizes["pp"] * sizes["cp"]
+        if self.world > 1 and self.site is None:
+            raise UsageError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
+                             "processes, which this process's hook does not reach — run `python -m "
+                             "plugins.trtllm autoload install` first (docs/trtllm.md)")
+        self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
+        self.activation = None
+        if self.site is not None:
+            self.activation = autoload.activate(self.site, scaling, self.directory)
+        from plugins.trtllm import install
+
+        proof.set_directory(self.directory)
+        install(scaling)  # the process itself (single-process executor, Triton stub, serve process)
+
+    def env(self) -> dict:
+        """Environment for this launch's TensorRT-LLM: one GPU keeps the executor in this
+        process unless the caller chose otherwise."""
+        return {pins.SINGLE_PROCESS_ENV: "1"} if self.world == 1 else {}
+
+    def require(self) -> dict:
+        """Once TensorRT-LLM has built the model: what was applied (proof.summary), or
+        proof.ProofError in one line."""
+        return proof.summary(proof.require(self.directory, self.scaling))
+
+    def close(self) -> None:
+        if self.site is not None:
+            autoload.deactivate(self.site)
+        proof.set_directory(None)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def build_llm(manifest: Manifest, sharpdraft: bool = True, speculative: bool = True, **overrides):
+    """(tensorrt_llm.LLM for an engine, Launch or None). With the engine's QueryScaling and
+    `sharpdraft`, the launch is checked before the LLM is built and the proof after: either
+    refuses in one line. Frozen and target-only runs need no proof."""
+    from plugins.trtllm import uninstall
+
+    config = llm_api_config(manifest) | overrides
     if not speculative:
         config.pop("speculative_config")
     tensorrt_llm = require_tensorrt_llm()  # one line, before anything changes, when it cannot run
-    # The LLM API builds the model in an MPI worker by default, where this process's hook
-    # does not reach; with one GPU it can stay in this process (TensorRT-LLM's own tests do
-    # this). With the .pth autoloader installed, SHARPDRAFT_TRTLLM reaches workers instead.
-    os.environ.setdefault(pins.SINGLE_PROCESS_ENV, "1")
+    launch = None
     if sharpdraft and speculative and manifest.query_scaling is not None:
-        os.environ.update(scaling_env(manifest.query_scaling))
-        install(manifest.query_scaling)  # patches what is loaded now, hooks what loads later
+        launch = Launch(manifest.query_scaling, config, manifest.drafter, manifest.drafter_dir)
+        for key, value in launch.env().items():
+            os.environ.setdefault(key, value)
     else:
         os.environ.pop(autoload.ENV, None)
         uninstall()
-    return tensorrt_llm.LLM(**(config | overrides))
+    try:
+        llm = tensorrt_llm.LLM(**config)
+    except BaseException:
+        if launch is not None:
+            launch.close()
+        raise
+    if launch is not None:
+        try:
+            launch.require()
+        except proof.ProofError:
+            llm.shutdown()
+            launch.close()
+            raise
+    return llm, launch
 
 
 def generate(manifest: Manifest, prompt: str, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, sharpdraft: bool = True,
              speculative: bool = True) -> dict:
     """One prompt through TensorRT-LLM: text, token ids and its speculative statistics."""
-    llm = build_llm(manifest, sharpdraft=sharpdraft, speculative=speculative)
+    llm, launch = build_llm(manifest, sharpdraft=sharpdraft, speculative=speculative)
     from tensorrt_llm import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             **({"seed": seed} if seed is not None else {}))
+    applied = launch.require() if launch is not None else None
     try:
         output = llm.generate([prompt], params)[0]
     finally:
         llm.shutdown()
+        if launch is not None:
+            launch.close()
     completion = output.outputs[0]
-    return {"text": completion.text, "tokens": list(completion.token_ids)}
+    return {"text": completion.text, "tokens": list(completion.token_ids), "sharpdraft_applied": applied}

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.commands.provenance import provenance  # noqa: E402
 from runtime.engine import run_mode  # noqa: E402
 from runtime.modes import Mode  # noqa: E402
 
@@ -79,7 +81,9 @@ def main(argv=None) -> int:
                       f"{row['tok_s_median']:6.2f} tok/s  runs {row['tok_s_runs']}  "
                       f"same tokens: {row['same_tokens_as_first']}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        line = shlex.join(["python", "scripts/bench_backends.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(args.json).write_text(json.dumps({**provenance("bench_backends", line), "args": vars(args),
+                                               "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The three-family result in the README: MAL against context length for DFlash, PARD and
+# The three-family result (docs/results.md): MAL against context length for DFlash, PARD and
 # EAGLE-3, frozen vs family preset vs calibrated SharpDraft, 8 evaluation documents, 128
 # greedy tokens each, whole blocks/chains/trees (--draft-length full: MAL, not speed).
 # A family whose JSON exists is kept (FORCE=1 reruns it); FAMILIES picks some (two at once

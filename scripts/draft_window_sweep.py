@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from runtime.acceptance import committed_per_anchor, greedy_continuation  # noqa
 from runtime.backends.torch import TorchDFlash  # noqa: E402
 from runtime.cli import UsageError  # noqa: E402
 from runtime.commands.documents import default_documents, tokenized  # noqa: E402
+from runtime.commands.provenance import provenance  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.manifest import EngineError  # noqa: E402
 from runtime.modes import Mode  # noqa: E402
@@ -79,8 +81,10 @@ def main(argv=None) -> int:
     for way, per in means.items():
         print(f"{way:>24}: " + "  ".join(f"{n}: {m:.3f}" for n, m in per.items()))
     if args.json:
+        line = shlex.join(["python", "scripts/draft_window_sweep.py",
+                           *(sys.argv[1:] if argv is None else argv)])
         Path(args.json).write_text(json.dumps({
-            "engine": args.engine_dir, "documents": [name for name, _ in docs],
+            **provenance("draft_window_sweep", line), "engine": args.engine_dir, "documents": [name for name, _ in docs],
             "new_tokens": args.new_tokens, "mean_mal": means,
             "committed_per_anchor": counts}, indent=1) + "\n")
     return 0

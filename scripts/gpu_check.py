@@ -4,19 +4,21 @@ reference op in fp32/fp16/bf16 (bf16 cannot be checked on CPU: the interpreter's
 wrong for it), then timings of a drafter-like step against the reference op and plain
 SDPA, then, where TensorRT imports, the TensorRT engine path: the tiny test pair built with
 --backend tensorrt (plugin form), generate, tokens compared with the torch backend
-(otherwise the section says why it is skipped).
+(otherwise the section is "not run", with the reason).
 
     python scripts/gpu_check.py --out DIR        # writes DIR/gpu_check.json
 
 Results go to stdout as one line per check and to the JSON file ($OUT if --out is not
-given); progress goes to stderr. Exits 1 with one line when no CUDA device exists.
+given); progress goes to stderr. Exits 1 with one line when no CUDA device exists. Every
+section ends as "passed", "failed" or "not run" with the reason (report["sections"]); a
+section that did not run is never counted as passed, and the last line names each one.
 
 Then, where `tensorrt_llm` imports, SharpDraft inside TensorRT-LLM: one prompt through a
 DFlash engine built with `build_engine.py --backend trtllm` (--trtllm-engine, default
 engines/dflash-sharpdraft-trtllm), target-only, DFlash without the hook and DFlash with
 it; greedy tokens must be equal in all three (speculative decoding is lossless whatever
 beta does to the drafts), and the hook must have wrapped the drafter. Where it does not
-import, one line says why the section is skipped.
+import, the section is "not run" and one line says why.
 """
 
 from __future__ import annotations
@@ -56,27 +58,29 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+
+
+class NotRun(Exception):
+    """A section cannot run here; the message (one line) says why."""
+
+
 def trtllm_section(report: dict, engine_dir: str, tokens: int) -> bool:
-    """SharpDraft's hook inside TensorRT-LLM; skipped (True) where tensorrt_llm cannot run."""
+    """SharpDraft's hook inside TensorRT-LLM; NotRun where tensorrt_llm cannot run."""
     from runtime import trtllm
 
     try:
         trtllm.require_tensorrt_llm()
     except ImportError as exc:
-        report["trtllm"] = {"skipped": str(exc)}
-        print(f"trtllm: skipped — {exc}", flush=True)
-        return True
+        raise NotRun(str(exc)) from None
     from plugins.trtllm import hook
     from runtime.manifest import read_manifest
     from runtime.modes import Mode
 
     engine = Path(engine_dir)
     if not (engine / "engine.json").is_file():
-        reason = (f"{engine} has no engine.json — build one with: python build_engine.py --drafter dflash "
-                  f"--sharpdraft --backend trtllm --output {engine}")
-        report["trtllm"] = {"skipped": reason}
-        print(f"trtllm: skipped — {reason}", flush=True)
-        return True
+        raise NotRun(f"{engine} has no engine.json — build one with: python build_engine.py --drafter "
+                     f"dflash --sharpdraft --backend trtllm --output {engine}")
     manifest = read_manifest(engine)
     prompt = "def fibonacci(n):\n    "
     runs = {}
@@ -84,9 +88,11 @@ def trtllm_section(report: dict, engine_dir: str, tokens: int) -> bool:
         started = time.perf_counter()
         result = trtllm.generate(manifest, prompt, tokens, sharpdraft=mode.scaled,
                                  speculative=mode.uses_drafter_model)
-        runs[mode] = dict(tokens=result["tokens"], seconds=round(time.perf_counter() - started, 2))
+        runs[mode] = dict(tokens=result["tokens"], seconds=round(time.perf_counter() - started, 2),
+                          applied=result.get("sharpdraft_applied"))
         log(f"trtllm {mode}: {len(result['tokens'])} tokens in {runs[mode]['seconds']} s")
-    hooked = len(list(hook._state.instances))
+    # the launch's proof check: drafters wrapped where TensorRT-LLM built them
+    hooked = len((runs[Mode.SHARPDRAFT]["applied"] or {}).get("drafters", []))
     hook.uninstall()
     equal = runs[Mode.FROZEN]["tokens"] == runs[Mode.TARGET]["tokens"] == runs[Mode.SHARPDRAFT]["tokens"]
     ok = equal and hooked > 0
@@ -225,14 +231,12 @@ def timings(report: dict, contexts, repeats: int, sm_count: int) -> None:
 def tensorrt_engine(report: dict, workdir: Path) -> bool:
     """Where TensorRT can build here: the tiny test pair built with --backend tensorrt
     (plugin form), `python -m runtime generate` on it, tokens compared with the torch
-    backend on the same checkpoints. Elsewhere: says why the section is skipped."""
+    backend on the same checkpoints. Elsewhere: NotRun, saying why."""
     import build_engine
 
     why = build_engine.tensorrt_usable()
     if why is not None:
-        report["tensorrt"] = {"skipped": why}
-        print(f"tensorrt engine: skipped ({why})", flush=True)
-        return True
+        raise NotRun(why)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import tiny
     from runtime.cli import run
@@ -273,6 +277,40 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
     return passed
 
 
+def run_sections(report: dict, sections) -> bool:
+    """Run (name, function) sections in order; report["sections"][name] is {"status":
+    passed | failed | not run, "reason"?}. A section raising NotRun did not run; one raising
+    anything else failed, and the sections after it did not run. True when none failed."""
+    statuses = report.setdefault("sections", {})
+    broken = None
+    for name, section in sections:
+        try:
+            if broken is not None:
+                raise NotRun(f"stopped after {broken}")
+            statuses[name] = {"status": PASSED if section() else FAILED}
+        except NotRun as exc:
+            statuses[name] = {"status": NOT_RUN, "reason": str(exc)}
+        except Exception as exc:  # keep what was measured; say what broke in one line
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            statuses[name] = {"status": FAILED, "reason": reason}
+            report["error"] = reason
+            print(f"error: {name}: {reason}", file=sys.stderr)
+            broken = f"{name} raised {type(exc).__name__}"
+        status = statuses[name]
+        print(f"{name}: {status['status']}" + (f" ({status['reason']})" if "reason" in status else ""),
+              flush=True)
+    return all(s["status"] != FAILED for s in statuses.values())
+
+
+def summary(report: dict) -> str:
+    """The last line: the verdict over the sections that ran, and each section's status."""
+    statuses = report["sections"]
+    verdict = "FAILED" if any(s["status"] == FAILED for s in statuses.values()) else "passed"
+    ran = [n for n, s in statuses.items() if s["status"] != NOT_RUN]
+    return (f"gpu_check {verdict} ({len(ran)} of {len(statuses)} sections ran): "
+            + "; ".join(f"{name} {s['status']}" for name, s in statuses.items()))
+
+
 def main(argv) -> int:
     args = parse(argv)
     import torch
@@ -290,24 +328,27 @@ def main(argv) -> int:
                   capability=list(torch.cuda.get_device_capability()), torch=torch.__version__,
                   triton=triton.__version__, correctness=[], beta=[], timings=[])
     log(f"gpu_check on {props.name} ({props.multi_processor_count} SMs)")
-    ok = True
-    try:
-        ok = correctness(report)
-        timings(report, [int(c) for c in args.contexts.split(",") if c], args.repeats, props.multi_processor_count)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+
+    def timed():
+        timings(report, contexts, args.repeats, props.multi_processor_count)
+        return True
+
+    def tensorrt():
         with tempfile.TemporaryDirectory() as workdir:
-            ok &= tensorrt_engine(report, Path(workdir))
-        ok = trtllm_section(report, args.trtllm_engine, args.trtllm_tokens) and ok
-    except Exception as exc:  # keep what was measured; say what broke in one line
-        ok = False
-        report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        print(f"error: {report['error']}", file=sys.stderr)
+            return tensorrt_engine(report, Path(workdir))
+
+    ok = run_sections(report, [("correctness", lambda: correctness(report)), ("timings", timed),
+                               ("tensorrt", tensorrt),
+                               ("trtllm", lambda: trtllm_section(report, args.trtllm_engine,
+                                                                 args.trtllm_tokens))])
     report["passed"], report["seconds"] = ok, round(time.perf_counter() - started, 1)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {out / 'gpu_check.json'}")
-    print(f"gpu_check {'passed' if ok else 'FAILED'} in {report['seconds']} s")
+    print(f"{summary(report)} in {report['seconds']} s")
     return 0 if ok else 1
 
 

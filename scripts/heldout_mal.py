@@ -18,6 +18,8 @@ target's greedy choice (the cached top-1), as in speculative decoding's greedy c
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from build.train_drafter import _Head, load_shards, target_at  # noqa: E402
+from runtime.commands.provenance import provenance  # noqa: E402
 from runtime.models.dflash import DraftHead, load_dflash  # noqa: E402
 from runtime.models.target import load_target  # noqa: E402
 from runtime.sampling import target_ids  # noqa: E402
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
                         "token are the target's own greedy text: what greedy speculation with "
                         "whole blocks would accept there, given the same context")
     p.add_argument("--target", default=None, help="target directory (default: the one engines/targets holds)")
+    p.add_argument("--json", metavar="OUT", help="also write the scores, command, machine and date here")
     args = p.parse_args(argv)
     if not Path(args.held_out).is_file():
         p.error(f"--held-out {args.held_out}: no such file (train_drafter.py caches "
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     target_dir = Path(args.target) if args.target else next(Path("engines/targets").iterdir())
     target, _ = load_target(target_dir)
     embed = target.embed_tokens.weight.detach().float()
-    first = None
+    first, scores = None, []
     for path in args.drafters:
         drafter = load_dflash(path).float().eval()
         last = data["ids"].shape[1] - drafter.config.block_size  # the last anchor a whole block fits
@@ -86,13 +90,22 @@ def main(argv=None) -> int:
             p.error(f"--anchors-from must lie in 1..{last} for these windows and {path}'s blocks")
         mal = heldout_mal(drafter, embed, data, args.anchors_from)
         line = f"{path}: teacher-forced MAL {float(mal.mean()):.4f} over {len(mal)} blocks"
+        score = {"drafter": str(path), "mal": round(float(mal.mean()), 4), "blocks": len(mal)}
         if first is None:
             first = mal
         else:
             diff = mal - first
             line += (f"; minus the first drafter's {float(diff.mean()):+.4f} "
                      f"(paired standard error {float(diff.std() / len(diff) ** 0.5):.4f})")
+            score |= {"minus_first": round(float(diff.mean()), 4),
+                      "paired_standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
+        scores.append(score)
         print(line)
+    if args.json:
+        line = shlex.join(["python", "scripts/heldout_mal.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(args.json).write_text(json.dumps(
+            {**provenance("heldout_mal", line), "held_out": str(args.held_out),
+             "anchors_from": args.anchors_from, "drafters": scores}, indent=2) + "\n")
     return 0
 
 

@@ -6,6 +6,29 @@ else: any other name, on the module or on one of its objects, raises AttributeEr
 recorded in `tensorrt.missing`, so a call TensorRT has but the stand-in lacks (or a name
 TensorRT does not have at all) fails the test even where our code catches the error.
 
+Flavours (`install(version=...)`): "11.4.0" (default), "10.16.1" (TensorRT 10: networks
+strongly typed only by flag, the 10.x plugin creator's field conversion) and "10.8.0" (no
+ahead-of-time Python plugins: no `QuickPluginCreationRequest`, no `KernelLaunchParams`).
+
+What it enforces, as the real one does (tensorrt_cu12_bindings 10.16.1.11 / 11.4.0.106,
+tensorrt/plugin/*.py; tests/test_tensorrt_sources.py runs those files themselves and checks
+this stand-in against them):
+- `tensorrt.plugin.register` defines `op.<namespace>.<name>` once: a second definition
+  raises "already has a definition" (_lib.py, register).
+- The parser finds a plugin by op_type, `plugin_version` (default "1") and
+  `plugin_namespace`; the Python creators are registered as version "1"
+  (_lib.py, _TemplatePluginCreator). It hands the node's other attributes to the creator as
+  one-element arrays (INT -> int32, FLOAT -> float32), which converts each by the
+  attribute's annotation exactly as that version's `create_plugin` does -- 10.x calls
+  `int(f.data)` on a builtin-typed field, which numpy 2 refuses for a 1-d array -- and
+  then calls the registered description with the node's input descriptors (shape
+  inference gives them) and the converted fields, as TensorRT does while building.
+- `KernelLaunchParams` has only grid_x/y/z, block_x/y/z, shared_mem (anything else raises,
+  _tensor.py); `SymInt32` takes an int or a symbolic expression and refuses anything else
+  (the real one silently keeps no expression, which fails only at launch).
+- `set_tensor_address` refuses an address that is not 256-byte aligned (NvInferRuntime.h:
+  "The pointer must have at least 256-byte alignment") and returns False.
+
 What it does:
 - `tensorrt.plugin`: records what the plugin registers (register / aot_impl), following
   tensorrt.plugin's documented calling convention.
@@ -26,7 +49,8 @@ What it can prove: our code calls only these names with these arguments, builds 
 that admits every shape it later binds, and binds the right memory (address, shape, dtype,
 contiguity) -- including the KV buffers TensorRT updates in place -- so tokens can be
 compared with the onnxruntime backend. What it cannot: that TensorRT's parser accepts the
-graphs, that the plugin's AOT kernel runs, TensorRT's numerics, or CUDA semantics (device
+graphs (beyond the lookup and field conversion above), that the plugin's AOT kernel runs
+(aot_impl is not called: its PTX is checked by tests/test_tensorrt.py), TensorRT's numerics, or CUDA semantics (device
 memory, stream ordering): addresses here are host memory, because the backend's `gpu()`
 is replaced by the CPU for the run. Those need a GPU host (scripts/gpu_check.py).
 
@@ -59,7 +83,14 @@ class TensorDesc:
 
 class SymInt32:
     def __init__(self, value):
-        self.value = value.value if isinstance(value, SymInt32) else value
+        # tensorrt/plugin/_tensor.py takes an int, an IDimensionExpr or a SymIntExpr; any
+        # other value (a numpy int, a float) silently becomes no expression and fails at
+        # launch. Refuse it here, where the test can see it.
+        if isinstance(value, SymInt32):
+            value = value.value
+        if not isinstance(value, int) or isinstance(value, np.integer):
+            raise TypeError(f"SymInt32 takes an int or a symbolic expression, got {type(value).__name__}")
+        self.value = value
 
 
 class SymExprs(list):
@@ -69,19 +100,44 @@ class SymExprs(list):
 class SymIntExprs(SymExprs):
     @classmethod
     def from_tuple(cls, values):
-        return cls(values)
+        return cls(v if isinstance(v, SymInt32) else SymInt32(v) for v in values)
 
 
 class KernelLaunchParams:
+    FIELDS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared_mem")
+
     def __init__(self):
-        self.grid_x = self.grid_y = self.grid_z = 1
-        self.block_x = self.block_y = self.block_z = 1
-        self.shared_mem = 0
+        for name in self.FIELDS:
+            setattr(self, name, 0 if name == "shared_mem" else 1)
+
+    def __setattr__(self, name, value):  # as _tensor.py's KernelLaunchParams
+        if name not in self.FIELDS:
+            raise AttributeError(f"KernelLaunchParams object has no attribute '{name}'")
+        self.__dict__[name] = SymInt32(value)
+
+
+def convert_field(version: str, annotation, data):
+    """What a plugin's `create_plugin` makes of one field (tensorrt/plugin/_lib.py,
+    _TemplatePluginCreator.create_plugin, in the wheel of that version)."""
+    import typing
+
+    if annotation is np.ndarray or typing.get_origin(annotation) is np.ndarray:
+        np_type = typing.get_args(typing.get_args(annotation)[1])[0]
+        if np_type == np.float16:
+            return np.frombuffer(data.tobytes(), dtype=np.float16)
+        return data.astype(np_type)
+    if issubclass(annotation, str):
+        return data.tobytes().decode("utf-8")
+    if int(version.split(".")[0]) >= 11 and isinstance(data, np.ndarray) and data.size == 1:
+        return annotation(data[0])  # 11.x unwraps one-element fields
+    return annotation(data)  # 10.x: int(np.array([7])) raises TypeError on numpy 2
 
 
 # --- the core API -------------------------------------------------------------------------
 
 MISSING: list = []  # names asked for that the stand-in does not implement (per install)
+BOUND: list = []  # every (tensor name, address) set_tensor_address accepted (per install)
+ALIGNMENT = 256  # bytes; IExecutionContext::setTensorAddress's requirement
 
 
 class StandIn:
@@ -182,17 +238,26 @@ class OnnxParser(StandIn):
         import onnx
 
         graph = onnx.load(model, load_external_data=False).graph
+        descs = None
         for node in graph.node:
-            if node.domain in ("", "ai.onnx"):
+            # An op_type ONNX does not define is a plugin, whatever the node's domain.
+            if node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type):
                 continue
             # TensorRT looks a plugin up by op_type, plugin_version and plugin_namespace.
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            namespace = attrs.get("plugin_namespace", b"").decode()
-            plugin = f"{namespace}::{node.op_type}" if namespace else node.op_type
-            if (plugin, "register") not in _PLUGIN.registered or (plugin, "aot_impl") not in _PLUGIN.registered:
+            key = (node.op_type, attrs.pop("plugin_version", b"1").decode(),
+                   attrs.pop("plugin_namespace", b"").decode())
+            plugin = _PLUGIN.creators.get(key)
+            if plugin is None or plugin.aot_impl is None:
                 self.errors.append(ParserError(node.name, node.op_type,
                                                f"Plugin not found, are the plugin name, version, and "
-                                               f"namespace correct? ({plugin})"))
+                                               f"namespace correct? ({key[2]}::{key[0]} version {key[1]})"))
+                return False
+            descs = _input_descs(model) if descs is None else descs
+            try:
+                plugin.create(node, attrs, [descs.get(name) for name in node.input])
+            except Exception as exc:  # TensorRT reports a failed creation as a parser error
+                self.errors.append(ParserError(node.name, node.op_type, f"{type(exc).__name__}: {exc}"))
                 return False
         initializers = {t.name for t in graph.initializer}
         for value in graph.input:
@@ -203,6 +268,57 @@ class OnnxParser(StandIn):
             self.network.tensors.append(ITensor(value.name, shape, ONNX_TYPES[t.elem_type]))
         self.network.onnx_path = model
         return True
+
+
+def _input_descs(model_path) -> dict:
+    """Tensor name -> TensorDesc (shape with -1 where unknown, TensorRT dtype) for every
+    tensor ONNX shape inference can type: what TensorRT knows of a plugin node's inputs."""
+    import onnx
+
+    from plugins.onnx import register_schema
+
+    register_schema()
+    model = onnx.load(model_path, load_external_data=False)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # an op it cannot type: what the graph declares is all there is
+        inferred = model
+    descs = {}
+    for value in [*inferred.graph.input, *inferred.graph.value_info]:
+        t = value.type.tensor_type
+        if t.elem_type in ONNX_TYPES and t.HasField("shape"):
+            descs[value.name] = TensorDesc([d.dim_value if d.HasField("dim_value") else -1
+                                            for d in t.shape.dim], ONNX_TYPES[t.elem_type])
+    return descs
+
+
+class _PluginDef:
+    """One plugin tensorrt.plugin defines: its description (register), its AOT
+    implementation, and how that version's creator converts fields."""
+
+    def __init__(self, version, describe):
+        import inspect
+
+        self.version, self.describe, self.aot_impl = version, describe, None
+        parameters = inspect.signature(describe).parameters
+        self.attrs = {name: p.annotation for name, p in parameters.items()
+                      if p.annotation is not TensorDesc}
+
+    def create(self, node, attrs, inputs):
+        fields = {}
+        for name, value in attrs.items():
+            if name not in self.attrs:  # _lib.py: "Unexpected attribute ... provided to create_plugin"
+                raise AssertionError(f"Unexpected attribute {name} provided to create_plugin")
+            # The ONNX parser's fields: INT -> int32, FLOAT -> float32, one-element arrays.
+            data = np.array([value], dtype=np.int32 if isinstance(value, int) else np.float32) \
+                if isinstance(value, (int, float)) else np.frombuffer(bytes(value), np.int8)
+            fields[name] = convert_field(self.version, self.attrs[name], data)
+        if None in inputs:
+            raise ValueError(f"{node.name}: shape inference cannot type every input")
+        out = self.describe(*inputs, **fields)  # TensorRT calls it for the output types
+        if not isinstance(out, TensorDesc):
+            raise TypeError(f"{node.op_type}'s description returned {type(out).__name__}, not a TensorDesc")
+        return out
 
 
 class IOptimizationProfile(StandIn):
@@ -234,7 +350,11 @@ class Builder(StandIn):
         self.logger = logger
 
     def create_network(self, flags=0):
-        return INetworkDefinition()
+        network = INetworkDefinition()
+        # TensorRT 11 networks are always strongly typed; TensorRT 10's only with the flag.
+        network.strongly_typed = _STATE["major"] >= 11 or bool(
+            flags & (1 << NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        return network
 
     def create_builder_config(self):
         return IBuilderConfig()
@@ -245,6 +365,9 @@ class Builder(StandIn):
     def build_serialized_network(self, network, config):
         import onnx
 
+        if not network.strongly_typed:  # build/tensorrt.py's dtype check assumes it
+            self.logger.log(ILogger.Severity.ERROR, "the stand-in builds strongly typed networks only")
+            return None
         if len(config.profiles) != 1:
             self.logger.log(ILogger.Severity.ERROR, "the stand-in builds one optimisation profile")
             return None
@@ -368,7 +491,12 @@ class IExecutionContext(StandIn):
         return [d if isinstance(d, int) else sizes.get(d, -1) for d in dims]
 
     def set_tensor_address(self, name, memory):
+        if int(memory) % ALIGNMENT:
+            print(f"[stand-in tensorrt] {name}: address {int(memory):#x} is not {ALIGNMENT}-byte "
+                  "aligned", file=sys.stderr)
+            return False
         self.addresses[name] = int(memory)
+        BOUND.append((name, int(memory)))
         return True
 
     def execute_async_v3(self, stream_handle):
@@ -393,21 +521,27 @@ class IExecutionContext(StandIn):
 
 # --- installing it --------------------------------------------------------------------------
 
-_STATE = {"gpu": True}
+_STATE = {"gpu": True, "major": 11}
 _PLUGIN = None
+FLAVOURS = ("11.4.0", "10.16.1", "10.8.0")  # 10.8: no QuickPluginCreationRequest (no AOT plugins)
 
 
-def install(monkeypatch=None, gpu: bool = True) -> types.ModuleType:
+def install(monkeypatch=None, gpu: bool = True, version: str = VERSION) -> types.ModuleType:
     """Put the stand-in `tensorrt` and `tensorrt.plugin` in sys.modules; returns the plugin
     module, whose `registered` maps (plugin_id, "register" | "aot_impl") -> function.
     gpu=False: TensorRT installed on a machine without a usable GPU (Builder and Runtime
-    cannot be created, as with the real one). `tensorrt.missing` lists unimplemented names
-    our code asked for."""
+    cannot be created, as with the real one). version: one of FLAVOURS. `tensorrt.missing`
+    lists unimplemented names our code asked for; `BOUND` every address bound."""
     global _PLUGIN
-    _STATE["gpu"] = gpu
+    if version not in FLAVOURS:
+        raise ValueError(f"stand-in flavours: {', '.join(FLAVOURS)}")
+    major, minor = (int(x) for x in version.split(".")[:2])
+    aot = (major, minor) >= (10, 9)
+    _STATE.update(gpu=gpu, major=major)
     MISSING.clear()
+    BOUND.clear()
     trt = types.ModuleType("tensorrt")
-    trt.__version__ = VERSION
+    trt.__version__ = version
     trt.missing = MISSING
     trt.DataType = DataType
     trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32, trt.bool = (
@@ -416,6 +550,9 @@ def install(monkeypatch=None, gpu: bool = True) -> types.ModuleType:
                 Builder, OnnxParser, Runtime, ICudaEngine, IExecutionContext, IBuilderConfig,
                 IOptimizationProfile, INetworkDefinition, ITensor):
         setattr(trt, cls.__name__, cls)
+    if aot:  # tensorrt/plugin/_export.py: IS_AOT_ENABLED = hasattr(trt, "QuickPluginCreationRequest")
+        trt.QuickPluginCreationRequest = types.SimpleNamespace(
+            UNKNOWN=0, PREFER_JIT=1, PREFER_AOT=2, STRICT_JIT=3, STRICT_AOT=4)
 
     def module_getattr(name):
         if not name.startswith("__"):
@@ -425,18 +562,38 @@ def install(monkeypatch=None, gpu: bool = True) -> types.ModuleType:
     trt.__getattr__ = module_getattr
     trtp = types.ModuleType("tensorrt.plugin")
     trtp.registered = {}
+    trtp.creators = {}  # (name, version, namespace) -> _PluginDef, what the parser looks up
+    trtp.op = types.ModuleType("tensorrt.plugin.op")
 
-    def decorator(kind):
-        def bind(plugin_id):
-            def record(function):
-                trtp.registered[(plugin_id, kind)] = function
-                return function
-            return record
-        return bind
+    def register(plugin_id):
+        def record(function):
+            namespace, name = plugin_id.split("::")
+            space = trtp.op.__dict__.setdefault(namespace, types.ModuleType(f"tensorrt.plugin.op.{namespace}"))
+            if hasattr(space, name):  # _lib.py's register refuses a second definition
+                raise ValueError(f"'_Op' already has a defintion for '{name}'")
+            setattr(space, name, function)
+            trtp.registered[(plugin_id, "register")] = function
+            trtp.creators[(name, "1", namespace)] = _PluginDef(version, function)
+            return function
+        return record
 
-    trtp.register, trtp.aot_impl = decorator("register"), decorator("aot_impl")
-    trtp.TensorDesc, trtp.SymInt32, trtp.SymExprs = TensorDesc, SymInt32, SymExprs
-    trtp.SymIntExprs, trtp.KernelLaunchParams = SymIntExprs, KernelLaunchParams
+    def aot_impl(plugin_id):
+        def record(function):
+            namespace, name = plugin_id.split("::")
+            if (name, "1", namespace) not in trtp.creators:
+                raise ValueError(f"Plugin {plugin_id} is not registered. Did you register it with "
+                                 "tensorrt.plugin.register API?")
+            trtp.registered[(plugin_id, "aot_impl")] = function
+            trtp.creators[(name, "1", namespace)].aot_impl = function
+            return function
+        return record
+
+    # aot_impl is defined whatever the version (_lib.py does not guard it): only the
+    # compiled module says whether TensorRT can build an AOT plugin.
+    trtp.register, trtp.aot_impl = register, aot_impl
+    trtp.TensorDesc, trtp.SymInt32, trtp.SymExprs, trtp.SymIntExprs = TensorDesc, SymInt32, SymExprs, SymIntExprs
+    if aot:  # _tensor.py and _lib.py define these only where IS_AOT_ENABLED
+        trtp.KernelLaunchParams = KernelLaunchParams
     trt.plugin = trtp
     _PLUGIN = trtp
     for name, module in (("tensorrt", trt), ("tensorrt.plugin", trtp)):

@@ -164,7 +164,11 @@ def test_plugin_registers_inputs_and_fields_from_plugin_spec(stand_in):
     fields = list(plugin_spec.FIELD_TYPES)
     described = inspect.signature(describe).parameters
     assert list(described) == [*plugin_spec.INPUTS, *fields]
-    assert [described[f].annotation for f in fields] == list(plugin_spec.FIELD_TYPES.values())
+    # One-element numpy fields of ONNX's attribute types (int32, float32), which both
+    # TensorRT 10's and 11's creators convert with astype (test_tensorrt_sources.py).
+    want = {int: np.int32, float: np.float32}
+    assert [typing.get_args(typing.get_args(described[f].annotation)[1])[0] for f in fields] == [
+        want[kind] for kind in plugin_spec.FIELD_TYPES.values()]
     assert all(described[t].annotation is stand_in.TensorDesc for t in plugin_spec.INPUTS)
     # tensorrt.plugin's documented aot_impl schema: tensors, attributes, outputs, tactic.
     assert list(inspect.signature(compile_kernel).parameters) == [*plugin_spec.INPUTS, *fields, "outputs", "tactic"]
@@ -185,6 +189,67 @@ def test_plugin_output_is_like_q_and_bad_types_are_refused(stand_in):
         describe(q, desc((1, 2, -1, 64), "FLOAT"), k, visible, **fields)
 
 
+def parse(path):
+    """The stand-in's ONNX parser on one file: (ok, first error's description)."""
+    import tensorrt as trt
+
+    network = trt.Builder(trt.Logger()).create_network(0)
+    parser = trt.OnnxParser(network, trt.Logger())
+    ok = parser.parse_from_file(str(path))
+    return ok, (parser.get_error(0).desc() if parser.num_errors else "")
+
+
+def test_stand_in_parser_finds_plugins_by_name_version_and_namespace(stand_in, tmp_path):
+    path = write_attention_graph(tmp_path / "ok.onnx", QueryScaling())
+    assert parse(path) == (True, "")
+    model = onnx.load(str(path))
+    for attribute in model.graph.node[0].attribute:
+        if attribute.name == "plugin_version":
+            attribute.s = b"2"
+    onnx.save(model, str(tmp_path / "v2.onnx"))
+    ok, why = parse(tmp_path / "v2.onnx")
+    assert not ok and "Plugin not found" in why and "version 2" in why
+
+
+def test_stand_in_parser_calls_the_description_with_converted_fields(stand_in, tmp_path):
+    # The description runs at parse time (TensorRT asks for output types while building).
+    path = write_attention_graph(tmp_path / "bad.onnx", QueryScaling())
+    model = onnx.load(str(path))
+    model.graph.input[3].type.tensor_type.elem_type = TensorProto.INT32  # visible
+    onnx.save(model, str(path))
+    ok, why = parse(path)
+    assert not ok and "visible must be int64" in why
+
+
+@pytest.mark.parametrize("version, fails", [("10.16.1", True), ("11.4.0", False)])
+def test_stand_in_converts_builtin_fields_as_each_version_does(monkeypatch, tmp_path, version, fails):
+    trtp = fake_tensorrt.install(monkeypatch, version=version)
+
+    @trtp.register("probe::Probe")
+    def describe(q: trtp.TensorDesc, n: int) -> trtp.TensorDesc:
+        return q.like()
+
+    trtp.aot_impl("probe::Probe")(lambda q, n, outputs, tactic: None)
+    q = helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 4])
+    node = helper.make_node("Probe", ["q"], ["out"], domain="probe", plugin_namespace="probe", n=7)
+    graph = helper.make_graph([node], "g", [q], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("probe", 1)])
+    onnx.save(model, str(tmp_path / "probe.onnx"))
+    ok, why = parse(tmp_path / "probe.onnx")
+    assert ok != fails and ("0-dimensional" in why) == fails
+
+
+def test_stand_in_launch_types_refuse_what_tensorrt_refuses(stand_in):
+    params = stand_in.KernelLaunchParams()
+    params.grid_x = 3
+    with pytest.raises(AttributeError, match="no attribute 'threads'"):
+        params.threads = 128
+    for value in (np.int64(3), 3.0, "3"):
+        with pytest.raises(TypeError, match="SymInt32 takes an int"):
+            stand_in.SymInt32(value)
+    assert [s.value for s in stand_in.SymIntExprs.from_tuple([1, stand_in.SymInt32(2)])] == [1, 2]
+
+
 AOT_SCRIPT = r"""
 import json, re, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
@@ -198,36 +263,83 @@ compile_kernel = trtp.registered[(plugin_spec.PLUGIN_ID, "aot_impl")]
 TD = trtp.TensorDesc
 q, k, vis = TD((1, 8, 16, 64), "HALF"), TD((1, 2, 4096, 64), "HALF"), TD((1, 16), "INT64")
 k.shape = (1, 2, -1, 64)  # the context length is dynamic in the engine
-name, ptx, params, scalars = compile_kernel(q, k, k, vis, **plugin_spec.plugin_fields(QueryScaling()),
-                                            outputs=(q.like(),), tactic=0)
+import numpy as np
+fields = {n: np.array([v], np.int32 if isinstance(v, int) else np.float32)  # as a creator gives them
+          for n, v in plugin_spec.plugin_fields(QueryScaling()).items()}
+name, ptx, params, scalars = compile_kernel(q, k, k, vis, **fields, outputs=(q.like(),), tactic=0)
+open(sys.argv[2], "w").write(ptx)
 entry = ptx[ptx.index(".entry " + name):]
 plain = triton_kernel.aot_compile("fp16", 64, None, 90, rows_hint=64)
 print(json.dumps(dict(
     name=name, params=re.findall(r"\.param \.(\w+)", entry[:entry.index(")")]),
-    grid=[params.grid_x, params.grid_y], block=params.block_x, shared=params.shared_mem,
+    grid=[params.grid_x.value, params.grid_y.value], block=params.block_x.value,
+    shared=params.shared_mem.value,
     scalars=[s.value for s in scalars], target=re.search(r"\.target (\w+)", ptx).group(1),
     beta_changes_ptx=plain.ptx != ptx)))
 """
 
 
-def test_aot_kernel_follows_tensorrt_launch_convention():
+def ptxas_for(ptx: str):
+    """A ptxas that knows this PTX's .version: Triton ships two (CUDA 12.x and 13.x)."""
+    import shutil
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for candidate in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas", shutil.which("ptxas")):
+        if candidate and Path(candidate).is_file():
+            version = subprocess.run([str(candidate), "--version"], capture_output=True, text=True).stdout
+            if "release 13" in version or "cuda_13" in version:
+                return str(candidate)
+    return None
+
+
+def test_aot_kernel_follows_tensorrt_launch_convention(tmp_path):
     # TRITON_INTERPRET must be off to compile: run where conftest has not switched it on.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(REPO)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    ptx_path = tmp_path / "kernel.ptx"
+    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(REPO), str(ptx_path)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     from plugins import triton_kernel  # noqa: E402 -- constants only, no kernel launch
 
-    # (q, k, v, visible) pointers, the int32 scalars, the out pointer, then Triton's two
-    # scratch pointers, which TensorRT leaves null (aot_compile checks they go unused).
-    assert got["params"] == ["u64"] * 4 + ["u32"] * len(triton_kernel.SCALAR_ARGS) + ["u64"] * 3
+    # Exactly what TensorRT launches (aot_impl's contract): the (q, k, v, visible) pointers,
+    # the int32 extra arguments, the out pointer -- Triton's two trailing scratch pointers
+    # are dropped from the PTX we ship (plugins/tensorrt.tensorrt_ptx).
+    assert got["params"] == ["u64"] * 4 + ["u32"] * len(triton_kernel.SCALAR_ARGS) + ["u64"]
     assert got["scalars"] == list(triton_kernel.contiguous_scalars(8, 16, 2, 4096, 64))
     assert got["grid"] == [1, 2]  # 16 queries x group 4 = 64 rows: one tile per KV head
     assert got["block"] == 128 and 0 < got["shared"] <= triton_kernel.AOT_SHARED_MEMORY_LIMIT
     assert got["target"].startswith("sm_90") and got["name"] == "_sharpdraft_attention_kernel"
     assert got["beta_changes_ptx"]  # the beta constants are compiled in
+    # The edited PTX is still valid: ptxas assembles it for sm_90a, and the cubin's kernel
+    # takes exactly those 22 parameters.
+    ptxas = ptxas_for(ptx_path.read_text())
+    if ptxas is None:
+        pytest.skip("no ptxas of CUDA 13 (Triton's wheel ships one) to assemble the PTX")
+    cubin = tmp_path / "kernel.cubin"
+    done = subprocess.run([ptxas, "-arch=sm_90a", str(ptx_path), "-o", str(cubin)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cuobjdump = Path(ptxas).with_name("cuobjdump")
+    if cuobjdump.is_file():
+        elf = subprocess.run([str(cuobjdump), "-elf", str(cubin)], capture_output=True, text=True).stdout
+        assert elf.count("EIATTR_KPARAM_INFO") == len(got["params"])
+
+
+def test_tensorrt_ptx_drops_only_unread_trailing_parameters():
+    ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n"
+           "\t.param .u32 k_param_1,\n\t.param .u64 .ptr .global .align 1 k_param_2,\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_3\n)\n{\n\tld.param.b64 %rd1, [k_param_0];\n}\n")
+    shipped = trt_plugin.tensorrt_ptx(ptx, "k", 2)
+    assert "k_param_1\n)" in shipped and "k_param_2" not in shipped and "k_param_3" not in shipped
+    assert trt_plugin.tensorrt_ptx(ptx, "k", 4) == ptx.replace("(\n\t", "(\n\t")  # nothing to drop
+    with pytest.raises(RuntimeError, match="reads parameter"):
+        trt_plugin.tensorrt_ptx(ptx.replace("[k_param_0]", "[k_param_3]"), "k", 2)
+    with pytest.raises(RuntimeError, match="declares 4 parameters, TensorRT launches 5"):
+        trt_plugin.tensorrt_ptx(ptx, "k", 5)
 
 
 # --- real TensorRT (GPU hosts only) ------------------------------------------------------

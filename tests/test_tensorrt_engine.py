@@ -30,9 +30,9 @@ PROMPT_TOKENS = 600  # two prefill chunks; beta > 1 from ~70 keys on (ref_keys 6
 NEW_TOKENS = 16
 
 
-def stand_in(patch: pytest.MonkeyPatch, gpu: bool = True):
+def stand_in(patch: pytest.MonkeyPatch, gpu: bool = True, version: str = fake_tensorrt.VERSION):
     """The stand-in tensorrt; with `gpu`, the backend's device (gpu()) is the CPU."""
-    trtp = fake_tensorrt.install(patch, gpu=gpu)
+    trtp = fake_tensorrt.install(patch, gpu=gpu, version=version)
     patch.setattr(trt_plugin, "_registered", False)  # register with this stand-in afresh
     if gpu:
         patch.setattr(trt_backend, "gpu", lambda: torch.device("cpu"))
@@ -285,12 +285,42 @@ def load_gpu_check():
     return module
 
 
-def test_gpu_check_says_why_it_skips_the_tensorrt_section(monkeypatch, tmp_path, capsys):
+def test_gpu_check_reports_a_section_that_cannot_run_as_not_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
+    gpu_check = load_gpu_check()
     report = {}
-    assert load_gpu_check().tensorrt_engine(report, tmp_path)
-    assert report["tensorrt"] == {"skipped": trt_plugin.TENSORRT_MISSING}
-    assert "tensorrt engine: skipped (TensorRT is not installed" in capsys.readouterr().out
+    ok = gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
+    assert ok  # nothing failed ...
+    assert report["sections"]["tensorrt"] == {"status": "not run", "reason": trt_plugin.TENSORRT_MISSING}
+    assert "tensorrt: not run (TensorRT is not installed" in capsys.readouterr().out
+    # ... and the last line does not call it passed.
+    line = gpu_check.summary(report)
+    assert line == "gpu_check passed (0 of 1 sections ran): tensorrt not run"
+
+
+def test_gpu_check_sections_passed_failed_not_run(capsys):
+    gpu_check = load_gpu_check()
+
+    def cannot():
+        raise gpu_check.NotRun("no tensorrt_llm here")
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    report = {}
+    assert not gpu_check.run_sections(report, [("correctness", lambda: True), ("timings", lambda: False),
+                                               ("trtllm", cannot), ("tensorrt", broken),
+                                               ("after", lambda: True)])
+    assert report["sections"] == {
+        "correctness": {"status": "passed"}, "timings": {"status": "failed"},
+        "trtllm": {"status": "not run", "reason": "no tensorrt_llm here"},
+        "tensorrt": {"status": "failed", "reason": "RuntimeError: CUDA error: an illegal memory access"},
+        "after": {"status": "not run", "reason": "stopped after tensorrt raised RuntimeError"}}
+    assert gpu_check.summary(report) == (
+        "gpu_check FAILED (3 of 5 sections ran): correctness passed; timings failed; trtllm not run; "
+        "tensorrt failed; after not run")
+    out = capsys.readouterr().out
+    assert "trtllm: not run (no tensorrt_llm here)" in out and "after: not run" in out
 
 
 def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
@@ -298,7 +328,135 @@ def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
     # stand-in's plans: on a GPU host the same lines run real TensorRT.
     stand_in(monkeypatch)
     report = {}
-    assert load_gpu_check().tensorrt_engine(report, tmp_path)
+    gpu_check = load_gpu_check()
+    assert gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
+    assert report["sections"]["tensorrt"] == {"status": "passed"}
     assert report["tensorrt"]["passed"] and report["tensorrt"]["version"] == fake_tensorrt.VERSION
     assert len(report["tensorrt"]["tokens"]["tensorrt"]) == 32
     assert fake_tensorrt.MISSING == []
+
+
+# --- bound addresses: 256-byte aligned, whatever the capacity and slice start ------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads, head_dim", [(3, 64), (2, 16), (1, 8)])
+def test_target_cache_layers_start_aligned_for_every_capacity(dtype, kv_heads, head_dim):
+    # SmolLM2-135M: 3 KV heads x 64 x fp16 = 384 bytes a position: odd capacities put every
+    # other layer 128 bytes off a boundary in a dense [layers, ...] buffer.
+    for capacity in range(1, 40):
+        cache = trt_backend.DeviceKVCache(capacity, 5, kv_heads, head_dim, dtype, "cpu")
+        for buffer in (cache.k, cache.v):
+            assert tuple(buffer.shape) == (5, 1, kv_heads, capacity, head_dim)
+            for layer in buffer:
+                assert layer.is_contiguous() and layer.data_ptr() % trt_backend.ALIGNMENT == 0
+                assert not layer.any()
+        # Layers are distinct memory: writing one leaves the others as they were.
+        cache.k[1].fill_(1)
+        assert cache.k[1].all() and not cache.k[0].any() and not cache.k[2:].any()
+
+
+def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, monkeypatch):
+    # The stand-in refuses an unaligned address as setTensorAddress's contract says; here
+    # every address bound is also checked, over an odd target capacity and a drafter cache
+    # written from every start 0..16 and more (the tiny models keep 64 bytes a position).
+    stand_in(monkeypatch)
+    engine_dir = trt_engines("plugin")
+    ours, theirs = Engine(engine_dir), Engine(engine_dir, backend="onnxruntime")
+    prompt = ours.encode(prompt_file.read_text())[:101]
+    a = ours.generate(prompt, 6, "sharpdraft", stop=False)
+    b = theirs.generate(prompt, 6, "sharpdraft", stop=False)
+    assert a.tokens == b.tokens
+    target = ours.target
+    target.prefill(prompt[:30], 33)  # an odd capacity
+    target.verify([5, 6, 7])
+    drafter, reference = ours.drafter(), theirs.drafter()
+    drafter.reset(63)
+    reference.reset(63)
+    generator = torch.Generator().manual_seed(1)
+    starts = set()
+    for size in [1] * 16 + [3, 2, 5]:  # every start 0..16, then 19 and 21
+        starts.add(drafter.length)
+        context = torch.randn(size, reference.feature_size, generator=generator)
+        got, _ = drafter.draft(context, 3)
+        want, _ = reference.draft(context, 3)
+        assert torch.equal(got, want)
+    assert starts == set(range(17)) | {19, 21} and drafter.length == 26
+    length = drafter.length
+    assert torch.equal(drafter.cache[0][:length], torch.from_numpy(reference.cache.k[:length]))
+    assert fake_tensorrt.BOUND and all(address % 256 == 0 for _, address in fake_tensorrt.BOUND)
+    bound = {name for name, _ in fake_tensorrt.BOUND}
+    assert {"cache_keys_0", "cache_keys_2", "present_keys", "past_keys", "logits"} <= bound
+
+
+def test_plan_refuses_an_unaligned_address_in_one_line(trt_engines, monkeypatch):
+    stand_in(monkeypatch)
+    engine = Engine(trt_engines("plugin"))
+    drafter = engine.drafter()
+    drafter.reset(16)
+    keys, values = drafter.cache
+    plan = drafter.plan
+    feeds = {"block_ids": torch.zeros(1, drafter.block_size, dtype=torch.int64),
+             "context": torch.zeros(1, 1, drafter.plan.profile["context"][0][2]),
+             "context_lens": torch.ones(1, dtype=torch.int64), "past_keys": keys[:0],
+             "past_values": values[:0], "past_lens": torch.zeros(1, dtype=torch.int64)}
+    feeds = {name: trt_backend.aligned(t) for name, t in feeds.items()}
+    raw = torch.zeros(64 + 1, dtype=torch.int64)
+    skip = (-raw.data_ptr() % 256) // 8 + 1  # 8 bytes past a boundary
+    feeds["context_lens"] = raw[skip:skip + 1]
+    with pytest.raises(EngineError, match="256-byte alignment") as caught:
+        plan.run(feeds)
+    assert "\n" not in str(caught.value)
+
+
+# --- TensorRT 10: the same build and run on the 10.x flavour -----------------------------
+
+def test_tensorrt_10_builds_the_plugin_drafter_and_matches_onnxruntime(tmp_path, trt_engines, monkeypatch):
+    # The plugin drafter's graph through the 10.x flavour: its creator converts fields with
+    # int(f.data) unless they are NDArray-typed, and a TensorRT 10 network is strongly typed
+    # only with the flag build/tensorrt.py sets. Then the plan drafts what ONNX Runtime does.
+    engine_dir = trt_engines("plugin")
+    manifest = json.loads((engine_dir / "engine.json").read_text())
+    graph = manifest["extra"]["onnx"]["graphs"]["drafter"]
+    trtp = stand_in(monkeypatch, version="10.16.1")
+    import tensorrt as trt
+
+    profile = trt_build.graph_profile(graph["inputs"], trt_build.dimension_ranges(MAX_SEQ_LEN, 4))
+    built = trt_build.build_engine(engine_dir / graph["file"], tmp_path / "drafter.plan", [profile], "float32")
+    assert built["tensorrt"] == "10.16.1" and built["plugin_nodes"] == 1
+    assert (("sharpdraft::SharpDraftAttention", "register") in trtp.registered
+            and fake_tensorrt.MISSING == [])
+    plan = trt_backend.Plan(trt, trt.Runtime(trt.Logger()), tmp_path / "drafter.plan",
+                            trt_backend.Device(torch.device("cpu")))
+    reference = Engine(engine_dir, backend="onnxruntime").drafter()
+    drafter = trt_backend.TensorRTDFlash(plan, reference.block_size, reference.mask_token_id,
+                                         reference.scaling, torch.float32)
+    drafter.reset(32)
+    reference.reset(32)
+    context = torch.randn(5, reference.feature_size, generator=torch.Generator().manual_seed(2))
+    for bonus in (3, 7):
+        got, visible = drafter.draft(context, bonus)
+        want, want_visible = reference.draft(context, bonus)
+        assert torch.equal(got, want) and visible == want_visible
+
+
+def test_tensorrt_without_aot_plugins_refuses_before_registering(tmp_path, monkeypatch):
+    trtp = stand_in(monkeypatch, version="10.8.0")
+    graph = write_attention_graph(tmp_path / "a.onnx", QueryScaling())
+    profile = trt_build.context_profile({"k": (1, 2, "context", 64), "v": (1, 2, "context", 64)}, 256)
+    for _ in range(2):  # a retry says the same, not "already has a definition"
+        with pytest.raises(trt_plugin.TensorRTUnavailable) as caught:
+            trt_build.build_engine(graph, tmp_path / "a.plan", [profile], "float32")
+        message = str(caught.value)
+        assert "TensorRT 10.8.0 has no ahead-of-time Python plugins" in message
+        assert "--attention native" in message and "\n" not in message
+    assert trtp.registered == {} and not (tmp_path / "a.plan").exists()
+    assert fake_tensorrt.MISSING == ["tensorrt.QuickPluginCreationRequest"] * 2
+
+
+def test_registration_is_idempotent_even_after_a_reload(monkeypatch):
+    trtp = stand_in(monkeypatch)
+    assert trt_plugin.register_plugin() == trt_plugin.register_plugin()
+    monkeypatch.setattr(trt_plugin, "_registered", False)  # as after importlib.reload
+    assert trt_plugin.register_plugin() == "sharpdraft::SharpDraftAttention"
+    assert list(trtp.registered) == [("sharpdraft::SharpDraftAttention", "register"),
+                                     ("sharpdraft::SharpDraftAttention", "aot_impl")]

@@ -121,13 +121,109 @@ def test_trtllm_serve_wrapper_plans_config_and_environment(dflash_engine, capsys
     assert plan["command"].endswith("--port 9")
     config = plan["config"] | {"model": "x"}
     assert_pinned_fields(config)
-    scaling = json.loads(plan["env"]["SHARPDRAFT_TRTLLM"])
-    assert scaling["ref_keys"] == 64 and plan["env"][pins.SINGLE_PROCESS_ENV] == "1"
+    assert plan["sharpdraft"]["ref_keys"] == 64 and plan["world"] == 1
+    assert plan["env"] == {pins.SINGLE_PROCESS_ENV: "1"}  # no variable of ours: workers need none
     assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine)]) == 1
     assert capsys.readouterr().err.count("\n") == 1
-    if not plan["autoload_installed"]:
-        assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run",
-                                  "--", "--tp_size", "2"]) == 2
+
+
+def serve_plan(engine, capsys, *serve_args):
+    code = run(runtime_main, ["trtllm-serve", "--engine-dir", str(engine), "--dry-run", "--", *serve_args])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err.strip().splitlines()
+
+
+PARALLEL = [(["--tp_size", "2"], "tensor_parallel_size"), (["--tp_size=2"], "tensor_parallel_size"),
+            (["--tensor_parallel_size", "2"], "tensor_parallel_size"),
+            (["--tensor_parallel_size=2"], "tensor_parallel_size"), (["--pp_size", "2"], "pipeline_parallel_size"),
+            (["--pipeline_parallel_size=2"], "pipeline_parallel_size")]
+
+
+@pytest.mark.parametrize("flags,field", PARALLEL)
+def test_trtllm_serve_every_parallel_alias_needs_the_autoloader_and_lands_in_the_config(
+        dflash_engine, capsys, monkeypatch, tmp_path, flags, field):
+    from plugins.trtllm import autoload
+
+    monkeypatch.setattr(autoload, "find_site", lambda: None)
+    code, _, err = serve_plan(dflash_engine, capsys, *flags)
+    assert code == 2 and len(err) == 1 and "autoload install" in err[0]
+    monkeypatch.setattr(autoload, "find_site", lambda: tmp_path)  # the autoloader is installed
+    code, plan, _ = serve_plan(dflash_engine, capsys, *flags, "--port", "9")
+    # trtllm-serve lets the config file win over its command line: the size must be in the file
+    assert code == 0 and plan["config"][field] == 2 and plan["world"] == 2
+    assert pins.SINGLE_PROCESS_ENV not in plan["env"]
+
+
+def test_trtllm_serve_one_gpu_written_either_way_is_served(dflash_engine, capsys, monkeypatch):
+    from plugins.trtllm import autoload
+
+    monkeypatch.setattr(autoload, "find_site", lambda: None)
+    for flags in (["--tp_size", "1"], ["--tp_size=1"], ["--pp_size", "1", "--tp_size", "1"]):
+        code, plan, err = serve_plan(dflash_engine, capsys, *flags)
+        assert code == 0 and plan["world"] == 1, err
+
+
+@pytest.mark.parametrize("flags", [["--cp_size", "2"], ["--context_parallel_size=2"]])
+def test_trtllm_serve_context_parallelism_is_refused_in_one_line(dflash_engine, capsys, monkeypatch, tmp_path,
+                                                                  flags):
+    from plugins.trtllm import autoload
+
+    monkeypatch.setattr(autoload, "find_site", lambda: tmp_path)
+    code, _, err = serve_plan(dflash_engine, capsys, *flags)
+    assert code == 2 and len(err) == 1 and "context parallelism" in err[0]
+
+
+def test_trtllm_serve_reads_the_engines_own_sizes(dflash_engine, capsys, monkeypatch, tmp_path):
+    import shutil
+
+    from plugins.trtllm import autoload
+
+    engine = tmp_path / "tp2"
+    shutil.copytree(dflash_engine, engine)
+    manifest = json.loads((engine / "engine.json").read_text())
+    manifest["extra"]["trtllm"]["tensor_parallel_size"] = 2
+    (engine / "engine.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(autoload, "find_site", lambda: None)
+    code, _, err = serve_plan(engine, capsys)
+    assert code == 2 and len(err) == 1 and "tp=2" in err[0]
+
+
+@pytest.mark.parametrize("flags,words", [(["--config", "x.yaml"], "written by this command"),
+                                         (["--extra_llm_api_options=x.yaml"], "written by this command"),
+                                         (["--tp_size"], "needs a value"), (["--tp_size=two"], "positive integer"),
+                                         (["--pp_size", "0"], "positive integer")])
+def test_trtllm_serve_bad_options_are_refused_in_one_line(dflash_engine, capsys, flags, words):
+    code, _, err = serve_plan(dflash_engine, capsys, *flags)
+    assert code == 2 and len(err) == 1 and words in err[0]
+
+
+def test_generate_refuses_inexact_configurations_before_tensorrt_llm(tmp_path, dflash_engine):
+    from runtime import trtllm
+    from runtime.cli import UsageError
+
+    for config in ({"sparse_attention_config": {"algorithm": "rocket"}},
+                   {"kv_cache_config": {"max_attention_window": [4096]}}, {"context_parallel_size": 2}):
+        with pytest.raises(UsageError) as exc:
+            trtllm.refuse_inexact(config, "dflash")
+        assert "\n" not in str(exc.value)
+    drafter = tmp_path / "eagle"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"sliding_window": 4096}))  # Mistral-style: used
+    with pytest.raises(UsageError):
+        trtllm.refuse_inexact({}, "eagle3", drafter)
+    (drafter / "config.json").write_text(json.dumps({"sliding_window": 4096, "use_sliding_window": False}))
+    trtllm.refuse_inexact({}, "eagle3", drafter)  # Qwen2-style: present but unused
+    trtllm.refuse_inexact({}, "dflash", drafter)
+
+
+def test_use_dynamic_tree_without_its_top_k_is_refused():
+    from runtime import trtllm
+
+    spec = {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "x"}
+    with pytest.raises(trtllm.ConfigFieldError):
+        trtllm.check_fields({"model": "m", "speculative_config": spec | {"use_dynamic_tree": True}})
+    trtllm.check_fields({"model": "m", "speculative_config": spec | {"use_dynamic_tree": True,
+                                                                       "dynamic_tree_max_topK": 4}})
 
 
 def stock_llmapi(root: Path) -> Path:
@@ -137,12 +233,12 @@ def stock_llmapi(root: Path) -> Path:
     (root / "1" / "helpers.py").write_text("ANSWER = 42\n")
     (root / "1" / "model.py").write_text(textwrap.dedent("""
         from helpers import ANSWER  # the stock model imports helpers from beside itself
-        from plugins.trtllm import active_scaling, installed
 
-        SEEN_AT_IMPORT = (installed(), active_scaling())
+        CALLS = []
 
         class TritonPythonModel:
             def initialize(self, args):
+                CALLS.append(args)
                 return ANSWER
         """))
     return root
@@ -169,10 +265,17 @@ def test_serve_backend_trtllm_writes_the_llmapi_layout_whose_model_installs_the_
     try:
         spec.loader.exec_module(module)
         stock_module = sys.modules["sharpdraft_llmapi_stock"]
-        installed_then, scaling_then = stock_module.SEEN_AT_IMPORT
-        assert installed_then and scaling_then.ref_keys == 64  # the hook came before the stock model
         assert module.TritonPythonModel.__mro__[1] is stock_module.TritonPythonModel
-        assert module.TritonPythonModel().initialize({}) == 42
+        assert not installed()  # importing the model changes nothing; initialize() launches
+        # No TensorRT-LLM here: SharpDraft's launch refuses in one line before the stock
+        # initialize() would import it (tests/test_trtllm_workers.py drives both outcomes
+        # against a stand-in TensorRT-LLM whose worker builds the drafter).
+        from runtime.cli import UsageError
+
+        with pytest.raises(UsageError) as exc:
+            module.TritonPythonModel().initialize({})
+        assert "version" in str(exc.value) and "\n" not in str(exc.value)
+        assert stock_module.CALLS == []
     finally:
         uninstall()
         sys.modules.pop("sharpdraft_llmapi_stock", None)

@@ -15,102 +15,14 @@ import pytest
 import torch
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import TrtllmHookError, install, installed, pins, uninstall
+from plugins.trtllm import TrtllmHookError, disabled, install, installed, pins, proof, uninstall
 from plugins.trtllm import __main__ as trtllm_cli
 from plugins.trtllm import autoload
 from plugins.trtllm.kernels import WRAPPED
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 
-FILES = {
-    "tensorrt_llm/__init__.py": "",
-    "tensorrt_llm/version.py": "__version__ = {version!r}\n",
-    "tensorrt_llm/_torch/__init__.py": "",
-    "tensorrt_llm/_torch/models/__init__.py": "",
-    "tensorrt_llm/_torch/modules/__init__.py": "",
-    "tensorrt_llm/_torch/speculative/__init__.py": "",
-    "tensorrt_llm/_torch/speculative/dflash_attention.py": """
-        from dataclasses import dataclass
-        from typing import Callable
-        from tests import trtllm_standins as k
-
-        @dataclass(frozen=True)
-        class DFlashTrtllmGenOps:
-            append_paged_kv_cache: Callable
-            batch_context_with_kv_cache: Callable
-            batch_decode_with_kv_cache: Callable
-
-        def get_dflash_trtllm_gen_ops():
-            return DFlashTrtllmGenOps(None, k.trtllm_batch_context_with_kv_cache,
-                                      k.trtllm_batch_decode_with_kv_cache)
-        """,
-    "tensorrt_llm/_torch/modules/attention.py": """
-        import torch
-
-        class Attention(torch.nn.Module):
-            def __init__(self, heads=4, head_dim=8):
-                super().__init__()
-                self.q_size = heads * head_dim
-
-            def apply_rope(self, q, k, v, position_ids):
-                return q, k, v
-        """,
-    "tensorrt_llm/_torch/models/modeling_dflash.py": """
-        import torch
-        from tests import trtllm_standins as k
-        from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops
-
-        class DFlashForCausalLM(torch.nn.Module):
-            def __init__(self, draft_config=None, *, dflash_attention_backend="VANILLA"):
-                super().__init__()
-                self.dflash_attention_backend = dflash_attention_backend
-                if dflash_attention_backend == "VANILLA":
-                    self._dflash_flash_attention = k.flash_attn_with_kvcache
-                elif dflash_attention_backend == "TRTLLM":
-                    self._dflash_trtllm_gen_ops = get_dflash_trtllm_gen_ops()
-                elif dflash_attention_backend == "FA4":
-                    self._dflash_fa4_fwd = k._flash_attn_fwd
-        """,
-    "tensorrt_llm/_torch/models/modeling_speculative.py": """
-        import torch
-        from ..modules.attention import Attention
-
-        class Layer(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.self_attn = Attention()
-
-        class Eagle3ForCausalLM(torch.nn.Module):
-            def __init__(self, draft_config=None, num_layers=0):
-                super().__init__()
-                self.layers = torch.nn.ModuleList([Layer()])
-
-        class PARDForCausalLM(torch.nn.Module):
-            def __init__(self, draft_config=None):
-                super().__init__()
-                self.draft_model_full = torch.nn.ModuleList([Layer(), Layer()])
-
-        class Target(torch.nn.Module):  # built from the same classes as PARD's drafter
-            def __init__(self):
-                super().__init__()
-                self.layers = torch.nn.ModuleList([Layer()])
-        """,
-}
-
-
-def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None) -> None:
-    for rel, text in FILES.items():
-        text = textwrap.dedent(text).format(version=version) if "version" in rel else textwrap.dedent(text)
-        if drop and rel.endswith(drop[0]):
-            text = text.replace(drop[1], "_removed_" + drop[1])
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
-def forget_tensorrt_llm():
-    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
+from tests.trtllm_package import Metadata, forget_tensorrt_llm, write_package  # noqa: E402
 
 
 @pytest.fixture
@@ -195,12 +107,14 @@ def test_eagle3_and_pard_wrap_the_drafters_attention_instances_only(standin):
     attention = load("tensorrt_llm._torch.modules.attention").Attention
     for drafter in (pard, eagle):
         layers = [m for m in drafter.modules() if isinstance(m, attention)]
-        assert layers and all("apply_rope" in vars(m) for m in layers)
+        assert layers and all("apply_rope" in vars(m) and "forward" in vars(m) for m in layers)
     assert all("apply_rope" not in vars(m) for m in target.modules())  # shared class untouched
     layer = next(m for m in pard.modules() if isinstance(m, attention))
+    # three context requests of one new token each over 1, 100 and 4001 keys
     qkv = torch.ones(3, layer.q_size + 16, dtype=torch.float64)
-    out = layer.apply_rope(qkv, None, None, torch.tensor([[0, 200, 4000]]))[0]
+    out = layer(torch.tensor([[0, 200, 4000]]), qkv, Metadata([1, 1, 1], [1, 100, 4001], 3))
     assert out[0, 0] == 1.0 and out[2, 0] == pytest.approx(SCALING.cap) and (out[:, layer.q_size:] == 1).all()
+    assert SCALING.beta(100) not in (1.0, SCALING.cap) and out[1, 0] == pytest.approx(SCALING.beta(100))
 
 
 def one_line(exc) -> str:
@@ -209,31 +123,68 @@ def one_line(exc) -> str:
     return text
 
 
-def test_an_unknown_version_is_refused_with_one_line_naming_it(standin):
+def test_an_unknown_version_disables_the_hook_without_breaking_the_import(standin, tmp_path, capsys):
+    """Inside TensorRT-LLM's import the hook never raises: the module imports, nothing is
+    patched, and the proof records why (our launchers refuse from there)."""
     write_package(standin, version="9.9.9")
-    install(SCALING)
-    with pytest.raises(TrtllmHookError) as exc:
-        load(pins.DFLASH_MODULE)
-    text = one_line(exc)
-    assert "9.9.9" in text and pins.PINNED in text and "DFlashForCausalLM.__init__" in text
+    proof.set_directory(tmp_path / "proof")
+    try:
+        install(SCALING)
+        dflash = load(pins.DFLASH_MODULE)  # imports
+        drafter = dflash.DFlashForCausalLM(dflash_attention_backend="VANILLA")
+        assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is None  # not patched
+        assert "9.9.9" in disabled() and pins.MAX_VERSION in disabled()
+        records = proof.read(tmp_path / "proof")
+        assert [r["kind"] for r in records] == ["disabled"] and "9.9.9" in records[0]["reason"]
+        with pytest.raises(proof.ProofError) as exc:
+            proof.require(tmp_path / "proof", SCALING)
+        assert "9.9.9" in one_line(exc)
+    finally:
+        proof.set_directory(None)
+    assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_a_missing_attribute_is_refused_with_one_line_naming_it_and_the_version(standin):
+@pytest.mark.parametrize("version,ok", [("1.4.0rc1", True), ("1.4.0rc1.post1", True), ("1.4.0rc2+cu130.git1", True),
+                                        ("1.4.0rc4", True), ("1.4.0rc3.post2+local", True),
+                                        ("1.3.0rc27", False), ("1.4.0", False), ("1.4.0rc1.dev3", False),
+                                        ("1.4.0rc10", False), ("nightly", False)])
+def test_the_version_guard_compares_versions_not_strings(version, ok):
+    from plugins.trtllm.hook import check_version
+
+    if ok:
+        assert check_version(version) == version
+    else:
+        with pytest.raises(TrtllmHookError) as exc:
+            check_version(version)
+        assert version in one_line(exc)
+
+
+def test_a_missing_required_class_disables_the_hook_and_says_which(standin, tmp_path):
     write_package(standin, drop=("modeling_speculative.py", "PARDForCausalLM"))
-    install(SCALING)
-    with pytest.raises(TrtllmHookError) as exc:
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
         load(pins.SPECULATIVE_MODULE)
-    text = one_line(exc)
-    assert pins.PINNED in text and "modeling_speculative.PARDForCausalLM.__init__" in text
+        assert "modeling_speculative.PARDForCausalLM.__init__" in disabled()
+        assert proof.read(tmp_path)[0]["kind"] == "disabled"
+    finally:
+        proof.set_directory(None)
 
 
-def test_a_drafter_without_its_kernel_is_refused_with_one_line(standin):
+def test_a_drafter_without_its_kernel_is_refused_not_raised(standin, tmp_path):
     write_package(standin)
-    install(SCALING)
-    dflash = load(pins.DFLASH_MODULE)
-    with pytest.raises(TrtllmHookError) as exc:
-        dflash.DFlashForCausalLM(dflash_attention_backend="FA5")
-    assert "FA5" in one_line(exc)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        dflash = load(pins.DFLASH_MODULE)
+        dflash.DFlashForCausalLM(dflash_attention_backend="FA5")  # builds: TensorRT-LLM is not broken
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and "FA5" in record["reason"]
+        with pytest.raises(proof.ProofError) as exc:
+            proof.require(tmp_path, SCALING)
+        assert "FA5" in one_line(exc) and "DFlashForCausalLM" in one_line(exc)
+    finally:
+        proof.set_directory(None)
 
 
 def test_install_refuses_a_non_scaling():
@@ -257,7 +208,7 @@ def test_check_reports_found_names_on_an_installation(standin, capsys):
     assert trtllm_cli.main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["importable"] and report["version_known"]
-    assert all(p["found"] for p in report["patch_points"])
+    assert all(p["found"] for p in report["patch_points"] if p["required"])
 
 
 def test_autoload_pth_installs_the_hook_only_when_the_variable_is_set(tmp_path, capsys):
@@ -268,6 +219,7 @@ def test_autoload_pth_installs_the_hook_only_when_the_variable_is_set(tmp_path, 
     assert pth.read_text().count("\n") == 1 and pth.read_text().startswith("import ")
     probe = ("import site, sys; site.addsitedir(sys.argv[1]); "
              "m = sys.modules.get('plugins.trtllm.hook'); print(bool(m and m.installed()))")
+    # the variable alone (the activation file is covered by tests/test_trtllm_workers.py)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     runs = {}
     for label, extra in (("unset", {}), ("set", {autoload.ENV: autoload.env_value(SCALING)})):
@@ -287,4 +239,90 @@ def test_the_real_tensorrt_llm_has_every_pinned_name():
         pytest.skip(f"tensorrt_llm cannot be imported here: {type(exc).__name__}: {str(exc)[:120]}")
     report = trtllm_cli.check()
     assert report["version_known"], report.get("version")
-    assert all(p["found"] for p in report["patch_points"])
+    assert all(p["found"] for p in report["patch_points"] if p["required"])
+
+
+# --- every drafter class TensorRT-LLM can build: wrapped or refused, never skipped ---------
+
+def built(standin, tmp_path, **package):
+    write_package(standin, **package)
+    proof.set_directory(tmp_path / "proof")
+    install(SCALING)
+    return load(pins.SPECULATIVE_MODULE)
+
+
+def test_dflash_defined_in_modeling_speculative_gets_its_kernel_wrapped(standin, tmp_path):
+    """The older layout: DFlashForCausalLM in modeling_speculative, its dflash_forward
+    importing flash_attn_with_kvcache at call time."""
+    try:
+        spec = built(standin, tmp_path, old_dflash=True)
+        drafter = spec.DFlashForCausalLM()
+        [record] = proof.read(tmp_path / "proof")
+        assert record["kind"] == "wrapped" and record["drafter"] == "DFlashForCausalLM" and record["family"] == "dflash"
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64)
+        k_cache, v_cache = (torch.randn(1, 300, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        lens = torch.tensor([300], dtype=torch.int32)
+        from tests import trtllm_standins as k
+
+        got = drafter.dflash_forward(q, k_cache, v_cache, lens)
+        want = k.reference(k.flash_attn_with_kvcache, SCALING, q, k_cache, v_cache, cache_seqlens=lens)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        import flash_attn
+
+        assert getattr(flash_attn.flash_attn_with_kvcache, WRAPPED, None) is None  # module restored after the call
+    finally:
+        proof.set_directory(None)
+
+
+@pytest.mark.parametrize("build", ["eagle3_mla", "mistral_large3", "pard_compressed", "eagle3_chunked"])
+def test_drafters_whose_count_or_query_path_we_cannot_handle_are_refused_when_built(standin, tmp_path, build):
+    try:
+        spec = built(standin, tmp_path)
+        make = {"eagle3_mla": lambda: spec.Eagle3ForCausalLM(kv_lora_rank=512),  # Eagle3DeepSeekV3
+                "mistral_large3": lambda: spec.MistralLarge3EagleForCausalLM(),
+                "pard_compressed": lambda: spec.PARDForCausalLM(sparse_attention_config={"algorithm": "rocket"}),
+                "eagle3_chunked": lambda: spec.Eagle3ForCausalLM(attention_chunk_size=8192)}[build]
+        make()  # TensorRT-LLM's build goes on: never an exception inside its constructor
+        [record] = proof.read(tmp_path / "proof")
+        assert record["kind"] == "refused"
+        with pytest.raises(proof.ProofError) as exc:
+            proof.require(tmp_path / "proof", SCALING)
+        text = one_line(exc)
+        assert text.startswith("SharpDraft was requested but")
+        assert {"eagle3_mla": "MLA", "mistral_large3": "MLA", "pard_compressed": "sparse_attention_config",
+                "eagle3_chunked": "attention_chunk_size"}[build] in text
+    finally:
+        proof.set_directory(None)
+
+
+def test_a_drafter_class_nobody_pinned_is_refused_not_run_unscaled(standin, tmp_path):
+    write_package(standin)
+    path = standin / "tensorrt_llm/_torch/models/modeling_speculative.py"
+    path.write_text(path.read_text() + "\nclass Eagle4ForCausalLM(torch.nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__()\n")
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        load(pins.SPECULATIVE_MODULE).Eagle4ForCausalLM()
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and record["drafter"] == "Eagle4ForCausalLM"
+    finally:
+        proof.set_directory(None)
+
+
+def test_wrapped_drafters_leave_proof_the_launcher_accepts(standin, tmp_path):
+    try:
+        spec = built(standin, tmp_path)
+        spec.Eagle3ForCausalLM()
+        spec.PARDForCausalLM()
+        wrapped = proof.require(tmp_path / "proof", SCALING)
+        assert sorted(r["drafter"] for r in wrapped) == ["Eagle3ForCausalLM", "PARDForCausalLM"]
+        assert {r["layers"] for r in wrapped} == {1, 2} and {r["pid"] for r in wrapped} == {os.getpid()}
+        summary = proof.summary(wrapped)
+        assert summary["scaling"] == SCALING.to_dict() and summary["sharpdraft"]
+        with pytest.raises(proof.ProofError) as exc:  # another engine's scaling is not proof
+            proof.require(tmp_path / "proof", QueryScaling(ref_keys=4096))
+        assert "QueryScaling" in one_line(exc)
+    finally:
+        proof.set_directory(None)

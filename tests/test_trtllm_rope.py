@@ -1,19 +1,30 @@
-"""The apply_rope wrapper (plugins/trtllm/rope.py) for EAGLE-3 / PARD drafters in
-TensorRT-LLM's generic Attention: it scales the query rows by beta(position + 1) and
-nothing else, with RoPE applied here (unfused) or inside the kernel (fused qkv), and
-scaling commutes with RoPE so both orders give the kernel the same query."""
+"""The apply_rope / forward wrappers (plugins/trtllm/rope.py) for EAGLE-3 / PARD drafters in
+TensorRT-LLM's generic Attention: they scale each query row by beta of the keys it sees,
+counted from the attention metadata of the running forward (not position_id + 1), and
+nothing else, with RoPE applied here (unfused) or inside the kernel (fused qkv); scaling
+commutes with RoPE so both orders give the kernel the same query. Where position_id + 1
+is not the count (a dynamic tree with fused RoPE, a window), the true count wins."""
 
 import pytest
 import torch
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm.rope import wrap_apply_rope
+from plugins.trtllm.rope import CALL, visible_counts, wrap_apply_rope, wrap_forward
+from tests.trtllm_package import Metadata
 from tests.trtllm_standins import no_host_sync
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 HEADS, KV_HEADS, DIM = 4, 2, 8
 Q_SIZE, KV_SIZE = HEADS * DIM, KV_HEADS * DIM
 POSITIONS = torch.tensor([[0, 5, 39, 63, 64, 100, 115, 116, 299, 4000]])  # [1, tokens], as TensorRT-LLM passes
+# The same rows as ten context requests of one new token each: row i sees position_i + 1 keys.
+PER_ROW = Metadata([1] * 10, [int(p) + 1 for p in POSITIONS[0]], num_contexts=10)
+
+
+def wrapped(layer, metadata=PER_ROW, window=None):
+    """layer.apply_rope wrapped, called as if inside a forward given `metadata`."""
+    vars(layer)[CALL] = (metadata, window)
+    return wrap_apply_rope(layer.apply_rope, SCALING, Q_SIZE, layer)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
@@ -64,7 +75,7 @@ def test_unfused_apply_rope_scales_q_rows_by_beta_of_visible_keys_and_nothing_el
     q, k, v = qkv()
     plain = layer.apply_rope(q, k, v, POSITIONS)
     with no_host_sync():
-        got = wrap_apply_rope(layer.apply_rope, SCALING, Q_SIZE)(q, k, v, POSITIONS)
+        got = wrapped(layer)(q, k, v, POSITIONS)
     torch.testing.assert_close(got[0], betas() * plain[0], rtol=1e-12, atol=1e-12)
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
     assert (betas()[:4] == 1).all() and (betas()[-3:] == SCALING.cap).all()  # every regime is hit
@@ -74,14 +85,14 @@ def test_fused_apply_rope_scales_only_the_q_columns_and_kernel_rope_gives_the_sa
     fused, unfused = StandInAttention(rope_fusion=True), StandInAttention(rope_fusion=False)
     q, k, v = qkv(1)
     with no_host_sync():
-        qkv_out, k_out, v_out = wrap_apply_rope(fused.apply_rope, SCALING, Q_SIZE)(q, k, v, POSITIONS)
+        qkv_out, k_out, v_out = wrapped(fused)(q, k, v, POSITIONS)
     assert k_out is None and v_out is None
     plain = torch.cat((q, k, v), dim=-1)
     assert torch.equal(qkv_out[:, Q_SIZE:], plain[:, Q_SIZE:])  # k and v columns untouched
     torch.testing.assert_close(qkv_out[:, :Q_SIZE], betas() * q, rtol=1e-12, atol=1e-12)
     # The kernel applies RoPE to the fused q afterwards: the same query as scaling after RoPE.
     with no_host_sync():
-        q_unfused = wrap_apply_rope(unfused.apply_rope, SCALING, Q_SIZE)(q, k, v, POSITIONS)[0]
+        q_unfused = wrapped(unfused)(q, k, v, POSITIONS)[0]
     torch.testing.assert_close(rope(qkv_out[:, :Q_SIZE], POSITIONS, HEADS), q_unfused, rtol=1e-12, atol=1e-12)
 
 
@@ -89,18 +100,67 @@ def test_fused_apply_rope_scales_only_the_q_columns_and_kernel_rope_gives_the_sa
 def test_low_precision_queries_keep_their_dtype(dtype):
     layer = StandInAttention(rope_fusion=True)
     q, k, v = (t.to(dtype) for t in qkv(2))
-    out = wrap_apply_rope(layer.apply_rope, SCALING, Q_SIZE)(q, k, v, POSITIONS)[0]
+    out = wrapped(layer)(q, k, v, POSITIONS)[0]
     assert out.dtype == dtype
     want = (q.to(torch.float32) * betas().to(torch.float32)).to(dtype)
     assert torch.equal(out[:, :Q_SIZE], want)
 
 
-def test_scaling_off_or_no_positions_leaves_apply_rope_untouched():
+def test_scaling_off_or_outside_a_forward_leaves_apply_rope_untouched():
     layer = StandInAttention(rope_fusion=False)
     q, k, v = qkv(3)
     plain = layer.apply_rope(q, k, v, POSITIONS)
-    off = wrap_apply_rope(layer.apply_rope, lambda: None, Q_SIZE)(q, k, v, POSITIONS)
+    vars(layer)[CALL] = (PER_ROW, None)
+    off = wrap_apply_rope(layer.apply_rope, lambda: None, Q_SIZE, layer)(q, k, v, POSITIONS)
     assert all(torch.equal(a, b) for a, b in zip(off, plain))
-    fused = StandInAttention(rope_fusion=True)
-    assert torch.equal(wrap_apply_rope(fused.apply_rope, SCALING, Q_SIZE)(q, k, v, None)[0],
-                       fused.apply_rope(q, k, v, None)[0])
+    fused = StandInAttention(rope_fusion=True)  # no forward running: no metadata to count from
+    assert torch.equal(wrap_apply_rope(fused.apply_rope, SCALING, Q_SIZE, fused)(q, k, v, POSITIONS)[0],
+                       fused.apply_rope(q, k, v, POSITIONS)[0])
+
+
+# --- counts from the attention metadata ---------------------------------------------------
+
+def beta_of(counts):
+    return torch.tensor([SCALING.beta(int(n)) for n in counts], dtype=torch.float64)[:, None]
+
+
+def test_dynamic_tree_with_fused_rope_gets_beta_of_ancestors_not_position_plus_one():
+    """A generation request drafting a tree: 80 stable keys, then nodes at depths
+    [0, 1, 1, 2, 2]. With RoPE fused TensorRT-LLM does not adjust position_ids (they run
+    80..84), but node i sees 80 + depth_i + 1 keys (its ancestors and itself)."""
+    layer = StandInAttention(rope_fusion=True)
+    depths = [0, 1, 1, 2, 2]
+    meta = Metadata([5], [85], num_contexts=0, offsets=depths, use_spec=True)  # 1-D: dynamic tree
+    positions = torch.arange(80, 85)[None, :]
+    true = [80 + d + 1 for d in depths]
+    naive = [int(p) + 1 for p in positions[0]]
+    assert true != naive and beta_of(true).ne(beta_of(naive)).any()  # the two counts give different betas
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, Q_SIZE + 2 * KV_SIZE, generator=g, dtype=torch.float64)
+    with no_host_sync():
+        out = wrapped(layer, meta)(q, None, None, positions)[0]
+    torch.testing.assert_close(out[:, :Q_SIZE], beta_of(true) * q[:, :Q_SIZE], rtol=1e-12, atol=1e-12)
+
+
+def test_a_mixed_batch_counts_context_rows_causally_and_generation_rows_by_depth():
+    # one context request (3 new tokens over 70 keys), two generation requests of 3 draft
+    # tokens each with [gens, gen_len] depths (a chain and a tree), 90 and 100 keys
+    meta = Metadata([3, 3, 3], [70, 90, 100], num_contexts=1, offsets=[[0, 1, 2], [0, 1, 1]], use_spec=True)
+    counts = visible_counts(meta, rows=11, device="cpu")  # 2 rows of CUDA-graph padding
+    assert counts.tolist() == [68, 69, 70, 88, 89, 90, 98, 99, 99, 1, 1]
+
+
+def test_a_window_the_call_is_handed_caps_the_count_and_forward_hands_it_over():
+    layer = StandInAttention(rope_fusion=True)
+    q = torch.ones(2, Q_SIZE + 2 * KV_SIZE, dtype=torch.float64)
+    meta = Metadata([1, 1], [30, 400], num_contexts=2)
+
+    def forward(position_ids, hidden_states, attn_metadata, attention_mask=None, mrope_config=None,
+                all_reduce_params=None, lora_params=None, attention_window_size=None, **kwargs):
+        return layer.apply_rope(hidden_states, None, None, position_ids)[0]
+
+    layer.apply_rope = wrap_apply_rope(StandInAttention.apply_rope.__get__(layer), SCALING, Q_SIZE, layer)
+    run = wrap_forward(forward, layer)
+    out = run(torch.tensor([[29, 399]]), q, meta, attention_window_size=100)
+    assert out[0, 0] == pytest.approx(SCALING.beta(30)) and out[1, 0] == pytest.approx(SCALING.beta(100))
+    assert CALL not in vars(layer) or vars(layer)[CALL] is None  # cleared once the forward returns

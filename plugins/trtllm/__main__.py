@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from plugins.trtllm import autoload, pins
+from plugins.trtllm import autoload, pins, versions
 
 
 def importable() -> tuple[object | None, str]:
@@ -40,9 +40,12 @@ def check() -> dict:
         version = getattr(sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE),
                           "__version__", None)
         report["version"] = version
-        report["version_known"] = version in pins.VERSIONS
+        try:
+            report["version_known"] = versions.in_range(str(version), pins.MIN_VERSION, pins.MAX_VERSION)
+        except ValueError:
+            report["version_known"] = False
     for point in pins.PATCH_POINTS:
-        entry = {"name": f"{point.module}.{point.attribute}", "role": point.role,
+        entry = {"name": f"{point.module}.{point.attribute}", "role": point.role, "required": point.required,
                  "source": f"{pins.SOURCES[point.source].path} @ {pins.SOURCES[point.source].commit}"}
         if module is not None:
             try:
@@ -59,10 +62,12 @@ def describe(report: dict) -> str:
     if not report["importable"]:
         lines.append(f"tensorrt_llm is not importable here ({report['reason']}): showing the plan only")
     else:
-        known = "known" if report["version_known"] else "NOT a pinned version: install() will refuse it"
+        known = ("in the tested range" if report["version_known"]
+                 else "OUTSIDE the tested range: our launchers refuse SharpDraft on it")
         lines.append(f"tensorrt_llm {report['version']} ({known})")
     for entry in report["patch_points"]:
-        state = "" if "found" not in entry else ("  [found]" if entry["found"] else "  [MISSING]")
+        state = "" if "found" not in entry else ("  [found]" if entry["found"] else
+                                                 "  [MISSING]" if entry["required"] else "  [absent: other layout]")
         lines.append(f"  would wrap {entry['name']}{state}")
         lines.append(f"      {entry['role']}; read from {entry['source']}")
     lines.append("  DFlash kernels by attention_backend: "
@@ -78,12 +83,13 @@ def site_packages() -> Path:
 def autoload_command(action: str, site: Path) -> str:
     path = site / autoload.PTH_NAME
     if action == "install":
-        path.write_text(autoload.pth_line())
-        return (f"wrote {path}: every Python process of this environment with {autoload.ENV} set "
-                "installs the hook")
+        path.write_text(autoload.pth_line(site))
+        return (f"wrote {path}: every Python process of this environment installs the hook while a "
+                f"launch's {autoload.ACTIVATION_NAME} is beside it (or {autoload.ENV} is set)")
     if action == "uninstall":
         existed = path.exists()
         path.unlink(missing_ok=True)
+        autoload.activation_path(site).unlink(missing_ok=True)
         return f"removed {path}" if existed else f"nothing to remove ({path} does not exist)"
     return f"installed: {path}" if path.exists() else f"not installed ({path} does not exist)"
 

@@ -6,17 +6,23 @@ patches them at once if they are loaded already), because TensorRT-LLM is import
 on purpose (its Triton model defers the import until CUDA_VISIBLE_DEVICES is set) and
 because importing it needs a GPU driver.
 
-What gets patched (names and sources: plugins/trtllm/pins.py):
-- `DFlashForCausalLM.__init__`: once a DFlash drafter is built, the attention kernel its
-  instance holds (VANILLA / TRTLLM / FA4) is replaced by the matching wrapper of
-  plugins/trtllm/kernels.py.
-- `Eagle3ForCausalLM.__init__`, `PARDForCausalLM.__init__`: once built, `apply_rope` of
-  every `Attention` instance inside the drafter is wrapped (plugins/trtllm/rope.py). The
-  target's attention, built from the same classes, is never touched.
+What gets patched (names and sources: plugins/trtllm/pins.py, PATCH_POINTS):
+- `DFlashForCausalLM.__init__` (modeling_dflash, or modeling_speculative in the older
+  layout): once a DFlash drafter is built, the attention kernel it calls (VANILLA / TRTLLM
+  / FA4 on the instance; flash_attn_with_kvcache imported inside dflash_forward in the
+  older layout) is wrapped (plugins/trtllm/kernels.py).
+- `Eagle3ForCausalLM.__init__`, `PARDForCausalLM.__init__`: once built, `forward` and
+  `apply_rope` of every `Attention` instance inside the drafter are wrapped
+  (plugins/trtllm/rope.py). The target's attention, built from the same classes, is never
+  touched.
+- MLA drafters (Eagle3 with kv_lora_rank, i.e. Eagle3DeepSeekV3; MistralLarge3Eagle) and
+  any other drafter-named class of those modules are *refused* when built.
 
-Before patching, the installed version must be one of pins.VERSIONS and every pinned
-name must exist; otherwise one line names the version and the missing name
-(TrtllmHookError), never a silent no-op.
+Every drafter built with the hook installed leaves a proof record (plugins/trtllm/proof.py):
+wrapped (class, layers, scaling, pid) or refused (why). Inside TensorRT-LLM's import and
+model construction the hook never raises: a version outside the tested range or a
+missing name disables it and records why; our launchers refuse in one line from there.
+`TrtllmHookError` remains for direct callers (`prepare_drafter`, `check_version`).
 """
 
 from __future__ import annotations
@@ -25,18 +31,21 @@ import dataclasses
 import functools
 import importlib
 import importlib.abc
+import re
 import sys
 import weakref
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import pins
+from plugins.trtllm import pins, proof, versions
 from plugins.trtllm.kernels import (wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
                                     wrap_trtllm_gen_decode)
-from plugins.trtllm.rope import wrap_apply_rope
+from plugins.trtllm.rope import wrap_apply_rope, wrap_forward
 
-__all__ = ["TrtllmHookError", "install", "uninstall", "installed", "active_scaling"]
+__all__ = ["TrtllmHookError", "install", "uninstall", "installed", "active_scaling", "disabled",
+           "check_version"]
 
 ORIGINALS = "_sharpdraft_originals"  # instance attribute: what the hook replaced on it
+FAMILY = "_sharpdraft_family"  # marks a constructor the hook wrapped
 
 
 class TrtllmHookError(ImportError):
@@ -52,6 +61,7 @@ class _State:
         self.classes: dict[tuple[str, str], tuple[type, object]] = {}  # -> (class, original __init__)
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self.version: str | None = None
+        self.disabled: str | None = None  # why the hook stood down in this process
 
 
 _state = _State()
@@ -66,23 +76,26 @@ def installed() -> bool:
     return _state.finder is not None
 
 
+def disabled() -> str | None:
+    """Why the hook stood down in this process (None: it did not)."""
+    return _state.disabled
+
+
 def install(scaling: QueryScaling) -> None:
     """Switch SharpDraft on for TensorRT-LLM drafters built from now on (idempotent;
-    calling again with another QueryScaling changes the scale the wrappers apply)."""
+    calling again with another QueryScaling changes the scale the wrappers apply).
+    Never raises for the installation it finds: see `disabled()`."""
     if not isinstance(scaling, QueryScaling):
         raise TypeError(f"install() takes a QueryScaling, got {type(scaling).__name__}")
     _state.scaling = scaling
+    _state.disabled = None
     if _state.finder is None:
         _state.finder = _Finder()
         sys.meta_path.insert(0, _state.finder)
-    try:
-        for name in pins.WATCHED:
-            module = sys.modules.get(name)
-            if module is not None:
-                _patch_module(module)
-    except BaseException:
-        uninstall()
-        raise
+    for name in pins.WATCHED:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch_module(module)
 
 
 def uninstall() -> None:
@@ -99,9 +112,27 @@ def uninstall() -> None:
     _state.instances = weakref.WeakSet()
     _state.scaling = None
     _state.version = None
+    _state.disabled = None
 
 
 # --- the version guard --------------------------------------------------------------------
+
+def check_version(version: str | None) -> str:
+    """version if it is in the tested range; TrtllmHookError (one line) otherwise."""
+    rng = versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)
+    if version is None:
+        raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's hook "
+                              f"was checked against {rng} only")
+    try:
+        ok = versions.in_range(version, pins.MIN_VERSION, pins.MAX_VERSION)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise TrtllmHookError(f"TensorRT-LLM {version} is outside the releases SharpDraft's hook was "
+                              f"checked against ({rng}); its names (DFlashForCausalLM.__init__, "
+                              "Attention.apply_rope, ...) are pinned in plugins/trtllm/pins.py")
+    return version
+
 
 def _version() -> str:
     if _state.version is None:
@@ -109,14 +140,8 @@ def _version() -> str:
             module = sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE)
             _state.version = str(module.__version__)
         except (ImportError, AttributeError):
-            raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's "
-                                  f"hook was checked against {', '.join(pins.VERSIONS)} only") from None
-    if _state.version not in pins.VERSIONS:
-        raise TrtllmHookError(f"TensorRT-LLM {_state.version} is not a version SharpDraft's hook was "
-                              f"checked against ({', '.join(pins.VERSIONS)}); its names "
-                              "(DFlashForCausalLM.__init__, Attention.apply_rope, ...) are pinned in "
-                              "plugins/trtllm/pins.py")
-    return _state.version
+            _state.version = None
+    return check_version(_state.version)
 
 
 def _missing(what: str) -> TrtllmHookError:
@@ -132,6 +157,19 @@ def resolve(module, dotted: str):
         if value is None:
             return None
     return value
+
+
+def _disable(reason: str) -> None:
+    """Stand down in this process: never raise inside TensorRT-LLM's import, record why."""
+    first = reason.splitlines()[0] if reason else "?"
+    if _state.disabled is None:
+        sys.stderr.write(f"sharpdraft: hook disabled in this process: {first}\n")
+        proof.record("disabled", drafter=None, reason=first, scaling=_scaling_dict())
+    _state.disabled = first
+
+
+def _scaling_dict():
+    return _state.scaling.to_dict() if _state.scaling is not None else None
 
 
 # --- patching on import -------------------------------------------------------------------
@@ -169,30 +207,38 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-FAMILIES = {  # patch point -> drafter family it builds
-    "DFlashForCausalLM.__init__": "dflash",
-    "Eagle3ForCausalLM.__init__": "eagle3",
-    "PARDForCausalLM.__init__": "pard",
-}
-
-
 def _patch_module(module) -> None:
-    _version()
-    for point in pins.PATCH_POINTS:
-        if point.module != module.__name__:
-            continue
-        target = resolve(module, point.attribute)
-        if target is None:
-            raise _missing(f"{point.module}.{point.attribute}")
-        class_name = point.attribute.split(".")[0]
-        key = (point.module, class_name)
+    """Patch the module's drafter classes; on any doubt, disable the hook and record why
+    (never raise: this runs inside `import tensorrt_llm...` of every process)."""
+    try:
+        _version()
+        plan = []
+        for point in pins.PATCH_POINTS:
+            if point.module != module.__name__:
+                continue
+            class_name = point.attribute.split(".")[0]
+            cls = getattr(module, class_name, None)
+            if cls is None:
+                if point.required:
+                    raise _missing(f"{point.module}.{point.attribute}")
+                continue
+            if cls.__dict__.get("__init__") is None:
+                raise _missing(f"{point.module}.{class_name}.__init__ (defined on the class itself)")
+            plan.append((class_name, cls, point.family))
+        known = {name for name, _, _ in plan} | {p.attribute.split(".")[0] for p in pins.PATCH_POINTS}
+        for name, value in vars(module).items():  # drafter classes nobody pinned: refuse when built
+            if (isinstance(value, type) and name not in known and re.search(pins.DRAFTER_CLASS_PATTERN, name)
+                    and getattr(value, "__module__", None) == module.__name__ and "__init__" in value.__dict__):
+                plan.append((name, value, "unknown"))
+    except TrtllmHookError as exc:
+        _disable(str(exc))
+        return
+    for class_name, cls, family in plan:
+        key = (module.__name__, class_name)
         if key in _state.classes:
             continue
-        cls = getattr(module, class_name)
-        original = cls.__dict__.get("__init__")
-        if original is None:
-            raise _missing(f"{point.module}.{class_name}.__init__ (defined on the class itself)")
-        cls.__init__ = _after_init(original, FAMILIES[point.attribute])
+        original = cls.__dict__["__init__"]
+        cls.__init__ = _after_init(original, family)
         _state.classes[key] = (cls, original)
 
 
@@ -200,33 +246,59 @@ def _after_init(original, family: str):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if _state.scaling is not None:
+        outer = type(self).__init__
+        if _state.scaling is None or (outer is not __init__ and hasattr(outer, FAMILY)):
+            return  # hook off, or a patched subclass's constructor (running around us) reports
+        try:
             prepare_drafter(self, family)
+        except TrtllmHookError as exc:  # never raise out of TensorRT-LLM's model construction
+            reason = str(exc).splitlines()[0]
+            sys.stderr.write(f"sharpdraft: {type(self).__name__} runs WITHOUT SharpDraft: {reason}\n")
+            proof.record("refused", drafter=type(self).__name__, family=family, reason=reason,
+                         scaling=_scaling_dict())
 
+    setattr(__init__, FAMILY, family)
     return __init__
 
 
 # --- drafter instances --------------------------------------------------------------------
 
 def prepare_drafter(drafter, family: str) -> None:
-    """Wrap what this drafter instance calls (idempotent). Raises TrtllmHookError when an
-    expected name is missing on it."""
+    """Wrap what this drafter instance calls (idempotent) and record the proof. Raises
+    TrtllmHookError (one line) where it cannot: a missing name, an MLA or unknown drafter,
+    a configuration whose key count cannot be derived exactly."""
     if ORIGINALS in vars(drafter):
         return
-    originals = _prepare_dflash(drafter) if family == "dflash" else _prepare_attention(drafter, family)
+    if family == "mla":
+        raise TrtllmHookError(f"{type(drafter).__name__} uses MLA (latent) attention, whose query path "
+                              "SharpDraft does not wrap — run it without --sharpdraft")
+    if family == "unknown":
+        raise TrtllmHookError(f"{type(drafter).__name__} is a drafter class SharpDraft's hook does not "
+                              f"know (TensorRT-LLM {_state.version or '?'}; pinned: plugins/trtllm/pins.py)")
+    if family == "dflash":
+        originals, layers = _prepare_dflash(drafter)
+    else:
+        originals, layers = _prepare_attention(drafter, family)
     vars(drafter)[ORIGINALS] = originals
     _state.instances.add(drafter)
+    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=layers,
+                 scaling=_scaling_dict(), version=_state.version)
 
 
 def _scaling_now():
     return _state.scaling
 
 
-def _prepare_dflash(drafter) -> dict:
+def _prepare_dflash(drafter) -> tuple[dict, int]:
     name = type(drafter).__name__
     backend = getattr(drafter, pins.DFLASH_BACKEND_ATTRIBUTE, None)
+    layers = len(getattr(getattr(drafter, "model", None), "layers", None) or ())
     if backend is None:
-        raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE}")
+        forward = getattr(drafter, pins.DFLASH_FORWARD, None)
+        if forward is None:
+            raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE} or {name}.{pins.DFLASH_FORWARD}")
+        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward)  # older layout
+        return {pins.DFLASH_FORWARD: None}, layers
     attribute = pins.DFLASH_KERNELS.get(backend)
     if attribute is None:
         raise TrtllmHookError(f"TensorRT-LLM {_state.version or '?'}: DFlash attention_backend "
@@ -249,35 +321,72 @@ def _prepare_dflash(drafter) -> dict:
             pins.TRTLLM_GEN_FIELDS[1]: wrap_trtllm_gen_context(getattr(kernel, pins.TRTLLM_GEN_FIELDS[1]),
                                                                _scaling_now)})
     setattr(drafter, attribute, wrapped)
-    return {attribute: kernel}
+    return {attribute: kernel}, layers
 
 
-def attention_class():
-    """TensorRT-LLM's Attention class, from whichever pinned module is loaded."""
+def _with_wrapped_flash_attn(dflash_forward):
+    """The older DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
+    call time: for the duration of this drafter's call, the module attribute it imports is
+    our wrapper (the target never calls flash_attn directly; one model forward at a time)."""
+    cache = {}
+
+    @functools.wraps(dflash_forward)
+    def wrapper(*args, **kwargs):
+        module = sys.modules.get(pins.FLASH_ATTN_MODULE) or importlib.import_module(pins.FLASH_ATTN_MODULE)
+        original = getattr(module, pins.FLASH_ATTN_KERNEL)
+        if original not in cache:
+            cache.clear()
+            cache[original] = wrap_flash_attn_with_kvcache(original, _scaling_now)
+        setattr(module, pins.FLASH_ATTN_KERNEL, cache[original])
+        try:
+            return dflash_forward(*args, **kwargs)
+        finally:
+            setattr(module, pins.FLASH_ATTN_KERNEL, original)
+
+    return wrapper
+
+
+def attention_class(name: str = pins.ATTENTION_CLASS):
+    """TensorRT-LLM's Attention (or MLA) class, from whichever pinned module is loaded."""
     for module_name in pins.ATTENTION_MODULES:
         module = sys.modules.get(module_name)
-        cls = getattr(module, pins.ATTENTION_CLASS, None) if module else None
-        if cls is not None and hasattr(cls, pins.ATTENTION_METHOD):
+        cls = getattr(module, name, None) if module else None
+        if cls is not None:
             return cls
-    raise _missing(f"{pins.ATTENTION_CLASS}.{pins.ATTENTION_METHOD} (looked in "
-                   f"{' and '.join(pins.ATTENTION_MODULES)})")
+    return None
 
 
-def _prepare_attention(drafter, family: str) -> dict:
-    cls = attention_class()
+def _prepare_attention(drafter, family: str) -> tuple[dict, int]:
+    name = type(drafter).__name__
+    cls, mla = attention_class(), attention_class(pins.MLA_CLASS)
+    if getattr(drafter, "_use_mla", False) or (mla is not None and any(isinstance(m, mla) for m in drafter.modules())):
+        raise TrtllmHookError(f"{name} uses MLA (latent) attention (e.g. Eagle3DeepSeekV3), whose query "
+                              "path SharpDraft does not wrap — run it without --sharpdraft")
+    if cls is None or not hasattr(cls, pins.ATTENTION_METHOD):
+        raise _missing(f"{pins.ATTENTION_CLASS}.{pins.ATTENTION_METHOD} (looked in "
+                       f"{' and '.join(pins.ATTENTION_MODULES)})")
     layers = [m for m in drafter.modules() if isinstance(m, cls)]
     if not layers:
-        raise _missing(f"an {pins.ATTENTION_CLASS} layer inside {type(drafter).__name__} ({family} drafter)")
+        raise _missing(f"an {pins.ATTENTION_CLASS} layer inside {name} ({family} drafter)")
+    config = getattr(drafter, pins.DRAFTER_MODEL_CONFIG, None)
+    if getattr(config, pins.SPARSE_ATTENTION, None) is not None:
+        raise TrtllmHookError(f"{name} runs with {pins.SPARSE_ATTENTION} (KV compression / sparse "
+                              "attention): the keys a query sees are not the cache length — refused")
     for layer in layers:
-        q_size = getattr(layer, pins.ATTENTION_Q_SIZE, None)
-        if q_size is None:
+        if getattr(layer, pins.CHUNK_ATTRIBUTE, None):
+            raise TrtllmHookError(f"{name} has chunked attention ({pins.CHUNK_ATTRIBUTE}="
+                                  f"{getattr(layer, pins.CHUNK_ATTRIBUTE)}): its per-row key count is not "
+                                  "derived — refused")
+        if getattr(layer, pins.ATTENTION_Q_SIZE, None) is None:
             raise _missing(f"{type(layer).__name__}.{pins.ATTENTION_Q_SIZE}")
-        # An instance attribute shadows the class's method for this layer only.
+    for layer in layers:
+        # Instance attributes shadow the class's methods for this layer only.
+        vars(layer)[pins.ATTENTION_FORWARD] = wrap_forward(getattr(layer, pins.ATTENTION_FORWARD), layer)
         vars(layer)[pins.ATTENTION_METHOD] = wrap_apply_rope(getattr(layer, pins.ATTENTION_METHOD),
-                                                             _scaling_now, int(q_size))
+                                                             _scaling_now, int(layer.q_size), layer)
         _state.instances.add(layer)
-        vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None}  # None: fall back to the class
-    return {}
+        vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None, pins.ATTENTION_FORWARD: None}
+    return {}, len(layers)
 
 
 def _restore(instance) -> None:

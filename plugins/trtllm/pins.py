@@ -3,13 +3,15 @@
 TensorRT-LLM cannot be installed or imported on our machines, so each name below was read
 from its source (GitHub NVIDIA/TensorRT-LLM; the commit of the stored copy we read) or,
 for LLM-API field names, from the API reference generated from `llmapi/llm_args.py` for
-the pinned release. The hook (plugins/trtllm/hook.py) refuses any other version, and any
-installation where one of the PATCH_POINTS is missing, with one line naming both; the
-configuration writers (runtime/trtllm.py) emit only LLM_API_FIELDS.
+the pinned release. Our launchers refuse SharpDraft, in one line and before TensorRT-LLM
+builds anything, on a release outside MIN_VERSION..MAX_VERSION; inside TensorRT-LLM's own
+import the hook never raises: a version outside the range or a missing PATCH_POINT
+disables it and records why (plugins/trtllm/proof.py), which the launcher's proof check
+then reports. The configuration writers (runtime/trtllm.py) emit only LLM_API_FIELDS.
 
 To support another release: read the same files at its tag, update the names and
-commits here, add the version to VERSIONS, and run `python -m plugins.trtllm check`
-on a machine where it imports.
+commits here, widen the range, and run `python -m plugins.trtllm check` on a machine
+where it imports.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import dataclasses
 # below. The stored source copies we read are not tied to a tag (see SOURCES): the hook
 # re-checks every name at install time instead of trusting this list blindly.
 PINNED = "1.4.0rc1"
-VERSIONS = (PINNED,)
+# The tested range, compared as versions (plugins/trtllm/versions.py): 1.4.0rc1.post1,
+# 1.4.0rc2+cu130 and 1.4.0rc4 are in it; 1.3.0rc27 and 1.4.0 are not.
+MIN_VERSION = PINNED
+MAX_VERSION = "1.4.0rc4"
+VERSIONS = (MIN_VERSION, MAX_VERSION)  # the two ends, for messages
 
 REPO = "https://github.com/NVIDIA/TensorRT-LLM"
 DOCS = "https://nvidia.github.io/TensorRT-LLM/1.4.0rc1/llm-api/reference"
@@ -42,7 +48,7 @@ SOURCES = {
         "(_dflash_flash_attention | _dflash_trtllm_gen_ops | _dflash_fa4_fwd by "
         "dflash_attention_backend); dflash_forward calls it once per draft layer"),
     "modeling_dflash_fa4": Source(
-        "tensorrt_llm/_torch/models/modeling_dflash.py", "(stored copy with FA4; commit not shown)",
+        "tensorrt_llm/_torch/models/modeling_dflash.py", "(stored copy with FA4; the store does not show its commit)",
         "FA4 path: fa4_fwd(Q_bshd, k_pages, v_pages, seqused_k=ctx+block, page_table, "
         "softmax_scale, causal, window_size_left/right); VANILLA writes the block first "
         "and passes cache_seqlens=ctx+block"),
@@ -52,63 +58,130 @@ SOURCES = {
         "trtllm_batch_decode_with_kv_cache, batch_context_with_kv_cache = flashinfer "
         "trtllm_batch_context_with_kv_cache; get_dflash_flash_attention -> flash_attn_with_kvcache"),
     "modeling_speculative": Source(
-        "tensorrt_llm/_torch/models/modeling_speculative.py", "b35ac1b64368513d215c57d2ed01d62d910df8da",
-        "Eagle3ForCausalLM and PARDForCausalLM (draft models built by get_draft_model; "
-        "PARD wraps an ordinary architecture class, the same classes the target uses)"),
+        "tensorrt_llm/_torch/models/modeling_speculative.py", "00679c66c3e38f6d2651ad0a5bef0f94d862e36c",
+        "Eagle3ForCausalLM (registered also as Eagle3DeepSeekV3ForCausalLM; _use_mla when the "
+        "config has kv_lora_rank: MLA layers instead of Attention), MistralLarge3EagleForCausalLM "
+        "(DeepseekV3DecoderLayer: MLA), PARDForCausalLM (wraps an ordinary architecture class, "
+        "the same classes the target uses), each built by get_draft_model"),
+    "modeling_speculative_dflash": Source(
+        "tensorrt_llm/_torch/models/modeling_speculative.py",
+        "(stored copy of 69,587 characters; the store does not show its commit)",
+        "an older layout: DFlashForCausalLM(nn.Module) defined here, its dflash_forward importing "
+        "flash_attn_with_kvcache from flash_attn at call time (q [B, block, H, D], "
+        "cache_seqlens = ctx + block, causal=False), no instance attribute holding the kernel"),
     "attention": Source(
-        "tensorrt_llm/_torch/modules/attention.py", "c6d3bb2aae305e0b5ac1b97b7954dcf87d653322",
-        "Attention.forward: qkv_proj -> self.apply_rope(q, k, v, position_ids) -> attn; "
-        "apply_rope returns (q, k, v) or (fused qkv, None, None) when RoPE is fused into "
-        "the kernel; q_size = num_heads * head_dim; subclasses (Qwen3, Llama4) override "
-        "apply_rope and call super()"),
+        "tensorrt_llm/_torch/modules/attention.py", "00547a25ac61d28d1dabb2e47383a1af605ebb59",
+        "Attention.forward(position_ids, hidden_states, attn_metadata, attention_mask, ..., "
+        "attention_window_size, ...): qkv_proj -> (dynamic tree with unfused RoPE only: "
+        "_adjust_position_ids_for_spec_dec, past = kv_lens_cuda - seq_lens, + "
+        "spec_decoding_position_offsets) -> self.apply_rope(q, k, v, position_ids) -> attn; "
+        "apply_rope returns (q, k, v), or its inputs unrotated when rope_fusion (fused qkv: "
+        "(qkv, None, None)); q_size = num_heads * head_dim; attention_chunk_size on the layer; "
+        "class MLA(nn.Module) beside it (not an Attention)"),
     "attention_moved": Source(
         "tensorrt_llm/_torch/attention/attention.py", "930bd1a7cc5173721fd6bb3a34b5b3074eeb0c39",
         "a later home of the same Attention module (both paths are accepted)"),
+    "mpi_session": Source(
+        "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
+        "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
+        "env={only TRTLLM*/TLLM* variables}) (older copies: no env=); workers run worker_main"),
+    "executor": Source(
+        "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
+        "GenerationExecutor.create: world size > 1 -> proxy + MPI workers; TP1 with "
+        "TLLM_WORKER_USE_SINGLE_PROCESS (enable_worker_single_process_for_tp1) -> the worker in "
+        "this process; otherwise TP1 also -> proxy + one spawned MPI worker"),
+    "proxy": Source(
+        "tensorrt_llm/executor/proxy.py", "b93e14ca093e446615f3009cae6ca5a33c4f2f56",
+        "GenerationExecutorProxy: MpiPoolSession(n_workers=model_world_size) unless a session is "
+        "given; mpi_session.submit(worker_main, ..., _torch_model_class_mapping=MODEL_CLASS_MAPPING)"),
+    "serve": Source(
+        "tensorrt_llm/commands/serve.py", "4c05a74891e4df8066f08ed4ce14b0972abe4e25",
+        "launch_server: llm = PyTorchLLM(**llm_args) (PyTorchLLM = tensorrt_llm.LLM, a module "
+        "global) then OpenAIServer(llm=llm, ...); options --tp_size, --pp_size, --ep_size, "
+        "--extra_llm_api_options (later releases: --config)"),
     "llmapi_model": Source(
         "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py", "044a90d209e380c95e23e8ae42f3583fa05ada78",
-        "TritonPythonModel; imports tensorrt_llm in initialize(); every model.yaml key but "
-        "triton_config goes to LLM(); helpers.py sits beside it"),
+        "TritonPythonModel; imports tensorrt_llm in initialize(), which builds LLM(**model.yaml "
+        "less triton_config) and returns once the engine started; _create_response sends "
+        "finish_reason / acceptance_rate / total_* with text_output's dtype; helpers.py beside it"),
+    "llmapi_helpers": Source(
+        "triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py", "0df60f9ad779c4dc4f55da07e08b969fc4684e56",
+        "request inputs return_finish_reason, sampling_param_return_perf_metrics (gate the "
+        "optional outputs), sampling_param_{temperature,top_k,top_p,max_tokens,seed}, streaming"),
     "llmapi_yaml": Source(
         "triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml", "0ebb1536ac12bbe27201185de960df3ab00bcecc",
         "model, backend, tensor_parallel_size, pipeline_parallel_size, "
         "triton_config {max_batch_size, decoupled}"),
     "setup": Source(
-        "setup.py", "(stored copy; commit not shown)",
+        "setup.py", "(stored copy; the store does not show its commit)",
         "console script trtllm-serve = tensorrt_llm.commands.serve:main"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class PatchPoint:
-    """A module-level name the hook replaces or reads; checked when the module loads."""
+    """A module-level class whose constructor the hook wraps; checked when the module loads."""
 
     module: str
     attribute: str  # dotted inside the module
     source: str  # key of SOURCES
     role: str
+    family: str  # dflash | eagle3 | pard: what prepare_drafter wraps; "mla": refused when built
+    required: bool = True  # False: present in some layouts only (absent: nothing to patch)
 
 
 DFLASH_MODULE = "tensorrt_llm._torch.models.modeling_dflash"
 SPECULATIVE_MODULE = "tensorrt_llm._torch.models.modeling_speculative"
 DFLASH_ATTENTION_MODULE = "tensorrt_llm._torch.speculative.dflash_attention"
-# Attention.apply_rope is wrapped per drafter *instance* (never on the class: PARD's
-# drafter shares its classes with the target); the class is looked up, once a drafter is
-# built, in whichever of these modules is loaded.
+# Attention.apply_rope/forward are wrapped per drafter *instance* (never on the class:
+# PARD's drafter shares its classes with the target); the class is looked up, once a
+# drafter is built, in whichever of these modules is loaded.
 ATTENTION_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.attention.attention")
 ATTENTION_CLASS = "Attention"
+MLA_CLASS = "MLA"  # DeepSeek-style latent attention: its query path is not wrapped (refused)
 ATTENTION_METHOD = "apply_rope"
+ATTENTION_FORWARD = "forward"
 VERSION_MODULE = "tensorrt_llm.version"
+DISTRIBUTION = "tensorrt_llm"  # importlib.metadata name: read at launch without importing it
 
+_WRAP_ROPE = "wrapped: after construction, forward/apply_rope of each Attention instance inside"
 PATCH_POINTS = (
     PatchPoint(DFLASH_MODULE, "DFlashForCausalLM.__init__", "modeling_dflash",
-               "wrapped: after construction, the instance's attention kernel is wrapped"),
-    PatchPoint(SPECULATIVE_MODULE, "Eagle3ForCausalLM.__init__", "modeling_speculative",
-               "wrapped: after construction, apply_rope of each Attention instance inside"),
-    PatchPoint(SPECULATIVE_MODULE, "PARDForCausalLM.__init__", "modeling_speculative",
-               "wrapped: after construction, apply_rope of each Attention instance inside"),
+               "wrapped: after construction, the instance's attention kernel is wrapped", "dflash"),
+    PatchPoint(SPECULATIVE_MODULE, "Eagle3ForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE,
+               "eagle3"),
+    PatchPoint(SPECULATIVE_MODULE, "PARDForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE, "pard"),
+    PatchPoint(SPECULATIVE_MODULE, "DFlashForCausalLM.__init__", "modeling_speculative_dflash",
+               "wrapped: dflash_forward's flash_attn_with_kvcache (older layout)", "dflash", required=False),
+    PatchPoint(SPECULATIVE_MODULE, "MistralLarge3EagleForCausalLM.__init__", "modeling_speculative",
+               "refused when built: MLA drafter layers", "mla", required=False),
 )
 # Which module's PATCH_POINTS to check when it loads; the hook patches on load.
 WATCHED = (DFLASH_MODULE, SPECULATIVE_MODULE)
+# Any other class of a watched module whose name says it is a drafter gets a constructor
+# that records a refusal: a drafter class we do not know never runs unscaled silently.
+# (00679c6's comments name a newer `DFlashDrafter`; a drafter built in a module we do not
+# watch leaves no proof at all, which our launchers refuse just the same.)
+DRAFTER_CLASS_PATTERN = r"((Eagle|DFlash|PARD|Pard).*ForCausalLM|Drafter)$"
+
+# The older DFlash layout imports its kernel from this module inside dflash_forward.
+FLASH_ATTN_MODULE = "flash_attn"
+FLASH_ATTN_KERNEL = "flash_attn_with_kvcache"
+DFLASH_FORWARD = "dflash_forward"
+
+# AttentionMetadata fields the EAGLE-3/PARD count reads (SOURCES["attention"]:
+# _adjust_position_ids_for_spec_dec reads the same): per sequence kv_lens_cuda (cached +
+# new keys) and seq_lens (new tokens); num_contexts context requests come first; generation
+# requests carry use_spec_decoding and spec_decoding_position_offsets (each draft token's
+# depth: 1-D for a dynamic tree, [gens, gen_len] otherwise).
+METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "num_contexts": "num_contexts",
+            "num_seqs": "num_seqs", "num_tokens": "num_tokens", "num_ctx_tokens": "num_ctx_tokens",
+            "use_spec": "use_spec_decoding",
+            "offsets": "spec_decoding_position_offsets"}
+# Where a count cannot be derived exactly from those: refused, at launch or when built.
+CHUNK_ATTRIBUTE = "attention_chunk_size"  # Attention.__init__ (Llama-4 chunked attention)
+DRAFTER_MODEL_CONFIG = "model_config"
+SPARSE_ATTENTION = "sparse_attention_config"  # KV compression / sparse attention (RocketKV, DSA, ...)
 
 # Names read from instances at wrap time (they exist only once a model is built).
 DFLASH_BACKEND_ATTRIBUTE = "dflash_attention_backend"
@@ -120,10 +193,12 @@ DFLASH_KERNELS = {  # attention_backend -> instance attribute holding the kernel
 TRTLLM_GEN_FIELDS = ("batch_decode_with_kv_cache", "batch_context_with_kv_cache")
 ATTENTION_Q_SIZE = "q_size"
 
-# trtllm-serve's entry point (console script), and the switch that keeps the LLM API's
+# trtllm-serve's entry point (console script); the LLM class its launch_server builds
+# (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's
 # executor in the calling process for one GPU (no MPI worker): TensorRT-LLM's own tests
 # set it (e.g. tests/unittest/_torch/speculative/*: monkeypatch TLLM_WORKER_USE_SINGLE_PROCESS).
 SERVE_ENTRY = ("tensorrt_llm.commands.serve", "main")
+SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 
 
@@ -134,16 +209,31 @@ SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 # each family's decoding_type literal), and LLM arguments (model, backend,
 # tensor_parallel_size, pipeline_parallel_size, max_seq_len, speculative_config) as in
 # the stock llmapi model.yaml (SOURCES["llmapi_yaml"]).
+# Parallel sizes: trtllm-serve's options (every alias seen across releases) and the LLM-API
+# fields (SOURCES["serve"], llm_args). TP and PP run the drafter in MPI workers, reached by
+# the autoloader; CP splits a sequence's keys across ranks, so a rank's kv_lens is not the
+# count a query sees: refused.
+PARALLEL_FLAGS = {"tp": ("--tp_size", "--tensor_parallel_size"),
+                  "pp": ("--pp_size", "--pipeline_parallel_size"),
+                  "cp": ("--cp_size", "--context_parallel_size")}
+PARALLEL_FIELDS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "cp": "context_parallel_size"}
+SERVE_CONFIG_FLAGS = ("--config", "--extra_llm_api_options")
+
 LLM_API_FIELDS = ("model", "backend", "tensor_parallel_size", "pipeline_parallel_size",
                   "max_seq_len", "speculative_config")
 SPECULATIVE_FIELDS = {
     "dflash": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                "target_layer_ids", "attention_backend"),
+    # use_dynamic_tree needs dynamic_tree_max_topK beside it (TensorRT-LLM rejects it alone;
+    # runtime.trtllm.check_fields enforces the pair).
     "eagle3": ("decoding_type", "max_draft_len", "speculative_model",
-               "eagle3_layers_to_capture", "use_dynamic_tree"),
+               "eagle3_layers_to_capture", "use_dynamic_tree", "dynamic_tree_max_topK"),
     "pard": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id"),
 }
 DECODING_TYPES = {"dflash": "DFlash", "eagle3": "Eagle3", "pard": "PARD"}
-DFLASH_ATTENTION_BACKENDS = ("VANILLA", "TRTLLM", "FA4")
+# What our writer may emit as DFlashDecodingConfig.attention_backend. FA4 is left out: it
+# is not in the stored llm_args copies we could read (the hook still wraps an FA4 kernel
+# if a drafter holds one: DFLASH_KERNELS).
+DFLASH_ATTENTION_BACKENDS = ("VANILLA", "TRTLLM")
 # model.yaml's own section, read by the llmapi model (not passed to LLM()).
 TRITON_CONFIG_FIELDS = ("max_batch_size", "decoupled")

@@ -1,22 +1,32 @@
 """SharpDraft in TensorRT-LLM's generic `Attention` (EAGLE-3 and PARD drafters).
 
-`Attention.forward` runs qkv_proj -> `self.apply_rope(q, k, v, position_ids)` -> the
-attention backend. apply_rope returns either (q, k, v) with RoPE applied (after q_norm in
-Qwen3-style subclasses, before QK norm in Llama-4's), or, when RoPE is fused into the
-attention kernel, the concatenated qkv unrotated as (qkv, None, None). Either way its
-output is the query the kernel will use up to a rotation, so multiplying q's columns
-there by beta is exact: RoPE(beta * q) = beta * RoPE(q), and every norm is already behind.
+`Attention.forward(position_ids, hidden_states, attn_metadata, ..., attention_window_size)`
+runs qkv_proj -> `self.apply_rope(q, k, v, position_ids)` -> the attention backend
+(pins.SOURCES["attention"]). apply_rope returns either (q, k, v) with RoPE applied (after
+q_norm in Qwen3-style subclasses), or, when RoPE is fused into the kernel, its input
+unrotated ((qkv, None, None) for a fused qkv). Either way its output is the query the
+kernel will use up to a rotation, so multiplying q's rows there by beta is exact:
+RoPE(beta * q) = beta * RoPE(q), and every norm is already behind.
 
-The wrapper goes on the drafter's attention *instances* only (PARD's drafter is an
-ordinary architecture whose classes the target shares).
+N per token row comes from the attention metadata the kernel itself is handed, not from
+position_ids (which TensorRT-LLM adjusts for dynamic trees only when RoPE is *not* fused):
+the wrapper around `forward` keeps (attn_metadata, attention_window_size) on the layer for
+the duration of the call, and the wrapper around `apply_rope` counts, for the batch's
+rows in order (context requests first, then generation requests, as TensorRT-LLM lays
+them out):
+- a context request's row j of q_len new tokens over kv_len keys (kv_lens_cuda: cached +
+  new): kv_len - q_len + j + 1 (causal);
+- a generation request with speculative decoding: past = kv_len - gen_len keys plus the
+  draft tokens the tree mask leaves visible, its ancestors and itself: depth + 1, with
+  the depth TensorRT-LLM's own kernel uses (spec_decoding_position_offsets); a chain is
+  the tree whose depths are 0..gen_len-1;
+- capped at attention_window_size when the call passes one;
+- rows past num_tokens (CUDA-graph padding) get N = 1 (TensorRT-LLM drops them).
+Configurations whose count these cannot give exactly (chunked attention, KV compression)
+are refused when the drafter is built (plugins/trtllm/hook.py).
 
-Visible keys per row: position_id + 1. Exact for chain drafting and PARD's block (causal,
-KV positions contiguous from 0, as TensorRT-LLM's drafting loops lay them out: the row at
-position p sees keys 0..p). Approximate where the mask is not "everything up to my
-position": EAGLE-3 tree drafting (a node sees its ancestors, i.e. stable KV + depth + 1,
-which equals position_id + 1 only when tree positions are depth-based and siblings are
-masked), sliding-window layers (the window caps the count) and padded CUDA-graph rows
-(scaled, then discarded).
+The counting is device ops on the metadata's tensors plus Python branches on its Python
+ints (num_contexts, num_seqs, num_tokens), which a captured CUDA graph fixes anyway.
 """
 
 from __future__ import annotations
@@ -26,14 +36,79 @@ from typing import Callable
 
 import torch
 
+from plugins.trtllm import pins
 from plugins.trtllm.kernels import WRAPPED, _active, scale_rows
 
-__all__ = ["wrap_apply_rope"]
+__all__ = ["wrap_apply_rope", "wrap_forward", "visible_counts", "CALL"]
+
+CALL = "_sharpdraft_call"  # layer attribute: (attn_metadata, attention_window_size) of the running forward
 
 
-def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int) -> Callable:
+class MetadataError(ValueError):
+    """The metadata lacks what the count needs (one line)."""
+
+
+def _field(metadata, key):
+    return getattr(metadata, pins.METADATA[key], None)
+
+
+def visible_counts(metadata, rows: int, device, window: int | None = None) -> torch.Tensor:
+    """[rows] int64: keys each token row of this batch sees (see the module docstring)."""
+    kv_lens, seq_lens = _field(metadata, "kv_lens"), _field(metadata, "seq_lens")
+    if kv_lens is None or seq_lens is None:
+        raise MetadataError(f"attention metadata without {pins.METADATA['kv_lens']} / "
+                            f"{pins.METADATA['seq_lens']}")
+    num_seqs = int(_field(metadata, "num_seqs") or len(seq_lens))
+    num_contexts = int(_field(metadata, "num_contexts") or 0)
+    num_tokens = int(_field(metadata, "num_tokens") or rows)
+    kv = kv_lens[:num_seqs].to(device=device, dtype=torch.int64)
+    q_lens = seq_lens[:num_seqs].to(device=device, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    j = torch.arange(num_tokens, device=device) - starts[seq]
+    depth = j  # causal: row j of a request sits j tokens after its first new one
+    offsets = _field(metadata, "offsets")
+    num_gens = num_seqs - num_contexts
+    if num_gens > 0 and offsets is not None and bool(_field(metadata, "use_spec")):
+        gen_rows = num_tokens - int(_field(metadata, "num_ctx_tokens") or 0)
+        if offsets.dim() == 2:  # [gens, >= gen_len]: one row of depths per request
+            offsets = offsets[:num_gens, :gen_rows // num_gens]
+        gen_offsets = offsets.reshape(-1)[:gen_rows].to(device=device, dtype=torch.int64)
+        depth = torch.cat((j[:num_tokens - gen_rows], gen_offsets))
+    n = kv[seq] - q_lens[seq] + depth + 1
+    if window is not None and window > 0:
+        n = n.clamp(max=int(window))
+    if rows > num_tokens:
+        n = torch.cat((n, torch.ones(rows - num_tokens, dtype=n.dtype, device=device)))
+    return n[:rows]
+
+
+def wrap_forward(forward: Callable, layer) -> Callable:
+    """Attention.forward that keeps its attention metadata and window on the layer while
+    it runs (apply_rope, called inside, reads them)."""
+    if getattr(forward, WRAPPED, None) is not None:
+        return forward
+
+    @functools.wraps(forward)
+    def wrapper(position_ids, hidden_states, attn_metadata, *args, **kwargs):
+        window = kwargs.get("attention_window_size")
+        if window is None and len(args) >= 5:  # (mask, mrope, all_reduce, lora, window, ...)
+            window = args[4]
+        previous = vars(layer).get(CALL)
+        vars(layer)[CALL] = (attn_metadata, window)
+        try:
+            return forward(position_ids, hidden_states, attn_metadata, *args, **kwargs)
+        finally:
+            vars(layer)[CALL] = previous
+
+    setattr(wrapper, WRAPPED, forward)
+    return wrapper
+
+
+def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None) -> Callable:
     """apply_rope(q, k, v, position_ids) -> (q, k, v) with q's rows (its first q_size
-    columns when k is None: fused qkv) multiplied by beta(position_id + 1)."""
+    columns when k is None: fused qkv) multiplied by beta of each row's visible keys, from
+    the metadata of the running forward (layer's CALL)."""
     if getattr(apply_rope, WRAPPED, None) is not None:
         return apply_rope
 
@@ -41,9 +116,11 @@ def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int) -> Callable:
     def wrapper(q, k, v, position_ids):
         q, k, v = apply_rope(q, k, v, position_ids)
         active = _active(scaling)
-        if active is None or position_ids is None:  # no positions: nothing to count from
-            return q, k, v
-        n = position_ids.reshape(-1).to(torch.int64) + 1  # one count per token row
+        call = vars(layer).get(CALL) if layer is not None else None
+        if active is None or call is None or call[0] is None:
+            return q, k, v  # outside a forward we wrapped there is no metadata to count from
+        metadata, window = call
+        n = visible_counts(metadata, q.shape[0], q.device, window)
         if k is None:  # fused qkv [tokens, q_size + 2 * kv_size]: scale the q columns only
             q = torch.cat((scale_rows(q[..., :q_size], n, active), q[..., q_size:]), dim=-1)
         else:

@@ -10,6 +10,11 @@ layer (as OnnxTarget binds them to ONNX Runtime), and the drafter's sequence-maj
 is bound twice, the committed prefix as the past and the free space after it as the
 step's present keys/values, so TensorRT writes the new context's keys straight into it.
 
+Every address bound is 256-byte aligned, as setTensorAddress requires: buffers come from
+`aligned_empty`, the target cache pads each layer to a multiple of 256 bytes (its capacity,
+and so the graph's arithmetic, stays exact), and a drafter step whose free rows do not
+start on a boundary writes its new keys to an aligned staging buffer and copies them in.
+
 Where buffers live is decided in one place, `gpu()`: the first CUDA device, or none (then
 the backend refuses in one line). The stand-in test run (tests/fake_tensorrt.py) replaces
 `gpu` with the CPU, so the same code binds host addresses that the stand-in reads back.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -73,6 +79,30 @@ class Device:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+
+
+ALIGNMENT = 256  # bytes: "The pointer must have at least 256-byte alignment" (NvInferRuntime.h)
+
+
+def aligned_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A dense tensor of `shape` whose first element lies on an ALIGNMENT boundary. CUDA's
+    caching allocator already gives 512-byte blocks; host memory (the stand-in run) does
+    not, and the rule is stated once here rather than trusted to an allocator."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape)
+    raw = torch.empty(count + ALIGNMENT // itemsize, dtype=dtype, device=device)
+    skip = (-raw.data_ptr() % ALIGNMENT) // itemsize
+    return raw[skip:skip + count].view(shape)
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself when it is dense and aligned, else an aligned dense copy (for the
+    small per-step inputs; the caches are aligned by construction)."""
+    if tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0:
+        return tensor
+    out = aligned_empty(tuple(tensor.shape), tensor.dtype, tensor.device)
+    out.copy_(tensor)
+    return out
 
 
 def torch_dtypes(trt) -> dict:
@@ -130,19 +160,25 @@ class Plan:
             self._check(name, tensor)
             if not context.set_input_shape(name, shape):
                 raise EngineError(f"{self.name}: TensorRT refused shape {list(shape)} for {name}")
-            context.set_tensor_address(name, tensor.data_ptr())
+            self._bind(name, tensor)
         for name in self.outputs:
             shape = tuple(context.get_tensor_shape(name))
             if name not in outputs:
-                outputs[name] = torch.empty(shape, dtype=self.dtypes[name], device=self.device.torch)
+                outputs[name] = aligned_empty(shape, self.dtypes[name], self.device.torch)
             elif tuple(outputs[name].shape) != shape:
                 raise EngineError(f"{self.name}: output {name} has shape {list(shape)}, the buffer "
                                   f"for it {list(outputs[name].shape)}")
             self._check(name, outputs[name])
-            context.set_tensor_address(name, outputs[name].data_ptr())
+            self._bind(name, outputs[name])
         if not context.execute_async_v3(self.device.handle):
             raise EngineError(f"{self.name}: TensorRT failed to run the plan (see its log above)")
         return outputs
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        address = tensor.data_ptr()
+        if address % ALIGNMENT or not self.context.set_tensor_address(name, address):
+            raise EngineError(f"{self.name}: TensorRT refused the address {address:#x} of {name} "
+                              f"(it needs {ALIGNMENT}-byte alignment)")
 
     def _check(self, name: str, tensor: torch.Tensor) -> None:
         # TensorRT reads and writes dense row-major memory at the address it is given.
@@ -154,14 +190,22 @@ class Plan:
 
 class DeviceKVCache:
     """The target's KV cache on the device: keys and values [layers, batch, kv_heads,
-    capacity, head_dim], `length` tokens committed; layer i's slice is bound as
-    cache_keys_i / cache_values_i. A rollback is a length change."""
+    capacity, head_dim], `length` tokens committed; layer i's slice (dense) is bound as
+    cache_keys_i / cache_values_i. A rollback is a length change.
+
+    Layers lie a multiple of ALIGNMENT bytes apart (padding after each layer), so every
+    layer's slice starts aligned whatever the capacity: an odd capacity would otherwise put
+    odd layers 128 bytes off for SmolLM2-135M in fp16."""
 
     def __init__(self, capacity: int, layers: int, kv_heads: int, head_dim: int, dtype, device,
                  batch: int = 1):
         shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        layer = batch * kv_heads * capacity * head_dim
+        stride = -(-layer * itemsize // ALIGNMENT) * ALIGNMENT // itemsize
+        strides = (stride, kv_heads * capacity * head_dim, capacity * head_dim, head_dim, 1)
+        self.k, self.v = (aligned_empty((layers * stride,), dtype, device).zero_().as_strided(shape, strides)
+                          for _ in range(2))
         self.capacity, self.length = capacity, 0
 
     def rollback(self, length: int) -> None:
@@ -202,10 +246,10 @@ class TensorRTTarget:
         keys = [cache.k[i] for i in range(self.layers)] if keys is None else keys
         values = [cache.v[i] for i in range(self.layers)] if values is None else values
         with device.on_stream():
-            feeds = {"ids": torch.tensor([ids], dtype=torch.int64, device=device.torch),
-                     "logit_positions": torch.tensor(list(logit_positions), dtype=torch.int64,
-                                                     device=device.torch),
-                     "past_len": torch.tensor([start], dtype=torch.int64, device=device.torch)}
+            feeds = {"ids": aligned(torch.tensor([ids], dtype=torch.int64, device=device.torch)),
+                     "logit_positions": aligned(torch.tensor(list(logit_positions), dtype=torch.int64,
+                                                             device=device.torch)),
+                     "past_len": aligned(torch.tensor([start], dtype=torch.int64, device=device.torch))}
             feeds |= {f"cache_keys_{i}": k for i, k in enumerate(keys)}
             feeds |= {f"cache_values_{i}": v for i, v in enumerate(values)}
             out = self.plan.run(feeds)
@@ -221,8 +265,8 @@ class TensorRTTarget:
         for begin in range(0, len(ids), PREFILL_CHUNK):
             held = max(begin, 1)  # a buffer needs a position; past_len 0 masks it
             with self.plan.device.on_stream():
-                keys = [cache.k[i, :, :, :held].contiguous() for i in range(self.layers)]
-                values = [cache.v[i, :, :, :held].contiguous() for i in range(self.layers)]
+                keys = [aligned(cache.k[i, :, :, :held]) for i in range(self.layers)]
+                values = [aligned(cache.v[i, :, :, :held]) for i in range(self.layers)]
             chunk = ids[begin:begin + PREFILL_CHUNK]
             logits, chunk_features = self._step(chunk, [len(chunk) - 1], keys, values)
             features.append(chunk_features)
@@ -275,8 +319,8 @@ class TensorRTDFlash:
         shape = (capacity, layers, 1, kv_heads, head_dim)
         device = self.plan.device
         with device.on_stream():
-            self.cache = (torch.zeros(shape, dtype=self.dtype, device=device.torch),
-                          torch.zeros(shape, dtype=self.dtype, device=device.torch))
+            self.cache = (aligned_empty(shape, self.dtype, device.torch).zero_(),
+                          aligned_empty(shape, self.dtype, device.torch).zero_())
         self.length = 0
 
     def draft(self, context: torch.Tensor, bonus: int):
@@ -288,13 +332,20 @@ class TensorRTDFlash:
         with device.on_stream():
             block = torch.tensor([[bonus] + [self.mask_token_id] * (self.block_size - 1)],
                                  dtype=torch.int64, device=device.torch)
-            feeds = {"block_ids": block,
-                     "context": context.to(device.torch, self.dtype).contiguous()[None],
-                     "context_lens": torch.tensor([c], dtype=torch.int64, device=device.torch),
+            feeds = {"block_ids": aligned(block),
+                     "context": aligned(context.to(device.torch, self.dtype)[None]),
+                     "context_lens": aligned(torch.tensor([c], dtype=torch.int64, device=device.torch)),
                      "past_keys": keys[:start], "past_values": values[:start],
-                     "past_lens": torch.tensor([start], dtype=torch.int64, device=device.torch)}
-            out = self.plan.run(feeds, {"present_keys": keys[start:start + c],
-                                        "present_values": values[start:start + c]})
+                     "past_lens": aligned(torch.tensor([start], dtype=torch.int64, device=device.torch))}
+            # The plan writes the new rows in place where they start on a boundary; where
+            # they do not (rows of layers x kv_heads x head_dim elements need not fill
+            # 256 bytes), into an aligned staging buffer copied in after the run.
+            present = {"present_keys": keys[start:start + c], "present_values": values[start:start + c]}
+            staged = {name: aligned(rows) for name, rows in present.items()}
+            out = self.plan.run(feeds, staged)
+            for name, rows in present.items():
+                if staged[name] is not rows:
+                    rows.copy_(staged[name])
         device.synchronize()
         self.length = meta.committed()
         return out["logits"][0], meta.block_keys(self.block_size)

@@ -19,14 +19,13 @@ every way produced the target's tokens.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
+from runtime.commands.provenance import provenance
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
 from runtime.modes import SCALED, Mode
 
@@ -247,14 +246,6 @@ def training_max_length(engine) -> int | None:
     return read(engine.manifest.drafter_dir).training_max_length
 
 
-def machine() -> dict:
-    import torch
-
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__}
-
-
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -298,7 +289,7 @@ def run(args) -> int:
             for m in modes), file=sys.stderr)
     bar.close()
     result = {
-        "command": "python -m runtime bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else []),
+        **provenance("bench"),
         "engine_dir": str(args.engine_dir), "backend": engine.backend,
         "target": engine.manifest.target_dir.name,
         "drafter": engine.manifest.drafter, "modes": list(modes),
@@ -310,7 +301,7 @@ def run(args) -> int:
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
-        "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
+        "documents": [name for name, _ in docs], "rows": rows,
     }
     write_result(result, args.json)
     if args.plot:
@@ -344,13 +335,13 @@ def run_batch(args, engine, docs, sampling) -> int:
     bench_batch.measure(engine, requests[:1], modes, 1, adaptive)  # warm-up, untimed
     rows = bench_batch.measure(engine, requests, modes, args.repeats, adaptive)
     result = {
-        "command": "python -m runtime bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else []),
+        **provenance("bench"),
         "engine_dir": str(args.engine_dir), "backend": engine.backend, "batch": args.batch,
         "contexts": [len(q.prompt) for q in requests], "new_tokens": args.new_tokens,
         "repeats": args.repeats, "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
-        "documents": [name for name, _ in docs], "machine": machine(), "rows": rows,
+        "documents": [name for name, _ in docs], "rows": rows,
     }
     write_result(result, args.json)
     if args.json != "-":

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from runtime.cli import UsageError, progress
+from runtime.commands.provenance import provenance
 from runtime.modes import Mode
 
 
@@ -190,7 +191,7 @@ def run(args) -> int:
               "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
               "documents": [n for n, _ in docs], "split": "calibration" if not args.docs else "user",
               Mode.FROZEN: frozen, "grid": table[1:],
-              "command": "python -m runtime calibrate " + " ".join(sys.argv[2:])}
+              **provenance("calibrate")}
     print(f"{'ref_keys':>8} {'slope':>6} {'cap':>5} {'MAL short':>9} {'MAL long':>9}  keeps short")
     print(f"{Mode.FROZEN:>8} {'':>6} {'':>5} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
     for row in table[1:]:

@@ -18,6 +18,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime.cli import UsageError, progress
+from runtime.commands.provenance import provenance
 from runtime.modes import Mode
 from runtime.step_metadata import StepMetadata
 
@@ -157,7 +158,7 @@ def run(args) -> int:
             layers = zip(*(d[mode][length] for d in per_doc))
             row[mode] = [round(sum(v) / len(v), 4) for v in layers]
         rows.append(row)
-    result = {"engine_dir": str(args.engine_dir), "top_k": args.top_k,
+    result = {**provenance("diagnose"), "engine_dir": str(args.engine_dir), "top_k": args.top_k,
               "query_scaling": engine.scaling.to_dict(),
               "training_max_length": training_max_length(engine),
               "documents": [n for n, _ in docs], "rows": rows}

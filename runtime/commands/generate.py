@@ -158,7 +158,7 @@ def run_trtllm(args, manifest, text: str) -> int:
     result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                              sharpdraft=mode.scaled, speculative=mode.uses_drafter_model)
     scaling = manifest.query_scaling.to_dict() if mode.scaled else None
-    if args.json:
+    if args.json:  # sharpdraft_applied: what the proof check saw (drafter, layers, processes)
         print(json.dumps({"mode": mode, "backend": "trtllm", "sharpdraft": scaling} | result))
     else:
         print(result["text"])

@@ -15,6 +15,7 @@ import time
 from urllib.parse import urlparse
 
 from runtime.cli import UsageError, progress
+from runtime.commands.provenance import provenance
 from runtime.modes import Mode
 
 # Short prompts in the register both the tiny test tokenizer (CPython sources) and a chat
@@ -276,7 +277,8 @@ def run(args) -> int:
     finally:
         probe.close()
 
-    report = {"url": args.url, "model": model, "streaming": streaming, "mode": args.mode,
+    report = {**provenance("loadtest"), "url": args.url, "model": model, "streaming": streaming,
+              "mode": args.mode,
               "max_new_tokens": args.max_new_tokens, "requests": args.requests, "levels": []}
     outputs = []
     for concurrency in args.concurrency:

@@ -125,15 +125,22 @@ STOCK_DIR = "llmapi"  # 1/llmapi/{model.py,helpers.py}: TensorRT-LLM's own model
 
 # Tensors of the stock llmapi model (its config.pbtxt, pins.SOURCES["llmapi_model"]'s
 # directory) that a generate request needs; --llmapi-model copies its full config instead.
+# The stock _create_response sends finish_reason only when the request sets
+# return_finish_reason, and the speculative-decoding statistics only when it sets
+# sampling_param_return_perf_metrics (helpers.py, pins.SOURCES["llmapi_helpers"]); it sends
+# every extra output with text_output's dtype, so they are strings here too.
 TRTLLM_INPUTS = (("text_input", "TYPE_STRING", "-1", False), ("streaming", "TYPE_BOOL", "1", True),
                  ("sampling_param_temperature", "TYPE_FP32", "1", True),
                  ("sampling_param_top_k", "TYPE_INT32", "1", True),
                  ("sampling_param_top_p", "TYPE_FP32", "1", True),
                  ("sampling_param_max_tokens", "TYPE_INT32", "1", True),
-                 ("sampling_param_seed", "TYPE_UINT64", "1", True))
+                 ("sampling_param_seed", "TYPE_UINT64", "1", True),
+                 ("return_finish_reason", "TYPE_BOOL", "1", True),
+                 ("sampling_param_return_perf_metrics", "TYPE_BOOL", "1", True))
 TRTLLM_OUTPUTS = (("text_output", "TYPE_STRING", "-1"), ("finish_reason", "TYPE_STRING", "-1"),
-                  ("acceptance_rate", "TYPE_FP32", "1"), ("total_accepted_draft_tokens", "TYPE_INT32", "1"),
-                  ("total_draft_tokens", "TYPE_INT32", "1"))
+                  ("acceptance_rate", "TYPE_STRING", "-1"),
+                  ("total_accepted_draft_tokens", "TYPE_STRING", "-1"),
+                  ("total_draft_tokens", "TYPE_STRING", "-1"))
 
 
 def trtllm_config_pbtxt(name: str, llmapi_model: Path | None) -> str:

@@ -1,0 +1,293 @@
+"""SharpDraft reaches the process where TensorRT-LLM builds the drafter, and the launcher
+sees the proof — with real processes: a stand-in `tensorrt_llm` (tests/trtllm_package.py)
+that starts its workers as TensorRT-LLM does, through mpi4py's MPIPoolExecutor(max_workers,
+path=sys.path) over the MPI runtime `make setup` installs (requirements.txt), with no
+variable of ours in any environment: the hook arrives through the .pth autoloader reading
+the launch's activation file.
+
+Each test runs a fresh interpreter of a throwaway virtual environment layered on the
+project's (so the .pth written there touches nothing else): `python -m runtime generate`
+on a trtllm engine, and the generated Triton llmapi model's initialize(); with the
+autoloader the proof comes from the worker processes (other pids), without it the
+launcher refuses in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import build_engine
+from plugins.trtllm import autoload, pins
+from runtime.cli import run
+from tests.trtllm_package import CHECKOUT, write_package
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
+                                reason="mpi4py is not installed (make setup installs it)")
+HEAD = "SharpDraft was requested but no drafter was wrapped in the worker processes"
+BIN = Path(sys.executable).parent  # mpiexec of the MPI runtime wheel sits beside python
+
+
+def make_venv(root: Path, autoloader: bool) -> Path:
+    """A virtual environment whose site-packages reach the project's (a .pth line), with
+    or without our autoloader .pth; its python is what TensorRT-LLM would spawn."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    (site / "00_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if autoloader:
+        done = subprocess.run([str(python), "-m", "plugins.trtllm", "autoload", "install"], cwd=CHECKOUT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and (site / autoload.PTH_NAME).is_file(), done.stderr
+    return python
+
+
+@pytest.fixture(scope="module")
+def venvs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("venvs")
+    return {"autoload": make_venv(root / "with", True), "plain": make_venv(root / "without", False)}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tiny_target, tiny_drafter):
+    out = tmp_path_factory.mktemp("trtllm-workers") / "dflash-trtllm"
+    assert run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
+                                   "--backend", "trtllm", "--target", str(tiny_target), "--drafter-checkpoint",
+                                   str(tiny_drafter), "--output", str(out)]) == 0
+    return out
+
+
+def environment(standin: Path, single_process: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARPDRAFT", "TLLM", "PYTEST"))}
+    # The MPI runtime wheel's mpiexec and libmpi live in the project venv's bin/ and lib/
+    # (a TensorRT-LLM container has them on the system paths).
+    lib = f"{Path(sys.prefix) / 'lib'}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(Path(sys.prefix) / "lib")
+    env |= {"PATH": f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": f"{standin}:{CHECKOUT}",
+            "LD_LIBRARY_PATH": lib, "OMP_NUM_THREADS": "1"}
+    if single_process is not None:
+        env[pins.SINGLE_PROCESS_ENV] = single_process
+    return env
+
+
+def generate(python: Path, engine: Path, standin: Path, *flags, single_process="0"):
+    """`python -m runtime generate --json` on the engine; the result carries the launcher's pid."""
+    process = subprocess.Popen([str(python), "-m", "runtime", "generate", "--engine-dir", str(engine), "--prompt",
+                                "def f():", "--json", *flags], cwd=standin, env=environment(standin, single_process),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=240)
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    done.pid = process.pid
+    return done
+
+
+def site_of(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+
+
+def test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = generate(venvs["autoload"], engine, standin, single_process="0")  # TP1: one spawned worker
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    applied = result["sharpdraft_applied"]
+    assert applied["scaling"]["ref_keys"] == 64 and applied["drafters"] == ["DFlashForCausalLM"]
+    # the proof came from another process than the launcher: the MPI worker it spawned
+    assert len(applied["processes"]) == 1 and applied["processes"] != [done.pid]
+    assert not (site_of(venvs["autoload"]) / autoload.ACTIVATION_NAME).exists()  # the launch cleaned up
+
+
+def test_tensor_parallel_workers_each_report_and_the_activation_file_is_removed(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    python = venvs["autoload"]
+    probe = textwrap.dedent(f"""
+        import json, os, sys
+        from runtime import trtllm
+        from runtime.manifest import read_manifest
+        llm, launch = trtllm.build_llm(read_manifest({str(engine)!r}), tensor_parallel_size=2)
+        print(json.dumps({{"launcher": os.getpid(), "workers": llm.worker_pids, "applied": launch.require(),
+                          "activation": str(launch.activation)}}))
+        llm.shutdown(); launch.close()
+        """)
+    done = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, None),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert len(set(out["workers"])) == 2 and out["launcher"] not in out["workers"]
+    assert sorted(out["applied"]["processes"]) == sorted(out["workers"])  # both ranks wrapped their drafter
+    assert not Path(out["activation"]).exists()
+
+
+def test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = generate(venvs["plain"], engine, standin, single_process="0")
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(err) == 1 and err[0].startswith(f"error: {HEAD}: no proof"), done.stderr
+
+
+def test_one_gpu_without_the_autoloader_keeps_the_drafter_in_process_and_proves_it(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = generate(venvs["plain"], engine, standin, single_process=None)  # generate sets it to 1
+    assert done.returncode == 0, done.stderr
+    applied = json.loads(done.stdout)["sharpdraft_applied"]
+    assert applied["drafters"] == ["DFlashForCausalLM"]
+
+
+def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    probe = textwrap.dedent(f"""
+        import sys
+        from runtime import trtllm
+        from runtime.cli import run
+        from runtime.manifest import read_manifest
+        sys.exit(run(lambda argv: trtllm.build_llm(read_manifest({str(engine)!r}), pipeline_parallel_size=2), []))
+        """)
+    done = subprocess.run([str(venvs["plain"]), "-c", probe], cwd=standin, env=environment(standin, None),
+                          capture_output=True, text=True, timeout=240)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "autoload install" in err[0]
+
+
+def test_a_mismatched_version_with_the_autoloader_active_imports_and_our_launcher_refuses(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg", version="1.5.0")
+    activation = site_of(venvs["autoload"]) / autoload.ACTIVATION_NAME
+    from plugins.scaling import QueryScaling
+
+    activation.write_text(json.dumps({"scaling": QueryScaling(ref_keys=64).to_dict(), "proof": str(tmp_path / "p"),
+                                      "launcher": 0}))  # a launch in progress, as workers see it
+    try:
+        imports = subprocess.run([str(venvs["autoload"]), "-c", "import tensorrt_llm._torch.models.modeling_dflash "
+                                  "as m; m.DFlashForCausalLM(); print('imported')"], cwd=standin,
+                                 env=environment(standin, None), capture_output=True, text=True, timeout=240)
+    finally:
+        activation.unlink()
+    assert imports.returncode == 0 and imports.stdout.strip() == "imported", imports.stderr
+    assert "1.5.0" in imports.stderr  # the hook stood down, and said so
+    target = generate(venvs["autoload"], engine, standin, "--target-only", single_process="0")
+    assert target.returncode == 0 and json.loads(target.stdout)["mode"] == "target", target.stderr
+    refused = generate(venvs["autoload"], engine, standin, single_process="0")
+    err = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(err) == 1 and "1.5.0" in err[0] and pins.MAX_VERSION in err[0]
+
+
+# --- Triton's llmapi model -------------------------------------------------------------------
+
+STOCK_MODEL = '''
+import os
+
+import yaml
+
+LLM = None
+
+
+class TritonPythonModel:
+    """TensorRT-LLM's llmapi model.py @ 044a90d2, reduced to what matters here: initialize()
+    imports tensorrt_llm (deferred to here on purpose) and builds LLM(**model.yaml less
+    triton_config), which starts the worker that builds the drafter; finalize() stops it."""
+
+    def initialize(self, args):
+        global LLM
+        from tensorrt_llm import LLM
+
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(here, "model.yaml")) as f:
+            config = yaml.safe_load(f)
+        config.pop("triton_config")
+        self.llm = LLM(**config)
+
+    def finalize(self):
+        self.llm.shutdown()
+'''
+
+
+@pytest.fixture(scope="module")
+def repository(engine, tmp_path_factory):
+    from runtime.__main__ import main as runtime_main
+
+    stock = tmp_path_factory.mktemp("stock") / "tensorrt_llm"
+    (stock / "1").mkdir(parents=True)
+    (stock / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "python"\n')
+    (stock / "1" / "model.py").write_text(STOCK_MODEL)
+    repo = tmp_path_factory.mktemp("repo")
+    assert run(runtime_main, ["serve", "--engine-dir", str(engine), "--model-repository", str(repo),
+                              "--llmapi-model", str(stock)]) == 0
+    return repo / "tensorrt_llm" / "1"
+
+
+def initialize(python: Path, version_dir: Path, standin: Path):
+    probe = textwrap.dedent(f"""
+        import importlib.util, json, os, sys
+        spec = importlib.util.spec_from_file_location("model", {str(version_dir / "model.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.TritonPythonModel()
+        try:
+            model.initialize({{}})
+        except Exception as exc:
+            sys.stderr.write(f"refused: {{exc}}\\n")
+            sys.exit(3)
+        print(json.dumps({{"applied": model.sharpdraft_applied, "stub": os.getpid(),
+                          "workers": model.llm.worker_pids}}))
+        model.finalize()
+        """)
+    return subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, "0"),
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter(venvs, repository, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = initialize(venvs["autoload"], repository, standin)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["applied"]["processes"] == out["workers"] and out["stub"] not in out["workers"]
+    assert json.loads((repository / "sharpdraft_applied.json").read_text())["scaling"]["ref_keys"] == 64
+
+
+def test_triton_llmapi_model_refuses_to_load_when_no_drafter_was_wrapped(venvs, repository, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = initialize(venvs["plain"], repository, standin)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("refused: ")]
+    assert done.returncode == 3 and len(lines) == 1 and lines[0].startswith(f"refused: {HEAD}"), done.stderr
+
+
+# --- runtime trtllm-serve --------------------------------------------------------------------
+
+def serve(python: Path, engine: Path, standin: Path, *serve_args, single_process=None):
+    return subprocess.run([str(python), "-m", "runtime", "trtllm-serve", "--engine-dir", str(engine), "--",
+                           "--port", "9", *serve_args], cwd=standin, env=environment(standin, single_process),
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["plain"], engine, standin, "--tp_size", "1")
+    assert done.returncode == 0 and "serving on localhost:9" in done.stdout, done.stderr
+    applied = [json.loads(line)["sharpdraft_applied"] for line in done.stderr.splitlines()
+               if line.startswith('{"sharpdraft_applied"')]
+    assert len(applied) == 1 and applied[0]["drafters"] == ["DFlashForCausalLM"]
+
+
+def test_trtllm_serve_tensor_parallel_workers_are_reached_through_the_autoloader(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["autoload"], engine, standin, "--tp_size=2")
+    assert done.returncode == 0 and "serving on" in done.stdout, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith('{"sharpdraft_applied"')]
+    assert len(json.loads(line)["sharpdraft_applied"]["processes"]) == 2
+
+
+def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path):
+    standin = write_package(tmp_path / "pkg")
+    done = serve(venvs["plain"], engine, standin, single_process="0")  # a worker our hook cannot reach
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "serving" not in done.stdout
+    assert err[-1].startswith(f"error: {HEAD}: no proof"), done.stderr

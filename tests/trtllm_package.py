@@ -1,0 +1,294 @@
+"""A stand-in `tensorrt_llm` package, written to a folder and imported through the real
+import machinery, whose names and process layout follow TensorRT-LLM's source (the files
+and commits below; plugins/trtllm/pins.py cites the same):
+
+- tensorrt_llm/llmapi/mpi_session.py @ 00a1352a: MpiPoolSession._start_mpi_pool starts
+  workers with mpi4py's `MPIPoolExecutor(max_workers=n_workers, path=sys.path, ...)`; that
+  copy adds `env=` holding only the parent's TRTLLM*/TLLM* variables, older copies pass no
+  env= at all — here no env=, and our launchers set no variable of their own for workers.
+- tensorrt_llm/executor/executor.py @ 005bc848 (GenerationExecutor.create) and
+  executor/proxy.py @ b93e14ca: world size > 1 -> proxy + MpiPoolSession(n_workers) +
+  submit(worker_main, ...) on every worker; TP1 with TLLM_WORKER_USE_SINGLE_PROCESS=1 -> the
+  worker in the calling process; TP1 otherwise -> proxy + one spawned MPI worker. The worker
+  builds the model, the drafter included (get_draft_model in modeling_speculative).
+- _torch/modules/attention.py @ 00547a25: Attention.forward(position_ids, hidden_states,
+  attn_metadata, attention_mask, mrope_config, all_reduce_params, lora_params,
+  attention_window_size, ...) -> qkv_proj -> (dynamic tree, unfused RoPE only: positions
+  adjusted) -> apply_rope(q, k, v, position_ids) -> kernel; `MLA` beside it.
+- _torch/models/modeling_speculative.py @ 00679c66: Eagle3ForCausalLM (MLA layers when the
+  config has kv_lora_rank: _use_mla), MistralLarge3EagleForCausalLM (DeepseekV3 layers, MLA),
+  PARDForCausalLM (draft_model_full: an ordinary architecture); optionally the older
+  layout's DFlashForCausalLM (stored copy without a shown commit) whose dflash_forward
+  imports flash_attn_with_kvcache from flash_attn at call time.
+- _torch/models/modeling_dflash.py @ 009d8fa4 and _torch/speculative/dflash_attention.py
+  @ 0352547d: the kernel held on the instance by dflash_attention_backend.
+- tensorrt_llm/commands/serve.py @ 4c05a748: `from tensorrt_llm import LLM as PyTorchLLM`;
+  launch_server builds PyTorchLLM(**llm_args), then serves; the click command `serve`
+  (console script trtllm-serve -> main) merges the --extra_llm_api_options/--config YAML
+  over its command-line options (the file wins).
+- triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @ 044a90d2: initialize() imports
+  tensorrt_llm and builds LLM(**model.yaml less triton_config); finalize() stops it.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from plugins.trtllm import pins
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+FILES = {
+    "tensorrt_llm/__init__.py": """
+        from .llmapi.llm import LLM, SamplingParams
+        """,
+    "tensorrt_llm/version.py": "__version__ = {version!r}\n",
+    "tensorrt_llm/llmapi/__init__.py": "",
+    "tensorrt_llm/llmapi/mpi_session.py": """
+        import sys
+
+        from mpi4py.futures import MPIPoolExecutor
+
+
+        class MpiPoolSession:
+            def __init__(self, n_workers):
+                self.n_workers = n_workers
+                self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path)
+
+            def submit(self, task, *args, **kwargs):
+                return [self.mpi_pool.submit(task, *args, **kwargs) for _ in range(self.n_workers)]
+
+            def shutdown(self, wait=True):
+                self.mpi_pool.shutdown(wait=wait)
+        """,
+    "tensorrt_llm/llmapi/llm.py": """
+        import os
+        import types
+
+
+        def worker_main(speculative_config):
+            # executor/worker.py: the worker builds the model, the drafter with it
+            import importlib
+
+            decoding = (speculative_config or {{}}).get("decoding_type")
+            if decoding == "DFlash":
+                module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+                module.DFlashForCausalLM(dflash_attention_backend=speculative_config.get(
+                    "attention_backend", "VANILLA"))
+            elif decoding in ("Eagle3", "PARD"):
+                module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
+                cls = module.Eagle3ForCausalLM if decoding == "Eagle3" else module.PARDForCausalLM
+                cls()
+            return os.getpid()
+
+
+        class LLM:
+            def __init__(self, model, backend="pytorch", tensor_parallel_size=1, pipeline_parallel_size=1,
+                         speculative_config=None, max_seq_len=None, **kwargs):
+                world = int(tensor_parallel_size) * int(pipeline_parallel_size)
+                if world == 1 and os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") == "1":
+                    self.worker_pids = [worker_main(speculative_config)]
+                    self._session = None
+                else:
+                    from .mpi_session import MpiPoolSession
+
+                    self._session = MpiPoolSession(n_workers=world)
+                    futures = self._session.submit(worker_main, speculative_config)
+                    self.worker_pids = [f.result() for f in futures]
+
+            def generate(self, prompts, params):
+                completion = types.SimpleNamespace(text=" pass", token_ids=[1, 2])
+                return [types.SimpleNamespace(outputs=[completion]) for _ in prompts]
+
+            def shutdown(self):
+                if self._session is not None:
+                    self._session.shutdown()
+                    self._session = None
+
+
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+        """,
+    "tensorrt_llm/commands/__init__.py": "",
+    "tensorrt_llm/commands/serve.py": """
+        import click
+        import yaml
+
+        from tensorrt_llm import LLM as PyTorchLLM
+
+
+        def launch_server(host, port, llm_args):
+            llm = PyTorchLLM(**llm_args)
+            # OpenAIServer(llm=llm, ...) would serve from here on
+            print(f"serving on {{host}}:{{port}} with workers {{llm.worker_pids}}", flush=True)
+            llm.shutdown()
+
+
+        @click.command("serve")
+        @click.argument("model", type=str)
+        @click.option("--host", type=str, default="localhost")
+        @click.option("--port", type=int, default=8000)
+        @click.option("--tp_size", type=int, default=1)
+        @click.option("--pp_size", type=int, default=1)
+        @click.option("--config", "--extra_llm_api_options", "config", type=str, default=None)
+        def main(model, host, port, tp_size, pp_size, config):
+            llm_args = {{"model": model, "tensor_parallel_size": tp_size, "pipeline_parallel_size": pp_size}}
+            if config is not None:
+                with open(config) as f:
+                    llm_args.update(yaml.safe_load(f))  # update_llm_args_with_extra_dict: the file wins
+            launch_server(host, port, llm_args)
+        """,
+    "tensorrt_llm/_torch/__init__.py": "",
+    "tensorrt_llm/_torch/models/__init__.py": "",
+    "tensorrt_llm/_torch/modules/__init__.py": "",
+    "tensorrt_llm/_torch/speculative/__init__.py": "",
+    "tensorrt_llm/_torch/speculative/dflash_attention.py": """
+        from dataclasses import dataclass
+        from typing import Callable
+        from tests import trtllm_standins as k
+
+        @dataclass(frozen=True)
+        class DFlashTrtllmGenOps:
+            append_paged_kv_cache: Callable
+            batch_context_with_kv_cache: Callable
+            batch_decode_with_kv_cache: Callable
+
+        def get_dflash_trtllm_gen_ops():
+            return DFlashTrtllmGenOps(None, k.trtllm_batch_context_with_kv_cache,
+                                      k.trtllm_batch_decode_with_kv_cache)
+        """,
+    "tensorrt_llm/_torch/modules/attention.py": """
+        import torch
+
+        class Attention(torch.nn.Module):
+            def __init__(self, heads=4, head_dim=8, rope_fusion=True, attention_chunk_size=None):
+                super().__init__()
+                self.q_size = heads * head_dim
+                self.rope_fusion = rope_fusion
+                self.attention_chunk_size = attention_chunk_size
+                self.seen = None  # what apply_rope returned, for the tests
+
+            def forward(self, position_ids, hidden_states, attn_metadata, attention_mask=None,
+                        mrope_config=None, all_reduce_params=None, lora_params=None,
+                        attention_window_size=None, attention_mask_data=None, attention_sinks=None,
+                        **kwargs):
+                q, k, v = hidden_states, None, None  # fused qkv
+                q, k, v = self.apply_rope(q, k, v, position_ids)
+                self.seen = q
+                return q
+
+            def apply_rope(self, q, k, v, position_ids):
+                return q, k, v
+
+        class MLA(torch.nn.Module):
+            pass
+        """,
+    "tensorrt_llm/_torch/models/modeling_dflash.py": """
+        import torch
+        from tests import trtllm_standins as k
+        from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops
+
+        class DFlashForCausalLM(torch.nn.Module):
+            def __init__(self, draft_config=None, *, dflash_attention_backend="VANILLA"):
+                super().__init__()
+                self.dflash_attention_backend = dflash_attention_backend
+                if dflash_attention_backend == "VANILLA":
+                    self._dflash_flash_attention = k.flash_attn_with_kvcache
+                elif dflash_attention_backend == "TRTLLM":
+                    self._dflash_trtllm_gen_ops = get_dflash_trtllm_gen_ops()
+                elif dflash_attention_backend == "FA4":
+                    self._dflash_fa4_fwd = k._flash_attn_fwd
+        """,
+    "tensorrt_llm/_torch/models/modeling_speculative.py": """
+        import types
+
+        import torch
+        from ..modules.attention import MLA, Attention
+
+        class Layer(torch.nn.Module):
+            def __init__(self, mla=False, **attention):
+                super().__init__()
+                self.self_attn = MLA() if mla else Attention(**attention)
+
+        class Eagle3ForCausalLM(torch.nn.Module):
+            def __init__(self, draft_config=None, num_layers=0, kv_lora_rank=None, **attention):
+                super().__init__()
+                self._use_mla = bool(kv_lora_rank)
+                self.layers = torch.nn.ModuleList([Layer(mla=self._use_mla, **attention)])
+
+        class MistralLarge3EagleForCausalLM(torch.nn.Module):
+            def __init__(self, draft_config=None):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([Layer(mla=True)])
+
+        class PARDForCausalLM(torch.nn.Module):
+            def __init__(self, draft_config=None, sparse_attention_config=None, **attention):
+                super().__init__()
+                self.draft_model_full = torch.nn.ModuleList([Layer(**attention), Layer(**attention)])
+                self.model_config = types.SimpleNamespace(sparse_attention_config=sparse_attention_config)
+
+        class Target(torch.nn.Module):  # built from the same classes as PARD's drafter
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([Layer()])
+        {dflash}""",
+}
+
+# The older layout (stored modeling_speculative.py without a shown commit): DFlash defined
+# beside Eagle3/PARD, its kernel imported from flash_attn inside dflash_forward.
+OLD_DFLASH = """
+class DFlashForCausalLM(torch.nn.Module):
+    def __init__(self, draft_config=None):
+        super().__init__()
+        self.model = types.SimpleNamespace(layers=[Layer()])
+
+    def dflash_forward(self, q, k_cache, v_cache, cache_seqlens):
+        from flash_attn import flash_attn_with_kvcache
+        return flash_attn_with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache,
+                                       cache_seqlens=cache_seqlens, causal=False)
+"""
+FLASH_ATTN = {"flash_attn/__init__.py": "from tests.trtllm_standins import flash_attn_with_kvcache\n"}
+
+
+class Metadata:
+    """The AttentionMetadata fields the count reads (pins.METADATA), filled as TensorRT-LLM
+    fills them (attention.py @ 00547a25, _adjust_position_ids_for_spec_dec): seq_lens on the
+    host, kv_lens_cuda (cached + new keys) on the device, context requests first, then
+    generation requests with spec_decoding_position_offsets (depths; 1-D for a dynamic tree)."""
+
+    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False):
+        import torch
+
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32)
+        self.num_contexts = num_contexts
+        self.num_seqs = len(seq_lens)
+        self.num_tokens = int(sum(seq_lens))
+        self.num_ctx_tokens = int(sum(seq_lens[:num_contexts]))
+        self.spec_decoding_position_offsets = (None if offsets is None
+                                               else torch.tensor(offsets, dtype=torch.int32))
+        self.use_spec_decoding = use_spec
+
+
+def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
+                  old_dflash: bool = False) -> Path:
+    files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
+    for rel, text in files.items():
+        text = textwrap.dedent(text)
+        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py")):
+            text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "")
+        if drop and rel.endswith(drop[0]):
+            text = text.replace(drop[1], "_removed_" + drop[1])
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root  # its modules import `tests.trtllm_standins`: the checkout must be on sys.path
+
+
+def forget_tensorrt_llm():
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")
+                 or n == "flash_attn"]:
+        del sys.modules[name]
