@@ -23,6 +23,7 @@ from runtime.manifest import (DRAFTERS, TRTLLM_ONLY_DRAFTERS, EngineError, Manif
 from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
 from runtime.backends import BACKENDS
+from runtime import modes
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.models.target import DTYPES
 from runtime.ngram import NGramProposer
@@ -193,6 +194,17 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
+def refuse_family_on(drafter: str, backend: str) -> None:
+    """A drafter family whose drafting (block / chain / tree) the backend has no drafter
+    for, refused in one line naming the backends that have one (runtime/modes.py)."""
+    drafting = modes.FAMILIES[drafter]
+    if drafting is not None and drafting not in modes.BACKENDS[backend].drafting:
+        others = [b for b in modes.backends_drafting(drafting) if b != "trtllm"]
+        raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
+                         f"does not run yet; it builds for {' and '.join(others)} (pass "
+                         f"--backend {others[-1]})")
+
+
 def eagle3_shape(args) -> TreeShape:
     """--tree-top-k/--tree-depth/--tree-total-tokens, checked before anything loads; with
     top_k 1 the drafter drafts a chain of --num-draft-tokens."""
@@ -359,20 +371,17 @@ def main(argv) -> int:
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
+    if args.backend in modes.BACKENDS:
+        refuse_family_on(args.drafter, args.backend)
     if args.drafter == "eagle3":
-        if args.backend == "tensorrt":
-            raise UsageError("--drafter eagle3 builds for the torch and onnxruntime backends; "
-                             "TensorRT plans for EAGLE-3 are not written yet (pass --backend "
-                             "onnxruntime)")
         eagle3_shape(args)
     # No TensorRT plans for EAGLE-3: auto exports its ONNX graphs and then measures torch
     # against onnxruntime, as it does where TensorRT cannot run.
     graphs_only = args.drafter == "eagle3" and args.backend == "auto"
     backend = "onnxruntime" if graphs_only else pick_backend(args.backend)
-    if backend == "tensorrt" and args.drafter == "pard":
-        raise UsageError("--drafter pard builds for the torch and onnxruntime backends; TensorRT "
-                         "plans for PARD are not written yet (pass --backend onnxruntime)")
-    if args.draft_window is not None and (args.drafter != "dflash" or args.draft_window < 1):
+    refuse_family_on(args.drafter, backend)
+    if args.draft_window is not None and (modes.FAMILIES[args.drafter] != "block"
+                                          or args.draft_window < 1):
         raise UsageError(f"--draft-window takes a DFlash drafter and N >= 1, got --drafter "
                          f"{args.drafter} --draft-window {args.draft_window}")
     if backend != "torch" and args.dtype != "float32":
@@ -417,7 +426,7 @@ def main(argv) -> int:
             if window is not None:
                 provenance["draft_window"] = int(window)
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
-            partial, backend, args.attention or ("plugin" if backend == "tensorrt" else "native"),
+            partial, backend, args.attention or next(iter(modes.BACKENDS[backend].attention_forms), None),
             model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
         drafter_record = (dependency_record(drafter_dir, drafter_files(args.drafter, drafter_dir))

@@ -1,12 +1,10 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
-interface (the one engine.json names, or an override), and `generate` in the modes
-every command compares: target-only, n-gram lookup, frozen drafter, the frozen drafter
-under a draft window (its training length: the drafter-side peer of SharpDraft, DFlash
-engines), SharpDraft drafter, hybrid -- SharpDraft's blocks, with n-gram lookup's
-drafts verified instead when it finds a better proposal (block drafters only; an ngram
-engine has the first two) -- and window-hybrid, the same with the windowed drafter. The drafter family decides the loop: DFlash drafts blocks
-(speculative.generate_block), PARD chains (speculative.generate_chain), EAGLE-3 trees
-(speculative.generate_tree) or, built with top_k 1, chains."""
+interface (the one engine.json names, or an override), and `generate` in any decoding
+mode of runtime/modes.py's table this engine can run (Engine.modes; the table says what
+each mode needs). The drafter family decides the loop: DFlash drafts blocks
+(speculative.generate_block, which n-gram lookup can assist), PARD chains
+(speculative.generate_chain), EAGLE-3 trees (speculative.generate_tree) or, built with
+top_k 1, chains."""
 
 from __future__ import annotations
 
@@ -15,7 +13,8 @@ from pathlib import Path
 import torch
 
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
-from runtime import speculative
+from runtime import modes, speculative
+from runtime.modes import Mode
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.backends.torch import TorchDFlash, TorchEagle3, TorchPARD, TorchTarget
 from runtime.metrics import Generation
@@ -29,14 +28,6 @@ from runtime.sampling import Sampler, Sampling
 from runtime.tree import TreeShape
 from plugins.scaling import QueryScaling
 
-# no drafter; n-gram lookup (no model); drafter unscaled; drafter unscaled, seeing only the
-# last `draft_window` context keys; drafter with beta; drafter with beta, n-gram-assisted
-# (speculative.generate_block with a proposer); the windowed drafter, n-gram-assisted
-MODES = ("target", "ngram", "frozen", "window", "sharpdraft", "hybrid", "window-hybrid")
-# How each drafter family with a model drafts: the loop of runtime/speculative.py it runs.
-DRAFTING = {"dflash": "block", "pard": "chain", "eagle3": "tree"}
-
-
 class Engine:
     def __init__(self, engine_dir: str | Path, verify: str = "quick", backend: str | None = None):
         self.dir = Path(engine_dir)
@@ -46,8 +37,8 @@ class Engine:
                               "by this runtime yet")
         self.backend = backend or self.manifest.backend
         self.scaling = self.manifest.query_scaling
-        self.has_drafter_model = self.manifest.drafter in DRAFTING
-        self.drafting = DRAFTING.get(self.manifest.drafter)  # None: no drafter model
+        self.drafting = modes.FAMILIES[self.manifest.drafter]  # None: no drafter model
+        self.has_drafter_model = self.drafting is not None
         # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
         self.max_drafts = self.manifest.block_size - 1
         self.tree_shape = None
@@ -55,8 +46,9 @@ class Engine:
             self.tree_shape = eagle3_tree_shape(self.dir, self.manifest)
             if self.tree_shape.top_k == 1:  # one child per node: a chain
                 self.drafting = "chain"
-            if self.backend not in ("torch", "onnxruntime"):
-                raise EngineError(f"{self.dir}: EAGLE-3 runs on the torch and onnxruntime backends, "
+            if self.backend in modes.BACKENDS and "tree" not in modes.BACKENDS[self.backend].drafting:
+                raise EngineError(f"{self.dir}: EAGLE-3 runs on the "
+                                  f"{' and '.join(modes.backends_drafting('tree'))} backends, "
                                   f"not {self.backend} — pass --backend onnxruntime")
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
@@ -107,32 +99,48 @@ class Engine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
     @property
-    def modes(self) -> tuple[str, ...]:
-        """The decoding modes this engine can run, in MODES order."""
-        have = {"target", "ngram"} | ({"frozen"} if self.has_drafter_model else set())
-        have |= {"sharpdraft"} if self.scaling is not None else set()
-        # n-gram assistance is written for the block loop (DFlash) only
-        have |= {"hybrid"} if self.scaling is not None and self.drafting == "block" else set()
-        have |= {"window", "window-hybrid"} if self.draft_window is not None else set()
-        return tuple(m for m in MODES if m in have)
+    def modes(self) -> tuple[Mode, ...]:
+        """The decoding modes this engine runs, in the table's order (study modes such as
+        the family preset run too when named, but are not listed)."""
+        return tuple(m for m in Mode if not m.study and self.refusal(m) is None)
+
+    def refusal(self, mode: Mode) -> str | None:
+        """Why this engine cannot run `mode` (the table's rules), or None if it can."""
+        return modes.refusal(mode, self.drafting, self.backend, self.scaling is not None,
+                             self.draft_window is not None)
+
+    def check_mode(self, name: str) -> Mode:
+        """The mode called `name`, refused in one line naming the modes this engine runs."""
+        mode = modes.parse(name)
+        why = self.refusal(mode)
+        if why:
+            raise ValueError(f"{self.dir} cannot run mode '{mode}': {why} (it runs "
+                             f"{', '.join(self.modes)})")
+        return mode
 
     @property
     def draft_window(self) -> int | None:
-        """The window mode's draft window: the DFlash drafter's training length, recorded at
+        """The window modes' draft window: the DFlash drafter's training length, recorded at
         build time (extra.draft_window), where this backend's drafter can take one."""
         window = self.manifest.extra.get("draft_window")
-        if window is None or self.drafting != "block" or self.manifest.drafter != "dflash":
+        if window is None or self.drafting != "block" or not modes.BACKENDS[self.backend].window:
             return None
-        if self.backend == "torch" or (self.backend == "onnxruntime" and self.onnx.has_window()):
-            return int(window)
-        return None
+        if self.backend == "onnxruntime" and not self.onnx.has_window():
+            return None
+        return int(window)
 
-    def mode_for(self, sharpdraft: bool = True) -> str:
-        """What a request runs by default: SharpDraft where the engine has it, the drafter
-        frozen when asked (or built without --sharpdraft), n-gram lookup on an ngram engine."""
-        if not self.has_drafter_model:
-            return "ngram"
-        return "sharpdraft" if sharpdraft and self.scaling is not None else "frozen"
+    def mode_for(self, sharpdraft: bool = True) -> Mode:
+        """What a request runs by default (modes.default_mode)."""
+        return modes.default_mode(self.drafting, self.scaling is not None, sharpdraft)
+
+    @property
+    def family_preset(self) -> QueryScaling:
+        """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS),
+        as engine.json recorded it at build time: the preset mode's scaling."""
+        from plugins.scaling import PRESETS
+
+        recorded = self.manifest.extra.get("family_preset")
+        return QueryScaling.from_dict(recorded) if recorded else PRESETS[self.manifest.drafter]
 
     def proposer(self) -> NGramProposer:
         """A fresh n-gram proposer (it indexes one sequence as it grows)."""
@@ -164,6 +172,14 @@ class Engine:
             return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.max_drafts, scaling)
         return TorchDFlash(self.drafter_model, self.model, scaling)
 
+    def drafter_for(self, mode: Mode):
+        """The drafter a drafter mode runs: frozen, windowed, or under its beta scaling."""
+        if mode.swaps_scaling:
+            return self.drafter_with_scaling(self.family_preset)
+        if mode.needs_window:
+            return self.drafter(frozen=True, window=self.draft_window)
+        return self.drafter(frozen=not mode.scaled)
+
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): torch only,
         since a compiled drafter graph has its scaling built in."""
@@ -174,32 +190,30 @@ class Engine:
                               "in; try other values with the torch backend (--backend torch)")
         return self._torch_drafter(scaling)
 
-    def batch_decoder(self, mode: str = "sharpdraft", adaptive: bool = True):
+    def batch_decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True):
         """An in-flight batching decoder (runtime/batched.py) running `mode` on this
         engine's backend: target-only or a drafter mode (n-gram lookup is per sequence)."""
         from runtime.batched import BatchedDecoder
 
-        if self.drafting in ("chain", "tree") and mode != "target":
-            raise EngineError(f"{self.dir}: batched decoding runs block drafters (DFlash); "
-                              f"{self.manifest.drafter} {self.drafting}s run one sequence at a time "
-                              f"(batched {self.drafting}s are not written yet)")
-        if mode not in engine_modes_batched(self):
-            raise ValueError(f"mode {mode!r} cannot run batched on this engine (it batches "
+        mode = self.check_mode(mode)
+        why = modes.batch_refusal(mode, self.drafting, self.backend)
+        if why and mode.per_sequence:
+            raise ValueError(f"{self.dir} cannot batch mode '{mode}': {why} (it batches "
                              f"{', '.join(engine_modes_batched(self))})")
-        frozen = mode == "frozen"
+        if why:
+            raise EngineError(f"{self.dir}: {why}")
+        frozen = not mode.scaled
         if self.backend == "torch":
             from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
 
             target = TorchBatchTarget(self.model, self.target.feature_layers)
             target.context_limit = self.context_limit
-            drafter = None if mode == "target" else TorchBatchDFlash(
+            drafter = None if not mode.uses_drafter_model else TorchBatchDFlash(
                 self.drafter_model, self.model, None if frozen else self.scaling)
-        elif self.backend == "onnxruntime":
-            target = self.onnx.batch_target()
-            drafter = None if mode == "target" else self.onnx.batch_drafter(sharpdraft=not frozen)
         else:
-            raise EngineError(f"{self.dir}: batched decoding runs on the torch and onnxruntime "
-                              f"backends, not {self.backend} (pass --backend onnxruntime)")
+            target = self.onnx.batch_target()
+            drafter = None if not mode.uses_drafter_model else self.onnx.batch_drafter(
+                sharpdraft=not frozen)
         return BatchedDecoder(target, drafter, self.step_costs if adaptive and drafter else None)
 
     def encode(self, text: str) -> list[int]:
@@ -208,7 +222,7 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, mode: str = "sharpdraft",
+    def generate(self, prompt: list[int], max_new_tokens: int, mode: str = Mode.SHARPDRAFT,
                  sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None,
                  adaptive: bool = True) -> Generation:
         return run_mode(self, self.target, mode, prompt, max_new_tokens, Sampler(sampling),
@@ -220,18 +234,15 @@ def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_token
              adaptive: bool = True) -> Generation:
     """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it);
     `adaptive`: drafter steps verify as many drafts as the measured costs make worthwhile."""
-    if mode not in engine.modes:
-        raise ValueError(f"mode {mode!r} is not available on this engine "
-                         f"(it runs {', '.join(engine.modes)})")
-    if mode == "target":
+    mode = engine.check_mode(mode)
+    if mode.drafter == modes.NO_DRAFTER:
         return speculative.generate_target_only(target, prompt, max_new_tokens, sampler,
                                                 stop_ids, on_tokens)
-    if mode == "ngram":
+    if mode.drafter == modes.LOOKUP:
         return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens)
-    drafter = (engine.drafter(frozen=True, window=engine.draft_window) if "window" in mode
-               else engine.drafter(frozen=mode == "frozen"))
-    if mode in ("hybrid", "window-hybrid"):
+    drafter = engine.drafter_for(mode)
+    if mode.ngram_assist:  # the block loop with a proposer (the table allows block drafters only)
         return speculative.generate_block(target, drafter, prompt, max_new_tokens,
                                           sampler, stop_ids, on_tokens,
                                           engine.step_costs if adaptive else None,
@@ -262,10 +273,10 @@ def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
                           "— rebuild the engine") from None
 
 
-def engine_modes_batched(engine: Engine) -> tuple[str, ...]:
-    # n-gram lookup (alone or assisting the drafter) and draft windows run one sequence at
-    # a time
-    return tuple(m for m in engine.modes if m not in ("ngram", "hybrid", "window", "window-hybrid"))
+def engine_modes_batched(engine: Engine) -> tuple[Mode, ...]:
+    """The engine's modes that batch (the table's rule; today's batch runs DFlash blocks
+    and target-only: chains and trees are refused when a batch is built)."""
+    return tuple(m for m in engine.modes if not m.per_sequence)
 
 
 def load_tokenizer(path: str | Path):

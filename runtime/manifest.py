@@ -23,12 +23,13 @@ from pathlib import Path
 
 from plugins.scaling import QueryScaling
 from runtime.models.target import sha256_file
+from runtime.modes import FAMILIES
 
 FORMAT_VERSION = 2  # 2: checkout-relative dependency paths, exact dependency lists
 MANIFEST = "engine.json"
 STAMP = ".verified.json"
 VERIFY_MODES = ("quick", "full", "skip")
-DRAFTERS = ("dflash", "eagle3", "ngram", "pard")  # the drafters this runtime runs
+DRAFTERS = tuple(sorted(FAMILIES))  # the drafters this runtime runs
 # Drafters whose models this runtime does not have yet: only --backend trtllm builds an
 # engine for them, i.e. configuration for TensorRT-LLM pointing at their checkpoint.
 TRTLLM_ONLY_DRAFTERS = ()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.modes import Mode  # noqa: E402
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--costs-from", required=True, metavar="ENGINE_JSON",
                    help="the engine.json whose step costs (same backend) to compare against")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 7680])
-    p.add_argument("--modes", nargs="+", default=["sharpdraft", "hybrid"])
+    p.add_argument("--modes", nargs="+", default=[Mode.SHARPDRAFT, Mode.HYBRID])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--docs", nargs="+", metavar="FILE",
@@ -48,8 +50,9 @@ def main(argv=None) -> int:
         if other is None or engine.step_costs is None:
             raise UsageError(f"{args.costs_from} and {args.engine_dir} must both hold step "
                              f"costs for {engine.backend}")
-        if any(m not in engine.modes or m == "target" for m in args.modes):
-            raise UsageError(f"--modes: pick from {[m for m in engine.modes if m != 'target']}")
+        drafting = [m.value for m in engine.modes if m != Mode.TARGET]
+        if any(m not in drafting for m in args.modes):
+            raise UsageError(f"--modes: pick from {drafting}")
         docs = tokenized(engine.encode, args.docs or default_documents("eval", args.max_docs),
                          max(args.lengths))
     except (UsageError, OSError, ValueError) as e:
@@ -64,8 +67,8 @@ def main(argv=None) -> int:
                 for label in (("own", "other") if r % 2 == 0 else ("other", "own")):
                     engine.step_costs = tables[label]
                     gens = decode_from_one_prefill(engine, ids[:n], args.new_tokens,
-                                                   ("target", *args.modes), 1, rotation=r)
-                    target = gens["target"][0]
+                                                   (Mode.TARGET, *args.modes), 1, rotation=r)
+                    target = gens[Mode.TARGET][0]
                     decode = target.seconds["total"] - target.seconds["prefill"]
                     for mode in args.modes:
                         g = gens[mode][0]

@@ -21,16 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.engine import MODES, run_mode  # noqa: E402
 from runtime.commands.provenance import provenance  # noqa: E402
+from runtime.engine import run_mode  # noqa: E402
+from runtime.modes import Mode  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", action="append", required=True, metavar="NAME=DIR[@BACKEND]")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 7680])
-    p.add_argument("--modes", nargs="+", default=["target"],
-                   choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=[Mode.TARGET.value],
+                   choices=[m.value for m in Mode])
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)

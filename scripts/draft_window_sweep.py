@@ -31,6 +31,7 @@ from runtime.commands.documents import default_documents, tokenized  # noqa: E40
 from runtime.commands.provenance import provenance  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.manifest import EngineError  # noqa: E402
+from runtime.modes import Mode  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     if engine.drafting != "block" or min(args.windows + args.sharpdraft_windows) < 1:
         print("error: draft windows are for DFlash engines, each window >= 1", file=sys.stderr)
         return 2
-    ways = {"frozen": (None, None), "sharpdraft": (engine.scaling, None)}
+    ways = {str(Mode.FROZEN): (None, None), str(Mode.SHARPDRAFT): (engine.scaling, None)}
     ways |= {f"window {w}": (None, w) for w in args.windows}
     ways |= {f"sharpdraft, window {w}": (engine.scaling, w) for w in args.sharpdraft_windows}
     try:

@@ -75,6 +75,7 @@ def trtllm_section(report: dict, engine_dir: str, tokens: int) -> bool:
         raise NotRun(str(exc)) from None
     from plugins.trtllm import hook
     from runtime.manifest import read_manifest
+    from runtime.modes import Mode
 
     engine = Path(engine_dir)
     if not (engine / "engine.json").is_file():
@@ -83,17 +84,17 @@ def trtllm_section(report: dict, engine_dir: str, tokens: int) -> bool:
     manifest = read_manifest(engine)
     prompt = "def fibonacci(n):\n    "
     runs = {}
-    for mode, sharpdraft, speculative in (("target", False, False), ("frozen", False, True),
-                                          ("sharpdraft", True, True)):
+    for mode in (Mode.TARGET, Mode.FROZEN, Mode.SHARPDRAFT):  # TensorRT-LLM's own loop runs these
         started = time.perf_counter()
-        result = trtllm.generate(manifest, prompt, tokens, sharpdraft=sharpdraft, speculative=speculative)
+        result = trtllm.generate(manifest, prompt, tokens, sharpdraft=mode.scaled,
+                                 speculative=mode.uses_drafter_model)
         runs[mode] = dict(tokens=result["tokens"], seconds=round(time.perf_counter() - started, 2),
                           applied=result.get("sharpdraft_applied"))
         log(f"trtllm {mode}: {len(result['tokens'])} tokens in {runs[mode]['seconds']} s")
     # the launch's proof check: drafters wrapped where TensorRT-LLM built them
-    hooked = len((runs["sharpdraft"]["applied"] or {}).get("drafters", []))
+    hooked = len((runs[Mode.SHARPDRAFT]["applied"] or {}).get("drafters", []))
     hook.uninstall()
-    equal = runs["frozen"]["tokens"] == runs["target"]["tokens"] == runs["sharpdraft"]["tokens"]
+    equal = runs[Mode.FROZEN]["tokens"] == runs[Mode.TARGET]["tokens"] == runs[Mode.SHARPDRAFT]["tokens"]
     ok = equal and hooked > 0
     report["trtllm"] = dict(runs=runs, greedy_equal=equal, drafters_hooked=hooked, passed=ok)
     print(f"trtllm: greedy tokens {'equal' if equal else 'DIFFER'} across target-only / frozen / "

@@ -17,9 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-MODES = {"frozen": ("tab:gray", "frozen"), "preset": ("tab:orange", "family preset"),
-         "sharpdraft": ("tab:blue", "calibrated")}
-RATIOS = ("preset", "sharpdraft")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runtime.modes import SCALED as SCALED_MODES, Mode  # noqa: E402
+
+# the drafter frozen, and under each QueryScaling: (color, label) from the modes table
+MODES = {m: (m.color, m.label) for m in (Mode.FROZEN, *SCALED_MODES)}
+RATIOS = SCALED_MODES
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -31,7 +35,7 @@ def load(paths: list[str]) -> list[dict]:
             sys.exit(f"error: cannot read {path}: {exc}")
         missing = [m for m in MODES if m not in result.get("modes", [])]
         if missing:
-            sys.exit(f"error: {path} has no {missing} runs — bench it with --modes frozen preset sharpdraft")
+            sys.exit(f"error: {path} has no {missing} runs — bench it with --modes {' '.join(MODES)}")
         results.append(result)
     return results
 
@@ -52,7 +56,7 @@ def table(results: list[dict]) -> str:
         for row in result["rows"]:
             lines.append(f"| {result['drafter']} | {row['context_tokens']} | "
                          + " | ".join(f"{row[f'mal_{m}']:.3f}" for m in MODES) + " | "
-                         + " | ".join(ratio_text(row[f"mal_ratio_{m}_frozen"]) for m in RATIOS) + " |")
+                         + " | ".join(ratio_text(row[f"mal_ratio_{m}_{Mode.FROZEN}"]) for m in RATIOS) + " |")
     notes = [f"- {r['drafter']}: preset {scaling(r.get('preset_scaling'))}; calibrated "
              f"{scaling(r.get('query_scaling'))}; {len(r['documents'])} documents, "
              f"{r['new_tokens']} new tokens, greedy; every run identical to target-only: "
@@ -75,7 +79,7 @@ def plot(results: list[dict], path: str) -> None:
         for mode, (color, label) in MODES.items():
             top.plot(x, [r[f"mal_{mode}"] for r in result["rows"]], "o-", color=color, label=label)
         for shift, mode in zip((0.97, 1.03), RATIOS):  # side by side at each length
-            ratios = [r[f"mal_ratio_{mode}_frozen"] for r in result["rows"]]
+            ratios = [r[f"mal_ratio_{mode}_{Mode.FROZEN}"] for r in result["rows"]]
             mean = [q["mean"] for q in ratios]
             err = [[m - q["ci"][0] for m, q in zip(mean, ratios)],
                    [q["ci"][1] - m for m, q in zip(mean, ratios)]]

@@ -98,7 +98,8 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
                  str(eagle3_checkpoint), "--tree-top-k", "0", "--output", str(tmp_path / "z")) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
-    assert "TensorRT plans for EAGLE-3" in lines[0] and "invalid EAGLE-3 tree" in lines[1]
+    assert "drafts trees, which the tensorrt backend" in lines[0] and "--backend onnxruntime" in lines[0]
+    assert "invalid EAGLE-3 tree" in lines[1]
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):

@@ -26,16 +26,16 @@ def test_bench_reports_every_mode_from_one_prefill(tiny_engine, doc, tmp_path, c
                       "--json", str(out), "--plot", str(png)])
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
-    assert result["modes"] == ["target", "ngram", "frozen", "sharpdraft", "hybrid"]
+    assert result["modes"] == ["target", "ngram", "frozen", "sharpdraft", "hybrid", "frozen-hybrid"]
     assert [r["context_tokens"] for r in result["rows"]] == [16, 160]
     for row in result["rows"]:
-        for mode in ("target", "ngram", "frozen", "sharpdraft", "hybrid"):
+        for mode in result["modes"]:
             assert len(row[f"tok_s_{mode}_repeats"]) == 3
             assert row[f"tok_s_{mode}"] == pytest.approx(
                 statistics.median(row[f"tok_s_{mode}_repeats"]), rel=1e-3)
             assert row[f"prefill_ms_{mode}"] >= 0
-        assert 0 <= row["ngram_share_hybrid"] <= 1
-        for mode in ("ngram", "frozen", "sharpdraft", "hybrid"):
+        assert 0 <= row["ngram_share_hybrid"] <= 1 and 0 <= row["ngram_share_frozen-hybrid"] <= 1
+        for mode in result["modes"][1:]:
             assert row[f"tok_s_{mode}"] > 0 and row["tok_s_target"] > 0
             assert row[f"speedup_{mode}"] == pytest.approx(
                 row[f"tok_s_{mode}"] / row["tok_s_target"], rel=1e-3)

@@ -51,11 +51,11 @@ def test_config_declares_the_issue_contract(tiny_engine):
         config)}
     assert {k: v[0] for k, v in declared.items()} == {
         "prompt": "TYPE_STRING", "max_new_tokens": "TYPE_INT32", "temperature": "TYPE_FP32",
-        "top_p": "TYPE_FP32", "seed": "TYPE_INT64", "sharpdraft": "TYPE_BOOL",
+        "top_p": "TYPE_FP32", "seed": "TYPE_INT64", "sharpdraft": "TYPE_BOOL", "mode": "TYPE_STRING",
         "text": "TYPE_STRING", "token_ids": "TYPE_INT64", "mean_accepted_length": "TYPE_FP32",
         "verify_steps": "TYPE_INT32", "beta": "TYPE_FP32", "finish_reason": "TYPE_STRING"}
     optional = {k for k, v in declared.items() if v[2]}
-    assert optional == {"temperature", "top_p", "seed", "sharpdraft"}
+    assert optional == {"temperature", "top_p", "seed", "sharpdraft", "mode"}
     assert declared["token_ids"][1] == "-1"
 
 
@@ -110,6 +110,32 @@ def test_defaults_match_the_generate_command(tiny_engine):
     assert req.mode(engine) == "sharpdraft"
     off = protocol.parse(_arrays(sharpdraft=np.array([False])))
     assert off.mode(engine) == "frozen"
+
+
+def test_a_request_runs_the_mode_it_names_among_the_engines(tiny_engine):
+    from runtime.engine import Engine
+
+    engine = Engine(tiny_engine)
+    for name in ("target", "ngram", "frozen", "sharpdraft", "hybrid", "frozen-hybrid"):
+        assert protocol.parse(_arrays(mode=np.array([name.encode()], dtype=object))).mode(engine) == name
+    # named in the table, but not a mode this engine serves: refused, naming the ones it does
+    for name, why in (("window", "no draft window"), ("preset", "a study")):
+        req = protocol.parse(_arrays(mode=np.array([name.encode()], dtype=object)))
+        with pytest.raises(protocol.RequestError) as refused:
+            req.mode(engine)
+        message = str(refused.value)
+        assert why in message and "it runs target, ngram, frozen, sharpdraft, hybrid, frozen-hybrid" in message
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"mode": np.array([b"fast"], dtype=object)}, "no decoding mode 'fast' (modes: target, ngram"),
+    ({"mode": np.array([b"hybrid"], dtype=object), "sharpdraft": np.array([True])},
+     "send mode or sharpdraft, not both"),
+    ({"mode": np.array([b"\xff"], dtype=object)}, "mode is not valid UTF-8"),
+])
+def test_a_bad_mode_is_refused_before_any_engine_work(values, message):
+    with pytest.raises(protocol.RequestError, match=re.escape(message)):
+        protocol.parse(_arrays(**values))
 
 
 def test_streamed_text_concatenates_to_the_whole_decode():

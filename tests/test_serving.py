@@ -128,7 +128,7 @@ def served(tiny_engine, tmp_path_factory):
 
 def _inputs(module, prompt, max_new_tokens, **optional):
     kinds = {"temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
-             "seed": ("INT64", np.int64), "sharpdraft": ("BOOL", np.bool_)}
+             "seed": ("INT64", np.int64), "sharpdraft": ("BOOL", np.bool_), "mode": ("BYTES", np.object_)}
     tensors = [module.InferInput("prompt", [1], "BYTES"),
                module.InferInput("max_new_tokens", [1], "INT32")]
     tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
@@ -136,6 +136,7 @@ def _inputs(module, prompt, max_new_tokens, **optional):
     for name, value in optional.items():
         datatype, dtype = kinds.get(name, ("INT32", np.int32))
         tensor = module.InferInput(name, [1], datatype)
+        value = value.encode() if isinstance(value, str) else value
         tensor.set_data_from_numpy(np.array([value], dtype=dtype))
         tensors.append(tensor)
     return tensors
@@ -228,6 +229,7 @@ BAD_REQUESTS = [
     ("wrong dtype", dict(seed=("FP32", 1.5)), "'seed' data-type is 'FP32'"),
     ("unknown field", dict(colour=3), "unexpected inference input 'colour'"),
     ("bad temperature", dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    ("mode it cannot run", dict(mode="window"), "cannot run mode 'window'"),
 ]
 
 
@@ -306,6 +308,20 @@ def test_loadtest_reports_and_matches_in_process(served, tiny_engine, capsys):
     assert report["in_process"]["ok"] == 12
 
 
+def test_loadtest_mode_names_the_mode_of_every_request(served, tiny_engine, capsys):
+    capsys.readouterr()
+    code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
+                 "--concurrency", "2", "--requests", "4", "--max-new-tokens", "8", "--mode",
+                 "frozen-hybrid", "--engine-dir", str(tiny_engine), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["mode"] == "frozen-hybrid" and report["levels"][0]["ok"] == 4
+    assert report["token_mismatches"] == 0  # against in-process frozen-hybrid decoding
+    code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
+                 "--concurrency", "1", "--requests", "1", "--mode", "window", "--json"])
+    report = json.loads(capsys.readouterr().out)  # the server refuses what the engine lacks
+    assert code == 1 and report["levels"][0]["errors"] == 1
+
+
 def test_loadtest_runs_the_plain_model_when_asked(served, capsys):
     capsys.readouterr()
     code = main(["loadtest", "--url", f"http://127.0.0.1:{served['http_port']}", "--model",
@@ -372,3 +388,30 @@ def test_concurrent_streams_batch_in_flight_and_a_bad_or_cancelled_one_fails_alo
     # the server is still serving after the refusal and the cancellation
     ids, final, error = _stream(served, PROMPTS[0], 6, queue.Queue())
     assert error is None and ids == engine.generate(engine.encode(PROMPTS[0]), 6).tokens
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_a_request_names_its_mode_and_gets_what_generate_mode_gives(served, tiny_engine, capsys, kind):
+    # n-gram-assisted modes run one request at a time inside the streaming model's loop and
+    # as one generate call in the plain model: both equal the command line's tokens
+    module, client = _client(kind, served)
+    prompt = PROMPTS[0] + "\n" + PROMPTS[0]  # repeats itself: the lookup finds drafts
+    for mode in ("hybrid", "frozen-hybrid", "target"):
+        capsys.readouterr()
+        assert main(["generate", "--engine-dir", str(tiny_engine), "--prompt", prompt,
+                     "--max-new-tokens", "12", "--json", "--mode", mode]) == 0
+        ref = json.loads(capsys.readouterr().out)
+        result = client.infer(served["model"], _inputs(module, prompt, 12, mode=mode))
+        assert result.as_numpy("token_ids").tolist() == ref["tokens"], mode
+        assert result.as_numpy("verify_steps")[0] == ref["verify_steps"], mode
+    url = f"http://127.0.0.1:{served['http_port']}/v2/models/{served['stream_model']}/generate_stream"
+    body = json.dumps({"prompt": prompt, "max_new_tokens": 12, "mode": "frozen-hybrid"}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60) as response:
+        events = [json.loads(line[5:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data:")]
+    capsys.readouterr()
+    assert main(["generate", "--engine-dir", str(tiny_engine), "--prompt", prompt,
+                 "--max-new-tokens", "12", "--json", "--mode", "frozen-hybrid"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert sum((e["token_ids"] if isinstance(e["token_ids"], list) else [e["token_ids"]]
+                for e in events), []) == ref["tokens"]

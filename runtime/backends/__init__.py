@@ -60,10 +60,13 @@ from typing import Protocol
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime import modes
 from runtime.sampling import DraftVocab
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt", "trtllm")  # what an engine can be built for
-RUNNABLE_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what this runtime runs (tensorrt: on a GPU)
+# what an engine can be built for, and what this runtime runs (tensorrt: on a GPU; trtllm
+# engines run in TensorRT-LLM's own loop): runtime/modes.py says what each can run
+BACKENDS = tuple(modes.BACKENDS)
+RUNNABLE_BACKENDS = tuple(name for name, can in modes.BACKENDS.items() if not can.own_loop)
 
 
 class Target(Protocol):

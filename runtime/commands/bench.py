@@ -27,10 +27,11 @@ from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
+from runtime.modes import SCALED, Mode
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
-# modes with query scaling, whose MAL over frozen is SharpDraft's effect
-SCALED_MODES = ("preset", "sharpdraft")
+# the drafter alone under a query scaling: its MAL over frozen is SharpDraft's effect
+SCALED_MODES = SCALED
 
 
 def add_parser(sub):
@@ -44,9 +45,10 @@ def add_parser(sub):
                                                                "evaluation-split stdlib files)")
     p.add_argument("--max-docs", type=int, default=3)
     p.add_argument("--modes", nargs="+", metavar="MODE",
-                   help="decode only these ways (target-only always runs: every other way is "
-                        "checked against it); 'preset' (torch backend): the drafter under its "
-                        "family's preset scaling. Default: every way the engine runs")
+                   help="decode only these ways (docs/modes.md; target-only always runs: every "
+                        f"other way is checked against it); '{Mode.PRESET}' (torch backend): the "
+                        "drafter under its family's preset scaling. Default: every way the engine "
+                        "lists")
     p.add_argument("--draft-length", choices=("adaptive", "full"), default="adaptive",
                    help="drafter steps verify the drafts their confidence and the measured "
                         "verify cost make worthwhile, and hybrid runs the drafter only where "
@@ -85,53 +87,43 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
     of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode, speculative_loop
+    from runtime.engine import run_mode
     from runtime.sampling import Sampler, Sampling
 
     sampling = sampling or Sampling()
     once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
     # calibration may keep the preset: then the preset runs are the SharpDraft runs
-    same = "preset" in modes and "sharpdraft" in modes and family_preset(engine) == engine.scaling
-    runs = [m for m in modes if not (same and m == "preset")]
+    same = (Mode.PRESET in modes and Mode.SHARPDRAFT in modes
+            and engine.family_preset == engine.scaling)
+    runs = [m for m in modes if not (same and m == Mode.PRESET)]
     gens = {mode: [] for mode in runs}
     for r in range(repeats):
         k = (rotation + r) % len(runs)
         for mode in runs[k:] + runs[:k]:
-            if mode == "preset":  # the family's preset scaling, through the same loop
-                drafter = engine.drafter_with_scaling(family_preset(engine))
-                gen = speculative_loop(engine)(once, drafter, prompt, new_tokens, Sampler(sampling),
-                                               costs=engine.step_costs if adaptive else None)
-            else:
-                gen = run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
-                               adaptive=adaptive)
-            gens[mode].append(gen)
+            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
+                                       adaptive=adaptive))
     if same:
-        gens["preset"] = gens["sharpdraft"]
+        gens[Mode.PRESET] = gens[Mode.SHARPDRAFT]
     return {mode: gens[mode] for mode in modes}
 
 
-def family_preset(engine):
-    """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS), as
-    engine.json recorded it at build time."""
-    from plugins.scaling import PRESETS, QueryScaling
-
-    recorded = engine.manifest.extra.get("family_preset")
-    return QueryScaling.from_dict(recorded) if recorded else PRESETS[engine.manifest.drafter]
-
-
-def bench_modes(engine, asked: list[str] | None) -> tuple[str, ...]:
-    """The ways to decode: target-only first, then the asked ones the engine can run."""
+def bench_modes(engine, asked: list[str] | None) -> tuple[Mode, ...]:
+    """The ways to decode, in the table's order: target-only first, then the asked ones
+    (default: every mode the engine lists; study modes such as preset when asked)."""
     if not asked:
         return engine.modes
-    runnable = [*engine.modes, *(["preset"] if engine.scaling is not None else [])]
-    unknown = [m for m in asked if m not in runnable]
-    if unknown:
-        raise UsageError(f"{engine.dir} cannot run mode(s) {unknown} (it runs {', '.join(runnable)})")
-    if "preset" in asked and engine.backend != "torch":
-        raise UsageError(f"mode 'preset' swaps the drafter's scaling, which a {engine.backend} "
-                         "drafter has compiled in — pass --backend torch")
-    order = ("target", "ngram", "frozen", "window", "preset", "sharpdraft", "hybrid", "window-hybrid")
-    return tuple(m for m in order if m == "target" or m in asked)
+    refused = {}
+    for name in asked:
+        mode = next((m for m in Mode if m == name), None)
+        why = "no such mode" if mode is None else engine.refusal(mode)
+        if why:
+            refused[name] = why
+    if refused:
+        studies = [m for m in Mode if m.study and engine.refusal(m) is None]
+        raise UsageError(f"{engine.dir} cannot run mode(s) {list(refused)}: " + "; ".join(
+            f"{m}: {why}" for m, why in refused.items())
+            + f" (it runs {', '.join([*engine.modes, *studies])})")
+    return tuple(m for m in Mode if m == Mode.TARGET or m in asked)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -146,8 +138,8 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
     document): MAL pooled over documents (tokens / verify passes); tokens/s pooled over
     documents per repeat, then the median over repeats."""
     modes = list(runs[0])
-    drafting = [m for m in modes if m != "target"]
-    repeats = len(runs[0]["target"])
+    drafting = [m for m in modes if m != Mode.TARGET]
+    repeats = len(runs[0][Mode.TARGET])
     row = {"context_tokens": context, "documents": len(runs), "repeats": repeats}
     for mode in drafting:
         row[f"mal_{mode}"] = round(pooled_mean_accepted_length([r[mode][0] for r in runs]), 4)
@@ -162,12 +154,12 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         row[f"prefill_ms_{mode}"] = round(statistics.median(
             statistics.fmean(r[mode][i].seconds["prefill"] for r in runs)
             for i in range(repeats)) * 1e3, 1)
-    if "sharpdraft" in modes:
-        betas = [b for r in runs for b in r["sharpdraft"][0].beta_per_step]
+    if Mode.SHARPDRAFT in modes:
+        betas = [b for r in runs for b in r[Mode.SHARPDRAFT][0].beta_per_step]
         row["beta_above_1_fraction"] = round(sum(b > 1 for b in betas) / len(betas), 4) if betas else 0.0
         row["beta_mean"] = round(statistics.fmean(betas), 4) if betas else 1.0
-    for mode in ("frozen", "window", "preset", "sharpdraft"):  # adaptive: steps its drafter sat out
-        if mode in modes:
+    for mode in Mode:  # adaptive: steps its (unassisted) drafter sat out
+        if mode in modes and mode.uses_drafter_model and not mode.ngram_assist:
             gens = [r[mode][0] for r in runs]
             row[f"plain_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
                                                / max(sum(g.verify_steps for g in gens), 1), 4)
@@ -175,36 +167,33 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
         gens = [r[mode][0] for r in runs]
         row[f"drafts_per_step_{mode}"] = round(sum(sum(g.verified_per_step) for g in gens)
                                                / max(sum(g.verify_steps for g in gens), 1), 4)
-    for mode in ("hybrid", "window-hybrid"):  # how often the lookup's drafts were verified
-        if mode in modes:
+    for mode in Mode:  # how often the lookup's drafts were verified
+        if mode in modes and mode.ngram_assist:
             gens = [r[mode][0] for r in runs]
             row[f"ngram_share_{mode}"] = round(sum(g.ngram_steps for g in gens)
                                                / sum(g.verify_steps for g in gens), 4)
     row["mal_per_document"] = {m: [round(r[m][0].mean_accepted_length, 3) for r in runs]
                                for m in drafting}
     for mode in SCALED_MODES:  # SharpDraft's effect, with its noise
-        if {"frozen", mode} <= set(drafting):
-            row[f"mal_ratio_{mode}_frozen"] = paired_ratio_ci(
+        if {Mode.FROZEN, mode} <= set(drafting):
+            row[f"mal_ratio_{mode}_{Mode.FROZEN}"] = paired_ratio_ci(
                 [r[mode][0].mean_accepted_length for r in runs],
-                [r["frozen"][0].mean_accepted_length for r in runs])
-    if {"window", "sharpdraft"} <= set(drafting):  # SharpDraft against the draft-window peer
-        row["mal_ratio_sharpdraft_window"] = paired_ratio_ci(
-            [r["sharpdraft"][0].mean_accepted_length for r in runs],
-            [r["window"][0].mean_accepted_length for r in runs])
+                [r[Mode.FROZEN][0].mean_accepted_length for r in runs])
+    if {Mode.WINDOW, Mode.SHARPDRAFT} <= set(drafting):  # SharpDraft against the draft-window peer
+        row[f"mal_ratio_{Mode.SHARPDRAFT}_{Mode.WINDOW}"] = paired_ratio_ci(
+            [r[Mode.SHARPDRAFT][0].mean_accepted_length for r in runs],
+            [r[Mode.WINDOW][0].mean_accepted_length for r in runs])
     if greedy:  # sampled runs draw different tokens by design; only greedy must agree
         row["first_divergence"] = {
-            m: [first_difference(g.tokens, r["target"][0].tokens) for r in runs for g in r[m]]
+            m: [first_difference(g.tokens, r[Mode.TARGET][0].tokens) for r in runs for g in r[m]]
             for m in drafting}
         row["identical_to_target"] = {m: [d is None for d in row["first_divergence"][m]]
                                       for m in drafting}
     return row
 
 
-STYLE = {"ngram": ("tab:green", "n-gram lookup"), "frozen": ("tab:gray", "frozen drafter"),
-         "window": ("tab:brown", "frozen, draft window"),
-         "preset": ("tab:orange", "SharpDraft, family preset"),
-         "sharpdraft": ("tab:blue", "SharpDraft"), "hybrid": ("tab:purple", "SharpDraft + n-gram"),
-         "window-hybrid": ("tab:pink", "draft window + n-gram")}
+# the drafting modes' plot colors and legend labels, in the table's order
+STYLE = {m: (m.color, m.label) for m in Mode if m != Mode.TARGET}
 
 
 def plot(result: dict, path: str) -> None:
@@ -278,7 +267,7 @@ def run(args) -> int:
             raise UsageError("--modes is for one-at-a-time runs; --batch runs every mode it can batch")
         return run_batch(args, engine, docs, sampling)
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
-             f"{args.lengths}, {args.new_tokens} new tokens, modes {list(modes)}, "
+             f"{args.lengths}, {args.new_tokens} new tokens, modes {[str(m) for m in modes]}, "
              f"{args.repeats} interleaved repeat(s), backend {engine.backend}")
     # Untimed warm-up of every path: first calls pay one-off costs (lazy imports,
     # allocator growth) that would otherwise land on whichever run comes first.
@@ -296,7 +285,7 @@ def run(args) -> int:
         rows.append(summarize(length, runs, sampling.greedy))
         r = rows[-1]
         bar.write(f"  {length:>6} tokens: " + "; ".join(
-            f"{m} {r[f'tok_s_{m}']:.1f} tok/s" + (f" MAL {r[f'mal_{m}']:.3f}" if m != "target" else "")
+            f"{m} {r[f'tok_s_{m}']:.1f} tok/s" + (f" MAL {r[f'mal_{m}']:.3f}" if m != Mode.TARGET else "")
             for m in modes), file=sys.stderr)
     bar.close()
     result = {
@@ -307,8 +296,8 @@ def run(args) -> int:
         "drafter_checkpoint": (engine.manifest.drafter_checkpoint or {}).get("path"),
         "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
         "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
-        "preset_scaling": family_preset(engine).to_dict() if "preset" in modes else None,
-        "preset_is_calibrated": "preset" in modes and family_preset(engine) == engine.scaling,
+        "preset_scaling": engine.family_preset.to_dict() if Mode.PRESET in modes else None,
+        "preset_is_calibrated": Mode.PRESET in modes and engine.family_preset == engine.scaling,
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
@@ -340,7 +329,7 @@ def run_batch(args, engine, docs, sampling) -> int:
     modes = list(engine_modes_batched(engine))
     requests = bench_batch.batch_requests(docs, args.lengths, args.batch, args.new_tokens, sampling)
     progress(f"bench --batch {args.batch}: contexts {[len(q.prompt) for q in requests]}, "
-             f"{args.new_tokens} new tokens each, modes {modes}, {args.repeats} interleaved "
+             f"{args.new_tokens} new tokens each, modes {[str(m) for m in modes]}, {args.repeats} interleaved "
              f"repeat(s), backend {engine.backend}")
     adaptive = args.draft_length == "adaptive"
     bench_batch.measure(engine, requests[:1], modes, 1, adaptive)  # warm-up, untimed
@@ -361,21 +350,21 @@ def run_batch(args, engine, docs, sampling) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    modes = [m for m in ("target", *STYLE) if f"tok_s_{m}" in rows[0]]
+    modes = [m for m in Mode if f"tok_s_{m}" in rows[0]]
     drafting = modes[1:]
     header = f"{'context':>8}" + "".join(f" {'MAL ' + m:>15}" for m in drafting)
     header += "".join(f" {'tok/s ' + m:>16}" for m in modes)
     header += "".join(f" {'x ' + m:>12}" for m in drafting) + f" {'same':>5}"
-    shares = [m for m in ("hybrid", "window-hybrid") if f"ngram_share_{m}" in rows[0]]
+    shares = [m for m in Mode if f"ngram_share_{m}" in rows[0]]
     header += "".join(f" {m + ' n-gram share':>27}" for m in shares)
-    plain = "plain_share_sharpdraft" in rows[0]  # adaptive: steps the drafter sat out
+    plain = f"plain_share_{Mode.SHARPDRAFT}" in rows[0]  # adaptive: steps the drafter sat out
     if plain:
-        header += f" {'sharpdraft plain share':>23}"
+        header += f" {Mode.SHARPDRAFT + ' plain share':>23}"
     # time to first token beyond target-only's: the drafter reading the prompt's features
     prefill = [m for m in drafting if f"prefill_ms_{m}" in rows[0]]
     header += "".join(f" {'+prefill ms ' + m:>22}" for m in prefill)
-    ratios = [m for m in SCALED_MODES if f"mal_ratio_{m}_frozen" in rows[0]]
-    header += "".join(f" {'MAL ' + m + '/frozen [95% CI]':>31}" for m in ratios)
+    ratios = [m for m in SCALED_MODES if f"mal_ratio_{m}_{Mode.FROZEN}" in rows[0]]
+    header += "".join(f" {f'MAL {m}/{Mode.FROZEN} [95% CI]':>31}" for m in ratios)
     print(header)
     for r in rows:
         same = r.get("identical_to_target")
@@ -384,9 +373,9 @@ def print_table(rows: list[dict]) -> None:
               + "".join(f" {r[f'tok_s_{m}']:>16.1f}" for m in modes)
               + "".join(f" {r[f'speedup_{m}']:>12.2f}" for m in drafting) + f" {same:>5}"
               + "".join(f" {r[f'ngram_share_{m}']:>27.2f}" for m in shares)
-              + (f" {r['plain_share_sharpdraft']:>23.2f}" if plain else "")
+              + (f" {r[f'plain_share_{Mode.SHARPDRAFT}']:>23.2f}" if plain else "")
               + "".join(f" {r[f'prefill_ms_{m}'] - r['prefill_ms_target']:>22.1f}" for m in prefill)
-              + "".join(f" {format_ratio(r[f'mal_ratio_{m}_frozen']):>31}" for m in ratios))
+              + "".join(f" {format_ratio(r[f'mal_ratio_{m}_{Mode.FROZEN}']):>31}" for m in ratios))
 
 
 def format_ratio(ratio: dict) -> str:

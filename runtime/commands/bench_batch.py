@@ -16,6 +16,7 @@ import time
 
 from runtime.batched import Request
 from runtime.metrics import pooled_mean_accepted_length
+from runtime.modes import Mode
 
 
 def batch_requests(docs, lengths: list[int], batch: int, new_tokens: int, sampling) -> list[Request]:
@@ -47,13 +48,13 @@ def measure(engine, requests: list[Request], modes, repeats: int, adaptive: bool
         tok_s = {how: tokens / statistics.median(seconds[mode, how]) for how in ("batched", "alone")}
         gens = [s.gen for s in batched]
         row = {"mode": mode, "batch": len(requests), "tokens": tokens,
-               "mal": round(pooled_mean_accepted_length(gens), 4) if mode != "target" else 1.0,
+               "mal": round(pooled_mean_accepted_length(gens), 4) if mode != Mode.TARGET else 1.0,
                "tok_s_batched": round(tok_s["batched"], 3), "tok_s_one_at_a_time": round(tok_s["alone"], 3),
                "batching_speedup": round(tok_s["batched"] / tok_s["alone"], 4),
                "seconds_batched": [round(x, 4) for x in seconds[mode, "batched"]],
                "seconds_one_at_a_time": [round(x, 4) for x in seconds[mode, "alone"]],
                "identical_to_one_at_a_time": [s.gen.tokens == a.tokens for s, a in zip(batched, alone)]}
-        if mode != "target":
+        if mode != Mode.TARGET:
             row["mal_per_sequence"] = [round(g.mean_accepted_length, 3) for g in gens]
             row["beta_mean_per_sequence"] = [round(statistics.fmean(g.beta_per_step), 4)
                                              if g.beta_per_step else 1.0 for g in gens]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
+from runtime.modes import Mode
 
 
 def add_parser(sub):
@@ -149,8 +150,9 @@ def run(args) -> int:
 
     engine_dir = Path(args.engine_dir)
     engine = Engine(engine_dir, backend="torch")  # try settings without recompiling graphs
-    if engine.scaling is None:
-        raise UsageError(f"{engine_dir} was built without --sharpdraft; nothing to calibrate")
+    why = engine.refusal(Mode.SHARPDRAFT)  # calibration picks that mode's QueryScaling
+    if why:
+        raise UsageError(f"{engine_dir} has no SharpDraft mode, nothing to calibrate: {why}")
     try:
         caps = args.max_log_scales or [engine.scaling.max_log_scale]
         settings = [QueryScaling(r, engine.scaling.top_k, s, c)
@@ -188,10 +190,10 @@ def run(args) -> int:
                f"(1 - {args.tolerance}) x frozen"),
               "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
               "documents": [n for n, _ in docs], "split": "calibration" if not args.docs else "user",
-              "frozen": frozen, "grid": table[1:],
+              Mode.FROZEN: frozen, "grid": table[1:],
               **provenance("calibrate")}
     print(f"{'ref_keys':>8} {'slope':>6} {'cap':>5} {'MAL short':>9} {'MAL long':>9}  keeps short")
-    print(f"{'frozen':>8} {'':>6} {'':>5} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
+    print(f"{Mode.FROZEN:>8} {'':>6} {'':>5} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
     for row in table[1:]:
         s = row["query_scaling"]
         mark = " <- chosen" if chosen and s == chosen.to_dict() else ""

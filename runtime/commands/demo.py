@@ -33,6 +33,7 @@ def run(args) -> int:
     from runtime.commands.bench import STYLE, decode_from_one_prefill, first_difference, summarize
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.modes import Mode
     from runtime.step_metadata import StepMetadata
 
     engine_dir = Path(args.engine_dir)
@@ -65,10 +66,10 @@ def run(args) -> int:
     for mode, (_, label) in STYLE.items():
         if mode not in gens:
             continue
-        diff = first_difference(gens[mode][0].tokens, gens["target"][0].tokens)
+        diff = first_difference(gens[mode][0].tokens, gens[Mode.TARGET][0].tokens)
         print(f"{label:<22}{row['mal_' + mode]:>6.2f}{row['tok_s_' + mode]:>9.1f}"
               f"{row['speedup_' + mode]:>10.2f}x  {'yes' if diff is None else f'no (from token {diff})'}")
-    text = engine.decode(gens["sharpdraft"][0].tokens)
+    text = engine.decode(gens[Mode.SHARPDRAFT][0].tokens)
     print("\nfirst lines generated (SharpDraft):")
     for line in text.splitlines()[:8]:
         print("  | " + line)

@@ -19,6 +19,7 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
+from runtime.modes import Mode
 from runtime.step_metadata import StepMetadata
 
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 7680)
@@ -51,10 +52,10 @@ def measure(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
     model, drafter = engine.model, engine.drafter_model
     bs = drafter.config.block_size
     _, features = engine.target.prefill(ids[:max(lengths)], max(lengths))
-    out = {"frozen": {}, "sharpdraft": {}}
+    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}}
     for length in lengths:
         block = torch.tensor([[ids[length]] + [drafter.config.mask_token_id] * (bs - 1)])
-        for mode, scaling in (("frozen", None), ("sharpdraft", engine.scaling)):
+        for mode, scaling in ((Mode.FROZEN, None), (Mode.SHARPDRAFT, engine.scaling)):
             masses = {}
 
             n = StepMetadata(0, length).block_keys(bs)  # the block drafted after `length`
@@ -75,12 +76,12 @@ def measure_chain(engine, ids: list[int], lengths: list[int], top_k: int) -> dic
     row over its own N keys with its own beta."""
     drafter = engine.drafter_model
     k = engine.max_drafts
-    out = {"frozen": {}, "sharpdraft": {}}
+    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}}
     for length in lengths:
         row = ids[:length] + [drafter.config.pard_token] * (k - 1)
         x = torch.tensor([row])
         visible = StepMetadata(0, len(row)).causal_visible(len(row), 1)[0, -k:].tolist()
-        for mode, scaling in (("frozen", None), ("sharpdraft", engine.scaling)):
+        for mode, scaling in ((Mode.FROZEN, None), (Mode.SHARPDRAFT, engine.scaling)):
             masses = {}
 
             def probe(layer, q, keys):
@@ -102,12 +103,12 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     x = [r["visible_keys"] for r in result["rows"]]
-    layers = len(result["rows"][0]["frozen"])
+    layers = len(result["rows"][0][Mode.FROZEN])
     colors = plt.get_cmap("tab10")
     for layer in range(layers):
-        ax.plot(x, [r["frozen"][layer] for r in result["rows"]], "o--", color=colors(layer),
+        ax.plot(x, [r[Mode.FROZEN][layer] for r in result["rows"]], "o--", color=colors(layer),
                 alpha=0.6, label=f"layer {layer}, frozen")
-        ax.plot(x, [r["sharpdraft"][layer] for r in result["rows"]], "o-", color=colors(layer),
+        ax.plot(x, [r[Mode.SHARPDRAFT][layer] for r in result["rows"]], "o-", color=colors(layer),
                 label=f"layer {layer}, SharpDraft")
     ax.axvline(result["training_max_length"] or 0, color="k", lw=0.8, ls=":",
                label="drafter's training length")
@@ -153,7 +154,7 @@ def run(args) -> int:
         n = (StepMetadata(length - 1, 1).causal_visible(1, 1).item() if engine.drafting == "chain"
              else StepMetadata(0, length).block_keys(engine.drafter_model.config.block_size))
         row = {"context_tokens": length, "visible_keys": n, "beta": round(engine.scaling.beta(n), 4)}
-        for mode in ("frozen", "sharpdraft"):
+        for mode in (Mode.FROZEN, Mode.SHARPDRAFT):
             layers = zip(*(d[mode][length] for d in per_doc))
             row[mode] = [round(sum(v) / len(v), 4) for v in layers]
         rows.append(row)
@@ -167,11 +168,11 @@ def run(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
             progress(f"wrote {args.json}")
-        layers = len(rows[0]["frozen"])
+        layers = len(rows[0][Mode.FROZEN])
         print(f"{'N':>6} {'beta':>6}  " + "  ".join(f"L{i} frozen -> SharpDraft" for i in range(layers)))
         for r in rows:
             print(f"{r['visible_keys']:>6} {r['beta']:>6.3f}  " + "  ".join(
-                f"{f:>9.3f} -> {s:<10.3f}" for f, s in zip(r["frozen"], r["sharpdraft"])))
+                f"{f:>9.3f} -> {s:<10.3f}" for f, s in zip(r[Mode.FROZEN], r[Mode.SHARPDRAFT])))
     if args.plot:
         plot(result, args.plot)
         progress(f"wrote {args.plot}")

@@ -1,7 +1,8 @@
 """`python -m runtime generate`: one prompt through an engine, streamed to the terminal
-(or one JSON object with --json), with the drafter under SharpDraft, frozen, or not at all,
-by n-gram lookup, or SharpDraft assisted by n-gram lookup (--hybrid); --window runs the
-frozen drafter under its draft window instead (alone, or with --hybrid)."""
+(or one JSON object with --json), in any decoding mode of runtime/modes.py's table the
+engine runs (--mode NAME; default SharpDraft where the engine has it). The older flags
+stay as aliases: --no-sharpdraft, --target-only, --ngram, --hybrid, and --window, which
+swaps the drafter for its windowed, frozen self (alone, or with --hybrid)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
+from runtime import modes
+from runtime.modes import Mode
 from runtime.streaming import TextStream
+
+# The flags that name a mode (before --mode existed), as the table's rows they choose.
+ALIASES = {"target_only": Mode.TARGET, "ngram": Mode.NGRAM, "hybrid": Mode.HYBRID,
+           "no_sharpdraft": Mode.FROZEN}
 
 
 def add_parser(sub):
@@ -28,6 +35,9 @@ def add_parser(sub):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--mode", choices=[m.value for m in Mode], metavar="NAME",
+                      help="decoding mode (docs/modes.md): " + ", ".join(Mode)
+                           + "; default: sharpdraft where the engine has it")
     mode.add_argument("--no-sharpdraft", action="store_true", help="run the drafter frozen")
     mode.add_argument("--target-only", action="store_true", help="no drafter at all")
     mode.add_argument("--ngram", action="store_true",
@@ -62,15 +72,23 @@ def read_prompt(args) -> str:
     return text
 
 
-def decoding_mode(args, engine) -> str:
-    """The mode the flags ask for; --window swaps the drafter for its windowed, frozen self."""
+def decoding_mode(args, default: Mode) -> Mode:
+    """The mode --mode names, or the alias flags choose; --window swaps the drafter's
+    attention for its draft window."""
     if args.window:
-        if args.target_only or args.ngram:
+        if args.target_only or args.ngram or args.mode:
             raise UsageError("--window is a drafter's draft window; it does not combine with "
-                             "--target-only or --ngram")
-        return "window-hybrid" if args.hybrid else "window"
-    return ("target" if args.target_only else "ngram" if args.ngram else "hybrid" if args.hybrid
-            else "frozen" if args.no_sharpdraft else engine.mode_for())
+                             "--target-only, --ngram or --mode (try --mode window)")
+        return modes.find(modes.MODEL, modes.WINDOWED, ngram_assist=args.hybrid)
+    if args.mode:
+        return Mode(args.mode)
+    return next((m for flag, m in ALIASES.items() if getattr(args, flag)), default)
+
+
+def alias_flags(args) -> list[str]:
+    """The mode-naming flags given, as typed."""
+    given = [flag for flag in (*ALIASES, "window", "mode") if getattr(args, flag)]
+    return ["--" + flag.replace("_", "-") for flag in given]
 
 
 def run(args) -> int:
@@ -93,9 +111,11 @@ def run(args) -> int:
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
-    mode = decoding_mode(args, engine)
-    if mode not in engine.modes:
-        raise UsageError(f"{args.engine_dir} cannot run {mode!r} (it runs {', '.join(engine.modes)})")
+    mode = decoding_mode(args, engine.mode_for())
+    why = engine.refusal(mode)
+    if why:
+        raise UsageError(f"{args.engine_dir} cannot run '{mode}': {why} (it runs "
+                         f"{', '.join(engine.modes)})")
     stream = None if args.json else TextStream(engine.decode)
 
     def show(new: list[int]) -> None:
@@ -106,7 +126,8 @@ def run(args) -> int:
                           stop=not args.ignore_eos, on_tokens=None if args.json else show,
                           adaptive=args.draft_length == "adaptive")
     summary = gen.summary()
-    scaling = engine.scaling.to_dict() if mode in ("sharpdraft", "hybrid") else None
+    scaling = (engine.family_preset if mode.swaps_scaling else engine.scaling).to_dict() \
+        if mode.scaled else None
     if args.json:
         # Peak resident memory of this process (KiB on Linux): model, caches and all.
         peak_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -126,14 +147,17 @@ def run_trtllm(args, manifest, text: str) -> int:
     installed first (TensorRT-LLM's own loop, so --draft-length and --ngram do not apply)."""
     from runtime import trtllm
 
-    if args.ngram or args.hybrid or args.window or args.backend:
-        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop "
-                         "--ngram/--hybrid/--window/--backend")
-    mode = ("target" if args.target_only else "frozen" if args.no_sharpdraft or manifest.query_scaling is None
-            else "sharpdraft")
+    drafting, scaled = modes.FAMILIES[manifest.drafter], manifest.query_scaling is not None
+    mode = decoding_mode(args, modes.default_mode(drafting, scaled))
+    own = [m for m in Mode if not m.study and not modes.refusal(m, drafting, "trtllm", scaled, False)]
+    why = modes.refusal(mode, drafting, "trtllm", scaled, False)
+    if why or args.backend:
+        flags = (alias_flags(args) if why else []) + (["--backend"] if args.backend else [])
+        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop {' '.join(flags)} "
+                         f"({why + '; ' if why else ''}its own loop runs {', '.join(own)})")
     result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                             sharpdraft=mode == "sharpdraft", speculative=mode != "target")
-    scaling = manifest.query_scaling.to_dict() if mode == "sharpdraft" else None
+                             sharpdraft=mode.scaled, speculative=mode.uses_drafter_model)
+    scaling = manifest.query_scaling.to_dict() if mode.scaled else None
     if args.json:  # sharpdraft_applied: what the proof check saw (drafter, layers, processes)
         print(json.dumps({"mode": mode, "backend": "trtllm", "sharpdraft": scaling} | result))
     else:

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
+from runtime.modes import Mode
 
 # Short prompts in the register both the tiny test tokenizer (CPython sources) and a chat
 # target handle; request i gets PROMPTS[i % len(PROMPTS)].
@@ -37,6 +38,9 @@ def add_parser(sub):
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--mode", choices=[m.value for m in Mode], metavar="NAME",
+                   help="the decoding mode every request names (docs/modes.md); default: none "
+                        "named, so the server's default (SharpDraft where the engine has it)")
     p.add_argument("--prompts-file", help="one prompt per line (default: built-in code prompts)")
     p.add_argument("--engine-dir", help="also run the prompts in-process on this engine")
     p.add_argument("--threads", type=int,
@@ -76,13 +80,13 @@ def summarize(latencies: list[float], wall: float, tokens: int, mals: list[float
 class Client:
     """One connection, HTTP or gRPC, to one model; call() returns (token_ids, MAL)."""
 
-    def __init__(self, url: str, model: str, timeout: float):
+    def __init__(self, url: str, model: str, timeout: float, mode: str | None = None):
         import numpy as np
 
         parsed = urlparse(url if "://" in url else "http://" + url)
         if parsed.scheme not in ("http", "grpc") or not parsed.hostname or not parsed.port:
             raise UsageError(f"--url must be http://HOST:PORT or grpc://HOST:PORT, got {url!r}")
-        self.np, self.model, self.timeout = np, model, timeout
+        self.np, self.model, self.timeout, self.mode = np, model, timeout, mode
         target = f"{parsed.hostname}:{parsed.port}"
         if parsed.scheme == "grpc":
             import tritonclient.grpc as triton
@@ -111,6 +115,9 @@ class Client:
         inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
         inputs[1].set_data_from_numpy(np.array([max_new_tokens], dtype=np.int32))
         inputs[2].set_data_from_numpy(np.array([temperature], dtype=np.float32))
+        if self.mode is not None:
+            inputs.append(t.InferInput("mode", [1], "BYTES"))
+            inputs[3].set_data_from_numpy(np.array([self.mode.encode()], dtype=np.object_))
         return inputs
 
     def call(self, prompt: str, max_new_tokens: int, temperature: float):
@@ -172,7 +179,7 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
 
     def worker():
         try:
-            client = Client(args.url, model, args.timeout)
+            client = Client(args.url, model, args.timeout, args.mode)
         except Exception as exc:  # the server is down: every request this worker owed fails
             with lock:
                 failures.append(f"connect: {exc}")
@@ -225,7 +232,8 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine(args.engine_dir)
-    mode = "sharpdraft" if engine.scaling is not None else "frozen"
+    # the mode the requests name, else what the server runs for a request that names none
+    mode = engine.check_mode(args.mode) if args.mode else engine.mode_for()
     latencies, mals, outputs = [], [], {}
     start = time.perf_counter()
     for i in range(args.requests):
@@ -270,6 +278,7 @@ def run(args) -> int:
         probe.close()
 
     report = {**provenance("loadtest"), "url": args.url, "model": model, "streaming": streaming,
+              "mode": args.mode,
               "max_new_tokens": args.max_new_tokens, "requests": args.requests, "levels": []}
     outputs = []
     for concurrency in args.concurrency:

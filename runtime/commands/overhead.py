@@ -13,6 +13,7 @@ import time
 
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
+from runtime.modes import Mode
 
 
 def add_parser(subparsers):
@@ -43,8 +44,8 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
     """Median step time of both drafters with `context` tokens cached (+1 new per step)."""
     import torch
 
-    drafters = {"sharpdraft": engine.drafter(), "frozen": engine.drafter(frozen=True)}
-    features = torch.randn(context + 1, drafters["frozen"].feature_size,
+    drafters = {Mode.SHARPDRAFT: engine.drafter(), Mode.FROZEN: engine.drafter(frozen=True)}
+    features = torch.randn(context + 1, drafters[Mode.FROZEN].feature_size,
                            generator=torch.Generator().manual_seed(context))
     bonus = 0  # token values do not change the work a step does
     for drafter in drafters.values():
@@ -58,7 +59,7 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
             seconds, visible = _time_step(drafters[name], features[context:], bonus, context)
             if i >= warmup:
                 times[name].append(seconds)
-    sharp, frozen = (statistics.median(times[n]) * 1e3 for n in ("sharpdraft", "frozen"))
+    sharp, frozen = (statistics.median(times[n]) * 1e3 for n in (Mode.SHARPDRAFT, Mode.FROZEN))
     return {"context": context, "visible_keys": visible,
             "beta": round(engine.scaling.beta(visible), 6),
             "sharpdraft_ms": round(sharp, 4), "frozen_ms": round(frozen, 4),

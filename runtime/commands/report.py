@@ -16,13 +16,12 @@ import json
 from pathlib import Path
 
 from runtime.cli import progress
+from runtime.modes import SCALED, Mode
 
 REPO = Path(__file__).resolve().parents[2]
 
-# bench's modes, in the order and the words the tables use
-MODE_NAMES = {"target": "target-only", "ngram": "n-gram", "frozen": "frozen", "window": "window",
-              "preset": "preset", "sharpdraft": "SharpDraft", "hybrid": "SharpDraft + n-gram",
-              "window-hybrid": "window + n-gram"}
+# bench's modes, in the order and the words the tables use (runtime/modes.py)
+MODE_NAMES = {m: m.word for m in Mode}
 NOT_RECORDED = "not recorded"
 # Results kept only as text: named in the page, not parsed.
 TEXT_ONLY = {
@@ -72,7 +71,8 @@ def field(data: dict, name: str, *keys):
         try:
             value = value[key]
         except (KeyError, IndexError, TypeError):
-            where = "".join(f"[{k!r}]" for k in keys)
+            # str(): a Mode key reads as its name, as the file spells it
+            where = "".join(f"[{(str(k) if isinstance(k, str) else k)!r}]" for k in keys)
             raise ReportError(f"{name} has no {where}: not the file its table expects") from None
     return value
 
@@ -127,7 +127,7 @@ def modes_of(data: dict, name: str) -> list[str]:
     rows = field(data, name, "rows")
     if not rows:
         raise ReportError(f"{name} has no rows")
-    return [m for m in MODE_NAMES if m != "target" and f"mal_{m}" in rows[0]]
+    return [m for m in MODE_NAMES if m != Mode.TARGET and f"mal_{m}" in rows[0]]
 
 
 def same_tokens(row: dict) -> str:
@@ -229,11 +229,11 @@ def diagnose_section(folder: Path) -> list[str]:
     for name in sorted(p.name for p in folder.glob("diagnose*.json")):
         data = load(folder, name)
         rows = field(data, name, "rows")
-        layers = len(field(data, name, "rows", 0, "frozen"))
+        layers = len(field(data, name, "rows", 0, Mode.FROZEN))
         header = ["context tokens", "visible keys", "beta",
                   *(f"L{i} frozen" for i in range(layers)), *(f"L{i} SharpDraft" for i in range(layers))]
         body = [[r["context_tokens"], r["visible_keys"], f"{r['beta']:.4f}",
-                 *(f"{x:.4f}" for x in r["frozen"]), *(f"{x:.4f}" for x in r["sharpdraft"])]
+                 *(f"{x:.4f}" for x in r[Mode.FROZEN]), *(f"{x:.4f}" for x in r[Mode.SHARPDRAFT])]
                 for r in rows]
         lines += [f"### `{name}`: {scaling(data.get('query_scaling'))}", "",
                   *provenance_lines(data, name, folder, command=None),
@@ -248,12 +248,12 @@ def calibrate_section(folder: Path) -> list[str]:
     for name in sorted(p.name for p in folder.glob("calibrate*.json")):
         data = load(folder, name)
         longs = [str(n) for n in field(data, name, "long_contexts")]
-        grid = [field(data, name, "frozen"), *field(data, name, "grid")]
+        grid = [field(data, name, Mode.FROZEN), *field(data, name, "grid")]
         chosen = data.get("chosen")
         body = []
         for row in grid:
             s = row["query_scaling"]
-            body.append([("frozen" if s is None else f"{s['ref_keys']} / {s['slope']} / e^{s['max_log_scale']}")
+            body.append([(Mode.FROZEN.word if s is None else f"{s['ref_keys']} / {s['slope']} / e^{s['max_log_scale']}")
                          + (" (chosen)" if s is not None and s == chosen else ""),
                          f"{row['mal_short']:.3f}", f"{row['mal_long']:.3f}",
                          *(f"{row['mal_by_length'][n]:.3f}" for n in longs),
@@ -284,8 +284,8 @@ def families_section(folder: Path) -> list[str]:
         for i, r in enumerate(field(data, name, "rows")):
             body.append([data.get("drafter", name), r["context_tokens"],
                          *(f"{field(data, name, 'rows', i, f'mal_{m}'):.3f}"
-                           for m in ("frozen", "preset", "sharpdraft")),
-                         ratio(r, "mal_ratio_preset_frozen"), ratio(r, "mal_ratio_sharpdraft_frozen")])
+                           for m in (Mode.FROZEN, *SCALED)),
+                         *(ratio(r, f"mal_ratio_{m}_{Mode.FROZEN}") for m in SCALED)])
     lines += table(["drafter", "context", "MAL frozen", "MAL preset", "MAL calibrated",
                     "preset / frozen [95% CI]", "calibrated / frozen [95% CI]"], body)
     return [*lines, "", *plot_line(folder, "families", "MAL per drafter family")]

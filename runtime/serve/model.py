@@ -72,7 +72,9 @@ class TritonPythonModel:
         # parameters; parse() refuses them so a misspelt field is an error, not ignored.
         parameters = json.loads(request.parameters() or "{}")
         req = self.protocol.parse(self._arrays(request), self.limit, parameters)
-        return req, self.protocol.encode_prompt(self.engine, req)
+        ids = self.protocol.encode_prompt(self.engine, req)
+        req.mode(self.engine)  # a mode this engine cannot run: refused before any work
+        return req, ids
 
     def _error(self, exc):
         if isinstance(exc, self.protocol.RequestError):

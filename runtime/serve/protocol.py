@@ -12,6 +12,8 @@ import uuid
 
 import numpy as np
 
+from runtime import modes
+
 # Refuse, never clamp, a request above this: a huge max_new_tokens would otherwise hold an
 # instance for as long as the context allows. Per model in config.pbtxt
 # (parameter max_new_tokens_limit); `serve --max-new-tokens-limit` sets it.
@@ -34,6 +36,7 @@ INPUTS = (
     Tensor("top_p", "TYPE_FP32", np.float32, optional=True),
     Tensor("seed", "TYPE_INT64", np.int64, optional=True),
     Tensor("sharpdraft", "TYPE_BOOL", np.bool_, optional=True),
+    Tensor("mode", "TYPE_STRING", np.object_, optional=True),  # a name of runtime/modes.py
 )
 
 OUTPUTS = (
@@ -67,6 +70,7 @@ class Request:
     top_p: float
     seed: int | None
     sharpdraft: bool
+    asked_mode: str | None = None  # the request's `mode`, checked against the table
 
     def sampling(self):
         from runtime.sampling import Sampling
@@ -77,9 +81,18 @@ class Request:
             raise RequestError(str(exc)) from None
 
     def mode(self, engine) -> str:
-        # Same choice as `python -m runtime generate`: SharpDraft unless the request turns
-        # it off or the engine has none (then the drafter runs frozen, or n-gram lookup).
-        return engine.mode_for(sharpdraft=self.sharpdraft)
+        """The mode this request runs on `engine`: the one it names, which must be among the
+        engine's modes; else the same choice as `python -m runtime generate`: SharpDraft
+        unless the request turns it off or the engine has none (then the drafter runs
+        frozen, or n-gram lookup)."""
+        if self.asked_mode is None:
+            return engine.mode_for(sharpdraft=self.sharpdraft)
+        mode = modes.Mode(self.asked_mode)
+        if mode not in engine.modes:
+            why = engine.refusal(mode) or "it is a study, run by bench"
+            raise RequestError(f"this model cannot run mode '{mode}': {why} (it runs "
+                               f"{', '.join(engine.modes)})")
+        return mode
 
 
 def _scalar(arrays: dict, spec: Tensor):
@@ -95,6 +108,19 @@ def _scalar(arrays: dict, spec: Tensor):
     return value.reshape(-1)[0]
 
 
+def _text(arrays: dict, spec: Tensor) -> str | None:
+    value = _scalar(arrays, spec)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{spec.name} is not valid UTF-8 ({exc.reason} at byte "
+                               f"{exc.start})") from None
+    if value is not None and not isinstance(value, str):
+        raise RequestError(f"{spec.name} must be text, got {type(value).__name__}")
+    return value
+
+
 def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
           parameters: dict | None = None) -> Request:
     """Input name -> numpy array (None or absent for an omitted optional input), plus the
@@ -105,14 +131,7 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
                            f"takes {', '.join(t.name for t in INPUTS)}")
     specs = {t.name: t for t in INPUTS}
 
-    raw = _scalar(arrays, specs["prompt"])
-    if isinstance(raw, (bytes, np.bytes_)):
-        try:
-            raw = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"prompt is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not isinstance(raw, str):
-        raise RequestError(f"prompt must be text, got {type(raw).__name__}")
+    raw = _text(arrays, specs["prompt"])
     if not raw.strip():
         raise RequestError("prompt is empty")
 
@@ -130,11 +149,20 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
             raise RequestError(f"{name} must be a finite number, got {float(value)}")
     seed = _scalar(arrays, specs["seed"])
     sharpdraft = _scalar(arrays, specs["sharpdraft"])
+    mode = _text(arrays, specs["mode"])
+    if mode is not None:
+        if sharpdraft is not None:
+            raise RequestError(f"send mode or sharpdraft, not both (mode '{modes.Mode.FROZEN}' is "
+                               "sharpdraft false)")
+        try:
+            modes.parse(mode)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
     request = Request(text=raw, max_new_tokens=max_new,
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),
                       seed=None if seed is None else int(seed),
-                      sharpdraft=True if sharpdraft is None else bool(sharpdraft))
+                      sharpdraft=True if sharpdraft is None else bool(sharpdraft), asked_mode=mode)
     request.sampling()  # refuse bad temperature / top_p now, before any work
     return request
 

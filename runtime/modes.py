@@ -1,0 +1,194 @@
+"""The decoding modes as data: one row per mode -- which drafter proposes (none, the
+engine's model, n-gram lookup), how the drafter attends (frozen, a draft window, or beta
+with the calibrated or the family-preset QueryScaling) and whether n-gram lookup assists
+it -- plus what each drafter family drafts and what each backend can run. The engine,
+build_engine.py's refusals, the CLI flags, bench's rows and plots and the serving
+protocol read this table; nothing else spells a mode's name. Pure Python (no torch), so
+the build and the served model's protocol import it cheaply.
+
+The anchor is TensorRT-LLM's SpeculativeDecodingMode: one enum, its rules as predicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import StrEnum
+
+# What proposes drafts.
+NO_DRAFTER, MODEL, LOOKUP = "none", "model", "ngram lookup"
+# How the drafter model attends to the context: unscaled over every key; unscaled over
+# the last `draft_window` keys (its training length); scaled by beta (a QueryScaling).
+UNSCALED, WINDOWED, BETA = "unscaled", "windowed", "beta"
+# Which QueryScaling a beta mode uses: the engine's own (calibrated at build time) or
+# its family's preset (the paper's values, plugins/scaling.py PRESETS).
+CALIBRATED, FAMILY_PRESET = "calibrated", "family preset"
+
+
+class Mode(StrEnum):
+    """A decoding mode; its value is the name users type (`generate --mode NAME`)."""
+
+    # name, drafter, attention, scaling, n-gram assist, study, plot color, plot label,
+    # the word a results table heads its column with
+    TARGET = ("target", NO_DRAFTER, None, None, False, False, "black", "target-only", "target-only")
+    NGRAM = ("ngram", LOOKUP, None, None, False, False, "tab:green", "n-gram lookup", "n-gram")
+    FROZEN = ("frozen", MODEL, UNSCALED, None, False, False, "tab:gray", "frozen drafter", "frozen")
+    WINDOW = ("window", MODEL, WINDOWED, None, False, False, "tab:brown", "frozen, draft window",
+              "window")
+    PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True, "tab:orange",
+              "SharpDraft, family preset", "preset")
+    SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False, "tab:blue", "SharpDraft",
+                  "SharpDraft")
+    HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False, "tab:purple", "SharpDraft + n-gram",
+              "SharpDraft + n-gram")
+    FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False, "tab:olive",
+                     "frozen + n-gram", "frozen + n-gram")
+    WINDOW_HYBRID = ("window-hybrid", MODEL, WINDOWED, None, True, False, "tab:pink",
+                     "draft window + n-gram", "window + n-gram")
+
+    def __new__(cls, name, drafter, attention, scaling, ngram_assist, study, color, label, word):
+        mode = str.__new__(cls, name)
+        mode._value_ = name
+        mode.drafter, mode.attention, mode.scaling = drafter, attention, scaling
+        mode.ngram_assist, mode.color, mode.label, mode.word = ngram_assist, color, label, word
+        # A comparison run only when asked (bench --modes preset): not an engine's
+        # everyday mode, so not in Engine.modes, demo or serving.
+        mode.study = study
+        return mode
+
+    # -- predicates: what a mode needs of the engine -----------------------------------
+    @property
+    def uses_drafter_model(self) -> bool:
+        return self.drafter == MODEL
+
+    @property
+    def scaled(self) -> bool:
+        """The drafter attends under a QueryScaling (SharpDraft)."""
+        return self.attention == BETA
+
+    @property
+    def swaps_scaling(self) -> bool:
+        """Runs the drafter under a scaling other than the engine's own."""
+        return self.scaling == FAMILY_PRESET
+
+    @property
+    def needs_window(self) -> bool:
+        return self.attention == WINDOWED
+
+    @property
+    def per_sequence(self) -> bool:
+        """Runs one sequence at a time: n-gram lookup indexes one sequence, and the batched
+        drafters take neither a draft window nor a swapped scaling."""
+        return self.drafter == LOOKUP or self.ngram_assist or self.needs_window or self.swaps_scaling
+
+
+# The drafter alone under a QueryScaling: its MAL over frozen's is SharpDraft's effect.
+SCALED = tuple(m for m in Mode if m.scaled and not m.ngram_assist)
+
+
+def find(drafter: str, attention: str | None = None, ngram_assist: bool = False,
+         scaling: str | None = None) -> Mode | None:
+    """The mode with these parts, or None (the table has no such combination)."""
+    if attention == BETA and scaling is None:
+        scaling = CALIBRATED
+    for mode in Mode:
+        if (mode.drafter, mode.attention, mode.scaling, mode.ngram_assist) == (
+                drafter, attention, scaling, ngram_assist):
+            return mode
+    return None
+
+
+def parse(name: str) -> Mode:
+    try:
+        return Mode(name)
+    except ValueError:
+        raise ValueError(f"no decoding mode {name!r} (modes: {', '.join(Mode)})") from None
+
+
+# How each drafter family drafts (the loop of runtime/speculative.py it runs); an ngram
+# engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
+FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a backend can run."""
+
+    drafting: frozenset[str]  # the families' drafting it has drafters for
+    window: bool  # a DFlash drafter under a draft window
+    batch: bool  # in-flight batching (runtime/batched.py)
+    swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
+    own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
+    attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
+
+
+BACKENDS = {
+    "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
+                     swap_scaling=True, own_loop=False),
+    # the window needs a drafter graph exported with its input (onnxruntime.has_window)
+    "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
+                           swap_scaling=False, own_loop=False,
+                           # the plugin node runs only through a Python bridge here
+                           attention_forms=("native", "plugin")),
+    "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
+                        own_loop=False, attention_forms=("plugin", "native")),
+    # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not
+    "trtllm": Backend(frozenset({"block", "chain", "tree"}), window=False, batch=True,
+                      swap_scaling=False, own_loop=True),
+}
+
+
+def backends_drafting(drafting: str) -> list[str]:
+    return [name for name, can in BACKENDS.items() if drafting in can.drafting]
+
+
+def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
+            window: bool) -> str | None:
+    """Why an engine cannot run `mode`, or None if it can. `drafting`: its family's
+    (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
+    QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
+    can = BACKENDS[backend]
+    if can.own_loop and (mode.drafter == LOOKUP or mode.ngram_assist or mode.needs_window
+                         or mode.swaps_scaling):
+        return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
+    if mode.drafter == NO_DRAFTER or mode.drafter == LOOKUP:
+        return None
+    if drafting is None:
+        return "it needs a drafter model and this is an n-gram engine"
+    if mode.scaled and not scaled:
+        return "the engine was built without --sharpdraft (no calibrated QueryScaling)"
+    if mode.swaps_scaling and not can.swap_scaling:
+        return f"it swaps the drafter's scaling, which a {backend} drafter has compiled in " \
+               "— pass --backend torch"
+    if (mode.needs_window or mode.ngram_assist) and drafting != "block":
+        what = "a draft window" if mode.needs_window else "n-gram assist"
+        return f"{what} is written for block drafters (DFlash) only"
+    if mode.needs_window and not can.window:
+        return f"{backend} drafters take no draft window — pass --backend " + \
+               " or ".join(n for n, c in BACKENDS.items() if c.window)
+    if mode.needs_window and not window:
+        return "the engine records no draft window its drafter takes (rebuild it with " \
+               "build_engine.py; onnxruntime: a drafter graph exported with one)"
+    return None
+
+
+def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
+    """Why `mode` (one the engine runs) cannot run batched, or None if it can."""
+    if mode.uses_drafter_model and drafting != "block":
+        return f"batched decoding runs block drafters (DFlash); {drafting}s run one sequence " \
+               f"at a time (batched {drafting}s are not written yet)"
+    if mode.per_sequence:
+        return "n-gram lookup, draft windows and swapped scalings run one sequence at a time"
+    if not BACKENDS[backend].batch:
+        batching = [n for n, c in BACKENDS.items() if c.batch and not c.own_loop]
+        return f"batched decoding runs on the {' and '.join(batching)} backends, not " \
+               f"{backend} (pass --backend onnxruntime)"
+    return None
+
+
+def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) -> Mode:
+    """What a request runs unless it names a mode: SharpDraft where the engine has it, the
+    drafter frozen when SharpDraft is turned off (or absent), n-gram lookup on an ngram
+    engine."""
+    if drafting is None:
+        return Mode.NGRAM
+    return Mode.SHARPDRAFT if sharpdraft and scaled else Mode.FROZEN
