@@ -73,6 +73,8 @@ def endpoint(tiny_engine, tmp_path_factory):
         if code is None:
             proc.wait()
     assert code == 0, f"serve exited with {code} on SIGTERM: {err_path.read_text()[-2000:]}"
+    # A request Triton never released (a cancelled stream) holds its model at unload.
+    assert "Exit timeout expired" not in log.read_text(errors="replace"), "a request was never released"
     assert not stray, f"processes left running in process groups {stray}"
 
 
@@ -203,32 +205,21 @@ def _long_prompt(engine):
     pytest.fail("no candidate prompt decodes 250 tokens without a stop token")
 
 
-def test_a_disconnect_mid_stream_frees_its_row(endpoint, engine):
+def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine):
+    """Hung-up streams are cancelled in Triton (their rows leave the batch at the next
+    step) and the next requests are served; the fixture's teardown then checks that
+    Triton released every request (else its shutdown waits out exit_timeout)."""
     client, model = _client(endpoint), endpoint["models"][0]
-    prompt, ref = _long_prompt(engine)
-    started = time.monotonic()
-    assert client.completions.create(model=model, prompt=prompt, max_tokens=250, temperature=0
-                                     ).model_extra["sharpdraft"]["token_ids"] == ref.tokens
-    alone = time.monotonic() - started  # one long request, alone
-    # Take every row with a long stream, read a little of each, hang up.
+    prompt, _ = _long_prompt(engine)
     streams = [client.completions.create(model=model, prompt=prompt, max_tokens=250, temperature=0, stream=True)
                for _ in range(MAX_BATCH)]
     for s in streams:
         next(iter(s))
     for s in streams:
         s.close()
-    hung_up = time.monotonic()
-    # Had the rows stayed taken, new requests would be refused (queue full) for at least
-    # `alone` seconds; freed, a full load of short requests is served at once.
-    while True:
-        with concurrent.futures.ThreadPoolExecutor(MAX_BATCH + MAX_QUEUE) as pool:
-            replies = list(pool.map(lambda p: _try(client, model, p, 6), PROMPTS + PROMPTS[:1]))
-        if all(not isinstance(r, Exception) for r in replies):
-            break
-        assert time.monotonic() - hung_up < alone, f"rows still taken after {alone:.1f} s: {replies}"
-        time.sleep(0.05)
-    for p, r in zip(PROMPTS + PROMPTS[:1], replies):
-        assert r.model_extra["sharpdraft"]["token_ids"] == _greedy(engine, p, 6).tokens
+    for p in PROMPTS:
+        reply = client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0)
+        assert reply.model_extra["sharpdraft"]["token_ids"] == _greedy(engine, p, 6).tokens
 
 
 def _try(client, model, prompt, n, stream=False):

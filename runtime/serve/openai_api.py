@@ -257,10 +257,18 @@ class Api:
             yield request
             await finished.wait()  # keep the stream open until the final response
 
-        call = self.client.stream_infer(requests())
+        import tritonclient.grpc.aio as grpcaio
+
+        # One channel per request, closed at the end, and a finished stream ended by a
+        # half-close, not cancelled: otherwise Triton 2.51 never releases the request (the
+        # model cannot unload and shutdown waits out exit_timeout; the tests check it).
+        client = grpcaio.InferenceServerClient(self.s.grpc_url)
+        call = client.stream_infer(requests())
+        complete = False  # Triton sent the request's last response (or its error)
         try:
             async for result, error in call:
                 if error is not None:
+                    complete = True
                     raise _backend_error(str(error))
                 response = result.get_response()
                 text = result.as_numpy("text")
@@ -276,7 +284,7 @@ class Api:
                         stats["verify_steps"] = int(result.as_numpy("verify_steps").reshape(-1)[0])
                     reason = result.as_numpy("finish_reason")
                     reason = bytes(reason.reshape(-1)[0]).decode() if reason is not None else "length"
-                    finished.set()
+                    complete = True
                     yield "done", reason, stats
                     return
         except ApiError:
@@ -285,8 +293,16 @@ class Api:
             raise ApiError(503, f"the Triton model is unavailable: {str(exc).splitlines()[0][:200]}",
                            "server_error", code="backend_unavailable") from None
         finally:
-            finished.set()
-            call.cancel()  # a no-op once the stream has ended; else Triton cancels the request
+            if complete:  # end the stream the ordinary way: half-close, let Triton finish it
+                finished.set()
+                try:
+                    await asyncio.wait_for(_drain(call), 10)
+                except Exception:  # a stream that will not end is cut, never waited on forever
+                    call.cancel()
+            else:  # the client left or a stop sequence matched: Triton cancels the request
+                call.cancel()
+                finished.set()
+            await client.close()
 
     # --- HTTP handlers -----------------------------------------------------------------
 
@@ -405,6 +421,11 @@ class Api:
             await run.aclose()
         await response.write_eof()
         return response
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
