@@ -186,7 +186,7 @@ class Api:
                 "mode": extension.get("mode")}
 
     def parse_completion(self, body: dict) -> tuple[str, dict]:
-        request = self._common(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "seed",
+        request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                                       "stop", "n", "stream", "sharpdraft"}, default_max=16)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
