@@ -137,7 +137,6 @@ class Settings:
 class Api:
     def __init__(self, settings: Settings):
         self.s = settings
-        self.client = None  # tritonclient.grpc.aio client, made on the serving loop
 
     # --- request parsing ---------------------------------------------------------------
 
@@ -470,11 +469,8 @@ class OpenAIServer:
 
     async def _start(self):
         from aiohttp import web
-        import tritonclient.grpc.aio as grpcaio
 
         api = Api(self.settings)
-        api.client = grpcaio.InferenceServerClient(self.settings.grpc_url)
-        self.api = api
         app = web.Application(client_max_size=16 * 2**20)
         app.router.add_get("/v1/models", api.models)
         app.router.add_post("/v1/completions", api.completions)
@@ -499,8 +495,6 @@ class OpenAIServer:
         async def close():
             if self.runner is not None:
                 await self.runner.cleanup()
-            if getattr(self, "api", None) is not None:
-                await self.api.client.close()
 
         if self.thread.is_alive():
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
