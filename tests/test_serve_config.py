@@ -176,6 +176,8 @@ def test_explicit_tritonserver_must_exist(tiny_engine, tmp_path, capsys):
     (["--max-new-tokens-limit", "0"], "--max-new-tokens-limit"),
     (["--max-batch", "0"], "--max-batch"),
     (["--max-queue", "-1"], "--max-queue"),
+    (["--openai-port", "9000"], "add --start"),
+    (["--openai-port", "8001", "--start"], "differ from the Triton ports"),
 ])
 def test_bad_serve_flags_are_usage_errors(tiny_engine, tmp_path, capsys, flags, message):
     code = run(main, ["serve", "--engine-dir", str(tiny_engine), "--model-repository",

@@ -35,6 +35,10 @@ def train_tokenizer(out: Path, vocab_size: int = 320):
     tok.train_from_iterator([stdlib_text()], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    bos_token="<|im_start|>", unk_token="<|endoftext|>")
+    # SmolLM2's ChatML layout, so the OpenAI endpoint's chat route runs a real template.
+    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+                          "+ '<|im_end|>\\n' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     fast.save_pretrained(out)
     return fast
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -45,6 +46,10 @@ def add_parser(sub):
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, metavar="PORT",
+                   help="also serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on 127.0.0.1:PORT in front of the streaming model (implies "
+                        "--streaming; needs --start)")
     p.add_argument("--tritonserver", metavar="PATH",
                    help="server binary (default: tritonserver on PATH, else the nvidia-pytriton "
                         "wheel from `make setup`)")
@@ -74,6 +79,13 @@ def run(args) -> int:
         ports.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.openai_port is not None:
+        if not args.start:
+            raise UsageError("--openai-port serves next to a running tritonserver: add --start")
+        if not 1 <= args.openai_port <= 65535 or args.openai_port in dataclasses.astuple(ports):
+            raise UsageError(f"--openai-port must be in 1..65535 and differ from the Triton ports, "
+                             f"got {args.openai_port}")
+        args.streaming = True  # the endpoint speaks to the streaming (in-flight batched) model
     install = None
     if args.start:  # find the server before writing anything: a missing one is the likely error
         try:
@@ -155,6 +167,7 @@ def _run(args, out, models, ports, install, result) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log = open(args.server_log, "a", buffering=1) if args.server_log else None
     srv = server.Server(out, models, ports, install, log=log)
+    frontend = None
     try:
         pid = srv.start()
         progress(f"tritonserver ({install.kind}: {install.binary}) pid {pid}, loading "
@@ -163,10 +176,18 @@ def _run(args, out, models, ports, install, result) -> int:
             progress("stopping before the server was ready")
             return 130
         endpoints = srv.endpoints() | {"pid": pid} | result
+        if args.openai_port is not None:
+            try:
+                frontend = _start_openai(args, models, ports, result["max_new_tokens_limit"])
+            except RuntimeError as exc:
+                raise server.ServerError(str(exc)) from None
+            endpoints["openai"] = frontend.url
         if args.json:
             print(json.dumps(endpoints), flush=True)
         else:
             print(server.describe(endpoints), flush=True)
+            if frontend is not None:
+                print(f"  OpenAI API: {frontend.url}  (model {models[0]!r})", flush=True)
         progress("Ctrl-C or SIGTERM stops the server")
         while not stop.is_set():
             if srv.process.poll() is not None:
@@ -179,6 +200,8 @@ def _run(args, out, models, ports, install, result) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     finally:
+        if frontend is not None:  # stop taking OpenAI requests before Triton goes away
+            frontend.stop()
         code = srv.stop()
         if code not in (None, 0):
             progress(f"tritonserver exited with code {code}")
@@ -186,3 +209,12 @@ def _run(args, out, models, ports, install, result) -> int:
             log.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _start_openai(args, models, ports, limit):
+    from runtime.serve.openai_api import OpenAIServer, Settings
+
+    settings = Settings(args.engine_dir, models[0], models[1], f"127.0.0.1:{ports.grpc}", limit)
+    frontend = OpenAIServer(settings, args.openai_port)
+    frontend.start()
+    return frontend

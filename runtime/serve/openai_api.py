@@ -1,0 +1,528 @@
+"""An OpenAI-compatible HTTP endpoint (/v1/models, /v1/completions, /v1/chat/completions)
+in front of the served streaming model: each request becomes one gRPC stream to the
+decoupled `-stream` model, so it joins the same in-flight batch as every other client,
+and a client that goes away cancels its Triton request (its batch row is freed at the
+next step). aiohttp (already a dependency of tritonclient[http]) carries HTTP and SSE.
+
+Triton's own OpenAI frontend is not used: it needs the in-process `tritonserver` /
+`tritonfrontend` wheels, published for Python 3.12 on glibc >= 2.39 only (docs/serving.md).
+
+What OpenAI fields mean here: `max_tokens` -> max_new_tokens (refused above the server's
+limit, never clamped), `temperature` (OpenAI's default 1.0), `top_p`, `seed`, `stop`
+(matched on the text here; the stream is cut and the Triton request cancelled), `n` = 1
+only. SharpDraft's own settings travel as `"sharpdraft": {"mode": NAME}`, which other
+clients never send; responses carry a `sharpdraft` object (token ids, mode statistics)
+that OpenAI clients ignore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+
+# The scheduler's QueueFull text (runtime/serve/scheduler.py): a gRPC stream response
+# carries only a message, no status code, so the refusal is recognised by it.
+QUEUE_FULL_MARK = "requests are already waiting"
+INTERNAL_MARK = "internal error (id"  # protocol.internal_error's reply
+MAX_STOP = 4  # OpenAI's own limit on stop sequences
+
+# Fields OpenAI clients send with neutral values (LangChain and the `openai` package fill
+# some in); anything else unknown is refused by name, so a misspelt field is not ignored.
+NEUTRAL = {"user": None, "stream_options": None, "logprobs": (None, False, 0), "echo": (None, False),
+           "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+           "logit_bias": (None, {}), "suffix": (None, ""), "top_logprobs": (None, 0),
+           "parallel_tool_calls": None, "metadata": None, "store": (None, False), "service_tier": None}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP status, one-line message, type, param, code."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def served_modes(manifest) -> tuple[str, ...]:
+    """Modes a request may name on this engine, as the served model runs them today."""
+    if manifest.drafter_checkpoint is None:
+        return ("ngram",)
+    return ("sharpdraft", "frozen") if manifest.query_scaling is not None else ("frozen",)
+
+
+def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
+    """THE one place a request's `sharpdraft.mode` becomes the served model's inputs.
+    Today the model takes only `sharpdraft` true/false (runtime/serve/protocol.py); when it
+    takes a mode name (the modes table), this function passes it through instead."""
+    if mode is None:
+        return {}
+    if not isinstance(mode, str) or mode not in served:
+        raise ApiError(400, f"mode {mode!r} is not served by this engine; served modes: "
+                            f"{', '.join(served)}", param="sharpdraft.mode", code="unsupported_mode")
+    return {"sharpdraft": mode == "sharpdraft"}
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop sequence. Text that could still begin a stop
+    sequence is held back, so a stream never shows what the full answer would not."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self.held += text
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.held, self.stopped = self.held[:cut], "", True
+            return out
+        keep = 0  # the longest tail of held that is a proper prefix of some stop
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.held)), keep, -1):
+                if self.held.endswith(s[:k]):
+                    keep = k
+                    break
+        out = self.held[:len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+def _number(body, name, low, high, default, integer=False, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got "
+                            f"{json.dumps(value)[:40]}", param=name)
+    if not (low < value if low_open else low <= value) or (high is not None and value > high):
+        bound = f"{'>' if low_open else '>='} {low}" + ("" if high is None else f" and <= {high}")
+        raise ApiError(400, f"'{name}' must be {bound}, got {value}", param=name)
+    return value
+
+
+class Settings:
+    """What every request needs: the served names, the tokenizer (prompt tokens for
+    `usage`, the chat template), the limit, the modes, and where Triton listens."""
+
+    def __init__(self, engine_dir, model: str, stream_model: str, grpc_url: str,
+                 max_new_tokens_limit: int):
+        from runtime.engine import load_tokenizer
+        from runtime.manifest import read_manifest
+
+        manifest = read_manifest(engine_dir, verify="skip")
+        self.tokenizer = load_tokenizer(manifest.target_dir)
+        self.modes = served_modes(manifest)
+        self.model, self.stream_model, self.grpc_url = model, stream_model, grpc_url
+        self.limit = max_new_tokens_limit
+
+
+class Api:
+    def __init__(self, settings: Settings):
+        self.s = settings
+
+    # --- request parsing ---------------------------------------------------------------
+
+    def _common(self, body: dict, allowed: set, default_max: int) -> dict:
+        unknown = sorted(k for k in body if k not in allowed and k not in NEUTRAL)
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}", param=unknown[0])
+        for key, neutral in NEUTRAL.items():
+            if neutral is not None and body.get(key) not in neutral:
+                raise ApiError(400, f"'{key}' is not supported by this server", param=key)
+        model = body.get("model")
+        if model != self.s.model:
+            raise ApiError(404 if isinstance(model, str) else 400,
+                           f"model {model!r} is not served here; served: {self.s.model!r}",
+                           param="model", code="model_not_found")
+        n = _number(body, "n", 1, None, 1, integer=True)
+        if n != 1:
+            raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, None, default_max, integer=True)
+        if max_tokens > self.s.limit:
+            raise ApiError(400, f"'max_tokens' {max_tokens} exceeds this server's limit of {self.s.limit}",
+                           param="max_tokens")
+        temperature = _number(body, "temperature", 0, 2, 1.0)
+        top_p = _number(body, "top_p", 0, 1, 1.0, low_open=True)
+        seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP
+                                     and all(isinstance(s, str) and s for s in stop)):
+            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them",
+                           param="stop")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be true or false", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+        extension = body.get("sharpdraft") or {}
+        if not isinstance(extension, dict) or set(extension) - {"mode"}:
+            raise ApiError(400, "'sharpdraft' takes one field, 'mode'", param="sharpdraft")
+        return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
+                "seed": seed, "stop": stop or [], "stream": stream,
+                "include_usage": bool(options.get("include_usage")),
+                "extra": mode_inputs(extension.get("mode"), self.s.modes),
+                "mode": extension.get("mode")}
+
+    def parse_completion(self, body: dict) -> tuple[str, dict]:
+        request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                                      "stop", "n", "stream", "sharpdraft"}, default_max=16)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be one string (token-id and batched prompts are not served)",
+                           param="prompt")
+        return prompt, request
+
+    def parse_chat(self, body: dict) -> tuple[str, dict]:
+        request = self._common(body, {"model", "messages", "max_tokens", "max_completion_tokens",
+                                      "temperature", "top_p", "seed", "stop", "n", "stream",
+                                      "sharpdraft"}, default_max=self.s.limit)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        plain = []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ApiError(400, f"messages[{i}]: only text content parts are served",
+                                   param=f"messages[{i}].content")
+                content = "".join(p["text"] for p in content)
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
+                raise ApiError(400, f"messages[{i}] must have a string 'role' and text 'content'",
+                               param=f"messages[{i}]")
+            plain.append({"role": m["role"], "content": content})
+        if not getattr(self.s.tokenizer, "chat_template", None):
+            raise ApiError(400, f"model {self.s.model!r} has no chat template; use /v1/completions",
+                           param="messages")
+        try:
+            prompt = self.s.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (roles out of order, ...)
+            raise ApiError(400, f"the chat template refused the messages: {str(exc).splitlines()[0][:200]}",
+                           param="messages") from None
+        return prompt, request
+
+    # --- the Triton call ---------------------------------------------------------------
+
+    def _inputs(self, prompt: str, r: dict):
+        import tritonclient.grpc as grpcclient
+
+        values = {"prompt": ("BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_)),
+                  "max_new_tokens": ("INT32", np.array([r["max_tokens"]], dtype=np.int32)),
+                  "temperature": ("FP32", np.array([r["temperature"]], dtype=np.float32)),
+                  "top_p": ("FP32", np.array([r["top_p"]], dtype=np.float32))}
+        if r["seed"] is not None:
+            values["seed"] = ("INT64", np.array([r["seed"]], dtype=np.int64))
+        for name, value in r["extra"].items():
+            values[name] = ("BOOL", np.array([value], dtype=np.bool_))
+        tensors = []
+        for name, (datatype, array) in values.items():
+            t = grpcclient.InferInput(name, [1], datatype)
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        return tensors
+
+    async def generate(self, prompt: str, r: dict):
+        """Yields ("text", delta, ids) per commit, then ("done", finish_reason, stats).
+        Closing the generator early (a stop sequence, a client gone) cancels the request."""
+        finished = asyncio.Event()
+        request = {"model_name": self.s.stream_model, "inputs": self._inputs(prompt, r),
+                   "request_id": uuid.uuid4().hex}
+
+        async def requests():
+            yield request
+            await finished.wait()  # keep the stream open until the final response
+
+        import tritonclient.grpc.aio as grpcaio
+
+        # One channel per request, closed at the end, and a finished stream ended by a
+        # half-close, not cancelled: otherwise Triton 2.51 never releases the request (the
+        # model cannot unload and shutdown waits out exit_timeout; the tests check it).
+        client = grpcaio.InferenceServerClient(self.s.grpc_url)
+        call = client.stream_infer(requests())
+        complete = False  # Triton sent the request's last response (or its error)
+        try:
+            async for result, error in call:
+                if error is not None:
+                    complete = True
+                    raise _backend_error(str(error))
+                response = result.get_response()
+                text = result.as_numpy("text")
+                text = bytes(text.reshape(-1)[0]).decode("utf-8", "replace") if text is not None else ""
+                ids = result.as_numpy("token_ids")
+                ids = [] if ids is None else ids.reshape(-1).tolist()
+                if text or ids:
+                    yield "text", text, ids
+                if response.parameters["triton_final_response"].bool_param:
+                    stats = {k: float(result.as_numpy(k).reshape(-1)[0])
+                             for k in ("mean_accepted_length", "beta") if result.as_numpy(k) is not None}
+                    if result.as_numpy("verify_steps") is not None:
+                        stats["verify_steps"] = int(result.as_numpy("verify_steps").reshape(-1)[0])
+                    reason = result.as_numpy("finish_reason")
+                    reason = bytes(reason.reshape(-1)[0]).decode() if reason is not None else "length"
+                    complete = True
+                    yield "done", reason, stats
+                    return
+        except ApiError:
+            raise
+        except Exception as exc:  # the gRPC stream itself failed: Triton down, not ready
+            raise ApiError(503, f"the Triton model is unavailable: {str(exc).splitlines()[0][:200]}",
+                           "server_error", code="backend_unavailable") from None
+        finally:
+            if complete:  # end the stream the ordinary way: half-close, let Triton finish it
+                finished.set()
+                try:
+                    await asyncio.wait_for(_drain(call), 10)
+                except Exception:  # a stream that will not end is cut, never waited on forever
+                    call.cancel()
+            else:  # the client left or a stop sequence matched: Triton cancels the request
+                call.cancel()
+                finished.set()
+            await client.close()
+
+    # --- HTTP handlers -----------------------------------------------------------------
+
+    async def models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [
+            {"id": self.s.model, "object": "model", "created": 0, "owned_by": "sharpdraft",
+             "sharpdraft": {"modes": list(self.s.modes)}}]})
+
+    async def completions(self, request):
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request):
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, http, chat: bool):
+        from aiohttp import web
+
+        try:
+            try:
+                body = await http.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"the body is not valid JSON ({exc.__class__.__name__})") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object")
+            prompt, r = (self.parse_chat if chat else self.parse_completion)(body)
+            if not prompt.strip():
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            prompt_tokens = len(self.s.tokenizer(prompt, add_special_tokens=False).input_ids)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.s.model}
+        stops = StopMatcher(r["stop"])
+        run = self.generate(prompt, r)
+        if r["stream"]:
+            return await self._stream(http, chat, head, run, stops, prompt_tokens, r)
+        text, ids, reason, stats = [], [], "length", {}
+        try:
+            async for kind, value, extra in run:
+                if kind == "text":
+                    text.append(stops.push(value))
+                    ids += extra
+                    if stops.stopped:
+                        reason = "stop"
+                        break
+                else:
+                    reason, stats = value, extra
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        finally:
+            await run.aclose()
+        text.append(stops.flush())
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                   "finish_reason": reason} if chat else
+                  {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+        head["object"] = "chat.completion" if chat else "text_completion"
+        return web.json_response(head | {"choices": [choice], "usage": _usage(prompt_tokens, len(ids)),
+                                         "sharpdraft": _extension(r, ids, stats)})
+
+    async def _stream(self, http, chat, head, run, stops, prompt_tokens, r):
+        from aiohttp import web
+
+        head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def chunk(delta: str | None, reason=None, role=False):
+            if chat:
+                d = ({"role": "assistant", "content": ""} if role else
+                     {} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            return head | {"choices": [choice]}
+
+        response = None
+        ids, reason, stats = [], "length", {}
+        try:
+            async for kind, value, extra in run:
+                if response is None:  # the first reply from Triton: errors until now are plain HTTP
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
+                    await response.prepare(http)
+                    if chat:
+                        await _send(response, chunk(None, role=True))
+                if kind == "text":
+                    ids += extra
+                    out = stops.push(value)
+                    if out:
+                        await _send(response, chunk(out))
+                    if stops.stopped:
+                        reason = "stop"
+                        break
+                else:
+                    reason, stats = value, extra
+            tail = stops.flush()
+            if tail:
+                await _send(response, chunk(tail))
+            last = chunk(None, reason)
+            if not r["include_usage"]:
+                last["usage"] = None
+            await _send(response, last | {"sharpdraft": _extension(r, ids, stats)})
+            if r["include_usage"]:
+                await _send(response, head | {"choices": [], "usage": _usage(prompt_tokens, len(ids))})
+            await response.write(b"data: [DONE]\n\n")
+        except ApiError as exc:
+            if response is None:
+                return web.json_response(exc.body(), status=exc.status)
+            await _send(response, exc.body())  # the `openai` client raises on an error event
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client left; finally cancels the Triton request
+        finally:
+            await run.aclose()
+        await response.write_eof()
+        return response
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _extension(r: dict, ids: list[int], stats: dict) -> dict:
+    return {"mode": r["mode"], "token_ids": ids} | stats
+
+
+async def _send(response, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _backend_error(message: str) -> ApiError:
+    """A Triton error response as an OpenAI error: the model's refusal of the request's
+    input is the client's fault (400), a full queue is 503 (retry), a bug is 500."""
+    line = message.strip().splitlines()[0] if message.strip() else "the model failed"
+    if line.startswith("[StatusCode."):  # tritonclient prefixes some messages with the code
+        line = line.split("] ", 1)[-1]
+    if QUEUE_FULL_MARK in line:
+        return ApiError(503, f"the server is at capacity: {line}", "server_error", code="queue_full")
+    if INTERNAL_MARK in line:
+        return ApiError(500, line, "server_error", code="internal_error")
+    return ApiError(400, line)
+
+
+class OpenAIServer:
+    """The endpoint on its own thread and event loop, next to the `serve` command's wait
+    loop; started once Triton is ready, stopped before Triton is."""
+
+    def __init__(self, settings: Settings, port: int, host: str = "127.0.0.1"):
+        self.settings, self.host, self.port = settings, host, port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="openai-endpoint", daemon=True)
+        self.runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def _start(self):
+        from aiohttp import web
+
+        api = Api(self.settings)
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_get("/v1/models", api.models)
+        app.router.add_post("/v1/completions", api.completions)
+        app.router.add_post("/v1/chat/completions", api.chat)
+        app.middlewares.append(_error_middleware())
+        # handler_cancellation: a client that disconnects cancels its handler, whose
+        # `finally` cancels the Triton request (else a non-streaming one runs to the end).
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.host, self.port).start()
+
+    def start(self) -> None:
+        self.thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+        except OSError as exc:
+            self.stop()
+            raise RuntimeError(f"the OpenAI endpoint cannot listen on {self.host}:{self.port}: "
+                               f"{exc.strerror or exc}") from None
+
+    def stop(self) -> None:
+        async def close():
+            if self.runner is not None:
+                await self.runner.cleanup()
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def _error_middleware():
+    from aiohttp import web
+
+    @web.middleware
+    async def errors(request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # 404 / 405 from the router, in OpenAI's shape
+            if exc.status < 400:
+                raise
+            return web.json_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                              code="not_found" if exc.status == 404 else None).body(),
+                                     status=exc.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # a bug: one line to the client, the details to the log
+            from runtime.serve.protocol import internal_error
+
+            reply, log = internal_error(exc)
+            sys.stderr.write(log + "\n")
+            return web.json_response(ApiError(500, reply, "server_error").body(), status=500)
+
+    return errors
+

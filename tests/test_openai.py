@@ -1,0 +1,249 @@
+"""The OpenAI-compatible endpoint end to end, with the real `openai` client: one real
+tritonserver + endpoint for the module (`python -m runtime serve --start --openai-port`)
+on the tiny engine, small enough (one instance, 2 batch rows, 1 queue slot) that a
+full queue and a freed row are observable."""
+
+import concurrent.futures
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from runtime.serve import server as serve_server
+from test_serving import _free_ports, _group_members, _kill_group
+
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 240
+MAX_BATCH, MAX_QUEUE = 2, 1
+PROMPTS = ["def fib(n):", "class Stack:\n    def __init__(self):"]
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_engine, tmp_path_factory):
+    try:
+        serve_server.find_tritonserver()
+    except serve_server.ServerError as exc:
+        pytest.fail(str(exc))
+    work = tmp_path_factory.mktemp("openai")
+    http, grpc, metrics, port = _free_ports(4)
+    log, err_path = work / "tritonserver.log", work / "serve.stderr"
+    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(tiny_engine),
+           "--model-repository", str(work / "repo"), "--instances", "1", "--max-batch", str(MAX_BATCH),
+           "--max-queue", str(MAX_QUEUE), "--max-new-tokens-limit", "256", "--start", "--json",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--openai-port", str(port), "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(log)]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    info = {}
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT + 30
+        while not info:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"serve not ready (exit {proc.poll()}): {err_path.read_text()[-2000:]}")
+            try:
+                info = json.loads(lines.get(timeout=1))
+            except (queue.Empty, json.JSONDecodeError):
+                continue
+        assert info["openai"] == f"http://127.0.0.1:{port}/v1"
+        yield info
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pass
+        code = proc.poll()
+        stray = [g for g in (proc.pid, info.get("pid")) if g and _group_members(g)]
+        for pgid in stray:
+            _kill_group(pgid)
+        if code is None:
+            proc.wait()
+    assert code == 0, f"serve exited with {code} on SIGTERM: {err_path.read_text()[-2000:]}"
+    # A request Triton never released (a cancelled stream) holds its model at unload.
+    assert "Exit timeout expired" not in log.read_text(errors="replace"), "a request was never released"
+    assert not stray, f"processes left running in process groups {stray}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    from runtime.engine import Engine
+
+    return Engine(tiny_engine)
+
+
+def _client(endpoint):
+    # No retries: a 503 must reach the test, not be retried away by the client.
+    return openai.OpenAI(base_url=endpoint["openai"], api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat_prompt(engine, messages):
+    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _greedy(engine, prompt, n):
+    return engine.generate(engine.encode(prompt), n)
+
+
+def test_models_lists_the_served_model_and_its_modes(endpoint):
+    models = _client(endpoint).models.list().data
+    assert [m.id for m in models] == [endpoint["models"][0]]
+    assert models[0].model_extra["sharpdraft"]["modes"] == ["sharpdraft", "frozen"]
+
+
+def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint, engine):
+    client, model = _client(endpoint), endpoint["models"][0]
+    for prompt in PROMPTS:
+        ref = _greedy(engine, prompt, 12)
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert reply.model_extra["sharpdraft"]["token_ids"] == ref.tokens
+        assert reply.choices[0].text == engine.decode(ref.tokens)
+        assert reply.choices[0].finish_reason == ("stop" if ref.stopped_by == "stop_token" else "length")
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+            len(engine.encode(prompt)), len(ref.tokens))
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "A function that reverses a list."}]
+    ref = _greedy(engine, _chat_prompt(engine, messages), 10)
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"sharpdraft": {"mode": "sharpdraft"}})
+    assert reply.model_extra["sharpdraft"]["token_ids"] == ref.tokens
+    assert reply.choices[0].message.content == engine.decode(ref.tokens)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens == len(ref.tokens)
+    # The frozen mode is the same text under greedy decoding (lossless), reached by name.
+    frozen = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                            extra_body={"sharpdraft": {"mode": "frozen"}})
+    assert frozen.model_extra["sharpdraft"]["token_ids"] == ref.tokens
+    assert frozen.model_extra["sharpdraft"]["beta"] == 1.0
+
+
+def test_streaming_deltas_concatenate_to_the_same_text(endpoint, engine):
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt = PROMPTS[0] + "\n    # iterative"
+    ref = _greedy(engine, prompt, 20)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 2 and "".join(texts) == engine.decode(ref.tokens)
+    assert chunks[-1].usage.completion_tokens == len(ref.tokens) and not chunks[-1].choices
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    ref = _greedy(engine, _chat_prompt(engine, messages), 16)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == engine.decode(ref.tokens)
+
+
+def test_a_stop_sequence_cuts_the_text_streamed_or_not(endpoint, engine):
+    client, model = _client(endpoint), endpoint["models"][0]
+    full = engine.decode(_greedy(engine, PROMPTS[1], 24).tokens)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    want = full[:full.index(stop)]
+    reply = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop])
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == (want, "stop")
+    streamed = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ("n>1", dict(n=2), "'n' must be 1"),
+    ("negative temperature", dict(temperature=-1), "'temperature' must be >= 0"),
+    ("over the limit", dict(max_tokens=10**6), "exceeds this server's limit of 256"),
+    ("unknown mode", dict(extra_body={"sharpdraft": {"mode": "warp"}}),
+     "mode 'warp' is not served by this engine; served modes: sharpdraft, frozen"),
+    ("unknown field", dict(extra_body={"max_new_tokens": 3}), "unknown field(s) 'max_new_tokens'"),
+    ("prompt beyond the context", dict(prompt="x = 1\n" * 400), "the target's context holds 512"),
+]
+
+
+@pytest.mark.parametrize("change, message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_a_bad_request_gets_an_openai_shaped_400_with_one_line(endpoint, change, message):
+    client = _client(endpoint)
+    args = {"model": endpoint["models"][0], "prompt": PROMPTS[0], "max_tokens": 4} | change
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**args)
+    error = refused.value
+    assert error.status_code == 400 and message in error.message and "\n" not in error.body["message"]
+    assert set(error.body) == {"message", "type", "param", "code"}
+    assert error.body["type"] == "invalid_request_error"
+
+
+def test_a_wrong_model_is_404_and_bad_json_is_400_in_openai_shape(endpoint):
+    with pytest.raises(openai.NotFoundError) as missing:
+        _client(endpoint).completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found"
+    request = urllib.request.Request(endpoint["openai"] + "/chat/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    body = json.loads(refused.value.read())
+    assert refused.value.code == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def _long_prompt(engine):
+    """A prompt whose greedy continuation runs the whole 250 tokens (no early stop)."""
+    for prompt in ["def area(r):\n    return 3.14159 * r * r\n\n\n", "import os\n", PROMPTS[0]]:
+        ref = _greedy(engine, prompt, 250)
+        if len(ref.tokens) == 250:
+            return prompt, ref
+    pytest.fail("no candidate prompt decodes 250 tokens without a stop token")
+
+
+def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine):
+    """Hung-up streams are cancelled in Triton (their rows leave the batch at the next
+    step) and the next requests are served; the fixture's teardown then checks that
+    Triton released every request (else its shutdown waits out exit_timeout)."""
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt, _ = _long_prompt(engine)
+    streams = [client.completions.create(model=model, prompt=prompt, max_tokens=250, temperature=0, stream=True)
+               for _ in range(MAX_BATCH)]
+    for s in streams:
+        next(iter(s))
+    for s in streams:
+        s.close()
+    for p in PROMPTS:
+        reply = client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0)
+        assert reply.model_extra["sharpdraft"]["token_ids"] == _greedy(engine, p, 6).tokens
+
+
+def _try(client, model, prompt, n, stream=False):
+    try:
+        if stream:
+            return list(client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                                  stream=True))
+        return client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0)
+    except openai.APIStatusError as exc:
+        return exc
+
+
+def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine):
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt, ref = _long_prompt(engine)
+    clients = MAX_BATCH + MAX_QUEUE + 3
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(lambda _: _try(client, model, prompt, 250, stream=True), range(clients)))
+    refused = [r for r in replies if isinstance(r, Exception)]
+    served = [r for r in replies if not isinstance(r, Exception)]
+    # How many get in depends on how fast the scheduler admits (the queue holds one), but
+    # a full queue refuses, and every admitted request runs to its end, token for token.
+    assert refused and served and len(refused) + len(served) == clients
+    for r in refused:
+        assert r.status_code == 503 and r.body["code"] == "queue_full" and "max_queue 1" in r.body["message"]
+    for chunks in served:  # every admitted request ran to its end, token for token
+        assert "".join(c.choices[0].text for c in chunks) == engine.decode(ref.tokens)
