@@ -98,10 +98,12 @@ def _greedy(engine, prompt, n):
     return engine.generate(engine.encode(prompt), n)
 
 
-def test_models_lists_the_served_model_and_its_modes(endpoint):
+def test_models_lists_the_served_model_and_its_modes(endpoint, engine):
     models = _client(endpoint).models.list().data
     assert [m.id for m in models] == [endpoint["models"][0]]
-    assert models[0].model_extra["sharpdraft"]["modes"] == ["sharpdraft", "frozen"]
+    # every mode the loaded engine runs (the modes table), read by the endpoint from engine.json
+    assert models[0].model_extra["sharpdraft"]["modes"] == [str(m) for m in engine.modes]
+    assert "hybrid" in models[0].model_extra["sharpdraft"]["modes"]
 
 
 def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint, engine):
@@ -123,11 +125,14 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
     assert reply.choices[0].message.content == engine.decode(ref.tokens)
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage.completion_tokens == len(ref.tokens)
-    # The frozen mode is the same text under greedy decoding (lossless), reached by name.
-    frozen = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
-                                            extra_body={"sharpdraft": {"mode": "frozen"}})
-    assert frozen.model_extra["sharpdraft"]["token_ids"] == ref.tokens
-    assert frozen.model_extra["sharpdraft"]["beta"] == 1.0
+    # Every other mode the engine runs is the same text under greedy decoding (lossless),
+    # reached by name: n-gram assisted ones included.
+    for mode in engine.modes:
+        other = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                               extra_body={"sharpdraft": {"mode": str(mode)}})
+        assert other.model_extra["sharpdraft"]["token_ids"] == ref.tokens, mode
+        if mode == "frozen":
+            assert other.model_extra["sharpdraft"]["beta"] == 1.0
 
 
 def test_streaming_deltas_concatenate_to_the_same_text(endpoint, engine):
@@ -166,7 +171,7 @@ BAD = [
     ("negative temperature", dict(temperature=-1), "'temperature' must be >= 0"),
     ("over the limit", dict(max_tokens=10**6), "exceeds this server's limit of 256"),
     ("unknown mode", dict(extra_body={"sharpdraft": {"mode": "warp"}}),
-     "mode 'warp' is not served by this engine; served modes: sharpdraft, frozen"),
+     "mode 'warp' is not served by this engine; served modes: target, ngram, frozen"),
     ("unknown field", dict(extra_body={"max_new_tokens": 3}), "unknown field(s) 'max_new_tokens'"),
     ("prompt beyond the context", dict(prompt="x = 1\n" * 400), "the target's context holds 512"),
 ]

@@ -54,22 +54,27 @@ class ApiError(Exception):
 
 
 def served_modes(manifest) -> tuple[str, ...]:
-    """Modes a request may name on this engine, as the served model runs them today."""
-    if manifest.drafter_checkpoint is None:
-        return ("ngram",)
-    return ("sharpdraft", "frozen") if manifest.query_scaling is not None else ("frozen",)
+    """Modes a request may name on this engine: the modes table's rules applied to what
+    engine.json records (runtime/modes.py, as Engine.modes applies them to a loaded
+    engine; the served model checks again and refuses, listing its own, if they differ)."""
+    from runtime import modes
+
+    drafting = modes.FAMILIES.get(manifest.drafter)
+    scaled = manifest.query_scaling is not None
+    window = manifest.extra.get("draft_window") is not None
+    return tuple(str(m) for m in modes.Mode if not m.study
+                 and modes.refusal(m, drafting, manifest.backend, scaled, window) is None)
 
 
 def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
-    """THE one place a request's `sharpdraft.mode` becomes the served model's inputs.
-    Today the model takes only `sharpdraft` true/false (runtime/serve/protocol.py); when it
-    takes a mode name (the modes table), this function passes it through instead."""
+    """THE one place a request's `sharpdraft.mode` becomes the served model's inputs: its
+    `mode` input, a name of the modes table (runtime/serve/protocol.py)."""
     if mode is None:
         return {}
     if not isinstance(mode, str) or mode not in served:
         raise ApiError(400, f"mode {mode!r} is not served by this engine; served modes: "
                             f"{', '.join(served)}", param="sharpdraft.mode", code="unsupported_mode")
-    return {"sharpdraft": mode == "sharpdraft"}
+    return {"mode": mode}
 
 
 class StopMatcher:
@@ -236,8 +241,8 @@ class Api:
                   "top_p": ("FP32", np.array([r["top_p"]], dtype=np.float32))}
         if r["seed"] is not None:
             values["seed"] = ("INT64", np.array([r["seed"]], dtype=np.int64))
-        for name, value in r["extra"].items():
-            values[name] = ("BOOL", np.array([value], dtype=np.bool_))
+        for name, value in r["extra"].items():  # the `mode` input: a name, as bytes
+            values[name] = ("BYTES", np.array([value.encode("utf-8")], dtype=np.object_))
         tensors = []
         for name, (datatype, array) in values.items():
             t = grpcclient.InferInput(name, [1], datatype)
