@@ -83,8 +83,10 @@ def test_chain_rows_are_causal_and_report_their_own_visible_keys(monkeypatch):
     assert len(draft.tokens) == 4 and draft.probs is None and draft.logits.shape == (4, 12)
 
 
-# the fast tier keeps the draft-vocabulary case (its q has zeros the residual must fill)
-@pytest.mark.parametrize("draft_vocab", [pytest.param(None, marks=pytest.mark.slow), 3])
+# Slow: the chain loop's law stays in the fast tier through PARD's chain
+# (test_pard.py), the verifier's with a q that has zeros through test_rejection_law.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_vocab", [None, 3])
 def test_chain_sampling_preserves_the_target_distribution(draft_vocab):
     """20k runs (temperature 0.8, top-p 0.9) against the exact law of the first three
     tokens: the prefill's token, then a step drafting 2 tokens autoregressively, each

@@ -109,6 +109,7 @@ def test_context_makes_long_verifies_dearer():
     assert choose_draft_count([0.5] * 6, 10, costs) > choose_draft_count([0.5] * 6, 5000, costs)
 
 
+@pytest.mark.slow  # exports the graphs and times both backends; --step-costs fixed: below
 def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_path):
     out = tmp_path / "auto"
     assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
