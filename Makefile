@@ -1,4 +1,6 @@
 # Two commands on a fresh machine:  make demo   |   make test
+# make test: the fast tier, every contract in under 5 minutes on 2 cores; make test-all:
+# every test at full strength (the tests marked slow, Hypothesis profile full), as CI runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +18,7 @@ TRT_WHEELS := .cache/tensorrt-wheels
 TENSORRT_BINDINGS := 10.16.1.11 11.4.0.106
 TRT_WHEELS_STAMP := $(TRT_WHEELS)/.unpacked
 
-.PHONY: setup demo test engine clean
+.PHONY: setup demo test test-all engine clean
 
 setup: $(STAMP) $(PYTRITON_STAMP) $(TRT_WHEELS_STAMP)
 
@@ -52,6 +54,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "slow or not slow" --hypothesis-profile full
 
 clean:
 	rm -rf engines/dflash engines/dflash-sharpdraft

@@ -75,6 +75,13 @@ def parse(argv):
                         "(default: the drafter's training length)")
     p.add_argument("--max-seq-len", type=int, metavar="N",
                    help="longest sequence the engine serves (default: the target's context)")
+    p.add_argument("--step-costs", choices=("measure", "fixed"), default="measure",
+                   help="measure (default): stage 5 times target and drafter steps on this "
+                        "machine (adaptive draft length and --backend auto read them); fixed: "
+                        "no timing, costs under which every drafter step verifies its whole "
+                        "block (a free drafter, a verify pass that costs the same at any "
+                        "width), for builds that must not depend on this machine's speed, "
+                        "such as the tests'; not with --backend auto")
     p.add_argument("--output", metavar="DIR")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
@@ -139,16 +146,21 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
-def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool) -> None:
+def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool = False) -> None:
     """Stage 5: time target and drafter steps with every backend this machine can run the
     engine with; keep the costs in engine.json (adaptive draft length reads them) and,
-    for --backend auto, make the fastest one-token decode the engine's backend."""
+    for --backend auto, make the fastest one-token decode the engine's backend.
+    fixed (--step-costs fixed): record fixed_costs for each backend instead of timing."""
     from runtime.engine import Engine
-    from runtime.step_costs import decode_seconds, measure
+    from runtime.step_costs import decode_seconds, fixed_costs, measure
 
     backends = ["torch"] + (["onnxruntime"] if "onnx" in manifest.extra else [])
     costs = {}
     for backend in backends:
+        if fixed:
+            progress(f"[5/5] measure: none (--step-costs fixed) for {backend}")
+            costs[backend] = fixed_costs(manifest.drafter_checkpoint is not None)
+            continue
         progress(f"[5/5] measure: step costs with {backend}")
         costs[backend] = measure(Engine(out, backend=backend), progress=progress)
     manifest.extra["step_costs"] = {b: c.to_dict() for b, c in costs.items()}
@@ -357,6 +369,9 @@ def main(argv) -> int:
     if args.drafter in TRTLLM_ONLY_DRAFTERS and args.backend != "trtllm":
         raise UsageError(f"--drafter {args.drafter} has no model in this runtime yet; only --backend "
                          "trtllm builds it (configuration for TensorRT-LLM, with --drafter-checkpoint DIR)")
+    if args.step_costs == "fixed" and args.backend == "auto":
+        raise UsageError("--backend auto picks the backend by measured step costs; with "
+                         "--step-costs fixed pass --backend torch or onnxruntime")
     if args.backend == "trtllm":
         if args.drafter == "ngram":
             raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
@@ -441,7 +456,8 @@ def main(argv) -> int:
         raise
     publish(partial, out, manifest)
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
-        measure_steps(out, manifest, pick_fastest=args.backend == "auto")
+        measure_steps(out, manifest, pick_fastest=args.backend == "auto",
+                      fixed=args.step_costs == "fixed")
     backend = manifest.backend
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else
             "n-gram drafting" if proposer else "SharpDraft off (frozen drafter)")

@@ -103,6 +103,36 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.log_softmax(logits, dim)
 
 
+@on_one_torch_thread
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative (rejection) sampling of a batch of draft rows at once, as vLLM's
+    rejection sampler does it: the one verifier every sampling loop runs (Sampler.verify
+    hands it a batch of one), so a test can push 100,000 rows through it in one call.
+
+    drafts [B, k] (target token ids); p [B, k + 1, V]: the target's sampling distribution
+    after the bonus token and after each draft; q [B, k, V]: the distributions the drafts
+    were drawn from (one-hot for drafts chosen without sampling). Draft i is accepted with
+    probability min(1, p(d)/q(d)) while all before it were; at the first rejection the
+    next token is drawn from normalise(max(p - q, 0)) (p itself where that is all zero),
+    after k acceptances from p[k]. Returns (accepted [B], next [B])."""
+    batch, k = drafts.shape
+    u = torch.rand(batch, k, generator=generator, dtype=torch.float64, device=p.device)
+    at = drafts.unsqueeze(-1)
+    keep = u * q.gather(-1, at).squeeze(-1) < p[:, :k].gather(-1, at).squeeze(-1)
+    accepted = keep.long().cumprod(-1).sum(-1)  # drafts before the first rejection
+    rows = torch.arange(batch, device=p.device)
+    p_next = p[rows, accepted]
+    if k:  # q at the rejected position; none (zero) where every draft was accepted
+        q_next = q[rows, accepted.clamp(max=k - 1)] * (accepted < k).unsqueeze(-1)
+        residual = (p_next - q_next).clamp(min=0)
+    else:
+        residual = p_next
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-300), p_next)
+    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+
+
 def target_ids(columns: torch.Tensor, vocab: DraftVocab | None) -> torch.Tensor:
     """Columns of a drafter's logits -> the target token ids they stand for."""
     return columns if vocab is None else vocab.ids[columns]
@@ -176,15 +206,11 @@ class Sampler:
             while accepted < k and drafts[accepted] == posterior[accepted]:
                 accepted += 1
             return accepted, posterior[accepted]
-        p = self.probs(target_logits)
-        for i, d in enumerate(drafts):
-            u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
-            if u * float(draft_probs[i, d]) < float(p[i, d]):
-                continue
-            residual = (p[i] - draft_probs[i]).clamp(min=0)
-            total = float(residual.sum())
-            return i, self._draw(residual / total if total > 0 else p[i])
-        return k, self._draw(p[k])
+        p = self.probs(target_logits[:k + 1])
+        drafts_ = torch.tensor([drafts], dtype=torch.long, device=p.device)
+        q = draft_probs[None, :k] if k else p.new_zeros(1, 0, p.shape[-1])  # no drafts: no q
+        accepted, following = rejection_sample(drafts_, p[None], q, self.generator)
+        return int(accepted[0]), int(following[0])
 
     def verify_deterministic(self, drafts: list[int], target_logits: torch.Tensor):
         """verify() for drafts proposed without a distribution (n-gram lookup).

@@ -55,6 +55,14 @@ class StepCosts:
                    None if data.get("draft") is None else tuple(float(x) for x in data["draft"]))
 
 
+def fixed_costs(has_drafter_model: bool) -> StepCosts:
+    """Costs recorded instead of measured (build_engine.py --step-costs fixed): a free
+    drafter and a verify pass that costs the same at any width, so adaptive draft length
+    verifies every drafter step's whole block. Builds whose output must not depend on
+    this machine's timing (tests, reproducible engines) use them."""
+    return StepCosts((1e-3, 0.0, 0.0, 0.0), (1e-6, 0.0) if has_drafter_model else None)
+
+
 def choose_draft_count(confidence: list[float], context: int, costs: StepCosts) -> int:
     """How many of the drafts to verify: the k maximising expected committed tokens per
     second, (1 + sum_{i<=k} prod_{j<=i} confidence_j) / (draft + verify(k + 1 tokens)),

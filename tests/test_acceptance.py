@@ -5,6 +5,7 @@ and tree (EAGLE-3) drafters on tiny float64 pairs, scaled and frozen."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 import tiny
 from plugins.scaling import QueryScaling
@@ -33,7 +34,7 @@ def pair(style, seed, vocab, size):
     return t, d, (lambda *a: generate_tree(*a, shape)), shape
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(style=st.sampled_from(["block", "chain", "tree"]), seed=st.integers(0, 10**6),
        vocab=st.sampled_from([4, 6, 12]), size=st.integers(1, 5), prompt_len=st.integers(2, 20),
        new=st.integers(1, 30))

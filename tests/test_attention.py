@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 from plugins import attention
 from plugins.attention import reference_attention, sharpdraft_attention
@@ -38,7 +39,7 @@ def random_case(seed, b, kvh, group, t, kv, d=8):
     return q, k, v, g
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.integers(0, 10**6), st.integers(1, 2), st.integers(1, 2), st.integers(1, 3),
        st.integers(1, 6), st.integers(0, 40), st.booleans(), st.booleans())
 def test_op_matches_row_by_row_definition(seed, b, kvh, group, t, extra, scaled, use_mask):
@@ -126,7 +127,7 @@ def attention_weights(q, k, scaling):
     return sharpdraft_attention(q, k, v, visible, scaling)[0, 0]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(40, 300), st.floats(1.0, 10.0))
 def test_op_scaling_keeps_argmax_and_top_k_set_and_sharpens(seed, n, slope):
     g = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
@@ -32,7 +33,7 @@ def alone(target, drafter, scaling, request, costs=None):
                           Sampler(request.sampling), request.stop_ids, costs=costs)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([6, 12, 40]), block=st.integers(2, 6),
        shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30), st.booleans(),
                                  st.integers(0, 6)), min_size=1, max_size=5),
@@ -59,7 +60,7 @@ def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, s
         assert seq.gen.beta_per_step == want.beta_per_step
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(seed=st.integers(0, 10**6), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4))
 def test_batched_target_only_equals_target_only(seed, lengths):
     target, drafter = tiny_pair(seed, 12, 3)
@@ -135,7 +136,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
 def test_batched_speculative_sampling_preserves_the_target_distribution():
     """The chi-square check of tests/test_speculative.py through the batched executor:
     the sequence under test shares every step with two others at other lengths."""
-    vocab, draws = 4, 4_000
+    vocab, draws = 4, law_runs(4_000)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
     prompt = [1, 2, 0]
     probe = Sampler(Sampling(temperature=0.8, top_p=0.9))

@@ -94,6 +94,7 @@ def test_the_recipe_stops_at_its_time_limit_and_continues_on_rerun(tmp_path, tin
     assert err[-1].startswith("error:") and "another recipe (it differs in lr)" in err[-1]
 
 
+@pytest.mark.slow  # two recipe runs with caching; the fast tier trains in the tests above
 def test_extend_caches_only_new_windows_and_trains_on_both(tmp_path, tiny_target, capsys):
     first = recipe_args(tiny_target, tmp_path, "--steps", "0", "--draft-vocab", "64")
     assert run(train_drafter.main, first) == 0, capsys.readouterr().err

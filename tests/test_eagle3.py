@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention, visible_counts
@@ -125,7 +126,7 @@ def test_draft_vocabulary_maps_through_d2t():
 
 # --- tree speculation: lossless -----------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]), top_k=st.integers(1, 4),
        depth=st.integers(1, 5), total=st.integers(2, 16), prompt_len=st.integers(1, 24),
        max_new=st.integers(1, 40), scaled=st.booleans(), stop=st.booleans(),

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples, law_runs
 
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention
@@ -26,7 +27,7 @@ def chain_runners(target, drafter, scaling, k):
     return TorchTarget(target, layers), TorchEagle3(drafter, scaling, max_drafts=k)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]), k=st.integers(1, 6),
        prompt_len=st.integers(1, 24), max_new=st.integers(1, 40), scaled=st.booleans(),
        stop=st.booleans(), reduced_vocab=st.booleans(), eagle31=st.booleans(),
@@ -82,13 +83,16 @@ def test_chain_rows_are_causal_and_report_their_own_visible_keys(monkeypatch):
     assert len(draft.tokens) == 4 and draft.probs is None and draft.logits.shape == (4, 12)
 
 
+# Slow: the chain loop's law stays in the fast tier through PARD's chain
+# (test_pard.py), the verifier's with a q that has zeros through test_rejection_law.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_vocab", [None, 3])
 def test_chain_sampling_preserves_the_target_distribution(draft_vocab):
     """20k runs (temperature 0.8, top-p 0.9) against the exact law of the first three
     tokens: the prefill's token, then a step drafting 2 tokens autoregressively, each
     drawn from the drafter's own distribution. With a draft vocabulary of 3 of the 4
     tokens, the fourth (draft probability 0) still comes out at its target rate."""
-    vocab, draws = 4, 20_000
+    vocab, draws = 4, law_runs(20_000)
     target, drafter = eagle_pair(11, vocab, draft_vocab, sharpness=1.5)
     t, d = chain_runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0), 2)
     prompt = [1, 2, 0]

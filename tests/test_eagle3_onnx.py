@@ -21,6 +21,12 @@ NEW_TOKENS = 20
 PROMPT = 300  # tokens: past ref_keys 64, so SharpDraft's rows scale by beta > 1
 
 
+# Slow (each build exports EAGLE-3's tree graphs, ~30 s on 2 cores): the fast tier's torch <->
+# ONNX Runtime parity is DFlash's and PARD's (test_onnxruntime_backend, test_pard_engine), and
+# EAGLE-3's greedy losslessness runs on torch (test_eagle3.py).
+pytestmark = pytest.mark.slow
+
+
 def build(*args) -> int:
     import build_engine
 

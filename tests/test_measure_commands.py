@@ -153,6 +153,7 @@ def test_diagnose_shows_dilution_and_sharpening(tiny_engine, doc, tmp_path, caps
     assert rows[-1]["frozen"][0] < rows[0]["frozen"][0]  # more keys, thinner attention
 
 
+@pytest.mark.slow  # an auto build (exports and times both backends) and a 16-setting sweep
 def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_drafter, doc,
                                                           tmp_path, capsys):
     import shutil

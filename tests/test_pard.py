@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples, law_runs
 from safetensors.torch import load_file, save_file
 
 import tiny
@@ -66,7 +67,7 @@ def test_the_drafter_is_the_causal_lm_transformers_reads(tiny_pard):
 
 # ---- losslessness ---------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        max_drafts=st.integers(1, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
        scaled=st.booleans(), stop=st.booleans(), copy=st.booleans(),
@@ -109,7 +110,7 @@ def test_speculative_sampling_through_chains_preserves_the_target_distribution()
     """20k chain runs (temperature 0.8, top-p 0.9) against the target's exact law of the
     first three tokens: the prefill's token, then a step of up to 2 PARD drafts, each
     outcome (reject draft 1, reject draft 2, accept both) exercised."""
-    vocab, draws = 4, 20_000
+    vocab, draws = 4, law_runs(20_000)
     target = tiny.float64_target(11, vocab, sharpness=1.5)
     drafter = tiny.pard_from_target(target, 3)
     with torch.no_grad():  # near the target, not equal: every outcome of the step happens

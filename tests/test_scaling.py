@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 from plugins.scaling import PRESETS, QueryScaling, beta, log_odds_decomposition, top_k_mass
 
@@ -95,7 +96,7 @@ def test_describe_names_all_four_parameters_and_the_cap():
     assert "slope=5 max_log_scale=0.5 (cap 1.649)" in QueryScaling().describe()
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(st.integers(0, 2**31 - 1), st.integers(33, 5000), st.floats(0.1, 4.0))
 def test_log_odds_decomposition_is_exact(seed, n, spread):
     scores = spread * torch.randn(3, n, generator=torch.Generator().manual_seed(seed),

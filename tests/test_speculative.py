@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
@@ -48,7 +49,7 @@ def runners(target, drafter, scaling, window=None):
             TorchDFlash(drafter, target, scaling, window))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), prompt_len=st.integers(1, 24), max_new=st.integers(1, 40),
        scaled=st.booleans(), stop=st.booleans(),
@@ -75,7 +76,7 @@ def test_greedy_speculative_equals_target_only(seed, vocab, block, prompt_len, m
                for v, c in zip(got.verified_per_step, got.committed_per_step, strict=True))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.sampled_from([4, 6, 12, 40]),
        block=st.integers(2, 7), repetitive=st.booleans(), prompt_len=st.integers(1, 24),
        max_new=st.integers(1, 40), shape=ngram_shapes, stop=st.booleans(),
@@ -184,13 +185,15 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     assert max(gen.beta_per_step) > 1.0  # the trace covers scaled steps, not only beta = 1
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 3])
+# the fast tier keeps one block-loop law check; test_rejection_law checks the verifier
+# itself, a q with zeros included, at 100,000 draws
+@pytest.mark.parametrize("draft_vocab", [None, pytest.param(3, marks=pytest.mark.slow)])
 def test_speculative_sampling_preserves_the_target_distribution(draft_vocab):
     """20k speculative runs (temperature 0.8, top-p 0.9) against the exact target law of
     the first three tokens: the prefill's token, then a step that drafts up to 2. With a
     draft vocabulary of 3 of the 4 tokens, the fourth has draft probability 0 and must
     still come out at its target rate (from the residual distribution)."""
-    vocab, draws = 4, 20_000
+    vocab, draws = 4, law_runs(20_000)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5, draft_vocab=draft_vocab)
     t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     prompt = [1, 2, 0]
@@ -226,10 +229,11 @@ class CountingTarget:
         self.target.rollback(length)
 
 
+@pytest.mark.slow  # the block loop's law: test_speculative_sampling_preserves_the_target_distribution
 def test_adaptive_draft_length_sampling_preserves_the_target_distribution():
     """As above with the number of drafts verified chosen from the drafter's confidence:
     under a steep per-token verify cost the first step verifies 1 of its 2 drafts."""
-    vocab, draws = 4, 10_000
+    vocab, draws = 4, law_runs(10_000)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
     t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     prompt = [1, 2, 0]
@@ -251,6 +255,7 @@ def test_adaptive_draft_length_sampling_preserves_the_target_distribution():
     assert chi_square_p(counts, expected) > 0.001
 
 
+@pytest.mark.slow  # the block loop's law: test_speculative_sampling_preserves_the_target_distribution
 @pytest.mark.parametrize("costs", [None, StepCosts((0.2, 0.8, 0.0, 0.0), (0.0, 0.0))],
                          ids=["full", "adaptive"])
 def test_hybrid_sampling_preserves_the_target_distribution(costs):
@@ -258,7 +263,7 @@ def test_hybrid_sampling_preserves_the_target_distribution(costs):
     the context ends in a 2-gram seen before (0 0, 0 1), so the first step verifies the
     lookup's one-hot drafts (1 3, 3 0); after a 2 or a 3 only a 1-gram matches and the
     drafter's block is verified. Either way the law must be the target's."""
-    vocab, draws = 4, 10_000
+    vocab, draws = 4, law_runs(10_000)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
     t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     prompt = [2, 0, 0, 1, 3, 0]

@@ -7,7 +7,9 @@ import pytest
 
 import build_engine
 from runtime.engine import Engine
-from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, _fit, choose_draft_count
+from runtime.cli import run
+from runtime.step_costs import (AcceptanceRecord, HybridChoice, StepCosts, _fit, choose_draft_count,
+                                fixed_costs)
 
 
 def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
@@ -107,6 +109,7 @@ def test_context_makes_long_verifies_dearer():
     assert choose_draft_count([0.5] * 6, 10, costs) > choose_draft_count([0.5] * 6, 5000, costs)
 
 
+@pytest.mark.slow  # exports the graphs and times both backends; --step-costs fixed: below
 def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_path):
     out = tmp_path / "auto"
     assert build_engine.main(["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint",
@@ -160,3 +163,26 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
     for i in timed:
         assert log[i][1] == step_costs.DRAFTER_ROWS
         assert log[i - 1] == ("verify", step_costs.DRAFTER_AFTER_VERIFY, False)
+
+
+def test_fixed_step_costs_time_nothing_and_verify_whole_blocks(tiny_engine, tiny_target, tiny_drafter,
+                                                               tmp_path, monkeypatch, capsys):
+    """build_engine.py --step-costs fixed (the tests' session engines): stage 5 times
+    nothing, engine.json records fixed_costs, under which a drafter step verifies its whole
+    block at any confidence; --backend auto, which picks by measured costs, refuses it."""
+    manifest = json.loads((tiny_engine / "engine.json").read_text())
+    assert manifest["extra"]["step_costs"] == {"torch": fixed_costs(True).to_dict()}
+    assert choose_draft_count([0.01] * 7, 4000, Engine(tiny_engine).step_costs) == 7
+
+    import runtime.step_costs
+
+    def timed(*args, **kwargs):
+        raise AssertionError("--step-costs fixed timed a step")
+
+    monkeypatch.setattr(runtime.step_costs, "measure", timed)
+    argv = ["--sharpdraft", "--target", str(tiny_target), "--drafter-checkpoint", str(tiny_drafter),
+            "--step-costs", "fixed"]
+    assert build_engine.main(argv + ["--backend", "torch", "--output", str(tmp_path / "e")]) == 0
+    assert run(build_engine.main, argv + ["--backend", "auto", "--output", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --backend auto picks the backend by measured step costs")

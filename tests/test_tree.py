@@ -5,6 +5,7 @@ and cache compaction to the accepted path against caches built from scratch."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 from plugins.attention import visible_counts
 from runtime.backends.torch import TorchTarget
@@ -78,7 +79,7 @@ class FakeDrafter:
         return torch.stack([self.logp(offset + 2, t) for t in tokens]), hidden + 1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 10**6), vocab=st.integers(2, 9), top_k=st.integers(1, 5),
        depth=st.integers(1, 5), total=st.integers(2, 40))
 def test_grow_tree_keeps_the_best_paths_and_hands_each_row_its_ancestors(seed, vocab, top_k, depth, total):
@@ -180,7 +181,7 @@ def fresh(target_model, ids, layers):
     return t
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10**6), size=st.integers(1, 12), prompt_len=st.integers(1, 12))
 def test_one_tree_pass_equals_causal_passes_along_every_path(seed, size, prompt_len):
     model = float64_target(seed % 1000, vocab=7, layers=3)
@@ -200,7 +201,7 @@ def test_one_tree_pass_equals_causal_passes_along_every_path(seed, size, prompt_
         torch.testing.assert_close(features[i], want_features[-1], atol=1e-9, rtol=0)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10**6), size=st.integers(1, 10), distractors=st.integers(0, 12),
        prompt_len=st.integers(1, 12))
 def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_scratch(

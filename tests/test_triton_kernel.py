@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tiers import examples
 
 from plugins.attention import reference_attention
 from plugins.scaling import QueryScaling
@@ -44,7 +45,7 @@ def visibility(kind, batch, q_len, kv_len, g):
     return torch.randint(1, kv_len + 1, (batch, q_len), generator=g)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
+@settings(max_examples=examples(30), deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), batch=st.integers(1, 2), kv_heads=st.integers(1, 2),
        group=st.integers(1, 4), q_len=st.integers(1, 20), extra=st.integers(0, 150),
        head_dim=st.sampled_from([16, 32, 64, 80]), kind=st.sampled_from(["block", "causal", "random"]),
@@ -57,7 +58,7 @@ def test_kernel_matches_reference_fp32(seed, batch, kv_heads, group, q_len, extr
     assert max_error(q, k, v, visible, SMALL if scaled else None, block_n=16) <= FP32_TOLERANCE
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=examples(15), deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), group=st.integers(1, 4), q_len=st.integers(1, 17),
        extra=st.integers(0, 200), head_dim=st.sampled_from([16, 64, 128]),
        kind=st.sampled_from(["block", "causal", "random"]))
@@ -84,7 +85,7 @@ def test_kernel_matches_reference_at_beta_boundaries_fp32(q_len, kv_len, group, 
     assert max_error(q, k, v, visible, SMALL) <= FP32_TOLERANCE
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), group=st.integers(1, 4), q_len=st.integers(1, 17),
        extra=st.integers(0, 600), splits=st.integers(2, 12), kind=st.sampled_from(["block", "causal", "random"]),
        half=st.booleans())
