@@ -225,11 +225,7 @@ class Launch:
                              "or tensorrt_llm.version): SharpDraft's hook cannot vouch for it — "
                              "run with --no-sharpdraft")
         else:
-            try:
-                in_range = versions.in_range(version, pins.MIN_VERSION, pins.MAX_VERSION)
-            except ValueError:
-                in_range = False
-            if not in_range:
+            if not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION):
                 raise UsageError(f"SharpDraft's TensorRT-LLM hook was tested on "
                                  f"{versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}; this "
                                  f"environment has {version} — run with --no-sharpdraft, or a tested release")

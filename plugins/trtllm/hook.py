@@ -123,11 +123,7 @@ def check_version(version: str | None) -> str:
     if version is None:
         raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's hook "
                               f"was checked against {rng} only")
-    try:
-        ok = versions.in_range(version, pins.MIN_VERSION, pins.MAX_VERSION)
-    except ValueError:
-        ok = False
-    if not ok:
+    if not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION):
         raise TrtllmHookError(f"TensorRT-LLM {version} is outside the releases SharpDraft's hook was "
                               f"checked against ({rng}); its names (DFlashForCausalLM.__init__, "
                               "Attention.apply_rope, ...) are pinned in plugins/trtllm/pins.py")

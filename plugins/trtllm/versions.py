@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse", "in_range", "describe_range"]
+__all__ = ["parse", "in_range", "is_tested", "describe_range"]
 
 _PATTERN = re.compile(r"^v?(?P<release>\d+(?:\.\d+)*)"
                       r"(?:[-_.]?(?P<pre>a|b|rc|alpha|beta|c)[-_.]?(?P<pre_n>\d*))?"
@@ -42,6 +42,14 @@ def in_range(version: str, low: str, high: str) -> bool:
     """low <= version <= high, each compared as a release (post/local ignored)."""
     key = parse(version)
     return parse(low) <= key <= parse(high)
+
+
+def is_tested(version: str, low: str, high: str) -> bool:
+    """in_range, with a string that is no version number counted as untested."""
+    try:
+        return in_range(version, low, high)
+    except ValueError:
+        return False
 
 
 def describe_range(low: str, high: str) -> str:
