@@ -1,10 +1,10 @@
 """An engine directory, loaded: tokenizer, target and drafter behind the backend
 interface (the one engine.json names, or an override), and `generate` in any decoding
 mode of runtime/modes.py's table this engine can run (Engine.modes; the table says what
-each mode needs). The drafter family decides the loop: DFlash drafts blocks
-(speculative.generate_block, which n-gram lookup can assist), PARD chains
-(speculative.generate_chain), EAGLE-3 trees (speculative.generate_tree) or, built with
-top_k 1, chains."""
+each mode needs). Every mode runs the one decode loop (runtime/decode.py); the mode and
+the drafter family choose its proposer (runtime/proposers.py): DFlash drafts blocks
+(which n-gram lookup can assist), PARD chains, EAGLE-3 trees or, built with top_k 1,
+chains."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
-from runtime import modes, speculative
+from runtime import modes, proposers
 from runtime.modes import Mode
 from runtime.backends import RUNNABLE_BACKENDS
+from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.decode import Decoder, Request, policy_for
 from runtime.backends.torch import TorchDFlash, TorchEagle3, TorchPARD, TorchTarget
 from runtime.metrics import Generation
 from runtime.ngram import NGramProposer
@@ -109,6 +111,10 @@ class Engine:
         return modes.refusal(mode, self.drafting, self.backend, self.scaling is not None,
                              self.draft_window is not None)
 
+    def batch_refusal(self, mode: Mode) -> str | None:
+        """Why this engine cannot batch `mode` (one it runs), or None if it can."""
+        return modes.batch_refusal(mode, self.drafting, self.backend)
+
     def check_mode(self, name: str) -> Mode:
         """The mode called `name`, refused in one line naming the modes this engine runs."""
         mode = modes.parse(name)
@@ -190,31 +196,74 @@ class Engine:
                               "in; try other values with the torch backend (--backend torch)")
         return self._torch_drafter(scaling)
 
-    def batch_decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True):
-        """An in-flight batching decoder (runtime/batched.py) running `mode` on this
-        engine's backend: target-only or a drafter mode (n-gram lookup is per sequence)."""
-        from runtime.batched import BatchedDecoder
-
+    def decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True, target=None) -> Decoder:
+        """The decode loop (runtime/decode.py) running `mode`. With `target` (the engine's
+        own, or a PrefillOnce over it): a batch of one on it. Without: a batch requests
+        join and leave, over the backend's batched target and DFlash drafter where it has
+        them, else one target / drafter per row. `adaptive`: drafter steps verify as many
+        drafts as the measured step costs make worthwhile."""
         mode = self.check_mode(mode)
-        why = modes.batch_refusal(mode, self.drafting, self.backend)
-        if why and mode.per_sequence:
-            raise ValueError(f"{self.dir} cannot batch mode '{mode}': {why} (it batches "
-                             f"{', '.join(engine_modes_batched(self))})")
-        if why:
-            raise EngineError(f"{self.dir}: {why}")
-        frozen = not mode.scaled
+        batched = target is None
+        if batched and self.batch_refusal(mode):
+            raise EngineError(f"{self.dir}: {self.batch_refusal(mode)}")
+        proposer = self._proposer(mode, batched)
+        slack = 0  # a padded verify row writes scratch keys past its own budget
+        if batched and self.drafting != "tree":
+            target = self._batch_target()
+            slack = max(self.manifest.block_size, self.ngram_settings["num_draft_tokens"] + 1)
+        else:
+            one = target
+            target = RowTargets(lambda: self._new_target() if one is None else one,
+                                self.context_limit)
+        costs = self.step_costs if adaptive and mode.uses_drafter_model else None
+        return Decoder(target, proposer, policy_for(costs), slack)
+
+    def batch_decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True) -> Decoder:
+        """A decoder any number of requests join (in-flight batching)."""
+        return self.decoder(mode, adaptive)
+
+    def _proposer(self, mode: Mode, batched: bool) -> proposers.Proposer:
+        if mode.drafter == modes.NO_DRAFTER:
+            return proposers.NoDrafts()
+        if mode.drafter == modes.LOOKUP:
+            return proposers.Lookup(self.proposer)
+        drafter = lambda: self.drafter_for(mode)  # noqa: E731 -- one per row
+        if self.drafting == "tree":
+            return proposers.Tree(drafter, self.tree_shape)
+        if self.drafting == "chain":
+            return proposers.Chain(drafter)
+        lookup = self.proposer if mode.ngram_assist else None
+        if batched and not (mode.needs_window or mode.swaps_scaling):
+            return proposers.Block(self._batch_drafter(mode), lookup)
+        return proposers.Block(RowBlockDrafters(drafter), lookup)
+
+    def _new_target(self):
+        """Another single-sequence target (its own cache) over the same weights / sessions."""
         if self.backend == "torch":
-            from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
+            target = TorchTarget(self.model, self.target.feature_layers)
+        elif self.backend == "onnxruntime":
+            target = self.onnx.new_target()
+        else:
+            raise EngineError(f"{self.dir}: {self.backend} engines hold one target")
+        target.context_limit = self.context_limit
+        return target
+
+    def _batch_target(self):
+        if self.backend == "torch":
+            from runtime.backends.torch import TorchBatchTarget
 
             target = TorchBatchTarget(self.model, self.target.feature_layers)
             target.context_limit = self.context_limit
-            drafter = None if not mode.uses_drafter_model else TorchBatchDFlash(
-                self.drafter_model, self.model, None if frozen else self.scaling)
-        else:
-            target = self.onnx.batch_target()
-            drafter = None if not mode.uses_drafter_model else self.onnx.batch_drafter(
-                sharpdraft=not frozen)
-        return BatchedDecoder(target, drafter, self.step_costs if adaptive and drafter else None)
+            return target
+        return self.onnx.batch_target()
+
+    def _batch_drafter(self, mode: Mode):
+        scaling = self.scaling if mode.scaled else None
+        if self.backend == "torch":
+            from runtime.backends.torch import TorchBatchDFlash
+
+            return TorchBatchDFlash(self.drafter_model, self.model, scaling)
+        return self.onnx.batch_drafter(sharpdraft=scaling is not None)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -232,36 +281,9 @@ class Engine:
 def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_tokens: int,
              sampler: Sampler, stop_ids=frozenset(), on_tokens=None,
              adaptive: bool = True) -> Generation:
-    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it);
-    `adaptive`: drafter steps verify as many drafts as the measured costs make worthwhile."""
-    mode = engine.check_mode(mode)
-    if mode.drafter == modes.NO_DRAFTER:
-        return speculative.generate_target_only(target, prompt, max_new_tokens, sampler,
-                                                stop_ids, on_tokens)
-    if mode.drafter == modes.LOOKUP:
-        return speculative.generate_ngram(target, engine.proposer(), prompt, max_new_tokens,
-                                          sampler, stop_ids, on_tokens)
-    drafter = engine.drafter_for(mode)
-    if mode.ngram_assist:  # the block loop with a proposer (the table allows block drafters only)
-        return speculative.generate_block(target, drafter, prompt, max_new_tokens,
-                                          sampler, stop_ids, on_tokens,
-                                          engine.step_costs if adaptive else None,
-                                          proposer=engine.proposer())
-    return speculative_loop(engine)(target, drafter, prompt, max_new_tokens, sampler, stop_ids,
-                                    on_tokens, engine.step_costs if adaptive else None)
-
-
-def speculative_loop(engine: Engine):
-    """The loop of runtime/speculative.py that runs this engine's drafter, called as
-    loop(target, drafter, prompt, max_new_tokens, sampler, stop_ids, on_tokens, costs)."""
-    if engine.drafting == "tree":
-        def tree(target, drafter, prompt, max_new_tokens, sampler, stop_ids=frozenset(),
-                 on_tokens=None, costs=None):
-            # the tree's shape was fixed at build time; measured costs size chains, not trees
-            return speculative.generate_tree(target, drafter, prompt, max_new_tokens, sampler,
-                                             engine.tree_shape, stop_ids, on_tokens)
-        return tree
-    return speculative.generate_chain if engine.drafting == "chain" else speculative.generate_block
+    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it)."""
+    return engine.decoder(mode, adaptive, target).generate(
+        Request(prompt, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, sampler=sampler))
 
 
 def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
@@ -271,12 +293,6 @@ def eagle3_tree_shape(engine_dir: Path, manifest: Manifest) -> TreeShape:
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{engine_dir}: engine.json has no valid extra.eagle3 tree shape ({exc}) "
                           "— rebuild the engine") from None
-
-
-def engine_modes_batched(engine: Engine) -> tuple[Mode, ...]:
-    """The engine's modes that batch (the table's rule; today's batch runs DFlash blocks
-    and target-only: chains and trees are refused when a batch is built)."""
-    return tuple(m for m in engine.modes if not m.per_sequence)
 
 
 def load_tokenizer(path: str | Path):

@@ -74,13 +74,6 @@ class Mode(StrEnum):
     def needs_window(self) -> bool:
         return self.attention == WINDOWED
 
-    @property
-    def per_sequence(self) -> bool:
-        """Runs one sequence at a time: n-gram lookup indexes one sequence, and the batched
-        drafters take neither a draft window nor a swapped scaling."""
-        return self.drafter == LOOKUP or self.ngram_assist or self.needs_window or self.swaps_scaling
-
-
 # The drafter alone under a QueryScaling: its MAL over frozen's is SharpDraft's effect.
 SCALED = tuple(m for m in Mode if m.scaled and not m.ngram_assist)
 
@@ -115,7 +108,7 @@ class Backend:
 
     drafting: frozenset[str]  # the families' drafting it has drafters for
     window: bool  # a DFlash drafter under a draft window
-    batch: bool  # in-flight batching (runtime/batched.py)
+    batch: bool  # in-flight batching (runtime/decode.py): a target per sequence
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
@@ -172,12 +165,8 @@ def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
 
 
 def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
-    """Why `mode` (one the engine runs) cannot run batched, or None if it can."""
-    if mode.uses_drafter_model and drafting != "block":
-        return f"batched decoding runs block drafters (DFlash); {drafting}s run one sequence " \
-               f"at a time (batched {drafting}s are not written yet)"
-    if mode.per_sequence:
-        return "n-gram lookup, draft windows and swapped scalings run one sequence at a time"
+    """Why `mode` (one the engine runs) cannot run batched, or None if it can: every mode
+    batches (runtime/decode.py) where the backend holds a target per sequence."""
     if not BACKENDS[backend].batch:
         batching = [n for n, c in BACKENDS.items() if c.batch and not c.own_loop]
         return f"batched decoding runs on the {' and '.join(batching)} backends, not " \

@@ -11,9 +11,9 @@ from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
-from runtime.batched import BatchedDecoder, Request, generate_batch
+from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_block, generate_target_only
+from runtime.speculative import batch_decoder, generate_batch, generate_block, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens
@@ -87,7 +87,7 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     target, drafter = tiny_pair(3, vocab=12, block=4)
     t, d = batched(target, drafter, SCALING)
     prompts = [[1, 2], list(range(1, 12)), [5] * 30]
-    decoder = BatchedDecoder(t, d)
+    decoder = batch_decoder(t, d)
     for p in prompts:
         decoder.add(Request(p, 20))
     monkeypatch.setattr(KVCache, "attend_block", recording)
@@ -116,7 +116,7 @@ def test_batched_drafter_call_equals_separate_single_sequence_calls():
         d.reset(64)
         d.draft(f, 0)
         want.append(d.draft(new, bonus))
-        batch.add(64, f)
+        batch.add(64, f, 0)
     logits, visible = batch.draft(news, [5, 6, 7])
     assert visible.tolist() == [w[1] for w in want] == [3 + 1 + 4, 17 + 4 + 4, 40 + 2 + 4]
     for i, (w, _) in enumerate(want):
@@ -145,7 +145,7 @@ def test_batched_speculative_sampling_preserves_the_target_distribution():
     first_step = Counter()
     t, d = batched(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     for i in range(draws // 4):
-        decoder = BatchedDecoder(t, d)
+        decoder = batch_decoder(t, d)
         seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 8 + j)))
                 for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3], prompt, [2], prompt, prompt])]
         while decoder.active:

@@ -21,7 +21,8 @@ def test_bench_batch_reports_mal_and_throughput_batched_and_one_at_a_time(tiny_e
     result = json.loads(out.read_text())
     assert result["batch"] == 3 and result["contexts"] == [16, 160, 16]
     rows = {r["mode"]: r for r in result["rows"]}
-    assert list(rows) == ["target", "frozen", "sharpdraft"]
+    # every mode the engine lists batches, in the table's order
+    assert list(rows) == ["target", "ngram", "frozen", "sharpdraft", "hybrid", "frozen-hybrid"]
     for mode, row in rows.items():
         assert row["tok_s_batched"] > 0 and row["tok_s_one_at_a_time"] > 0
         assert row["identical_to_one_at_a_time"] == [True] * 3  # greedy: batching changes nothing

@@ -89,8 +89,6 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
     with pytest.raises(EngineError) as err:  # built for torch: no graphs to run
         Engine(tree_engine, backend="onnxruntime")
     assert "holds no ONNX graphs" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(EngineError, match="one sequence at a time"):
-        Engine(tree_engine).batch_decoder("sharpdraft")
     capsys.readouterr()
     assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
                  str(eagle3_checkpoint), "--backend", "tensorrt", "--output", str(tmp_path / "o")) == 2
@@ -103,10 +101,10 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
-    """bench runs speculative_loop(engine) over a PrefillOnce target: a tree
+    """bench runs run_mode over a PrefillOnce target: a tree
     verified there (near the end of its budget too) decodes what target-only does."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import speculative_loop
+    from runtime.engine import run_mode
     from runtime.sampling import Sampler
     from runtime.speculative import generate_target_only
 
@@ -114,7 +112,7 @@ def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
     prompt = engine.encode("class Node:\n    def __init__(self")
     once = PrefillOnce(engine.target, prompt, len(prompt) + 16)
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
-    got = speculative_loop(engine)(once, engine.drafter(), prompt, 16, Sampler())
+    got = run_mode(engine, once, engine.mode_for(), prompt, 16, Sampler())
     assert got.tokens == want and got.verify_steps < 16
 
 

@@ -207,18 +207,18 @@ def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target
 
 
 def test_the_commands_loop_replays_one_prefill_and_grows_the_cache_for_a_late_tree(tree_engine):
-    """bench runs speculative_loop(engine) over a PrefillOnce target: on
+    """bench runs run_mode over a PrefillOnce target: on
     ONNX Runtime a tree verified near the end of the budget outgrows the bound buffers,
     which are rebuilt and rebound (as KVCache.reserve grows torch's), and the tokens stay
     target-only's."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import speculative_loop
+    from runtime.engine import run_mode
     from runtime.speculative import generate_target_only
 
     engine = Engine(tree_engine)
     prompt = engine.encode(tiny.stdlib_text())[:40]
     once = PrefillOnce(engine.target, prompt, len(prompt) + 16)
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
-    got = speculative_loop(engine)(once, engine.drafter(), prompt, 16, Sampler())
+    got = run_mode(engine, once, engine.mode_for(), prompt, 16, Sampler())
     assert got.tokens == want and got.verify_steps < 16
     assert engine.target.cache.capacity > len(prompt) + 16  # a late tree grew it

@@ -47,8 +47,6 @@ def test_each_mode_is_one_distinct_combination_of_its_parts():
 def test_the_predicates_split_the_modes_as_documented():
     assert {m.value for m in Mode if m.scaled} == {"preset", "sharpdraft", "hybrid"}
     assert {m.value for m in Mode if m.ngram_assist} == {"hybrid", "frozen-hybrid", "window-hybrid"}
-    assert {m.value for m in Mode if m.per_sequence} == {
-        "ngram", "window", "preset", "hybrid", "frozen-hybrid", "window-hybrid"}
     assert {m.value for m in Mode if m.study} == {"preset"}
     assert [m.value for m in modes.SCALED] == ["preset", "sharpdraft"]
 
@@ -66,10 +64,12 @@ def test_a_refusal_is_one_line_naming_what_would_work(mode, drafting, backend, n
 
 
 def test_batching_follows_the_table():
-    assert modes.batch_refusal(Mode.SHARPDRAFT, "block", "onnxruntime") is None
-    assert modes.batch_refusal(Mode.TARGET, "tree", "torch") is None
-    assert "block drafters" in modes.batch_refusal(Mode.SHARPDRAFT, "chain", "torch")
-    assert "one sequence at a time" in modes.batch_refusal(Mode.HYBRID, "block", "torch")
+    """Every mode and family batches (one loop); only a backend that holds one target
+    (TensorRT plans) does not."""
+    for mode in Mode:
+        for drafting in ("block", "chain", "tree", None):
+            assert modes.batch_refusal(mode, drafting, "onnxruntime") is None
+            assert modes.batch_refusal(mode, drafting, "torch") is None
     assert "torch and onnxruntime" in modes.batch_refusal(Mode.TARGET, "block", "tensorrt")
 
 

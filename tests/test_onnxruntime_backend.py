@@ -101,16 +101,14 @@ def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdr
 def test_window_modes_run_the_recorded_window_on_either_backend(mode, native_engine,
                                                                 native_ort_engine):
     """build_engine.py --draft-window records the window modes' window; both backends run
-    them (alone, or assisted by n-gram lookup), token-identical to target-only; batched
-    decoding does not offer them."""
-    from runtime.engine import engine_modes_batched
-
+    them (alone, or assisted by n-gram lookup), token-identical to target-only, and batch
+    them (one windowed drafter per row)."""
     torch_side = Engine(native_engine, backend="torch")
     prompt = text_prompt(torch_side, 300)
     runs = {}
     for engine in (native_ort_engine, torch_side):
         assert engine.draft_window == 48 and mode in engine.modes
-        assert mode not in engine_modes_batched(engine)
+        assert engine.batch_refusal(engine.check_mode(mode)) is None
         runs[engine.backend] = engine.generate(prompt, NEW_TOKENS, mode, stop=False)
     target = native_ort_engine.generate(prompt, NEW_TOKENS, "target", stop=False)
     assert runs["onnxruntime"].tokens == runs["torch"].tokens == target.tokens

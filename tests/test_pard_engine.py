@@ -151,11 +151,16 @@ def test_bench_diagnose_and_calibrate_run_on_a_pard_engine(pard_torch_engine, do
     assert len(json.loads((tmp_path / "c.json").read_text())["grid"]) == 2
 
 
-def test_what_pard_engines_cannot_do_yet_is_one_line(pard_torch_engine, capsys):
+def test_pard_engines_batch_and_say_what_they_cannot_time(pard_torch_engine, capsys, tmp_path):
+    out = tmp_path / "batch.json"
     code = run(runtime_main, ["bench", "--engine-dir", str(pard_torch_engine), "--lengths", "16",
-                              "--new-tokens", "4", "--batch", "2", "--docs", __file__])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1].startswith("error: ") and "one sequence at a time" in err[-1]
+                              "40", "--new-tokens", "4", "--batch", "2", "--docs", __file__,
+                              "--repeats", "1", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"target", "ngram", "frozen", "sharpdraft"}
+    assert all(r["identical_to_one_at_a_time"] == [True, True] for r in rows)
+    capsys.readouterr()
     code = run(runtime_main, ["overhead", "--engine-dir", str(pard_torch_engine)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "not timed by it yet" in err[0]

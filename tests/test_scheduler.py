@@ -99,9 +99,8 @@ def test_a_full_queue_refuses_the_request(engine):
 
 
 @pytest.fixture(scope="module", params=["pard", "eagle3"])
-def one_at_a_time_engine(request, tmp_path_factory, tiny_target):
-    """A PARD chain engine and an EAGLE-3 tree engine: batched chains and trees are not
-    written, so a batching server must still serve them, one request at a time."""
+def chain_or_tree_engine(request, tmp_path_factory, tiny_target):
+    """A PARD chain engine and an EAGLE-3 tree engine."""
     import build_engine
     import tiny
 
@@ -115,18 +114,28 @@ def one_at_a_time_engine(request, tmp_path_factory, tiny_target):
     return Engine(out)
 
 
-def test_chain_and_tree_engines_are_served_one_request_at_a_time(one_at_a_time_engine):
-    engine = one_at_a_time_engine
+def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
+    """The one loop batches every family: chains and trees share steps too."""
+    engine = chain_or_tree_engine
     scheduler = StepScheduler(engine, max_batch=4)
-    jobs = list(zip(prompts([7, 60, 25]), [12, 6, 9], ["sharpdraft", "frozen", "target"]))
+    seen = []
+    step = type(engine.batch_decoder("sharpdraft")).step
+
+    def counting_step(decoder):
+        seen.append(len(decoder.active))
+        return step(decoder)
+
+    jobs = list(zip(prompts([7, 60, 25]), [12, 6, 9], ["sharpdraft", "sharpdraft", "frozen"]))
     outcomes = [Outcome() for _ in jobs]
     try:
-        for outcome, (ids, n, mode) in zip(outcomes, jobs):
-            scheduler.submit(outcome.job(ids, n, mode))
-        assert all(o.finished.wait(120) for o in outcomes)
-        assert scheduler.decoders["sharpdraft"] is None  # no batch decoder: one at a time
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(type(engine.batch_decoder("sharpdraft")), "step", counting_step)
+            for outcome, (ids, n, mode) in zip(outcomes, jobs):
+                scheduler.submit(outcome.job(ids, n, mode))
+            assert all(o.finished.wait(120) for o in outcomes)
     finally:
         scheduler.close()
+    assert max(seen) > 1  # the two sharpdraft jobs shared steps
     for outcome, (ids, n, mode) in zip(outcomes, jobs):
         assert outcome.error is None
         alone = engine.generate(ids, n, mode)
@@ -134,9 +143,10 @@ def test_chain_and_tree_engines_are_served_one_request_at_a_time(one_at_a_time_e
         assert alone.tokens == engine.generate(ids, n, "target").tokens  # lossless
 
 
-def test_a_mode_that_does_not_batch_runs_beside_a_batch(engine):
-    """n-gram lookup and hybrid run one request at a time; before this was fixed, the
-    first such request stopped the scheduler's thread and every later request hung."""
+def test_every_mode_runs_beside_the_others(engine):
+    """Each mode steps its own batch; n-gram lookup and hybrid beside the drafter modes
+    (before the one loop they ran one request at a time, and once the first such request
+    stopped the scheduler's thread and every later request hung)."""
     scheduler = StepScheduler(engine, max_batch=4)
     jobs = list(zip(prompts([30, 12, 40, 9]), [10, 6, 8, 5], ["ngram", "sharpdraft", "hybrid", "frozen"]))
     outcomes = [Outcome() for _ in jobs]

@@ -1,7 +1,8 @@
 """One small interface, several engines (torch, onnxruntime, tensorrt; trtllm engines
 are configuration that TensorRT-LLM runs itself: runtime/trtllm.py).
 
-The speculative loops in runtime/speculative.py only see these roles:
+The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
+these roles:
 
   Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
            verify(ids)            -> (logits [t, vocab], features [t, F])
@@ -38,17 +39,24 @@ The speculative loops in runtime/speculative.py only see these roles:
            max_drafts             -- the most drafts one call makes (K)
            scaling
 
-The batched executor (runtime/batched.py) sees the same two roles over a batch of
-sequences at different lengths, one row each; a sequence joins as the last row and
-leaves from any row, between steps:
+The loop runs over a batch of sequences at different lengths, one row each; a sequence
+joins as the last row and leaves from any row, between steps. Batched roles (torch and
+ONNX Runtime run them fused; RowTargets / RowBlockDrafters below make them of
+single-sequence roles, one per row -- how trees, chains, a batch of one and backends
+without batched graphs run):
 
   BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
                 verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
                 rollback(lengths)   -- each sequence's committed length
                 remove(row)
+                verify_trees(trees) -> [(logits, features)] per row; keep_paths(paths)
+                                    -- RowTargets only (each row's tree under its own mask)
   BatchBlockDrafter:
-                add(capacity, context [c, F]) -- the prompt's features, ingested at once
+                add(capacity, context [c, F], last) -> the features its first draft() must
+                                    pass (what it left unread); last: the prompt's last token
                 draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
+                                    -- a row that sits the step out passes an empty context
+                                    (its logits are not read; RowBlockDrafters skips it)
                 remove(row); scaling; vocab (as BlockDrafter's)
 """
 
@@ -179,7 +187,9 @@ class BatchBlockDrafter(Protocol):
     scaling: QueryScaling | None
     vocab: DraftVocab | None
 
-    def add(self, capacity: int, context: torch.Tensor) -> None: ...
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        """Ingest a new row's prompt features (`last`: the prompt's last token); returns
+        the features its first draft() must pass (what it left unread)."""
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 

@@ -515,13 +515,14 @@ class OnnxBatchDFlash:
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
 
-    def add(self, capacity: int, context: torch.Tensor) -> None:
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.single.reset(capacity + self.block_size)
-        self.single.draft(context, self.mask_token_id)  # the block is scratch: only the context stays
+        self.single.draft(context, last)  # the block is scratch: only the context stays
         rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
         held = self.cache.capacity if self.cache is not None else 0
         self._rebuild(max(held, self.single.cache.capacity), rows)
         self.lengths.append(self.single.cache.length)
+        return context[:0]
 
     def _rows(self):
         if self.cache is None:
@@ -629,10 +630,11 @@ class BoundBatchDFlash(BoundRows):
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.lengths: list[int] = []
 
-    def add(self, capacity: int, context: torch.Tensor) -> None:
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.single.reset(capacity)
-        self.single.draft(context, self.mask_token_id)  # the block is scratch: the context stays
+        self.single.draft(context, last)  # the block is scratch: the context stays
         self._join(self.single.cache)
+        return context[:0]
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
         context, context_lens = padded_context(contexts)
@@ -683,8 +685,12 @@ class OnnxEngine:
         self.vocab = read_draft_vocab(engine_dir, record)
         self.drafter_family = manifest.drafter
         self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
-        self.target = OnnxTarget(self.sessions["target_kv"], int(manifest.extra["max_seq_len"]),
-                                 self.sessions.get("target_tree"))
+        self.context_limit = int(manifest.extra["max_seq_len"])
+        self.target = self.new_target()
+
+    def new_target(self) -> OnnxTarget:
+        """A target with its own cache over the shared sessions (one per sequence)."""
+        return OnnxTarget(self.sessions["target_kv"], self.context_limit, self.sessions.get("target_tree"))
 
     def _drafter_graph(self, sharpdraft: bool):
         """(session, scaling, in place) of the SharpDraft or the frozen drafter."""

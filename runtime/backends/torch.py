@@ -161,10 +161,11 @@ class TorchBatchDFlash:
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
         self.cache = drafter.new_cache(0, batch=0, per_sequence=True)
 
-    def add(self, capacity: int, context: torch.Tensor) -> None:
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.single.reset(capacity)
-        self.single.draft(context, self.mask_token_id)  # the block is scratch: only the context stays
+        self.single.draft(context, last)  # the block is scratch: only the context stays
         self.cache.join(self.single.cache)
+        return context[:0]
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):

@@ -263,9 +263,7 @@ def run(args) -> int:
     paths = args.docs or default_documents("eval", args.max_docs)
     docs = tokenized(engine.encode, paths, max(args.lengths))
     if args.batch is not None:
-        if args.modes:
-            raise UsageError("--modes is for one-at-a-time runs; --batch runs every mode it can batch")
-        return run_batch(args, engine, docs, sampling)
+        return run_batch(args, engine, docs, sampling, modes)
     progress(f"bench: {len(docs)} document(s) {[name for name, _ in docs]}, lengths "
              f"{args.lengths}, {args.new_tokens} new tokens, modes {[str(m) for m in modes]}, "
              f"{args.repeats} interleaved repeat(s), backend {engine.backend}")
@@ -322,11 +320,14 @@ def write_result(result: dict, where: str | None) -> None:
         progress(f"wrote {where}")
 
 
-def run_batch(args, engine, docs, sampling) -> int:
+def run_batch(args, engine, docs, sampling, modes) -> int:
     from runtime.commands import bench_batch
-    from runtime.engine import engine_modes_batched
+    from runtime.engine import EngineError
 
-    modes = list(engine_modes_batched(engine))
+    why = next((w for m in modes if (w := engine.batch_refusal(m))), None)
+    if why:
+        raise EngineError(f"{engine.dir}: {why}")
+    modes = list(modes)
     requests = bench_batch.batch_requests(docs, args.lengths, args.batch, args.new_tokens, sampling)
     progress(f"bench --batch {args.batch}: contexts {[len(q.prompt) for q in requests]}, "
              f"{args.new_tokens} new tokens each, modes {[str(m) for m in modes]}, {args.repeats} interleaved "

@@ -1,5 +1,5 @@
 """`python -m runtime bench --batch B`: B sequences of different context lengths decoded
-together by the in-flight batching executor (runtime/batched.py), frozen drafter versus
+together by the in-flight batching executor (runtime/decode.py), frozen drafter versus
 SharpDraft (and target-only), against the same B requests decoded one at a time.
 
 Sequence i takes the first lengths[i % len(lengths)] tokens of document i % documents,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from runtime.batched import Request
+from runtime.decode import Request
 from runtime.metrics import pooled_mean_accepted_length
 from runtime.modes import Mode
 

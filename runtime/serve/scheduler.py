@@ -4,8 +4,8 @@ and leave when done, cancelled or failed -- alone, the others run on.
 
 One thread owns the engine and runs the loop; the Triton model (model.py) only submits
 jobs and sends what the callbacks hand it. Pure Python, so it is tested without a server.
-Requests in a mode that cannot batch (n-gram lookup), or on a backend that cannot
-(tensorrt), run one at a time on the same thread.
+Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
+batch (tensorrt) requests run one at a time on the same thread.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from typing import Callable
 
-from runtime.batched import Request
+from runtime.decode import Request
 
 
 class QueueFull(RuntimeError):
@@ -43,7 +43,7 @@ class StepScheduler:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.waiting: collections.deque[Job] = collections.deque()
-        self.decoders: dict[str, object] = {}  # mode -> BatchedDecoder
+        self.decoders: dict[str, object] = {}  # mode -> its Decoder
         self.jobs: dict[int, Job] = {}  # id(Sequence) -> its job
         self.wake = threading.Condition()
         self.stopping = False
@@ -66,7 +66,7 @@ class StepScheduler:
 
     @property
     def running(self) -> int:
-        # None: a mode that runs one request at a time (chains, trees, n-gram lookup)
+        # None: a backend that runs one request at a time (tensorrt)
         return sum(len(d.active) for d in self.decoders.values() if d is not None)
 
     def _decoder(self, mode: str):

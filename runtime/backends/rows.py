@@ -1,0 +1,86 @@
+"""Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter) made of
+single-sequence ones, one per row: how the decode loop runs a batch of one on any target,
+trees (each row under its own mask), chains, and drafters with no batched graph. Rows run
+one after another; their outputs are padded as the batched roles' are."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowTargets:
+    """A BatchTarget over one single-sequence Target per row, made by `make()` (for a
+    batch of one, the caller's target: a generate costs one single-sequence call)."""
+
+    def __init__(self, make, context_limit: int):
+        self.make, self.context_limit = make, context_limit
+        self.rows: list = []
+
+    def add(self, ids: list[int], capacity: int):
+        target = self.make()
+        result = target.prefill(ids, capacity)
+        self.rows.append(target)
+        return result
+
+    def verify(self, rows: list[list[int]]):
+        results = [target.verify(ids) for target, ids in zip(self.rows, rows)]
+        logits = stack_padded([r[0] for r in results])
+        features = None if results[0][1] is None else stack_padded([r[1] for r in results])
+        return logits, features
+
+    def rollback(self, lengths: list[int]) -> None:
+        for target, length in zip(self.rows, lengths):
+            target.rollback(length)
+
+    def remove(self, row: int) -> None:
+        self.rows.pop(row)
+
+    def verify_trees(self, trees: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [target.verify_tree(tree) for target, tree in zip(self.rows, trees)]
+
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        for target, path in zip(self.rows, paths):
+            target.keep_path(path)
+
+
+def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[t_i, ...] per row -> [b, max t_i, ...], zeros past each row's own (never read)."""
+    if len(rows) == 1:
+        return rows[0][None]
+    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
+    for i, r in enumerate(rows):
+        out[i, :r.shape[0]] = r
+    return out
+
+
+class RowBlockDrafters:
+    """A BatchBlockDrafter over one single-sequence BlockDrafter per row, made by
+    `make()`: drafters with no batched form (a draft window, a swapped scaling,
+    TensorRT) and a batch of one. A row whose context is empty this step does not draft
+    (its logits are zeros, never read)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.spare = make()  # the first row's; its attributes describe them all
+        self.scaling, self.vocab = self.spare.scaling, self.spare.vocab
+        self.block_size = self.spare.block_size
+        self.rows: list = []
+
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        drafter, self.spare = self.spare or self.make(), None
+        drafter.reset(capacity)
+        if len(context) > 1:  # all but the last row now; the block drafted is scratch
+            drafter.draft(context[:-1], last)
+            context = context[-1:]
+        self.rows.append(drafter)
+        return context
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        drafted = [d.draft(c, b) if len(c) else None
+                   for d, c, b in zip(self.rows, contexts, bonuses)]
+        like = next(r[0] for r in drafted if r is not None)
+        logits = stack_padded([r[0] if r else like.new_zeros(like.shape) for r in drafted])
+        return logits, torch.tensor([r[1] if r else 0 for r in drafted], dtype=torch.long)
+
+    def remove(self, row: int) -> None:
+        self.rows.pop(row)

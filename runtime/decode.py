@@ -1,0 +1,307 @@
+"""The decode loop: one loop over a batch of sequences, for every mode and drafter family.
+A single `generate` is a batch of one.
+
+A step: the proposer drafts for every row (runtime/proposers.py: none, n-gram lookup,
+DFlash blocks with or without n-gram assist, PARD / EAGLE-3 chains, EAGLE-3 trees); the
+target verifies every row in one pass (rows of [last token, *drafts], or each row's tree
+under its mask); each row's sampler keeps the longest acceptable prefix plus the target's
+own next token (greedy: its argmax; sampling: rejection sampling, lossless); the caches
+roll back to what was committed; the step is recorded. Each sequence keeps its own
+length (so its own N and beta), sampler, stop tokens, budget and draft policy; sequences
+join between steps (prefilled alone, then a row) and leave when done.
+
+How many drafts to verify and whether the drafter runs at all are one policy object per
+sequence (DraftPolicy: a no-op; MeasuredPolicy: from the engine's measured step costs).
+It reads the context and past steps' outcomes, never the verdict on the step it shapes,
+so decoding stays lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from runtime.metrics import Generation
+from runtime.sampling import Sampler, Sampling, greedy_choice
+from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
+
+OnTokens = Callable[[list[int]], None]
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_ids: frozenset = frozenset()
+    on_tokens: OnTokens | None = None  # raise to leave the batch (a cancelled stream)
+    sampler: Sampler | None = None  # a seeded sampler of the caller's; default: from sampling
+
+
+class DraftPolicy:
+    """The no-op policy: verify every draft offered, run the drafter every step."""
+
+    def lookup_drafts(self, offered: int, strong: bool, context: int) -> int:
+        return offered
+
+    def use_drafter(self, context: int) -> bool:
+        return True
+
+    def trim(self, drafts: list[int], logits: torch.Tensor, probs, sampler: Sampler,
+             context: int) -> list[int]:
+        return drafts
+
+    def update(self, way: str, strong: bool, offered: int, verified: int, accepted: int) -> None:
+        pass
+
+
+class MeasuredPolicy(DraftPolicy):
+    """Choices priced by the step costs measured at build time (runtime/step_costs.py):
+    the drafter's drafts are cut where their confidence, scaled by how often drafts were
+    accepted so far (AcceptanceRecord), no longer pays for a wider verify; the drafter
+    sits a step out where it does not beat a plain decode step, and a lookup's drafts
+    are cut by their own record (HybridChoice)."""
+
+    def __init__(self, costs: StepCosts):
+        self.costs = costs
+        self.record = AcceptanceRecord()
+        self.choice = HybridChoice(costs)
+        self.confidence: list[float] = []  # of the drafts this step's drafter offered
+
+    def lookup_drafts(self, offered: int, strong: bool, context: int) -> int:
+        return self.choice.lookup_drafts(offered, strong, context)
+
+    def use_drafter(self, context: int) -> bool:
+        return self.choice.use_drafter(context)
+
+    def trim(self, drafts, logits, probs, sampler, context):
+        self.confidence = sampler.confidence(logits[:len(drafts)], probs)
+        return drafts[:choose_draft_count(self.record.calibrate(self.confidence), context, self.costs)]
+
+    def update(self, way, strong, offered, verified, accepted):
+        if way == "drafter":
+            self.record.update(self.confidence, verified, accepted)
+        self.choice.update(way, strong, offered, verified, accepted)
+
+
+def policy_for(costs: StepCosts | None) -> Callable[[], DraftPolicy]:
+    return (lambda: MeasuredPolicy(costs)) if costs is not None else DraftPolicy
+
+
+@dataclasses.dataclass
+class Proposal:
+    """One row's drafts for a step. `way`: "drafter", "lookup" (one-hot drafts, or a plain
+    step where the drafter sat out) or None (no drafting this step); `visible`: N of the
+    drafter's first row, for the metrics; `tree`: drafts as a tree (EAGLE-3)."""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    probs: torch.Tensor | None = None  # q of each draft; None: greedy or one-hot
+    way: str | None = None
+    strong: bool = False  # a lookup after a 2+-token match
+    offered: int = 0  # lookup drafts found, before the policy cut them
+    visible: int | None = None
+    tree: object = None
+
+
+@dataclasses.dataclass
+class Sequence:
+    """A request in the batch."""
+    request: Request
+    budget: int
+    sampler: Sampler
+    gen: Generation
+    committed: int  # tokens in the target's cache; gen.tokens[-1] is not yet
+    policy: DraftPolicy = dataclasses.field(default_factory=DraftPolicy)
+    drafting: object = None  # the proposer's state for this row
+    done: bool = False
+    error: str | None = None
+    failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
+    started: float = 0.0
+
+    @property
+    def room(self) -> int:
+        """Drafts this step may add: the step also commits the target's own token."""
+        return self.budget - len(self.gen.tokens) - 1
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole context: prompt and what was committed."""
+        return self.request.prompt + self.gen.tokens
+
+
+def check_budget(context_limit: int, prompt: list[int], max_new_tokens: int) -> int:
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    room = context_limit - len(prompt)
+    if room < 1:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the target's context holds "
+                         f"{context_limit}")
+    return min(max_new_tokens, room)
+
+
+class Decoder:
+    """target: a batch target (runtime/backends/__init__.py: BatchTarget); proposer: how
+    rows draft (runtime/proposers.py); policy: makes each sequence's DraftPolicy; slack:
+    cache room past a sequence's budget, for the scratch keys of a verify row padded to
+    the batch's longest (batched targets)."""
+
+    def __init__(self, target, proposer, policy: Callable[[], DraftPolicy] = DraftPolicy,
+                 slack: int = 0):
+        self.target, self.proposer, self.policy, self.slack = target, proposer, policy, slack
+        self.active: list[Sequence] = []
+
+    def add(self, request: Request) -> Sequence:
+        """Prefill a request and make it a row of the batch (from the next step on). Bad
+        input (empty or over-long prompt, bad budget, a mode that cannot sample) raises
+        ValueError for it alone."""
+        prompt = request.prompt
+        budget = check_budget(self.target.context_limit, prompt, request.max_new_tokens)
+        sampler = request.sampler or Sampler(request.sampling)
+        self.proposer.check(sampler)
+        seq = Sequence(request, budget, sampler, Generation(len(prompt)), len(prompt),
+                       self.policy(), started=time.perf_counter())
+        with seq.gen.timed("prefill"):
+            logits, features = self.target.add(prompt, len(prompt) + budget + self.slack)
+            try:
+                self.proposer.add(seq, features)
+            except Exception:
+                self.target.remove(len(self.active))  # the row the target just added
+                raise
+            self.active.append(seq)
+        seq.done = self._commit(seq, [seq.sampler.pick(logits)])
+        self._leave_finished()
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One draft + verify step of every active sequence; returns those that finished."""
+        batch = self.active
+        if not batch:
+            return []
+        with self._timed(batch, "draft"):
+            proposals = self.proposer.propose(batch)
+        with self._timed(batch, "verify"):
+            if self.proposer.drafts_trees:
+                outcomes = self._verify_trees(batch, proposals)
+            else:
+                outcomes = self._verify_rows(batch, proposals)
+        for s, p, (new, features) in zip(batch, proposals, outcomes):
+            if p.way is not None:
+                s.policy.update(p.way, p.strong, p.offered, len(p.tokens), len(new) - 1)
+            s.committed += len(new)
+            self.proposer.accept(s, p, new, features)
+            s.gen.step(verified=len(p.tree) - 1 if p.tree is not None else len(p.tokens),
+                       committed=len(new))
+            if p.way == "lookup":
+                s.gen.ngram_steps += 1
+            if p.visible is not None:
+                s.gen.visible_per_step.append(p.visible)
+                scaling = self.proposer.scaling
+                s.gen.beta_per_step.append(scaling.beta(p.visible) if scaling else 1.0)
+            s.done = self._commit(s, new)
+        finished = [s for s in batch if s.done]
+        self._leave_finished()
+        return finished
+
+    def _verify_rows(self, batch, proposals):
+        """[last token, *drafts] per row in one pass -> (committed tokens, their features)."""
+        logits, features = self.target.verify([[s.gen.tokens[-1]] + p.tokens
+                                               for s, p in zip(batch, proposals)])
+        outcomes = []
+        for i, (s, p) in enumerate(zip(batch, proposals)):
+            n = len(p.tokens)
+            if not n:  # a plain decode step
+                accepted, following = 0, s.sampler.pick(logits[i, 0])
+            elif p.way == "lookup":  # one-hot drafts
+                accepted, following = s.sampler.verify_deterministic(p.tokens, logits[i, :n + 1])
+            else:
+                accepted, following = s.sampler.verify(p.tokens, logits[i, :n + 1], p.probs)
+            kept = None if features is None else features[i, :accepted + 1]
+            outcomes.append((p.tokens[:accepted] + [following], kept))
+        self.target.rollback([s.committed + len(new) for s, (new, _) in zip(batch, outcomes)])
+        return outcomes
+
+    def _verify_trees(self, batch, proposals):
+        """Every node of each row's tree in one pass; the longest path of the target's own
+        argmax is kept, plus its next token (greedy: trees verify greedily)."""
+        results = self.target.verify_trees([p.tree for p in proposals])
+        outcomes, paths = [], []
+        for p, (logits, features) in zip(proposals, results):
+            path, token = p.tree.greedy_path(greedy_choice(logits).tolist())
+            paths.append(path)
+            outcomes.append(([p.tree.tokens[i] for i in path[1:]] + [token], features[path]))
+        self.target.keep_paths(paths)
+        return outcomes
+
+    @contextmanager
+    def _timed(self, batch: list[Sequence], phase: str):
+        """A phase of the batch's step, charged to every sequence in it (its latency)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            for s in batch:
+                s.gen.seconds[phase] += elapsed
+
+    def _commit(self, seq: Sequence, new: list[int]) -> bool:
+        """Append committed tokens, cutting at a stop token; True when the sequence ends."""
+        req, gen = seq.request, seq.gen
+        for i, token in enumerate(new):
+            if token in req.stop_ids:
+                new = new[: i + 1]
+                gen.stopped_by = "stop_token"
+                break
+        gen.tokens.extend(new)
+        try:
+            if req.on_tokens:
+                req.on_tokens(new)
+        except Exception as exc:  # its stream failed or was cancelled: it leaves, alone
+            seq.failure, seq.error = exc, str(exc) or type(exc).__name__
+            return True
+        return gen.stopped_by == "stop_token" or len(gen.tokens) >= seq.budget
+
+    def _leave_finished(self) -> None:
+        now = time.perf_counter()
+        for row in reversed(range(len(self.active))):
+            seq = self.active[row]
+            if seq.done:
+                seq.gen.seconds["total"] = now - seq.started
+                self.active.pop(row)
+                self.target.remove(row)
+                self.proposer.remove(row)
+
+    def run(self, requests: list[Request], max_batch: int | None = None,
+            join_at: list[int] | None = None) -> list[Sequence]:
+        """Decode every request: each joins at step join_at[i] (default 0) once a row is
+        free (max_batch), and leaves when done. A request whose input is refused gets
+        its error and no tokens; the others run on."""
+        join_at = join_at or [0] * len(requests)
+        waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
+        out: list[Sequence | None] = [None] * len(requests)
+        step = 0
+        while waiting or self.active:
+            while waiting and join_at[waiting[0]] <= step and (
+                    max_batch is None or len(self.active) < max_batch):
+                i = waiting.pop(0)
+                try:
+                    out[i] = self.add(requests[i])
+                except ValueError as exc:
+                    out[i] = Sequence(requests[i], 0, None, Generation(len(requests[i].prompt)),
+                                      0, done=True, error=str(exc))
+            self.step()
+            step += 1
+        return out
+
+    def generate(self, request: Request) -> Generation:
+        """One request alone (a batch of one): its Generation, or what it raised."""
+        seq = self.add(request)
+        while not seq.done:
+            self.step()
+        if seq.failure is not None:
+            raise seq.failure
+        return seq.gen

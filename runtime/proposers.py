@@ -1,0 +1,238 @@
+"""How the rows of a batch draft, one class per drafting style (runtime/decode.py runs
+them all). Each keeps its per-row state on the Sequence (`seq.drafting`) and answers:
+
+  add(seq, features)        -- the drafter's prefill: the prompt's target features
+  propose(batch)            -> a Proposal per row
+  accept(seq, proposal, new, features) -- what the step committed (accepted drafts and
+                               the target's token) and the target's features of them
+  remove(row)               -- a sequence left the batch
+  check(sampler)            -- refuse (ValueError) a request it cannot decode
+  drafts_trees, scaling     -- verified as trees; the QueryScaling its drafter applies
+
+Block (DFlash): the drafter reads the target features of every token committed since it
+last ran and drafts a block [bonus, d1 .. d(k)] in one pass, for the whole batch in one
+call. With n-gram assist (hybrid), a row whose context ends in an n-gram of 2+ tokens
+seen before verifies the lookup's drafts instead and skips the drafter; its unread
+features wait for the drafter's next step, so the drafter's cache stays exact.
+
+Chain (PARD; EAGLE-3 with top_k 1): each row's drafter reads the tokens committed since
+its last step (and the target's features of them) and proposes up to K drafts.
+
+Tree (EAGLE-3): each row's drafter grows a tree of drafts below the last committed token
+(runtime/tree.py); the target verifies each tree under its mask and keeps one path.
+
+Lookup (n-gram): each row looks the context's last tokens up in the context itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from runtime.decode import Proposal, Sequence
+from runtime.ngram import NGramProposer
+from runtime.tree import DraftTree, TreeShape
+
+# Hybrid steps verify the lookup's drafts only when they follow a match of 2+ tokens: a
+# 1-token match is a weak guess, and there the drafter does better. Measured on the
+# default engine (one document, 64 new tokens, 512 / 4,096 tokens of context, one shared
+# 2-core machine): lookup on any match, MAL 1.80 / 1.91 (n-gram alone 1.80 / 1.85); on 2+
+# token matches, 2.25 / 1.97 and the fastest of the three. Running the drafter every step
+# to weigh its confidence against the lookup cost more than it bought (its step was a
+# third of a verify pass there), so the choice reads the lookup alone. Without such a
+# match and with measured costs, the drafter runs only where it pays (HybridChoice).
+LOOKUP_MIN_MATCH = 2
+
+
+class Proposer:
+    """Defaults: no drafter (every step a plain decode step), no per-row state."""
+
+    drafts_trees = False
+    scaling = None
+
+    def check(self, sampler) -> None:
+        pass
+
+    def add(self, seq: Sequence, features) -> None:
+        pass
+
+    def propose(self, batch: list[Sequence]) -> list[Proposal]:
+        return [Proposal() for _ in batch]
+
+    def accept(self, seq: Sequence, proposal: Proposal, new: list[int], features) -> None:
+        pass
+
+    def remove(self, row: int) -> None:
+        pass
+
+
+class NoDrafts(Proposer):
+    """Target-only decoding."""
+
+
+class Lookup(Proposer):
+    """N-gram lookup (prompt lookup decoding): one proposer per row indexes its context."""
+
+    def __init__(self, make: Callable[[], NGramProposer]):
+        self.make = make
+
+    def add(self, seq, features):
+        seq.drafting = self.make()
+
+    def propose(self, batch):
+        proposals = []
+        for s in batch:
+            drafts = s.drafting.propose(s.tokens)[:s.room]
+            proposals.append(Proposal(drafts, way="lookup", offered=len(drafts)))
+        return proposals
+
+
+@dataclasses.dataclass
+class BlockRow:
+    unread: list  # verified target features the drafter has not read yet
+    lookup: NGramProposer | None
+
+
+class Block(Proposer):
+    """DFlash blocks over a batch block drafter (runtime/backends: BatchBlockDrafter),
+    assisted by n-gram lookup when `lookup` makes a proposer per row."""
+
+    def __init__(self, drafter, lookup: Callable[[], NGramProposer] | None = None):
+        self.drafter, self.lookup = drafter, lookup
+        self.scaling = drafter.scaling
+
+    def add(self, seq, features):
+        # the drafter's own prefill, as serving engines run the draft model's prefill with
+        # the target's: otherwise the first step pays for the whole prompt
+        first = self.drafter.add(seq.budget + seq.committed, features, seq.request.prompt[-1])
+        seq.drafting = BlockRow([first], self.lookup() if self.lookup else None)
+
+    def remove(self, row):
+        self.drafter.remove(row)
+
+    def propose(self, batch):
+        proposals = []
+        for s in batch:
+            p, lookup = Proposal(), s.drafting.lookup
+            if lookup is not None:
+                offered = lookup.propose(s.tokens)[:s.room]
+                p.strong = bool(offered) and lookup.matched >= LOOKUP_MIN_MATCH
+                p.offered = len(offered)
+                p.tokens = offered[:s.policy.lookup_drafts(p.offered, p.strong, s.committed)]
+            # a lookup step: verify the lookup's drafts (maybe none: a plain decode step)
+            p.way = "lookup" if p.strong or not s.policy.use_drafter(s.committed) else "drafter"
+            proposals.append(p)
+        drafting = [p.way == "drafter" for p in proposals]
+        if not any(drafting):
+            return proposals
+        contexts = []
+        for s, drafts in zip(batch, drafting):
+            unread = s.drafting.unread
+            if drafts:  # rows that sit out keep their features for the drafter's next run
+                contexts.append(unread[0] if len(unread) == 1 else torch.cat(unread))
+                s.drafting.unread = []
+            else:
+                contexts.append(unread[0][:0])
+        logits, visible = self.drafter.draft(contexts, [s.gen.tokens[-1] for s in batch])
+        for i, (s, p) in enumerate(zip(batch, proposals)):
+            if drafting[i]:
+                row = logits[i, :s.room]
+                p.tokens, p.probs = s.sampler.propose(row, self.drafter.vocab)
+                p.tokens = s.policy.trim(p.tokens, row, p.probs, s.sampler, s.committed)
+                p.visible = int(visible[i])
+        return proposals
+
+    def accept(self, seq, proposal, new, features):
+        seq.drafting.unread.append(features)
+
+
+@dataclasses.dataclass
+class ChainRow:
+    drafter: object  # this row's chain drafter (its own cache)
+    unread: list[int]  # committed tokens before the newest that it has not read
+    features: torch.Tensor | None  # the target's features of the newest unread tokens
+
+
+class Chain(Proposer):
+    """Chains, one drafter per row (runtime/backends: ChainDrafter)."""
+
+    def __init__(self, make: Callable[[], object]):
+        self.make = make
+        self.scaling = None
+
+    def add(self, seq, features):
+        drafter = self.make()
+        self.scaling = drafter.scaling
+        prompt = seq.request.prompt
+        drafter.reset(seq.committed + seq.budget)
+        read = len(prompt) if len(prompt) > 1 else 0  # its prefill: all but the last feature row
+        if read:
+            drafter.read(prompt, None if features is None else features[:-1])
+            features = None if features is None else features[-1:]
+        seq.drafting = ChainRow(drafter, prompt[read:], features)
+
+    def propose(self, batch):
+        proposals = []
+        for s in batch:
+            row, p = s.drafting, Proposal()
+            if s.room > 0:  # no room: the last step is a plain decode step
+                draft = row.drafter.draft(row.unread + s.gen.tokens[-1:], row.features,
+                                          min(row.drafter.max_drafts, s.room), s.sampler)
+                p.tokens, p.probs, p.way = draft.tokens, draft.probs, "drafter"
+                p.tokens = s.policy.trim(p.tokens, draft.logits, p.probs, s.sampler, s.committed)
+                # N of the first draft row: the row whose acceptance every other one needs
+                p.visible = int(draft.visible[0])
+            proposals.append(p)
+        return proposals
+
+    def accept(self, seq, proposal, new, features):
+        seq.drafting.unread, seq.drafting.features = new[:-1], features
+
+
+@dataclasses.dataclass
+class TreeRow:
+    drafter: object
+    context: torch.Tensor  # the target's features of the tokens committed since its last step
+    following: list[int]  # the token after each context row, but the newest
+
+
+class Tree(Proposer):
+    """EAGLE-3's dynamic trees, one drafter per row (runtime/backends: TreeDrafter)."""
+
+    drafts_trees = True
+
+    def __init__(self, make: Callable[[], object], shape: TreeShape):
+        self.make, self.shape = make, shape
+        self.scaling = None
+
+    def check(self, sampler):
+        if not sampler.sampling.greedy:
+            raise ValueError("tree speculation verifies greedily; to sample, draft a chain "
+                             "(EAGLE-3: top_k 1, build_engine.py --tree-top-k 1)")
+
+    def add(self, seq, features):
+        drafter = self.make()
+        self.scaling = drafter.scaling
+        prompt = seq.request.prompt
+        drafter.reset(seq.committed + seq.budget)
+        if len(features) > 1:  # its prefill
+            drafter.read(prompt[1:], features[:-1])
+            features = features[-1:]
+        seq.drafting = TreeRow(drafter, features, prompt[len(prompt) - len(features) + 1:])
+
+    def propose(self, batch):
+        proposals = []
+        for s in batch:
+            row = s.drafting
+            if s.room > 0:
+                tree, visible = row.drafter.draft_tree(row.context, row.following + s.gen.tokens[-1:],
+                                                       self.shape.within(s.room))
+            else:
+                tree, visible = DraftTree.root_only(s.gen.tokens[-1]), None
+            proposals.append(Proposal(visible=visible, tree=tree))
+        return proposals
+
+    def accept(self, seq, proposal, new, features):
+        seq.drafting.context, seq.drafting.following = features, new[:-1]

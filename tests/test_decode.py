@@ -1,0 +1,121 @@
+"""The one decode loop at batch > 1, for every drafting style: each sequence of a batch
+(different prompts, budgets, stop tokens, join steps, some leaving early) decodes what it
+decodes alone -- greedy: target-only's tokens; seeded sampling: the same tokens as its
+own single-sequence run, whose law tests/test_speculative.py, test_pard.py and
+test_ngram.py check -- so the lossless properties hold batched too."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from tiers import examples
+
+import tiny
+from plugins.scaling import QueryScaling
+from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.backends.torch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchEagle3,
+                                    TorchPARD, TorchTarget)
+from runtime.decode import Decoder, Request, policy_for
+from runtime.ngram import NGramProposer
+from runtime.proposers import Block, Chain, Lookup, NoDrafts, Tree
+from runtime.sampling import Sampler, Sampling
+from runtime.speculative import decode_one, generate_target_only
+from runtime.step_costs import StepCosts
+from runtime.tree import TreeShape
+
+from test_eagle3 import eagle_pair
+from test_ngram import repetitive_prompt
+from test_speculative import tiny_pair
+
+SCALING = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
+STYLES = ["target", "ngram", "block", "hybrid", "block-rows", "pard", "eagle3-chain", "eagle3-tree"]
+SHAPE = TreeShape(3, 3, 10)
+COSTS = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0))
+
+
+def setup(style: str, seed: int, vocab: int):
+    """(single-sequence target maker, batch target, proposer maker) of a style on tiny
+    float64 models; block styles get the batched roles, the others one per row."""
+    if style in ("target", "ngram", "block", "hybrid", "block-rows"):
+        target, drafter = tiny_pair(seed, vocab, 4)
+        layers = drafter.config.target_layer_ids
+        single = lambda: TorchTarget(target, layers)  # noqa: E731
+        ngram = lambda: NGramProposer(3, 1, 3)  # noqa: E731
+        make = {"target": lambda: NoDrafts(), "ngram": lambda: Lookup(ngram),
+                "block": lambda: Block(TorchBatchDFlash(drafter, target, SCALING)),
+                "hybrid": lambda: Block(TorchBatchDFlash(drafter, target, SCALING), ngram),
+                "block-rows": lambda: Block(RowBlockDrafters(lambda: TorchDFlash(drafter, target, SCALING, 6)),
+                                            ngram)}[style]
+        batch = TorchBatchTarget(target, layers)
+        batch.context_limit = target.config.max_position_embeddings
+        return single, batch, make, 4
+    if style == "pard":
+        target, drafter = tiny.float64_target(seed, vocab), tiny.float64_pard(seed + 1, vocab)
+        single = lambda: TorchTarget(target)  # noqa: E731
+        make = lambda: Chain(lambda: TorchPARD(drafter, vocab, 3, SCALING))  # noqa: E731
+        batch = TorchBatchTarget(target)
+        batch.context_limit = target.config.max_position_embeddings
+        return single, batch, make, 4
+    target, drafter = eagle_pair(seed, vocab)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    single = lambda: TorchTarget(target, layers)  # noqa: E731
+    if style == "eagle3-chain":
+        make = lambda: Chain(lambda: TorchEagle3(drafter, SCALING, max_drafts=3))  # noqa: E731
+        batch = TorchBatchTarget(target, layers)
+        batch.context_limit = target.config.max_position_embeddings
+        return single, batch, make, 4
+    make = lambda: Tree(lambda: TorchEagle3(drafter, SCALING, SHAPE), SHAPE)  # noqa: E731
+    return single, RowTargets(single, target.config.max_position_embeddings), make, 0
+
+
+def requests_from(shapes, vocab, seed, sampling=None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, new, stop, repetitive) in enumerate(shapes):
+        prompt = (repetitive_prompt(seed + i, vocab, n) if repetitive
+                  else torch.randint(0, vocab, (n,), generator=g).tolist())
+        out.append(Request(prompt, new, sampling or Sampling(),
+                           frozenset({0}) if stop else frozenset()))
+    return out
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(style=st.sampled_from(STYLES), seed=st.integers(0, 10**6), vocab=st.sampled_from([6, 12]),
+       shapes=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 24), st.booleans(),
+                                 st.booleans()), min_size=2, max_size=4),
+       join=st.lists(st.integers(0, 4), min_size=4, max_size=4),
+       max_batch=st.sampled_from([None, 2]), adaptive=st.booleans())
+def test_every_style_batched_decodes_target_only_tokens(style, seed, vocab, shapes, join,
+                                                        max_batch, adaptive):
+    single, batch, make, slack = setup(style, seed, vocab)
+    requests = requests_from(shapes, vocab, seed)
+    decoder = Decoder(batch, make(), policy_for(COSTS if adaptive else None), slack)
+    got = decoder.run(requests, max_batch, join[:len(requests)])
+    for request, seq in zip(requests, got):
+        want = generate_target_only(single(), request.prompt, request.max_new_tokens, Sampler(),
+                                    request.stop_ids)
+        assert seq.gen.tokens == want.tokens, style
+
+
+@pytest.mark.parametrize("style", [s for s in STYLES if s != "eagle3-tree"])
+def test_seeded_sampling_is_the_same_batched_and_alone(style):
+    """Each sequence draws from its own seeded sampler, so its tokens do not depend on the
+    batch: the law tests of the single-sequence runs carry over."""
+    vocab = 12
+    single, batch, make, slack = setup(style, 5, vocab)
+    shapes = [(5, 16, False, True), (17, 12, False, False), (2, 16, True, True)]
+    requests = [Request(q.prompt, q.max_new_tokens, Sampling(0.8, 0.9, seed=i), q.stop_ids)
+                for i, q in enumerate(requests_from(shapes, vocab, 5))]
+    got = Decoder(batch, make(), policy_for(COSTS), slack).run(requests, join_at=[0, 1, 0])
+    for request, seq in zip(requests, got):
+        alone = decode_one(single(), make(), request.prompt, request.max_new_tokens,
+                           Sampler(request.sampling), request.stop_ids, costs=COSTS)
+        assert seq.gen.tokens == alone.tokens, style
+
+
+def test_a_tree_style_refuses_sampling_for_that_request_alone():
+    single, batch, make, _ = setup("eagle3-tree", 1, 12)
+    requests = [Request([1, 2, 3], 8), Request([1, 2], 8, Sampling(0.7, 1.0, seed=1)), Request([4], 8)]
+    got = Decoder(batch, make()).run(requests)
+    assert "verifies greedily" in got[1].error and not got[1].gen.tokens
+    for request, seq in zip([requests[0], requests[2]], [got[0], got[2]]):
+        assert seq.gen.tokens == generate_target_only(single(), request.prompt, 8, Sampler()).tokens
