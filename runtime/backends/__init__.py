@@ -62,7 +62,6 @@ without batched graphs run):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
 import torch
@@ -70,6 +69,8 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.sampling import DraftVocab
+# ChainDraft lives in its own module: a submodule import rebinds this package's `torch`
+from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below return it
 
 # what an engine can be built for, and what this runtime runs (tensorrt: on a GPU; trtllm
 # engines run in TensorRT-LLM's own loop): runtime/modes.py says what each can run
@@ -128,22 +129,6 @@ class BlockDrafter(Protocol):
     def reset(self, capacity: int) -> None: ...
 
     def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
-
-
-@dataclasses.dataclass
-class ChainDraft:
-    """What a chain drafter proposes in one call."""
-    tokens: list[int]
-    probs: torch.Tensor | None  # the distributions the tokens were drawn from; None: greedy
-    logits: torch.Tensor  # [k, vocab]
-    visible: torch.Tensor  # [k]: visible-key count of each draft row
-
-    @classmethod
-    def propose(cls, logits: torch.Tensor, visible: torch.Tensor, sampler) -> "ChainDraft":
-        """Drafts drawn from logits computed in one pass (PARD): each row's token from
-        its own row, by the sampler's rule."""
-        tokens, probs = sampler.propose(logits)
-        return cls(tokens, probs, logits, visible)
 
 
 class ChainDrafter(Protocol):

@@ -409,20 +409,12 @@ class OnnxEagle3:
         """As TorchEagle3.draft (the chain role): ingest, then k drafts, each link a tree
         level of one row that sees every earlier link."""
         logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
-        tokens, dists, rows, counts = [], [], [], []
-        for i in range(k):
-            token, q = sampler.propose(logits[None])
-            tokens += token
-            dists.append(q)
-            rows.append(logits)
-            counts.append(visible)
-            if i + 1 < k:  # the last draft needs no row of its own
-                out, state, n = self._level(token, hidden[None], np.ones((1, i), dtype=bool), i)
-                logits, hidden, visible = out[0], state[0], int(n[0])
-        probs = None if not dists or dists[0] is None else torch.cat(dists)
-        empty = logits.new_zeros((0, logits.shape[-1]))
-        return ChainDraft(tokens, probs, torch.stack(rows) if rows else empty,
-                          torch.tensor(counts, dtype=torch.long))
+
+        def step(token, hidden, i):
+            out, state, n = self._level(token, hidden[None], np.ones((1, i), dtype=bool), i)
+            return out[0], state[0], int(n[0])
+
+        return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
 
 
 class BoundRows:

@@ -234,27 +234,19 @@ class TorchEagle3:
 
     @torch.inference_mode()
     def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
-        """The chain role (EAGLE-3 with top_k = 1, speculative.generate_chain): ingest
+        """The chain role (EAGLE-3 with top_k = 1, runtime/proposers.py Chain): ingest
         `features` [c, F], each row paired with the token after it (the last c ids), then
         draft k tokens, each chosen by `sampler` (argmax, or drawn from the drafter's own
         distribution, which is then the q verification divides by) and fed back as the
         next row's token with the row's own state. The chain's rows are scratch."""
         logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
         committed = self.cache.length
-        tokens, dists, rows, counts = [], [], [], []
-        for i in range(k):
-            row = self.vocab.target_logits(logits)
-            token, q = sampler.propose(row[None])
-            tokens += token
-            dists.append(q)
-            rows.append(row)
-            counts.append(visible)
-            if i + 1 < k:  # the last draft needs no row of its own
-                x = torch.tensor([token], dtype=torch.long, device=hidden.device)
-                out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
-                logits, hidden, visible = out[0, -1], state[0, -1], int(n[0, -1])
+
+        def step(token, hidden, i):
+            x = torch.tensor([token], dtype=torch.long, device=hidden.device)
+            out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
+            return out[0, -1], state[0, -1], int(n[0, -1])
+
+        draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
         self.cache.rollback(committed)
-        probs = None if not dists or dists[0] is None else torch.cat(dists)
-        empty = logits.new_zeros((0, self.vocab.index.shape[0]))
-        return ChainDraft(tokens, probs, torch.stack(rows) if rows else empty,
-                          torch.tensor(counts, dtype=torch.long))
+        return draft
