@@ -12,22 +12,24 @@
 #       --concurrency "1 4 8" --requests 32 --osl 256 --out results/aiperf
 #
 # --modes: names sent as {"sharpdraft": {"mode": NAME}}; "default" sends none.
-# --input-file: a JSONL of {"text": PROMPT} (AIPerf's single_turn dataset) instead of
-# synthetic prompts of --isl tokens (then --isl only labels the runs).
+# --eval-prompts ENGINE_DIR: prompts of --isl tokens cut from the evaluation split with
+# that engine's tokenizer (scripts/aiperf_prompts.py), instead of AIPerf's synthetic ones.
+# --input-file: a JSONL of {"text": PROMPT} (AIPerf's single_turn dataset) for every run
+# (then --isl only labels the runs).
 set -euo pipefail
 
 AIPERF_VERSION=0.13.0
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="$ROOT/.cache/aiperf-venv"
 URL=http://127.0.0.1:9000 MODEL="" TOKENIZER="" MODES=default ISL=512 CONC="1 4 8"
-REQUESTS=32 OSL=256 OUT="$ROOT/results/aiperf" INPUT_FILE=""
+REQUESTS=32 OSL=256 OUT="$ROOT/results/aiperf" INPUT_FILE="" EVAL_ENGINE=""
 
 die() { echo "error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --url) URL="$2";; --model) MODEL="$2";; --tokenizer) TOKENIZER="$2";; --modes) MODES="$2";;
     --isl) ISL="$2";; --concurrency) CONC="$2";; --requests) REQUESTS="$2";; --osl) OSL="$2";;
-    --out) OUT="$2";; --input-file) INPUT_FILE="$2";;
+    --out) OUT="$2";; --input-file) INPUT_FILE="$2";; --eval-prompts) EVAL_ENGINE="$2";;
     -h|--help) sed -n '2,20p' "$0"; exit 0;;
     *) die "unknown argument $1 (see --help)";;
   esac
@@ -37,7 +39,9 @@ done
 [ -n "$TOKENIZER" ] || die "--tokenizer DIR (the target's tokenizer) is required: AIPerf counts tokens with it"
 curl -sf "$URL/v1/models" >/dev/null || die "no OpenAI endpoint answers at $URL (start serve with --openai-port)"
 
-if ! [ -x "$VENV/bin/aiperf" ] || ! "$VENV/bin/python" -m pip show aiperf 2>/dev/null | grep -q "^Version: $AIPERF_VERSION$"; then
+# run as `python -m aiperf`: the console script's shebang names the folder the venv was
+# made in, so it breaks when the checkout moves
+if ! "$VENV/bin/python" -m pip show aiperf 2>/dev/null | grep -q "^Version: $AIPERF_VERSION$"; then
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet "aiperf==$AIPERF_VERSION"
 fi
@@ -52,7 +56,12 @@ for mode in $MODES; do
     extra=(--extra-inputs "{\"temperature\": 0, \"sharpdraft\": {\"mode\": \"$mode\"}}")
   fi
   for isl in $ISL; do
-    if [ -n "$INPUT_FILE" ]; then
+    if [ -n "$EVAL_ENGINE" ]; then
+      prompts="$OUT/prompts-$isl.jsonl"
+      [ -f "$prompts" ] || "$ROOT/.venv/bin/python" "$ROOT/scripts/aiperf_prompts.py" \
+        --engine-dir "$EVAL_ENGINE" --tokens "$isl" --count "$REQUESTS" --out "$prompts"
+      inputs=(--input-file "$prompts" --custom-dataset-type single_turn)
+    elif [ -n "$INPUT_FILE" ]; then
       inputs=(--input-file "$INPUT_FILE" --custom-dataset-type single_turn)
     else
       inputs=(--synthetic-input-tokens-mean "$isl" --synthetic-input-tokens-stddev 0)
@@ -60,7 +69,7 @@ for mode in $MODES; do
     for c in $CONC; do
       dir="$OUT/$mode-isl$isl-c$c"
       echo "aiperf: mode $mode, isl $isl, concurrency $c -> $dir" >&2
-      "$VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" --endpoint-type completions --streaming \
+      "$VENV/bin/python" -m aiperf profile --model "$MODEL" --url "$URL" --endpoint-type completions --streaming \
         --tokenizer "$TOKENIZER" "${inputs[@]}" --output-tokens-mean "$OSL" --output-tokens-stddev 0 \
         --concurrency "$c" --request-count "$REQUESTS" "${extra[@]}" --artifact-dir "$dir" --ui-type none
     done
