@@ -75,7 +75,7 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
     drafter.reset(len(prompt) + len(g))
     out = []
     if drafting == "tree":
-        drafter.read(prompt[1:], pf[:-1])  # the drafter's prefill, as generate_tree runs it
+        drafter.read(prompt[1:], pf[:-1])  # the drafter's prefill, as proposers.Tree runs it
         for j in anchors:
             tree, _ = drafter.draft_tree(cont.row_before(j), [g[j]], tree_shape)
             # the target's choice after each node: the continuation's next token, which is
@@ -85,8 +85,8 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
             out.append(len(tree.greedy_path(choice)[0]))
         return out
     if drafting == "chain":
-        drafter.read(prompt, None if pf is None else pf[:-1])  # as generate_chain's prefill
-    else:  # the block drafter's prefill, as speculative._drafter_prefill runs it
+        drafter.read(prompt, None if pf is None else pf[:-1])  # as proposers.Chain's prefill
+    else:  # the block drafter's prefill, as backends.rows.RowBlockDrafters runs it
         drafter.draft(pf[:-1], prompt[-1])
     for j in anchors:
         if drafting == "chain":
