@@ -125,12 +125,17 @@ class Block(Proposer):
             p.way = "lookup" if p.strong or not s.policy.use_drafter(s.committed) else "drafter"
             proposals.append(p)
         drafting = [p.way == "drafter" for p in proposals]
-        if not any(drafting):
+        # A fused drafter (one call for the batch) runs every step and reads every row's
+        # features, so a row's context stays within one step's commits: the call pads
+        # every row to the widest context, and its cache holds a block past the budget.
+        # Drafters run row by row skip the rows that sit out (they read it all later).
+        fused = getattr(self.drafter, "fused", True)
+        if not (any(drafting) or fused):
             return proposals
         contexts = []
         for s, drafts in zip(batch, drafting):
             unread = s.drafting.unread
-            if drafts:  # rows that sit out keep their features for the drafter's next run
+            if drafts or fused:
                 contexts.append(unread[0] if len(unread) == 1 else torch.cat(unread))
                 s.drafting.unread = []
             else:

@@ -55,8 +55,9 @@ without batched graphs run):
                 add(capacity, context [c, F], last) -> the features its first draft() must
                                     pass (what it left unread); last: the prompt's last token
                 draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
-                                    -- a row that sits the step out passes an empty context
-                                    (its logits are not read; RowBlockDrafters skips it)
+                fused               -- one call for the whole batch (default): it runs every
+                                    step for every row; False (RowBlockDrafters): a row
+                                    that sits the step out passes an empty context
                 remove(row); scaling; vocab (as BlockDrafter's)
 """
 

@@ -59,6 +59,8 @@ class RowBlockDrafters:
     TensorRT) and a batch of one. A row whose context is empty this step does not draft
     (its logits are zeros, never read)."""
 
+    fused = False  # one call per row: rows that sit a step out pass an empty context
+
     def __init__(self, make):
         self.make = make
         self.spare = make()  # the first row's; its attributes describe them all
