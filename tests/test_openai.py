@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoint end to end, with the real `openai` client: one real
 tritonserver + endpoint for the module (`python -m runtime serve --start --openai-port`)
 on the tiny engine, small enough (one instance, 2 batch rows, 1 queue slot) that a
-full queue and a freed row are observable."""
+full queue and a freed row are observable -- on the endpoint and on the plain Triton
+model beside it, which batches through the same scheduler."""
 
 import concurrent.futures
 import json
@@ -252,3 +253,83 @@ def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine):
         assert r.status_code == 503 and r.body["code"] == "queue_full" and "max_queue 1" in r.body["message"]
     for chunks in served:  # every admitted request ran to its end, token for token
         assert "".join(c.choices[0].text for c in chunks) == engine.decode(ref.tokens)
+
+
+# --- the plain (non-streaming) Triton model of the same server -------------------------
+
+def _plain(endpoint, kind, prompt, n):
+    """One request to the plain model over `kind` (http, grpc, generate): token ids, or the
+    refusal as (status, message)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    model = endpoint["models"][0]
+    if kind == "generate":
+        body = json.dumps({"prompt": prompt, "max_new_tokens": n}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=body),
+                                        timeout=120) as response:
+                return json.loads(response.read())["token_ids"]
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())["error"]
+    module = httpclient if kind == "http" else grpcclient
+    client = module.InferenceServerClient(endpoint["http"][len("http://"):] if kind == "http"
+                                          else endpoint["grpc"])
+    tensors = [module.InferInput("prompt", [1], "BYTES"), module.InferInput("max_new_tokens", [1], "INT32")]
+    tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    tensors[1].set_data_from_numpy(np.array([n], dtype=np.int32))
+    try:
+        return client.infer(model, tensors).as_numpy("token_ids").tolist()
+    except InferenceServerException as exc:
+        return exc.status(), exc.message()
+    finally:
+        client.close()
+
+
+def _batch_peaks(endpoint) -> dict:
+    """sharpdraft_batch_peak_rows per model: the most sequences one step of its batch held."""
+    with urllib.request.urlopen(endpoint["metrics"], timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    peaks = {}
+    for line in lines:
+        if line.startswith("sharpdraft_batch_peak_rows{"):
+            model = line.split('model="', 1)[1].split('"', 1)[0]
+            peaks[model] = max(peaks.get(model, 0), float(line.rsplit(" ", 1)[1]))
+    return peaks
+
+
+def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine):
+    """The plain model answers once per request but decodes through the scheduler: two
+    requests at once share its steps (its batch peaks at 2 rows), each its own output."""
+    prompt, ref = _long_prompt(engine)
+    other = PROMPTS[0]
+    expected = {"http": ref.tokens[:64], "grpc": _greedy(engine, other, 64).tokens}
+    assert _batch_peaks(endpoint).get(endpoint["models"][0], 0) < 2  # nothing has batched it yet
+    start = threading.Barrier(2)
+
+    def run(kind, p):
+        start.wait()
+        return _plain(endpoint, kind, p, 64)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = dict(zip(("http", "grpc"), pool.map(run, ("http", "grpc"), (prompt, other))))
+    assert got == expected
+    assert _batch_peaks(endpoint)[endpoint["models"][0]] == MAX_BATCH
+
+
+@pytest.mark.parametrize("kind, status", [("http", 503), ("grpc", "StatusCode.UNAVAILABLE"),
+                                          # Triton's generate endpoint sends every error as 400
+                                          ("generate", 400)])
+def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, engine, kind, status):
+    prompt, ref = _long_prompt(engine)
+    clients = MAX_BATCH + MAX_QUEUE + 3
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, 250), range(clients)))
+    refused = [r for r in replies if isinstance(r, tuple)]
+    served = [r for r in replies if not isinstance(r, tuple)]
+    assert refused and served and len(refused) + len(served) == clients
+    for code, message in refused:
+        assert code == status and "max_queue 1" in message and "\n" not in message
+    assert served == [ref.tokens] * len(served)  # every admitted request ran to its end
