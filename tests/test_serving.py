@@ -392,8 +392,8 @@ def test_concurrent_streams_batch_in_flight_and_a_bad_or_cancelled_one_fails_alo
 
 @pytest.mark.parametrize("kind", ["http", "grpc"])
 def test_a_request_names_its_mode_and_gets_what_generate_mode_gives(served, tiny_engine, capsys, kind):
-    # n-gram-assisted modes run one request at a time inside the streaming model's loop and
-    # as one generate call in the plain model: both equal the command line's tokens
+    # n-gram-assisted modes run one request at a time inside the scheduler's loop, on the
+    # plain model as on the streaming one: both equal the command line's tokens
     module, client = _client(kind, served)
     prompt = PROMPTS[0] + "\n" + PROMPTS[0]  # repeats itself: the lookup finds drafts
     for mode in ("hybrid", "frozen-hybrid", "target"):

@@ -151,10 +151,13 @@ class _BatchPeak:
     steps (the serving tests read it)."""
 
     def __init__(self, model: str, instance: str):
-        family = pb_utils.MetricFamily(name="sharpdraft_batch_peak_rows", kind=pb_utils.MetricFamily.GAUGE,
-                                       description="most sequences decoded in one step of this "
-                                                   "instance's in-flight batch")
-        self.gauge = family.Metric(labels={"model": model, "instance": instance})
+        # The family must outlive its metric (the backend refuses to set a metric whose
+        # family was garbage-collected), so both are kept.
+        self.family = pb_utils.MetricFamily(name="sharpdraft_batch_peak_rows",
+                                            kind=pb_utils.MetricFamily.GAUGE,
+                                            description="most sequences decoded in one step of "
+                                                        "this instance's in-flight batch")
+        self.gauge = self.family.Metric(labels={"model": model, "instance": instance})
         self.peak = 0
 
     def observe(self, rows: int) -> None:
