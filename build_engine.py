@@ -181,12 +181,12 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
 def measure_default_mode(out: Path) -> None:
     """Stage 5, last: decode a short evaluation-split prompt in every mode the engine lists
     on the backend just chosen, and record the fastest in engine.json (extra.default_mode):
-    what a served request runs when it names no mode (runtime/mode_speed.py)."""
-    from runtime import mode_speed
+    what a served request runs when it names no mode (runtime/commands/default_mode.py)."""
+    from runtime.commands import default_mode
 
-    progress(f"[5/5] measure: the default mode (every mode, {mode_speed.NEW_TOKENS} greedy tokens "
-             f"after {mode_speed.CONTEXT} of an evaluation document, {mode_speed.REPEATS} repeats)")
-    result = mode_speed.record(out, progress=progress)
+    progress(f"[5/5] measure: the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
+             f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
+    result = default_mode.record(out, progress=progress)
     progress(f"      default mode: {result['mode']}")
 
 

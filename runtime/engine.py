@@ -137,7 +137,7 @@ class Engine:
     @property
     def default_mode(self) -> Mode:
         """What a served request runs when it names no mode: the fastest mode the build
-        measured on this backend (extra.default_mode, runtime/mode_speed.py), else the
+        measured on this backend (extra.default_mode, runtime/commands/default_mode.py), else the
         table's rule (engines built before it was measured, or with fixed step costs)."""
         return modes.measured_default(self.manifest.extra.get("default_mode"), self.backend,
                                       self.modes) or self.mode_for()

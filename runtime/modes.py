@@ -195,7 +195,7 @@ def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) ->
 
 
 def measured_default(record: dict | None, backend: str, runnable) -> Mode | None:
-    """The mode engine.json's extra.default_mode names (runtime/mode_speed.py), if it was
+    """The mode engine.json's extra.default_mode names (runtime/commands/default_mode.py), if it was
     measured on `backend` and is among the `runnable` modes; else None (the rule applies)."""
     if not record or record.get("backend") != backend:
         return None

@@ -1,4 +1,4 @@
-"""The engine's measured default mode (runtime/mode_speed.py): `python -m runtime
+"""The engine's measured default mode (runtime/commands/default_mode.py): `python -m runtime
 default-mode` times every mode the engine lists and records the fastest in engine.json;
 served requests that name no mode run it, `generate` keeps the table's rule, and a
 record the engine cannot use falls back to that rule."""
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from runtime.__main__ import main
+from runtime.cli import run
 from runtime.engine import Engine
 from runtime.serve import protocol
 
@@ -67,3 +68,13 @@ def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_
     data["extra"]["default_mode"] = record
     path.write_text(json.dumps(data))
     assert Engine(engine_copy).default_mode == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--new-tokens", "600"], "leaves no room for a prompt and 600 new tokens"),
+])
+def test_bad_default_mode_input_is_one_line(engine_copy, capsys, flags, message):
+    code = run(main, ["default-mode", "--engine-dir", str(engine_copy)] + flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in err[-1] and err[-1].startswith("error: ")
