@@ -6,77 +6,27 @@ model beside it, which batches through the same scheduler."""
 
 import concurrent.futures
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from runtime.serve import server as serve_server
-from test_serving import _free_ports, _group_members, _kill_group
+from served import free_ports, serve
 
-REPO = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 240
 MAX_BATCH, MAX_QUEUE = 2, 1
 PROMPTS = ["def fib(n):", "class Stack:\n    def __init__(self):"]
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_engine, tmp_path_factory):
-    try:
-        serve_server.find_tritonserver()
-    except serve_server.ServerError as exc:
-        pytest.fail(str(exc))
-    work = tmp_path_factory.mktemp("openai")
-    http, grpc, metrics, port = _free_ports(4)
-    log, err_path = work / "tritonserver.log", work / "serve.stderr"
-    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(tiny_engine),
-           "--model-repository", str(work / "repo"), "--instances", "1", "--max-batch", str(MAX_BATCH),
-           "--max-queue", str(MAX_QUEUE), "--max-new-tokens-limit", "256", "--start", "--json",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--openai-port", str(port), "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(log)]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    info = {}
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT + 30
-        while not info:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve not ready (exit {proc.poll()}): {err_path.read_text()[-2000:]}")
-            try:
-                info = json.loads(lines.get(timeout=1))
-            except (queue.Empty, json.JSONDecodeError):
-                continue
+    port, = free_ports(1)
+    with serve(tiny_engine, tmp_path_factory.mktemp("openai"), "--instances", "1",
+               "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
+               "--max-new-tokens-limit", "256", "--openai-port", str(port)) as info:
         assert info["openai"] == f"http://127.0.0.1:{port}/v1"
         yield info
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                pass
-        code = proc.poll()
-        stray = [g for g in (proc.pid, info.get("pid")) if g and _group_members(g)]
-        for pgid in stray:
-            _kill_group(pgid)
-        if code is None:
-            proc.wait()
-    assert code == 0, f"serve exited with {code} on SIGTERM: {err_path.read_text()[-2000:]}"
-    # A request Triton never released (a cancelled stream) holds its model at unload.
-    assert "Exit timeout expired" not in log.read_text(errors="replace"), "a request was never released"
-    assert not stray, f"processes left running in process groups {stray}"
 
 
 @pytest.fixture(scope="module")
