@@ -152,8 +152,10 @@ def test_a_wrong_model_is_404_and_bad_json_is_400_in_openai_shape(endpoint):
     assert refused.value.code == 400 and set(body["error"]) == {"message", "type", "param", "code"}
 
 
-def _long_prompt(engine):
-    """A prompt whose greedy continuation runs the whole 250 tokens (no early stop)."""
+@pytest.fixture(scope="module")
+def long_prompt(engine):
+    """A prompt whose greedy continuation runs the whole 250 tokens (no early stop), and
+    that continuation (decoded once for the module)."""
     for prompt in ["def area(r):\n    return 3.14159 * r * r\n\n\n", "import os\n", PROMPTS[0]]:
         ref = _greedy(engine, prompt, 250)
         if len(ref.tokens) == 250:
@@ -161,12 +163,12 @@ def _long_prompt(engine):
     pytest.fail("no candidate prompt decodes 250 tokens without a stop token")
 
 
-def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine):
+def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine, long_prompt):
     """Hung-up streams are cancelled in Triton (their rows leave the batch at the next
     step) and the next requests are served; the fixture's teardown then checks that
     Triton released every request (else its shutdown waits out exit_timeout)."""
     client, model = _client(endpoint), endpoint["models"][0]
-    prompt, _ = _long_prompt(engine)
+    prompt, _ = long_prompt
     streams = [client.completions.create(model=model, prompt=prompt, max_tokens=250, temperature=0, stream=True)
                for _ in range(MAX_BATCH)]
     for s in streams:
@@ -188,9 +190,9 @@ def _try(client, model, prompt, n, stream=False):
         return exc
 
 
-def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine):
+def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine, long_prompt):
     client, model = _client(endpoint), endpoint["models"][0]
-    prompt, ref = _long_prompt(engine)
+    prompt, ref = long_prompt
     clients = MAX_BATCH + MAX_QUEUE + 3
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(lambda _: _try(client, model, prompt, 250, stream=True), range(clients)))
@@ -250,10 +252,10 @@ def _batch_peaks(endpoint) -> dict:
     return peaks
 
 
-def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine):
+def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine, long_prompt):
     """The plain model answers once per request but decodes through the scheduler: two
     requests at once share its steps (its batch peaks at 2 rows), each its own output."""
-    prompt, ref = _long_prompt(engine)
+    prompt, ref = long_prompt
     other = PROMPTS[0]
     expected = {"http": ref.tokens[:64], "grpc": _greedy(engine, other, 64).tokens}
     assert _batch_peaks(endpoint).get(endpoint["models"][0], 0) < 2  # nothing has batched it yet
@@ -272,14 +274,15 @@ def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine):
 @pytest.mark.parametrize("kind, status", [("http", 503), ("grpc", "StatusCode.UNAVAILABLE"),
                                           # Triton's generate endpoint sends every error as 400
                                           ("generate", 400)])
-def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, engine, kind, status):
-    prompt, ref = _long_prompt(engine)
+def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, long_prompt, kind, status):
+    prompt, ref = long_prompt
+    n = 120  # long enough that every request arrives while the first ones decode
     clients = MAX_BATCH + MAX_QUEUE + 3
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, 250), range(clients)))
+        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, n), range(clients)))
     refused = [r for r in replies if isinstance(r, tuple)]
     served = [r for r in replies if not isinstance(r, tuple)]
     assert refused and served and len(refused) + len(served) == clients
     for code, message in refused:
         assert str(code) == str(status) and "max_queue 1" in message and "\n" not in message
-    assert served == [ref.tokens] * len(served)  # every admitted request ran to its end
+    assert served == [ref.tokens[:n]] * len(served)  # every admitted request ran to its end
