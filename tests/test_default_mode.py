@@ -12,7 +12,8 @@ import pytest
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
-from runtime.serve import protocol
+from runtime.manifest import read_manifest
+from runtime.serve import openai_api, protocol
 
 
 @pytest.fixture
@@ -68,6 +69,9 @@ def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_
     data["extra"]["default_mode"] = record
     path.write_text(json.dumps(data))
     assert Engine(engine_copy).default_mode == expected
+    # the OpenAI endpoint reads engine.json alone and names the same default
+    manifest = read_manifest(engine_copy)
+    assert openai_api.served_default(manifest, openai_api.served_modes(manifest)) == expected
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -55,6 +55,8 @@ def test_models_lists_the_served_model_and_its_modes(endpoint, engine):
     # every mode the loaded engine runs (the modes table), read by the endpoint from engine.json
     assert models[0].model_extra["sharpdraft"]["modes"] == [str(m) for m in engine.modes]
     assert "hybrid" in models[0].model_extra["sharpdraft"]["modes"]
+    # what a request naming no mode runs: the tiny engine records no measured default
+    assert models[0].model_extra["sharpdraft"]["default_mode"] == engine.default_mode == "sharpdraft"
 
 
 def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint, engine):
@@ -63,6 +65,7 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
         ref = _greedy(engine, prompt, 12)
         reply = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
         assert reply.model_extra["sharpdraft"]["token_ids"] == ref.tokens
+        assert reply.model_extra["sharpdraft"]["mode"] == "sharpdraft"  # the default, named
         assert reply.choices[0].text == engine.decode(ref.tokens)
         assert reply.choices[0].finish_reason == ("stop" if ref.stopped_by == "stop_token" else "length")
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
