@@ -212,9 +212,10 @@ def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine, l
 
 # --- the plain (non-streaming) Triton model of the same server -------------------------
 
-def _plain(endpoint, kind, prompt, n):
+def _plain(endpoint, kind, prompt, n, ready=None):
     """One request to the plain model over `kind` (http, grpc, generate): token ids, or the
-    refusal as (status, message)."""
+    refusal as (status, message). `ready`: a barrier to wait at once the client is built,
+    so that requests released together are sent together."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
@@ -223,6 +224,8 @@ def _plain(endpoint, kind, prompt, n):
     model = endpoint["models"][0]
     if kind == "generate":
         body = json.dumps({"prompt": prompt, "max_new_tokens": n}).encode()
+        if ready:
+            ready.wait()
         try:
             with urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=body),
                                         timeout=120) as response:
@@ -235,6 +238,8 @@ def _plain(endpoint, kind, prompt, n):
     tensors = [module.InferInput("prompt", [1], "BYTES"), module.InferInput("max_new_tokens", [1], "INT32")]
     tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
     tensors[1].set_data_from_numpy(np.array([n], dtype=np.int32))
+    if ready:
+        ready.wait()
     try:
         return client.infer(model, tensors).as_numpy("token_ids").tolist()
     except InferenceServerException as exc:
@@ -259,17 +264,14 @@ def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine, long_p
     """The plain model answers once per request but decodes through the scheduler: two
     requests at once share its steps (its batch peaks at 2 rows), each its own output."""
     prompt, ref = long_prompt
-    other = PROMPTS[0]
-    expected = {"http": ref.tokens[:64], "grpc": _greedy(engine, other, 64).tokens}
+    other = PROMPTS[1]  # decodes 200 tokens too (no stop token): the two overlap for long
+    expected = {"http": ref.tokens[:200], "grpc": _greedy(engine, other, 200).tokens}
+    assert len(expected["grpc"]) == 200
     assert _batch_peaks(endpoint).get(endpoint["models"][0], 0) < 2  # nothing has batched it yet
-    start = threading.Barrier(2)
-
-    def run(kind, p):
-        start.wait()
-        return _plain(endpoint, kind, p, 64)
-
+    ready = threading.Barrier(2)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        got = dict(zip(("http", "grpc"), pool.map(run, ("http", "grpc"), (prompt, other))))
+        got = dict(zip(("http", "grpc"), pool.map(lambda kind, p: _plain(endpoint, kind, p, 200, ready),
+                                                  ("http", "grpc"), (prompt, other))))
     assert got == expected
     assert _batch_peaks(endpoint)[endpoint["models"][0]] == MAX_BATCH
 
@@ -281,8 +283,9 @@ def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, lon
     prompt, ref = long_prompt
     n = 120  # long enough that every request arrives while the first ones decode
     clients = MAX_BATCH + MAX_QUEUE + 3
+    ready = threading.Barrier(clients)
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, n), range(clients)))
+        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, n, ready), range(clients)))
     refused = [r for r in replies if isinstance(r, tuple)]
     served = [r for r in replies if not isinstance(r, tuple)]
     assert refused and served and len(refused) + len(served) == clients
