@@ -77,7 +77,8 @@ def parse(argv):
                    help="longest sequence the engine serves (default: the target's context)")
     p.add_argument("--step-costs", choices=("measure", "fixed"), default="measure",
                    help="measure (default): stage 5 times target and drafter steps on this "
-                        "machine (adaptive draft length and --backend auto read them); fixed: "
+                        "machine (adaptive draft length and --backend auto read them), then "
+                        "every mode (the fastest is the served default); fixed: "
                         "no timing, costs under which every drafter step verifies its whole "
                         "block (a free drafter, a verify pass that costs the same at any "
                         "width), for builds that must not depend on this machine's speed, "
@@ -175,6 +176,18 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
         progress(f"      auto: {manifest.backend} ({', '.join(f'{b} {ms} ms' for b, ms in decode_ms.items())}"
                  " per decode step)")
     manifest.write(out)
+
+
+def measure_default_mode(out: Path) -> None:
+    """Stage 5, last: decode a short evaluation-split prompt in every mode the engine lists
+    on the backend just chosen, and record the fastest in engine.json (extra.default_mode):
+    what a served request runs when it names no mode (runtime/commands/default_mode.py)."""
+    from runtime.commands import default_mode
+
+    progress(f"[5/5] measure: the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
+             f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
+    result = default_mode.record(out, progress=progress)
+    progress(f"      default mode: {result['mode']}")
 
 
 def export_check_build(engine_dir: Path, backend: str, attention: str, model, drafter,
@@ -458,6 +471,8 @@ def main(argv) -> int:
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto",
                       fixed=args.step_costs == "fixed")
+        if args.step_costs == "measure":
+            measure_default_mode(out)
     backend = manifest.backend
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else
             "n-gram drafting" if proposer else "SharpDraft off (frozen drafter)")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import sys
 
-from runtime.commands import (bench, calibrate, demo, diagnose, generate, loadtest, overhead, report,
-                              serve, trtllm_serve)
+from runtime.commands import (bench, calibrate, default_mode, demo, diagnose, generate, loadtest, overhead,
+                              report, serve, trtllm_serve)
 from runtime.cli import Parser, run
 
-COMMANDS = {"generate": generate, "bench": bench, "calibrate": calibrate, "diagnose": diagnose,
+COMMANDS = {"generate": generate, "bench": bench, "calibrate": calibrate,
+            "default-mode": default_mode, "diagnose": diagnose,
             "demo": demo, "overhead": overhead, "serve": serve, "loadtest": loadtest,
             "trtllm-serve": trtllm_serve, "report": report}
 

@@ -136,8 +136,17 @@ class Engine:
         return int(window)
 
     def mode_for(self, sharpdraft: bool = True) -> Mode:
-        """What a request runs by default (modes.default_mode)."""
+        """The table's rule (modes.default_mode): SharpDraft, or the drafter frozen; what
+        `generate` runs without --mode."""
         return modes.default_mode(self.drafting, self.scaling is not None, sharpdraft)
+
+    @property
+    def default_mode(self) -> Mode:
+        """What a served request runs when it names no mode: the fastest mode the build
+        measured on this backend (extra.default_mode, runtime/commands/default_mode.py), else the
+        table's rule (engines built before it was measured, or with fixed step costs)."""
+        return modes.measured_default(self.manifest.extra.get("default_mode"), self.backend,
+                                      self.modes) or self.mode_for()
 
     @property
     def family_preset(self) -> QueryScaling:

@@ -181,3 +181,11 @@ def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) ->
     if drafting is None:
         return Mode.NGRAM
     return Mode.SHARPDRAFT if sharpdraft and scaled else Mode.FROZEN
+
+
+def measured_default(record: dict | None, backend: str, runnable) -> Mode | None:
+    """The mode engine.json's extra.default_mode names (runtime/commands/default_mode.py), if it was
+    measured on `backend` and is among the `runnable` modes; else None (the rule applies)."""
+    if not record or record.get("backend") != backend:
+        return None
+    return next((m for m in runnable if m == record.get("mode")), None)

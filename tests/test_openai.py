@@ -1,81 +1,32 @@
 """The OpenAI-compatible endpoint end to end, with the real `openai` client: one real
 tritonserver + endpoint for the module (`python -m runtime serve --start --openai-port`)
 on the tiny engine, small enough (one instance, 2 batch rows, 1 queue slot) that a
-full queue and a freed row are observable."""
+full queue and a freed row are observable -- on the endpoint and on the plain Triton
+model beside it, which batches through the same scheduler."""
 
 import concurrent.futures
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from runtime.serve import server as serve_server
-from test_serving import _free_ports, _group_members, _kill_group
+from served import free_ports, serve
 
-REPO = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 240
 MAX_BATCH, MAX_QUEUE = 2, 1
 PROMPTS = ["def fib(n):", "class Stack:\n    def __init__(self):"]
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_engine, tmp_path_factory):
-    try:
-        serve_server.find_tritonserver()
-    except serve_server.ServerError as exc:
-        pytest.fail(str(exc))
-    work = tmp_path_factory.mktemp("openai")
-    http, grpc, metrics, port = _free_ports(4)
-    log, err_path = work / "tritonserver.log", work / "serve.stderr"
-    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(tiny_engine),
-           "--model-repository", str(work / "repo"), "--instances", "1", "--max-batch", str(MAX_BATCH),
-           "--max-queue", str(MAX_QUEUE), "--max-new-tokens-limit", "256", "--start", "--json",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--openai-port", str(port), "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(log)]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    info = {}
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT + 30
-        while not info:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve not ready (exit {proc.poll()}): {err_path.read_text()[-2000:]}")
-            try:
-                info = json.loads(lines.get(timeout=1))
-            except (queue.Empty, json.JSONDecodeError):
-                continue
+    port, = free_ports(1)
+    with serve(tiny_engine, tmp_path_factory.mktemp("openai"), "--instances", "1",
+               "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
+               "--max-new-tokens-limit", "256", "--openai-port", str(port)) as info:
         assert info["openai"] == f"http://127.0.0.1:{port}/v1"
         yield info
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                pass
-        code = proc.poll()
-        stray = [g for g in (proc.pid, info.get("pid")) if g and _group_members(g)]
-        for pgid in stray:
-            _kill_group(pgid)
-        if code is None:
-            proc.wait()
-    assert code == 0, f"serve exited with {code} on SIGTERM: {err_path.read_text()[-2000:]}"
-    # A request Triton never released (a cancelled stream) holds its model at unload.
-    assert "Exit timeout expired" not in log.read_text(errors="replace"), "a request was never released"
-    assert not stray, f"processes left running in process groups {stray}"
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +55,8 @@ def test_models_lists_the_served_model_and_its_modes(endpoint, engine):
     # every mode the loaded engine runs (the modes table), read by the endpoint from engine.json
     assert models[0].model_extra["sharpdraft"]["modes"] == [str(m) for m in engine.modes]
     assert "hybrid" in models[0].model_extra["sharpdraft"]["modes"]
+    # what a request naming no mode runs: the tiny engine records no measured default
+    assert models[0].model_extra["sharpdraft"]["default_mode"] == engine.default_mode == "sharpdraft"
 
 
 def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint, engine):
@@ -112,6 +65,7 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
         ref = _greedy(engine, prompt, 12)
         reply = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
         assert reply.model_extra["sharpdraft"]["token_ids"] == ref.tokens
+        assert reply.model_extra["sharpdraft"]["mode"] == "sharpdraft"  # the default, named
         assert reply.choices[0].text == engine.decode(ref.tokens)
         assert reply.choices[0].finish_reason == ("stop" if ref.stopped_by == "stop_token" else "length")
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
@@ -201,8 +155,10 @@ def test_a_wrong_model_is_404_and_bad_json_is_400_in_openai_shape(endpoint):
     assert refused.value.code == 400 and set(body["error"]) == {"message", "type", "param", "code"}
 
 
-def _long_prompt(engine):
-    """A prompt whose greedy continuation runs the whole 250 tokens (no early stop)."""
+@pytest.fixture(scope="module")
+def long_prompt(engine):
+    """A prompt whose greedy continuation runs the whole 250 tokens (no early stop), and
+    that continuation (decoded once for the module)."""
     for prompt in ["def area(r):\n    return 3.14159 * r * r\n\n\n", "import os\n", PROMPTS[0]]:
         ref = _greedy(engine, prompt, 250)
         if len(ref.tokens) == 250:
@@ -210,12 +166,12 @@ def _long_prompt(engine):
     pytest.fail("no candidate prompt decodes 250 tokens without a stop token")
 
 
-def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine):
+def test_a_disconnect_mid_stream_frees_the_request(endpoint, engine, long_prompt):
     """Hung-up streams are cancelled in Triton (their rows leave the batch at the next
     step) and the next requests are served; the fixture's teardown then checks that
     Triton released every request (else its shutdown waits out exit_timeout)."""
     client, model = _client(endpoint), endpoint["models"][0]
-    prompt, _ = _long_prompt(engine)
+    prompt, _ = long_prompt
     streams = [client.completions.create(model=model, prompt=prompt, max_tokens=250, temperature=0, stream=True)
                for _ in range(MAX_BATCH)]
     for s in streams:
@@ -237,9 +193,9 @@ def _try(client, model, prompt, n, stream=False):
         return exc
 
 
-def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine):
+def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine, long_prompt):
     client, model = _client(endpoint), endpoint["models"][0]
-    prompt, ref = _long_prompt(engine)
+    prompt, ref = long_prompt
     clients = MAX_BATCH + MAX_QUEUE + 3
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(lambda _: _try(client, model, prompt, 250, stream=True), range(clients)))
@@ -252,3 +208,87 @@ def test_a_full_queue_refuses_with_503_and_the_others_finish(endpoint, engine):
         assert r.status_code == 503 and r.body["code"] == "queue_full" and "max_queue 1" in r.body["message"]
     for chunks in served:  # every admitted request ran to its end, token for token
         assert "".join(c.choices[0].text for c in chunks) == engine.decode(ref.tokens)
+
+
+# --- the plain (non-streaming) Triton model of the same server -------------------------
+
+def _plain(endpoint, kind, prompt, n, ready=None):
+    """One request to the plain model over `kind` (http, grpc, generate): token ids, or the
+    refusal as (status, message). `ready`: a barrier to wait at once the client is built,
+    so that requests released together are sent together."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    model = endpoint["models"][0]
+    if kind == "generate":
+        body = json.dumps({"prompt": prompt, "max_new_tokens": n}).encode()
+        if ready:
+            ready.wait()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=body),
+                                        timeout=120) as response:
+                return json.loads(response.read())["token_ids"]
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())["error"]
+    module = httpclient if kind == "http" else grpcclient
+    client = module.InferenceServerClient(endpoint["http"][len("http://"):] if kind == "http"
+                                          else endpoint["grpc"])
+    tensors = [module.InferInput("prompt", [1], "BYTES"), module.InferInput("max_new_tokens", [1], "INT32")]
+    tensors[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    tensors[1].set_data_from_numpy(np.array([n], dtype=np.int32))
+    if ready:
+        ready.wait()
+    try:
+        return client.infer(model, tensors).as_numpy("token_ids").tolist()
+    except InferenceServerException as exc:
+        return exc.status(), exc.message()
+    finally:
+        client.close()
+
+
+def _batch_peaks(endpoint) -> dict:
+    """sharpdraft_batch_peak_rows per model: the most sequences one step of its batch held."""
+    with urllib.request.urlopen(endpoint["metrics"], timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    peaks = {}
+    for line in lines:
+        if line.startswith("sharpdraft_batch_peak_rows{"):
+            model = line.split('model="', 1)[1].split('"', 1)[0]
+            peaks[model] = max(peaks.get(model, 0), float(line.rsplit(" ", 1)[1]))
+    return peaks
+
+
+def test_two_concurrent_plain_requests_run_in_one_batch(endpoint, engine, long_prompt):
+    """The plain model answers once per request but decodes through the scheduler: two
+    requests at once share its steps (its batch peaks at 2 rows), each its own output."""
+    prompt, ref = long_prompt
+    other = PROMPTS[1]  # decodes 200 tokens too (no stop token): the two overlap for long
+    expected = {"http": ref.tokens[:200], "grpc": _greedy(engine, other, 200).tokens}
+    assert len(expected["grpc"]) == 200
+    assert _batch_peaks(endpoint).get(endpoint["models"][0], 0) < 2  # nothing has batched it yet
+    ready = threading.Barrier(2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = dict(zip(("http", "grpc"), pool.map(lambda kind, p: _plain(endpoint, kind, p, 200, ready),
+                                                  ("http", "grpc"), (prompt, other))))
+    assert got == expected
+    assert _batch_peaks(endpoint)[endpoint["models"][0]] == MAX_BATCH
+
+
+@pytest.mark.parametrize("kind, status", [("http", 503), ("grpc", "StatusCode.UNAVAILABLE"),
+                                          # Triton's generate endpoint sends every error as 400
+                                          ("generate", 400)])
+def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, long_prompt, kind, status):
+    prompt, ref = long_prompt
+    n = 120  # long enough that every request arrives while the first ones decode
+    clients = MAX_BATCH + MAX_QUEUE + 3
+    ready = threading.Barrier(clients)
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(lambda _: _plain(endpoint, kind, prompt, n, ready), range(clients)))
+    refused = [r for r in replies if isinstance(r, tuple)]
+    served = [r for r in replies if not isinstance(r, tuple)]
+    assert refused and served and len(refused) + len(served) == clients
+    for code, message in refused:
+        assert str(code) == str(status) and "max_queue 1" in message and "\n" not in message
+    assert served == [ref.tokens[:n]] * len(served)  # every admitted request ran to its end

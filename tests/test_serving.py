@@ -1,20 +1,16 @@
 """The Triton deployment end to end: one real tritonserver per module, started by
-`python -m runtime serve --start` on free loopback ports over the tiny engine, and
-asked over HTTP, gRPC, the generate endpoint and a gRPC stream. The finalizer stops it
-with SIGTERM by PID and checks that nothing it started is left running."""
+`python -m runtime serve --start` on free loopback ports over the tiny engine
+(tests/served.py), and asked over HTTP, gRPC, the generate endpoint and a gRPC stream.
+The finalizer stops it with SIGTERM by PID and checks that nothing it started is left
+running."""
 
 import json
-import os
 import queue
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,108 +18,19 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from runtime.__main__ import main
-from runtime.serve import server as serve_server
+from served import REPO, serve
 
-REPO = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 240  # two cores shared with other work: stubs import torch one by one
 PROMPTS = ["def fib(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
 # Long enough that the drafter sees more than the tiny engine's ref_keys (64): beta > 1.
 LONG_PROMPT = "def area(r):\n    return 3.14159 * r * r\n\n\n" * 6 + "def volume(r):"
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _group_members(pgid):
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _kill_group(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 @pytest.fixture(scope="module")
 def served(tiny_engine, tmp_path_factory):
-    try:
-        serve_server.find_tritonserver()
-    except serve_server.ServerError as exc:  # a missing install fails, not skips: CI must see it
-        pytest.fail(str(exc))
-    work = tmp_path_factory.mktemp("serving")
-    http, grpc, metrics = _free_ports(3)
-    server_log, cli_err = work / "tritonserver.log", work / "serve.stderr"
-    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(tiny_engine),
-           "--model-repository", str(work / "repo"), "--instances", "2", "--streaming",
-           "--max-new-tokens-limit", "256", "--start", "--json",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(server_log)]
-    with open(cli_err, "w") as err:
-        # Own session: the finalizer can signal the CLI's whole group by its PID.
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    info = {}
-
-    def logs():
-        return (f"\n--- serve stderr ---\n{cli_err.read_text()[-2000:]}"
-                f"\n--- tritonserver log ---\n{server_log.read_text(errors='replace')[-3000:]}"
-                if server_log.exists() else f"\n--- serve stderr ---\n{cli_err.read_text()[-3000:]}")
-
-    def teardown():
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                pass
-        code = proc.poll()
-        stray = [g for g in (proc.pid, info.get("pid")) if g and _group_members(g)]
-        for pgid in stray:
-            _kill_group(pgid)
-        if code is None:
-            proc.wait()
-        assert code == 0, f"serve exited with {code} on SIGTERM{logs()}"
-        assert not stray, f"processes left running in process groups {stray}"
-
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT + 30
-        while not info:
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited with {proc.returncode} before ready{logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {READY_TIMEOUT + 30} s{logs()}")
-            try:
-                info = json.loads(lines.get(timeout=1))
-            except (queue.Empty, json.JSONDecodeError):
-                continue
-    except BaseException:
-        _kill_group(proc.pid)
-        if info.get("pid"):
-            _kill_group(info["pid"])
-        proc.wait()
-        raise
-    info["http_port"], info["grpc_port"] = http, grpc
-    info["model"], info["stream_model"] = info["models"]
-    yield info
-    teardown()
+    with serve(tiny_engine, tmp_path_factory.mktemp("serving"), "--instances", "2", "--streaming",
+               "--max-new-tokens-limit", "256") as info:
+        info["model"], info["stream_model"] = info["models"]
+        yield info
 
 
 def _inputs(module, prompt, max_new_tokens, **optional):
@@ -392,8 +299,8 @@ def test_concurrent_streams_batch_in_flight_and_a_bad_or_cancelled_one_fails_alo
 
 @pytest.mark.parametrize("kind", ["http", "grpc"])
 def test_a_request_names_its_mode_and_gets_what_generate_mode_gives(served, tiny_engine, capsys, kind):
-    # n-gram-assisted modes run one request at a time inside the streaming model's loop and
-    # as one generate call in the plain model: both equal the command line's tokens
+    # n-gram-assisted modes run one request at a time inside the scheduler's loop, on the
+    # plain model as on the streaming one: both equal the command line's tokens
     module, client = _client(kind, served)
     prompt = PROMPTS[0] + "\n" + PROMPTS[0]  # repeats itself: the lookup finds drafts
     for mode in ("hybrid", "frozen-hybrid", "target"):

@@ -122,6 +122,11 @@ def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_pat
         costs = StepCosts.from_dict(manifest["extra"]["step_costs"][backend])
         assert costs.verify_seconds(1, 64) > 0 and costs.draft_seconds(64) >= 0
         assert Engine(out, backend=backend).step_costs == costs
+    # then every mode decoded on the picked backend: the fastest is the served default
+    default = manifest["extra"]["default_mode"]
+    assert default["backend"] == manifest["backend"]
+    assert list(default["tokens_per_second"]) == [str(m) for m in Engine(out).modes]
+    assert Engine(out).default_mode == default["mode"]
 
 
 def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch):
@@ -172,6 +177,7 @@ def test_fixed_step_costs_time_nothing_and_verify_whole_blocks(tiny_engine, tiny
     block at any confidence; --backend auto, which picks by measured costs, refuses it."""
     manifest = json.loads((tiny_engine / "engine.json").read_text())
     assert manifest["extra"]["step_costs"] == {"torch": fixed_costs(True).to_dict()}
+    assert "default_mode" not in manifest["extra"]  # nor timed the modes: the rule's default
     assert choose_draft_count([0.01] * 7, 4000, Engine(tiny_engine).step_costs) == 7
 
     import runtime.step_costs

@@ -233,7 +233,7 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
         torch.set_num_threads(args.threads)
     engine = Engine(args.engine_dir)
     # the mode the requests name, else what the server runs for a request that names none
-    mode = engine.check_mode(args.mode) if args.mode else engine.mode_for()
+    mode = engine.check_mode(args.mode) if args.mode else engine.default_mode
     latencies, mals, outputs = [], [], {}
     start = time.perf_counter()
     for i in range(args.requests):

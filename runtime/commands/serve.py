@@ -25,9 +25,9 @@ def add_parser(sub):
     p.add_argument("--streaming", action="store_true",
                    help="also write NAME-stream, a decoupled model: one response per verify step")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help="the streaming model's in-flight batch: requests join running decoding "
-                        "steps up to this many sequences per instance (1: one at a time; "
-                        "default %(default)s)")
+                   help="each model's in-flight batch: requests join running decoding steps "
+                        "up to this many sequences per instance (1: one at a time; default "
+                        "%(default)s)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a batch row per instance before new ones are "
                         "refused as unavailable (default %(default)s)")

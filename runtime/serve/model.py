@@ -1,8 +1,11 @@
-"""Triton Python-backend model: one SharpDraft engine per instance. The streaming
-(decoupled) model batches in flight: requests join a running batch at step boundaries
-(runtime/serve/scheduler.py, up to the max_batch parameter, max_queue waiting) and stream
-their own tokens; the plain model runs one `generate` per request. Copied verbatim into each generated repository as <model>/1/model.py
-by runtime/serve/repository.py; everything it needs to know comes from config.pbtxt."""
+"""Triton Python-backend model: one SharpDraft engine per instance, and both variants
+batch in flight: requests join a running batch at step boundaries
+(runtime/serve/scheduler.py, up to the max_batch parameter, max_queue waiting, more
+refused as UNAVAILABLE). The streaming (decoupled) model sends each request's tokens as
+they commit; the plain model sends one response when its request is done, through the
+same response sender, so execute() returns at once and the next request can join the
+batch. Copied verbatim into each generated repository as <model>/1/model.py by
+runtime/serve/repository.py; everything it needs to know comes from config.pbtxt."""
 
 import json
 import os
@@ -35,30 +38,29 @@ class TritonPythonModel:
 
         from runtime.engine import Engine
         from runtime.serve import protocol
+        from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
         from runtime.streaming import TextStream
 
         self.protocol, self.TextStream = protocol, TextStream
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine = Engine(engine_dir, backend=params.get("backend") or None)
-        self.scheduler = None
+        self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         max_batch = int(params.get("max_batch", "1"))
-        if self.decoupled and max_batch > 1:
-            from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
-
-            self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
-            self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")))
+        self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")))
+        self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
-                                 f"{'streaming' if self.decoupled else 'one response per request'}"
-                                 + (f", in-flight batches of up to {max_batch}" if self.scheduler else ""))
+                                 f"{'streaming' if self.decoupled else 'one response per request'}, "
+                                 f"in-flight batches of up to {max_batch}")
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                (self._submit if self.scheduler else self._stream)(request)
-            return None
-        return [self._respond(request) for request in requests]
+        # Both variants answer through each request's response sender, from the
+        # scheduler's thread; returning None at once lets Triton hand this instance the
+        # next request while the batch runs (a plain model too: one final response each).
+        for request in requests:
+            self._submit(request)
+        return None
 
     def _arrays(self, request):
         arrays = {}
@@ -79,6 +81,10 @@ class TritonPythonModel:
     def _error(self, exc):
         if isinstance(exc, self.protocol.RequestError):
             return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        if isinstance(exc, self.QueueFull):  # HTTP 503 / gRPC UNAVAILABLE: retry later
+            return pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
+        if isinstance(exc, self.Cancelled):
+            return pb_utils.TritonError("the request was cancelled", pb_utils.TritonError.CANCELLED)
         # A bug, not the request: the details (paths, internals) stay in the server log.
         reply, log = self.protocol.internal_error(exc)
         pb_utils.Logger.log_error(log)
@@ -87,99 +93,74 @@ class TritonPythonModel:
     def _tensors(self, arrays):
         return [pb_utils.Tensor(name, value) for name, value in arrays.items()]
 
-    def _respond(self, request):
-        try:
-            req, ids = self._prepare(request)
-            gen = self.engine.generate(ids, req.max_new_tokens, req.mode(self.engine),
-                                       req.sampling())
-            arrays = self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen,
-                                           self.protocol.finish_reason(gen))
-            return pb_utils.InferenceResponse(output_tensors=self._tensors(arrays))
-        except Exception as exc:  # one bad request must not take the instance down
-            return pb_utils.InferenceResponse(error=self._error(exc))
-
-    def _open_stream(self, request, cancelled):
-        """What both streaming paths share: parse the request (on bad input an error
-        response ends the stream and this returns None), then callbacks that send each
-        commit's token_ids and text (raising `cancelled` once the client has gone, so the
-        instance stops spending steps on it), the final response with the generation's
-        statistics (and any text held back mid-character), or an error."""
+    def _submit(self, request):
+        """Parse the request and queue it for the scheduler's running batch; a bad request
+        or a full queue is answered at once, with an error as its final response."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-        def fail(exc):
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
-
         try:
             req, ids = self._prepare(request)
+            on_tokens, on_done, on_error = self._callbacks(request, sender)
+            self.scheduler.submit(self.Job(ids, req.max_new_tokens, req.mode(self.engine),
+                                           req.sampling(), on_tokens, on_done, on_error))
         except Exception as exc:
-            fail(exc)
-            return None
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+
+    def _callbacks(self, request, sender):
+        """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
+        Streaming: a response per commit (its token_ids and text), then a final one with
+        the statistics and any text held back mid-character. Plain: one final response
+        with the whole text and token ids. on_tokens raises Cancelled once the client has
+        gone, so the batch stops spending steps on it."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text = self.TextStream(self.engine.decode)
 
         def on_tokens(new):
+            self.batch_peak.observe(self.scheduler.running)
             if request.is_cancelled():
-                raise cancelled()
-            arrays = {"text": self.protocol.text_array(text.push(new)),
-                      "token_ids": self.protocol.ids_array(new)}
-            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
+                raise self.Cancelled()
+            if self.decoupled:
+                arrays = {"text": self.protocol.text_array(text.push(new)),
+                          "token_ids": self.protocol.ids_array(new)}
+                sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
         def on_done(gen):
-            arrays = self.protocol.outputs(text.flush(), [], gen, self.protocol.finish_reason(gen))
+            reason = self.protocol.finish_reason(gen)
+            arrays = (self.protocol.outputs(text.flush(), [], gen, reason) if self.decoupled else
+                      self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason))
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
-            if isinstance(exc, cancelled):
-                sender.send(flags=final)
-            else:
-                fail(exc)
-
-        return req, ids, on_tokens, on_done, on_error, sender
-
-    def _stream(self, request):
-        """One response per commit -- the prefill's first token, then each verify step --
-        and a last one, flagged final, with the statistics; decoded here, one request at a
-        time."""
-        opened = self._open_stream(request, _Cancelled)
-        if opened is None:
-            return
-        req, ids, on_tokens, on_done, on_error, _ = opened
-        try:
-            gen = self.engine.generate(ids, req.max_new_tokens,
-                                       req.mode(self.engine), req.sampling(),
-                                       on_tokens=on_tokens)
-        except Exception as exc:
-            on_error(exc)
-            return
-        on_done(gen)
-
-    def _submit(self, request):
-        """Like _stream, but the request joins the scheduler's running batch: execute()
-        returns at once and the scheduler's thread sends each step's tokens and the end."""
-        opened = self._open_stream(request, self.Cancelled)
-        if opened is None:
-            return
-        req, ids, on_tokens, on_done, send_error, sender = opened
-
-        def on_error(exc):
+            if isinstance(exc, self.Cancelled) and self.decoupled:
+                sender.send(flags=final)  # the stream just ends: its client has gone
+                return
             if isinstance(exc, ValueError) and not isinstance(exc, self.protocol.RequestError):
                 exc = self.protocol.RequestError(str(exc))  # the request's own input
-            send_error(exc)
+            sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-        try:
-            self.scheduler.submit(self.Job(ids, req.max_new_tokens, req.mode(self.engine),
-                                           req.sampling(), on_tokens, on_done, on_error))
-        except self.QueueFull as exc:
-            error = pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, "UNAVAILABLE",
-                                                           pb_utils.TritonError.INTERNAL))
-            sender.send(pb_utils.InferenceResponse(error=error),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return on_tokens, on_done, on_error
 
     def finalize(self):
-        if self.scheduler is not None:
-            self.scheduler.close()
+        self.scheduler.close()
         self.engine = None
 
 
-class _Cancelled(Exception):
-    pass
+class _BatchPeak:
+    """The most sequences one instance's batch has held at a step, as the Prometheus gauge
+    sharpdraft_batch_peak_rows on Triton's metrics endpoint: whether requests really share
+    steps (the serving tests read it)."""
+
+    def __init__(self, model: str, instance: str):
+        # The family must outlive its metric (the backend refuses to set a metric whose
+        # family was garbage-collected), so both are kept.
+        self.family = pb_utils.MetricFamily(name="sharpdraft_batch_peak_rows",
+                                            kind=pb_utils.MetricFamily.GAUGE,
+                                            description="most sequences decoded in one step of "
+                                                        "this instance's in-flight batch")
+        self.gauge = self.family.Metric(labels={"model": model, "instance": instance})
+        self.peak = 0
+
+    def observe(self, rows: int) -> None:
+        if rows > self.peak:
+            self.peak = rows
+            self.gauge.set(rows)

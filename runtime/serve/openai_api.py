@@ -66,6 +66,17 @@ def served_modes(manifest) -> tuple[str, ...]:
                  and modes.refusal(m, drafting, manifest.backend, scaled, window) is None)
 
 
+def served_default(manifest, served: tuple[str, ...]) -> str:
+    """The mode a request that names none runs: the build's measured default where the
+    engine can run it, else the table's rule (as Engine.default_mode decides it)."""
+    from runtime import modes
+
+    measured = modes.measured_default(manifest.extra.get("default_mode"), manifest.backend,
+                                      [modes.Mode(m) for m in served])
+    return str(measured or modes.default_mode(modes.FAMILIES.get(manifest.drafter),
+                                              manifest.query_scaling is not None))
+
+
 def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
     """THE one place a request's `sharpdraft.mode` becomes the served model's inputs: its
     `mode` input, a name of the modes table (runtime/serve/protocol.py)."""
@@ -135,6 +146,7 @@ class Settings:
         manifest = read_manifest(engine_dir, verify="skip")
         self.tokenizer = load_tokenizer(manifest.target_dir)
         self.modes = served_modes(manifest)
+        self.default_mode = served_default(manifest, self.modes)
         self.model, self.stream_model, self.grpc_url = model, stream_model, grpc_url
         self.limit = max_new_tokens_limit
 
@@ -187,7 +199,7 @@ class Api:
                 "seed": seed, "stop": stop or [], "stream": stream,
                 "include_usage": bool(options.get("include_usage")),
                 "extra": mode_inputs(extension.get("mode"), self.s.modes),
-                "mode": extension.get("mode")}
+                "mode": extension.get("mode") or self.s.default_mode}
 
     def parse_completion(self, body: dict) -> tuple[str, dict]:
         request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
@@ -315,7 +327,7 @@ class Api:
 
         return web.json_response({"object": "list", "data": [
             {"id": self.s.model, "object": "model", "created": 0, "owned_by": "sharpdraft",
-             "sharpdraft": {"modes": list(self.s.modes)}}]})
+             "sharpdraft": {"modes": list(self.s.modes), "default_mode": self.s.default_mode}}]})
 
     async def completions(self, request):
         return await self._serve(request, chat=False)

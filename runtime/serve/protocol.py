@@ -69,7 +69,7 @@ class Request:
     temperature: float
     top_p: float
     seed: int | None
-    sharpdraft: bool
+    sharpdraft: bool | None  # None: not sent
     asked_mode: str | None = None  # the request's `mode`, checked against the table
 
     def sampling(self):
@@ -82,10 +82,12 @@ class Request:
 
     def mode(self, engine) -> str:
         """The mode this request runs on `engine`: the one it names, which must be among the
-        engine's modes; else the same choice as `python -m runtime generate`: SharpDraft
-        unless the request turns it off or the engine has none (then the drafter runs
-        frozen, or n-gram lookup)."""
+        engine's modes; with `sharpdraft` true or false, SharpDraft or the drafter frozen
+        (the table's rule); with neither, the engine's default, the fastest mode its build
+        measured (Engine.default_mode)."""
         if self.asked_mode is None:
+            if self.sharpdraft is None:
+                return engine.default_mode
             return engine.mode_for(sharpdraft=self.sharpdraft)
         mode = modes.Mode(self.asked_mode)
         if mode not in engine.modes:
@@ -162,7 +164,7 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),
                       seed=None if seed is None else int(seed),
-                      sharpdraft=True if sharpdraft is None else bool(sharpdraft), asked_mode=mode)
+                      sharpdraft=None if sharpdraft is None else bool(sharpdraft), asked_mode=mode)
     request.sampling()  # refuse bad temperature / top_p now, before any work
     return request
 

@@ -42,7 +42,7 @@ def _tensor_block(kind: str, tensors) -> str:
     return f"{kind} [\n" + ",\n".join(entries) + "\n]\n"
 
 
-DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 8, 64  # the streaming model's in-flight batching
+DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 8, 64  # in-flight batching, per instance
 
 
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
@@ -53,16 +53,17 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
     def relative(path: Path) -> str:
         return os.path.relpath(Path(path).resolve(), Path(model_dir).resolve())
 
+    # Requests join a running batch at step boundaries (model.py, scheduler.py), on the
+    # plain model as on the streaming one.
     params = {"engine_dir": relative(engine_dir), "repo_root": relative(REPO_ROOT),
-              "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads}
+              "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads,
+              "max_batch": str(max_batch), "max_queue": str(max_queue)}
     if backend:  # else the backend engine.json names
         params["backend"] = backend
-    if streaming:  # requests join a running batch at step boundaries (model.py, scheduler.py)
-        params |= {"max_batch": str(max_batch), "max_queue": str(max_queue)}
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
-            # Triton hands execute() single requests; the streaming model batches them
-            # itself, in flight (max_batch below), so Triton's own batcher stays off.
+            # Triton hands execute() single requests; the model batches them itself, in
+            # flight (max_batch below), so Triton's own batcher stays off.
             "max_batch_size: 0\n"]
     if streaming:
         text.append("model_transaction_policy {\n  decoupled: true\n}\n")

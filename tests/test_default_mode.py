@@ -1,0 +1,84 @@
+"""The engine's measured default mode (runtime/commands/default_mode.py): `python -m runtime
+default-mode` times every mode the engine lists and records the fastest in engine.json;
+served requests that name no mode run it, `generate` keeps the table's rule, and a
+record the engine cannot use falls back to that rule."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from runtime.__main__ import main
+from runtime.cli import run
+from runtime.engine import Engine
+from runtime.manifest import read_manifest
+from runtime.serve import openai_api, protocol
+
+
+@pytest.fixture
+def engine_copy(tiny_engine, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(tiny_engine, copy)
+    return copy
+
+
+def _no_mode_request():
+    return protocol.parse({"prompt": np.array([b"def f(n):"], dtype=object),
+                           "max_new_tokens": np.array([4], dtype=np.int32)})
+
+
+def test_default_mode_measures_every_listed_mode_and_requests_run_the_fastest(engine_copy, capsys):
+    assert main(["default-mode", "--engine-dir", str(engine_copy), "--context", "120",
+                 "--new-tokens", "8", "--repeats", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    recorded = json.loads((engine_copy / "engine.json").read_text())["extra"]["default_mode"]
+    assert printed == recorded
+    engine = Engine(engine_copy)
+    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.modes]
+    speeds = recorded["tokens_per_second"]
+    assert all(v > 0 for v in speeds.values()) and recorded["mode"] == max(speeds, key=speeds.get)
+    assert (recorded["backend"], recorded["context"], recorded["new_tokens"]) == ("torch", 120, 8)
+    assert engine.default_mode == recorded["mode"]
+    assert _no_mode_request().mode(engine) == recorded["mode"]
+    # generate's default stays the table's rule; sharpdraft true/false still choose by it
+    assert engine.mode_for() == "sharpdraft"
+    on = protocol.parse({"prompt": np.array([b"x"], dtype=object),
+                         "max_new_tokens": np.array([4], dtype=np.int32),
+                         "sharpdraft": np.array([True])})
+    assert on.mode(engine) == "sharpdraft"
+
+
+def test_dry_run_changes_nothing(engine_copy, capsys):
+    before = (engine_copy / "engine.json").read_text()
+    assert main(["default-mode", "--engine-dir", str(engine_copy), "--context", "60",
+                 "--new-tokens", "4", "--repeats", "1", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"]
+    assert (engine_copy / "engine.json").read_text() == before
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"mode": "hybrid", "backend": "torch"}, "hybrid"),
+    ({"mode": "hybrid", "backend": "onnxruntime"}, "sharpdraft"),  # measured on another backend
+    ({"mode": "window", "backend": "torch"}, "sharpdraft"),  # a mode this engine cannot run
+    (None, "sharpdraft"),  # built before the default was measured
+])
+def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_copy, record, expected):
+    path = engine_copy / "engine.json"
+    data = json.loads(path.read_text())
+    data["extra"]["default_mode"] = record
+    path.write_text(json.dumps(data))
+    assert Engine(engine_copy).default_mode == expected
+    # the OpenAI endpoint reads engine.json alone and names the same default
+    manifest = read_manifest(engine_copy)
+    assert openai_api.served_default(manifest, openai_api.served_modes(manifest)) == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--new-tokens", "600"], "leaves no room for a prompt and 600 new tokens"),
+])
+def test_bad_default_mode_input_is_one_line(engine_copy, capsys, flags, message):
+    code = run(main, ["default-mode", "--engine-dir", str(engine_copy)] + flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and message in err[-1] and err[-1].startswith("error: ")
