@@ -184,7 +184,7 @@ def measure_default_mode(out: Path) -> None:
     what a served request runs when it names no mode (runtime/commands/default_mode.py)."""
     from runtime.commands import default_mode
 
-    progress(f"[5/5] measure: the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
+    progress(f"      measuring the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
              f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
     result = default_mode.record(out, progress=progress)
     progress(f"      default mode: {result['mode']}")

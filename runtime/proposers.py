@@ -232,7 +232,8 @@ class Tree(Proposer):
         for s in batch:
             row = s.drafting
             if s.room > 0:
-                tree, visible = row.drafter.draft_tree(row.context, row.following + s.gen.tokens[-1:],
+                following = row.following + s.gen.tokens[-1:]  # the newest: the tree's root
+                tree, visible = row.drafter.draft_tree(row.context, following,
                                                        self.shape.within(s.room))
             else:
                 tree, visible = DraftTree.root_only(s.gen.tokens[-1]), None

@@ -81,7 +81,7 @@ def _batch_and_singles(session, engine, scaling, lengths, news, in_place=False):
         single.reset(n + 8)
         single.draft(f[:n], 0)
         want.append(single.draft(f[n:], 5))
-        batch.add(n + 8, f[:n])
+        batch.add(n + 8, f[:n], 0)
     got = batch.draft([f[n:] for f, n in zip(features, lengths)], [5] * len(lengths))
     return got, want
 
