@@ -92,6 +92,16 @@ class StepMetadata:
         return self.cached + self.new
 
 
+def capacity_bucket(capacity: int) -> int:
+    """The batched backends' rule for which rows share a cache and a pass of each step:
+    those whose capacities round up to the same power of two. A row in a pass pays for
+    the pass's widest reach (the bound buffer's capacity in ONNX Runtime's graphs, the
+    longest row's length in torch's), so a 512-token row beside a 4,096-token one would
+    pay eight times its own attention; a pass more per bucket costs one more read of
+    the weights."""
+    return max(capacity - 1, 0).bit_length()
+
+
 def padded(rows: list[list[int]], fill: int = 0) -> list[list[int]]:
     """Rows of ids padded to the longest (a padding row's outputs are never read)."""
     width = max(len(r) for r in rows)

@@ -74,7 +74,8 @@ def test_batched_target_only_equals_target_only(seed, lengths):
 
 
 def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
-    """One batched call: the op is handed each sequence's N on its rows (not the longest)."""
+    """One batched call: the op is handed each sequence's N on its rows (not the longest);
+    the prompts' capacities share a bucket (capacity_bucket), so one pass holds all three."""
     from runtime.models.layers import KVCache
 
     handed = []
@@ -86,7 +87,7 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
 
     target, drafter = tiny_pair(3, vocab=12, block=4)
     t, d = batched(target, drafter, SCALING)
-    prompts = [[1, 2], list(range(1, 12)), [5] * 30]
+    prompts = [[1, 2] * 7, list(range(1, 12)) * 2, [5] * 30]
     decoder = batch_decoder(t, d)
     for p in prompts:
         decoder.add(Request(p, 20))

@@ -42,7 +42,7 @@ from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
 from runtime.sampling import DraftVocab, log_softmax
-from runtime.step_metadata import StepMetadata, padded, padded_context
+from runtime.step_metadata import StepMetadata, capacity_bucket, padded, padded_context
 from runtime.tree import TreeShape, grow_tree
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
@@ -417,56 +417,125 @@ class OnnxEagle3:
         return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
 
 
-class BoundRows:
-    """A batch's rows in one BoundKVCache bound to `session`, `lengths` committed per
-    row. A sequence joins as the last row (its one-sequence cache copied in) and leaves
-    from any row (the others copied out): one copy per join/leave; the steps between
-    them read the buffers in place. Subclasses set `single` (its layers, kv_heads and
-    head_dim) and `session`."""
+class RowGroup:
+    """Rows of a batch in one BoundKVCache with room for more rows (`slots`): `members`
+    are their rows in the batch's order, member i in buffer row i; the first
+    len(members) buffer rows are what the session's binding holds. A row joins into
+    the next free buffer row and leaves by the last one moving into its place: one
+    copy of one row's committed keys each. (Rebuilding the batch's buffer at every
+    join and leave, as before, took 46 s of bench --batch 8's 320 at 512 / 4,096
+    tokens, beside 84 s of steps.) Spare rows cost no memory until written: np.zeros
+    maps its pages lazily."""
 
-    cache: BoundKVCache | None = None
-    lengths: list[int]
+    def __init__(self, session, single, capacity: int, slots: int):
+        self.session, self.layers = session, single.layers
+        self.cache = BoundKVCache(capacity, single.layers, single.kv_heads, single.head_dim,
+                                  batch=slots)
+        self.bucket = capacity_bucket(capacity)
+        self.members: list[int] = []
+        self.binding = None
 
-    def _rebuild(self, capacity: int, rows: list) -> None:
-        """A new cache of `rows` ((k, v) each [layers, kv_heads, capacity_i, head_dim])."""
-        s = self.single
-        cache = BoundKVCache(capacity, s.layers, s.kv_heads, s.head_dim, batch=len(rows))
-        for i, (k, v) in enumerate(rows):
-            cache.k[:, i, :, :k.shape[2]] = k
-            cache.v[:, i, :, :v.shape[2]] = v
-        self.cache = cache
-        self.binding = cache.bind(self.session)
+    def fits(self, capacity: int) -> bool:
+        return len(self.members) < self.cache.k.shape[1] and capacity <= self.cache.capacity
 
-    def _rows(self):
-        if self.cache is None:
-            return []
-        return [(self.cache.k[:, i], self.cache.v[:, i]) for i in range(len(self.lengths))]
+    def put(self, row: int, k: np.ndarray, v: np.ndarray, length: int) -> None:
+        """Member `row`'s committed keys/values ([layers, kv_heads, >= length, head_dim])
+        into the next free buffer row."""
+        at = len(self.members)
+        self.cache.k[:, at, :, :length] = k[:, :, :length]
+        self.cache.v[:, at, :, :length] = v[:, :, :length]
+        self.members.append(row)
+        self._bind()
 
-    def _join(self, new: BoundKVCache) -> None:
-        held = self.cache.capacity if self.cache is not None else 0
-        self._rebuild(max(held, new.capacity), self._rows() + [(new.k[:, 0], new.v[:, 0])])
-        self.lengths.append(new.length)
+    def take(self, row: int, length_of_last: int) -> None:
+        """Member `row` leaves; the last member (`length_of_last` committed) moves into
+        its buffer row."""
+        at, last = self.members.index(row), len(self.members) - 1
+        if at != last:
+            n = length_of_last
+            self.cache.k[:, at, :, :n] = self.cache.k[:, last, :, :n]
+            self.cache.v[:, at, :, :n] = self.cache.v[:, last, :, :n]
+            self.members[at] = self.members[last]
+        self.members.pop()
+        self._bind()
 
-    def _store(self, keys: np.ndarray, values: np.ndarray, counts: list[int]) -> None:
-        """A step's new keys/values [layers, batch, kv_heads, t, head_dim]: the first
-        counts[i] of row i at its committed length."""
-        for i, (start, c) in enumerate(zip(self.lengths, counts)):
+    def _bind(self) -> None:
+        """Bind the members' buffer rows (a contiguous view of each layer: no copy)."""
+        import onnxruntime
+
+        wrap, n = onnxruntime.OrtValue.ortvalue_from_numpy, len(self.members)
+        self.binding = self.session.io_binding()
+        for i in range(self.layers):
+            self.binding.bind_ortvalue_input(f"cache_keys_{i}", wrap(self.cache.k[i, :n]))
+            self.binding.bind_ortvalue_input(f"cache_values_{i}", wrap(self.cache.v[i, :n]))
+
+    def check_room(self, ends) -> None:
+        """Refuse a pass whose rows would write up to `ends` past the buffer."""
+        end = int(max(ends))
+        if end > self.cache.capacity:
+            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
+                             f"{end}")
+
+    def store(self, lengths: list[int], keys: np.ndarray, values: np.ndarray,
+              counts: list[int]) -> None:
+        """A pass's new keys/values [layers, g, kv_heads, t, head_dim]: the first
+        counts[i] of the group's row i at its committed length lengths[i]."""
+        for i, (start, c) in enumerate(zip(lengths, counts)):
             self.cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
             self.cache.v[:, i, :, start:start + c] = values[:, i, :, :c]
 
+
+class BoundRows:
+    """A batch's rows in BoundKVCaches bound to `session`, one per capacity bucket
+    (RowGroup, capacity_bucket), `lengths` committed per row in the batch's order. A
+    step runs one pass per group, so each row reads a buffer near its own capacity
+    rather than the batch's largest. A sequence joins as the last row (its one-sequence
+    cache copied into its bucket's group) and leaves from any row; the steps between
+    read the buffers in place. Subclasses set `single` (its layers, kv_heads and
+    head_dim), `session` and `groups` (empty)."""
+
+    groups: list[RowGroup]
+    lengths: list[int]
+
+    def _join(self, new: BoundKVCache) -> None:
+        row, bucket = len(self.lengths), capacity_bucket(new.capacity)
+        at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
+        if at is None:
+            self.groups.append(RowGroup(self.session, self.single, new.capacity, slots=4))
+            at = -1
+        elif not self.groups[at].fits(new.capacity):  # a larger buffer, twice the rows
+            old = self.groups[at]
+            self.groups[at] = RowGroup(self.session, self.single,
+                                       max(old.cache.capacity, new.capacity),
+                                       slots=2 * old.cache.k.shape[1])
+            for i, r in enumerate(old.members):
+                self.groups[at].put(r, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r])
+        self.groups[at].put(row, new.k[:, 0], new.v[:, 0], new.length)
+        self.lengths.append(new.length)
+
+    def _group_lengths(self, group: RowGroup) -> list[int]:
+        return [self.lengths[r] for r in group.members]
+
     def remove(self, row: int) -> None:
-        rows = self._rows()
-        del rows[row], self.lengths[row]
-        self._rebuild(self.cache.capacity, rows)
+        at = next(at for at, group in enumerate(self.groups) if row in group.members)
+        group = self.groups[at]
+        if len(group.members) == 1:
+            del self.groups[at]
+        else:
+            group.take(row, self.lengths[group.members[-1]])
+        for group in self.groups:  # the rows after it move up one
+            group.members = [r - (r > row) for r in group.members]
+        del self.lengths[row]
 
 
 class OnnxBatchTarget(BoundRows):
-    """target-kv.onnx over a batch (BoundRows), `lengths` fed as past_len [batch]. A
-    sequence is prefilled alone (OnnxTarget.prefill), then joins."""
+    """target-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_len
+    [g]. A sequence is prefilled alone (OnnxTarget.prefill), then joins."""
 
     def __init__(self, session, context_limit: int):
         self.single = OnnxTarget(session, context_limit)
         self.session, self.context_limit = session, context_limit
+        self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
 
     def add(self, ids: list[int], capacity: int):
@@ -475,18 +544,25 @@ class OnnxBatchTarget(BoundRows):
         return result
 
     def verify(self, rows: list[list[int]]):
-        ids = np.asarray(padded(rows), dtype=np.int64)
-        t = ids.shape[1]
-        meta = StepMetadata(torch.tensor(self.lengths), t)
-        if max(self.lengths) + t > self.cache.capacity:
-            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
-                             f"{max(self.lengths) + t}")
-        feeds = {"ids": ids, "logit_positions": np.arange(t, dtype=np.int64),
-                 "past_len": meta.cached.numpy()}
-        logits, features, keys, values = run_bound(self.session, self.binding, feeds,
-                                                   OnnxTarget.STEP_OUTPUTS)
-        self._store(keys, values, [t] * len(self.lengths))
-        self.lengths = meta.committed().tolist()
+        """One pass per group, its rows padded to its widest; the outputs padded to the
+        batch's widest row (a padding position's outputs are never read)."""
+        width, logits, features = max(len(r) for r in rows), None, None
+        for group in self.groups:
+            ids = np.asarray(padded([rows[r] for r in group.members]), dtype=np.int64)
+            meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
+            group.check_room(meta.committed().tolist())
+            feeds = {"ids": ids, "logit_positions": np.arange(meta.new, dtype=np.int64),
+                     "past_len": meta.cached.numpy()}
+            out_logits, out_features, keys, values = run_bound(
+                self.session, group.binding, feeds, OnnxTarget.STEP_OUTPUTS)
+            group.store(meta.cached.tolist(), keys, values, [meta.new] * len(group.members))
+            if logits is None:
+                logits = np.zeros((len(rows), width) + out_logits.shape[2:], np.float32)
+                features = np.zeros((len(rows), width) + out_features.shape[2:], np.float32)
+            logits[group.members, :meta.new] = out_logits
+            features[group.members, :meta.new] = out_features
+            for r, n in zip(group.members, meta.committed().tolist()):
+                self.lengths[r] = n
         return torch.from_numpy(logits), torch.from_numpy(features)
 
     def rollback(self, lengths: list[int]) -> None:
@@ -611,15 +687,16 @@ class BoundDFlash:
 
 
 class BoundBatchDFlash(BoundRows):
-    """drafter-kv.onnx over a batch (BoundRows), `lengths` fed as past_lens and each
-    step's context lengths as context_lens. A sequence reads its prompt's features
-    alone (BoundDFlash), then joins."""
+    """drafter-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_lens
+    and its rows' context lengths as context_lens. A sequence reads its prompt's
+    features alone (BoundDFlash), then joins."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None):
         self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
 
     def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
@@ -629,20 +706,26 @@ class BoundBatchDFlash(BoundRows):
         return context[:0]
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
-        context, context_lens = padded_context(contexts)
-        meta = StepMetadata(torch.tensor(self.lengths), context_lens)
-        end = int(meta.committed().max())
-        if end > self.cache.capacity:
-            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
-                             f"{end}")
-        block = np.asarray([[b] + [self.mask_token_id] * (self.block_size - 1) for b in bonuses],
-                           dtype=np.int64)
-        feeds = {"block_ids": block,
-                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
-                 "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
-        logits, keys, values = run_bound(self.session, self.binding,
-                                         feeds | self.single.window_feed, BoundDFlash.STEP_OUTPUTS)
-        self._store(keys, values, context_lens.tolist())
+        """One pass per group, its rows' contexts padded to its longest (an empty context,
+        [0, F], adds nothing to its row's cache)."""
+        logits = None
+        for group in self.groups:
+            context, context_lens = padded_context([contexts[r] for r in group.members])
+            meta = StepMetadata(torch.tensor(self._group_lengths(group)), context_lens)
+            group.check_room(meta.committed().tolist())
+            block = np.asarray([[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1)
+                                for r in group.members], dtype=np.int64)
+            feeds = {"block_ids": block,
+                     "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+                     "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
+            out, keys, values = run_bound(self.session, group.binding,
+                                          feeds | self.single.window_feed, BoundDFlash.STEP_OUTPUTS)
+            group.store(meta.cached.tolist(), keys, values, context_lens.tolist())
+            if logits is None:
+                logits = np.zeros((len(contexts),) + out.shape[1:], np.float32)
+            logits[group.members] = out
+        meta = StepMetadata(torch.tensor(self.lengths),
+                            torch.tensor([c.shape[0] for c in contexts], dtype=torch.long))
         self.lengths = meta.committed().tolist()
         return torch.from_numpy(logits), meta.block_keys(self.block_size)
 

@@ -7,7 +7,7 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime.backends import ChainDraft
 from runtime.sampling import log_softmax
-from runtime.step_metadata import padded, padded_context
+from runtime.step_metadata import capacity_bucket, padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
@@ -123,35 +123,95 @@ class TorchPARD:
                                   visible[0, first:], sampler)
 
 
+class CacheGroups:
+    """A batch's rows in per-sequence KVCaches, one per capacity bucket (capacity_bucket):
+    a step runs one pass per group, so a row attends over its group's longest length, not
+    the batch's. `members` of each group: its rows in the batch's order, one cache row
+    each, in the same order. A sequence joins as the last row (copied into its bucket's
+    cache) and leaves from any row (its group's other rows copied)."""
+
+    def __init__(self, new_cache):
+        self.new_cache = new_cache  # () -> an empty per-sequence KVCache
+        self.groups: list[tuple[int, object, list[int]]] = []  # (bucket, cache, members)
+        self.rows = 0
+
+    def join(self, single) -> None:
+        bucket = capacity_bucket(single.capacity)
+        group = next((g for g in self.groups if g[0] == bucket), None)
+        if group is None:
+            group = (bucket, self.new_cache(), [])
+            self.groups.append(group)
+        group[1].join(single)
+        group[2].append(self.rows)
+        self.rows += 1
+
+    def drop(self, row: int) -> None:
+        at = next(at for at, (_, _, members) in enumerate(self.groups) if row in members)
+        _, cache, members = self.groups[at]
+        if len(members) == 1:
+            del self.groups[at]
+        else:
+            cache.drop(members.index(row))
+            members.remove(row)
+        for _, _, members in self.groups:  # the rows after it move up one
+            members[:] = [r - (r > row) for r in members]
+        self.rows -= 1
+
+    def rollback(self, lengths: list[int]) -> None:
+        for _, cache, members in self.groups:
+            cache.lengths = torch.tensor([lengths[r] for r in members], dtype=torch.long,
+                                         device=cache.k.device)
+
+
+def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
+                 width: int) -> torch.Tensor:
+    """part [g, t, ...] into rows `members` of out [batch, width, ...] (made on the first
+    part; positions past a part's t stay 0: padding whose outputs are never read)."""
+    if out is None:
+        out = part.new_zeros((batch, width) + part.shape[2:])
+    out[members, :part.shape[1]] = part
+    return out
+
+
 class TorchBatchTarget:
-    """The target over a batch: one KVCache row per sequence, each at its own length."""
+    """The target over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    length."""
 
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
         self.single = TorchTarget(model, feature_layers)
         self.model, self.feature_layers = model, self.single.feature_layers
         self.context_limit = self.single.context_limit
-        self.cache = model.new_cache(1, batch=0, per_sequence=True)
+        self.caches = CacheGroups(lambda: model.new_cache(1, batch=0, per_sequence=True))
 
     def add(self, ids: list[int], capacity: int):
         result = self.single.prefill(ids, capacity)
-        self.cache.join(self.single.cache)
+        self.caches.join(self.single.cache)
         return result
 
     @torch.inference_mode()
     def verify(self, rows: list[list[int]]):
-        ids = torch.tensor(padded(rows), dtype=torch.long, device=self.cache.k.device)
-        logits, features = self.model(ids, self.cache, self.feature_layers)
+        """One pass per group, its rows padded to its widest; the outputs padded to the
+        batch's widest row."""
+        width, logits, features = max(len(r) for r in rows), None, None
+        for _, cache, members in self.caches.groups:
+            ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
+                               device=cache.k.device)
+            part_logits, part_features = self.model(ids, cache, self.feature_layers)
+            logits = scatter_rows(logits, part_logits, members, len(rows), width)
+            if part_features is not None:
+                features = scatter_rows(features, part_features, members, len(rows), width)
         return logits, features
 
     def rollback(self, lengths: list[int]) -> None:
-        self.cache.lengths = torch.tensor(lengths, dtype=torch.long, device=self.cache.k.device)
+        self.caches.rollback(lengths)
 
     def remove(self, row: int) -> None:
-        self.cache.drop(row)
+        self.caches.drop(row)
 
 
 class TorchBatchDFlash:
-    """The drafter over a batch: one KVCache row per sequence, each at its own length."""
+    """The drafter over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    length."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
         self.single = TorchDFlash(drafter, target, scaling)
@@ -159,25 +219,34 @@ class TorchBatchDFlash:
         self.vocab = self.single.vocab
         self.embed_tokens = target.embed_tokens
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
-        self.cache = drafter.new_cache(0, batch=0, per_sequence=True)
+        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.single.reset(capacity)
         self.single.draft(context, last)  # the block is scratch: only the context stays
-        self.cache.join(self.single.cache)
+        self.caches.join(self.single.cache)
         return context[:0]
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
-        context, lengths = padded_context(contexts)
-        block = [[bonus] + [self.mask_token_id] * (self.block_size - 1) for bonus in bonuses]
-        ids = torch.tensor(block, dtype=torch.long, device=context.device)
-        hidden, visible = self.drafter(self.embed_tokens(ids), context, self.cache, self.scaling,
-                                       context_lens=lengths.to(context.device))
-        return self.head(hidden[:, 1:]), visible
+        """One pass per group, its rows' contexts padded to its longest (an empty context,
+        [0, F], adds nothing to its row's cache)."""
+        logits, visible = None, None
+        for _, cache, members in self.caches.groups:
+            context, lengths = padded_context([contexts[r] for r in members])
+            block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
+            ids = torch.tensor(block, dtype=torch.long, device=context.device)
+            hidden, part_visible = self.drafter(self.embed_tokens(ids), context, cache,
+                                                self.scaling, context_lens=lengths.to(context.device))
+            logits = scatter_rows(logits, self.head(hidden[:, 1:]), members, len(contexts),
+                                  self.block_size - 1)
+            if visible is None:
+                visible = part_visible.new_zeros(len(contexts))
+            visible[members] = part_visible
+        return logits, visible
 
     def remove(self, row: int) -> None:
-        self.cache.drop(row)
+        self.caches.drop(row)
 
 
 class TorchEagle3:

@@ -1,0 +1,130 @@
+"""Batched steps pay for each row's own length, not the batch's longest: rows are grouped
+by capacity bucket (step_metadata.capacity_bucket), one pass per group, on both CPU
+backends; outputs stay those of each sequence alone, with rows joining, leaving from
+the middle of a group and skipping a draft (an empty context)."""
+
+import pytest
+import torch
+
+from runtime.backends.onnxruntime import BoundDFlash, OnnxTarget
+from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
+from runtime.decode import Request
+from runtime.models.layers import KVCache
+from runtime.step_metadata import capacity_bucket
+
+from test_batched import SCALING
+from test_speculative import runners, tiny_pair
+
+
+def test_capacity_buckets_are_powers_of_two():
+    assert [capacity_bucket(n) for n in (1, 2, 3, 4, 5, 512, 513, 1024, 4176)] == \
+        [0, 1, 2, 2, 3, 9, 10, 10, 13]
+
+
+def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
+    """Rows at 5 and 100 tokens: the short row's pass hands the op keys up to its own
+    length, not the long row's, and both rows' logits equal their single-sequence ones."""
+    target, drafter = tiny_pair(2, vocab=12, block=3, context=256)
+    batch = TorchBatchTarget(target, ())
+    prompts = [[1, 2, 3, 4, 5], list(range(1, 11)) * 10]
+    for p in prompts:
+        batch.add(p, len(p) + 8)
+    handed = []
+    attend = KVCache.attend
+
+    def recording(self, layer, start, q, k, v, visible, mask=None):
+        handed.append((q.shape[0], int(torch.as_tensor(start).max()) + k.shape[2]))  # rows, reach
+        return attend(self, layer, start, q, k, v, visible, mask)
+
+    monkeypatch.setattr(KVCache, "attend", recording)
+    logits, _ = batch.verify([[7], [8, 9]])
+    assert sorted(set(handed)) == [(1, 5 + 1), (1, 100 + 2)]
+    single = TorchTarget(target, ())
+    for i, (p, row) in enumerate(zip(prompts, ([7], [8, 9]))):
+        single.prefill(p, len(p) + 8)
+        want, _ = single.verify(row)
+        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-12, rtol=0)
+
+
+def test_torch_drafter_rows_in_two_groups_with_an_empty_context():
+    """Drafter rows at 3 and 100 cached features (two buckets), the first with an empty
+    context (a row that does not draft this step): each equals its own single call."""
+    target, drafter = tiny_pair(5, vocab=40, block=4, context=256)
+    _, single = runners(target, drafter, SCALING)
+    batch = TorchBatchDFlash(drafter, target, SCALING)
+    g = torch.Generator().manual_seed(0)
+    features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
+                for n in (3, 100)]
+    news = [features[0][:0], torch.randn(2, drafter.fc.in_features, generator=g,
+                                         dtype=torch.float64)]
+    want = []
+    for f, new, bonus in zip(features, news, (5, 6)):
+        single.reset(len(f) + 8)
+        single.draft(f, 0)
+        want.append(single.draft(new, bonus))
+        batch.add(len(f) + 8, f, 0)
+    assert len(batch.caches.groups) == 2
+    logits, visible = batch.draft(news, [5, 6])
+    assert visible.tolist() == [int(w[1]) for w in want] == [3 + 0 + 4, 100 + 2 + 4]
+    for i, (w, _) in enumerate(want):
+        torch.testing.assert_close(logits[i], w, atol=1e-12, rtol=0)
+
+
+def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
+    """A 10-token and a 300-token row: two buffers, each at its own row's capacity (the
+    graph reads a bound buffer to its capacity), and each row's verify logits equal its
+    single-sequence ones."""
+    engine = native_ort_engine
+    batch = engine.onnx.batch_target()
+    prompts = [list(range(4, 14)), [5, 6, 7] * 100]
+    for p in prompts:
+        batch.add(p, len(p) + 10)
+    assert sorted(g.cache.capacity for g in batch.groups) == [20, 310]
+    rows = [[7, 8, 9], [8]]
+    logits, features = batch.verify(rows)
+    single = OnnxTarget(engine.onnx.sessions["target_kv"], engine.context_limit)
+    for i, (p, row) in enumerate(zip(prompts, rows)):
+        single.prefill(p, len(p) + 10)
+        want, want_features = single.verify(row)
+        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(features[i, :len(row)], want_features, atol=1e-4, rtol=0)
+
+
+def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):
+    engine = native_ort_engine
+    batch = engine.onnx.batch_drafter(sharpdraft=True)
+    single = BoundDFlash(batch.session, batch.block_size, batch.mask_token_id, batch.scaling,
+                         batch.vocab)
+    g = torch.Generator().manual_seed(1)
+    size = single.feature_size
+    features = [torch.randn(n, size, generator=g) for n in (6, 200)]
+    news = [features[0][:0], torch.randn(3, size, generator=g)]
+    want = []
+    for f, new, bonus in zip(features, news, (5, 6)):
+        single.reset(len(f) + 8)
+        single.draft(f, batch.mask_token_id)
+        want.append(single.draft(new, bonus))
+        batch.add(len(f) + 8, f, 0)
+    assert len(batch.groups) == 2
+    logits, visible = batch.draft(news, [5, 6])
+    assert visible.tolist() == [int(w[1]) for w in want]
+    for i, (w, _) in enumerate(want):
+        torch.testing.assert_close(logits[i], w, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["sharpdraft", "target"])
+def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_ort_engine):
+    """Seven rows in one bucket (five at once: more than a group's first buffer holds)
+    and one in another; short budgets make rows leave from the middle of their group
+    (the last row moves into the freed buffer row), later joins reuse it."""
+    engine = native_ort_engine
+    g = torch.Generator().manual_seed(7)
+    lengths, budgets = [30, 28, 35, 40, 300, 33, 38, 31], [3, 12, 2, 10, 8, 12, 4, 6]
+    join_at = [0, 0, 0, 0, 0, 0, 1, 4]
+    requests = [Request(torch.randint(4, 320, (n,), generator=g).tolist(), b)
+                for n, b in zip(lengths, budgets)]
+    seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=join_at)
+    for request, seq in zip(requests, seqs):
+        alone = engine.generate(request.prompt, request.max_new_tokens, mode, stop=False,
+                                adaptive=False)
+        assert seq.gen.tokens == alone.tokens
