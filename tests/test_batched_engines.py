@@ -16,9 +16,16 @@ def prompts(engine, lengths):
 MODES = ["sharpdraft", "frozen", "target", "ngram", "hybrid", "window", "frozen-hybrid", "window-hybrid"]
 
 
+# the fast tier batches one mode of each proposer path (none, blocks, blocks + lookup,
+# the windowed drafter row by row); the rest run in the slow tier (make test-all)
+FAST = {"target", "sharpdraft", "hybrid", "window-hybrid"}
+
+
 # the draft window needs drafter graphs over cache buffers: the native-form engine's
-@pytest.mark.parametrize("engine, mode", [(e, m) for e in ("ort_engine", "native_ort_engine")
-                                          for m in MODES if e == "native_ort_engine" or "window" not in m])
+@pytest.mark.parametrize("engine, mode", [
+    pytest.param(e, m, marks=() if m in FAST else pytest.mark.slow)
+    for e in ("ort_engine", "native_ort_engine") for m in MODES
+    if e == "native_ort_engine" or "window" not in m])
 def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_time(
         mode, engine, torch_engine, request):
     """Four sequences at 5, 90, 300 and 40 tokens (beta 1 and > 1 side by side), two of
