@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.step_metadata import padded_context
+
 
 class RowTargets:
     """A BatchTarget over one single-sequence Target per row, made by `make()` (for a
@@ -44,13 +46,9 @@ class RowTargets:
 
 
 def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """[t_i, ...] per row -> [b, max t_i, ...], zeros past each row's own (never read)."""
-    if len(rows) == 1:
-        return rows[0][None]
-    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
-    for i, r in enumerate(rows):
-        out[i, :r.shape[0]] = r
-    return out
+    """[t_i, X] per row -> [b, max t_i, X], zeros past each row's own (never read); one
+    row is a view, not a copy (a batch of one costs nothing here)."""
+    return rows[0][None] if len(rows) == 1 else padded_context(rows)[0]
 
 
 class RowBlockDrafters:
