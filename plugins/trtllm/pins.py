@@ -174,7 +174,8 @@ DFLASH_FORWARD = "dflash_forward"
 # new keys) and seq_lens (new tokens); num_contexts context requests come first; generation
 # requests carry use_spec_decoding and spec_decoding_position_offsets (each draft token's
 # depth: 1-D for a dynamic tree, [gens, gen_len] otherwise).
-METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "num_contexts": "num_contexts",
+METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "seq_lens_cuda": "seq_lens_cuda",
+            "num_contexts": "num_contexts",
             "num_seqs": "num_seqs", "num_tokens": "num_tokens", "num_ctx_tokens": "num_ctx_tokens",
             "use_spec": "use_spec_decoding",
             "offsets": "spec_decoding_position_offsets"}
