@@ -160,17 +160,16 @@ def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(
 
 def test_a_mismatched_version_with_the_autoloader_active_imports_and_our_launcher_refuses(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg", version="1.5.0")
-    activation = site_of(venvs["autoload"]) / autoload.ACTIVATION_NAME
     from plugins.scaling import QueryScaling
 
-    activation.write_text(json.dumps({"scaling": QueryScaling(ref_keys=64).to_dict(), "proof": str(tmp_path / "p"),
-                                      "launcher": 0}))  # a launch in progress, as workers see it
+    # a launch in progress (this test's process is its live launcher), as workers see it
+    activation = autoload.activate(site_of(venvs["autoload"]), QueryScaling(ref_keys=64), tmp_path / "p")
     try:
         imports = subprocess.run([str(venvs["autoload"]), "-c", "import tensorrt_llm._torch.models.modeling_dflash "
                                   "as m; m.DFlashForCausalLM(); print('imported')"], cwd=standin,
                                  env=environment(standin, None), capture_output=True, text=True, timeout=240)
     finally:
-        activation.unlink()
+        autoload.deactivate(activation)
     assert imports.returncode == 0 and imports.stdout.strip() == "imported", imports.stderr
     assert "1.5.0" in imports.stderr  # the hook stood down, and said so
     target = generate(venvs["autoload"], engine, standin, "--target-only", single_process="0")

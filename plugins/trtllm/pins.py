@@ -193,6 +193,13 @@ DFLASH_KERNELS = {  # attention_backend -> instance attribute holding the kernel
 }
 TRTLLM_GEN_FIELDS = ("batch_decode_with_kv_cache", "batch_context_with_kv_cache")
 ATTENTION_Q_SIZE = "q_size"
+# Attention methods through which a subclass could route the query around apply_rope
+# (QKNormRoPEAttention.preprocess_qkv's fused norm + gate path in qk_norm_attention.py):
+# a drafter whose layers' class overrides one of them in a subclass not listed in
+# AUDITED_ATTENTION is refused when built. Overriding apply_rope itself is fine (Qwen3-style
+# q_norm then super().apply_rope: our wrapper sits on the instance, outside it).
+ATTENTION_BYPASSES = ("forward", "preprocess_qkv")
+AUDITED_ATTENTION: tuple[str, ...] = ()
 
 # trtllm-serve's entry point (console script); the LLM class its launch_server builds
 # (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from plugins.trtllm import pins
+from plugins.trtllm import pins, proof
 from plugins.trtllm.kernels import WRAPPED, _active, scale_rows
 
 __all__ = ["wrap_apply_rope", "wrap_forward", "visible_counts", "CALL"]
@@ -129,7 +129,7 @@ def wrap_forward(forward: Callable, layer) -> Callable:
     return wrapper
 
 
-def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None) -> Callable:
+def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None, unit: str | None = None) -> Callable:
     """apply_rope(q, k, v, position_ids) -> (q, k, v) with q's rows (its first q_size
     columns when k is None: fused qkv) multiplied by beta of each row's visible keys, from
     the metadata of the running forward (layer's CALL)."""
@@ -149,6 +149,8 @@ def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None) -> C
             q = torch.cat((scale_rows(q[..., :q_size], n, active), q[..., q_size:]), dim=-1)
         else:
             q = scale_rows(q, n, active)
+        if unit is not None:
+            proof.ran(unit)  # host-side bookkeeping only (a dict; a file the first time)
         return q, k, v
 
     setattr(wrapper, WRAPPED, apply_rope)
