@@ -362,3 +362,34 @@ def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_ran
     err = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 1 and len(err) == 1, done.stderr
     assert err[0].startswith(f"error: {HEAD} of rank(s) 1 of 2 (wrapped: rank 0 pid "), err[0]
+
+
+def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs, repository, engine, tmp_path):
+    """Triton with instance count > 1 (or every rank's initialize() under mpirun): another
+    SharpDraft launch is live in the environment; this instance's initialize() must still
+    load, and its worker must report to this instance's proof, not the other's."""
+    import signal
+
+    standin = write_package(tmp_path / "pkg")
+    python = venvs["autoload"]
+    hold = textwrap.dedent(f"""
+        import time
+        from runtime import trtllm
+        from runtime.manifest import read_manifest
+        manifest = read_manifest({str(engine)!r})
+        launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest))
+        print(launch.directory, flush=True)
+        time.sleep(600)
+        """)
+    other = subprocess.Popen([str(python), "-c", hold], cwd=standin, env=environment(standin, None),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        other_proof = other.stdout.readline().strip()
+        done = initialize(python, repository, standin)
+    finally:
+        os.kill(other.pid, signal.SIGTERM)
+        other.wait(timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["applied"]["processes"] == out["workers"]
+    assert proof.read(other_proof) == []  # nothing of this instance's went to the other launch
