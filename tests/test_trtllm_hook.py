@@ -381,12 +381,18 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
     try:
         install(SCALING)
         spec = load(pins.SPECULATIVE_MODULE)
-        drafter = spec.Eagle3ForCausalLM(qk_norm=True)  # builds: TensorRT-LLM is not broken
+        drafter = spec.Eagle3ForCausalLM(qk_norm="gate")  # builds: TensorRT-LLM is not broken
         assert not any("apply_rope" in vars(m) for m in drafter.modules())
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "QKNormRoPEAttention overrides preprocess_qkv" in record["reason"]
         with pytest.raises(proof.ProofError):
             proof.require(tmp_path, SCALING)
+        for path in tmp_path.glob("*.json"):
+            path.unlink()
+        # the audited case: the fused gate off, preprocess_qkv defers to Attention's
+        audited = spec.Eagle3ForCausalLM(qk_norm=True)
+        assert any("apply_rope" in vars(m) for m in audited.modules())
+        assert proof.require(tmp_path, SCALING)
     finally:
         proof.set_directory(None)
 

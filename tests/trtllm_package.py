@@ -219,8 +219,13 @@ FILES = {
                 return q, k, v
 
         class QKNormRoPEAttention(Attention):
-            # qk_norm_attention.py (the copy the issue reads): preprocess_qkv's fused norm + gate
-            # path writes the rotated q itself and never calls apply_rope
+            # _torch/attention/qk_norm_attention.py @ a15d8890: preprocess_qkv takes a fused
+            # gemma-norm + RoPE + gate kernel (never calling apply_rope) when
+            # _fuse_qk_norm_rope_gate is set, else defers to Attention's
+            def __init__(self, fuse_gate=False, **attention):
+                super().__init__(**attention)
+                self._fuse_qk_norm_rope_gate = fuse_gate
+
             def preprocess_qkv(self, qkv, position_ids):
                 return qkv
 
@@ -278,7 +283,12 @@ FILES = {
         class Layer(torch.nn.Module):
             def __init__(self, mla=False, qk_norm=False, **attention):
                 super().__init__()
-                self.self_attn = MLA() if mla else (QKNormRoPEAttention if qk_norm else Attention)(**attention)
+                if mla:
+                    self.self_attn = MLA()
+                elif qk_norm:
+                    self.self_attn = QKNormRoPEAttention(fuse_gate=qk_norm == "gate", **attention)
+                else:
+                    self.self_attn = Attention(**attention)
 
         class Drafting:
             def draft_step(self):

@@ -360,7 +360,7 @@ def _with_wrapped_flash_attn(dflash_forward, unit: str):
 
 def attention_class(name: str = pins.ATTENTION_CLASS):
     """TensorRT-LLM's Attention (or MLA) class, from whichever pinned module is loaded."""
-    for module_name in pins.ATTENTION_MODULES:
+    for module_name in (pins.MLA_MODULES if name == pins.MLA_CLASS else pins.ATTENTION_MODULES):
         module = sys.modules.get(module_name)
         cls = getattr(module, name, None) if module else None
         if cls is not None:
@@ -373,9 +373,11 @@ def _unaudited_override(layer, base):
     the query around apply_rope, in a subclass of `base` nobody audited; else None."""
     for method in pins.ATTENTION_BYPASSES:
         definer = next((c for c in type(layer).__mro__ if method in c.__dict__), None)
-        if (definer is not None and definer is not base and isinstance(definer, type) and issubclass(definer, base)
-                and definer.__name__ not in pins.AUDITED_ATTENTION):
-            return method, definer
+        if definer is None or definer is base or not issubclass(definer, base):
+            continue
+        condition = pins.AUDITED_ATTENTION.get((definer.__name__, method))
+        if condition is None or getattr(layer, condition, True):
+            return method, definer  # never audited, or audited only with `condition` off
     return None
 
 

@@ -199,7 +199,14 @@ ATTENTION_Q_SIZE = "q_size"
 # AUDITED_ATTENTION is refused when built. Overriding apply_rope itself is fine (Qwen3-style
 # q_norm then super().apply_rope: our wrapper sits on the instance, outside it).
 ATTENTION_BYPASSES = ("forward", "preprocess_qkv")
-AUDITED_ATTENTION: tuple[str, ...] = ()
+# Overrides read and found to keep the query on apply_rope, with the instance attribute
+# that must be falsy for that to hold (SOURCES["qk_norm_attention"]: QKNormRoPEAttention.
+# preprocess_qkv takes its fused gemma-norm + RoPE + gate kernel only when
+# _fuse_qk_norm_rope_gate is set, else it defers to Attention.preprocess_qkv).
+AUDITED_ATTENTION = {("QKNormRoPEAttention", "preprocess_qkv"): "_fuse_qk_norm_rope_gate"}
+# Where the MLA class lives: beside Attention (older layout) or in its own module (newer).
+MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.attention.attention",
+               "tensorrt_llm._torch.attention.mla")
 
 # trtllm-serve's entry point (console script); the LLM class its launch_server builds
 # (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's
