@@ -77,7 +77,8 @@ def ran(unit: str) -> None:
 
 
 def calls() -> dict[str, int]:
-    """Scaled calls per wrapped unit in this process."""
+    """Scaled calls per wrapped unit in this process (Python-level calls: a CUDA graph's
+    replays run no Python, so its capture counts once)."""
     return dict(_calls)
 
 
