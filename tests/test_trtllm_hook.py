@@ -462,3 +462,29 @@ def test_two_live_launches_on_one_host_each_keep_their_own_and_a_stray_process_t
     assert "2 SharpDraft launches are live" in capsys.readouterr().err
     autoload.deactivate(first)
     autoload.deactivate(second)
+
+
+def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path):
+    """MLA moved to _torch/attention/mla.py (pins.SOURCES["mla"]): a drafter built from that
+    class is refused for what it is, not for lacking an Attention layer."""
+    import types
+
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        spec = load(pins.SPECULATIVE_MODULE)
+        mla_module = types.ModuleType("tensorrt_llm._torch.attention.mla")
+
+        class MLA(torch.nn.Module):
+            pass
+
+        mla_module.MLA = MLA
+        sys.modules[mla_module.__name__] = mla_module
+        spec.MLA = MLA  # the drafter's layers come from the newer module
+        spec.PARDForCausalLM(mla=True)
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and "MLA (latent) attention" in record["reason"], record
+    finally:
+        sys.modules.pop("tensorrt_llm._torch.attention.mla", None)
+        proof.set_directory(None)

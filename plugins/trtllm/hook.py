@@ -383,8 +383,9 @@ def _unaudited_override(layer, base):
 
 def _prepare_attention(drafter, family: str, prefix: str) -> tuple[dict, int, list[str]]:
     name = type(drafter).__name__
-    cls, mla = attention_class(), attention_class(pins.MLA_CLASS)
-    if getattr(drafter, "_use_mla", False) or (mla is not None and any(isinstance(m, mla) for m in drafter.modules())):
+    cls = attention_class()
+    mla = tuple({getattr(sys.modules.get(m), pins.MLA_CLASS, None) for m in pins.MLA_MODULES} - {None})
+    if getattr(drafter, "_use_mla", False) or (mla and any(isinstance(m, mla) for m in drafter.modules())):
         raise TrtllmHookError(f"{name} uses MLA (latent) attention (e.g. Eagle3DeepSeekV3), whose query "
                               "path SharpDraft does not wrap — run it without --sharpdraft")
     if cls is None or not hasattr(cls, pins.ATTENTION_METHOD):
