@@ -170,7 +170,8 @@ def case_trtllm_gen_decode(device, graphs, active):
     seq_lens = torch.tensor([12, 70, 130], dtype=torch.int32, device=device)
     kernel, kept = recorder(k.trtllm_batch_decode_with_kv_cache, "query")
     wrapped = wrap_trtllm_gen_decode(kernel, active)
-    replay = captured(lambda: wrapped(query, kv, None, tables.to(device), seq_lens, 200, bmm1_scale=dim ** -0.5,
+    tables_on = tables.to(device)  # every copy to the device happens before capture
+    replay = captured(lambda: wrapped(query, kv, None, tables_on, seq_lens, 200, bmm1_scale=dim ** -0.5,
                                       q_len_per_req=q_len), graphs)
     new = [190, 40, 90]  # the cap, beta = 1, in between
     seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
@@ -203,7 +204,8 @@ def case_trtllm_gen_context(device, graphs, active):
     kernel, kept = recorder(k.trtllm_batch_context_with_kv_cache, "query")
     wrapped = wrap_trtllm_gen_context(kernel, active)
     kv = (k_pages.to(device), v_pages.to(device))
-    replay = captured(lambda: wrapped(query, kv, None, tables.to(device), seq_lens, 5, 200, dim ** -0.5, 1.0, 3,
+    tables_on = tables.to(device)  # every copy to the device happens before capture
+    replay = captured(lambda: wrapped(query, kv, None, tables_on, seq_lens, 5, 200, dim ** -0.5, 1.0, 3,
                                       cum_q, None, causal=False), graphs)
     new = [170, 11, 66]
     seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
@@ -235,7 +237,8 @@ def case_fa4(device, graphs, active):
     kernel, kept = recorder(k._flash_attn_fwd, "q")
     wrapped = wrap_fa4_fwd(kernel, active)
     kv = (k_pages.to(device), v_pages.to(device))
-    replay = captured(lambda: wrapped(q, *kv, seqused_k=used, page_table=tables.to(device), causal=False,
+    tables_on = tables.to(device)  # every copy to the device happens before capture
+    replay = captured(lambda: wrapped(q, *kv, seqused_k=used, page_table=tables_on, causal=False,
                                       window_size_left=None, window_size_right=None), graphs)
     new = [100, 70]  # both between beta = 1 and the cap: an off-by-one count changes beta
     used.copy_(torch.tensor(new, dtype=torch.int32))
