@@ -239,8 +239,12 @@ class Launch:
                              "plugins.trtllm autoload install` first (docs/trtllm.md)")
         self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
         self.activation = None
+        self._nonce_before = os.environ.get(autoload.NONCE_ENV)
         if self.site is not None:
             self.activation = autoload.activate(self.site, scaling, self.directory)
+            # TRTLLM_-prefixed: MpiPoolSession forwards it, so this launch's workers take
+            # this launch's file and no other.
+            os.environ[autoload.NONCE_ENV] = self.activation.stem
         from plugins.trtllm import install
 
         proof.set_directory(self.directory)
@@ -251,24 +255,50 @@ class Launch:
         process unless the caller chose otherwise."""
         return {pins.SINGLE_PROCESS_ENV: "1"} if self.world == 1 else {}
 
-    def require(self) -> dict:
-        """Once TensorRT-LLM has built the model: what was applied (proof.summary), or
-        proof.ProofError in one line."""
-        return proof.summary(proof.require(self.directory, self.scaling))
+    def require(self, ran: bool = True) -> dict:
+        """Once TensorRT-LLM has built the model (its warm-up has run the drafter): what was
+        applied (proof.summary), or proof.ProofError in one line — unless every rank of the
+        world wrapped its drafter and (`ran`) every wrapped layer / kernel ran scaled."""
+        return proof.summary(proof.require(self.directory, self.scaling, world=self.world, ran=ran))
 
     def close(self) -> None:
-        if self.site is not None:
-            autoload.deactivate(self.site)
+        if self.activation is not None:
+            autoload.deactivate(self.activation)
+            self.activation = None
+            if self._nonce_before is None:
+                os.environ.pop(autoload.NONCE_ENV, None)
+            else:
+                os.environ[autoload.NONCE_ENV] = self._nonce_before
         proof.set_directory(None)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def stand_down(site: Path | None = None) -> None:
+    """Before a frozen / target-only / stock launch: no hook here, and none in its workers.
+    Activation files of dead launches are removed (one line each); the workers are told to
+    ignore every activation (NONCE_ENV=off, forwarded by MpiPoolSession); a live SharpDraft
+    launch in the same environment is refused in one line (workers that do not get the
+    variable would take its file)."""
+    from plugins.trtllm import uninstall
+    from runtime.cli import UsageError
+
+    os.environ.pop(autoload.ENV, None)
+    os.environ[autoload.NONCE_ENV] = autoload.OFF
+    uninstall()
+    site = site if site is not None else autoload.find_site()
+    if site is None:
+        return
+    live = autoload.live_launches(autoload.activation_path(site))
+    if live:
+        raise UsageError(f"a SharpDraft launch (pid {live[0][1].get('launcher')}) is running in this "
+                         f"environment ({live[0][0]}): an unscaled run here could have its workers scaled "
+                         "— wait for it to end, or use another environment")
 
 
 def build_llm(manifest: Manifest, sharpdraft: bool = True, speculative: bool = True, **overrides):
     """(tensorrt_llm.LLM for an engine, Launch or None). With the engine's QueryScaling and
     `sharpdraft`, the launch is checked before the LLM is built and the proof after: either
     refuses in one line. Frozen and target-only runs need no proof."""
-    from plugins.trtllm import uninstall
-
     config = llm_api_config(manifest) | overrides
     if not speculative:
         config.pop("speculative_config")
@@ -279,8 +309,7 @@ def build_llm(manifest: Manifest, sharpdraft: bool = True, speculative: bool = T
         for key, value in launch.env().items():
             os.environ.setdefault(key, value)
     else:
-        os.environ.pop(autoload.ENV, None)
-        uninstall()
+        stand_down()
     try:
         llm = tensorrt_llm.LLM(**config)
     except BaseException:
@@ -309,6 +338,8 @@ def generate(manifest: Manifest, prompt: str, max_new_tokens: int, temperature: 
     applied = launch.require() if launch is not None else None
     try:
         output = llm.generate([prompt], params)[0]
+        if launch is not None:
+            applied = launch.require()  # after the first request too: every wrapped unit ran scaled
     finally:
         llm.shutdown()
         if launch is not None:

@@ -326,3 +326,165 @@ def test_wrapped_drafters_leave_proof_the_launcher_accepts(standin, tmp_path):
         assert "QueryScaling" in one_line(exc)
     finally:
         proof.set_directory(None)
+
+
+# --- proof of application, per rank; audited attention only ---------------------------------
+
+def test_a_layer_that_never_ran_scaled_is_refused_after_warm_up(standin, tmp_path):
+    """Construction is not application: PARD's drafter has two wrapped Attention layers;
+    after a warm-up that ran only the first (the second's query took a path around our
+    wrappers), the launcher's check names the idle layer; once it has run, it passes."""
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        spec = load(pins.SPECULATIVE_MODULE)
+        attention = load("tensorrt_llm._torch.modules.attention")
+        pard = spec.PARDForCausalLM()
+        proof.require(tmp_path, SCALING)  # built and wrapped: construction alone passes
+        attention.run_attention(pard, skip=(1,))
+        with pytest.raises(proof.ProofError) as exc:
+            proof.require(tmp_path, SCALING, ran=True)
+        assert "never ran scaled" in one_line(exc) and "draft_model_full.1.self_attn" in one_line(exc)
+        attention.run_attention(pard)
+        attention.run_attention(pard)
+        assert proof.require(tmp_path, SCALING, ran=True)
+        [record] = [r for r in proof.read(tmp_path) if r["kind"] == "wrapped"]
+        assert [proof.calls()[u] for u in record["units"]] == [3, 2]  # each wrapper counts its own scaled calls
+    finally:
+        proof.set_directory(None)
+
+
+def test_every_rank_of_the_world_must_prove_it_wrapped_its_drafter(tmp_path):
+    def wrapped(pid, rank):
+        (tmp_path / f"wrapped-{pid}-{rank}.json").write_text(json.dumps(
+            {"kind": "wrapped", "pid": pid, "rank": rank, "drafter": "Eagle3ForCausalLM", "units": [],
+             "scaling": SCALING.to_dict()}))
+
+    wrapped(101, 0)
+    assert proof.require(tmp_path, SCALING, world=1)
+    with pytest.raises(proof.ProofError) as exc:
+        proof.require(tmp_path, SCALING, world=2)
+    assert "rank(s) 1 of 2" in one_line(exc) and "rank 0 pid 101" in one_line(exc)
+    wrapped(101, 1)  # the same process claiming a second rank is not a second rank
+    with pytest.raises(proof.ProofError, match="distinct processes"):
+        proof.require(tmp_path, SCALING, world=2)
+    (tmp_path / "wrapped-101-1.json").unlink()
+    wrapped(102, 1)
+    assert {e["rank"] for e in proof.require(tmp_path, SCALING, world=2)} == {0, 1}
+
+
+def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the_drafter_is_built(
+        standin, tmp_path):
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        spec = load(pins.SPECULATIVE_MODULE)
+        drafter = spec.Eagle3ForCausalLM(qk_norm="gate")  # builds: TensorRT-LLM is not broken
+        assert not any("apply_rope" in vars(m) for m in drafter.modules())
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and "QKNormRoPEAttention overrides preprocess_qkv" in record["reason"]
+        with pytest.raises(proof.ProofError):
+            proof.require(tmp_path, SCALING)
+        for path in tmp_path.glob("*.json"):
+            path.unlink()
+        # the audited case: the fused gate off, preprocess_qkv defers to Attention's
+        audited = spec.Eagle3ForCausalLM(qk_norm=True)
+        assert any("apply_rope" in vars(m) for m in audited.modules())
+        assert proof.require(tmp_path, SCALING)
+    finally:
+        proof.set_directory(None)
+
+
+def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_raised(standin, tmp_path, monkeypatch):
+    from tests import trtllm_standins
+
+    class Opaque:  # a compiled op whose signature inspect cannot read
+        __signature__ = "not a signature"
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    monkeypatch.setattr(trtllm_standins, "flash_attn_with_kvcache", Opaque())
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        load(pins.DFLASH_MODULE).DFlashForCausalLM(dflash_attention_backend="VANILLA")
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and "cannot read the signature" in record["reason"]
+        assert "\n" not in record["reason"]
+    finally:
+        proof.set_directory(None)
+
+
+# --- activation: only a live launch, only its own -------------------------------------------
+
+def test_an_activation_counts_only_while_its_launcher_lives(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(autoload.ENV, raising=False)
+    monkeypatch.delenv(autoload.NONCE_ENV, raising=False)
+    site = tmp_path
+    mine = autoload.activate(site, SCALING, tmp_path / "proof")
+    folder = autoload.activation_path(site)
+    assert autoload._settings(folder)[0] == SCALING.to_dict()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = folder / "stale.json"
+    stale.write_text(json.dumps({"scaling": SCALING.to_dict(), "proof": "p", "launcher": dead.pid, "nonce": "x"}))
+    recycled = folder / "recycled.json"  # a live pid, another process incarnation
+    recycled.write_text(json.dumps({"scaling": SCALING.to_dict(), "proof": "p", "launcher": os.getpid(),
+                                    "started": "1", "nonce": "y"}))
+    assert [p for p, _ in autoload.live_launches(folder)] == [mine]
+    assert not stale.exists() and not recycled.exists()
+    assert capsys.readouterr().err.count("stale activation file") == 2
+    monkeypatch.setenv(autoload.NONCE_ENV, autoload.OFF)  # a frozen launch's worker
+    assert autoload._settings(folder) == (None, None)
+    autoload.deactivate(mine)
+    assert not folder.exists()
+
+
+def test_two_live_launches_on_one_host_each_keep_their_own_and_a_stray_process_takes_neither(
+        tmp_path, monkeypatch, capsys):
+    """Triton with instance count > 1, or every rank's initialize() under mpirun: a second
+    activate() must not fail; each launch's workers (with its nonce) take its own file."""
+    monkeypatch.delenv(autoload.ENV, raising=False)
+    other = QueryScaling(ref_keys=128, top_k=8, slope=1.0, max_log_scale=0.5)
+    first = autoload.activate(tmp_path, SCALING, tmp_path / "p1")
+    second = autoload.activate(tmp_path, other, tmp_path / "p2")
+    folder = autoload.activation_path(tmp_path)
+    monkeypatch.setenv(autoload.NONCE_ENV, second.stem)
+    assert autoload._settings(folder) == (other.to_dict(), str(tmp_path / "p2"))
+    monkeypatch.setenv(autoload.NONCE_ENV, first.stem)
+    assert autoload._settings(folder) == (SCALING.to_dict(), str(tmp_path / "p1"))
+    monkeypatch.delenv(autoload.NONCE_ENV)
+    assert autoload._settings(folder) == (None, None)
+    assert "2 SharpDraft launches are live" in capsys.readouterr().err
+    autoload.deactivate(first)
+    autoload.deactivate(second)
+
+
+def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path):
+    """MLA moved to _torch/attention/mla.py (pins.SOURCES["mla"]): a drafter built from that
+    class is refused for what it is, not for lacking an Attention layer."""
+    import types
+
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install(SCALING)
+        spec = load(pins.SPECULATIVE_MODULE)
+        mla_module = types.ModuleType("tensorrt_llm._torch.attention.mla")
+
+        class MLA(torch.nn.Module):
+            pass
+
+        mla_module.MLA = MLA
+        sys.modules[mla_module.__name__] = mla_module
+        spec.MLA = MLA  # the drafter's layers come from the newer module
+        spec.PARDForCausalLM(mla=True)
+        [record] = proof.read(tmp_path)
+        assert record["kind"] == "refused" and "MLA (latent) attention" in record["reason"], record
+    finally:
+        sys.modules.pop("tensorrt_llm._torch.attention.mla", None)
+        proof.set_directory(None)

@@ -164,3 +164,43 @@ def test_a_window_the_call_is_handed_caps_the_count_and_forward_hands_it_over():
     out = run(torch.tensor([[29, 399]]), q, meta, attention_window_size=100)
     assert out[0, 0] == pytest.approx(SCALING.beta(30)) and out[1, 0] == pytest.approx(SCALING.beta(100))
     assert CALL not in vars(layer) or vars(layer)[CALL] is None  # cleared once the forward returns
+
+
+# --- counts under CUDA graphs: device tensors only ---------------------------------------
+
+def test_counts_come_from_seq_lens_cuda_when_the_host_seq_lens_is_stale():
+    """Inside a replayed CUDA graph the host `seq_lens` holds another step's values; only
+    the device tensors (seq_lens_cuda, kv_lens_cuda) are right. The count must not change
+    with the host copy (the same mixed batch as above, host values made wrong)."""
+    fresh = Metadata([3, 3, 3], [70, 90, 100], num_contexts=1, offsets=[[0, 1, 2], [0, 1, 1]], use_spec=True)
+    stale = Metadata([3, 3, 3], [70, 90, 100], num_contexts=1, offsets=[[0, 1, 2], [0, 1, 1]], use_spec=True,
+                     stale_host=True)
+    assert not torch.equal(stale.seq_lens, stale.seq_lens_cuda)  # the stand-in really is stale
+    want = [68, 69, 70, 88, 89, 90, 98, 99, 99]
+    with no_host_sync():
+        fresh_counts, stale_counts = (visible_counts(m, rows=9, device="cpu") for m in (fresh, stale))
+    assert fresh_counts.tolist() == want
+    assert stale_counts.tolist() == want
+
+
+def test_a_padded_cuda_graph_batch_counts_real_requests_from_device_lengths_changed_in_place():
+    """create_cuda_graph_metadata's layout: every slot a generation request of 1 + drafts
+    tokens, two real requests then dummies; the drafting loop edits kv_lens_cuda in place
+    between replays. The counts follow the edit (no host copy taken at capture time)."""
+    meta = Metadata.cuda_graph(max_batch_size=4, max_draft_tokens=2, kv_lens=[50, 80, 3, 3])
+    meta.seq_lens = torch.ones(4, dtype=torch.int32)  # the host copy of some earlier step
+    with no_host_sync():
+        first = visible_counts(meta, rows=12, device="cpu")
+    assert first[:6].tolist() == [48, 49, 50, 78, 79, 80]
+    meta.kv_lens_cuda += 3  # in place, as the EAGLE-3 / PARD workers do between draft steps
+    with no_host_sync():
+        second = visible_counts(meta, rows=12, device="cpu")
+    assert second[:6].tolist() == [51, 52, 53, 81, 82, 83]
+
+
+def test_device_lengths_on_another_device_than_the_query_are_refused_not_copied():
+    from plugins.trtllm.rope import MetadataError
+
+    meta = Metadata([1], [10], num_contexts=1, device="meta")
+    with pytest.raises(MetadataError, match="only from device tensors"):
+        visible_counts(meta, rows=1, device="cpu")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import build_engine
-from plugins.trtllm import autoload, pins
+from plugins.trtllm import autoload, pins, proof
 from runtime.cli import run
 from tests.trtllm_package import CHECKOUT, write_package
 
@@ -160,17 +160,16 @@ def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(
 
 def test_a_mismatched_version_with_the_autoloader_active_imports_and_our_launcher_refuses(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg", version="1.5.0")
-    activation = site_of(venvs["autoload"]) / autoload.ACTIVATION_NAME
     from plugins.scaling import QueryScaling
 
-    activation.write_text(json.dumps({"scaling": QueryScaling(ref_keys=64).to_dict(), "proof": str(tmp_path / "p"),
-                                      "launcher": 0}))  # a launch in progress, as workers see it
+    # a launch in progress (this test's process is its live launcher), as workers see it
+    activation = autoload.activate(site_of(venvs["autoload"]), QueryScaling(ref_keys=64), tmp_path / "p")
     try:
         imports = subprocess.run([str(venvs["autoload"]), "-c", "import tensorrt_llm._torch.models.modeling_dflash "
                                   "as m; m.DFlashForCausalLM(); print('imported')"], cwd=standin,
                                  env=environment(standin, None), capture_output=True, text=True, timeout=240)
     finally:
-        activation.unlink()
+        autoload.deactivate(activation)
     assert imports.returncode == 0 and imports.stdout.strip() == "imported", imports.stderr
     assert "1.5.0" in imports.stderr  # the hook stood down, and said so
     target = generate(venvs["autoload"], engine, standin, "--target-only", single_process="0")
@@ -291,3 +290,106 @@ def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path
     err = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "serving" not in done.stdout
     assert err[-1].startswith(f"error: {HEAD}: no proof"), done.stderr
+
+
+# --- a dead launch leaves nothing behind; every rank must prove it -------------------------
+
+def test_a_launcher_killed_with_sigkill_leaves_no_scaling_for_the_next_frozen_or_stock_run(venvs, engine, tmp_path):
+    """A launch is killed (SIGKILL: no cleanup) while its activation file is live; the
+    runs that follow in that environment (a frozen run through our launcher, and a stock
+    LLM() of TensorRT-LLM's own) must build their drafters unscaled in their MPI workers."""
+    import signal
+
+    standin = write_package(tmp_path / "pkg")
+    python = venvs["autoload"]
+    folder = site_of(python) / autoload.ACTIVATION_NAME
+    hold = textwrap.dedent(f"""
+        import sys, time
+        from runtime import trtllm
+        from runtime.manifest import read_manifest
+        manifest = read_manifest({str(engine)!r})
+        launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest), manifest.drafter,
+                               manifest.drafter_dir)
+        print(launch.activation, launch.directory, flush=True)
+        time.sleep(600)
+        """)
+    launcher = subprocess.Popen([str(python), "-c", hold], cwd=standin, env=environment(standin, None),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        activation, proof_dir = launcher.stdout.readline().split()
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
+    assert Path(activation).is_file()  # the killed launch left its file behind
+    probe = textwrap.dedent(f"""
+        import json, os
+        from tensorrt_llm import LLM
+        llm = LLM(model="m", speculative_config={{"decoding_type": "DFlash"}})
+        print(json.dumps(llm.worker_pids)); llm.shutdown()
+        """)
+    stock = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, "0"),
+                           capture_output=True, text=True, timeout=240)
+    assert stock.returncode == 0, stock.stderr
+
+    def scaled():  # what a worker that took the dead launch's file would have written
+        return [r for r in proof.read(proof_dir) if r["kind"] in ("wrapped", "ran")]
+
+    assert scaled() == []
+    assert stock.stderr.count("stale activation file") == 1  # said in one line, and removed
+    assert not Path(activation).exists()
+    Path(activation).parent.mkdir(exist_ok=True)  # the file again, for the frozen run through our launcher
+    Path(activation).write_text(json.dumps({"scaling": {"ref_keys": 64}, "proof": proof_dir,
+                                            "launcher": launcher.pid, "started": "0", "nonce": "dead"}))
+    frozen = generate(python, engine, standin, "--no-sharpdraft", single_process="0")
+    assert frozen.returncode == 0 and json.loads(frozen.stdout)["sharpdraft_applied"] is None, frozen.stderr
+    assert scaled() == []  # no worker of either run built or ran a scaled drafter
+    assert not any(folder.glob("*.json"))
+
+
+def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_rank(venvs, engine, tmp_path):
+    """TP=2 where rank 1 runs without the hook (a rank started before the activation, or
+    elsewhere): one wrapped record is not enough, the launcher refuses naming rank 1."""
+    standin = write_package(tmp_path / "pkg", unhooked_rank=1)
+    probe = textwrap.dedent(f"""
+        import sys
+        from runtime import trtllm
+        from runtime.cli import run
+        from runtime.manifest import read_manifest
+        sys.exit(run(lambda argv: trtllm.build_llm(read_manifest({str(engine)!r}), tensor_parallel_size=2), []))
+        """)
+    done = subprocess.run([str(venvs["autoload"]), "-c", probe], cwd=standin, env=environment(standin, None),
+                          capture_output=True, text=True, timeout=240)
+    err = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and len(err) == 1, done.stderr
+    assert err[0].startswith(f"error: {HEAD} of rank(s) 1 of 2 (wrapped: rank 0 pid "), err[0]
+
+
+def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs, repository, engine, tmp_path):
+    """Triton with instance count > 1 (or every rank's initialize() under mpirun): another
+    SharpDraft launch is live in the environment; this instance's initialize() must still
+    load, and its worker must report to this instance's proof, not the other's."""
+    import signal
+
+    standin = write_package(tmp_path / "pkg")
+    python = venvs["autoload"]
+    hold = textwrap.dedent(f"""
+        import time
+        from runtime import trtllm
+        from runtime.manifest import read_manifest
+        manifest = read_manifest({str(engine)!r})
+        launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest))
+        print(launch.directory, flush=True)
+        time.sleep(600)
+        """)
+    other = subprocess.Popen([str(python), "-c", hold], cwd=standin, env=environment(standin, None),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        other_proof = other.stdout.readline().strip()
+        done = initialize(python, repository, standin)
+    finally:
+        os.kill(other.pid, signal.SIGTERM)
+        other.wait(timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["applied"]["processes"] == out["workers"]
+    assert proof.read(other_proof) == []  # nothing of this instance's went to the other launch

@@ -5,7 +5,11 @@ and commits below; plugins/trtllm/pins.py cites the same):
 - tensorrt_llm/llmapi/mpi_session.py @ 00a1352a: MpiPoolSession._start_mpi_pool starts
   workers with mpi4py's `MPIPoolExecutor(max_workers=n_workers, path=sys.path, ...)`; that
   copy adds `env=` holding only the parent's TRTLLM*/TLLM* variables, older copies pass no
-  env= at all — here no env=, and our launchers set no variable of their own for workers.
+  env= at all — here no env= (the harder case: the launch's nonce variable may not reach
+  the workers; the activation file's liveness check must do). A worker's rank is its
+  spawned COMM_WORLD's (`_worker_identity_barrier` pins one task per worker the same way).
+- _torch/pyexecutor/model_engine.py (PyTorchModelEngine warm-up, `_run_cuda_graph_warmup`):
+  forward passes run before the LLM serves; here one draft step at LLM() and per generate().
 - tensorrt_llm/executor/executor.py @ 005bc848 (GenerationExecutor.create) and
   executor/proxy.py @ b93e14ca: world size > 1 -> proxy + MpiPoolSession(n_workers) +
   submit(worker_main, ...) on every worker; TP1 with TLLM_WORKER_USE_SINGLE_PROCESS=1 -> the
@@ -67,20 +71,43 @@ FILES = {
         import os
         import types
 
+        UNHOOKED_RANK = {unhooked_rank!r}  # a rank that started before the launch's activation
+        _DRAFTER = {{}}
 
-        def worker_main(speculative_config):
+
+        def _rank(pool):
+            if not pool:
+                return 0
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()  # one task per worker (mpi_session._worker_identity_barrier)
+            return MPI.COMM_WORLD.Get_rank()
+
+
+        def worker_main(speculative_config, pool=False):
             # executor/worker.py: the worker builds the model, the drafter with it
             import importlib
 
+            if _rank(pool) == UNHOOKED_RANK and "plugins.trtllm.hook" in __import__("sys").modules:
+                __import__("plugins.trtllm.hook").trtllm.hook.uninstall()
             decoding = (speculative_config or {{}}).get("decoding_type")
             if decoding == "DFlash":
                 module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
-                module.DFlashForCausalLM(dflash_attention_backend=speculative_config.get(
+                _DRAFTER["model"] = module.DFlashForCausalLM(dflash_attention_backend=speculative_config.get(
                     "attention_backend", "VANILLA"))
             elif decoding in ("Eagle3", "PARD"):
                 module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
                 cls = module.Eagle3ForCausalLM if decoding == "Eagle3" else module.PARDForCausalLM
-                cls()
+                _DRAFTER["model"] = cls()
+            return os.getpid()
+
+
+        def worker_step(pool=False):
+            # one speculative step's drafter forward (the model engine's warm-up runs the same)
+            _rank(pool)
+            drafter = _DRAFTER.get("model")
+            if drafter is not None:
+                drafter.draft_step()
             return os.getpid()
 
 
@@ -95,10 +122,18 @@ FILES = {
                     from .mpi_session import MpiPoolSession
 
                     self._session = MpiPoolSession(n_workers=world)
-                    futures = self._session.submit(worker_main, speculative_config)
+                    futures = self._session.submit(worker_main, speculative_config, pool=True)
                     self.worker_pids = [f.result() for f in futures]
+                self._step()  # warm-up: PyTorchModelEngine.warmup runs forward passes before serving
+
+            def _step(self):
+                if self._session is None:
+                    worker_step()
+                else:
+                    [f.result() for f in self._session.submit(worker_step, pool=True)]
 
             def generate(self, prompts, params):
+                self._step()
                 completion = types.SimpleNamespace(text=" pass", token_ids=[1, 2])
                 return [types.SimpleNamespace(outputs=[completion]) for _ in prompts]
 
@@ -183,8 +218,27 @@ FILES = {
             def apply_rope(self, q, k, v, position_ids):
                 return q, k, v
 
+        class QKNormRoPEAttention(Attention):
+            # _torch/attention/qk_norm_attention.py @ a15d8890: preprocess_qkv takes a fused
+            # gemma-norm + RoPE + gate kernel (never calling apply_rope) when
+            # _fuse_qk_norm_rope_gate is set, else defers to Attention's
+            def __init__(self, fuse_gate=False, **attention):
+                super().__init__(**attention)
+                self._fuse_qk_norm_rope_gate = fuse_gate
+
+            def preprocess_qkv(self, qkv, position_ids):
+                return qkv
+
         class MLA(torch.nn.Module):
             pass
+
+        def run_attention(drafter, skip=()):
+            # every Attention layer's forward on one small batch, as a draft step does
+            from tests.trtllm_package import Metadata
+
+            for i, layer in enumerate(m for m in drafter.modules() if isinstance(m, Attention)):
+                if i not in skip:
+                    layer(torch.tensor([[0, 1]]), torch.ones(2, layer.q_size + 16), Metadata([1, 1], [1, 100], 2))
         """,
     "tensorrt_llm/_torch/models/modeling_dflash.py": """
         import torch
@@ -201,6 +255,22 @@ FILES = {
                     self._dflash_trtllm_gen_ops = get_dflash_trtllm_gen_ops()
                 elif dflash_attention_backend == "FA4":
                     self._dflash_fa4_fwd = k._flash_attn_fwd
+
+            def draft_step(self):
+                # dflash_forward's kernel call for one block of 2 queries over 5 + 2 keys
+                q = torch.ones(1, 2, 4, 8)
+                if self.dflash_attention_backend == "VANILLA":
+                    cache = torch.zeros(1, 8, 2, 8)
+                    self._dflash_flash_attention(q, cache, cache.clone(), cache_seqlens=torch.tensor([7]))
+                elif self.dflash_attention_backend == "FA4":
+                    pages = torch.zeros(1, 8, 2, 8)
+                    self._dflash_fa4_fwd(q, pages, pages.clone(), seqused_k=torch.tensor([7]),
+                                         page_table=torch.zeros(1, 1, dtype=torch.int32))
+                else:
+                    pages = torch.zeros(1, 2, 8, 8)
+                    self._dflash_trtllm_gen_ops.batch_decode_with_kv_cache(
+                        q.reshape(2, 4, 8), (pages, pages.clone()), None, torch.zeros(1, 1, dtype=torch.int32),
+                        torch.tensor([7], dtype=torch.int32), 8, q_len_per_req=2)
         """,
     "tensorrt_llm/_torch/models/modeling_speculative.py": """
         import types
@@ -208,23 +278,34 @@ FILES = {
         import torch
         from ..modules.attention import MLA, Attention
 
-        class Layer(torch.nn.Module):
-            def __init__(self, mla=False, **attention):
-                super().__init__()
-                self.self_attn = MLA() if mla else Attention(**attention)
+        from ..modules.attention import QKNormRoPEAttention, run_attention
 
-        class Eagle3ForCausalLM(torch.nn.Module):
-            def __init__(self, draft_config=None, num_layers=0, kv_lora_rank=None, **attention):
+        class Layer(torch.nn.Module):
+            def __init__(self, mla=False, qk_norm=False, **attention):
+                super().__init__()
+                if mla:
+                    self.self_attn = MLA()
+                elif qk_norm:
+                    self.self_attn = QKNormRoPEAttention(fuse_gate=qk_norm == "gate", **attention)
+                else:
+                    self.self_attn = Attention(**attention)
+
+        class Drafting:
+            def draft_step(self):
+                run_attention(self)
+
+        class Eagle3ForCausalLM(Drafting, torch.nn.Module):
+            def __init__(self, draft_config=None, num_layers=0, kv_lora_rank=None, qk_norm=False, **attention):
                 super().__init__()
                 self._use_mla = bool(kv_lora_rank)
-                self.layers = torch.nn.ModuleList([Layer(mla=self._use_mla, **attention)])
+                self.layers = torch.nn.ModuleList([Layer(mla=self._use_mla, qk_norm=qk_norm, **attention)])
 
         class MistralLarge3EagleForCausalLM(torch.nn.Module):
             def __init__(self, draft_config=None):
                 super().__init__()
                 self.layers = torch.nn.ModuleList([Layer(mla=True)])
 
-        class PARDForCausalLM(torch.nn.Module):
+        class PARDForCausalLM(Drafting, torch.nn.Module):
             def __init__(self, draft_config=None, sparse_attention_config=None, **attention):
                 super().__init__()
                 self.draft_model_full = torch.nn.ModuleList([Layer(**attention), Layer(**attention)])
@@ -249,37 +330,68 @@ class DFlashForCausalLM(torch.nn.Module):
         from flash_attn import flash_attn_with_kvcache
         return flash_attn_with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache,
                                        cache_seqlens=cache_seqlens, causal=False)
+
+    def draft_step(self):
+        cache = torch.zeros(1, 8, 2, 8)
+        self.dflash_forward(torch.ones(1, 2, 4, 8), cache, cache.clone(), torch.tensor([7]))
 """
 FLASH_ATTN = {"flash_attn/__init__.py": "from tests.trtllm_standins import flash_attn_with_kvcache\n"}
 
 
 class Metadata:
-    """The AttentionMetadata fields the count reads (pins.METADATA), filled as TensorRT-LLM
-    fills them (attention.py @ 00547a25, _adjust_position_ids_for_spec_dec): seq_lens on the
-    host, kv_lens_cuda (cached + new keys) on the device, context requests first, then
-    generation requests with spec_decoding_position_offsets (depths; 1-D for a dynamic tree)."""
+    """The AttentionMetadata fields the count reads (pins.METADATA), laid out as TensorRT-LLM
+    lays them out:
+    - `_torch/attention_backend/interface.py` @ 51ea5c96, `AttentionMetadata`: `seq_lens` is a
+      HOST tensor (the setter swaps in a new pinned CPU tensor each step, so a copy captured
+      in a CUDA graph reads a stale one) and `seq_lens_cuda` its device copy, updated in
+      place; `num_seqs` = seq_lens.shape[0] (a Python int);
+    - `_torch/attention_backend/trtllm.py`, `TrtllmAttentionMetadata`: `kv_lens_cuda` (cached +
+      new keys per sequence) on the device, edited in place by prepare() and the EAGLE-3 /
+      PARD workers;
+    - `_torch/modules/attention.py` @ 00547a25, `_adjust_position_ids_for_spec_dec`: context
+      requests first, then generation requests with spec_decoding_position_offsets (depths;
+      1-D for a dynamic tree).
+    `stale_host` fills the host seq_lens with values that are wrong for this step (as they are
+    inside a replayed graph); `device` is where the "_cuda" tensors live (CPU in CPU tests)."""
 
-    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False):
+    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False, stale_host=False,
+                 device="cpu"):
         import torch
 
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32)
+        host = [max(1, n // 2 + 3) for n in seq_lens] if stale_host else list(seq_lens)
+        self.seq_lens = torch.tensor(host, dtype=torch.int32)  # host: may be stale
+        self.seq_lens_cuda = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32, device=device)
         self.num_contexts = num_contexts
-        self.num_seqs = len(seq_lens)
         self.num_tokens = int(sum(seq_lens))
         self.num_ctx_tokens = int(sum(seq_lens[:num_contexts]))
         self.spec_decoding_position_offsets = (None if offsets is None
-                                               else torch.tensor(offsets, dtype=torch.int32))
+                                               else torch.tensor(offsets, dtype=torch.int32, device=device))
         self.use_spec_decoding = use_spec
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def cuda_graph(cls, max_batch_size: int, max_draft_tokens: int, kv_lens, device="cpu"):
+        """interface.py @ 51ea5c96 `create_cuda_graph_metadata` (decoder, not encode_only):
+        seq_lens = ones(max_batch_size) * (1 + max_draft_tokens), num_contexts = 0; the real
+        requests fill the first slots, padded dummy requests the rest (kv_lens for every slot,
+        dummies included). Chain drafts: depths 0..max_draft_tokens per request."""
+        gen = 1 + max_draft_tokens
+        return cls([gen] * max_batch_size, kv_lens, num_contexts=0,
+                   offsets=[list(range(gen))] * max_batch_size, use_spec=True, device=device)
 
 
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
-                  old_dflash: bool = False) -> Path:
+                  old_dflash: bool = False, unhooked_rank: int | None = None) -> Path:
     files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
     for rel, text in files.items():
         text = textwrap.dedent(text)
         if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py")):
-            text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "")
+            text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "",
+                               unhooked_rank=unhooked_rank)
         if drop and rel.endswith(drop[0]):
             text = text.replace(drop[1], "_removed_" + drop[1])
         path = root / rel

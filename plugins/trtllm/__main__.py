@@ -89,7 +89,8 @@ def autoload_command(action: str, site: Path) -> str:
     if action == "uninstall":
         existed = path.exists()
         path.unlink(missing_ok=True)
-        autoload.activation_path(site).unlink(missing_ok=True)
+        for stale in autoload.activation_path(site).glob("*.json"):
+            autoload.deactivate(stale)
         return f"removed {path}" if existed else f"nothing to remove ({path} does not exist)"
     return f"installed: {path}" if path.exists() else f"not installed ({path} does not exist)"
 

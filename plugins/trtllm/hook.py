@@ -62,6 +62,7 @@ class _State:
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self.version: str | None = None
         self.disabled: str | None = None  # why the hook stood down in this process
+        self.serial = 0  # drafters wrapped in this process (names their proof units)
 
 
 _state = _State()
@@ -247,8 +248,9 @@ def _after_init(original, family: str):
             return  # hook off, or a patched subclass's constructor (running around us) reports
         try:
             prepare_drafter(self, family)
-        except TrtllmHookError as exc:  # never raise out of TensorRT-LLM's model construction
-            reason = str(exc).splitlines()[0]
+        except (TrtllmHookError, TypeError, ValueError) as exc:  # never raise out of TensorRT-LLM's
+            # model construction: a kernel whose signature cannot be read, a name we cannot vouch for
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             sys.stderr.write(f"sharpdraft: {type(self).__name__} runs WITHOUT SharpDraft: {reason}\n")
             proof.record("refused", drafter=type(self).__name__, family=family, reason=reason,
                          scaling=_scaling_dict())
@@ -271,13 +273,15 @@ def prepare_drafter(drafter, family: str) -> None:
     if family == "unknown":
         raise TrtllmHookError(f"{type(drafter).__name__} is a drafter class SharpDraft's hook does not "
                               f"know (TensorRT-LLM {_state.version or '?'}; pinned: plugins/trtllm/pins.py)")
+    _state.serial += 1
+    prefix = f"{type(drafter).__name__}#{_state.serial}"
     if family == "dflash":
-        originals, layers = _prepare_dflash(drafter)
+        originals, layers, units = _prepare_dflash(drafter, prefix)
     else:
-        originals, layers = _prepare_attention(drafter, family)
+        originals, layers, units = _prepare_attention(drafter, family, prefix)
     vars(drafter)[ORIGINALS] = originals
     _state.instances.add(drafter)
-    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=layers,
+    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=layers, units=units,
                  scaling=_scaling_dict(), version=_state.version)
 
 
@@ -285,7 +289,9 @@ def _scaling_now():
     return _state.scaling
 
 
-def _prepare_dflash(drafter) -> tuple[dict, int]:
+def _prepare_dflash(drafter, prefix: str) -> tuple[dict, int, list[str]]:
+    """Wrap the DFlash drafter's kernel; its proof unit is the kernel (one per drafter: every
+    draft layer calls it)."""
     name = type(drafter).__name__
     backend = getattr(drafter, pins.DFLASH_BACKEND_ATTRIBUTE, None)
     layers = len(getattr(getattr(drafter, "model", None), "layers", None) or ())
@@ -293,8 +299,9 @@ def _prepare_dflash(drafter) -> tuple[dict, int]:
         forward = getattr(drafter, pins.DFLASH_FORWARD, None)
         if forward is None:
             raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE} or {name}.{pins.DFLASH_FORWARD}")
-        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward)  # older layout
-        return {pins.DFLASH_FORWARD: None}, layers
+        unit = f"{prefix}.{pins.FLASH_ATTN_KERNEL}"
+        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, unit)  # older layout
+        return {pins.DFLASH_FORWARD: None}, layers, [unit]
     attribute = pins.DFLASH_KERNELS.get(backend)
     if attribute is None:
         raise TrtllmHookError(f"TensorRT-LLM {_state.version or '?'}: DFlash attention_backend "
@@ -303,24 +310,33 @@ def _prepare_dflash(drafter) -> tuple[dict, int]:
     kernel = vars(drafter).get(attribute)
     if kernel is None:
         raise _missing(f"{name}.{attribute} (the {backend} attention kernel)")
+    unit = f"{prefix}.{attribute}"
+    try:
+        wrapped = _wrap_dflash_kernel(backend, kernel, name, attribute, unit)
+    except TypeError as exc:  # a kernel whose signature cannot be read: refused, one line
+        raise TrtllmHookError(str(exc).splitlines()[0]) from None
+    setattr(drafter, attribute, wrapped)
+    return {attribute: kernel}, layers, [unit]
+
+
+def _wrap_dflash_kernel(backend, kernel, name, attribute, unit):
     if backend == "VANILLA":
-        wrapped = wrap_flash_attn_with_kvcache(kernel, _scaling_now)
+        wrapped = wrap_flash_attn_with_kvcache(kernel, _scaling_now, unit)
     elif backend == "FA4":
-        wrapped = wrap_fa4_fwd(kernel, _scaling_now)
+        wrapped = wrap_fa4_fwd(kernel, _scaling_now, unit)
     else:  # TRTLLM: a frozen dataclass of flashinfer ops; wrap the two attention calls
         if not dataclasses.is_dataclass(kernel) or not all(
                 hasattr(kernel, field) for field in pins.TRTLLM_GEN_FIELDS):
             raise _missing(f"{name}.{attribute}.{' / '.join(pins.TRTLLM_GEN_FIELDS)}")
         wrapped = dataclasses.replace(kernel, **{
             pins.TRTLLM_GEN_FIELDS[0]: wrap_trtllm_gen_decode(getattr(kernel, pins.TRTLLM_GEN_FIELDS[0]),
-                                                              _scaling_now),
+                                                              _scaling_now, unit),
             pins.TRTLLM_GEN_FIELDS[1]: wrap_trtllm_gen_context(getattr(kernel, pins.TRTLLM_GEN_FIELDS[1]),
-                                                               _scaling_now)})
-    setattr(drafter, attribute, wrapped)
-    return {attribute: kernel}, layers
+                                                               _scaling_now, unit)})
+    return wrapped
 
 
-def _with_wrapped_flash_attn(dflash_forward):
+def _with_wrapped_flash_attn(dflash_forward, unit: str):
     """The older DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
     call time: for the duration of this drafter's call, the module attribute it imports is
     our wrapper (the target never calls flash_attn directly; one model forward at a time)."""
@@ -332,7 +348,7 @@ def _with_wrapped_flash_attn(dflash_forward):
         original = getattr(module, pins.FLASH_ATTN_KERNEL)
         if original not in cache:
             cache.clear()
-            cache[original] = wrap_flash_attn_with_kvcache(original, _scaling_now)
+            cache[original] = wrap_flash_attn_with_kvcache(original, _scaling_now, unit)
         setattr(module, pins.FLASH_ATTN_KERNEL, cache[original])
         try:
             return dflash_forward(*args, **kwargs)
@@ -344,7 +360,7 @@ def _with_wrapped_flash_attn(dflash_forward):
 
 def attention_class(name: str = pins.ATTENTION_CLASS):
     """TensorRT-LLM's Attention (or MLA) class, from whichever pinned module is loaded."""
-    for module_name in pins.ATTENTION_MODULES:
+    for module_name in (pins.MLA_MODULES if name == pins.MLA_CLASS else pins.ATTENTION_MODULES):
         module = sys.modules.get(module_name)
         cls = getattr(module, name, None) if module else None
         if cls is not None:
@@ -352,16 +368,31 @@ def attention_class(name: str = pins.ATTENTION_CLASS):
     return None
 
 
-def _prepare_attention(drafter, family: str) -> tuple[dict, int]:
+def _unaudited_override(layer, base):
+    """(method, class) where the layer's class overrides one of the methods that could route
+    the query around apply_rope, in a subclass of `base` nobody audited; else None."""
+    for method in pins.ATTENTION_BYPASSES:
+        definer = next((c for c in type(layer).__mro__ if method in c.__dict__), None)
+        if definer is None or definer is base or not issubclass(definer, base):
+            continue
+        condition = pins.AUDITED_ATTENTION.get((definer.__name__, method))
+        if condition is None or getattr(layer, condition, True):
+            return method, definer  # never audited, or audited only with `condition` off
+    return None
+
+
+def _prepare_attention(drafter, family: str, prefix: str) -> tuple[dict, int, list[str]]:
     name = type(drafter).__name__
-    cls, mla = attention_class(), attention_class(pins.MLA_CLASS)
-    if getattr(drafter, "_use_mla", False) or (mla is not None and any(isinstance(m, mla) for m in drafter.modules())):
+    cls = attention_class()
+    mla = tuple({getattr(sys.modules.get(m), pins.MLA_CLASS, None) for m in pins.MLA_MODULES} - {None})
+    if getattr(drafter, "_use_mla", False) or (mla and any(isinstance(m, mla) for m in drafter.modules())):
         raise TrtllmHookError(f"{name} uses MLA (latent) attention (e.g. Eagle3DeepSeekV3), whose query "
                               "path SharpDraft does not wrap — run it without --sharpdraft")
     if cls is None or not hasattr(cls, pins.ATTENTION_METHOD):
         raise _missing(f"{pins.ATTENTION_CLASS}.{pins.ATTENTION_METHOD} (looked in "
                        f"{' and '.join(pins.ATTENTION_MODULES)})")
-    layers = [m for m in drafter.modules() if isinstance(m, cls)]
+    named = [(n, m) for n, m in drafter.named_modules() if isinstance(m, cls)]
+    layers = [m for _, m in named]
     if not layers:
         raise _missing(f"an {pins.ATTENTION_CLASS} layer inside {name} ({family} drafter)")
     config = getattr(drafter, pins.DRAFTER_MODEL_CONFIG, None)
@@ -375,14 +406,23 @@ def _prepare_attention(drafter, family: str) -> tuple[dict, int]:
                                   "derived — refused")
         if getattr(layer, pins.ATTENTION_Q_SIZE, None) is None:
             raise _missing(f"{type(layer).__name__}.{pins.ATTENTION_Q_SIZE}")
-    for layer in layers:
+        override = _unaudited_override(layer, cls)
+        if override is not None:
+            method, definer = override
+            raise TrtllmHookError(f"{name}'s attention layer {definer.__name__} overrides {method} (e.g. "
+                                  "QKNormRoPEAttention's fused norm + gate path), which may route the query "
+                                  "around apply_rope: not audited for SharpDraft — refused")
+    units = []
+    for layer_name, layer in named:
+        unit = f"{prefix}.{layer_name or 'self'}"
+        units.append(unit)
         # Instance attributes shadow the class's methods for this layer only.
         vars(layer)[pins.ATTENTION_FORWARD] = wrap_forward(getattr(layer, pins.ATTENTION_FORWARD), layer)
         vars(layer)[pins.ATTENTION_METHOD] = wrap_apply_rope(getattr(layer, pins.ATTENTION_METHOD),
-                                                             _scaling_now, int(layer.q_size), layer)
+                                                             _scaling_now, int(layer.q_size), layer, unit)
         _state.instances.add(layer)
         vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None, pins.ATTENTION_FORWARD: None}
-    return {}, len(layers)
+    return {}, len(layers), units
 
 
 def _restore(instance) -> None:

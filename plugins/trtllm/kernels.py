@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from plugins.scaling import QueryScaling
+from plugins.trtllm import proof
 
 __all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode",
            "wrap_trtllm_gen_context", "wrap_fa4_fwd", "WRAPPED"]
@@ -99,7 +100,7 @@ def _fixed_rows(total: torch.Tensor, q_len: int):
     return total[:, None], q_len, row[None, :]
 
 
-def _wrap(kernel: Callable, scaling, name: str, rescale) -> Callable:
+def _wrap(kernel: Callable, scaling, name: str, rescale, unit: str | None = None) -> Callable:
     if getattr(kernel, WRAPPED, None) is not None:
         return kernel
     bind = _binder(kernel, name)
@@ -111,13 +112,15 @@ def _wrap(kernel: Callable, scaling, name: str, rescale) -> Callable:
             return kernel(*args, **kwargs)
         bound = bind(args, kwargs)
         rescale(bound.arguments, active)
+        if unit is not None:
+            proof.ran(unit)  # host-side bookkeeping only (a dict; a file the first time)
         return kernel(*bound.args, **bound.kwargs)
 
     setattr(wrapper, WRAPPED, kernel)
     return wrapper
 
 
-def wrap_flash_attn_with_kvcache(kernel: Callable, scaling) -> Callable:
+def wrap_flash_attn_with_kvcache(kernel: Callable, scaling, unit: str | None = None) -> Callable:
     """flash_attn_with_kvcache(q [B, sq, H, D], k_cache, v_cache, k=None, v=None, ...,
     cache_seqlens, cache_batch_idx, ..., causal, window_size=(left, right), ...).
 
@@ -139,7 +142,7 @@ def wrap_flash_attn_with_kvcache(kernel: Callable, scaling) -> Callable:
         n = visible_keys(*_fixed_rows(total, q_len), bool(a.get("causal", False)), left, right)
         a["q"] = scale_rows(q, n, active)
 
-    return _wrap(kernel, scaling, "flash_attn_with_kvcache", rescale)
+    return _wrap(kernel, scaling, "flash_attn_with_kvcache", rescale, unit)
 
 
 def _varlen_rows(total_q: int, cum_q: torch.Tensor, seq_lens: torch.Tensor):
@@ -153,7 +156,7 @@ def _varlen_rows(total_q: int, cum_q: torch.Tensor, seq_lens: torch.Tensor):
     return seq_lens.to(torch.int64)[seq], q_len, rows - start
 
 
-def wrap_trtllm_gen_decode(kernel: Callable, scaling) -> Callable:
+def wrap_trtllm_gen_decode(kernel: Callable, scaling, unit: str | None = None) -> Callable:
     """flashinfer trtllm_batch_decode_with_kv_cache(query [B * q_len_per_req, H, D], kv_cache,
     workspace_buffer, block_tables, seq_lens [B], max_seq_len, ..., window_left, ...,
     q_len_per_req, ..., cum_seq_lens_q, ...).
@@ -173,10 +176,10 @@ def wrap_trtllm_gen_decode(kernel: Callable, scaling) -> Callable:
         n = visible_keys(total, q_len, row, True, left, None).reshape(-1)
         a["query"] = scale_rows(query, n, active)
 
-    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", rescale)
+    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", rescale, unit)
 
 
-def wrap_trtllm_gen_context(kernel: Callable, scaling) -> Callable:
+def wrap_trtllm_gen_context(kernel: Callable, scaling, unit: str | None = None) -> Callable:
     """flashinfer trtllm_batch_context_with_kv_cache(query [sum q_len, H, D], kv_cache, ...,
     seq_lens [B], max_q_len, max_kv_len, ..., batch_size, cum_seq_lens_q [B + 1],
     cum_seq_lens_kv, window_left, ..., causal, ...).
@@ -191,10 +194,10 @@ def wrap_trtllm_gen_context(kernel: Callable, scaling) -> Callable:
                          a.get("window_left", -1), None)
         a["query"] = scale_rows(query, n, active)
 
-    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", rescale)
+    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", rescale, unit)
 
 
-def wrap_fa4_fwd(kernel: Callable, scaling) -> Callable:
+def wrap_fa4_fwd(kernel: Callable, scaling, unit: str | None = None) -> Callable:
     """FlashAttention-4 `_flash_attn_fwd(q [B, sq, H, D], k, v, ..., seqused_k [B],
     page_table, softmax_scale, causal, ..., window_size_left, window_size_right, ...)`.
 
@@ -217,4 +220,4 @@ def wrap_fa4_fwd(kernel: Callable, scaling) -> Callable:
                          a.get("window_size_left"), a.get("window_size_right"))
         a["q"] = scale_rows(q, n, active)
 
-    return _wrap(kernel, scaling, "_flash_attn_fwd", rescale)
+    return _wrap(kernel, scaling, "_flash_attn_fwd", rescale, unit)

@@ -12,6 +12,18 @@ then reports. The configuration writers (runtime/trtllm.py) emit only LLM_API_FI
 To support another release: read the same files at its tag, update the names and
 commits here, widen the range, and run `python -m plugins.trtllm check` on a machine
 where it imports.
+
+Which release the names come from: NOT one. Re-reading every name from a single tagged
+release was not possible here: the repository's snapshot (2.5 GB) is larger than what
+can be fetched to this machine, and the source store keeps each file at the commits
+where it changed, not whole releases. So every Source below names the exact commit of
+the copy each name was read from, and the copies span two layouts: the older one
+(`_torch/modules/attention.py`, `MLA` beside `Attention`, modeling_speculative.py holding
+DFlash) and the newer one (`_torch/attention/attention.py`, `_torch/attention/mla.py`,
+`_torch/attention/backends/interface.py`, `_torch/attention/qk_norm_attention.py`,
+modeling_dflash.py importing `..attention.*`). The hook accepts both layouts and checks
+each name when the module loads (a missing one disables it, recorded); nothing here has
+run against an installed TensorRT-LLM.
 """
 
 from __future__ import annotations
@@ -43,10 +55,12 @@ class Source:
 
 SOURCES = {
     "modeling_dflash": Source(
-        "tensorrt_llm/_torch/models/modeling_dflash.py", "009d8fa431bd3de92245aab80f8b57dc70da1ac4",
-        "DFlashForCausalLM: __init__ stores the kernel on the instance "
-        "(_dflash_flash_attention | _dflash_trtllm_gen_ops | _dflash_fa4_fwd by "
-        "dflash_attention_backend); dflash_forward calls it once per draft layer"),
+        "tensorrt_llm/_torch/models/modeling_dflash.py", "7c7504c08f1f4e389e0e4312ef947f72a87cbcfb",
+        "DFlashForCausalLM(draft_config, *, dflash_attention_backend='VANILLA'): __init__ stores the "
+        "kernel on the instance (_dflash_flash_attention | _dflash_trtllm_gen_ops | _dflash_fa4_fwd "
+        "(+ _dflash_paged_append) by dflash_attention_backend; the others None); newer layout "
+        "(imports ..attention.rotary_embedding); per-layer sliding windows (use_swa) are passed to "
+        "the kernel as window_size. Same names in the earlier copy @ 009d8fa4"),
     "modeling_dflash_fa4": Source(
         "tensorrt_llm/_torch/models/modeling_dflash.py", "(stored copy with FA4; the store does not show its commit)",
         "FA4 path: fa4_fwd(Q_bshd, k_pages, v_pages, seqused_k=ctx+block, page_table, "
@@ -81,10 +95,34 @@ SOURCES = {
     "attention_moved": Source(
         "tensorrt_llm/_torch/attention/attention.py", "930bd1a7cc5173721fd6bb3a34b5b3074eeb0c39",
         "a later home of the same Attention module (both paths are accepted)"),
+    "attention_interface": Source(
+        "tensorrt_llm/_torch/attention/backends/interface.py", "b386a7fff981548964f58eb5f7e2a8e015c661bb",
+        "AttentionMetadata: seq_lens is a host tensor (setter: maybe_pin_memory; under CUDA graphs "
+        "_seq_lens_cuda.copy_(seq_lens) in place, else a new .cuda() copy); seq_lens_cuda property; "
+        "num_seqs = seq_lens.shape[0]; num_tokens / num_ctx_tokens Python ints set on update; "
+        "create_cuda_graph_metadata: seq_lens = ones(max_batch_size) * (1 + max_draft_tokens), "
+        "num_contexts = 0 (padded dummy requests counted). Older path "
+        "_torch/attention_backend/interface.py @ 51ea5c96: the same"),
+    "qk_norm_attention": Source(
+        "tensorrt_llm/_torch/attention/qk_norm_attention.py", "a15d889071654fe453ba9d826d98f6c6398310ab",
+        "QKNormRoPEAttention(Attention) overrides preprocess_qkv: fused gemma-norm + RoPE + gate "
+        "(never apply_rope) when _fuse_qk_norm_rope_gate, else super().preprocess_qkv; apply_rope "
+        "overridden (q/k norm, then super().apply_rope or the fused qk_norm_rope op). Older copy "
+        "_torch/modules/qk_norm_attention.py @ a98a9061: apply_rope override only"),
+    "mla": Source(
+        "tensorrt_llm/_torch/attention/mla.py", "99734c04e159095649e7a9add6d4f4425fc15ff9",
+        "where MLA lives in the newer layout (location only: the file's contents were not read)"),
+    "model_engine": Source(
+        "tensorrt_llm/_torch/pyexecutor/model_engine.py", "(stored copies; the store does not show their commit)",
+        "PyTorchModelEngine warm-up: forward passes (autotuner warm-up; _run_cuda_graph_warmup "
+        "captures generation graphs for each batch size and draft length) before the LLM serves — "
+        "where the launcher's 'ran scaled' check after construction relies on it"),
     "mpi_session": Source(
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
-        "env={only TRTLLM*/TLLM* variables}) (older copies: no env=); workers run worker_main"),
+        "env={only TRTLLM*/TLLM* variables} + env_overrides) (older copies: no env=): so "
+        "TRTLLM_SHARPDRAFT_LAUNCH reaches the workers; workers run worker_main; their COMM_WORLD is "
+        "the spawned world (_worker_identity_barrier), whose rank TensorRT-LLM's mpi_rank() reads"),
     "executor": Source(
         "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
         "GenerationExecutor.create: world size > 1 -> proxy + MPI workers; TP1 with "
@@ -174,7 +212,8 @@ DFLASH_FORWARD = "dflash_forward"
 # new keys) and seq_lens (new tokens); num_contexts context requests come first; generation
 # requests carry use_spec_decoding and spec_decoding_position_offsets (each draft token's
 # depth: 1-D for a dynamic tree, [gens, gen_len] otherwise).
-METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "num_contexts": "num_contexts",
+METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "seq_lens_cuda": "seq_lens_cuda",
+            "num_contexts": "num_contexts",
             "num_seqs": "num_seqs", "num_tokens": "num_tokens", "num_ctx_tokens": "num_ctx_tokens",
             "use_spec": "use_spec_decoding",
             "offsets": "spec_decoding_position_offsets"}
@@ -192,6 +231,20 @@ DFLASH_KERNELS = {  # attention_backend -> instance attribute holding the kernel
 }
 TRTLLM_GEN_FIELDS = ("batch_decode_with_kv_cache", "batch_context_with_kv_cache")
 ATTENTION_Q_SIZE = "q_size"
+# Attention methods through which a subclass could route the query around apply_rope
+# (QKNormRoPEAttention.preprocess_qkv's fused norm + gate path in qk_norm_attention.py):
+# a drafter whose layers' class overrides one of them in a subclass not listed in
+# AUDITED_ATTENTION is refused when built. Overriding apply_rope itself is fine (Qwen3-style
+# q_norm then super().apply_rope: our wrapper sits on the instance, outside it).
+ATTENTION_BYPASSES = ("forward", "preprocess_qkv")
+# Overrides read and found to keep the query on apply_rope, with the instance attribute
+# that must be falsy for that to hold (SOURCES["qk_norm_attention"]: QKNormRoPEAttention.
+# preprocess_qkv takes its fused gemma-norm + RoPE + gate kernel only when
+# _fuse_qk_norm_rope_gate is set, else it defers to Attention.preprocess_qkv).
+AUDITED_ATTENTION = {("QKNormRoPEAttention", "preprocess_qkv"): "_fuse_qk_norm_rope_gate"}
+# Where the MLA class lives: beside Attention (older layout) or in its own module (newer).
+MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.attention.attention",
+               "tensorrt_llm._torch.attention.mla")
 
 # trtllm-serve's entry point (console script); the LLM class its launch_server builds
 # (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's

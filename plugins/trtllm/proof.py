@@ -2,14 +2,22 @@
 
 The launcher (our generate / trtllm-serve / the Triton llmapi model) cannot see inside
 TensorRT-LLM's worker processes, so every process that builds a drafter with the hook
-installed writes one small JSON record into the launch's *proof directory*: which drafter
-class, how many attention layers (or kernels) were wrapped, the QueryScaling, the pid —
-or, where the hook could not apply beta (a version outside the tested range, a missing
-name, an MLA drafter), why not. Once TensorRT-LLM has built the model, the launcher reads
-the directory (`require`) and refuses to serve in one line unless at least one drafter was
-wrapped with the requested scaling and none was refused.
+installed writes small JSON records into the launch's *proof directory*:
 
-The proof directory reaches workers through the *activation file* (activation.py), or
+- `wrapped` when a drafter is built: its class, the wrapped units (one per attention layer
+  for EAGLE-3 / PARD, one per kernel for DFlash), the QueryScaling, the pid and the MPI
+  rank (TensorRT-LLM's own `mpi_rank()`: COMM_WORLD's rank, the spawned world's for pool
+  workers) — or `refused` / `disabled` where the hook could not apply beta, and why;
+- `ran` the first time each wrapped unit scales a query (`ran(unit)`; every wrapper also
+  counts its calls per unit, `calls()`): construction is not application, and a path that
+  bypasses our wrappers leaves its layer without this record.
+
+Once TensorRT-LLM has built the model the launcher reads the directory (`require`) and
+refuses in one line unless every rank of the world (distinct pids) wrapped a drafter with
+the requested scaling and nothing was refused; after warm-up or the first request
+(`require(..., ran=True)`) also unless every wrapped unit of every process ran scaled.
+
+The proof directory reaches workers through the activation file (autoload.py), or
 SHARPDRAFT_TRTLLM_PROOF in the environment where it is inherited; the process that
 installed the hook itself (single-process executor) reports the same way.
 """
@@ -23,10 +31,11 @@ import sys
 from pathlib import Path
 
 __all__ = ["ProofError", "PROOF_ENV", "set_directory", "directory", "record", "read", "require",
-           "summary"]
+           "summary", "ran", "calls", "rank"]
 
 PROOF_ENV = "SHARPDRAFT_TRTLLM_PROOF"
 _state = {"directory": None, "count": 0}
+_calls: dict[str, int] = {}  # unit -> scaled calls in this process
 
 
 class ProofError(ValueError):
@@ -43,6 +52,36 @@ def directory() -> Path | None:
     return Path(value) if value else None
 
 
+def rank() -> int:
+    """This process's MPI rank as TensorRT-LLM sees it (`_utils.mpi_rank()`: COMM_WORLD's
+    rank) where mpi4py is loaded (it always is in TensorRT-LLM's workers); else a launcher's
+    rank variable; else 0 (a single process). Never initialises MPI itself."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        try:
+            return int(mpi.COMM_WORLD.Get_rank())
+        except Exception:
+            pass
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def ran(unit: str) -> None:
+    """A wrapper scaled a query of `unit`: count it; the first time, record it."""
+    first = unit not in _calls
+    _calls[unit] = _calls.get(unit, 0) + 1
+    if first:
+        record("ran", unit=unit)
+
+
+def calls() -> dict[str, int]:
+    """Scaled calls per wrapped unit in this process (Python-level calls: a CUDA graph's
+    replays run no Python, so its capture counts once)."""
+    return dict(_calls)
+
+
 def record(kind: str, **fields) -> Path | None:
     """Write one record (kind: wrapped | refused | disabled) for this process; never raises
     (it runs inside TensorRT-LLM's model construction and import)."""
@@ -50,7 +89,7 @@ def record(kind: str, **fields) -> Path | None:
     if where is None:
         return None
     _state["count"] += 1
-    entry = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(), **fields}
+    entry = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "rank": rank(), **fields}
     path = where / f"{kind}-{os.getpid()}-{_state['count']}.json"
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -76,9 +115,11 @@ def read(where) -> list[dict]:
     return entries
 
 
-def require(where, scaling) -> list[dict]:
-    """The 'wrapped' records for this launch; ProofError (one line) unless at least one
-    drafter was wrapped with `scaling` and nothing was refused or disabled."""
+def require(where, scaling, world: int = 1, ran: bool = False) -> list[dict]:
+    """The 'wrapped' records for this launch; ProofError (one line) unless each of the
+    world's ranks (distinct pids) wrapped a drafter with `scaling` and nothing was refused
+    or disabled; with `ran` (after warm-up or the first request), also unless every unit
+    each process wrapped has run scaled at least once."""
     entries = read(where)
     wrapped = [e for e in entries if e["kind"] == "wrapped"]
     bad = [e for e in entries if e["kind"] in ("refused", "disabled")]
@@ -97,6 +138,28 @@ def require(where, scaling) -> list[dict]:
     if other:
         raise ProofError(f"{head} with this engine's QueryScaling: pid {other[0]['pid']} applied "
                          f"{other[0].get('scaling')} (expected {expected})")
+    pids_by_rank: dict[int, set] = {}
+    for e in wrapped:
+        pids_by_rank.setdefault(int(e.get("rank", 0)), set()).add(e["pid"])
+    missing = [r for r in range(int(world)) if r not in pids_by_rank]
+    seen = ", ".join(f"rank {r} pid {', '.join(map(str, sorted(p)))}" for r, p in sorted(pids_by_rank.items()))
+    if missing:
+        raise ProofError(f"{head} of rank(s) {', '.join(map(str, missing))} of {world} (wrapped: {seen}); a rank "
+                         "started before this launch's activation, or without the autoloader, runs unscaled")
+    owners: dict[int, int] = {}
+    for r, pids in pids_by_rank.items():
+        for pid in pids:
+            if owners.setdefault(pid, r) != r:
+                raise ProofError(f"{head} of distinct processes: pid {pid} reported ranks {owners[pid]} and {r} "
+                                 f"(world {world}; wrapped: {seen})")
+    if ran:
+        done = {(e["pid"], e.get("unit")) for e in entries if e["kind"] == "ran"}
+        idle = [(e, u) for e in wrapped for u in e.get("units", ()) if (e["pid"], u) not in done]
+        if idle:
+            e, u = idle[0]
+            raise ProofError(f"SharpDraft wrapped {len(idle)} unit(s) that never ran scaled after warm-up "
+                             f"(first: {u} in pid {e['pid']} rank {e.get('rank', 0)}): a path that bypasses "
+                             "the wrappers runs that drafter unscaled")
     return wrapped
 
 
@@ -105,4 +168,5 @@ def summary(wrapped: list[dict]) -> dict:
     return {"sharpdraft": True, "scaling": wrapped[0]["scaling"],
             "drafters": sorted({e["drafter"] for e in wrapped}),
             "processes": sorted({e["pid"] for e in wrapped}),
+            "ranks": sorted({int(e.get("rank", 0)) for e in wrapped}),
             "layers": max(e.get("layers", 0) for e in wrapped)}

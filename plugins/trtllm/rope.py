@@ -21,12 +21,22 @@ them out):
   the depth TensorRT-LLM's own kernel uses (spec_decoding_position_offsets); a chain is
   the tree whose depths are 0..gen_len-1;
 - capped at attention_window_size when the call passes one;
-- rows past num_tokens (CUDA-graph padding) get N = 1 (TensorRT-LLM drops them).
+- rows of q past num_tokens get N = 1 (nothing in the metadata describes them).
 Configurations whose count these cannot give exactly (chunked attention, KV compression)
 are refused when the drafter is built (plugins/trtllm/hook.py).
 
-The counting is device ops on the metadata's tensors plus Python branches on its Python
-ints (num_contexts, num_seqs, num_tokens), which a captured CUDA graph fixes anyway.
+CUDA graphs (on by default in TensorRT-LLM's PyTorch backend; one-model speculative
+decoding captures the drafter's forward): every per-sequence length is read from the
+metadata's DEVICE tensors, kv_lens_cuda and seq_lens_cuda, which TensorRT-LLM updates in
+place between replays. `seq_lens` is a host (pinned CPU) tensor the setter replaces each
+step; reading it here would copy host to device inside the captured forward (capture
+fails) and a captured copy would replay a stale host address, so it is never read.
+Python branches only on the metadata's Python ints (num_seqs, num_contexts, num_tokens,
+num_ctx_tokens), which a captured graph fixes anyway. Under CUDA-graph padding those ints
+count the padded dummy requests too (interface.py `create_cuda_graph_metadata`: seq_lens
+= ones(max_batch_size) * (1 + max_draft_tokens), num_contexts = 0): their rows are
+counted like any generation request's, from whatever kv_lens_cuda holds for the dummy
+slot, and TensorRT-LLM discards their outputs.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from plugins.trtllm import pins
+from plugins.trtllm import pins, proof
 from plugins.trtllm.kernels import WRAPPED, _active, scale_rows
 
 __all__ = ["wrap_apply_rope", "wrap_forward", "visible_counts", "CALL"]
@@ -52,28 +62,42 @@ def _field(metadata, key):
     return getattr(metadata, pins.METADATA[key], None)
 
 
+def _device_lengths(metadata, key: str, num_seqs: int, device) -> torch.Tensor:
+    value = _field(metadata, key)
+    if not isinstance(value, torch.Tensor):
+        raise MetadataError(f"attention metadata without the device tensor {pins.METADATA[key]}")
+    if value.device != torch.device(device):  # a copy here would break CUDA-graph capture
+        raise MetadataError(f"attention metadata's {pins.METADATA[key]} is on {value.device}, the query "
+                            f"on {device}: SharpDraft counts only from device tensors")
+    return value[:num_seqs].to(torch.int64)
+
+
 def visible_counts(metadata, rows: int, device, window: int | None = None) -> torch.Tensor:
-    """[rows] int64: keys each token row of this batch sees (see the module docstring)."""
-    kv_lens, seq_lens = _field(metadata, "kv_lens"), _field(metadata, "seq_lens")
-    if kv_lens is None or seq_lens is None:
-        raise MetadataError(f"attention metadata without {pins.METADATA['kv_lens']} / "
-                            f"{pins.METADATA['seq_lens']}")
-    num_seqs = int(_field(metadata, "num_seqs") or len(seq_lens))
+    """[rows] int64 on `device`: keys each token row of this batch sees (see the module
+    docstring). Reads kv_lens_cuda / seq_lens_cuda / spec_decoding_position_offsets on the
+    device and Python ints only: no host sync, no host-to-device copy."""
+    num_seqs = _field(metadata, "num_seqs")
+    if not isinstance(num_seqs, int):
+        raise MetadataError(f"attention metadata without {pins.METADATA['num_seqs']} (a Python int)")
     num_contexts = int(_field(metadata, "num_contexts") or 0)
-    num_tokens = int(_field(metadata, "num_tokens") or rows)
-    kv = kv_lens[:num_seqs].to(device=device, dtype=torch.int64)
-    q_lens = seq_lens[:num_seqs].to(device=device, dtype=torch.int64)
+    num_tokens = _field(metadata, "num_tokens")
+    num_tokens = int(num_tokens) if isinstance(num_tokens, int) else rows
+    kv = _device_lengths(metadata, "kv_lens", num_seqs, device)
+    q_lens = _device_lengths(metadata, "seq_lens_cuda", num_seqs, device)
     seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
     starts = torch.cumsum(q_lens, 0) - q_lens
     j = torch.arange(num_tokens, device=device) - starts[seq]
     depth = j  # causal: row j of a request sits j tokens after its first new one
     offsets = _field(metadata, "offsets")
     num_gens = num_seqs - num_contexts
-    if num_gens > 0 and offsets is not None and bool(_field(metadata, "use_spec")):
+    if num_gens > 0 and isinstance(offsets, torch.Tensor) and bool(_field(metadata, "use_spec")):
+        if offsets.device != torch.device(device):
+            raise MetadataError(f"attention metadata's {pins.METADATA['offsets']} is on {offsets.device}, "
+                                f"the query on {device}")
         gen_rows = num_tokens - int(_field(metadata, "num_ctx_tokens") or 0)
         if offsets.dim() == 2:  # [gens, >= gen_len]: one row of depths per request
             offsets = offsets[:num_gens, :gen_rows // num_gens]
-        gen_offsets = offsets.reshape(-1)[:gen_rows].to(device=device, dtype=torch.int64)
+        gen_offsets = offsets.reshape(-1)[:gen_rows].to(torch.int64)
         depth = torch.cat((j[:num_tokens - gen_rows], gen_offsets))
     n = kv[seq] - q_lens[seq] + depth + 1
     if window is not None and window > 0:
@@ -105,7 +129,7 @@ def wrap_forward(forward: Callable, layer) -> Callable:
     return wrapper
 
 
-def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None) -> Callable:
+def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None, unit: str | None = None) -> Callable:
     """apply_rope(q, k, v, position_ids) -> (q, k, v) with q's rows (its first q_size
     columns when k is None: fused qkv) multiplied by beta of each row's visible keys, from
     the metadata of the running forward (layer's CALL)."""
@@ -125,6 +149,8 @@ def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None) -> C
             q = torch.cat((scale_rows(q[..., :q_size], n, active), q[..., q_size:]), dim=-1)
         else:
             q = scale_rows(q, n, active)
+        if unit is not None:
+            proof.ran(unit)  # host-side bookkeeping only (a dict; a file the first time)
         return q, k, v
 
     setattr(wrapper, WRAPPED, apply_rope)

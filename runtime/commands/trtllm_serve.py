@@ -152,7 +152,9 @@ def run(args) -> int:
     for key, value in what["env"].items():
         os.environ.setdefault(key, value)
     launch = None
-    if what["scaling"] is not None:
+    if what["scaling"] is None:
+        trtllm.stand_down()  # frozen: no stale activation reaches its workers
+    else:
         llm_module, llm_name = pins.SERVE_LLM
         if not hasattr(serve_module, llm_name):  # without it the proof could not be checked: refuse
             raise ImportError(f"TensorRT-LLM has no {llm_module}.{llm_name} (the LLM trtllm-serve builds), "

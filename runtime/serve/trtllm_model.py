@@ -41,13 +41,15 @@ def _checkout():
 def _launch():
     """runtime.trtllm.Launch for this model's engine, or None for a frozen engine."""
     scaling = SETTINGS.get("query_scaling")
-    if not scaling:  # an engine built without --sharpdraft: the drafter runs frozen
-        return None
     _checkout()
+    from runtime import trtllm
+
+    if not scaling:  # an engine built without --sharpdraft: the drafter runs frozen
+        trtllm.stand_down()  # and no activation left by a dead launch reaches its workers
+        return None
     import yaml
 
     from plugins.scaling import QueryScaling
-    from runtime import trtllm
     from runtime.manifest import read_manifest
 
     config = yaml.safe_load((HERE / "model.yaml").read_text())
