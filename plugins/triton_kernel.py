@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.op_inputs import check_inputs
 from plugins.scaling import QueryScaling
 
 __all__ = ["attention", "launch", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
@@ -353,8 +354,6 @@ def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m:
     block_m / block_n override the tile sizes and `splits` the number of key slices
     (default: key_splits for this GPU; 1 is the single-pass kernel TensorRT runs).
     """
-    from plugins.attention import check_inputs
-
     check_inputs(q, k, v, visible)
     _check_kernel_inputs(q, k, v)
     return launch(q, k, v, visible, scaling, block_m=block_m, block_n=block_n, splits=splits,
