@@ -19,7 +19,7 @@ import triton.language as tl
 from plugins.op_inputs import check_inputs
 from plugins.scaling import QueryScaling
 
-__all__ = ["attention", "launch", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
+__all__ = ["attention", "launch", "plan_for", "LaunchPlan", "VARIANTS", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
            "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256  # above this one tile of Q and O no longer fits in registers
@@ -240,6 +240,104 @@ def _merge_splits(PARTIAL_OUT, PARTIAL_LSE, q_len, kv_heads, group, splits,
 
 
 @triton.jit
+def _slice_plan(programs, slices, kv_len, fill_programs, min_keys_per_split, scratch_rows, counters,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key slices of the single-launch kernel, worked out by every program alike from
+    runtime scalars: key_splits' rule (about two programs per SM, no slice under
+    min_keys_per_split keys) within the launched `slices` and what the scratch holds.
+    Returns (active slices, keys per slice); 1 slice: plain single pass, no scratch."""
+    want = tl.minimum(slices, (2 * fill_programs + programs - 1) // programs)
+    want = tl.minimum(want, kv_len // min_keys_per_split)
+    want = tl.where(programs >= fill_programs, 1, want)
+    want = tl.minimum(want, scratch_rows // (programs * BLOCK_M))
+    want = tl.where(programs > counters, 1, tl.maximum(want, 1))
+    per_slice = ((kv_len + want - 1) // want + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return (kv_len + per_slice - 1) // per_slice, per_slice
+
+
+@triton.jit
+def _single_launch_kernel(
+        Q, K, V, VISIBLE,
+        q_len, kv_len, kv_heads, group,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        stride_visible_b,
+        fill_programs, min_keys_per_split, scratch_rows, counters,
+        OUT, PARTIAL_OUT, PARTIAL_LSE, ARRIVALS,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SCORE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALED: tl.constexpr, TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr,
+        BIAS: tl.constexpr, CAP: tl.constexpr, REVERSED: tl.constexpr = False):
+    # Split-K in ONE launch (what an AOT TensorRT plugin can run): each program attends
+    # one key slice of one row tile and leaves its partial in scratch; the last program of
+    # the tile to arrive (an atomic counter per tile) merges every slice from scratch and
+    # resets the counter to 0, so the next launch finds it as the first one did. The merge
+    # reads all partials, its own included, in slice order: the result does not depend on
+    # which program merges. REVERSED (tests only) turns the slice order around so another
+    # program arrives last under the interpreter's sequential order.
+    tile = tl.program_id(0)
+    slice_id = tl.program_id(2)
+    if REVERSED:
+        slice_id = tl.num_programs(2) - 1 - slice_id
+    batch = (tl.program_id(1) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(1) % kv_heads).to(tl.int64)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    active, per_slice = _slice_plan(programs, tl.num_programs(2), kv_len, fill_programs,
+                                    min_keys_per_split, scratch_rows, counters, BLOCK_M, BLOCK_N)
+    row_count = q_len * group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_count
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    out_at = OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om + d[None, :]
+    if slice_id < active:
+        key_lo = slice_id * per_slice
+        acc, m_i, l_i = _attend_rows(
+            Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_lo + per_slice, q_len, kv_len, group,
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_visible_b,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
+        if active == 1:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(out_at, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            counter = tl.program_id(1) * tl.num_programs(0) + tile
+            slot = (slice_id * programs + counter).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            seen = l_i > 0.0
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            tl.store(PARTIAL_LSE + slot, lse)
+            tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+                     acc / tl.where(seen, l_i, 1.0)[:, None], mask=d_ok[None, :])
+            # Every thread's stores before one thread's release: a CTA barrier, then the
+            # counter's acq_rel atomic at GPU scope (the merging program acquires it).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(ARRIVALS + counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == active - 1:
+                m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+                total = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for other in range(0, active):
+                    at = (other * programs + counter).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+                    # .cg: partials come from other SMs; never from this SM's L1.
+                    part_lse = tl.load(PARTIAL_LSE + at, cache_modifier=".cg")
+                    part = tl.load(PARTIAL_OUT + at[:, None] * HEAD_DIM + d[None, :],
+                                   mask=d_ok[None, :], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m, part_lse)
+                    alpha = tl.exp2(m - m_new)
+                    weight = tl.exp2(part_lse - m_new)
+                    acc = acc * alpha[:, None] + weight[:, None] * part
+                    total = total * alpha + weight
+                    m = m_new
+                out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+                tl.store(out_at, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(ARRIVALS + counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _beta_probe_kernel(VISIBLE, count, BETA, BLOCK: tl.constexpr, SCALED: tl.constexpr,
                        TOP_K: tl.constexpr, INV_SLOPE: tl.constexpr, BIAS: tl.constexpr,
                        CAP: tl.constexpr):
@@ -343,34 +441,92 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+VARIANTS = ("split", "single")  # key slices merged by a second launch, or in the same one
+
+
 def attention(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
-              block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
-              num_stages: int = 2) -> torch.Tensor:
+              block_n: int | None = None, splits: int | None = None, variant: str = "split",
+              num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Fused `sharpdraft_attention(q, k, v, visible, scaling)` (no tree mask).
 
     q [batch, heads, q_len, d]; k, v [batch, kv_heads, kv_len, d]; visible int64
     [batch, q_len]: row (b, i) attends to keys [0, visible[b, i]) with its query scaled by
     beta(visible[b, i]) (scaling=None: beta = 1). Returns q's dtype; accumulates in fp32.
     block_m / block_n override the tile sizes and `splits` the number of key slices
-    (default: key_splits for this GPU; 1 is the single-pass kernel TensorRT runs).
+    (default: key_splits for this GPU; 1 is the single-pass kernel). variant "split"
+    merges the slices in a second launch, "single" inside the one launch (what the
+    TensorRT plugin runs). Counts are checked on the host only off CUDA (op_inputs).
     """
     check_inputs(q, k, v, visible)
     _check_kernel_inputs(q, k, v)
     return launch(q, k, v, visible, scaling, block_m=block_m, block_n=block_n, splits=splits,
-                  num_warps=num_warps, num_stages=num_stages)
+                  variant=variant, num_warps=num_warps, num_stages=num_stages)
 
 
-def launch(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
-           block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
-           num_stages: int = 2) -> torch.Tensor:
-    """attention() without input checks, for callers that validated already (the op)."""
-    q, k, v, visible = (_last_dim_contiguous(t) for t in (q, k, v, visible))
+# Scratch of the single-launch kernel: one int32 arrival counter per row tile (zeroed once,
+# reset by the kernel itself) and fp32 partials per slice.
+@dataclasses.dataclass
+class LaunchPlan:
+    """Everything a launch needs that depends only on shapes, strides, dtype, device and
+    the scaling: worked out once per key (plan_for) and reused, so a call costs one dict
+    lookup, the output allocation and the Triton launch(es). Scratch buffers are reused
+    across calls, so calls sharing a plan must be stream-ordered (as one stream is)."""
+
+    variant: str  # "single_pass", "split" or "single"
+    grid: tuple
+    constants: dict
+    scalars: tuple
+    splits: int
+    per_split: int
+    partial_out: torch.Tensor | None = None
+    partial_lse: torch.Tensor | None = None
+    arrivals: torch.Tensor | None = None
+    extra: tuple = ()
+    merge_args: tuple = ()
+    launch_options: dict = dataclasses.field(default_factory=dict)
+
+    def run(self, q, k, v, visible, out) -> None:
+        if self.variant == "single_pass":
+            _sharpdraft_attention_kernel[self.grid](q, k, v, visible, *self.scalars, out,
+                                                    **self.launch_options, **self.constants)
+        elif self.variant == "single":
+            _single_launch_kernel[self.grid](q, k, v, visible, *self.scalars, *self.extra, out,
+                                             self.partial_out, self.partial_lse, self.arrivals,
+                                             **self.launch_options, **self.constants)
+        else:
+            without_out = self.scalars[:13] + self.scalars[16:]  # the partials replace out's strides
+            _split_keys_kernel[self.grid](q, k, v, visible, *without_out, self.per_split,
+                                          self.partial_out, self.partial_lse,
+                                          **self.launch_options, **self.constants)
+            _merge_splits[self.grid[:2]](self.partial_out, self.partial_lse, *self.merge_args, out,
+                                         HEAD_DIM=self.constants["HEAD_DIM"],
+                                         BLOCK_D=self.constants["BLOCK_D"], BLOCK_M=self.constants["BLOCK_M"])
+
+
+_PLANS: dict = {}
+
+
+def plan_for(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m=None, block_n=None,
+             splits=None, variant: str = "split", num_warps: int = 4, num_stages: int = 2,
+             reversed_slices: bool = False) -> LaunchPlan:
+    """The cached LaunchPlan for these tensors' layout (tensors with a unit last stride)."""
+    key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), visible.stride(),
+           q.dtype, q.device, scaling, block_m, block_n, splits, variant, num_warps, num_stages,
+           reversed_slices)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(q, k, v, visible, scaling, block_m, block_n, splits, variant,
+                                        num_warps, num_stages, reversed_slices)
+    return plan
+
+
+def _make_plan(q, k, v, visible, scaling, block_m, block_n, splits, variant, num_warps, num_stages,
+               reversed_slices) -> LaunchPlan:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if out.numel() == 0:
-        return out
     blocks = launch_blocks(q_len * group, head_dim)
     if block_m is not None:
         blocks["BLOCK_M"] = block_m
@@ -379,25 +535,51 @@ def launch(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: in
     grid = launch_grid(batch, q_len, kv_heads, group, blocks["BLOCK_M"])
     constants = dict(HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim), PRECISION=_precision(q.dtype),
                      **blocks, **_scaling_constants(scaling))
-    if splits is None:
-        splits, per_split = key_splits(grid[0] * grid[1], kv_len, blocks["BLOCK_N"], _sm_count(q.device))
-    else:
+    forced = splits is not None
+    if forced:
         per_split = triton.cdiv(triton.cdiv(kv_len, splits), blocks["BLOCK_N"]) * blocks["BLOCK_N"]
         splits = triton.cdiv(kv_len, per_split)
-    scalars = launch_scalars(q, k, visible, out, v)
+    else:
+        splits, per_split = key_splits(grid[0] * grid[1], kv_len, blocks["BLOCK_N"], _sm_count(q.device))
+    out_strides = (heads * q_len * head_dim, q_len * head_dim, head_dim)  # out is contiguous
+    scalars = (q_len, kv_len, kv_heads, group, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+               *out_strides, visible.stride(0))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
     if splits == 1:
-        _sharpdraft_attention_kernel[grid](q, k, v, visible, *scalars, out,
-                                           num_warps=num_warps, num_stages=num_stages, **constants)
-        return out
+        return LaunchPlan("single_pass", grid, constants, scalars, 1, per_split, launch_options=options)
     rows = q_len * group
-    partial_out = torch.empty(splits, grid[1], rows, head_dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(splits, grid[1], rows, dtype=torch.float32, device=q.device)
-    without_out = scalars[:13] + scalars[16:]  # the partials replace out's strides
-    _split_keys_kernel[grid + (splits,)](q, k, v, visible, *without_out, per_split, partial_out,
-                                         partial_lse, num_warps=num_warps, num_stages=num_stages,
-                                         **constants)
-    _merge_splits[grid](partial_out, partial_lse, q_len, kv_heads, group, splits, *out.stride()[:3], out,
-                        HEAD_DIM=head_dim, BLOCK_D=blocks["BLOCK_D"], BLOCK_M=blocks["BLOCK_M"])
+    programs = grid[0] * grid[1]
+    if variant == "split":
+        return LaunchPlan("split", grid + (splits,), constants, scalars, splits, per_split,
+                          partial_out=torch.empty(splits, grid[1], rows, head_dim, dtype=torch.float32,
+                                                  device=q.device),
+                          partial_lse=torch.empty(splits, grid[1], rows, dtype=torch.float32, device=q.device),
+                          merge_args=(q_len, kv_heads, group, splits, *out_strides),
+                          launch_options=options)
+    scratch_rows = splits * programs * blocks["BLOCK_M"]
+    # Forced slices (tests, the bench) bypass key_splits' rule in the kernel's own copy of it.
+    fill, min_keys = (1 << 30, 1) if forced else (_sm_count(q.device), MIN_KEYS_PER_SPLIT)
+    constants["REVERSED"] = reversed_slices
+    return LaunchPlan("single", grid + (splits,), constants, scalars, splits, per_split,
+                      partial_out=torch.empty(scratch_rows, head_dim, dtype=torch.float32, device=q.device),
+                      partial_lse=torch.empty(scratch_rows, dtype=torch.float32, device=q.device),
+                      arrivals=torch.zeros(programs, dtype=torch.int32, device=q.device),
+                      extra=(fill, min_keys, scratch_rows, programs), launch_options=options)
+
+
+def launch(q, k, v, visible, scaling: QueryScaling | None = None, *, block_m: int | None = None,
+           block_n: int | None = None, splits: int | None = None, variant: str = "split",
+           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """attention() without input checks, for callers that validated already (the op).
+    No host read of a tensor's values and nothing per call beyond the plan lookup, the
+    output allocation and the launch: capturable in a CUDA graph."""
+    q, k, v, visible = (_last_dim_contiguous(t) for t in (q, k, v, visible))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    plan = plan_for(q, k, v, visible, scaling, block_m=block_m, block_n=block_n, splits=splits,
+                    variant=variant, num_warps=num_warps, num_stages=num_stages)
+    plan.run(q, k, v, visible, out)
     return out
 
 
