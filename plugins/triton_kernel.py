@@ -20,7 +20,8 @@ from plugins.op_inputs import check_inputs
 from plugins.scaling import QueryScaling
 
 __all__ = ["attention", "launch", "plan_for", "LaunchPlan", "VARIANTS", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
-           "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "MAX_HEAD_DIM"]
+           "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "SLICE_ARGS", "MAX_HEAD_DIM",
+           "aot_slices", "aot_slice_scalars"]
 
 MAX_HEAD_DIM = 256  # above this one tile of Q and O no longer fits in registers
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -596,7 +597,12 @@ def kernel_beta(visible: torch.Tensor, scaling: QueryScaling | None) -> torch.Te
 
 @dataclasses.dataclass(frozen=True)
 class CompiledAttention:
-    """The kernel compiled ahead of time for one dtype, head_dim and QueryScaling."""
+    """The kernel compiled ahead of time for one dtype, head_dim and QueryScaling.
+
+    `scratch`: for the single-launch kernel, the pointer parameters after OUT that the
+    launch does not pass (TensorRT passes inputs, int32s, outputs only), as
+    (parameter name, bytes) in order; plugins/tensorrt.tensorrt_ptx turns each into a
+    zero-initialised module global of that size."""
 
     name: str
     ptx: str
@@ -604,26 +610,50 @@ class CompiledAttention:
     shared_mem: int
     block_m: int
     block_n: int
+    scratch: tuple = ()
 
 
 # Without an opt-in attribute a CUDA launch gets at most 48 KiB of dynamic shared memory,
 # and nothing documents TensorRT's AOT launcher setting that attribute: stay under it.
 AOT_SHARED_MEMORY_LIMIT = 48 * 1024
 
+# The single-launch kernel's extra int32 arguments (after SCALAR_ARGS), and the fixed
+# scratch an AOT plugin compiles in: partials for AOT_SCRATCH_ROWS packed rows (16 MiB of
+# fp32 at head_dim 128; a 16-row block x group 4 x 8 KV heads x 32 slices fits at batch 1)
+# and one arrival counter per row tile for AOT_COUNTERS tiles. A launch that would need
+# more cuts its slices in the kernel (_slice_plan), down to the single pass.
+SLICE_ARGS = ("fill_programs", "min_keys_per_split", "scratch_rows", "counters")
+AOT_SCRATCH_ROWS = 1 << 15
+AOT_COUNTERS = 1 << 16
+AOT_MAX_SLICES = 64
+
+
+def aot_slices(programs_at_batch_1: int, sm_count: int) -> int:
+    """grid z of the AOT single-launch kernel: enough key slices to give every SM about two
+    programs at batch 1; the kernel uses fewer where the shapes call for fewer."""
+    return max(1, min(AOT_MAX_SLICES, triton.cdiv(2 * sm_count, max(1, programs_at_batch_1))))
+
+
+def aot_slice_scalars(sm_count: int) -> tuple:
+    """SLICE_ARGS for the AOT kernel: key_splits' rule for this GPU, the compiled-in scratch."""
+    return (sm_count, MIN_KEYS_PER_SPLIT, AOT_SCRATCH_ROWS, AOT_COUNTERS)
+
 
 def aot_compile(dtype: str, head_dim: int, scaling: QueryScaling | None, arch: int,
-                rows_hint: int = 64, num_warps: int = 4) -> CompiledAttention:
+                rows_hint: int = 64, num_warps: int = 4, single_launch: bool = True) -> CompiledAttention:
     """Compile the attention kernel to PTX for GPU arch `arch` (e.g. 90) without a GPU.
 
     dtype is "fp32", "fp16" or "bf16" (q, k, v and the output); visible is int64. The beta
     constants, block sizes and head_dim become compile-time constants; everything that
-    varies with the input shapes stays an int32 argument (SCALAR_ARGS). rows_hint
-    (q_len * group at the optimisation profile's opt shape) picks BLOCK_M.
+    varies with the input shapes stays an int32 argument (SCALAR_ARGS, then SLICE_ARGS for
+    the single-launch kernel). rows_hint (q_len * group at the optimisation profile's opt
+    shape) picks BLOCK_M. single_launch=False compiles the single-pass kernel.
     """
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    if not isinstance(_sharpdraft_attention_kernel, JITFunction):
+    kernel = _single_launch_kernel if single_launch else _sharpdraft_attention_kernel
+    if not isinstance(kernel, JITFunction):
         raise RuntimeError("ahead-of-time compilation needs TRITON_INTERPRET unset "
                            "(the kernel was loaded for the interpreter)")
     torch_dtype = {name: t for t, name in _DTYPES.items()}.get(dtype)
@@ -632,18 +662,27 @@ def aot_compile(dtype: str, head_dim: int, scaling: QueryScaling | None, arch: i
     blocks = launch_blocks(rows_hint, head_dim)
     pointer = f"*{dtype}"
     signature = {"Q": pointer, "K": pointer, "V": pointer, "VISIBLE": "*i64",
-                 **{name: "i32" for name in SCALAR_ARGS}, "OUT": pointer}
+                 **{name: "i32" for name in SCALAR_ARGS}}
+    scratch = ()
+    if single_launch:
+        signature |= {name: "i32" for name in SLICE_ARGS}
+        signature |= {"OUT": pointer, "PARTIAL_OUT": "*fp32", "PARTIAL_LSE": "*fp32", "ARRIVALS": "*i32"}
+        scratch = (("PARTIAL_OUT", AOT_SCRATCH_ROWS * head_dim * 4), ("PARTIAL_LSE", AOT_SCRATCH_ROWS * 4),
+                   ("ARRIVALS", AOT_COUNTERS * 4))
+    else:
+        signature["OUT"] = pointer
     # TensorRT allocates every tensor at least 256-byte aligned: let Triton vectorise loads.
     aligned = {(list(signature).index(name),): [["tt.divisibility", 16]]
-               for name in ("Q", "K", "V", "VISIBLE", "OUT")}
+               for name in ("Q", "K", "V", "VISIBLE", "OUT", *(n for n, _ in scratch))}
     # Largest key tile and pipeline depth first; fall back until shared memory fits.
     for block_n, num_stages in ((blocks["BLOCK_N"], 2), (blocks["BLOCK_N"], 1), (16, 1)):
         constexprs = dict(HEAD_DIM=head_dim, SCORE_SCALE=_score_scale(head_dim),
                           PRECISION=_precision(torch_dtype), **(blocks | {"BLOCK_N": block_n}),
                           **_scaling_constants(scaling))
+        if single_launch:
+            constexprs["REVERSED"] = False
         source = triton.compiler.ASTSource(
-            fn=_sharpdraft_attention_kernel,
-            signature=signature | {name: "constexpr" for name in constexprs},
+            fn=kernel, signature=signature | {name: "constexpr" for name in constexprs},
             constexprs=constexprs, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                                   options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -655,9 +694,10 @@ def aot_compile(dtype: str, head_dim: int, scaling: QueryScaling | None, arch: i
     metadata = compiled.metadata
     # Triton appends two scratch pointers after the outputs; TensorRT passes null there,
     # which is only right while the kernel asks for no scratch memory.
-    scratch = (getattr(metadata, "global_scratch_size", 0), getattr(metadata, "profile_scratch_size", 0))
-    if any(scratch):
-        raise RuntimeError(f"compiled kernel needs scratch memory {scratch}; TensorRT's AOT "
+    triton_scratch = (getattr(metadata, "global_scratch_size", 0), getattr(metadata, "profile_scratch_size", 0))
+    if any(triton_scratch):
+        raise RuntimeError(f"compiled kernel needs scratch memory {triton_scratch}; TensorRT's AOT "
                            "launch cannot provide it")
     return CompiledAttention(name=metadata.name, ptx=compiled.asm["ptx"], num_warps=metadata.num_warps,
-                             shared_mem=metadata.shared, block_m=blocks["BLOCK_M"], block_n=block_n)
+                             shared_mem=metadata.shared, block_m=blocks["BLOCK_M"], block_n=block_n,
+                             scratch=scratch)
