@@ -7,7 +7,8 @@ the device's measured copy rate.
 
 Variants per shape: `split` (our kernel, key slices merged by a second launch: what the op
 runs), `single` (key slices merged inside one launch: what the TensorRT plugin runs),
-`unscaled` (split, beta = 1: what beta costs), `sdpa_gqa` (PyTorch SDPA with enable_gqa,
+`exact_rows` (split with a row tile of exactly the step's
+rows, under 16: one-row decode with a small GQA group), `unscaled` (split, beta = 1: what beta costs), `sdpa_gqa` (PyTorch SDPA with enable_gqa,
 beta folded into q) and `flash_expanded` (SDPA's flash backend on K/V expanded to every
 query head beforehand, the expansion not timed). Results to stdout as one line per shape;
 the JSON holds every time and the ratios `single_launch_vs_split` and `decode_vs_sdpa`
@@ -28,8 +29,8 @@ from pathlib import Path
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B-shaped drafter attention
 FULL_SHAPES = [(batch, q_len, kv_len) for batch in (1, 8) for q_len in (1, 16)
                for kv_len in (8192, 32768, 65536)]
-SMOKE_SHAPES = [(1, 1, 256), (1, 4, 256)]
-VARIANTS = ("split", "single", "unscaled", "sdpa_gqa", "flash_expanded")
+SMOKE_SHAPES = [(1, 1, 256), (1, 4, 256)]  # 2 and 8 packed rows (group 2)
+VARIANTS = ("split", "single", "exact_rows", "unscaled", "sdpa_gqa", "flash_expanded")
 
 
 def shape_name(batch: int, q_len: int, kv_len: int) -> str:
@@ -52,12 +53,15 @@ def _variant_calls(q, k, v, visible, scaling, beta, names):
 
     from plugins import triton_kernel
 
+    exact = triton_kernel.exact_row_tile(q.shape[2] * q.shape[1] // k.shape[1])
     calls = {
         "split": lambda: triton_kernel.launch(q, k, v, visible, scaling, variant="split"),
         "single": lambda: triton_kernel.launch(q, k, v, visible, scaling, variant="single"),
         "unscaled": lambda: triton_kernel.launch(q, k, v, visible, None, variant="split"),
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q * beta, k, v, enable_gqa=True),
     }
+    if exact is not None:  # steps under 16 packed rows: the exact-rows tile (opt-in so far)
+        calls["exact_rows"] = lambda: triton_kernel.launch(q, k, v, visible, scaling, block_m=exact)
     if q.is_cuda:
         group = q.shape[1] // k.shape[1]
         k_full, v_full = (t.repeat_interleave(group, dim=1) for t in (k, v))
@@ -175,7 +179,11 @@ def figures(rows: list[dict]) -> dict:
         if "unscaled" in times and "split" in times:
             out["scaled_vs_unscaled"][row["shape"]] = round(times["split"] / times["unscaled"], 3)
         if row["q_len"] == 1 and "sdpa_gqa" in times and "split" in times:
+            # what the op runs today; the opt-in exact-rows tile beside it
             out["decode_vs_sdpa"][row["shape"]] = round(times["split"] / times["sdpa_gqa"], 3)
+            if "exact_rows" in times:
+                out.setdefault("decode_exact_rows_vs_sdpa", {})[row["shape"]] = round(
+                    times["exact_rows"] / times["sdpa_gqa"], 3)
     return out
 
 

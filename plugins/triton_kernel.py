@@ -19,7 +19,7 @@ import triton.language as tl
 from plugins.op_inputs import check_inputs
 from plugins.scaling import QueryScaling
 
-__all__ = ["attention", "launch", "plan_for", "LaunchPlan", "VARIANTS", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "launch_grid", "launch_scalars",
+__all__ = ["attention", "launch", "plan_for", "LaunchPlan", "VARIANTS", "DTYPES", "kernel_beta", "key_splits", "launch_blocks", "exact_row_tile", "launch_grid", "launch_scalars",
            "contiguous_scalars", "aot_compile", "CompiledAttention", "SCALAR_ARGS", "SLICE_ARGS", "MAX_HEAD_DIM",
            "aot_slices", "aot_slice_scalars"]
 
@@ -70,14 +70,22 @@ def _attend_key_tile(acc, m_i, l_i, q, k_base, v_base, start, stride_kn, stride_
         k_t = tl.load(k_base + keys[None, :] * stride_kn + d[:, None], mask=d_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vn + d[None, :], mask=d_ok[None, :], other=0.0)
     # beta scales the fp32 scores rather than Q, so fp16/bf16 inputs are not rounded twice.
-    s = tl.dot(q, k_t, input_precision=PRECISION) * row_scale[:, None]
+    if q.shape[0] < 16:
+        # A row tile under tl.dot's 16-row minimum (one-row decode with a small GQA group):
+        # products on the CUDA cores instead of a 16-row tensor-core tile mostly padding.
+        s = tl.sum(q.to(tl.float32)[:, :, None] * k_t.to(tl.float32)[None, :, :], 1) * row_scale[:, None]
+    else:
+        s = tl.dot(q, k_t, input_precision=PRECISION) * row_scale[:, None]
     if MASKED:
         s = tl.where(keys[None, :] < visible[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if q.shape[0] < 16:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -372,6 +380,15 @@ def launch_blocks(rows: int, head_dim: int) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     return dict(BLOCK_D=block_d, BLOCK_M=min(64, max(16, triton.next_power_of_2(rows))),
                 BLOCK_N=64 if block_d <= 128 else 32)
+
+
+def exact_row_tile(rows: int) -> int | None:
+    """block_m for a step of fewer than 16 packed rows (one-row decode, GQA group <= 8):
+    the rows rounded up to a power of two, taken by the kernel's CUDA-core path instead of
+    a 16-row tile (4x padding at group 4). None where the default tile already fits.
+    Opt-in (attention(..., block_m=exact_row_tile(rows))) until a GPU run measures it."""
+    tile = triton.next_power_of_2(rows)
+    return tile if tile < 16 else None
 
 
 def launch_grid(batch, q_len, kv_heads, group, block_m: int):

@@ -88,7 +88,11 @@ def correctness(report: dict) -> bool:
             visible = visible_for(kind, b, t, kv)
             want = reference_attention(q, k, v, visible, None, scaling).float()
             errors = {}
-            for label, options in KERNEL_VARIANTS:
+            variants = list(KERNEL_VARIANTS)
+            exact = triton_kernel.exact_row_tile(t * h // kvh)
+            if exact is not None:  # the one-row decode tile, both merge variants
+                variants += [("exact_rows", dict(block_m=exact)), ("exact_rows_single", dict(block_m=exact, variant="single"))]
+            for label, options in variants:
                 got = triton_kernel.attention(q, k, v, visible, scaling, **options)
                 errors[label] = (got.float() - want).abs().max().item()
             # the registered op must dispatch to the kernel on CUDA

@@ -29,7 +29,7 @@ def test_smoke_run_writes_json_with_named_figures_and_plot(tmp_path, capsys):
     assert set(report["single_launch_vs_split"]) == set(shapes)
     assert set(report["decode_vs_sdpa"]) == {s for s, row in zip(shapes, report["shapes"]) if row["q_len"] == 1}
     for row in report["shapes"]:
-        assert {"split", "single", "unscaled", "sdpa_gqa"} <= set(row["eager_us"])
+        assert {"split", "single", "exact_rows", "unscaled", "sdpa_gqa"} <= set(row["eager_us"])
         assert all(t > 0 for t in row["eager_us"].values())
     out = capsys.readouterr().out
     assert out.count("\n") == len(shapes)  # one line per shape on stdout

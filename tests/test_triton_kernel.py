@@ -188,6 +188,26 @@ def test_single_launch_slices_merge_to_the_reference(seed, group, q_len, extra, 
     assert error <= (FP16_TOLERANCE if half else FP32_TOLERANCE)
 
 
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), group=st.integers(1, 8), q_len=st.integers(1, 3), extra=st.integers(0, 400),
+       splits=st.sampled_from([None, 1, 4]), variant=st.sampled_from(["split", "single"]), half=st.booleans())
+def test_exact_row_tile_for_small_steps_matches_the_reference(seed, group, q_len, extra, splits, variant, half):
+    # One-row decode with a small GQA group: a tile of exactly the rows (1..8, the CUDA-core
+    # path) instead of a 16-row tensor-core tile that is mostly padding.
+    rows = q_len * group
+    block_m = triton_kernel.exact_row_tile(rows)
+    if block_m is None:  # 9..16 rows already fill the 16-row tile at least half
+        assert triton.next_power_of_2(rows) == 16
+        return
+    kv_len = q_len + extra
+    dtype = torch.float16 if half else torch.float32
+    q, k, v, g = make_case(seed, 2, 2, group, q_len, kv_len, 32, dtype)
+    visible = visibility("random", 2, q_len, kv_len, g)
+    assert block_m == triton.next_power_of_2(rows) and block_m < 16
+    error = max_error(q, k, v, visible, SMALL, block_n=16, block_m=block_m, splits=splits, variant=variant)
+    assert error <= (FP16_TOLERANCE if half else FP32_TOLERANCE)
+
+
 def run_single_launch(q, k, v, visible, scaling, splits, **plan_changes):
     plan = triton_kernel.plan_for(q, k, v, visible, scaling, block_n=16, splits=splits, variant="single",
                                   reversed_slices=plan_changes.pop("reversed_slices", False))
