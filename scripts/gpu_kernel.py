@@ -8,6 +8,8 @@
   replayed, compared with the reference at the new counts (beta must follow them).
 - host time: µs of CPU per eager op call (median of 200, after warm-up).
 - bench: plugins.bench_kernel (its JSON and plot land beside this section's).
+- tensorrt engine: where TensorRT builds, the tiny test pair built with the plugin form,
+  generate, tokens compared with the torch backend; elsewhere "not run" with the reason.
 
     python scripts/gpu_check.py --sections gpu_kernel     # or run(out_dir) from Python
 
@@ -17,9 +19,12 @@ single_launch_vs_split and decode_vs_sdpa (one per measured shape), passed.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,6 +204,73 @@ def host_us_per_call(report: dict, calls: int = 200) -> dict:
     return result
 
 
+class NotRun(Exception):
+    """A check cannot run here; the message (one line) says why."""
+
+
+def tensorrt_engine(report: dict, workdir: Path) -> bool:
+    """Where TensorRT can build here: the tiny test pair built with --backend tensorrt
+    (plugin form), `python -m runtime generate` on it, tokens compared with the torch
+    backend on the same checkpoints. Elsewhere: NotRun, saying why."""
+    import build_engine
+
+    why = build_engine.tensorrt_usable()
+    if why is not None:
+        raise NotRun(why)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import tiny
+    from runtime.cli import run
+    from runtime.__main__ import main as runtime_main
+
+    target = tiny.make_target(workdir / "target", context=4096)
+    drafter = tiny.make_drafter(workdir / "drafter", target)
+    engine = workdir / "engine-trt"
+    code = run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--target", str(target),
+                                   "--drafter-checkpoint", str(drafter), "--ref-keys", "64",
+                                   "--top-k", "8", "--backend", "tensorrt", "--attention", "plugin",
+                                   "--max-seq-len", "1024", "--output", str(engine)])
+    if code != 0:
+        report["tensorrt_engine"] = {"passed": False, "error": "build_engine.py --backend tensorrt failed"}
+        return False
+    from runtime.engine import load_tokenizer
+
+    ids = load_tokenizer(target).encode(tiny.stdlib_text(), add_special_tokens=False)[:600]
+    prompt = workdir / "prompt.txt"
+    prompt.write_text(load_tokenizer(target).decode(ids))
+    tokens = {}
+    for backend in ("tensorrt", "torch"):
+        out = workdir / f"generate-{backend}.json"
+        with open(out, "w") as handle, contextlib.redirect_stdout(handle):
+            code = run(runtime_main, ["generate", "--engine-dir", str(engine), "--backend", backend,
+                                      "--prompt-file", str(prompt), "--max-new-tokens", "32",
+                                      "--json", "--ignore-eos"])
+        if code != 0:
+            report["tensorrt_engine"] = {"passed": False, "error": f"generate --backend {backend} failed"}
+            return False
+        tokens[backend] = json.loads(out.read_text())["tokens"]
+    record = json.loads((engine / "engine.json").read_text())["extra"]["tensorrt"]
+    passed = tokens["tensorrt"] == tokens["torch"]
+    report["tensorrt_engine"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
+                              tokens=tokens)
+    print(f"tensorrt engine: TensorRT {record['version']} on {record['gpu']}, generate tokens "
+          f"{'match' if passed else 'DIFFER FROM'} the torch backend's", flush=True)
+    return passed
+
+
+def tensorrt_plugin(report: dict) -> bool:
+    """The plugin's engine path end to end where TensorRT builds here; elsewhere (the H200
+    machine has no TensorRT) "not run" with the reason, which does not fail the section."""
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            passed = tensorrt_engine(report, Path(workdir))
+    except NotRun as exc:
+        report["tensorrt_engine"] = {"status": "not run", "reason": str(exc)}
+        print(f"tensorrt engine: not run ({exc})", flush=True)
+        return True
+    report["tensorrt_engine"]["status"] = "passed" if passed else "failed"
+    return passed
+
+
 def run(out_dir, repeats: int = 50) -> dict:
     """The section: correctness, capture, host time, bench. Returns its figures."""
     from plugins import bench_kernel
@@ -213,6 +285,7 @@ def run(out_dir, repeats: int = 50) -> dict:
                   scaled_vs_unscaled=bench["scaled_vs_unscaled"], copy_rate_gbps=bench["copy_rate_gbps"],
                   bench_file="bench_kernel.json")
     report["correctness_passed"] = passed_correctness
-    report["passed"] = passed_correctness and report["graph_capture_passed"]
+    tensorrt_ok = tensorrt_plugin(report)
+    report["passed"] = passed_correctness and report["graph_capture_passed"] and tensorrt_ok
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report
