@@ -322,3 +322,24 @@ def test_contiguous_scalars_equal_what_the_torch_launcher_passes():
     assert triton_kernel.contiguous_scalars(8, 7, 2, 33, 48) == triton_kernel.launch_scalars(q, k, visible, out, v)
     assert len(triton_kernel.SCALAR_ARGS) == len(triton_kernel.contiguous_scalars(8, 7, 2, 33, 48))
     assert triton_kernel.launch_grid(3, 7, 2, 4, 16) == (math.ceil(7 * 4 / 16), 6)
+
+
+def test_plugins_import_one_way_attention_kernel_contract():
+    # plugins/attention.py -> plugins/triton_kernel.py -> plugins/op_inputs.py, never back
+    # (issue 40: the two used to import each other, the kernel lazily inside attention()).
+    import ast
+    from pathlib import Path
+
+    def ours(name):
+        tree = ast.parse((Path(__file__).resolve().parent.parent / "plugins" / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "plugins":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plugins."):
+                found.add(node.module.split(".")[1])
+        return found
+
+    assert "attention" not in ours("triton_kernel")
+    assert not ours("op_inputs") & {"attention", "triton_kernel"}
+    assert "op_inputs" in ours("attention") and "op_inputs" in ours("triton_kernel")
