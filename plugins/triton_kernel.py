@@ -548,6 +548,8 @@ def _make_plan(q, k, v, visible, scaling, block_m, block_n, splits, variant, num
     blocks = launch_blocks(q_len * group, head_dim)
     if block_m is not None:
         blocks["BLOCK_M"] = block_m
+        if block_m < 16:  # the CUDA-core path holds a [rows, d, keys] product: keep it small
+            blocks["BLOCK_N"] = max(8, min(64, 8192 // (block_m * blocks["BLOCK_D"])))
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
     grid = launch_grid(batch, q_len, kv_heads, group, blocks["BLOCK_M"])

@@ -95,7 +95,9 @@ def correctness(report: dict) -> bool:
             errors = {}
             variants = list(KERNEL_VARIANTS)
             exact = triton_kernel.exact_row_tile(t * h // kvh)
-            if exact is not None:  # the one-row decode tile, both merge variants
+            # the one-row decode tile, both merge variants: bf16 on the 4-row case only (its
+            # compiles are slow; fp32/fp16 are covered on CPU by the interpreter)
+            if exact is not None and dtype_name == "bfloat16" and name == "decode_gqa4":
                 variants += [("exact_rows", dict(block_m=exact)), ("exact_rows_single", dict(block_m=exact, variant="single"))]
             for label, options in variants:
                 got = triton_kernel.attention(q, k, v, visible, scaling, **options)
