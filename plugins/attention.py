@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from plugins.op_inputs import check_inputs
 from plugins.scaling import QueryScaling, _tracing
 
 __all__ = ["sharpdraft_attention", "reference_attention", "scaled_query", "visible_counts",
@@ -53,25 +54,6 @@ def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | Non
     return out.to(q.dtype)
 
 
-def check_inputs(q, k, v, visible, mask=None) -> None:
-    """The op's input contract, checked once before dispatch on every device (one host
-    sync for the visible-count range: a fused kernel would otherwise clamp bad counts and
-    compute beta from the clamped value, silently)."""
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [b,h,q,d] and k/v [b,kvh,kv,d], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (grouped heads)")
-    if visible.shape != q.shape[:1] + q.shape[2:3] or visible.dtype != torch.int64:
-        raise ValueError(f"visible must be int64 [batch, q_len], got {visible.dtype} {tuple(visible.shape)}")
-    if mask is not None and mask.shape != (q.shape[0], q.shape[2], k.shape[2]):
-        raise ValueError(f"mask must be [batch, q_len, kv_len], got {tuple(mask.shape)}")
-    if visible.numel():
-        low, high = (int(x) for x in torch.aminmax(visible))
-        if low < 1 or high > k.shape[2]:
-            raise ValueError(f"visible counts must lie in [1, kv_len={k.shape[2]}], got {low}..{high}")
-
-
 def _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale):
     """The op's flat scalar arguments back into a QueryScaling (None: unscaled)."""
     return QueryScaling(ref_keys, top_k, slope, max_log_scale) if scaled else None
@@ -89,12 +71,14 @@ def _fused_kernel_applies(q, mask) -> bool:
 
 
 def _attention(q, k, v, visible, mask, scaling):
+    # No host read of a tensor's values on the CUDA path (plugins/op_inputs.py): the op
+    # must survive CUDA-graph capture, as TensorRT-LLM, vLLM and SGLang replay decode steps.
     check_inputs(q, k, v, visible, mask)
     if _fused_kernel_applies(q, mask):
         from plugins import triton_kernel
 
         return triton_kernel.launch(q, k, v, visible, scaling)
-    return reference_attention(q, k, v, visible, mask, scaling)
+    return reference_attention(q, k, v, visible, mask, scaling).contiguous()
 
 
 _op = None
@@ -116,7 +100,8 @@ def register() -> None:
 
     @op.register_fake
     def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
-        return torch.empty_like(q)
+        # The kernel and the reference both return a contiguous tensor of q's shape.
+        return q.new_empty(q.shape)
 
     op.register_autograd(_backward, setup_context=_setup_context)
     _op = op

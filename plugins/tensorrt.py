@@ -110,9 +110,11 @@ def _define_plugin(trt, trtp) -> None:
                                                        max_log_scale=max_log_scale))
         launch = aot_launch(q, k, kernel_dtypes[q.dtype], scaling, build_arch())
         ptx = tensorrt_ptx(launch["ptx"], launch["name"], len(plugin_spec.INPUTS)
-                           + len(launch["scalars"]) + len(plugin_spec.OUTPUTS))
+                           + len(launch["scalars"]) + len(plugin_spec.OUTPUTS), launch.get("scratch", ()))
         params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y = launch["grid"]
+        params.grid_x, params.grid_y = launch["grid"][:2]
+        if len(launch["grid"]) > 2:  # the key slices of the single-launch kernel
+            params.grid_z = launch["grid"][2]
         params.block_x = launch["threads"]
         params.shared_mem = launch["shared_mem"]
         # TensorRT passes these int32s between the input and output pointers, in this order.
@@ -123,7 +125,13 @@ def _define_plugin(trt, trtp) -> None:
 def aot_launch(q, k, dtype: str, scaling, arch: int) -> dict:
     """Kernel and launch description for one plugin instance, from tensor descriptors with
     `.shape` (ints, -1 where dynamic) and `.shape_expr` (TensorRT symbolic dims; plain
-    ints work too, which is how tests drive this without TensorRT)."""
+    ints work too, which is how tests drive this without TensorRT).
+
+    The kernel is the single-launch split kernel (plugins/triton_kernel.py): key slices
+    for a short step over a long context, merged inside the same launch, since an AOT
+    plugin launches exactly one kernel and gets no workspace. Its scratch (partials and
+    arrival counters) is compiled into the PTX as module globals (tensorrt_ptx), zeroed
+    when TensorRT loads the module and left at zero by every launch."""
     from plugins import triton_kernel
 
     head_dim = q.shape[3]
@@ -136,10 +144,18 @@ def aot_launch(q, k, dtype: str, scaling, arch: int) -> dict:
     static = q.shape[1] > 0 and q.shape[2] > 0 and k.shape[1] > 0
     rows_hint = q.shape[2] * (q.shape[1] // k.shape[1]) if static else 64
     compiled = triton_kernel.aot_compile(dtype, head_dim, scaling, arch, rows_hint)
+    sm_count = build_sm_count()
+    tiles_at_batch_1 = (triton_kernel.launch_grid(1, q.shape[2], k.shape[1], q.shape[1] // k.shape[1],
+                                                  compiled.block_m)
+                        if static else (1, max(1, k.shape[1])))
+    slices = triton_kernel.aot_slices(tiles_at_batch_1[0] * tiles_at_batch_1[1], sm_count)
     return dict(name=compiled.name, ptx=compiled.ptx, threads=compiled.num_warps * 32,
                 shared_mem=compiled.shared_mem,
-                grid=triton_kernel.launch_grid(batch, q_len, kv_heads, heads // kv_heads, compiled.block_m),
-                scalars=triton_kernel.contiguous_scalars(heads, q_len, kv_heads, kv_len, head_dim))
+                grid=triton_kernel.launch_grid(batch, q_len, kv_heads, heads // kv_heads, compiled.block_m)
+                + (slices,),
+                scalars=triton_kernel.contiguous_scalars(heads, q_len, kv_heads, kv_len, head_dim)
+                + triton_kernel.aot_slice_scalars(sm_count),
+                scratch=tuple(size for _, size in compiled.scratch))
 
 
 def build_arch() -> int:
@@ -152,7 +168,16 @@ def build_arch() -> int:
     return major * 10 + minor
 
 
-def tensorrt_ptx(ptx: str, name: str, launched: int) -> str:
+def build_sm_count() -> int:
+    """Streaming multiprocessors of the GPU the engine is built on (the key-slice rule)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable("building a TensorRT engine needs a CUDA GPU; none is visible")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def tensorrt_ptx(ptx: str, name: str, launched: int, scratch: tuple = ()) -> str:
     """The PTX with exactly the `launched` parameters TensorRT passes: input pointers, the
     int32 extra arguments, output pointers (aot_impl's contract in tensorrt/plugin/_lib.py:
     "scalar inputs ... located after the tensor inputs and before the tensor outputs").
@@ -162,17 +187,33 @@ def tensorrt_ptx(ptx: str, name: str, launched: int) -> str:
     declares more parameters than the launch supplies reads past the argument array. The
     kernel needs no scratch memory (aot_compile refuses one that does), so the trailing
     parameters are dropped here, after checking that no instruction reads them; a launch
-    that passes more arguments than the kernel declares is harmless."""
+    that passes more arguments than the kernel declares is harmless.
+
+    `scratch` (bytes each) names the pointer parameters right after the launched ones that
+    the kernel does use (the single-launch kernel's partials and arrival counters): each
+    becomes a module global of that size -- PTX zero-initialises .global variables -- and
+    the kernel's load of the parameter becomes the global's address."""
     head = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
     if head is None:
         raise RuntimeError(f"no .entry {name} in the compiled PTX")
     params = [p.strip() for p in head.group(1).split(",") if p.strip()]
-    if len(params) < launched:
-        raise RuntimeError(f"{name} declares {len(params)} parameters, TensorRT launches {launched}")
-    extra = [p.split()[-1] for p in params[launched:]]
+    if len(params) < launched + len(scratch):
+        raise RuntimeError(f"{name} declares {len(params)} parameters, TensorRT launches {launched}"
+                           + (f" and {len(scratch)} become globals" if scratch else ""))
     body = ptx[head.end():]
+    declarations = []
+    for i, size in enumerate(scratch):
+        param, symbol = params[launched + i].split()[-1], f"{name}_scratch_{i}"
+        body, loads = re.subn(r"ld\.param\.[bu]64\s+(%rd\d+),\s*\[" + re.escape(param) + r"\];",
+                              lambda m: f"mov.u64 {m.group(1)}, {symbol};", body)
+        if re.search(r"\b" + re.escape(param) + r"\b", body):
+            raise RuntimeError(f"{name} uses parameter {param} other than by one 64-bit load")
+        declarations.append(f".global .align 16 .b8 {symbol}[{size}];\n")
+    extra = [p.split()[-1] for p in params[launched + len(scratch):]]
     used = [p for p in extra if re.search(r"\[" + re.escape(p) + r"\b", body)]
     if used:
         raise RuntimeError(f"{name} reads parameter(s) {', '.join(used)} that TensorRT does not pass")
     kept = ",\n".join("\t" + p for p in params[:launched])
-    return ptx[:head.start(1)] + "\n" + kept + "\n" + ptx[head.end(1):]
+    line = ptx.rfind("\n", 0, head.start()) + 1  # module scope, just before the entry
+    return (ptx[:line] + "".join(declarations) + ptx[line:head.start(1)] + "\n" + kept + "\n"
+            + ptx[head.end(1):head.end()] + body)

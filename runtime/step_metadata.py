@@ -30,6 +30,7 @@ class StepMetadata:
     (context features for a DFlash drafter, ids for the target), the same kinds."""
 
     def __init__(self, cached, new):
+        _check_lengths(cached=cached, new=new)
         self.cached, self.new = cached, new
 
     @classmethod
@@ -90,6 +91,27 @@ class StepMetadata:
     def committed(self):
         """Each sequence's cache length after the step."""
         return self.cached + self.new
+
+
+def _check_lengths(**lengths) -> None:
+    """Counts are validated here, where they are made, so the attention op need not read
+    them back on a GPU (a host read there breaks CUDA-graph capture): with cached >= 0 and
+    new >= 0 every row's visible count is >= 1. Python ints and CPU tensors are checked;
+    CUDA tensors (a captured step edits them in place) and traced values are not."""
+    from plugins.scaling import _tracing
+
+    for name, value in lengths.items():
+        if isinstance(value, torch.SymInt):  # a symbolic size while exporting
+            continue
+        if torch.is_tensor(value):
+            if value.device.type != "cpu" or _tracing() or not value.numel():
+                continue
+            if value.is_floating_point() or value.is_complex():
+                raise ValueError(f"step lengths must be whole numbers, got {name} of {value.dtype}")
+            if int(value.min()) < 0:
+                raise ValueError(f"step lengths must be >= 0, got {name} = {value.tolist()}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"step lengths must be whole numbers >= 0, got {name} = {value!r}")
 
 
 def capacity_bucket(capacity: int) -> int:

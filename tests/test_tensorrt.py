@@ -258,6 +258,7 @@ trtp = fake_tensorrt.install()
 from plugins import plugin_spec, tensorrt as trt_plugin, triton_kernel
 from plugins.scaling import QueryScaling
 trt_plugin.build_arch = lambda: 90  # H100/H200; no GPU needed to emit PTX
+trt_plugin.build_sm_count = lambda: 132
 trt_plugin.register_plugin()
 compile_kernel = trtp.registered[(plugin_spec.PLUGIN_ID, "aot_impl")]
 TD = trtp.TensorDesc
@@ -270,12 +271,14 @@ name, ptx, params, scalars = compile_kernel(q, k, k, vis, **fields, outputs=(q.l
 open(sys.argv[2], "w").write(ptx)
 entry = ptx[ptx.index(".entry " + name):]
 plain = triton_kernel.aot_compile("fp16", 64, None, 90, rows_hint=64)
+globals_ = re.findall(r"^\.global \.align 16 \.b8 (\w+)\[(\d+)\];", ptx, re.M)
 print(json.dumps(dict(
     name=name, params=re.findall(r"\.param \.(\w+)", entry[:entry.index(")")]),
-    grid=[params.grid_x.value, params.grid_y.value], block=params.block_x.value,
+    grid=[params.grid_x.value, params.grid_y.value, params.grid_z.value], block=params.block_x.value,
     shared=params.shared_mem.value,
     scalars=[s.value for s in scalars], target=re.search(r"\.target (\w+)", ptx).group(1),
-    beta_changes_ptx=plain.ptx != ptx)))
+    beta_changes_ptx=plain.ptx != ptx, globals=globals_,
+    global_addresses=[g for g, _ in globals_ if re.search(r"mov\.u64 %rd\d+, " + g + ";", entry)])))
 """
 
 
@@ -306,16 +309,23 @@ def test_aot_kernel_follows_tensorrt_launch_convention(tmp_path):
     from plugins import triton_kernel  # noqa: E402 -- constants only, no kernel launch
 
     # Exactly what TensorRT launches (aot_impl's contract): the (q, k, v, visible) pointers,
-    # the int32 extra arguments, the out pointer -- Triton's two trailing scratch pointers
-    # are dropped from the PTX we ship (plugins/tensorrt.tensorrt_ptx).
-    assert got["params"] == ["u64"] * 4 + ["u32"] * len(triton_kernel.SCALAR_ARGS) + ["u64"]
-    assert got["scalars"] == list(triton_kernel.contiguous_scalars(8, 16, 2, 4096, 64))
-    assert got["grid"] == [1, 2]  # 16 queries x group 4 = 64 rows: one tile per KV head
+    # the int32 extra arguments, the out pointer -- the single-launch kernel's scratch
+    # pointers become module globals and Triton's two trailing scratch pointers are dropped
+    # from the PTX we ship (plugins/tensorrt.tensorrt_ptx).
+    n_scalars = len(triton_kernel.SCALAR_ARGS) + len(triton_kernel.SLICE_ARGS)
+    assert got["params"] == ["u64"] * 4 + ["u32"] * n_scalars + ["u64"]
+    assert got["scalars"] == list(triton_kernel.contiguous_scalars(8, 16, 2, 4096, 64)
+                                  + triton_kernel.aot_slice_scalars(132))
+    # 16 queries x group 4 = 64 rows: one tile per KV head; key slices for 2 programs per SM
+    assert got["grid"] == [1, 2, triton_kernel.aot_slices(2, 132)] and got["grid"][2] > 1
     assert got["block"] == 128 and 0 < got["shared"] <= triton_kernel.AOT_SHARED_MEMORY_LIMIT
-    assert got["target"].startswith("sm_90") and got["name"] == "_sharpdraft_attention_kernel"
+    assert got["target"].startswith("sm_90") and got["name"] == "_single_launch_kernel"
+    rows = triton_kernel.AOT_SCRATCH_ROWS
+    assert [int(size) for _, size in got["globals"]] == [rows * 64 * 4, rows * 4, triton_kernel.AOT_COUNTERS * 4]
+    assert got["global_addresses"] == [name for name, _ in got["globals"]]  # each one read by address
     assert got["beta_changes_ptx"]  # the beta constants are compiled in
     # The edited PTX is still valid: ptxas assembles it for sm_90a, and the cubin's kernel
-    # takes exactly those 22 parameters.
+    # takes exactly those 26 parameters.
     ptxas = ptxas_for(ptx_path.read_text())
     if ptxas is None:
         pytest.skip("no ptxas of CUDA 13 (Triton's wheel ships one) to assemble the PTX")
@@ -340,6 +350,21 @@ def test_tensorrt_ptx_drops_only_unread_trailing_parameters():
         trt_plugin.tensorrt_ptx(ptx.replace("[k_param_0]", "[k_param_3]"), "k", 2)
     with pytest.raises(RuntimeError, match="declares 4 parameters, TensorRT launches 5"):
         trt_plugin.tensorrt_ptx(ptx, "k", 5)
+
+
+def test_tensorrt_ptx_turns_scratch_parameters_into_module_globals():
+    ptx = (".version 8.7\n.address_size 64\n\n\t// .globl\tk\n.visible .entry k(\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3,\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_4\n)\n{\n\tld.param.b64 %rd1, [k_param_0];\n"
+           "\tld.param.b64 %rd7, [k_param_2];\n\tst.global.b32 [%rd7], %r1;\n}\n")
+    shipped = trt_plugin.tensorrt_ptx(ptx, "k", 2, scratch=(4096,))
+    assert ".global .align 16 .b8 k_scratch_0[4096];\n.visible .entry k(" in shipped
+    assert "mov.u64 %rd7, k_scratch_0;" in shipped and "k_param_2" not in shipped
+    assert "k_param_1\n)" in shipped and "k_param_3" not in shipped
+    with pytest.raises(RuntimeError, match="other than by one 64-bit load"):
+        trt_plugin.tensorrt_ptx(ptx.replace("st.global.b32 [%rd7]", "st.global.b32 [k_param_2]"), "k", 2,
+                                scratch=(4096,))
 
 
 # --- real TensorRT (GPU hosts only) ------------------------------------------------------

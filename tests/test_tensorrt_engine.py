@@ -274,65 +274,37 @@ def test_bench_and_serve_accept_backend_tensorrt(trt_engines, tmp_path, capsys, 
     assert 'key: "backend"\n  value: { string_value: "tensorrt" }' in config
 
 
-# --- scripts/gpu_check.py's TensorRT section ------------------------------------------------
+# --- scripts/gpu_kernel.py's TensorRT engine check (a gpu_check section's part) -----------
 
-def load_gpu_check():
+def load_gpu_kernel():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_kernel", REPO / "scripts" / "gpu_kernel.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_gpu_check_reports_a_section_that_cannot_run_as_not_run(monkeypatch, tmp_path, capsys):
+def test_gpu_check_reports_a_section_that_cannot_run_as_not_run(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    gpu_check = load_gpu_check()
+    gpu_kernel = load_gpu_kernel()
     report = {}
-    ok = gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
-    assert ok  # nothing failed ...
-    assert report["sections"]["tensorrt"] == {"status": "not run", "reason": trt_plugin.TENSORRT_MISSING}
-    assert "tensorrt: not run (TensorRT is not installed" in capsys.readouterr().out
-    # ... and the last line does not call it passed.
-    line = gpu_check.summary(report)
-    assert line == "gpu_check passed (0 of 1 sections ran): tensorrt not run"
+    assert gpu_kernel.tensorrt_plugin(report)  # nothing failed ...
+    # ... and nothing calls it passed
+    assert report["tensorrt_engine"] == {"status": "not run", "reason": trt_plugin.TENSORRT_MISSING}
+    assert "tensorrt engine: not run (TensorRT is not installed" in capsys.readouterr().out
 
 
-def test_gpu_check_sections_passed_failed_not_run(capsys):
-    gpu_check = load_gpu_check()
-
-    def cannot():
-        raise gpu_check.NotRun("no tensorrt_llm here")
-
-    def broken():
-        raise RuntimeError("CUDA error: an illegal memory access\nmore")
-
-    report = {}
-    assert not gpu_check.run_sections(report, [("correctness", lambda: True), ("timings", lambda: False),
-                                               ("trtllm", cannot), ("tensorrt", broken),
-                                               ("after", lambda: True)])
-    assert report["sections"] == {
-        "correctness": {"status": "passed"}, "timings": {"status": "failed"},
-        "trtllm": {"status": "not run", "reason": "no tensorrt_llm here"},
-        "tensorrt": {"status": "failed", "reason": "RuntimeError: CUDA error: an illegal memory access"},
-        "after": {"status": "not run", "reason": "stopped after tensorrt raised RuntimeError"}}
-    assert gpu_check.summary(report) == (
-        "gpu_check FAILED (3 of 5 sections ran): correctness passed; timings failed; trtllm not run; "
-        "tensorrt failed; after not run")
-    out = capsys.readouterr().out
-    assert "trtllm: not run (no tensorrt_llm here)" in out and "after: not run" in out
-
-
-def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch, tmp_path):
+def test_gpu_check_tensorrt_section_runs_on_the_stand_in(monkeypatch):
     # The script's own code path (build, generate with both backends, compare), with the
     # stand-in's plans: on a GPU host the same lines run real TensorRT.
     stand_in(monkeypatch)
     report = {}
-    gpu_check = load_gpu_check()
-    assert gpu_check.run_sections(report, [("tensorrt", lambda: gpu_check.tensorrt_engine(report, tmp_path))])
-    assert report["sections"]["tensorrt"] == {"status": "passed"}
-    assert report["tensorrt"]["passed"] and report["tensorrt"]["version"] == fake_tensorrt.VERSION
-    assert len(report["tensorrt"]["tokens"]["tensorrt"]) == 32
+    gpu_kernel = load_gpu_kernel()
+    assert gpu_kernel.tensorrt_plugin(report)
+    assert report["tensorrt_engine"]["status"] == "passed" and report["tensorrt_engine"]["passed"]
+    assert report["tensorrt_engine"]["version"] == fake_tensorrt.VERSION
+    assert len(report["tensorrt_engine"]["tokens"]["tensorrt"]) == 32
     assert fake_tensorrt.MISSING == []
 
 

@@ -378,6 +378,38 @@ def heldout_section(folder: Path) -> list[str]:
     return ["## Held-out MAL of drafters (scripts/heldout_mal.py)", "", *lines]
 
 
+GPU_FIGURES = ("status", "graph_capture_passed", "host_us_per_call", "single_launch_vs_split",
+               "decode_vs_sdpa")  # named first; any other flat figure follows
+
+
+def _figure(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
+
+
+def gpu_section(folder: Path) -> list[str]:
+    """results/gpu/*.json from scripts/gpu_check.py (one file per section, plus the kernel
+    bench's): device, date, command, then each flat figure the file holds."""
+    gpu = folder / "gpu"
+    lines = []
+    for path in sorted(gpu.glob("*.json")) if gpu.is_dir() else []:
+        name = f"gpu/{path.name}"
+        data = load(folder, name)
+        flat = {k: v for k, v in data.items()
+                if not isinstance(v, (list, dict)) or (isinstance(v, dict) and v
+                                                       and not any(isinstance(x, (list, dict)) for x in v.values()))}
+        keys = [k for k in GPU_FIGURES if k in flat] + sorted(
+            k for k in flat if k not in GPU_FIGURES and k not in {"device", "date", "command", "section"})
+        lines += [f"### `results/{name}`", "", f"- device: {data.get('device') or NOT_RECORDED}",
+                  *provenance_lines(data, name, folder)[1:2], *provenance_lines(data, name, folder)[3:], "",
+                  *(f"- {k}: {_figure(flat[k])}" for k in keys), "",
+                  *plot_line(folder, f"gpu/{path.stem}", path.stem)]
+    if not lines:
+        return []
+    return ["## GPU runs (scripts/gpu_check.py)", "", *lines]
+
+
 def render(folder: Path) -> str:
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder of results")
@@ -402,6 +434,7 @@ def render(folder: Path) -> str:
     lines += rss_section(folder)
     lines += backends_section(folder)
     lines += heldout_section(folder)
+    lines += gpu_section(folder)
     older = sorted(p.name for p in folder.glob("bench-*.json")
                    if p.name not in {"bench-mal.json", "bench-batch8.json"})
     if older:

@@ -1,0 +1,35 @@
+"""The kernel benchmark's plumbing on CPU: it refuses a full run without CUDA in one line,
+and --smoke measures tiny shapes under the Triton interpreter and writes the JSON (with
+device, date, command and the named ratios) and the plot."""
+
+import json
+
+import pytest
+import torch
+
+bench_kernel = pytest.importorskip("plugins.bench_kernel")
+pytest.importorskip("triton", reason="triton is not installed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without a GPU")
+def test_full_run_without_cuda_refuses_in_one_line(tmp_path, capsys):
+    assert bench_kernel.main(["--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: plugins.bench_kernel needs a CUDA device") and err.count("\n") == 1
+    assert not (tmp_path / "bench_kernel.json").exists()
+
+
+def test_smoke_run_writes_json_with_named_figures_and_plot(tmp_path, capsys):
+    assert bench_kernel.main(["--smoke", "--out", str(tmp_path), "--repeats", "2"]) == 0
+    report = json.loads((tmp_path / "bench_kernel.json").read_text())
+    assert (tmp_path / "bench_kernel.png").stat().st_size > 0
+    assert {"device", "date", "command"} <= set(report) and "--smoke" in report["command"]
+    shapes = [row["shape"] for row in report["shapes"]]
+    assert shapes == [bench_kernel.shape_name(*s) for s in bench_kernel.SMOKE_SHAPES]
+    assert set(report["single_launch_vs_split"]) == set(shapes)
+    assert set(report["decode_vs_sdpa"]) == {s for s, row in zip(shapes, report["shapes"]) if row["q_len"] == 1}
+    for row in report["shapes"]:
+        assert {"split", "single", "exact_rows", "unscaled", "sdpa_gqa"} <= set(row["eager_us"])
+        assert all(t > 0 for t in row["eager_us"].values())
+    out = capsys.readouterr().out
+    assert out.count("\n") == len(shapes)  # one line per shape on stdout

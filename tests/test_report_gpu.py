@@ -1,0 +1,28 @@
+"""`python -m runtime report` shows results/gpu/*.json (scripts/gpu_check.py's sections)
+when present, with device, date, command and the named figures; nothing when absent."""
+
+import json
+
+from runtime.commands import report
+
+
+def test_gpu_section_lists_each_file_with_its_named_figures(tmp_path):
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "gpu_kernel.json").write_text(json.dumps(dict(
+        section="gpu_kernel", device="NVIDIA H200", date="2026-12-05T10:00:00+00:00",
+        command="python scripts/gpu_check.py", status="passed", graph_capture_passed=True,
+        host_us_per_call={"op": 25.0}, single_launch_vs_split={"b1_q16_kv8k": 1.04},
+        decode_vs_sdpa={"b1_q1_kv8k": 1.02}, correctness=[{"case": "x"}])))
+    lines = report.gpu_section(tmp_path)
+    text = "\n".join(lines)
+    assert lines[0] == "## GPU runs (scripts/gpu_check.py)"
+    assert "- device: NVIDIA H200" in text and "- date: 2026-12-05T10:00:00+00:00" in text
+    assert "- command: `python scripts/gpu_check.py`" in text
+    assert "- graph_capture_passed: True" in text and "- host_us_per_call: op 25.0" in text
+    assert "- single_launch_vs_split: b1_q16_kv8k 1.04" in text and "- decode_vs_sdpa: b1_q1_kv8k 1.02" in text
+    assert "correctness" not in text  # lists of rows stay in the file
+
+
+def test_no_gpu_folder_no_section(tmp_path):
+    assert report.gpu_section(tmp_path) == []
