@@ -129,8 +129,8 @@ def publish(partial: Path, out: Path, manifest) -> None:
 def tensorrt_usable() -> str | None:
     """None when TensorRT engines can be built here, else why not (one line): tensorrt
     imports, a CUDA device is visible and TensorRT can create a builder on it
-    (build/tensorrt.py:tensorrt_available)."""
-    from build import tensorrt as tensorrt_build
+    (build/tensorrt_build.py:tensorrt_available)."""
+    from build import tensorrt_build
 
     usable, why = tensorrt_build.tensorrt_available()
     return None if usable else why
@@ -207,8 +207,8 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     for graph in extra["onnx"]["graphs"].values():
         export.check_graph(engine_dir / graph["file"])
     progress(f"[4/5] build: {backend}")
-    if backend == "tensorrt":  # build/tensorrt.py: ONNX graphs -> TensorRT plans
-        from build import tensorrt as tensorrt_build
+    if backend == "tensorrt":  # build/tensorrt_build.py: ONNX graphs -> TensorRT plans
+        from build import tensorrt_build
 
         extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress,
                                                  block_size)

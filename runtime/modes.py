@@ -97,9 +97,10 @@ def parse(name: str) -> Mode:
         raise ValueError(f"no decoding mode {name!r} (modes: {', '.join(Mode)})") from None
 
 
-# How each drafter family drafts (the loop of runtime/speculative.py it runs); an ngram
+# How each drafter family drafts (the proposer runtime/decoders.py gives it); an ngram
 # engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
 FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
+FAMILY_NAMES = {"dflash": "DFlash", "pard": "PARD", "eagle3": "EAGLE-3", "ngram": "n-gram"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +165,9 @@ def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
     return None
 
 
-def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
-    """Why `mode` (one the engine runs) cannot run batched, or None if it can: every mode
-    batches (runtime/decode.py) where the backend holds a target per sequence."""
+def batch_refusal(backend: str) -> str | None:
+    """Why an engine on `backend` cannot batch the modes it runs, or None if it can: every
+    mode batches (runtime/decode.py) where the backend holds a target per sequence."""
     if not BACKENDS[backend].batch:
         batching = [n for n, c in BACKENDS.items() if c.batch and not c.own_loop]
         return f"batched decoding runs on the {' and '.join(batching)} backends, not " \
@@ -174,18 +175,43 @@ def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
     return None
 
 
-def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) -> Mode:
-    """What a request runs unless it names a mode: SharpDraft where the engine has it, the
-    drafter frozen when SharpDraft is turned off (or absent), n-gram lookup on an ngram
-    engine."""
+def family_refusal(family: str, backend: str) -> str | None:
+    """Why a drafter family cannot run on `backend` at all (its own drafting style is not
+    among what the backend drafts), or None."""
+    style = FAMILIES.get(family)
+    if style is None or backend not in BACKENDS or style in BACKENDS[backend].drafting:
+        return None
+    return (f"{FAMILY_NAMES[family]} runs on the {' and '.join(backends_drafting(style))} "
+            f"backends, not {backend} — pass --backend onnxruntime")
+
+
+def unrunnable(engine_dir, backend: str, runnable) -> str:
+    """Why this runtime cannot open the engine in `engine_dir` on `backend` (one with no
+    loader)."""
+    if backend in BACKENDS and BACKENDS[backend].own_loop:
+        return (f"{engine_dir} is configuration for TensorRT-LLM: run it with `python -m "
+                "runtime generate` or `trtllm-serve` where TensorRT-LLM is installed")
+    return (f"{engine_dir}: backend {backend!r} cannot run here (this runtime has "
+            f"{', '.join(runnable)}) — pass --backend onnxruntime")
+
+
+def rule_default(drafting: str | None, scaled: bool, wanted: bool = True) -> Mode:
+    """The table's rule for the mode a request runs unless it names one: SharpDraft where
+    the engine has it (`scaled`: built with --sharpdraft) and it is `wanted`, the drafter
+    frozen when it is not (or absent), n-gram lookup on an ngram engine."""
     if drafting is None:
         return Mode.NGRAM
-    return Mode.SHARPDRAFT if sharpdraft and scaled else Mode.FROZEN
+    return Mode.SHARPDRAFT if wanted and scaled else Mode.FROZEN
 
 
-def measured_default(record: dict | None, backend: str, runnable) -> Mode | None:
-    """The mode engine.json's extra.default_mode names (runtime/commands/default_mode.py), if it was
-    measured on `backend` and is among the `runnable` modes; else None (the rule applies)."""
-    if not record or record.get("backend") != backend:
-        return None
-    return next((m for m in runnable if m == record.get("mode")), None)
+def default_mode(record: dict | None, backend: str, runnable, drafting: str | None,
+                 scaled: bool) -> Mode:
+    """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
+    endpoint and the served model all read it here): the mode engine.json's
+    extra.default_mode names (runtime/measure.py), if it was measured on `backend` and is
+    among the `runnable` modes; else the table's rule (rule_default)."""
+    if record and record.get("backend") == backend:
+        measured = next((m for m in runnable if m == record.get("mode")), None)
+        if measured is not None:
+            return measured
+    return rule_default(drafting, scaled)

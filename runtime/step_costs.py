@@ -261,15 +261,15 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
     whole tree)."""
     from runtime.sampling import Sampler
 
-    drafter = engine.drafter(frozen=True)
-    if engine.drafting == "tree":  # EAGLE-3: one context row, then the tree's levels
+    drafter = engine.drafter(scaled=False)
+    if engine.style == "tree":  # EAGLE-3: one context row, then the tree's levels
         shape = engine.tree_shape
         drafter.reset(context + repeats + 2)
         drafter.draft_tree(features[:-1], ids[1:context], shape)  # fill its cache
 
         def step():
             drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
-    elif engine.drafting == "chain":
+    elif engine.style == "chain":
         k, sampler = engine.max_drafts, Sampler()
         drafter.reset(context + repeats + 2)
         drafter.draft(ids[:context], features, k, sampler)  # fill its cache to context tokens

@@ -139,7 +139,7 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
     import runtime.step_costs as step_costs
 
     engine = Engine(tiny_engine)
-    drafter_type = type(engine.drafter(frozen=True))
+    drafter_type = type(engine.drafter(scaled=False))
     log, timing = [], []
     real_verify, real_draft = type(engine.target).verify, drafter_type.draft
 

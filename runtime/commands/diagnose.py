@@ -146,12 +146,12 @@ def run(args) -> int:
     per_doc = []
     for name, ids in docs:
         progress(f"diagnose: {name} (prefill {lengths[-1]} tokens, then one drafter step per length)")
-        chain = engine.drafting == "chain"
+        chain = engine.style == "chain"
         per_doc.append((measure_chain if chain else measure)(engine, ids, lengths, args.top_k))
     rows = []
     for length in lengths:
         # N of the first drafted row: a DFlash block's (all rows alike), a chain's first
-        n = (StepMetadata(length - 1, 1).causal_visible(1, 1).item() if engine.drafting == "chain"
+        n = (StepMetadata(length - 1, 1).causal_visible(1, 1).item() if engine.style == "chain"
              else StepMetadata(0, length).block_keys(engine.drafter_model.config.block_size))
         row = {"context_tokens": length, "visible_keys": n, "beta": round(engine.scaling.beta(n), 4)}
         for mode in (Mode.FROZEN, Mode.SHARPDRAFT):
