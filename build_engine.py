@@ -181,8 +181,8 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
 def measure_default_mode(out: Path) -> None:
     """Stage 5, last: decode a short evaluation-split prompt in every mode the engine lists
     on the backend just chosen, and record the fastest in engine.json (extra.default_mode):
-    what a served request runs when it names no mode (runtime/commands/default_mode.py)."""
-    from runtime.commands import default_mode
+    what a served request runs when it names no mode (runtime/measure.py)."""
+    from runtime import measure as default_mode
 
     progress(f"      measuring the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
              f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
