@@ -223,7 +223,7 @@ def refuse_family_on(drafter: str, backend: str) -> None:
     """A drafter family whose drafting (block / chain / tree) the backend has no drafter
     for, refused in one line naming the backends that have one (runtime/modes.py)."""
     drafting = modes.FAMILIES[drafter]
-    if drafting is not None and drafting not in modes.BACKENDS[backend].drafting:
+    if drafting is not None and drafting not in modes.BACKENDS[backend].styles:
         others = [b for b in modes.backends_drafting(drafting) if b != "trtllm"]
         raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
                          f"does not run yet; it builds for {' and '.join(others)} (pass "

@@ -107,7 +107,7 @@ FAMILY_NAMES = {"dflash": "DFlash", "pard": "PARD", "eagle3": "EAGLE-3", "ngram"
 class Backend:
     """What a backend can run."""
 
-    drafting: frozenset[str]  # the families' drafting it has drafters for
+    styles: frozenset[str]  # the drafting styles (FAMILIES) it has drafters for
     window: bool  # a DFlash drafter under a draft window
     batch: bool  # in-flight batching (runtime/decode.py): a target per sequence
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
@@ -131,13 +131,13 @@ BACKENDS = {
 }
 
 
-def backends_drafting(drafting: str) -> list[str]:
-    return [name for name, can in BACKENDS.items() if drafting in can.drafting]
+def backends_drafting(style: str) -> list[str]:
+    return [name for name, can in BACKENDS.items() if style in can.styles]
 
 
-def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
+def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
             window: bool) -> str | None:
-    """Why an engine cannot run `mode`, or None if it can. `drafting`: its family's
+    """Why an engine cannot run `mode`, or None if it can. `style`: its family's drafting
     (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
     QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
     can = BACKENDS[backend]
@@ -146,14 +146,14 @@ def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
         return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
     if mode.drafter == NO_DRAFTER or mode.drafter == LOOKUP:
         return None
-    if drafting is None:
+    if style is None:
         return "it needs a drafter model and this is an n-gram engine"
     if mode.scaled and not scaled:
         return "the engine was built without --sharpdraft (no calibrated QueryScaling)"
     if mode.swaps_scaling and not can.swap_scaling:
         return f"it swaps the drafter's scaling, which a {backend} drafter has compiled in " \
                "— pass --backend torch"
-    if (mode.needs_window or mode.ngram_assist) and drafting != "block":
+    if (mode.needs_window or mode.ngram_assist) and style != "block":
         what = "a draft window" if mode.needs_window else "n-gram assist"
         return f"{what} is written for block drafters (DFlash) only"
     if mode.needs_window and not can.window:
@@ -179,7 +179,7 @@ def family_refusal(family: str, backend: str) -> str | None:
     """Why a drafter family cannot run on `backend` at all (its own drafting style is not
     among what the backend drafts), or None."""
     style = FAMILIES.get(family)
-    if style is None or backend not in BACKENDS or style in BACKENDS[backend].drafting:
+    if style is None or backend not in BACKENDS or style in BACKENDS[backend].styles:
         return None
     return (f"{FAMILY_NAMES[family]} runs on the {' and '.join(backends_drafting(style))} "
             f"backends, not {backend} — pass --backend onnxruntime")
@@ -195,16 +195,16 @@ def unrunnable(engine_dir, backend: str, runnable) -> str:
             f"{', '.join(runnable)}) — pass --backend onnxruntime")
 
 
-def rule_default(drafting: str | None, scaled: bool, wanted: bool = True) -> Mode:
+def rule_default(style: str | None, scaled: bool, wanted: bool = True) -> Mode:
     """The table's rule for the mode a request runs unless it names one: SharpDraft where
     the engine has it (`scaled`: built with --sharpdraft) and it is `wanted`, the drafter
     frozen when it is not (or absent), n-gram lookup on an ngram engine."""
-    if drafting is None:
+    if style is None:
         return Mode.NGRAM
     return Mode.SHARPDRAFT if wanted and scaled else Mode.FROZEN
 
 
-def default_mode(record: dict | None, backend: str, runnable, drafting: str | None,
+def default_mode(record: dict | None, backend: str, runnable, style: str | None,
                  scaled: bool) -> Mode:
     """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
     endpoint and the served model all read it here): the mode engine.json's
@@ -214,4 +214,4 @@ def default_mode(record: dict | None, backend: str, runnable, drafting: str | No
         measured = next((m for m in runnable if m == record.get("mode")), None)
         if measured is not None:
             return measured
-    return rule_default(drafting, scaled)
+    return rule_default(style, scaled)

@@ -182,17 +182,18 @@ class HybridChoice:
                                     + self.costs.verify_seconds(1 + verified, context))
         return drafter >= 1 / self.costs.verify_seconds(1, context)
 
-    def update(self, way: str, strong: bool = False, offered: int = 0, verified: int = 0,
+    def update(self, drafter: bool, strong: bool = False, offered: int = 0, verified: int = 0,
                accepted: int = 0) -> None:
-        """Call once a step: `way` "drafter" or "lookup" (a 2+-token match when `strong`)
-        verified `verified` of the `offered` drafts and accepted `accepted`."""
+        """Call once a step: the drafter's drafts (`drafter`) or a lookup's (a 2+-token
+        match when `strong`; none: a plain step) verified `verified` of the `offered`
+        drafts and accepted `accepted`."""
         self.steps, self.verified, self.accepted = (
             x * self.forget for x in (self.steps, self.verified, self.accepted))
-        if way == "drafter":
+        if drafter:
             self.steps, self.verified, self.accepted = (
                 self.steps + 1, self.verified + verified, self.accepted + accepted)
         for kind, record in self.lookups.items():  # fade both; learn from the one tested
-            tested = way == "lookup" and kind == strong
+            tested = not drafter and kind == strong
             record.update([1.0] * offered if tested else [], verified if tested else 0, accepted)
 
 
