@@ -115,7 +115,7 @@ class Engine:
         """The window modes' draft window: the DFlash drafter's training length, recorded at
         build time (extra.draft_window), where this backend's drafter can take one."""
         window = self.manifest.extra.get("draft_window")
-        if window is None or self.style != "block" or not self.can.window:
+        if window is None or not modes.takes_window(self.style) or not self.can.window:
             return None
         if not self.loaded.has_window():
             return None
@@ -149,7 +149,7 @@ class Engine:
         `window`, its block rows see only the last `window` context keys (DFlash)."""
         if not self.has_drafter_model:
             raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
-        if window is not None and self.style != "block":
+        if window is not None and not modes.takes_window(self.style):
             raise EngineError(f"{self.dir}: a draft window is written for DFlash blocks only")
         return self.loaded.drafter(self.scaling if scaled else None, window)
 

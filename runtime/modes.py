@@ -100,6 +100,15 @@ def parse(name: str) -> Mode:
 # How each drafter family drafts (the proposer runtime/decoders.py gives it); an ngram
 # engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
 FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
+# The drafting style a draft window and n-gram assist are written for (DFlash blocks).
+WINDOWED_STYLE = "block"
+
+
+def takes_window(style: str | None) -> bool:
+    """Whether a drafter of this style drafts under a draft window (and n-gram assist)."""
+    return style == WINDOWED_STYLE
+
+
 FAMILY_NAMES = {"dflash": "DFlash", "pard": "PARD", "eagle3": "EAGLE-3", "ngram": "n-gram"}
 
 
@@ -153,7 +162,7 @@ def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
     if mode.swaps_scaling and not can.swap_scaling:
         return f"it swaps the drafter's scaling, which a {backend} drafter has compiled in " \
                "— pass --backend torch"
-    if (mode.needs_window or mode.ngram_assist) and style != "block":
+    if (mode.needs_window or mode.ngram_assist) and not takes_window(style):
         what = "a draft window" if mode.needs_window else "n-gram assist"
         return f"{what} is written for block drafters (DFlash) only"
     if mode.needs_window and not can.window:

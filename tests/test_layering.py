@@ -109,6 +109,23 @@ def test_runtime_commands_run_the_builder_only_through_its_entry_point():
                 assert node.attr == "main", f"{path.name} reaches build_engine.{node.attr}"
 
 
+def test_engine_compares_no_backend_family_or_style_names():
+    """Engine and the decoder factory look backends up in the loaders' registry and ask
+    the table's predicates: no `== "torch"` / `!= "tree"` ladders (a new backend or device
+    must not add a branch to each)."""
+    from runtime import modes
+
+    names = set(modes.BACKENDS) | set(modes.FAMILIES) | {s for s in modes.FAMILIES.values() if s}
+    for path in (REPO / "runtime" / "engine.py", REPO / "runtime" / "decoders.py"):
+        compared = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                compared += [o.value for o in operands if isinstance(o, ast.Constant)
+                             and o.value in names]
+        assert compared == [], f"{path.name} compares {compared}"
+
+
 def test_importing_registers_nothing_and_leaves_the_environment_alone():
     probe = """
 import os, sys
