@@ -98,8 +98,9 @@ class Engine:
                              self.draft_window is not None)
 
     def batch_refusal(self, mode: Mode) -> str | None:
-        """Why this engine cannot batch `mode` (one it runs), or None if it can."""
-        return modes.batch_refusal(self.backend)
+        """Why this engine cannot batch `mode`, or None if it can: a mode it does not run
+        at all, else its backend's rule (every mode batches where the backend does)."""
+        return self.refusal(mode) or modes.batch_refusal(self.backend)
 
     def check_mode(self, name: str) -> Mode:
         """The mode called `name`, refused in one line naming the modes this engine runs."""
