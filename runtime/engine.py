@@ -1,10 +1,11 @@
-"""An engine directory, loaded: tokenizer, target and drafter behind the backend
-interface (the one engine.json names, or an override), and `generate` in any decoding
-mode of runtime/modes.py's table this engine can run (Engine.modes; the table says what
-each mode needs). Every mode runs the one decode loop (runtime/decode.py); the mode and
-the drafter family choose its proposer (runtime/proposers.py): DFlash drafts blocks
-(which n-gram lookup can assist), PARD chains, EAGLE-3 trees or, built with top_k 1,
-chains."""
+"""An engine directory, opened by its backend's loader (runtime/backends: LOADERS, the
+backend engine.json names or an override, on a device and in a dtype): tokenizer, target
+and drafters, the decoding modes of runtime/modes.py's table this engine can run
+(Engine.modes; the table says what each mode needs and why one is refused), and
+`generate`. Every mode runs the one decode loop (runtime/decode.py), put together by
+runtime/decoders.py from the mode and this engine's roles: DFlash drafts blocks (which
+n-gram lookup can assist), PARD chains, EAGLE-3 trees or, built with top_k 1, chains.
+Nothing here compares backend or family names: the registry and the table answer."""
 
 from __future__ import annotations
 
