@@ -129,8 +129,8 @@ def publish(partial: Path, out: Path, manifest) -> None:
 def tensorrt_usable() -> str | None:
     """None when TensorRT engines can be built here, else why not (one line): tensorrt
     imports, a CUDA device is visible and TensorRT can create a builder on it
-    (build/tensorrt.py:tensorrt_available)."""
-    from build import tensorrt as tensorrt_build
+    (build/tensorrt_build.py:tensorrt_available)."""
+    from build import tensorrt_build
 
     usable, why = tensorrt_build.tensorrt_available()
     return None if usable else why
@@ -181,8 +181,8 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
 def measure_default_mode(out: Path) -> None:
     """Stage 5, last: decode a short evaluation-split prompt in every mode the engine lists
     on the backend just chosen, and record the fastest in engine.json (extra.default_mode):
-    what a served request runs when it names no mode (runtime/commands/default_mode.py)."""
-    from runtime.commands import default_mode
+    what a served request runs when it names no mode (runtime/measure.py)."""
+    from runtime import measure as default_mode
 
     progress(f"      measuring the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
              f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
@@ -207,8 +207,8 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     for graph in extra["onnx"]["graphs"].values():
         export.check_graph(engine_dir / graph["file"])
     progress(f"[4/5] build: {backend}")
-    if backend == "tensorrt":  # build/tensorrt.py: ONNX graphs -> TensorRT plans
-        from build import tensorrt as tensorrt_build
+    if backend == "tensorrt":  # build/tensorrt_build.py: ONNX graphs -> TensorRT plans
+        from build import tensorrt_build
 
         extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress,
                                                  block_size)
@@ -223,7 +223,7 @@ def refuse_family_on(drafter: str, backend: str) -> None:
     """A drafter family whose drafting (block / chain / tree) the backend has no drafter
     for, refused in one line naming the backends that have one (runtime/modes.py)."""
     drafting = modes.FAMILIES[drafter]
-    if drafting is not None and drafting not in modes.BACKENDS[backend].drafting:
+    if drafting is not None and drafting not in modes.BACKENDS[backend].styles:
         others = [b for b in modes.backends_drafting(drafting) if b != "trtllm"]
         raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
                          f"does not run yet; it builds for {' and '.join(others)} (pass "

@@ -3,7 +3,7 @@
 PTX is the Triton kernel of plugins/triton_kernel.py. The PTX is baked into the engine, so
 the engine later runs without Python (trtexec, C++ runtimes, Triton Inference Server).
 
-Only build/tensorrt.py needs this, on a GPU host; tensorrt is imported inside functions.
+Only build/tensorrt_build.py needs this, on a GPU host; tensorrt is imported inside functions.
 """
 
 # No `from __future__ import annotations`: tensorrt.plugin reads the decorated functions'

@@ -63,7 +63,7 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
                          tree_shape: TreeShape | None = None) -> list[int]:
     """For anchors j = 0 .. n - 1 - max_drafts (each with a whole step's tokens after it):
     the tokens a greedy step anchored at g_j commits (its accepted drafts + the target's).
-    drafting: the drafter's style, as Engine.drafting names it; tree_shape: a tree's."""
+    drafting: the drafter's style, as Engine.style names it; tree_shape: a tree's."""
     d = max_drafts(drafter, drafting, tree_shape)
     g, prompt, pf = cont.tokens, cont.prompt, cont.prompt_features
     anchors = range(len(g) - d)

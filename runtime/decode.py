@@ -19,6 +19,7 @@ so decoding stays lossless.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -55,7 +56,8 @@ class DraftPolicy:
              context: int) -> list[int]:
         return drafts
 
-    def update(self, way: str, strong: bool, offered: int, verified: int, accepted: int) -> None:
+    def update(self, kind: "DraftKind", strong: bool, offered: int, verified: int,
+               accepted: int) -> None:
         pass
 
 
@@ -82,27 +84,49 @@ class MeasuredPolicy(DraftPolicy):
         self.confidence = sampler.confidence(logits[:len(drafts)], probs)
         return drafts[:choose_draft_count(self.record.calibrate(self.confidence), context, self.costs)]
 
-    def update(self, way, strong, offered, verified, accepted):
-        if way == "drafter":
+    def update(self, kind, strong, offered, verified, accepted):
+        if kind.from_drafter:
             self.record.update(self.confidence, verified, accepted)
-        self.choice.update(way, strong, offered, verified, accepted)
+        self.choice.update(kind.from_drafter, strong, offered, verified, accepted)
 
 
 def policy_for(costs: StepCosts | None) -> Callable[[], DraftPolicy]:
     return (lambda: MeasuredPolicy(costs)) if costs is not None else DraftPolicy
 
 
+class DraftKind(enum.Enum):
+    """What a proposal's drafts are, which says how they are verified (vLLM's rejection
+    sampler reads the same from whether draft probabilities came with the drafts)."""
+
+    NONE = "none"  # no drafts of a row: a tree (Proposal.tree), or a plain step nobody drafted
+    GREEDY = "greedy"  # the drafter's argmax: kept while they equal the target's
+    SAMPLED = "sampled"  # drawn from the drafter's q (Proposal.q): rejection sampling
+    ONE_HOT = "one-hot"  # chosen without a distribution (n-gram lookup; maybe none, when the
+    #                      drafter sat the step out): accept d with probability p(d)
+
+    @property
+    def from_drafter(self) -> bool:
+        return self in (DraftKind.GREEDY, DraftKind.SAMPLED)
+
+    @classmethod
+    def drawn(cls, q) -> "DraftKind":
+        """The kind of drafts a drafter proposed (Sampler.propose): q None means greedy."""
+        return cls.GREEDY if q is None else cls.SAMPLED
+
+
 @dataclasses.dataclass
 class Proposal:
-    """One row's drafts for a step. `way`: "drafter", "lookup" (one-hot drafts, or a plain
-    step where the drafter sat out) or None (no drafting this step); `visible`: N of the
-    drafter's first row, for the metrics; `tree`: drafts as a tree (EAGLE-3)."""
+    """One row's drafts for a step: `kind` says what they are (DraftKind); `q`: the
+    distribution of each SAMPLED draft; `visible` and `beta`: N of the drafter's first
+    row and the beta its attention ran under there, for the metrics; `tree`: drafts as a
+    tree (EAGLE-3)."""
     tokens: list[int] = dataclasses.field(default_factory=list)
-    probs: torch.Tensor | None = None  # q of each draft; None: greedy or one-hot
-    way: str | None = None
+    kind: DraftKind = DraftKind.NONE
+    q: torch.Tensor | None = None
     strong: bool = False  # a lookup after a 2+-token match
     offered: int = 0  # lookup drafts found, before the policy cut them
     visible: int | None = None
+    beta: float = 1.0
     tree: object = None
 
 
@@ -115,7 +139,7 @@ class Sequence:
     gen: Generation
     committed: int  # tokens in the target's cache; gen.tokens[-1] is not yet
     policy: DraftPolicy = dataclasses.field(default_factory=DraftPolicy)
-    drafting: object = None  # the proposer's state for this row
+    row: object = None  # the proposer's state for this row
     done: bool = False
     error: str | None = None
     failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
@@ -190,18 +214,17 @@ class Decoder:
             else:
                 outcomes = self._verify_rows(batch, proposals)
         for s, p, (new, features) in zip(batch, proposals, outcomes):
-            if p.way is not None:
-                s.policy.update(p.way, p.strong, p.offered, len(p.tokens), len(new) - 1)
+            if p.kind is not DraftKind.NONE:
+                s.policy.update(p.kind, p.strong, p.offered, len(p.tokens), len(new) - 1)
             s.committed += len(new)
             self.proposer.accept(s, p, new, features)
             s.gen.step(verified=len(p.tree) - 1 if p.tree is not None else len(p.tokens),
                        committed=len(new))
-            if p.way == "lookup":
+            if p.kind is DraftKind.ONE_HOT:
                 s.gen.ngram_steps += 1
             if p.visible is not None:
                 s.gen.visible_per_step.append(p.visible)
-                scaling = self.proposer.scaling
-                s.gen.beta_per_step.append(scaling.beta(p.visible) if scaling else 1.0)
+                s.gen.beta_per_step.append(p.beta)
             s.done = self._commit(s, new)
         finished = [s for s in batch if s.done]
         self._leave_finished()
@@ -216,10 +239,10 @@ class Decoder:
             n = len(p.tokens)
             if not n:  # a plain decode step
                 accepted, following = 0, s.sampler.pick(logits[i, 0])
-            elif p.way == "lookup":  # one-hot drafts
+            elif p.kind is DraftKind.ONE_HOT:
                 accepted, following = s.sampler.verify_deterministic(p.tokens, logits[i, :n + 1])
             else:
-                accepted, following = s.sampler.verify(p.tokens, logits[i, :n + 1], p.probs)
+                accepted, following = s.sampler.verify(p.tokens, logits[i, :n + 1], p.q)
             kept = None if features is None else features[i, :accepted + 1]
             outcomes.append((p.tokens[:accepted] + [following], kept))
         self.target.rollback([s.committed + len(new) for s, (new, _) in zip(batch, outcomes)])

@@ -97,16 +97,26 @@ def parse(name: str) -> Mode:
         raise ValueError(f"no decoding mode {name!r} (modes: {', '.join(Mode)})") from None
 
 
-# How each drafter family drafts (the loop of runtime/speculative.py it runs); an ngram
+# How each drafter family drafts (the proposer runtime/decoders.py gives it); an ngram
 # engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
 FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
+# The drafting style a draft window and n-gram assist are written for (DFlash blocks).
+WINDOWED_STYLE = "block"
+
+
+def takes_window(style: str | None) -> bool:
+    """Whether a drafter of this style drafts under a draft window (and n-gram assist)."""
+    return style == WINDOWED_STYLE
+
+
+FAMILY_NAMES = {"dflash": "DFlash", "pard": "PARD", "eagle3": "EAGLE-3", "ngram": "n-gram"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """What a backend can run."""
 
-    drafting: frozenset[str]  # the families' drafting it has drafters for
+    styles: frozenset[str]  # the drafting styles (FAMILIES) it has drafters for
     window: bool  # a DFlash drafter under a draft window
     batch: bool  # in-flight batching (runtime/decode.py): a target per sequence
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
@@ -130,13 +140,13 @@ BACKENDS = {
 }
 
 
-def backends_drafting(drafting: str) -> list[str]:
-    return [name for name, can in BACKENDS.items() if drafting in can.drafting]
+def backends_drafting(style: str) -> list[str]:
+    return [name for name, can in BACKENDS.items() if style in can.styles]
 
 
-def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
+def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
             window: bool) -> str | None:
-    """Why an engine cannot run `mode`, or None if it can. `drafting`: its family's
+    """Why an engine cannot run `mode`, or None if it can. `style`: its family's drafting
     (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
     QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
     can = BACKENDS[backend]
@@ -145,14 +155,14 @@ def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
         return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
     if mode.drafter == NO_DRAFTER or mode.drafter == LOOKUP:
         return None
-    if drafting is None:
+    if style is None:
         return "it needs a drafter model and this is an n-gram engine"
     if mode.scaled and not scaled:
         return "the engine was built without --sharpdraft (no calibrated QueryScaling)"
     if mode.swaps_scaling and not can.swap_scaling:
         return f"it swaps the drafter's scaling, which a {backend} drafter has compiled in " \
                "— pass --backend torch"
-    if (mode.needs_window or mode.ngram_assist) and drafting != "block":
+    if (mode.needs_window or mode.ngram_assist) and not takes_window(style):
         what = "a draft window" if mode.needs_window else "n-gram assist"
         return f"{what} is written for block drafters (DFlash) only"
     if mode.needs_window and not can.window:
@@ -164,9 +174,9 @@ def refusal(mode: Mode, drafting: str | None, backend: str, scaled: bool,
     return None
 
 
-def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
-    """Why `mode` (one the engine runs) cannot run batched, or None if it can: every mode
-    batches (runtime/decode.py) where the backend holds a target per sequence."""
+def batch_refusal(backend: str) -> str | None:
+    """Why an engine on `backend` cannot batch the modes it runs, or None if it can: every
+    mode batches (runtime/decode.py) where the backend holds a target per sequence."""
     if not BACKENDS[backend].batch:
         batching = [n for n, c in BACKENDS.items() if c.batch and not c.own_loop]
         return f"batched decoding runs on the {' and '.join(batching)} backends, not " \
@@ -174,18 +184,43 @@ def batch_refusal(mode: Mode, drafting: str | None, backend: str) -> str | None:
     return None
 
 
-def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) -> Mode:
-    """What a request runs unless it names a mode: SharpDraft where the engine has it, the
-    drafter frozen when SharpDraft is turned off (or absent), n-gram lookup on an ngram
-    engine."""
-    if drafting is None:
-        return Mode.NGRAM
-    return Mode.SHARPDRAFT if sharpdraft and scaled else Mode.FROZEN
-
-
-def measured_default(record: dict | None, backend: str, runnable) -> Mode | None:
-    """The mode engine.json's extra.default_mode names (runtime/commands/default_mode.py), if it was
-    measured on `backend` and is among the `runnable` modes; else None (the rule applies)."""
-    if not record or record.get("backend") != backend:
+def family_refusal(family: str, backend: str) -> str | None:
+    """Why a drafter family cannot run on `backend` at all (its own drafting style is not
+    among what the backend drafts), or None."""
+    style = FAMILIES.get(family)
+    if style is None or backend not in BACKENDS or style in BACKENDS[backend].styles:
         return None
-    return next((m for m in runnable if m == record.get("mode")), None)
+    return (f"{FAMILY_NAMES[family]} runs on the {' and '.join(backends_drafting(style))} "
+            f"backends, not {backend} — pass --backend onnxruntime")
+
+
+def unrunnable(engine_dir, backend: str, runnable) -> str:
+    """Why this runtime cannot open the engine in `engine_dir` on `backend` (one with no
+    loader)."""
+    if backend in BACKENDS and BACKENDS[backend].own_loop:
+        return (f"{engine_dir} is configuration for TensorRT-LLM: run it with `python -m "
+                "runtime generate` or `trtllm-serve` where TensorRT-LLM is installed")
+    return (f"{engine_dir}: backend {backend!r} cannot run here (this runtime has "
+            f"{', '.join(runnable)}) — pass --backend onnxruntime")
+
+
+def rule_default(style: str | None, scaled: bool, wanted: bool = True) -> Mode:
+    """The table's rule for the mode a request runs unless it names one: SharpDraft where
+    the engine has it (`scaled`: built with --sharpdraft) and it is `wanted`, the drafter
+    frozen when it is not (or absent), n-gram lookup on an ngram engine."""
+    if style is None:
+        return Mode.NGRAM
+    return Mode.SHARPDRAFT if wanted and scaled else Mode.FROZEN
+
+
+def default_mode(record: dict | None, backend: str, runnable, style: str | None,
+                 scaled: bool) -> Mode:
+    """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
+    endpoint and the served model all read it here): the mode engine.json's
+    extra.default_mode names (runtime/measure.py), if it was measured on `backend` and is
+    among the `runnable` modes; else the table's rule (rule_default)."""
+    if record and record.get("backend") == backend:
+        measured = next((m for m in runnable if m == record.get("mode")), None)
+        if measured is not None:
+            return measured
+    return rule_default(style, scaled)

@@ -2,7 +2,7 @@
 
 The drafts are the tokens that followed the most recent earlier occurrence of the
 context's last n tokens (n from max_ngram down to min_ngram), as TensorRT-LLM and vLLM
-(NGram) and transformers (prompt lookup) do. generate_ngram in runtime/speculative.py
+(NGram) and transformers (prompt lookup) do. Lookup in runtime/proposers.py
 verifies them; they carry no distribution, so verification treats them as one-hot.
 """
 

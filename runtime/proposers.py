@@ -1,5 +1,5 @@
 """How the rows of a batch draft, one class per drafting style (runtime/decode.py runs
-them all). Each keeps its per-row state on the Sequence (`seq.drafting`) and answers:
+them all). Each keeps its per-row state on the Sequence (`seq.row`) and answers:
 
   add(seq, features)        -- the drafter's prefill: the prompt's target features
   propose(batch)            -> a Proposal per row
@@ -7,7 +7,11 @@ them all). Each keeps its per-row state on the Sequence (`seq.drafting`) and ans
                                the target's token) and the target's features of them
   remove(row)               -- a sequence left the batch
   check(sampler)            -- refuse (ValueError) a request it cannot decode
-  drafts_trees, scaling     -- verified as trees; the QueryScaling its drafter applies
+  drafts_trees              -- verified as trees
+
+A Proposal says what its drafts are (DraftKind: greedy, sampled with q, one-hot) and the
+N and beta the drafter's attention ran under (beta_used: the drafter's own QueryScaling
+at the count its op returned).
 
 Block (DFlash): the drafter reads the target features of every token committed since it
 last ran and drafts a block [bonus, d1 .. d(k)] in one pass, for the whole batch in one
@@ -31,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from runtime.decode import Proposal, Sequence
+from runtime.decode import DraftKind, Proposal, Sequence
 from runtime.ngram import NGramProposer
 from runtime.tree import DraftTree, TreeShape
 
@@ -46,11 +50,16 @@ from runtime.tree import DraftTree, TreeShape
 LOOKUP_MIN_MATCH = 2
 
 
+def beta_used(drafter, visible: int) -> float:
+    """The beta `drafter`'s attention applied to a row that saw `visible` keys: its
+    QueryScaling's (plugins/scaling.py), 1 when frozen."""
+    return drafter.scaling.beta(visible) if drafter.scaling is not None else 1.0
+
+
 class Proposer:
     """Defaults: no drafter (every step a plain decode step), no per-row state."""
 
     drafts_trees = False
-    scaling = None
 
     def check(self, sampler) -> None:
         pass
@@ -79,13 +88,13 @@ class Lookup(Proposer):
         self.make = make
 
     def add(self, seq, features):
-        seq.drafting = self.make()
+        seq.row = self.make()
 
     def propose(self, batch):
         proposals = []
         for s in batch:
-            drafts = s.drafting.propose(s.tokens)[:s.room]
-            proposals.append(Proposal(drafts, way="lookup", offered=len(drafts)))
+            drafts = s.row.propose(s.tokens)[:s.room]
+            proposals.append(Proposal(drafts, DraftKind.ONE_HOT, offered=len(drafts)))
         return proposals
 
 
@@ -101,13 +110,12 @@ class Block(Proposer):
 
     def __init__(self, drafter, lookup: Callable[[], NGramProposer] | None = None):
         self.drafter, self.lookup = drafter, lookup
-        self.scaling = drafter.scaling
 
     def add(self, seq, features):
         # the drafter's own prefill, as serving engines run the draft model's prefill with
         # the target's: otherwise the first step pays for the whole prompt
         first = self.drafter.add(seq.budget + seq.committed, features, seq.request.prompt[-1])
-        seq.drafting = BlockRow([first], self.lookup() if self.lookup else None)
+        seq.row = BlockRow([first], self.lookup() if self.lookup else None)
 
     def remove(self, row):
         self.drafter.remove(row)
@@ -115,16 +123,17 @@ class Block(Proposer):
     def propose(self, batch):
         proposals = []
         for s in batch:
-            p, lookup = Proposal(), s.drafting.lookup
+            p, lookup = Proposal(), s.row.lookup
             if lookup is not None:
                 offered = lookup.propose(s.tokens)[:s.room]
                 p.strong = bool(offered) and lookup.matched >= LOOKUP_MIN_MATCH
                 p.offered = len(offered)
                 p.tokens = offered[:s.policy.lookup_drafts(p.offered, p.strong, s.committed)]
             # a lookup step: verify the lookup's drafts (maybe none: a plain decode step)
-            p.way = "lookup" if p.strong or not s.policy.use_drafter(s.committed) else "drafter"
+            if p.strong or not s.policy.use_drafter(s.committed):
+                p.kind = DraftKind.ONE_HOT
             proposals.append(p)
-        drafting = [p.way == "drafter" for p in proposals]
+        drafting = [p.kind is DraftKind.NONE for p in proposals]  # the drafter drafts these
         # A fused drafter (one call for the batch) runs every step and reads every row's
         # features, so a row's context stays within one step's commits: the call pads
         # every row to the widest context, and its cache holds a block past the budget.
@@ -134,23 +143,25 @@ class Block(Proposer):
             return proposals
         contexts = []
         for s, drafts in zip(batch, drafting):
-            unread = s.drafting.unread
+            unread = s.row.unread
             if drafts or fused:
                 contexts.append(unread[0] if len(unread) == 1 else torch.cat(unread))
-                s.drafting.unread = []
+                s.row.unread = []
             else:
                 contexts.append(unread[0][:0])
         logits, visible = self.drafter.draft(contexts, [s.gen.tokens[-1] for s in batch])
         for i, (s, p) in enumerate(zip(batch, proposals)):
             if drafting[i]:
                 row = logits[i, :s.room]
-                p.tokens, p.probs = s.sampler.propose(row, self.drafter.vocab)
-                p.tokens = s.policy.trim(p.tokens, row, p.probs, s.sampler, s.committed)
+                p.tokens, p.q = s.sampler.propose(row, self.drafter.vocab)
+                p.kind = DraftKind.drawn(p.q)
+                p.tokens = s.policy.trim(p.tokens, row, p.q, s.sampler, s.committed)
                 p.visible = int(visible[i])
+                p.beta = beta_used(self.drafter, p.visible)
         return proposals
 
     def accept(self, seq, proposal, new, features):
-        seq.drafting.unread.append(features)
+        seq.row.unread.append(features)
 
 
 @dataclasses.dataclass
@@ -165,35 +176,34 @@ class Chain(Proposer):
 
     def __init__(self, make: Callable[[], object]):
         self.make = make
-        self.scaling = None
 
     def add(self, seq, features):
         drafter = self.make()
-        self.scaling = drafter.scaling
         prompt = seq.request.prompt
         drafter.reset(seq.committed + seq.budget)
         read = len(prompt) if len(prompt) > 1 else 0  # its prefill: all but the last feature row
         if read:
             drafter.read(prompt, None if features is None else features[:-1])
             features = None if features is None else features[-1:]
-        seq.drafting = ChainRow(drafter, prompt[read:], features)
+        seq.row = ChainRow(drafter, prompt[read:], features)
 
     def propose(self, batch):
         proposals = []
         for s in batch:
-            row, p = s.drafting, Proposal()
+            row, p = s.row, Proposal()
             if s.room > 0:  # no room: the last step is a plain decode step
                 draft = row.drafter.draft(row.unread + s.gen.tokens[-1:], row.features,
                                           min(row.drafter.max_drafts, s.room), s.sampler)
-                p.tokens, p.probs, p.way = draft.tokens, draft.probs, "drafter"
-                p.tokens = s.policy.trim(p.tokens, draft.logits, p.probs, s.sampler, s.committed)
+                p.tokens, p.q, p.kind = draft.tokens, draft.probs, DraftKind.drawn(draft.probs)
+                p.tokens = s.policy.trim(p.tokens, draft.logits, p.q, s.sampler, s.committed)
                 # N of the first draft row: the row whose acceptance every other one needs
                 p.visible = int(draft.visible[0])
+                p.beta = beta_used(row.drafter, p.visible)
             proposals.append(p)
         return proposals
 
     def accept(self, seq, proposal, new, features):
-        seq.drafting.unread, seq.drafting.features = new[:-1], features
+        seq.row.unread, seq.row.features = new[:-1], features
 
 
 @dataclasses.dataclass
@@ -210,7 +220,6 @@ class Tree(Proposer):
 
     def __init__(self, make: Callable[[], object], shape: TreeShape):
         self.make, self.shape = make, shape
-        self.scaling = None
 
     def check(self, sampler):
         if not sampler.sampling.greedy:
@@ -219,26 +228,26 @@ class Tree(Proposer):
 
     def add(self, seq, features):
         drafter = self.make()
-        self.scaling = drafter.scaling
         prompt = seq.request.prompt
         drafter.reset(seq.committed + seq.budget)
         if len(features) > 1:  # its prefill
             drafter.read(prompt[1:], features[:-1])
             features = features[-1:]
-        seq.drafting = TreeRow(drafter, features, prompt[len(prompt) - len(features) + 1:])
+        seq.row = TreeRow(drafter, features, prompt[len(prompt) - len(features) + 1:])
 
     def propose(self, batch):
         proposals = []
         for s in batch:
-            row = s.drafting
+            row = s.row
             if s.room > 0:
                 following = row.following + s.gen.tokens[-1:]  # the newest: the tree's root
                 tree, visible = row.drafter.draft_tree(row.context, following,
                                                        self.shape.within(s.room))
             else:
                 tree, visible = DraftTree.root_only(s.gen.tokens[-1]), None
-            proposals.append(Proposal(visible=visible, tree=tree))
+            proposals.append(Proposal(visible=visible, tree=tree,
+                                      beta=1.0 if visible is None else beta_used(row.drafter, visible)))
         return proposals
 
     def accept(self, seq, proposal, new, features):
-        seq.drafting.context, seq.drafting.following = features, new[:-1]
+        seq.row.context, seq.row.following = features, new[:-1]

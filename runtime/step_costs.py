@@ -182,17 +182,18 @@ class HybridChoice:
                                     + self.costs.verify_seconds(1 + verified, context))
         return drafter >= 1 / self.costs.verify_seconds(1, context)
 
-    def update(self, way: str, strong: bool = False, offered: int = 0, verified: int = 0,
+    def update(self, drafter: bool, strong: bool = False, offered: int = 0, verified: int = 0,
                accepted: int = 0) -> None:
-        """Call once a step: `way` "drafter" or "lookup" (a 2+-token match when `strong`)
-        verified `verified` of the `offered` drafts and accepted `accepted`."""
+        """Call once a step: the drafter's drafts (`drafter`) or a lookup's (a 2+-token
+        match when `strong`; none: a plain step) verified `verified` of the `offered`
+        drafts and accepted `accepted`."""
         self.steps, self.verified, self.accepted = (
             x * self.forget for x in (self.steps, self.verified, self.accepted))
-        if way == "drafter":
+        if drafter:
             self.steps, self.verified, self.accepted = (
                 self.steps + 1, self.verified + verified, self.accepted + accepted)
         for kind, record in self.lookups.items():  # fade both; learn from the one tested
-            tested = way == "lookup" and kind == strong
+            tested = not drafter and kind == strong
             record.update([1.0] * offered if tested else [], verified if tested else 0, accepted)
 
 
@@ -261,15 +262,15 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
     whole tree)."""
     from runtime.sampling import Sampler
 
-    drafter = engine.drafter(frozen=True)
-    if engine.drafting == "tree":  # EAGLE-3: one context row, then the tree's levels
+    drafter = engine.drafter(scaled=False)
+    if engine.style == "tree":  # EAGLE-3: one context row, then the tree's levels
         shape = engine.tree_shape
         drafter.reset(context + repeats + 2)
         drafter.draft_tree(features[:-1], ids[1:context], shape)  # fill its cache
 
         def step():
             drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
-    elif engine.drafting == "chain":
+    elif engine.style == "chain":
         k, sampler = engine.max_drafts, Sampler()
         drafter.reset(context + repeats + 2)
         drafter.draft(ids[:context], features, k, sampler)  # fill its cache to context tokens

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from runtime.cli import UsageError
-    from runtime.commands.bench import decode_from_one_prefill
+    from runtime.measure import decode_from_one_prefill
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
     from runtime.step_costs import StepCosts

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.acceptance import committed_per_anchor, greedy_continuation  # noqa: E402
-from runtime.backends.torch import TorchDFlash  # noqa: E402
+from runtime.backends.pytorch import TorchDFlash  # noqa: E402
 from runtime.cli import UsageError  # noqa: E402
 from runtime.commands.documents import default_documents, tokenized  # noqa: E402
 from runtime.commands.provenance import provenance  # noqa: E402
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if engine.drafting != "block" or min(args.windows + args.sharpdraft_windows) < 1:
+    if engine.style != "block" or min(args.windows + args.sharpdraft_windows) < 1:
         print("error: draft windows are for DFlash engines, each window >= 1", file=sys.stderr)
         return 2
     ways = {str(Mode.FROZEN): (None, None), str(Mode.SHARPDRAFT): (engine.scaling, None)}

@@ -1,6 +1,6 @@
 """A stand-in `tensorrt` module for machines where TensorRT cannot be installed: exactly the
-TensorRT Python API calls our code makes (plugins/tensorrt.py, build/tensorrt.py,
-runtime/backends/tensorrt.py), with TensorRT 11's names and parameter names (read from the
+TensorRT Python API calls our code makes (plugins/tensorrt.py, build/tensorrt_build.py,
+runtime/backends/tensorrt_plans.py), with TensorRT 11's names and parameter names (read from the
 tensorrt-cu12-bindings 11.4 wheel's docstrings and NVIDIA's Python API docs), and nothing
 else: any other name, on the module or on one of its objects, raises AttributeError and is
 recorded in `tensorrt.missing`, so a call TensorRT has but the stand-in lacks (or a name
@@ -365,7 +365,7 @@ class Builder(StandIn):
     def build_serialized_network(self, network, config):
         import onnx
 
-        if not network.strongly_typed:  # build/tensorrt.py's dtype check assumes it
+        if not network.strongly_typed:  # build/tensorrt_build.py's dtype check assumes it
             self.logger.log(ILogger.Severity.ERROR, "the stand-in builds strongly typed networks only")
             return None
         if len(config.profiles) != 1:

@@ -10,9 +10,9 @@ from tiers import examples
 import tiny
 from plugins.scaling import QueryScaling
 from runtime.acceptance import committed_per_anchor, greedy_continuation, max_drafts
-from runtime.backends.torch import TorchPARD
+from runtime.backends.pytorch import TorchPARD
 from runtime.sampling import Sampler
-from runtime.speculative import generate_block, generate_chain, generate_tree
+from speculative import generate_block, generate_chain, generate_tree
 from runtime.tree import TreeShape
 
 import test_eagle3

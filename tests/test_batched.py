@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
-from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget
+from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import batch_decoder, generate_batch, generate_block, generate_target_only
+from speculative import batch_decoder, generate_batch, generate_block, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.backends.onnxruntime import BoundDFlash, OnnxTarget
-from runtime.backends.torch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
+from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
 from runtime.decode import Request
 from runtime.models.layers import KVCache
 from runtime.step_metadata import capacity_bucket
@@ -75,14 +75,14 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
     graph reads a bound buffer to its capacity), and each row's verify logits equal its
     single-sequence ones."""
     engine = native_ort_engine
-    batch = engine.onnx.batch_target()
+    batch = engine.loaded.batch_target()
     prompts = [list(range(4, 14)), [5, 6, 7] * 100]
     for p in prompts:
         batch.add(p, len(p) + 10)
     assert sorted(g.cache.capacity for g in batch.groups) == [20, 310]
     rows = [[7, 8, 9], [8]]
     logits, features = batch.verify(rows)
-    single = OnnxTarget(engine.onnx.sessions["target_kv"], engine.context_limit)
+    single = OnnxTarget(engine.loaded.sessions["target_kv"], engine.context_limit)
     for i, (p, row) in enumerate(zip(prompts, rows)):
         single.prefill(p, len(p) + 10)
         want, want_features = single.verify(row)
@@ -92,7 +92,7 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
 
 def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):
     engine = native_ort_engine
-    batch = engine.onnx.batch_drafter(sharpdraft=True)
+    batch = engine.loaded.batch_drafter(engine.scaling)
     single = BoundDFlash(batch.session, batch.block_size, batch.mask_token_id, batch.scaling,
                          batch.vocab)
     g = torch.Generator().manual_seed(1)

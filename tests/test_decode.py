@@ -12,13 +12,13 @@ from tiers import examples
 import tiny
 from plugins.scaling import QueryScaling
 from runtime.backends.rows import RowBlockDrafters, RowTargets
-from runtime.backends.torch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchEagle3,
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchEagle3,
                                     TorchPARD, TorchTarget)
 from runtime.decode import Decoder, Request, policy_for
 from runtime.ngram import NGramProposer
 from runtime.proposers import Block, Chain, Lookup, NoDrafts, Tree
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import decode_one, generate_target_only
+from speculative import generate_target_only
 from runtime.step_costs import StepCosts
 from runtime.tree import TreeShape
 
@@ -107,8 +107,10 @@ def test_seeded_sampling_is_the_same_batched_and_alone(style):
                 for i, q in enumerate(requests_from(shapes, vocab, 5))]
     got = Decoder(batch, make(), policy_for(COSTS), slack).run(requests, join_at=[0, 1, 0])
     for request, seq in zip(requests, got):
-        alone = decode_one(single(), make(), request.prompt, request.max_new_tokens,
-                           Sampler(request.sampling), request.stop_ids, costs=COSTS)
+        one = single()
+        alone = Decoder(RowTargets(lambda: one, one.context_limit), make(), policy_for(COSTS)).generate(
+            Request(request.prompt, request.max_new_tokens, stop_ids=request.stop_ids,
+                    sampler=Sampler(request.sampling)))
         assert seq.gen.tokens == alone.tokens, style
 
 

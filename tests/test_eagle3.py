@@ -15,11 +15,11 @@ from tiers import examples
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention, visible_counts
 from plugins.scaling import QueryScaling
-from runtime.backends.torch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchEagle3, TorchTarget
 from runtime.models.eagle3 import DraftVocabulary, load_eagle3, save_eagle3
 from runtime.models.target import ModelError
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_target_only, generate_tree
+from speculative import generate_target_only, generate_tree
 from runtime.tree import TreeShape
 
 from tiny import float64_eagle3, float64_target

@@ -13,9 +13,9 @@ import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
-from runtime.backends.torch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchEagle3, TorchTarget
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_chain, generate_target_only
+from speculative import generate_chain, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens

@@ -51,7 +51,7 @@ def test_tree_engine_records_its_tree_and_decodes_like_the_target(tree_engine, e
     assert manifest["block_size"] == 4  # a path commits at most depth + 1 tokens
     assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
     engine = Engine(tree_engine)
-    assert engine.drafting == "tree" and engine.modes == ("target", "ngram", "frozen", "sharpdraft")
+    assert engine.style == "tree" and engine.modes == ("target", "ngram", "frozen", "sharpdraft")
     prompt = engine.encode("def fibonacci(n):\n    ")
     want = engine.generate(prompt, 24, mode="target", stop=False).tokens
     for mode in ("frozen", "sharpdraft"):
@@ -64,7 +64,7 @@ def test_chain_engine_decodes_like_the_target_and_samples(chain_engine):
     from runtime.sampling import Sampling
 
     engine = Engine(chain_engine)
-    assert engine.drafting == "chain" and engine.max_drafts == 3
+    assert engine.style == "chain" and engine.max_drafts == 3
     prompt = engine.encode("import os\n")
     want = engine.generate(prompt, 20, mode="target", stop=False).tokens
     assert engine.generate(prompt, 20, mode="sharpdraft", stop=False).tokens == want
@@ -106,7 +106,7 @@ def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
     from runtime.backends import PrefillOnce
     from runtime.engine import run_mode
     from runtime.sampling import Sampler
-    from runtime.speculative import generate_target_only
+    from speculative import generate_target_only
 
     engine = Engine(tree_engine)
     prompt = engine.encode("class Node:\n    def __init__(self")

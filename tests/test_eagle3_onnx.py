@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tiny
-from runtime import speculative
+import speculative
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.sampling import Sampler
@@ -101,7 +101,7 @@ def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft
     for backend in ("onnxruntime", "torch"):
         engine = Engine(tree_engine, backend=backend)
         prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
-        drafter = RecordedTrees(engine.drafter(frozen=not sharpdraft))
+        drafter = RecordedTrees(engine.drafter(scaled=sharpdraft))
         gen = speculative.generate_tree(engine.target, drafter, prompt, NEW_TOKENS, Sampler(),
                                         engine.tree_shape)
         runs.append((gen.tokens, gen.committed_per_step, drafter.trees))
@@ -120,9 +120,9 @@ def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdra
     runs = []
     for backend in ("onnxruntime", "torch"):
         engine = Engine(chain_engine, backend=backend)
-        assert engine.drafting == "chain"
+        assert engine.style == "chain"
         prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
-        drafter = tiny.RecordedChain(engine.drafter(frozen=not sharpdraft))
+        drafter = tiny.RecordedChain(engine.drafter(scaled=sharpdraft))
         gen = speculative.generate_chain(engine.target, drafter, prompt, NEW_TOKENS, Sampler())
         runs.append((gen.tokens, gen.committed_per_step, drafter.proposals))
     assert runs[0] == runs[1] and len(runs[0][0]) == NEW_TOKENS
@@ -218,7 +218,7 @@ def test_the_commands_loop_replays_one_prefill_and_grows_the_cache_for_a_late_tr
     target-only's."""
     from runtime.backends import PrefillOnce
     from runtime.engine import run_mode
-    from runtime.speculative import generate_target_only
+    from speculative import generate_target_only
 
     engine = Engine(tree_engine)
     prompt = engine.encode(tiny.stdlib_text())[:40]

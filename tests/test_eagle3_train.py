@@ -9,11 +9,11 @@ import torch
 
 import tiny
 from build import train_eagle3
-from runtime.backends.torch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchEagle3, TorchTarget
 from runtime.models.eagle3 import load_eagle3
 from runtime.models.target import load_target
 from runtime.sampling import Sampler
-from runtime.speculative import generate_target_only, generate_tree
+from speculative import generate_target_only, generate_tree
 from runtime.tree import TreeShape
 
 CACHED_LAYERS = [0, 1, 2]

@@ -113,9 +113,9 @@ def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_dr
                         torch_engine.drafter_model.config.mask_token_id, scaling)
     drafters = {"torch": torch_engine.drafter(), "plugin": ort_engine.drafter(),
                 "native": native, "in place": native_ort_engine.drafter(),
-                "torch frozen": torch_engine.drafter(frozen=True),
-                "ort frozen": ort_engine.drafter(frozen=True),
-                "in place frozen": native_ort_engine.drafter(frozen=True)}
+                "torch frozen": torch_engine.drafter(scaled=False),
+                "ort frozen": ort_engine.drafter(scaled=False),
+                "in place frozen": native_ort_engine.drafter(scaled=False)}
     assert isinstance(drafters["in place"], BoundDFlash)
     assert isinstance(drafters["in place frozen"], BoundDFlash)
     features = torch.randn(context + 3, drafters["torch"].feature_size,

@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples, law_runs
 
 from runtime.backends import PrefillOnce
-from runtime.backends.torch import TorchTarget
+from runtime.backends.pytorch import TorchTarget
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_ngram, generate_target_only
+from speculative import generate_ngram, generate_target_only
 
 from exact_law import chi_square_p, exact_first_tokens
 from tiny import float64_target

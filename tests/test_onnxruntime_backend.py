@@ -10,11 +10,11 @@ import pytest
 import tiny
 import torch
 
-from runtime import speculative
+import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
 from runtime.backends.onnxruntime import HOST_PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
-from runtime.backends.torch import TorchDFlash
+from runtime.backends.pytorch import TorchDFlash
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.sampling import Sampler
@@ -64,8 +64,8 @@ def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, engine,
                                                      request):
     ort_engine = request.getfixturevalue(engine)
     prompt = text_prompt(torch_engine, length)
-    ours = speculate(ort_engine, ort_engine.drafter(frozen=not sharpdraft), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(frozen=not sharpdraft), prompt)
+    ours = speculate(ort_engine, ort_engine.drafter(scaled=sharpdraft), prompt)
+    theirs = speculate(torch_engine, torch_engine.drafter(scaled=sharpdraft), prompt)
     assert ours == theirs
     assert len(ours[0]) == NEW_TOKENS
     assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
@@ -89,11 +89,10 @@ def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdr
     the keys left): the same blocks as torch's drafter under the same window; a window
     wider than the context changes nothing, a narrow one changes the blocks."""
     prompt = text_prompt(torch_engine, 600)
-    frozen = not sharpdraft
-    ours = speculate(native_ort_engine, native_ort_engine.drafter(frozen, window=window), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(frozen, window=window), prompt)
+    ours = speculate(native_ort_engine, native_ort_engine.drafter(sharpdraft, window=window), prompt)
+    theirs = speculate(torch_engine, torch_engine.drafter(sharpdraft, window=window), prompt)
     assert ours == theirs
-    whole = speculate(torch_engine, torch_engine.drafter(frozen), prompt)
+    whole = speculate(torch_engine, torch_engine.drafter(sharpdraft), prompt)
     assert (ours[4] == whole[4]) == (window > len(prompt) + NEW_TOKENS)
 
 
@@ -133,8 +132,8 @@ def test_generate_window_flag_picks_the_windowed_drafter_or_refuses_in_one_line(
 
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
                                                                 ort_engine, native_ort_engine):
-    native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.onnx.block_size,
-                        ort_engine.onnx.mask_token_id, ort_engine.scaling, ort_engine.onnx.vocab)
+    native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.loaded.block_size,
+                        ort_engine.loaded.mask_token_id, ort_engine.scaling, ort_engine.loaded.vocab)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
     plugin = speculate(ort_engine, ort_engine.drafter(), prompt)
     assert speculate(ort_engine, native, prompt) == plugin
@@ -357,8 +356,8 @@ def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path,
     data["artifacts"] = {k: v for k, v in data["artifacts"].items() if (engine_dir / k).exists()}
     manifest.write_text(json.dumps(data))
     older = Engine(engine_dir)
-    assert isinstance(older.onnx.drafter(), OnnxDFlash)
-    assert isinstance(native_ort_engine.onnx.drafter(), BoundDFlash)
+    assert isinstance(older.drafter(), OnnxDFlash)
+    assert isinstance(native_ort_engine.drafter(), BoundDFlash)
     prompt = text_prompt(native_ort_engine, 300)
     for mode in ("sharpdraft", "frozen"):
         ours = older.generate(prompt, NEW_TOKENS, mode, stop=False)
@@ -377,7 +376,7 @@ def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native
     shutil.copytree(native_engine, engine_dir)
     chosen = QueryScaling(ref_keys=16, top_k=8, slope=2.0)
     calibrate.apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"chosen": "test"})
-    ours = Engine(engine_dir).onnx.drafter()
+    ours = Engine(engine_dir).drafter()
     assert isinstance(ours, BoundDFlash) and ours.scaling == chosen
     theirs = TorchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
     features = torch.randn(201, ours.feature_size, generator=torch.Generator().manual_seed(7))

@@ -17,11 +17,11 @@ from exact_law import chi_square_p, exact_first_tokens
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
-from runtime.backends.torch import TorchPARD, TorchTarget
+from runtime.backends.pytorch import TorchPARD, TorchTarget
 from runtime.models.pard import load_pard, read_pard_config
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_chain, generate_target_only
+from speculative import generate_chain, generate_target_only
 from runtime.step_costs import StepCosts
 
 

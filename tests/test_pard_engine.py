@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny
-from runtime import speculative
+import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends.onnxruntime import OnnxPARD, open_session
 from runtime.cli import run
@@ -76,8 +76,8 @@ def test_the_engine_records_a_pard_drafter(pard_onnx_engine):
 def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, sharpdraft):
     ort, torch_side = Engine(pard_onnx_engine), Engine(pard_onnx_engine, backend="torch")
     prompt = torch_side.encode(tiny.stdlib_text())[:length]
-    ours = speculate(ort, ort.drafter(frozen=not sharpdraft), prompt)
-    theirs = speculate(torch_side, torch_side.drafter(frozen=not sharpdraft), prompt)
+    ours = speculate(ort, ort.drafter(scaled=sharpdraft), prompt)
+    theirs = speculate(torch_side, torch_side.drafter(scaled=sharpdraft), prompt)
     assert ours[:3] == theirs[:3]
     assert [p[0] for p in ours[3]] == [p[0] for p in theirs[3]]  # the same drafts
     assert [p[1] for p in ours[3]] == [p[1] for p in theirs[3]]  # and the same N per row

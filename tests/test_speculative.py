@@ -12,12 +12,12 @@ from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
-from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import TorchDFlash, TorchTarget
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
 from runtime.models.target import TargetConfig, TargetModel
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler, Sampling
-from runtime.speculative import generate_block, generate_target_only
+from speculative import generate_block, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens

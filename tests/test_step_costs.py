@@ -65,15 +65,15 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
     poor, good = HybridChoice(costs), HybridChoice(costs)
     assert poor.use_drafter(context)  # the prior: a drafter worth a try
     for step in range(30):
-        poor.update("drafter", verified=2, accepted=int(step % 4 == 0))
-        good.update("drafter", verified=3, accepted=1 + step % 2)
+        poor.update(True, verified=2, accepted=int(step % 4 == 0))
+        good.update(True, verified=3, accepted=1 + step % 2)
     assert not poor.use_drafter(context)
     assert good.use_drafter(context)
     for _ in range(10):
-        poor.update("lookup", strong=False, offered=4, verified=4, accepted=3)
+        poor.update(False, strong=False, offered=4, verified=4, accepted=3)
     assert not poor.use_drafter(context)
     for _ in range(50):
-        poor.update("lookup")  # plain decode steps
+        poor.update(False)  # plain decode steps
     assert poor.use_drafter(context)
 
 
@@ -83,8 +83,8 @@ def test_hybrid_choice_prices_the_context():
     costs = ENGINE_COSTS
     choice = HybridChoice(costs)
     for _ in range(30):
-        choice.update("drafter", verified=4, accepted=0)
-        choice.update("drafter", verified=4, accepted=1)
+        choice.update(True, verified=4, accepted=0)
+        choice.update(True, verified=4, accepted=1)
     assert choice.use_drafter(512)
     assert not choice.use_drafter(7680)
 
@@ -99,7 +99,7 @@ def test_hybrid_choice_verifies_the_lookup_drafts_that_land():
     assert choice.lookup_drafts(4, strong=True, context=7680) == 4
     assert choice.lookup_drafts(0, strong=True, context=7680) == 0
     for _ in range(30):
-        choice.update("lookup", strong=True, offered=4, verified=4, accepted=1)
+        choice.update(False, strong=True, offered=4, verified=4, accepted=1)
     assert choice.lookup_drafts(4, strong=True, context=7680) == 1
     assert choice.lookup_drafts(4, strong=False, context=7680) == 4
 
@@ -139,7 +139,7 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
     import runtime.step_costs as step_costs
 
     engine = Engine(tiny_engine)
-    drafter_type = type(engine.drafter(frozen=True))
+    drafter_type = type(engine.drafter(scaled=False))
     log, timing = [], []
     real_verify, real_draft = type(engine.target).verify, drafter_type.draft
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 from onnx import TensorProto, helper
 
 import fake_tensorrt
-from build import tensorrt as trt_build
+from build import tensorrt_build as trt_build
 from plugins import plugin_spec
 from plugins import tensorrt as trt_plugin
 from plugins.attention import reference_attention

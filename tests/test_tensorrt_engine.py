@@ -15,11 +15,11 @@ from onnx import TensorProto
 import build_engine
 import fake_tensorrt
 import tiny
-from build import tensorrt as trt_build
+from build import tensorrt_build as trt_build
 from plugins import tensorrt as trt_plugin
 from plugins.scaling import QueryScaling
 from runtime.__main__ import main as runtime_main
-from runtime.backends import tensorrt as trt_backend
+from runtime.backends import tensorrt_plans as trt_backend
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.manifest import EngineError
@@ -385,7 +385,7 @@ def test_plan_refuses_an_unaligned_address_in_one_line(trt_engines, monkeypatch)
 def test_tensorrt_10_builds_the_plugin_drafter_and_matches_onnxruntime(tmp_path, trt_engines, monkeypatch):
     # The plugin drafter's graph through the 10.x flavour: its creator converts fields with
     # int(f.data) unless they are NDArray-typed, and a TensorRT 10 network is strongly typed
-    # only with the flag build/tensorrt.py sets. Then the plan drafts what ONNX Runtime does.
+    # only with the flag build/tensorrt_build.py sets. Then the plan drafts what ONNX Runtime does.
     engine_dir = trt_engines("plugin")
     manifest = json.loads((engine_dir / "engine.json").read_text())
     graph = manifest["extra"]["onnx"]["graphs"]["drafter"]

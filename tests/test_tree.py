@@ -8,10 +8,10 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples
 
 from plugins.attention import visible_counts
-from runtime.backends.torch import TorchTarget
+from runtime.backends.pytorch import TorchTarget
 from runtime.models.layers import KVCache
 from runtime.sampling import Sampler
-from runtime.speculative import generate_target_only
+from speculative import generate_target_only
 from runtime.step_metadata import StepMetadata
 from runtime.tree import DraftTree, TreeShape, grow_tree
 

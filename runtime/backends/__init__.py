@@ -1,5 +1,10 @@
-"""One small interface, several engines (torch, onnxruntime, tensorrt; trtllm engines
-are configuration that TensorRT-LLM runs itself: runtime/trtllm.py).
+"""One small interface, several engines: a registry of loaders (LOADERS: torch,
+onnxruntime, tensorrt; trtllm engines are configuration that TensorRT-LLM runs itself:
+runtime/trtllm.py). A loader opens an engine directory and hands back a Loaded: the
+target, the tokenizer, the drafter for a scaling and a draft window, the batched roles
+and what the backend can run (runtime/modes.py: BACKENDS). Where the roles run (device)
+and in which dtype are loader parameters, not further backends. Nothing above this
+package compares backend names: Engine looks its loader up here.
 
 The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
 these roles:
@@ -63,15 +68,18 @@ without batched graphs run):
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
 from plugins.scaling import QueryScaling
 from runtime import modes
+from runtime.manifest import EngineError, Manifest
 from runtime.sampling import DraftVocab
-# ChainDraft lives in its own module: a submodule import rebinds this package's `torch`
 from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below return it
+from runtime.tree import TreeShape
 
 # what an engine can be built for, and what this runtime runs (tensorrt: on a GPU; trtllm
 # engines run in TensorRT-LLM's own loop): runtime/modes.py says what each can run
@@ -181,3 +189,93 @@ class BatchBlockDrafter(Protocol):
 
     def remove(self, row: int) -> None: ...
 
+
+
+class Loaded(Protocol):
+    """What a loader hands back for one engine directory (the roles above, made on
+    demand). `can`: what this backend runs (modes.BACKENDS); `device` / `dtype`: where
+    and in which precision its roles run."""
+
+    can: modes.Backend
+    target: Target  # the engine's own single-sequence target
+    tokenizer: object
+    device: str
+    dtype: str
+
+    def new_target(self) -> Target:
+        """Another single-sequence target (its own cache) over the same weights."""
+
+    def batch_target(self) -> BatchTarget: ...
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        """The per-row drafter (block, chain or tree) under `scaling` (None: frozen); with
+        a `window`, its block rows see only the last `window` context keys (DFlash)."""
+
+    def batch_drafter(self, scaling: QueryScaling | None) -> BatchBlockDrafter: ...
+
+    def has_window(self) -> bool:
+        """Whether its DFlash drafter can draft under a draft window."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """How an engine's drafter model drafts: its style (modes.FAMILIES: "block", "chain",
+    "tree"; None: an n-gram engine), the tree it was built for (EAGLE-3) and the most
+    drafts one chain call makes."""
+
+    style: str | None
+    tree_shape: TreeShape | None
+    max_drafts: int
+
+
+def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
+    """The drafting an engine was built for: its family's style, and a tree family built
+    with one child per node (top_k 1) drafts chains."""
+    style, shape = modes.FAMILIES[manifest.drafter], None
+    if style == "tree":
+        try:
+            shape = TreeShape(**manifest.extra["eagle3"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{engine_dir}: engine.json has no valid extra.eagle3 tree shape "
+                              f"({exc}) — rebuild the engine") from None
+        if shape.top_k == 1:  # one child per node: a chain
+            style = "chain"
+    # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
+    return Drafting(style, shape, manifest.block_size - 1)
+
+
+def _torch(engine_dir, manifest, drafting, **options) -> Loaded:
+    from runtime.backends.pytorch import TorchLoaded
+
+    return TorchLoaded(engine_dir, manifest, drafting, **options)
+
+
+def _onnxruntime(engine_dir, manifest, drafting, **options) -> Loaded:
+    from runtime.backends.onnxruntime import OnnxEngine
+
+    return OnnxEngine(engine_dir, manifest, **options)
+
+
+def _tensorrt(engine_dir, manifest, drafting, **options) -> Loaded:
+    from runtime.backends.tensorrt_plans import TensorRTEngine
+
+    return TensorRTEngine(engine_dir, manifest, **options)
+
+
+# backend name -> loader(engine_dir, manifest, drafting, device=..., dtype=...) -> Loaded;
+# each imports its backend's modules only when an engine is opened with it.
+LOADERS: dict[str, Callable[..., Loaded]] = {
+    "torch": _torch, "onnxruntime": _onnxruntime, "tensorrt": _tensorrt}
+assert set(LOADERS) == set(RUNNABLE_BACKENDS), "every runnable backend of the table has a loader"
+
+
+def load_tokenizer(path: str | Path):
+    """The target's tokenizer alone (backends that run exported graphs need no weights)."""
+    from transformers import AutoTokenizer
+
+    from runtime.models.target import ModelError
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None

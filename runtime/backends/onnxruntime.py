@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.backends import ChainDraft
+from runtime import modes
+from runtime.backends import ChainDraft, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
@@ -731,9 +732,18 @@ class BoundBatchDFlash(BoundRows):
 
 
 class OnnxEngine:
-    """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter."""
+    """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter.
+    The onnxruntime backend's loader (runtime/backends/__init__.py: LOADERS): float32
+    graphs on the CPU, so `device` and `dtype` take those values only."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None):
+    can = modes.BACKENDS["onnxruntime"]
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None,
+                 device: str = "cpu", dtype: str | None = None):
+        if str(device) != "cpu" or dtype not in (None, "float32"):
+            raise EngineError(f"{engine_dir}: the onnxruntime backend runs float32 graphs on the "
+                              f"cpu, not {dtype or 'float32'} on {device} — pass --backend torch")
+        self.device, self.dtype = "cpu", "float32"
         record = manifest.extra.get("onnx")
         if not record:
             raise EngineError(f"{engine_dir} holds no ONNX graphs (built for backend "
@@ -762,6 +772,7 @@ class OnnxEngine:
         self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
         self.context_limit = int(manifest.extra["max_seq_len"])
         self.target = self.new_target()
+        self.tokenizer = load_tokenizer(manifest.target_dir)
 
     def new_target(self) -> OnnxTarget:
         """A target with its own cache over the shared sessions (one per sequence)."""
@@ -779,9 +790,11 @@ class OnnxEngine:
         session, _, in_place = self._drafter_graph(sharpdraft=False)
         return self.drafter_family == "dflash" and in_place and has_window(session)
 
-    def drafter(self, sharpdraft: bool = True, window: int | None = None
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None
                 ) -> OnnxDFlash | BoundDFlash | OnnxPARD | OnnxEagle3:
-        session, scaling, in_place = self._drafter_graph(sharpdraft)
+        """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one
+        (None)."""
+        session, scaling, in_place = self._drafter_graph(scaling is not None)
         if window is not None:
             if not self.has_window():
                 raise EngineError("this engine's drafter graphs take no draft window — rebuild "
@@ -799,10 +812,10 @@ class OnnxEngine:
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
 
-    def batch_drafter(self, sharpdraft: bool = True) -> OnnxBatchDFlash | BoundBatchDFlash:
+    def batch_drafter(self, scaling: QueryScaling | None) -> OnnxBatchDFlash | BoundBatchDFlash:
         if self.drafter_family != "dflash":
             raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
-        session, scaling, in_place = self._drafter_graph(sharpdraft)
+        session, scaling, in_place = self._drafter_graph(scaling is not None)
         return (BoundBatchDFlash if in_place else OnnxBatchDFlash)(session, self.block_size,
                                                                    self.mask_token_id, scaling,
                                                                    self.vocab)

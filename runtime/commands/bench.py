@@ -26,6 +26,7 @@ from pathlib import Path
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
+from runtime.measure import decode_from_one_prefill  # noqa: F401 -- bench's runs
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
 from runtime.modes import SCALED, Mode
 
@@ -80,31 +81,6 @@ def check_args(args, context_limit: int) -> None:
     if bad:
         raise UsageError(f"context length(s) {bad} do not fit: each length + --new-tokens "
                          f"({args.new_tokens}) must be within the target's {context_limit}")
-
-
-def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, repeats: int = 1,
-                            sampling=None, rotation: int = 0, adaptive: bool = True) -> dict:
-    """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
-    of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
-    from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode
-    from runtime.sampling import Sampler, Sampling
-
-    sampling = sampling or Sampling()
-    once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
-    # calibration may keep the preset: then the preset runs are the SharpDraft runs
-    same = (Mode.PRESET in modes and Mode.SHARPDRAFT in modes
-            and engine.family_preset == engine.scaling)
-    runs = [m for m in modes if not (same and m == Mode.PRESET)]
-    gens = {mode: [] for mode in runs}
-    for r in range(repeats):
-        k = (rotation + r) % len(runs)
-        for mode in runs[k:] + runs[:k]:
-            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
-                                       adaptive=adaptive))
-    if same:
-        gens[Mode.PRESET] = gens[Mode.SHARPDRAFT]
-    return {mode: gens[mode] for mode in modes}
 
 
 def bench_modes(engine, asked: list[str] | None) -> tuple[Mode, ...]:

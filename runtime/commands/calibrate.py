@@ -67,7 +67,7 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, extra, bar) -> dic
     extra: the tokens the last anchor's step checks, decoded past the anchors."""
     from runtime.acceptance import committed_per_anchor, greedy_continuation
 
-    drafting, shape = engine.drafting, engine.tree_shape
+    drafting, shape = engine.style, engine.tree_shape
     results = {s: {n: [] for n in [short, *lengths]} for s in [None, *settings]}
     for length in [short, *lengths]:
         for _, ids in docs:
@@ -163,7 +163,7 @@ def run(args) -> int:
     trained = training_max_length(engine)
     short = args.short or (trained - bs - 8 if trained else 448)
     lengths = sorted(set(args.lengths))
-    extra = max_drafts(engine.drafter_with_scaling(None), engine.drafting, engine.tree_shape)
+    extra = max_drafts(engine.drafter_with_scaling(None), engine.style, engine.tree_shape)
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if short < 2 or lengths[0] < 2 or lengths[-1] + args.new_tokens + extra > engine.context_limit:

@@ -1,9 +1,8 @@
-"""`python -m runtime default-mode`: the engine's default decoding mode, measured -- a
-short greedy decode of one evaluation document in every mode the engine lists, on the
-backend it runs, timed on this machine -- and recorded in engine.json
-(extra.default_mode): the mode served requests run when they name none. build_engine.py
-measures it after its step costs; this command records it on an engine built before, or
-re-measures it on another machine, without a rebuild.
+"""`python -m runtime default-mode`: the engine's default decoding mode, measured
+(runtime/measure.py: every mode the engine lists, timed on this machine) and recorded in
+engine.json (extra.default_mode): the mode served requests run when they name none.
+build_engine.py measures it after its step costs; this command records it on an engine
+built before, or re-measures it on another machine, without a rebuild.
 
 Decode speed, not MAL: a mode that accepts more but pays more per step (a window, n-gram
 lookup) is only worth defaulting to if it is faster here. Modes run interleaved from one
@@ -12,63 +11,9 @@ prefill, repeat after repeat, so a machine that slows down part-way slows every 
 from __future__ import annotations
 
 import json
-import statistics
 
-from runtime import corpus
 from runtime.cli import UsageError, progress
-from runtime.commands.bench import decode_from_one_prefill
-
-CONTEXT, NEW_TOKENS, REPEATS = 1024, 40, 2
-WARMUP_TOKENS = 4  # one short untimed run per mode: its sessions and caches are built then
-
-
-def evaluation_prompt(engine, context: int, new_tokens: int) -> tuple[str, list[int]]:
-    """(document name, its first `context` tokens), clipped so the decode fits the
-    engine's context: the longest evaluation-split source file."""
-    context = min(context, engine.context_limit - new_tokens - 1)
-    if context < 1:
-        raise UsageError(f"{engine.dir}: a context of {engine.context_limit} tokens leaves no room "
-                         f"for a prompt and {new_tokens} new tokens")
-    docs = corpus.long_documents("eval", min_chars=4 * context)
-    if not docs:
-        raise UsageError(f"no evaluation-split document of {4 * context}+ characters under "
-                         f"{corpus.STDLIB} to measure the default mode on")
-    ids = engine.encode(docs[0].read_text(encoding="utf-8"))[:context]
-    return docs[0].name, ids
-
-
-def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeats: int = REPEATS,
-            progress=None) -> dict:
-    """What engine.json's extra.default_mode holds: the fastest mode and how it was chosen."""
-    name, prompt = evaluation_prompt(engine, context, new_tokens)
-    listed = engine.modes
-    # One prefill per call, replayed for every run (bench's helper): the runs differ only
-    # in how they decode. The warm-up builds each mode's sessions and caches, untimed.
-    decode_from_one_prefill(engine, prompt, WARMUP_TOKENS, listed)
-    runs = decode_from_one_prefill(engine, prompt, new_tokens, listed, repeats)
-    medians = {}
-    for mode, gens in runs.items():
-        medians[str(mode)] = round(statistics.median(g.tokens_per_second for g in gens), 2)
-        if progress:
-            progress(f"      default mode: {mode} {medians[str(mode)]:.1f} tok/s (MAL "
-                     f"{statistics.fmean(g.mean_accepted_length for g in gens):.2f}, "
-                     f"{', '.join(f'{g.tokens_per_second:.1f}' for g in gens)})")
-    best = max(medians, key=medians.get)
-    return {"mode": best, "tokens_per_second": medians, "backend": engine.backend,
-            "document": name, "context": len(prompt), "new_tokens": new_tokens, "repeats": repeats,
-            "rule": "fastest median greedy decode (prefill excluded) over the modes the engine "
-                    "lists, interleaved from one prefill, after an untimed warm-up"}
-
-
-def record(engine_dir, progress=None, **settings) -> dict:
-    """Measure the default mode of the engine in `engine_dir` and write it to its engine.json."""
-    from runtime.engine import Engine
-
-    engine = Engine(engine_dir)
-    result = measure(engine, progress=progress, **settings)
-    engine.manifest.extra["default_mode"] = result
-    engine.manifest.write(engine.dir)
-    return result
+from runtime.measure import CONTEXT, NEW_TOKENS, REPEATS, measure, record
 
 
 def add_parser(sub):

@@ -30,7 +30,8 @@ def add_parser(sub):
 def run(args) -> int:
     import build_engine
     from runtime.manifest import EngineError, read_manifest
-    from runtime.commands.bench import STYLE, decode_from_one_prefill, first_difference, summarize
+    from runtime.commands.bench import STYLE, first_difference, summarize
+    from runtime.measure import decode_from_one_prefill
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
     from runtime.modes import Mode

@@ -48,17 +48,18 @@ def attention_mass(q, k, visible: int, beta: float, top_k: int) -> float:
 
 @torch.inference_mode()
 def measure(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
-    """{mode: {length: [mass per layer]}} for one document."""
+    """{mode: {length: [mass per layer]}, "visible": {length: N of the first drafted row}}
+    for one document."""
     model, drafter = engine.model, engine.drafter_model
     bs = drafter.config.block_size
     _, features = engine.target.prefill(ids[:max(lengths)], max(lengths))
-    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}}
+    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}, "visible": {}}
     for length in lengths:
         block = torch.tensor([[ids[length]] + [drafter.config.mask_token_id] * (bs - 1)])
+        # the step's metadata, once: the block drafted after `length` context rows
+        n = out["visible"][length] = StepMetadata(0, length).block_keys(bs)
         for mode, scaling in ((Mode.FROZEN, None), (Mode.SHARPDRAFT, engine.scaling)):
             masses = {}
-
-            n = StepMetadata(0, length).block_keys(bs)  # the block drafted after `length`
 
             def probe(layer, q, k):
                 masses[layer] = attention_mass(q, k, n, scaling.beta(n) if scaling else 1.0, top_k)
@@ -76,11 +77,12 @@ def measure_chain(engine, ids: list[int], lengths: list[int], top_k: int) -> dic
     row over its own N keys with its own beta."""
     drafter = engine.drafter_model
     k = engine.max_drafts
-    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}}
+    out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}, "visible": {}}
     for length in lengths:
         row = ids[:length] + [drafter.config.pard_token] * (k - 1)
         x = torch.tensor([row])
         visible = StepMetadata(0, len(row)).causal_visible(len(row), 1)[0, -k:].tolist()
+        out["visible"][length] = visible[0]
         for mode, scaling in ((Mode.FROZEN, None), (Mode.SHARPDRAFT, engine.scaling)):
             masses = {}
 
@@ -146,13 +148,13 @@ def run(args) -> int:
     per_doc = []
     for name, ids in docs:
         progress(f"diagnose: {name} (prefill {lengths[-1]} tokens, then one drafter step per length)")
-        chain = engine.drafting == "chain"
+        chain = engine.style == "chain"
         per_doc.append((measure_chain if chain else measure)(engine, ids, lengths, args.top_k))
     rows = []
     for length in lengths:
-        # N of the first drafted row: a DFlash block's (all rows alike), a chain's first
-        n = (StepMetadata(length - 1, 1).causal_visible(1, 1).item() if engine.drafting == "chain"
-             else StepMetadata(0, length).block_keys(engine.drafter_model.config.block_size))
+        # N of the first drafted row (a DFlash block's, all rows alike; a chain's first), as
+        # the measured step's metadata gave it
+        n = int(per_doc[0]["visible"][length])
         row = {"context_tokens": length, "visible_keys": n, "beta": round(engine.scaling.beta(n), 4)}
         for mode in (Mode.FROZEN, Mode.SHARPDRAFT):
             layers = zip(*(d[mode][length] for d in per_doc))

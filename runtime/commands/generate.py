@@ -148,7 +148,7 @@ def run_trtllm(args, manifest, text: str) -> int:
     from runtime import trtllm
 
     drafting, scaled = modes.FAMILIES[manifest.drafter], manifest.query_scaling is not None
-    mode = decoding_mode(args, modes.default_mode(drafting, scaled))
+    mode = decoding_mode(args, modes.rule_default(drafting, scaled))
     own = [m for m in Mode if not m.study and not modes.refusal(m, drafting, "trtllm", scaled, False)]
     why = modes.refusal(mode, drafting, "trtllm", scaled, False)
     if why or args.backend:

@@ -44,7 +44,7 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
     """Median step time of both drafters with `context` tokens cached (+1 new per step)."""
     import torch
 
-    drafters = {Mode.SHARPDRAFT: engine.drafter(), Mode.FROZEN: engine.drafter(frozen=True)}
+    drafters = {Mode.SHARPDRAFT: engine.drafter(), Mode.FROZEN: engine.drafter(scaled=False)}
     features = torch.randn(context + 1, drafters[Mode.FROZEN].feature_size,
                            generator=torch.Generator().manual_seed(context))
     bonus = 0  # token values do not change the work a step does
@@ -80,7 +80,7 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
     engine = Engine(args.engine_dir, backend=args.backend)
-    if engine.drafting in ("chain", "tree"):
+    if engine.style in ("chain", "tree"):
         raise UsageError(f"{args.engine_dir}: overhead times DFlash block steps; a "
                          f"{engine.manifest.drafter} engine's step is not timed by it yet")
     if engine.scaling is None:

@@ -68,13 +68,13 @@ def served_modes(manifest) -> tuple[str, ...]:
 
 def served_default(manifest, served: tuple[str, ...]) -> str:
     """The mode a request that names none runs: the build's measured default where the
-    engine can run it, else the table's rule (as Engine.default_mode decides it)."""
+    engine can run it, else the table's rule (modes.default_mode, as for Engine.default_mode)."""
     from runtime import modes
 
-    measured = modes.measured_default(manifest.extra.get("default_mode"), manifest.backend,
-                                      [modes.Mode(m) for m in served])
-    return str(measured or modes.default_mode(modes.FAMILIES.get(manifest.drafter),
-                                              manifest.query_scaling is not None))
+    return str(modes.default_mode(manifest.extra.get("default_mode"), manifest.backend,
+                                  [modes.Mode(m) for m in served],
+                                  modes.FAMILIES.get(manifest.drafter),
+                                  manifest.query_scaling is not None))
 
 
 def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:

@@ -88,7 +88,7 @@ class Request:
         if self.asked_mode is None:
             if self.sharpdraft is None:
                 return engine.default_mode
-            return engine.mode_for(sharpdraft=self.sharpdraft)
+            return engine.mode_for(self.sharpdraft)
         mode = modes.Mode(self.asked_mode)
         if mode not in engine.modes:
             why = engine.refusal(mode) or "it is a study, run by bench"

@@ -1,4 +1,4 @@
-"""The tensorrt backend: an engine's TensorRT plans (build/tensorrt.py builds them from the
+"""The tensorrt backend: an engine's TensorRT plans (build/tensorrt_build.py builds them from the
 ONNX graphs the onnxruntime backend runs) executed through TensorRT's Python runtime, behind
 the same Target / BlockDrafter roles as the torch and onnxruntime backends.
 
@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime import modes
+from runtime.backends import load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
 from runtime.sampling import DraftVocab
@@ -355,7 +357,13 @@ class TensorRTEngine:
     """The plans of one engine directory on one device and stream: the target, the
     SharpDraft drafter and the frozen drafter (those the engine has)."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest):
+    can = modes.BACKENDS["tensorrt"]
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, device: str | None = None,
+                 dtype: str | None = None):
+        """The tensorrt backend's loader (runtime/backends/__init__.py: LOADERS): plans run
+        on the GPU gpu() finds, in the dtype they were built for (`device` / `dtype` may
+        only name those)."""
         from plugins.tensorrt import import_tensorrt, register_plugin
 
         record = manifest.extra.get("tensorrt")
@@ -376,7 +384,12 @@ class TensorRTEngine:
             # TensorRT finds a plugin's creator in its registry when it loads a plan that
             # does not embed one; registering costs nothing where it is not needed.
             register_plugin()
+        if dtype not in (None, manifest.dtype):
+            raise EngineError(f"{engine_dir}: its plans are {manifest.dtype}, not {dtype} — "
+                              "rebuild the engine with that dtype")
         self.device = Device(where)
+        if device is not None and torch.device(device) != self.device.torch:
+            raise EngineError(f"{engine_dir}: TensorRT plans run on {self.device.torch}, not {device}")
         self.dtype = getattr(torch, manifest.dtype)
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.plans = {name: Plan(trt, runtime, Path(engine_dir) / plan["file"], self.device)
@@ -393,9 +406,27 @@ class TensorRTEngine:
             self.vocab = dataclasses.replace(self.vocab, ids=self.vocab.ids.to(self.device.torch))
         self.target = TensorRTTarget(self.plans["target_kv"], self.dtype,
                                      int(manifest.extra["max_seq_len"]))
+        self.dir = Path(engine_dir)
+        self.tokenizer = load_tokenizer(manifest.target_dir)
 
-    def drafter(self, sharpdraft: bool = True) -> TensorRTDFlash:
-        if sharpdraft and self.scaling is not None:
+    def new_target(self):
+        raise EngineError(f"{self.dir}: tensorrt engines hold one target")
+
+    def batch_target(self):
+        raise EngineError(f"{self.dir}: tensorrt engines hold one target")
+
+    def batch_drafter(self, scaling: QueryScaling | None):
+        raise EngineError(f"{self.dir}: tensorrt engines hold one drafter")
+
+    def has_window(self) -> bool:
+        return False
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None) -> TensorRTDFlash:
+        """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one."""
+        if window is not None:
+            raise EngineError(f"{self.dir}: TensorRT plans take no draft window (the plugin "
+                              "has no such field) — pass --backend onnxruntime")
+        if scaling is not None and self.scaling is not None:
             return TensorRTDFlash(self.plans["drafter"], self.block_size, self.mask_token_id,
                                   self.scaling, self.dtype, self.vocab)
         return TensorRTDFlash(self.plans["drafter_frozen"], self.block_size, self.mask_token_id,

@@ -27,9 +27,9 @@ class EngineBuildError(ValueError):
 def tensorrt_available() -> tuple[bool, str]:
     """(True, "TensorRT <version> on <GPU>") where engines can be built here, else (False,
     why, in one line). Checks what building needs: tensorrt imports, a CUDA device is
-    visible (runtime/backends/tensorrt.gpu, the device the plans will run on), and
+    visible (runtime/backends/tensorrt_plans.gpu, the device the plans will run on), and
     TensorRT can create a builder there (it cannot without a working CUDA driver)."""
-    from runtime.backends.tensorrt import device_name, gpu, no_gpu_reason
+    from runtime.backends.tensorrt_plans import device_name, gpu, no_gpu_reason
 
     try:
         trt = import_tensorrt()
@@ -215,7 +215,7 @@ def build(engine_dir: Path, onnx_record: Mapping, max_seq_len: int,
     """A plan per graph the runtime runs (target_kv, drafter, drafter_frozen), next to its
     ONNX file in engine_dir; returns engine.json's "tensorrt" record: the TensorRT version
     and GPU every plan was built with (a plan runs only there) and each plan's profile."""
-    from runtime.backends.tensorrt import PLAN_SUFFIX, device_name, gpu
+    from runtime.backends.tensorrt_plans import PLAN_SUFFIX, device_name, gpu
 
     usable, why = tensorrt_available()
     if not usable:

@@ -1,11 +1,18 @@
-"""The torch backend: our TargetModel and the drafters (DFlash, PARD, EAGLE-3) run eagerly (CPU or CUDA)."""
+"""The torch backend: our TargetModel and the drafters (DFlash, PARD, EAGLE-3) run eagerly,
+on the loader's device (cpu, cuda) in its dtype. TorchLoaded is its loader
+(runtime/backends/__init__.py: LOADERS["torch"]). Named pytorch.py, not torch.py, so that
+`import torch` inside this package means torch."""
 
 from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
 from plugins.scaling import QueryScaling
-from runtime.backends import ChainDraft
+from runtime import modes
+from runtime.backends import ChainDraft, Drafting
+from runtime.manifest import Manifest
 from runtime.sampling import log_softmax
 from runtime.step_metadata import capacity_bucket, padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -319,3 +326,81 @@ class TorchEagle3:
         draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
         self.cache.rollback(committed)
         return draft
+
+
+def _load_dflash(manifest: Manifest, dtype, target):
+    from runtime.models.dflash import load_dflash
+
+    drafter = load_dflash(manifest.drafter_dir, dtype)
+    drafter.config.check_target(target.config)
+    return drafter, drafter.config.target_layer_ids
+
+
+def _load_pard(manifest: Manifest, dtype, target):
+    from runtime.models.pard import load_pard
+
+    drafter = load_pard(manifest.drafter_dir, dtype)
+    drafter.config.check_target(target.config)
+    return drafter, ()
+
+
+def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the target as it loads
+    from runtime.models.eagle3 import load_eagle3
+
+    drafter = load_eagle3(manifest.drafter_dir, dtype, target)
+    return drafter, drafter.config.feature_layers(target.config.num_layers)
+
+
+# drafter family -> its checkpoint loader: (drafter model, the target layers it reads)
+DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_eagle3}
+
+
+class TorchLoaded:
+    """An engine directory on the torch backend: the target and drafter models from their
+    checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records)."""
+
+    can = modes.BACKENDS["torch"]
+
+    def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
+                 device: str = "cpu", dtype: str | None = None):
+        from runtime.models.target import load_target
+
+        self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
+        self.device, self.dtype = str(device), dtype or manifest.dtype
+        torch_dtype = getattr(torch, self.dtype)
+        self.model, self.tokenizer = load_target(manifest.target_dir, torch_dtype)
+        self.model.to(self.device)
+        self.drafter_model, feature_layers = None, ()
+        if manifest.drafter in DRAFTER_LOADERS:
+            self.drafter_model, feature_layers = DRAFTER_LOADERS[manifest.drafter](
+                manifest, torch_dtype, self.model)
+            self.drafter_model.to(self.device)
+        self.target = TorchTarget(self.model, feature_layers)
+
+    def new_target(self) -> TorchTarget:
+        return TorchTarget(self.model, self.target.feature_layers)
+
+    def batch_target(self) -> TorchBatchTarget:
+        return TorchBatchTarget(self.model, self.target.feature_layers)
+
+    def has_window(self) -> bool:
+        return True
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        if window is not None:
+            return TorchDFlash(self.drafter_model, self.model, scaling, window)
+        return DRAFTERS[self.family](self, scaling)
+
+    def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
+        return TorchBatchDFlash(self.drafter_model, self.model, scaling)
+
+
+# drafter family -> its per-row drafter on this backend
+DRAFTERS = {
+    "dflash": lambda loaded, scaling: TorchDFlash(loaded.drafter_model, loaded.model, scaling),
+    "pard": lambda loaded, scaling: TorchPARD(loaded.drafter_model, loaded.model.config.vocab_size,
+                                              loaded.drafting.max_drafts, scaling),
+    "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
+                                                  loaded.drafting.tree_shape,
+                                                  max(loaded.drafting.max_drafts, 1)),
+}

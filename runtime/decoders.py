@@ -1,0 +1,85 @@
+"""The one way a decode loop (runtime/decode.py) is put together: a mode of the table
+(runtime/modes.py) and the roles a backend hands out (runtime/backends) -> a proposer
+(runtime/proposers.py) over a target. Engine.decoder builds every decoder through here
+(and so the server and the commands); tests that hold bare roles (a model in hand, no
+engine directory) build theirs here too, so they run the production shape.
+
+Single sequence (a `target` given: the engine's own, or a PrefillOnce over it): a batch of
+one on it. Batched: the backend's fused batch target and DFlash drafter where it has them,
+else one target / drafter per row (trees always: each row's tree verifies under its own
+mask); a padded verify row writes scratch keys past its own budget, so every cache gets
+`slack` tokens of room past it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from runtime import modes, proposers
+from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.decode import Decoder, policy_for
+from runtime.modes import Mode
+from runtime.ngram import NGramProposer
+from runtime.step_costs import StepCosts
+from runtime.tree import TreeShape
+
+
+@dataclasses.dataclass
+class Roles:
+    """What decoders are built from. `style`: how the drafter model drafts (modes.FAMILIES:
+    "block", "chain", "tree"; None: no drafter model). Roles are made on demand, one per
+    row where a row needs its own: `new_target()` a single-sequence target with its own
+    cache; `drafter(mode)` the per-row drafter a drafter mode runs; `batch_target()` /
+    `batch_drafter(mode)` the fused batch roles (None: the backend has none, rows run one
+    by one); `lookup()` an n-gram proposer."""
+
+    style: str | None
+    new_target: Callable[[], object]
+    context_limit: int
+    drafter: Callable[[Mode], object] | None = None
+    batch_target: Callable[[], object] | None = None
+    batch_drafter: Callable[[Mode], object] | None = None
+    lookup: Callable[[], NGramProposer] = NGramProposer
+    tree_shape: TreeShape | None = None
+    block_size: int = 1  # tokens one verify row of the drafter holds (bonus + drafts)
+    lookup_drafts: int = NGramProposer().settings()["num_draft_tokens"]
+
+    @property
+    def slack(self) -> int:
+        """Cache room past a sequence's budget for a verify row padded to the batch's
+        widest: the widest row any proposer makes (a block, or a lookup's drafts + 1)."""
+        return max(self.block_size, self.lookup_drafts + 1)
+
+
+def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
+    """How the rows of a `mode` decoder draft."""
+    if not mode.uses_drafter_model:
+        return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
+    drafter = lambda: roles.drafter(mode)  # noqa: E731 -- one per row
+    lookup = roles.lookup if mode.ngram_assist else None
+    fused = batched and roles.batch_drafter is not None and not (mode.needs_window or mode.swaps_scaling)
+    return DRAFTER_PROPOSERS[roles.style](roles, mode, drafter, lookup, fused)
+
+
+# One proposer per drafting style: the only place the style chooses code.
+DRAFTER_PROPOSERS = {
+    "tree": lambda roles, mode, drafter, lookup, fused: proposers.Tree(drafter, roles.tree_shape),
+    "chain": lambda roles, mode, drafter, lookup, fused: proposers.Chain(drafter),
+    "block": lambda roles, mode, drafter, lookup, fused: proposers.Block(
+        roles.batch_drafter(mode) if fused else RowBlockDrafters(drafter), lookup),
+}
+
+
+def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None) -> Decoder:
+    """The decode loop running `mode` on `roles`: with `target`, a batch of one on it;
+    without, a batch requests join and leave. `costs`: the measured step costs that shape
+    drafter steps (None: every step verifies every draft)."""
+    batched = target is None
+    chosen = proposer(roles, mode, batched)
+    slack = 0
+    if batched and not chosen.drafts_trees and roles.batch_target is not None:
+        rows, slack = roles.batch_target(), roles.slack
+    else:
+        one = target
+        rows = RowTargets(roles.new_target if one is None else (lambda: one), roles.context_limit)
+    return Decoder(rows, chosen, policy_for(costs if mode.uses_drafter_model else None), slack)

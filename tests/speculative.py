@@ -1,0 +1,81 @@
+"""Decoding on bare backend roles (a target and a drafter object in hand, no engine
+directory), for tests: each helper describes its roles to runtime/decoders.py, the factory
+Engine builds every decoder with, so tests run the production shape (its proposers, its
+slack rule)."""
+
+from __future__ import annotations
+
+from runtime import decoders
+from runtime.decode import Decoder, OnTokens, Request
+from runtime.metrics import Generation
+from runtime.modes import Mode
+from runtime.ngram import NGramProposer
+from runtime.sampling import Sampler
+from runtime.step_costs import StepCosts
+from runtime.tree import TreeShape
+
+
+def roles(target, style=None, drafter=None, lookup=None, tree_shape=None) -> decoders.Roles:
+    """Single-sequence roles over `target` (and one `drafter`, of `style`)."""
+    return decoders.Roles(style, lambda: target, target.context_limit,
+                          drafter=(lambda mode: drafter) if drafter is not None else None,
+                          lookup=(lambda: lookup) if lookup is not None else NGramProposer,
+                          tree_shape=tree_shape)
+
+
+def decode_one(roles_: decoders.Roles, mode: Mode, target, prompt: list[int], max_new_tokens: int,
+               sampler: Sampler, stop_ids=frozenset(), on_tokens: OnTokens = None,
+               costs: StepCosts | None = None) -> Generation:
+    """One sequence on `target` (a batch of one)."""
+    decoder = decoders.decoder(roles_, mode, target, costs)
+    return decoder.generate(Request(prompt, max_new_tokens, stop_ids=stop_ids,
+                                    on_tokens=on_tokens, sampler=sampler))
+
+
+def generate_target_only(target, prompt, max_new_tokens, sampler, stop_ids=frozenset(),
+                         on_tokens=None) -> Generation:
+    return decode_one(roles(target), Mode.TARGET, target, prompt, max_new_tokens, sampler,
+                      stop_ids, on_tokens)
+
+
+def generate_block(target, drafter, prompt, max_new_tokens, sampler, stop_ids=frozenset(),
+                   on_tokens=None, costs=None, proposer: NGramProposer | None = None) -> Generation:
+    """DFlash blocks; with `proposer`, assisted by n-gram lookup (hybrid)."""
+    mode = Mode.FROZEN_HYBRID if proposer else Mode.FROZEN
+    return decode_one(roles(target, "block", drafter, proposer), mode, target, prompt,
+                      max_new_tokens, sampler, stop_ids, on_tokens, costs)
+
+
+def generate_chain(target, drafter, prompt, max_new_tokens, sampler, stop_ids=frozenset(),
+                   on_tokens=None, costs=None) -> Generation:
+    return decode_one(roles(target, "chain", drafter), Mode.FROZEN, target, prompt,
+                      max_new_tokens, sampler, stop_ids, on_tokens, costs)
+
+
+def generate_tree(target, drafter, prompt, max_new_tokens, sampler, shape: TreeShape = TreeShape(),
+                  stop_ids=frozenset(), on_tokens=None) -> Generation:
+    return decode_one(roles(target, "tree", drafter, tree_shape=shape), Mode.FROZEN, target,
+                      prompt, max_new_tokens, sampler, stop_ids, on_tokens)
+
+
+def generate_ngram(target, proposer: NGramProposer, prompt, max_new_tokens, sampler,
+                   stop_ids=frozenset(), on_tokens=None) -> Generation:
+    return decode_one(roles(target, lookup=proposer), Mode.NGRAM, target, prompt,
+                      max_new_tokens, sampler, stop_ids, on_tokens)
+
+
+def batch_decoder(target, drafter=None, costs: StepCosts | None = None) -> Decoder:
+    """Target-only (no drafter) or DFlash blocks over batched roles (BatchTarget,
+    BatchBlockDrafter); requests join with add() and step together."""
+    batched = decoders.Roles(
+        "block" if drafter is not None else None, None, target.context_limit,
+        batch_target=lambda: target,
+        batch_drafter=(lambda mode: drafter) if drafter is not None else None,
+        block_size=drafter.block_size if drafter is not None else 1)
+    return decoders.decoder(batched, Mode.FROZEN if drafter is not None else Mode.TARGET,
+                            costs=costs)
+
+
+def generate_batch(target, drafter, requests: list[Request], costs: StepCosts | None = None,
+                   max_batch: int | None = None, join_at: list[int] | None = None):
+    return batch_decoder(target, drafter, costs).run(requests, max_batch, join_at)

@@ -1,0 +1,64 @@
+"""Backends as loaders (runtime/backends/__init__.py: LOADERS): one registry entry per
+runnable backend of the table, the device and dtype as a loader's parameters (the torch
+loader's flow into the models it loads), and engines no loader opens refused in one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from runtime import modes
+from runtime.backends import LOADERS, RUNNABLE_BACKENDS
+from runtime.engine import Engine
+from runtime.manifest import EngineError
+
+
+def test_every_runnable_backend_has_a_loader_and_nothing_else_does():
+    assert set(LOADERS) == set(RUNNABLE_BACKENDS) == {
+        name for name, can in modes.BACKENDS.items() if not can.own_loop}
+
+
+def test_the_torch_loaders_dtype_reaches_the_models_and_decoding_stays_lossless(tiny_engine):
+    engine = Engine(tiny_engine, dtype="float64")
+    assert engine.loaded.dtype == "float64" and engine.loaded.device == "cpu"
+    assert next(engine.model.parameters()).dtype == torch.float64
+    assert next(engine.drafter_model.parameters()).dtype == torch.float64
+    prompt = engine.encode("def fibonacci(n):\n    ")
+    want = engine.generate(prompt, 16, mode="target", stop=False).tokens
+    assert engine.generate(prompt, 16, mode="sharpdraft", stop=False).tokens == want
+    default = Engine(tiny_engine)  # engine.json's dtype, on the cpu
+    assert default.loaded.dtype == default.manifest.dtype == "float32"
+    assert next(default.model.parameters()).device.type == "cpu"
+
+
+def test_the_onnxruntime_loader_refuses_another_device_or_dtype_in_one_line(tmp_path):
+    from runtime.backends.onnxruntime import OnnxEngine
+
+    for options in ({"device": "cuda"}, {"dtype": "float16"}):
+        with pytest.raises(EngineError) as info:
+            OnnxEngine(tmp_path, None, **options)
+        assert "onnxruntime backend runs float32 graphs on the cpu" in str(info.value)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("backend, says", [
+    ("trtllm", "is configuration for TensorRT-LLM"),
+    ("vulkan", "backend 'vulkan' cannot run here (this runtime has torch, onnxruntime, tensorrt)")])
+def test_an_engine_no_loader_opens_is_refused_in_one_line(tiny_engine, tmp_path, backend, says):
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine_dir)
+    with pytest.raises(EngineError) as info:
+        Engine(engine_dir, backend=backend)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_family_the_backend_cannot_draft_is_refused_before_loading(tiny_engine, tmp_path):
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine_dir)
+    data = json.loads((engine_dir / "engine.json").read_text())
+    data["drafter"], data["extra"]["eagle3"] = "eagle3", {"top_k": 2, "depth": 2, "total_tokens": 4}
+    (engine_dir / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError, match="EAGLE-3 runs on the torch and onnxruntime and trtllm "
+                                          "backends, not tensorrt — pass --backend onnxruntime"):
+        Engine(engine_dir, backend="tensorrt", verify="skip")
