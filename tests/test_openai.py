@@ -89,6 +89,25 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
             assert other.model_extra["sharpdraft"]["beta"] == 1.0
 
 
+def test_the_sharpdraft_object_reports_the_requests_own_speculation(endpoint, engine):
+    """Beside `usage`, streamed or not: the mode that ran, MAL, the drafts accepted at
+    each step, the mean beta and the visible keys of the last drafter step -- those of
+    the same decode in-process."""
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt = "def area(r):\n    return 3.14159 * r * r\n\n\n" * 6 + "def volume(r):"  # beta > 1
+    gen = engine.generate(engine.encode(prompt), 14, "sharpdraft")
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=14, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=14, temperature=0,
+                                            stream=True))
+    streamed = next(c.model_extra["sharpdraft"] for c in chunks if c.model_extra.get("sharpdraft"))
+    for spec in (reply.model_extra["sharpdraft"], streamed):
+        assert spec["mode"] == "sharpdraft" and spec["token_ids"] == gen.tokens
+        assert spec["accepted_per_step"] == [c - 1 for c in gen.committed_per_step]
+        assert spec["mean_accepted_length"] == pytest.approx(gen.mean_accepted_length)
+        assert spec["mean_beta"] == pytest.approx(sum(gen.beta_per_step) / len(gen.beta_per_step)) > 1.0
+        assert spec["visible_keys"] == gen.visible_per_step[-1]
+
+
 def test_streaming_deltas_concatenate_to_the_same_text(endpoint, engine):
     client, model = _client(endpoint), endpoint["models"][0]
     prompt = PROMPTS[0] + "\n    # iterative"

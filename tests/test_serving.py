@@ -354,7 +354,7 @@ def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine
         else:
             module, client = _client("http", served)
             final = client.infer(model, _inputs(module, prompt, n, mode=mode))
-        spec = json.loads(final.as_numpy("sharpdraft")[0])
+        spec = json.loads(final.as_numpy("speculation")[0])
         gen = engine.generate(engine.encode(prompt), n, mode)
         # the response's own figures are the step records of the same decode in-process
         assert spec["mode"] == mode and spec["verify_steps"] == gen.verify_steps

@@ -99,7 +99,7 @@ def summarize(latencies: list[float], wall: float, tokens: int, mals: list[float
 
 def _speculation(result) -> dict | None:
     """The response's `sharpdraft` object (None from a server that sends none)."""
-    value = result.as_numpy("sharpdraft")
+    value = result.as_numpy("speculation")
     return None if value is None else json.loads(bytes(value.reshape(-1)[0]))
 
 

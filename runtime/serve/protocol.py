@@ -48,7 +48,7 @@ OUTPUTS = (
     Tensor("beta", "TYPE_FP32", np.float32),  # at the last drafter step
     Tensor("finish_reason", "TYPE_STRING", np.object_),  # "stop" or "length"
     # JSON: the mode that ran and what its speculation did (Generation.speculation)
-    Tensor("sharpdraft", "TYPE_STRING", np.object_),
+    Tensor("speculation", "TYPE_STRING", np.object_),
 )
 
 
@@ -201,7 +201,7 @@ def outputs(text: str, token_ids: list[int], gen, finish: str, mode) -> dict:
         "verify_steps": np.array([gen.verify_steps], dtype=np.int32),
         "beta": np.array([beta], dtype=np.float32),
         "finish_reason": text_array(finish),
-        "sharpdraft": text_array(json.dumps(gen.speculation(mode), separators=(",", ":"))),
+        "speculation": text_array(json.dumps(gen.speculation(mode), separators=(",", ":"))),
     }
 
 
