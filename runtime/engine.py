@@ -148,6 +148,13 @@ class Engine:
         return modes.measured_default(self.manifest.extra.get("default_mode"), self.backend,
                                       self.modes) or self.mode_for()
 
+    def default_mode_at(self, batch: int) -> Mode:
+        """The served default for a request joining `batch` sequences decoding together
+        (itself included): the rule of modes.measured_default over the batch sizes the
+        build measured (extra.default_mode.by_batch), else default_mode."""
+        return modes.measured_default(self.manifest.extra.get("default_mode"), self.backend,
+                                      self.modes, batch) or self.default_mode
+
     @property
     def family_preset(self) -> QueryScaling:
         """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS),

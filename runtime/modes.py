@@ -183,9 +183,16 @@ def default_mode(drafting: str | None, scaled: bool, sharpdraft: bool = True) ->
     return Mode.SHARPDRAFT if sharpdraft and scaled else Mode.FROZEN
 
 
-def measured_default(record: dict | None, backend: str, runnable) -> Mode | None:
+def measured_default(record: dict | None, backend: str, runnable, batch: int = 1) -> Mode | None:
     """The mode engine.json's extra.default_mode names (runtime/commands/default_mode.py), if it was
-    measured on `backend` and is among the `runnable` modes; else None (the rule applies)."""
+    measured on `backend` and is among the `runnable` modes; else None (the rule applies).
+    For a `batch` of sequences decoding together: the fastest mode at the largest batch
+    size the build measured that is not above it (by_batch; one stream: the top-level
+    mode), so the served default follows the load -- a mode that pays for one stream but
+    not in a full batch steps aside there."""
     if not record or record.get("backend") != backend:
         return None
-    return next((m for m in runnable if m == record.get("mode")), None)
+    measured = {int(size): entry.get("mode") for size, entry in record.get("by_batch", {}).items()}
+    sizes = [size for size in measured if size <= batch]
+    name = measured[max(sizes)] if sizes else record.get("mode")
+    return next((m for m in runnable if m == name), None)

@@ -7,18 +7,28 @@ re-measures it on another machine, without a rebuild.
 
 Decode speed, not MAL: a mode that accepts more but pays more per step (a window, n-gram
 lookup) is only worth defaulting to if it is faster here. Modes run interleaved from one
-prefill, repeat after repeat, so a machine that slows down part-way slows every mode alike."""
+prefill, repeat after repeat, so a machine that slows down part-way slows every mode alike.
+
+Under load the answer can change (a drafter's edge narrows as the batch, not the
+drafter, fills the verify pass), so the modes that batch are also timed as a loaded
+batch (--loaded-batch rows of a shorter prompt decoding together, total tokens per second)
+and both are recorded (by_batch); the served default follows the batch a request joins
+(runtime/modes.py: measured_default)."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 
 from runtime import corpus
 from runtime.cli import UsageError, progress
 from runtime.commands.bench import decode_from_one_prefill
 
 CONTEXT, NEW_TOKENS, REPEATS = 1024, 40, 2
+# The loaded batch: this many rows, each of a LOADED_CONTEXT-token prompt (shorter than
+# CONTEXT, so eight prefills per mode keep the build's time bounded).
+LOADED_BATCH, LOADED_CONTEXT = 8, 256
 WARMUP_TOKENS = 4  # one short untimed run per mode: its sessions and caches are built then
 
 
@@ -37,8 +47,41 @@ def evaluation_prompt(engine, context: int, new_tokens: int) -> tuple[str, list[
     return docs[0].name, ids
 
 
+def measure_loaded(engine, prompt: list[int], new_tokens: int, batch: int, repeats: int,
+                   progress=None) -> dict[str, float]:
+    """{mode: tokens/s of `batch` rows of `prompt` decoding together} for the modes that
+    batch: every row joins (prefill untimed), then the steps until all are done are
+    timed; the median over `repeats`, modes interleaved, after an untimed warm-up."""
+    from runtime.decode import Request
+
+    listed = [m for m in engine.modes if not engine.batch_refusal(m)]
+    decoders = {m: engine.batch_decoder(m) for m in listed}
+
+    def one(mode, n):
+        decoder = decoders[mode]
+        for _ in range(batch):
+            decoder.add(Request(prompt, n))
+        start, tokens = time.perf_counter(), 0
+        while decoder.active:
+            tokens += sum(len(s.gen.tokens) - 1 for s in decoder.step())  # less the prefill's token
+        return tokens / (time.perf_counter() - start)
+
+    for mode in listed:
+        one(mode, WARMUP_TOKENS)
+    speeds = {str(m): [] for m in listed}
+    for r in range(repeats):
+        k = r % len(listed)
+        for mode in listed[k:] + listed[:k]:
+            speeds[str(mode)].append(one(mode, new_tokens))
+    medians = {m: round(statistics.median(v), 2) for m, v in speeds.items()}
+    if progress:
+        progress(f"      default mode at batch {batch}: " +
+                 ", ".join(f"{m} {v:.1f}" for m, v in medians.items()) + " tok/s")
+    return medians
+
+
 def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeats: int = REPEATS,
-            progress=None) -> dict:
+            progress=None, loaded_batch: int = LOADED_BATCH) -> dict:
     """What engine.json's extra.default_mode holds: the fastest mode and how it was chosen."""
     name, prompt = evaluation_prompt(engine, context, new_tokens)
     listed = engine.modes
@@ -54,10 +97,19 @@ def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeat
                      f"{statistics.fmean(g.mean_accepted_length for g in gens):.2f}, "
                      f"{', '.join(f'{g.tokens_per_second:.1f}' for g in gens)})")
     best = max(medians, key=medians.get)
-    return {"mode": best, "tokens_per_second": medians, "backend": engine.backend,
+    by_batch = {"1": {"mode": best, "tokens_per_second": medians}}
+    if loaded_batch > 1:
+        loaded = measure_loaded(engine, prompt[:min(LOADED_CONTEXT, len(prompt))], new_tokens,
+                                loaded_batch, repeats, progress)
+        if loaded:
+            by_batch[str(loaded_batch)] = {"mode": max(loaded, key=loaded.get),
+                                           "tokens_per_second": loaded,
+                                           "context": min(LOADED_CONTEXT, len(prompt))}
+    return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, "backend": engine.backend,
             "document": name, "context": len(prompt), "new_tokens": new_tokens, "repeats": repeats,
             "rule": "fastest median greedy decode (prefill excluded) over the modes the engine "
-                    "lists, interleaved from one prefill, after an untimed warm-up"}
+                    "lists, interleaved from one prefill, after an untimed warm-up; by_batch: the "
+                    "same at one stream and, for the modes that batch, a loaded batch"}
 
 
 def record(engine_dir, progress=None, **settings) -> dict:
@@ -79,6 +131,9 @@ def add_parser(sub):
                    help="prompt tokens from the evaluation split (clipped to the engine's context)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--loaded-batch", type=int, default=LOADED_BATCH,
+                   help="also time the modes that batch with this many rows decoding together "
+                        "(1: one stream only; default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, change nothing")
     p.add_argument("--debug", action="store_true")
 
@@ -86,10 +141,11 @@ def add_parser(sub):
 def run(args) -> int:
     from runtime.engine import Engine
 
-    for flag in ("context", "new_tokens", "repeats"):
+    for flag in ("context", "new_tokens", "repeats", "loaded_batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats}
+    settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                "loaded_batch": args.loaded_batch}
     progress(f"default-mode: every mode of {args.engine_dir}, {args.repeats} repeat(s)")
     if args.dry_run:
         result = measure(Engine(args.engine_dir), progress=progress, **settings)

@@ -106,14 +106,17 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             req, ids = self._prepare(request)
-            mode = req.mode(self.engine)
-            on_tokens, on_done, on_error = self._callbacks(request, sender, mode)
-            self.scheduler.submit(self.Job(ids, req.max_new_tokens, mode,
-                                           req.sampling(), on_tokens, on_done, on_error))
+            # a request naming no mode runs the default for the load it joins (the
+            # scheduler sets job.mode at admission)
+            named = req.asked_mode is not None or req.sharpdraft is not None
+            job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
+                           req.sampling(), None, None, None)
+            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
+            self.scheduler.submit(job)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-    def _callbacks(self, request, sender, mode):
+    def _callbacks(self, request, sender, job):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
         Streaming: a response per commit (its token_ids and text), then a final one with
         the statistics and any text held back mid-character. Plain: one final response
@@ -133,11 +136,12 @@ class TritonPythonModel:
 
         def on_done(gen):
             reason = self.protocol.finish_reason(gen)
-            arrays = (self.protocol.outputs(text.flush(), [], gen, reason, mode) if self.decoupled else
-                      self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason, mode))
+            arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
+                      self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
+                                            job.mode))
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
-            self.speculation.observe(mode, gen)
+            self.speculation.observe(job.mode, gen)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):

@@ -11,6 +11,10 @@ Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt's target prefil
 at most prefill_chunk tokens between two steps of the running rows (Decoder.join), so a
 long prompt delays the others by a chunk per step instead of its whole prefill. With
 no row running there is nobody to delay, and joining prompts prefill whole.
+
+A job that names no mode runs the engine's default for the load it joins (running,
+joining and waiting requests, itself included, up to max_batch: Engine.default_mode_at,
+the one rule in runtime/modes.py over the batch sizes the build measured).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Cancelled(Exception):
 class Job:
     ids: list[int]
     max_new_tokens: int
-    mode: str
+    mode: str | None  # None: the engine's default for the batch it joins, set at admission
     sampling: object
     on_tokens: Callable[[list[int]], None]  # raise Cancelled to leave the batch
     on_done: Callable[[object], None]  # the finished Generation
@@ -108,7 +112,12 @@ class StepScheduler:
                 while self.waiting and (self.running + len(self.joining) + len(admitted)
                                         < self.max_batch):
                     admitted.append(self.waiting.popleft())
+                # the default follows the load: the rows these jobs will decode with
+                load = min(self.running + len(self.joining) + len(admitted) + len(self.waiting),
+                           self.max_batch)
             for job in admitted:
+                if job.mode is None:
+                    job.mode = self.engine.default_mode_at(load)
                 self._admit(job)
             self._prefill()
             for decoder in list(self.decoders.values()):
