@@ -116,17 +116,17 @@ class StepScheduler:
                 load = min(self.running + len(self.joining) + len(admitted) + len(self.waiting),
                            self.max_batch)
             for job in admitted:
-                if job.mode is None:
-                    job.mode = self.engine.default_mode_at(load)
-                self._admit(job)
+                self._admit(job, load)
             self._prefill()
             for decoder in list(self.decoders.values()):
                 if decoder is not None and decoder.active:
                     self._step(decoder)
 
-    def _admit(self, job: Job) -> None:
-        decoder = self._decoder(job.mode)
+    def _admit(self, job: Job, load: int = 1) -> None:
         try:
+            if job.mode is None:
+                job.mode = self.engine.default_mode_at(load)
+            decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
                 job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
                                                  on_tokens=job.on_tokens))
