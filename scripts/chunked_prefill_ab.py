@@ -121,7 +121,11 @@ def load(grpc_port: int, model: str, prompts: list[str], args) -> list[dict]:
                 i = next(order, None)
             if i is None:
                 return
-            results[i] = stream(grpc_port, model, prompts[i % len(prompts)], args.max_new_tokens, args.mode)
+            try:
+                results[i] = stream(grpc_port, model, prompts[i % len(prompts)], args.max_new_tokens,
+                                    args.mode)
+            except Exception as exc:  # reported once the load is over, the server stopped
+                results[i] = {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
 
     threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
     for t in threads:
@@ -227,6 +231,11 @@ def main(argv=None) -> int:
                 results = load(grpc_port, model, prompts, args)
             finally:
                 stop_server(proc)
+            failed = [r["error"] for r in results if "error" in r]
+            if failed:
+                print(f"error: {len(failed)} of {len(results)} requests failed with --prefill-chunk "
+                      f"{chunk}, e.g. {failed[0]}", file=sys.stderr)
+                return 1
             report["arms"][arm] = summarize(results)
             tokens[arm] = [r["ids"] for r in results]
             print(f"{arm}: {json.dumps(report['arms'][arm])}", file=sys.stderr)
