@@ -183,14 +183,44 @@ class Decoder:
         """Prefill a request and make it a row of the batch (from the next step on). Bad
         input (empty or over-long prompt, bad budget, a mode that cannot sample) raises
         ValueError for it alone."""
+        joining = self.join(request)
+        while True:
+            try:
+                next(joining)
+            except StopIteration as joined:
+                return joined.value
+
+    def join(self, request: Request, chunk: int | None = None):
+        """add() as a generator: with `chunk`, the target prefills the prompt `chunk`
+        tokens at a time, yielding after each (and before the drafter's prefill), so the
+        batch can step between them while a long prompt joins (chunked prefill); returns
+        the Sequence. Without `chunk`, or on a target that cannot continue a prefill
+        (one without join_prefilled), the whole prompt in one go."""
         prompt = request.prompt
         budget = check_budget(self.target.context_limit, prompt, request.max_new_tokens)
         sampler = request.sampler or Sampler(request.sampling)
         self.proposer.check(sampler)
         seq = Sequence(request, budget, sampler, Generation(len(prompt)), len(prompt),
                        self.policy(), started=time.perf_counter())
+        capacity = len(prompt) + budget + self.slack
+        chunked = bool(chunk) and len(prompt) > chunk and hasattr(self.target, "join_prefilled")
+        if chunked:  # the prompt prefills outside the batch's rows, then joins them
+            parts = []
+            for begin in range(0, len(prompt), chunk):
+                if begin:
+                    yield
+                with seq.gen.timed("prefill"):
+                    part = prompt[begin:begin + chunk]
+                    logits, features = (self.target.single.prefill_more(part) if begin else
+                                        self.target.single.prefill(part, capacity))
+                parts.append(features)
+            features = None if parts[0] is None else torch.cat(parts)
+            yield
         with seq.gen.timed("prefill"):
-            logits, features = self.target.add(prompt, len(prompt) + budget + self.slack)
+            if chunked:
+                self.target.join_prefilled()
+            else:
+                logits, features = self.target.add(prompt, capacity)
             try:
                 self.proposer.add(seq, features)
             except Exception:

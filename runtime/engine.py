@@ -135,6 +135,13 @@ class Engine:
         return modes.default_mode(self.manifest.extra.get("default_mode"), self.backend,
                                   self.modes, self.style, self.scaling is not None)
 
+    def default_mode_at(self, batch: int) -> Mode:
+        """The served default for a request joining `batch` sequences decoding together
+        (itself included): modes.default_mode over the batch sizes the build measured
+        (extra.default_mode.by_batch)."""
+        return modes.default_mode(self.manifest.extra.get("default_mode"), self.backend,
+                                  self.modes, self.style, self.scaling is not None, batch)
+
     @property
     def family_preset(self) -> QueryScaling:
         """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS),

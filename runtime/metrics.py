@@ -12,6 +12,56 @@ from collections import Counter
 from contextlib import contextmanager
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One verify step of one sequence, as recorded: its context length, the drafts it
+    verified, how many were accepted (the target's own token not counted), and where the
+    drafter ran, the visible keys and beta of its first query row."""
+    context: int
+    drafts: int
+    accepted: int
+    visible: int | None
+    beta: float | None
+
+
+# Context-length buckets of the serving metrics: (upper bound exclusive, label).
+CONTEXT_BUCKETS = ((2048, "<2K"), (8192, "2K-8K"), (32768, "8K-32K"), (None, ">=32K"))
+
+
+def context_bucket(tokens: int) -> str:
+    return next(label for bound, label in CONTEXT_BUCKETS if bound is None or tokens < bound)
+
+
+@dataclasses.dataclass
+class SpeculationTotals:
+    """What one mode's steps in one context-length bucket add to the serving counters."""
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: Counter = dataclasses.field(default_factory=Counter)  # 1-based
+    drafter_sitouts: int = 0
+    betas: list[float] = dataclasses.field(default_factory=list)
+
+
+def speculation_totals(gen: "Generation", uses_drafter: bool) -> dict[str, SpeculationTotals]:
+    """A finished generation's steps, per context-length bucket. A drafter sit-out is a
+    step of a mode with a drafter model on which that drafter did not run (the policy sat
+    it out, or an n-gram lookup's drafts were verified instead)."""
+    out: dict[str, SpeculationTotals] = {}
+    for step in gen.steps():
+        t = out.setdefault(context_bucket(step.context), SpeculationTotals())
+        t.steps += 1
+        t.draft_tokens += step.drafts
+        t.accepted_tokens += step.accepted
+        for position in range(1, step.accepted + 1):
+            t.accepted_per_position[position] += 1
+        if step.beta is None:
+            t.drafter_sitouts += uses_drafter
+        else:
+            t.betas.append(step.beta)
+    return out
+
+
 @dataclasses.dataclass
 class Generation:
     prompt_tokens: int
@@ -24,6 +74,12 @@ class Generation:
     # lookup's drafts, or, with measured costs, decoded one token where it did not pay)
     seconds: Counter = dataclasses.field(default_factory=Counter)
     stopped_by: str = "length"
+    context_per_step: list[int] = dataclasses.field(default_factory=list)  # tokens in the
+    # sequence (prompt + committed) when each verify step ran: its context-length bucket
+    visible_marks: list[int] = dataclasses.field(default_factory=list)  # len(visible_per_step)
+    # when each step was recorded: the loop records a step's visible keys and beta right
+    # after the step itself, and only when the drafter ran, so step i drafted iff the
+    # next mark (or the final length) is past marks[i]
 
     @contextmanager
     def timed(self, phase: str):
@@ -36,8 +92,36 @@ class Generation:
     def step(self, verified: int, committed: int) -> None:
         """One target verify pass: it checked `verified` drafts and committed `committed`
         tokens (the accepted drafts and the target's own)."""
+        self.context_per_step.append(self.prompt_tokens + len(self.tokens))
+        self.visible_marks.append(len(self.visible_per_step))
         self.verified_per_step.append(verified)
         self.committed_per_step.append(committed)
+
+    def steps(self) -> list[StepRecord]:
+        """Each verify step as the loop recorded it, with the drafter's visible keys and
+        beta where the drafter ran that step (None where it sat out or there is none)."""
+        marks = self.visible_marks + [len(self.visible_per_step)]
+        return [StepRecord(context, verified, committed - 1,
+                           self.visible_per_step[marks[i]] if marks[i + 1] > marks[i] else None,
+                           self.beta_per_step[marks[i]] if marks[i + 1] > marks[i] else None)
+                for i, (context, verified, committed) in enumerate(
+                    zip(self.context_per_step, self.verified_per_step, self.committed_per_step))]
+
+    def speculation(self, mode) -> dict:
+        """The per-request `sharpdraft` object a served response carries beside `usage`:
+        the mode that ran, MAL, the drafts accepted at each step, the mean beta over the
+        drafter's steps (1.0 where it never ran: nothing was scaled) and the visible keys
+        of its last step."""
+        steps = self.steps()
+        betas = [s.beta for s in steps if s.beta is not None]
+        visible = [s.visible for s in steps if s.visible is not None]
+        return {"mode": str(mode), "mean_accepted_length": round(self.mean_accepted_length, 6),
+                "verify_steps": self.verify_steps,
+                "draft_tokens": sum(s.drafts for s in steps),
+                "accepted_per_step": [s.accepted for s in steps],
+                "drafter_steps": len(betas),
+                "mean_beta": round(statistics.fmean(betas), 6) if betas else 1.0,
+                "visible_keys": visible[-1] if visible else None}
 
     @property
     def verify_steps(self) -> int:
@@ -108,3 +192,60 @@ def paired_ratio_ci(numerators: list[float], denominators: list[float], level: f
     low, high = np.percentile(means, [tail, 100 - tail])
     return {"mean": round(float(ratios.mean()), 4), "ci": [round(float(low), 4), round(float(high), 4)],
             "level": level, "items": len(ratios)}
+
+
+SPEC_COUNTERS = ("requests", "steps", "draft_tokens", "accepted_tokens", "drafter_sitouts")
+
+
+def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
+    """The sharpdraft_spec_* families of a Prometheus text scrape, summed over instances:
+    (model, mode, context bucket) -> counters, accepted per position, the beta
+    histogram's count and sum, and MAL recomputed from the counters."""
+    out: dict[tuple[str, str, str], dict] = {}
+    for line in text.splitlines():
+        if not line.startswith("sharpdraft_spec_") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        body, value = rest.rsplit("}", 1)
+        labels = dict(part.split("=", 1) for part in _label_parts(body))
+        labels = {k: v.strip('"') for k, v in labels.items()}
+        key = (labels.get("model", ""), labels.get("mode", ""), labels.get("context", ""))
+        entry = out.setdefault(key, {c: 0.0 for c in SPEC_COUNTERS}
+                               | {"accepted_per_position": {}, "beta_count": 0.0, "beta_sum": 0.0})
+        family, value = name[len("sharpdraft_spec_"):], float(value.split()[0])
+        if family == "accepted_tokens_per_position_total":
+            position = int(labels["position"])
+            entry["accepted_per_position"][position] = entry["accepted_per_position"].get(position, 0) + value
+        elif family.endswith("_total") and family[:-len("_total")] in SPEC_COUNTERS:
+            entry[family[:-len("_total")]] += value
+        elif family in ("beta_count", "beta_sum"):
+            entry[family] += value
+    for entry in out.values():
+        steps = entry["steps"]
+        entry["mean_accepted_length"] = (entry["accepted_tokens"] + steps) / steps if steps else 0.0
+    return out
+
+
+def _label_parts(body: str):
+    # label values are ours (model, instance, mode, bucket names): no escaped quotes or commas
+    return [p for p in body.split(",") if "=" in p]
+
+
+def speculation_delta(before: dict, after: dict) -> dict:
+    """What happened between two read_speculation() scrapes, as JSON-ready rows."""
+    rows = []
+    for key, now in sorted(after.items()):
+        then = before.get(key, {})
+        row = {"model": key[0], "mode": key[1], "context": key[2]}
+        for c in SPEC_COUNTERS + ("beta_count", "beta_sum"):
+            row[c] = int(round(now[c] - then.get(c, 0.0))) if c != "beta_sum" else now[c] - then.get(c, 0.0)
+        positions = then.get("accepted_per_position", {})
+        row["accepted_per_position"] = {str(p): int(round(v - positions.get(p, 0.0)))
+                                        for p, v in sorted(now["accepted_per_position"].items())}
+        if row["steps"] <= 0:
+            continue
+        row["mean_accepted_length"] = round((row["accepted_tokens"] + row["steps"]) / row["steps"], 4)
+        row["mean_beta"] = round(row.pop("beta_sum") / row["beta_count"], 4) if row["beta_count"] else None
+        row.pop("beta_sum", None)
+        rows.append(row)
+    return {"rows": rows}

@@ -213,14 +213,25 @@ def rule_default(style: str | None, scaled: bool, wanted: bool = True) -> Mode:
     return Mode.SHARPDRAFT if wanted and scaled else Mode.FROZEN
 
 
+def measured_default(record: dict | None, backend: str, runnable, batch: int = 1) -> Mode | None:
+    """The mode engine.json's extra.default_mode names (runtime/measure.py), if it was
+    measured on `backend` and is among the `runnable` modes; else None (the rule applies).
+    For a `batch` of sequences decoding together: the fastest mode at the largest batch
+    size the build measured that is not above it (by_batch; one stream: the top-level
+    mode), so the served default follows the load -- a mode that pays for one stream but
+    not in a full batch steps aside there."""
+    if not record or record.get("backend") != backend:
+        return None
+    measured = {int(size): entry.get("mode") for size, entry in record.get("by_batch", {}).items()}
+    sizes = [size for size in measured if size <= batch]
+    name = measured[max(sizes)] if sizes else record.get("mode")
+    return next((m for m in runnable if m == name), None)
+
+
 def default_mode(record: dict | None, backend: str, runnable, style: str | None,
-                 scaled: bool) -> Mode:
+                 scaled: bool, batch: int = 1) -> Mode:
     """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
     endpoint and the served model all read it here): the mode engine.json's
-    extra.default_mode names (runtime/measure.py), if it was measured on `backend` and is
-    among the `runnable` modes; else the table's rule (rule_default)."""
-    if record and record.get("backend") == backend:
-        measured = next((m for m in runnable if m == record.get("mode")), None)
-        if measured is not None:
-            return measured
-    return rule_default(style, scaled)
+    extra.default_mode measured fastest for a `batch` of sequences decoding together
+    (measured_default), else the table's rule (rule_default)."""
+    return measured_default(record, backend, runnable, batch) or rule_default(style, scaled)

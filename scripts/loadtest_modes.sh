@@ -51,7 +51,10 @@ for mode in modes:
                  "c8_over_c1": round(level[8]["tokens_per_second"] / level[1]["tokens_per_second"], 3),
                  "errors": level[1]["errors"] + level[8]["errors"],
                  "mal": level[8]["mean_accepted_length"],
-                 "token_mismatches": data["token_mismatches"]})
+                 "token_mismatches": data["token_mismatches"],
+                 # the responses' own speculation objects, pooled (loadtest): the mode that
+                 # ran, steps, accepted / drafted, MAL, mean beta
+                 "speculation_c8": level[8].get("speculation")})
 (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
 print(f"{'mode':<15}{'tok/s c1':>10}{'tok/s c8':>10}{'c8/c1':>8}{'MAL':>7}  identical")
 for r in rows:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoint end to end, with the real `openai` client: one real
 tritonserver + endpoint for the module (`python -m runtime serve --start --openai-port`)
-on the tiny engine, small enough (one instance, 2 batch rows, 1 queue slot) that a
-full queue and a freed row are observable -- on the endpoint and on the plain Triton
+on the tiny engine, small enough (one instance, 2 batch rows, 1 queue slot, 8-token
+prefill chunks) that a full queue, a freed row and a chunked join are observable -- on the endpoint and on the plain Triton
 model beside it, which batches through the same scheduler."""
 
 import concurrent.futures
@@ -24,7 +24,10 @@ def endpoint(tiny_engine, tmp_path_factory):
     port, = free_ports(1)
     with serve(tiny_engine, tmp_path_factory.mktemp("openai"), "--instances", "1",
                "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-               "--max-new-tokens-limit", "256", "--openai-port", str(port)) as info:
+               "--max-new-tokens-limit", "256", "--openai-port", str(port),
+               # chunked prefill on these short prompts: a request joining a running one
+               # prefills 8 tokens per step, and every token check below covers it
+               "--prefill-chunk", "8") as info:
         assert info["openai"] == f"http://127.0.0.1:{port}/v1"
         yield info
 
@@ -87,6 +90,26 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
         assert other.model_extra["sharpdraft"]["token_ids"] == ref.tokens, mode
         if mode == "frozen":
             assert other.model_extra["sharpdraft"]["beta"] == 1.0
+
+
+def test_the_sharpdraft_object_reports_the_requests_own_speculation(endpoint, engine):
+    """Beside `usage`, streamed or not: the mode that ran, MAL, the drafts accepted at
+    each step, the mean beta and the visible keys of the last drafter step -- those of
+    the same decode in-process."""
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt = "def area(r):\n    return 3.14159 * r * r\n\n\n" * 6 + "def volume(r):"  # beta > 1
+    gen = engine.generate(engine.encode(prompt), 14, "sharpdraft")
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=14, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=14, temperature=0,
+                                            stream=True))
+    streamed = next(c.model_extra["sharpdraft"] for c in chunks if c.model_extra.get("sharpdraft"))
+    for spec in (reply.model_extra["sharpdraft"], streamed):
+        assert spec["mode"] == "sharpdraft" and spec["token_ids"] == gen.tokens
+        assert spec["accepted_per_step"] == [c - 1 for c in gen.committed_per_step]
+        assert spec["mean_accepted_length"] == pytest.approx(gen.mean_accepted_length)
+        assert spec["mean_beta"] == pytest.approx(sum(gen.beta_per_step) / len(gen.beta_per_step))
+        assert spec["mean_beta"] > 1.0
+        assert spec["visible_keys"] == gen.visible_per_step[-1]
 
 
 def test_streaming_deltas_concatenate_to_the_same_text(endpoint, engine):

@@ -53,7 +53,8 @@ def test_config_declares_the_issue_contract(tiny_engine):
         "prompt": "TYPE_STRING", "max_new_tokens": "TYPE_INT32", "temperature": "TYPE_FP32",
         "top_p": "TYPE_FP32", "seed": "TYPE_INT64", "sharpdraft": "TYPE_BOOL", "mode": "TYPE_STRING",
         "text": "TYPE_STRING", "token_ids": "TYPE_INT64", "mean_accepted_length": "TYPE_FP32",
-        "verify_steps": "TYPE_INT32", "beta": "TYPE_FP32", "finish_reason": "TYPE_STRING"}
+        "verify_steps": "TYPE_INT32", "beta": "TYPE_FP32", "finish_reason": "TYPE_STRING",
+        "speculation": "TYPE_STRING"}
     optional = {k for k, v in declared.items() if v[2]}
     assert optional == {"temperature", "top_p", "seed", "sharpdraft", "mode"}
     assert declared["token_ids"][1] == "-1"

@@ -238,11 +238,11 @@ def test_loadtest_runs_the_plain_model_when_asked(served, capsys):
     assert code == 0 and not report["streaming"] and report["levels"][0]["ok"] == 4
 
 
-def _stream(served, prompt, n, responses, cancel_after=None):
+def _stream(served, prompt, n, responses, cancel_after=None, **optional):
     """One gRPC stream: (token ids, final response or None, error or None)."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{served['grpc_port']}")
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    client.async_stream_infer(served["stream_model"], _inputs(grpcclient, prompt, n))
+    client.async_stream_infer(served["stream_model"], _inputs(grpcclient, prompt, n, **optional))
     ids = []
     try:
         while True:
@@ -322,3 +322,73 @@ def test_a_request_names_its_mode_and_gets_what_generate_mode_gives(served, tiny
     ref = json.loads(capsys.readouterr().out)
     assert sum((e["token_ids"] if isinstance(e["token_ids"], list) else [e["token_ids"]]
                 for e in events), []) == ref["tokens"]
+
+
+def _scrape(served) -> dict:
+    from runtime.metrics import read_speculation
+
+    with urllib.request.urlopen(served["metrics"], timeout=30) as response:
+        return read_speculation(response.read().decode())
+
+
+def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine):
+    """Triton's real metrics endpoint, scraped before and after real requests (plain and
+    streaming, three modes, two instances): per model and mode, the sharpdraft_spec_*
+    counters grew by exactly the steps, drafts, accepted tokens and drafter steps the
+    responses' own `sharpdraft` objects report -- and those objects equal what the
+    same prompts record in-process."""
+    from runtime.engine import Engine
+    from runtime.metrics import context_bucket
+
+    engine = Engine(tiny_engine)
+    repeated = PROMPTS[0] + "\n" + PROMPTS[0]  # the lookup finds drafts: the drafter sits out
+    work = [(served["model"], LONG_PROMPT, 10, "sharpdraft"), (served["model"], repeated, 12, "hybrid"),
+            (served["stream_model"], PROMPTS[1], 9, "sharpdraft"), (served["model"], PROMPTS[2], 7, "target"),
+            (served["stream_model"], LONG_PROMPT + "\n", 11, "frozen")]
+    before = _scrape(served)
+    objects = []
+    for model, prompt, n, mode in work:
+        if model == served["stream_model"]:
+            ids, final, error = _stream(served, prompt, n, queue.Queue(), mode=mode)
+            assert error is None
+        else:
+            module, client = _client("http", served)
+            final = client.infer(model, _inputs(module, prompt, n, mode=mode))
+        spec = json.loads(final.as_numpy("speculation")[0])
+        gen = engine.generate(engine.encode(prompt), n, mode)
+        # the response's own figures are the step records of the same decode in-process
+        assert spec["mode"] == mode and spec["verify_steps"] == gen.verify_steps
+        assert spec["accepted_per_step"] == [c - 1 for c in gen.committed_per_step]
+        assert spec["draft_tokens"] == sum(gen.verified_per_step)
+        assert spec["drafter_steps"] == len(gen.beta_per_step)
+        if gen.beta_per_step:
+            assert spec["mean_beta"] == pytest.approx(sum(gen.beta_per_step) / len(gen.beta_per_step))
+            assert spec["visible_keys"] == gen.visible_per_step[-1]
+        objects.append((model, mode, spec, gen))
+    after = _scrape(served)
+
+    assert any(s["mean_beta"] > 1.0 for _, _, s, _ in objects)  # SharpDraft scaled somewhere
+    assert any(s["drafter_steps"] < s["verify_steps"] for _, m, s, _ in objects if m == "hybrid")
+    for model, mode in {(m, mode) for m, mode, _, _ in objects}:
+        mine = [(s, g) for m, md, s, g in objects if (m, md) == (model, mode)]
+        keys = [k for k in after if k[:2] == (model, mode)]
+        assert keys and all(k[2] == context_bucket(len(engine.encode(LONG_PROMPT))) for k in keys)
+
+        def grew(field):
+            return sum(after[k][field] - before.get(k, {}).get(field, 0.0) for k in keys)
+
+        assert grew("requests") == len(mine)
+        assert grew("steps") == sum(s["verify_steps"] for s, _ in mine), (model, mode)
+        assert grew("accepted_tokens") == sum(sum(s["accepted_per_step"]) for s, _ in mine)
+        assert grew("draft_tokens") == sum(s["draft_tokens"] for s, _ in mine)
+        assert grew("beta_count") == sum(s["drafter_steps"] for s, _ in mine)
+        assert grew("beta_sum") == pytest.approx(sum(s["mean_beta"] * s["drafter_steps"] for s, _ in mine),
+                                                 rel=1e-5)
+        uses_drafter = mode != "target"
+        assert grew("drafter_sitouts") == (sum(s["verify_steps"] - s["drafter_steps"] for s, _ in mine)
+                                           if uses_drafter else 0)
+        # position p counts the steps that accepted at least p drafts
+        for p in range(1, 1 + max(max(s["accepted_per_step"], default=0) for s, _ in mine)):
+            got = sum(after[k]["accepted_per_position"].get(p, 0)
+                      - before.get(k, {}).get("accepted_per_position", {}).get(p, 0) for k in keys)
+            assert got == sum(a >= p for s, _ in mine for a in s["accepted_per_step"])

@@ -208,13 +208,18 @@ class OnnxTarget:
         committed so far rather than the whole buffer: a step's scores are [chunk, prefix +
         chunk] per head, so a long prefill costs causal attention (the masked capacity
         would roughly double it) at the price of copying the prefix once per chunk."""
+        self._new_cache(capacity)
+        return self.prefill_more(ids)
+
+    def prefill_more(self, ids: list[int]):
+        """Continue a prefill from the cached length (prefill's loop; chunked prefill
+        calls it per chunk): the last token's logits and every new token's features."""
         import onnxruntime
 
-        self._new_cache(capacity)
         cache, wrap = self.cache, onnxruntime.OrtValue.ortvalue_from_numpy
-        features = []
+        features, done = [], cache.length
         for begin in range(0, len(ids), HOST_PREFILL_CHUNK):
-            held = max(begin, 1)  # a buffer needs a position; past_len 0 masks it
+            held = max(done + begin, 1)  # a buffer needs a position; past_len 0 masks it
             prefix = [[wrap(np.ascontiguousarray(buffer[i, :, :, :held]))
                        for i in range(self.layers)] for buffer in (cache.k, cache.v)]
             self._bind(*prefix)
@@ -543,6 +548,11 @@ class OnnxBatchTarget(BoundRows):
         result = self.single.prefill(ids, capacity)
         self._join(self.single.cache)
         return result
+
+    def join_prefilled(self) -> None:
+        """Make the sequence prefilled on `single` (prefill, prefill_more) the last row:
+        add() in two halves, so a prompt can prefill in chunks between batch steps."""
+        self._join(self.single.cache)
 
     def verify(self, rows: list[list[int]]):
         """One pass per group, its rows padded to its widest; the outputs padded to the

@@ -40,6 +40,14 @@ class TorchTarget:
         return logits[0, -1], None if features is None else features[0]
 
     @torch.inference_mode()
+    def prefill_more(self, ids: list[int]):
+        """Continue a prefill from the cached length (chunked prefill): as prefill, the
+        last token's logits and every new token's features."""
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
+                                      last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    @torch.inference_mode()
     def verify(self, ids: list[int]):
         logits, features = self.model(self._ids(ids), self.cache, self.feature_layers)
         return logits[0], None if features is None else features[0]
@@ -194,6 +202,11 @@ class TorchBatchTarget:
         result = self.single.prefill(ids, capacity)
         self.caches.join(self.single.cache)
         return result
+
+    def join_prefilled(self) -> None:
+        """Make the sequence prefilled on `single` (prefill, prefill_more) the last row:
+        add() in two halves, so a prompt can prefill in chunks between batch steps."""
+        self.caches.join(self.single.cache)
 
     @torch.inference_mode()
     def verify(self, rows: list[list[int]]):

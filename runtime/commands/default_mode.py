@@ -6,14 +6,20 @@ built before, or re-measures it on another machine, without a rebuild.
 
 Decode speed, not MAL: a mode that accepts more but pays more per step (a window, n-gram
 lookup) is only worth defaulting to if it is faster here. Modes run interleaved from one
-prefill, repeat after repeat, so a machine that slows down part-way slows every mode alike."""
+prefill, repeat after repeat, so a machine that slows down part-way slows every mode alike.
+
+Under load the answer can change (a drafter's edge narrows as the batch, not the
+drafter, fills the verify pass), so the modes that batch are also timed as a loaded
+batch (--loaded-batch rows of a shorter prompt decoding together, total tokens per second)
+and both are recorded (by_batch); the served default follows the batch a request joins
+(runtime/modes.py: measured_default)."""
 
 from __future__ import annotations
 
 import json
 
 from runtime.cli import UsageError, progress
-from runtime.measure import CONTEXT, NEW_TOKENS, REPEATS, measure, record
+from runtime.measure import CONTEXT, LOADED_BATCH, NEW_TOKENS, REPEATS, measure, record
 
 
 def add_parser(sub):
@@ -24,6 +30,9 @@ def add_parser(sub):
                    help="prompt tokens from the evaluation split (clipped to the engine's context)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--loaded-batch", type=int, default=LOADED_BATCH,
+                   help="also time the modes that batch with this many rows decoding together "
+                        "(1: one stream only; default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, change nothing")
     p.add_argument("--debug", action="store_true")
 
@@ -31,10 +40,11 @@ def add_parser(sub):
 def run(args) -> int:
     from runtime.engine import Engine
 
-    for flag in ("context", "new_tokens", "repeats"):
+    for flag in ("context", "new_tokens", "repeats", "loaded_batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats}
+    settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                "loaded_batch": args.loaded_batch}
     progress(f"default-mode: every mode of {args.engine_dir}, {args.repeats} repeat(s)")
     if args.dry_run:
         result = measure(Engine(args.engine_dir), progress=progress, **settings)

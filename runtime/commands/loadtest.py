@@ -62,8 +62,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def speculation_summary(objects: list[dict]) -> dict | None:
+    """The responses' own `sharpdraft` objects (Generation.speculation), pooled: the modes
+    that ran, verify steps, draft and accepted tokens, MAL (committed tokens over steps),
+    the acceptance rate and the mean beta over the drafter's steps."""
+    objects = [o for o in objects if o]
+    if not objects:
+        return None
+    steps = sum(o["verify_steps"] for o in objects)
+    accepted = sum(sum(o["accepted_per_step"]) for o in objects)
+    drafts = sum(o["draft_tokens"] for o in objects)
+    drafter_steps = sum(o["drafter_steps"] for o in objects)
+    return {"modes": sorted({o["mode"] for o in objects}), "verify_steps": steps,
+            "draft_tokens": drafts, "accepted_tokens": accepted,
+            "mean_accepted_length": round((accepted + steps) / steps, 4) if steps else 0.0,
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+            "mean_beta": round(sum(o["mean_beta"] * o["drafter_steps"] for o in objects)
+                               / drafter_steps, 4) if drafter_steps else None}
+
+
 def summarize(latencies: list[float], wall: float, tokens: int, mals: list[float],
-              errors: int, first_token: list[float] | None = None) -> dict:
+              errors: int, first_token: list[float] | None = None,
+              speculation: list[dict] | None = None) -> dict:
     done = len(latencies)
     first_token = latencies if first_token is None else first_token
     return {
@@ -74,7 +94,13 @@ def summarize(latencies: list[float], wall: float, tokens: int, mals: list[float
         "ttft_ms": {f"p{q}": round(percentile(first_token, q) * 1000, 1) for q in (50, 95)},
         "latency_ms": {f"p{q}": round(percentile(latencies, q) * 1000, 1) for q in (50, 95, 99)},
         "mean_accepted_length": round(sum(mals) / len(mals), 4) if mals else 0.0,
-    }
+    } | ({"speculation": speculation_summary(speculation)} if speculation is not None else {})
+
+
+def _speculation(result) -> dict | None:
+    """The response's `sharpdraft` object (None from a server that sends none)."""
+    value = result.as_numpy("speculation")
+    return None if value is None else json.loads(bytes(value.reshape(-1)[0]))
 
 
 class Client:
@@ -121,13 +147,14 @@ class Client:
         return inputs
 
     def call(self, prompt: str, max_new_tokens: int, temperature: float):
-        """(token_ids, MAL, seconds to the first token): one response carries them all."""
+        """(token_ids, the sharpdraft object, seconds to the first token): one response
+        carries them all."""
         start = time.perf_counter()
         kwargs = {"client_timeout": self.timeout} if self.grpc else {}
         result = self.client.infer(self.model, self._inputs(prompt, max_new_tokens, temperature),
                                    **kwargs)
-        return (result.as_numpy("token_ids").tolist(),
-                float(result.as_numpy("mean_accepted_length")[0]), time.perf_counter() - start)
+        return (result.as_numpy("token_ids").tolist(), _speculation(result),
+                time.perf_counter() - start)
 
     def call_stream(self, prompt: str, max_new_tokens: int, temperature: float):
         """The same over a gRPC stream: tokens arrive step by step, the stats at the end."""
@@ -149,7 +176,7 @@ class Client:
             if first is None:
                 first = time.perf_counter() - start
             if result.get_response().parameters["triton_final_response"].bool_param:
-                return ids, float(result.as_numpy("mean_accepted_length")[0]), first
+                return ids, _speculation(result), first
             ids += result.as_numpy("token_ids").tolist()
 
     def close(self):
@@ -175,7 +202,7 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
     """Returns (summary, {request index: token_ids})."""
     lock = threading.Lock()
     next_index = iter(range(args.requests))
-    latencies, first_token, mals, outputs, failures = [], [], [], {}, []
+    latencies, first_token, objects, outputs, failures = [], [], [], {}, []
 
     def worker():
         try:
@@ -193,7 +220,7 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
                 start = time.perf_counter()
                 call = client.call_stream if streaming else client.call
                 try:
-                    ids, mal, first = call(prompts[i % len(prompts)], args.max_new_tokens,
+                    ids, spec, first = call(prompts[i % len(prompts)], args.max_new_tokens,
                                            args.temperature)
                 except Exception as exc:
                     with lock:
@@ -203,7 +230,7 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
                 with lock:
                     latencies.append(elapsed)
                     first_token.append(first)
-                    mals.append(mal)
+                    objects.append(spec)
                     outputs[i] = ids
         finally:
             client.close()
@@ -216,8 +243,9 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
         t.join()
     wall = time.perf_counter() - start
     errors = args.requests - len(latencies)
+    mals = [o["mean_accepted_length"] for o in objects if o]
     summary = summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, errors,
-                        first_token)
+                        first_token, objects)
     if failures:
         summary["first_error"] = failures[0]
     return summary, outputs
@@ -234,7 +262,7 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
     engine = Engine(args.engine_dir)
     # the mode the requests name, else what the server runs for a request that names none
     mode = engine.check_mode(args.mode) if args.mode else engine.default_mode
-    latencies, mals, outputs = [], [], {}
+    latencies, mals, objects, outputs = [], [], [], {}
     start = time.perf_counter()
     for i in range(args.requests):
         t0 = time.perf_counter()
@@ -242,9 +270,11 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
                               Sampling(args.temperature))
         latencies.append(time.perf_counter() - t0)
         mals.append(gen.mean_accepted_length)
+        objects.append(gen.speculation(mode))
         outputs[i] = gen.tokens
     wall = time.perf_counter() - start
-    return summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, 0), outputs
+    return summarize(latencies, wall, sum(len(v) for v in outputs.values()), mals, 0,
+                     speculation=objects), outputs
 
 
 def run(args) -> int:
@@ -312,6 +342,14 @@ def format_report(report: dict) -> str:
         lines.append(f"{label:11} {s['ok']:>5} {s['errors']:>6} {s['requests_per_second']:>7.2f} "
                      f"{s['tokens_per_second']:>8.1f} {first['p50']:>9.1f} {first['p95']:>9.1f} "
                      f"{lat['p50']:>8.1f} {lat['p95']:>8.1f} {s['mean_accepted_length']:>6.3f}")
+    for label, s in rows:
+        spec = s.get("speculation")
+        if spec:
+            rate = "-" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.3f}"
+            beta = "-" if spec["mean_beta"] is None else f"{spec['mean_beta']:.3f}"
+            lines.append(f"speculation {label}: {'/'.join(spec['modes'])}, {spec['verify_steps']} "
+                         f"steps, {spec['accepted_tokens']}/{spec['draft_tokens']} drafts accepted "
+                         f"({rate}), MAL {spec['mean_accepted_length']:.3f}, mean beta {beta}")
     for level in report["levels"]:
         if "first_error" in level:
             lines.append(f"first error at concurrency {level['concurrency']}: {level['first_error']}")

@@ -12,7 +12,7 @@ import threading
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
-from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
 
 
 def add_parser(sub):
@@ -31,6 +31,9 @@ def add_parser(sub):
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a batch row per instance before new ones are "
                         "refused as unavailable (default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="chunked prefill: a joining prompt prefills this many tokens between "
+                        "two steps of the running requests (0: whole; default %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                    help="refuse requests above this (default %(default)s)")
     p.add_argument("--backend", choices=RUNNABLE_BACKENDS + ("trtllm",),
@@ -99,7 +102,8 @@ def run(args) -> int:
                                              limit, args.threads,
                                              verify="full" if args.verify else "quick",
                                              backend=args.backend, max_batch=args.max_batch,
-                                             max_queue=args.max_queue)
+                                             max_queue=args.max_queue,
+                                             prefill_chunk=args.prefill_chunk)
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None

@@ -47,12 +47,18 @@ class TritonPythonModel:
         self.engine = Engine(engine_dir, backend=params.get("backend") or None)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         max_batch = int(params.get("max_batch", "1"))
-        self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")))
+        self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")),
+                                       int(params.get("prefill_chunk", "0")))
         self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])
+        from runtime import metrics, modes
+
+        self.speculation = _Speculation(args["model_name"], args["model_instance_name"],
+                                        metrics, modes)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
                                  f"{'streaming' if self.decoupled else 'one response per request'}, "
-                                 f"in-flight batches of up to {max_batch}")
+                                 f"in-flight batches of up to {max_batch}, prompts prefilled "
+                                 f"{self.scheduler.prefill_chunk or 'whole'} tokens at a time")
 
     def execute(self, requests):
         # Both variants answer through each request's response sender, from the
@@ -100,13 +106,17 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             req, ids = self._prepare(request)
-            on_tokens, on_done, on_error = self._callbacks(request, sender)
-            self.scheduler.submit(self.Job(ids, req.max_new_tokens, req.mode(self.engine),
-                                           req.sampling(), on_tokens, on_done, on_error))
+            # a request naming no mode runs the default for the load it joins (the
+            # scheduler sets job.mode at admission)
+            named = req.asked_mode is not None or req.sharpdraft is not None
+            job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
+                           req.sampling(), None, None, None)
+            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
+            self.scheduler.submit(job)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-    def _callbacks(self, request, sender):
+    def _callbacks(self, request, sender, job):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
         Streaming: a response per commit (its token_ids and text), then a final one with
         the statistics and any text held back mid-character. Plain: one final response
@@ -126,8 +136,12 @@ class TritonPythonModel:
 
         def on_done(gen):
             reason = self.protocol.finish_reason(gen)
-            arrays = (self.protocol.outputs(text.flush(), [], gen, reason) if self.decoupled else
-                      self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason))
+            arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
+                      self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
+                                            job.mode))
+            # counted before the reply goes out, so a client that scrapes the metrics
+            # after its response sees its own steps there
+            self.speculation.observe(job.mode, gen)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
@@ -164,3 +178,69 @@ class _BatchPeak:
         if rows > self.peak:
             self.peak = rows
             self.gauge.set(rows)
+
+
+class _Speculation:
+    """What speculation buys, on Triton's metrics endpoint, per model, instance, mode and
+    context-length bucket (runtime/metrics.py: CONTEXT_BUCKETS), from each finished
+    request's recorded steps (Generation.steps: the visible keys and beta the step itself
+    recorded). Counters: sharpdraft_spec_{requests,steps,draft_tokens,accepted_tokens,
+    drafter_sitouts}_total and sharpdraft_spec_accepted_tokens_per_position_total
+    {position}; a histogram of the drafter steps' beta; the mean accepted length as a
+    gauge (committed tokens over verify steps, this instance's requests so far)."""
+
+    COUNTERS = {
+        "requests": "finished requests that ran a verify step (in the bucket of the first)",
+        "steps": "target verify steps",
+        "draft_tokens": "draft tokens verified",
+        "accepted_tokens": "draft tokens accepted (the target's own token not counted)",
+        "drafter_sitouts": "steps of a drafter mode on which the drafter did not run",
+    }
+    BETA_BUCKETS = [1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 2.0]
+
+    def __init__(self, model: str, instance: str, metrics, modes):
+        self.metrics, self.modes = metrics, modes
+        self.labels = {"model": model, "instance": instance}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        # families must outlive their metrics (see _BatchPeak): both are kept
+        self.families = {name: pb_utils.MetricFamily(name=f"sharpdraft_spec_{name}_total",
+                                                     kind=counter, description=description)
+                         for name, description in self.COUNTERS.items()}
+        self.families["per_position"] = pb_utils.MetricFamily(
+            name="sharpdraft_spec_accepted_tokens_per_position_total", kind=counter,
+            description="steps that accepted the draft at this 1-based position")
+        self.families["beta"] = pb_utils.MetricFamily(
+            name="sharpdraft_spec_beta", kind=pb_utils.MetricFamily.HISTOGRAM,
+            description="query scale beta at each drafter step (first query row), as the step recorded it")
+        self.families["mal"] = pb_utils.MetricFamily(
+            name="sharpdraft_spec_mean_accepted_length", kind=gauge,
+            description="tokens committed per target verify step (accepted drafts + the target's own)")
+        self.series: dict = {}
+        self.mal: dict = {}  # (mode, bucket) -> [committed tokens, steps]
+
+    def _metric(self, family: str, buckets=None, **labels):
+        key = (family, tuple(sorted(labels.items())))
+        if key not in self.series:
+            extra = {} if buckets is None else {"buckets": buckets}
+            self.series[key] = self.families[family].Metric(labels=self.labels | labels, **extra)
+        return self.series[key]
+
+    def observe(self, mode, gen) -> None:
+        mode = self.modes.Mode(mode)
+        totals = self.metrics.speculation_totals(gen, mode.uses_drafter_model)
+        first = True
+        for bucket, t in totals.items():
+            labels = {"mode": str(mode), "context": bucket}
+            if first:  # a request counts once, in the bucket its first step ran in
+                self._metric("requests", **labels).increment(1)
+                first = False
+            for name in ("steps", "draft_tokens", "accepted_tokens", "drafter_sitouts"):
+                self._metric(name, **labels).increment(getattr(t, name))
+            for position, count in t.accepted_per_position.items():
+                self._metric("per_position", **labels, position=str(position)).increment(count)
+            for beta in t.betas:
+                self._metric("beta", buckets=self.BETA_BUCKETS, **labels).observe(beta)
+            mal = self.mal.setdefault((str(mode), bucket), [0, 0])
+            mal[0] += t.accepted_tokens + t.steps
+            mal[1] += t.steps
+            self._metric("mal", **labels).set(mal[0] / mal[1])

@@ -298,6 +298,9 @@ class Api:
                              for k in ("mean_accepted_length", "beta") if result.as_numpy(k) is not None}
                     if result.as_numpy("verify_steps") is not None:
                         stats["verify_steps"] = int(result.as_numpy("verify_steps").reshape(-1)[0])
+                    speculation = result.as_numpy("speculation")
+                    if speculation is not None:  # the mode that ran and its speculation
+                        stats |= json.loads(bytes(speculation.reshape(-1)[0]))
                     reason = result.as_numpy("finish_reason")
                     reason = bytes(reason.reshape(-1)[0]).decode() if reason is not None else "length"
                     complete = True

@@ -6,6 +6,7 @@ without a server; the Python-backend model (model.py) only moves tensors in and 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import traceback
 import uuid
@@ -46,6 +47,8 @@ OUTPUTS = (
     Tensor("verify_steps", "TYPE_INT32", np.int32),
     Tensor("beta", "TYPE_FP32", np.float32),  # at the last drafter step
     Tensor("finish_reason", "TYPE_STRING", np.object_),  # "stop" or "length"
+    # JSON: the mode that ran and what its speculation did (Generation.speculation)
+    Tensor("speculation", "TYPE_STRING", np.object_),
 )
 
 
@@ -187,8 +190,8 @@ def ids_array(ids: list[int]) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
 
 
-def outputs(text: str, token_ids: list[int], gen, finish: str) -> dict:
-    """Response tensors for a finished generation (runtime.metrics.Generation)."""
+def outputs(text: str, token_ids: list[int], gen, finish: str, mode) -> dict:
+    """Response tensors for a finished generation (runtime.metrics.Generation) of `mode`."""
     # No drafter step ran (one token asked for, or a stop at once): the query was unscaled.
     beta = gen.beta_per_step[-1] if gen.beta_per_step else 1.0
     return {
@@ -198,6 +201,7 @@ def outputs(text: str, token_ids: list[int], gen, finish: str) -> dict:
         "verify_steps": np.array([gen.verify_steps], dtype=np.int32),
         "beta": np.array([beta], dtype=np.float32),
         "finish_reason": text_array(finish),
+        "speculation": text_array(json.dumps(gen.speculation(mode), separators=(",", ":"))),
     }
 
 

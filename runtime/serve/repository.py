@@ -43,11 +43,18 @@ def _tensor_block(kind: str, tensors) -> str:
 
 
 DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 8, 64  # in-flight batching, per instance
+# Chunked prefill (scheduler.py): a joining prompt prefills this many target tokens between
+# two steps of the running rows (0: whole). A multiple of the ONNX Runtime target's own
+# prefill chunk (128, runtime/backends/onnxruntime.py: HOST_PREFILL_CHUNK), so a chunked
+# prefill there runs the very passes of a whole one; a few hundred tokens, as the field's
+# servers chunk. Not yet measured on an idle machine (scripts/chunked_prefill_ab.sh).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
                  max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> str:
+                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> str:
     # Paths relative to the model's own directory (model.py resolves them against the
     # model_repository path Triton hands it), so a copied or moved checkout still serves.
     def relative(path: Path) -> str:
@@ -57,7 +64,8 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
     # plain model as on the streaming one.
     params = {"engine_dir": relative(engine_dir), "repo_root": relative(REPO_ROOT),
               "max_new_tokens_limit": str(max_new_tokens_limit), "threads": threads,
-              "max_batch": str(max_batch), "max_queue": str(max_queue)}
+              "max_batch": str(max_batch), "max_queue": str(max_queue),
+              "prefill_chunk": str(prefill_chunk)}
     if backend:  # else the backend engine.json names
         params["backend"] = backend
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
@@ -77,14 +85,15 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 
 def write_model(out: Path, name: str, engine_dir: Path, instances: int, streaming: bool,
                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
-                max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> Path:
+                max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Path:
     model_dir = out / name
     if model_dir.exists():  # a previous run's model of the same name: replace it whole
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
         config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads,
-                     backend, max_batch, max_queue))
+                     backend, max_batch, max_queue, prefill_chunk))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
@@ -93,7 +102,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
                      threads: str = "auto", verify: str = "quick", backend: str | None = None,
-                     max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE) -> list[str]:
+                     max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
+                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[str]:
     """Write the model(s) for `engine_dir` into the repository `out`; returns their names."""
     engine_dir = Path(engine_dir)
     read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
@@ -103,6 +113,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
         raise ValueError(f"--max-new-tokens-limit must be >= 1, got {max_new_tokens_limit}")
     if max_batch < 1 or max_queue < 0:
         raise ValueError(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch}, {max_queue}")
+    if prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0 (0: prompts prefill whole), got {prefill_chunk}")
     if threads != "auto" and not (threads.isdigit() and int(threads) >= 1):
         raise ValueError(f"--threads must be 'auto' or a whole number >= 1, got {threads!r}")
     name = model_name(engine_dir, name)
@@ -113,7 +125,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     names = [name] + ([name + STREAM_SUFFIX] if streaming else [])
     for n in names:
         write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend,
-                    max_batch, max_queue)
+                    max_batch, max_queue, prefill_chunk)
     return names
 
 

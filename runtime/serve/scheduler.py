@@ -6,6 +6,15 @@ One thread owns the engine and runs the loop; the Triton model (model.py) only s
 jobs and sends what the callbacks hand it. Pure Python, so it is tested without a server.
 Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
 batch (tensorrt) requests run one at a time on the same thread.
+
+Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt's target prefill runs
+at most prefill_chunk tokens between two steps of the running rows (Decoder.join), so a
+long prompt delays the others by a chunk per step instead of its whole prefill. With
+no row running there is nobody to delay, and joining prompts prefill whole.
+
+A job that names no mode runs the engine's default for the load it joins (running,
+joining and waiting requests, itself included, up to max_batch: Engine.default_mode_at,
+the one rule in runtime/modes.py over the batch sizes the build measured).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import threading
 from typing import Callable
 
 from runtime.decode import Request
+from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
 
 class QueueFull(RuntimeError):
@@ -30,18 +40,31 @@ class Cancelled(Exception):
 class Job:
     ids: list[int]
     max_new_tokens: int
-    mode: str
+    mode: str | None  # None: the engine's default for the batch it joins, set at admission
     sampling: object
     on_tokens: Callable[[list[int]], None]  # raise Cancelled to leave the batch
     on_done: Callable[[object], None]  # the finished Generation
     on_error: Callable[[BaseException], None]
 
 
+@dataclasses.dataclass
+class Joining:
+    """A job whose prompt is prefilling (Decoder.join's generator), `left` tokens to go."""
+    job: Job
+    decoder: object
+    steps: object
+    left: int
+
+
 class StepScheduler:
-    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
+            raise ValueError(f"max_batch must be >= 1, max_queue and prefill_chunk >= 0, got "
+                             f"{max_batch}, {max_queue}, {prefill_chunk}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.prefill_chunk = prefill_chunk
+        self.joining: collections.deque[Joining] = collections.deque()
         self.waiting: collections.deque[Job] = collections.deque()
         self.decoders: dict[str, object] = {}  # mode -> its Decoder
         self.jobs: dict[int, Job] = {}  # id(Sequence) -> its job
@@ -80,32 +103,67 @@ class StepScheduler:
     def _loop(self) -> None:
         while True:
             with self.wake:
-                while not self.stopping and not self.waiting and not self.running:
+                while (not self.stopping and not self.waiting and not self.running
+                       and not self.joining):
                     self.wake.wait()
                 if self.stopping:
                     return
                 admitted = []
-                while self.waiting and self.running + len(admitted) < self.max_batch:
+                while self.waiting and (self.running + len(self.joining) + len(admitted)
+                                        < self.max_batch):
                     admitted.append(self.waiting.popleft())
+                # the default follows the load: the rows these jobs will decode with
+                load = min(self.running + len(self.joining) + len(admitted) + len(self.waiting),
+                           self.max_batch)
             for job in admitted:
-                self._admit(job)
+                self._admit(job, load)
+            self._prefill()
             for decoder in list(self.decoders.values()):
                 if decoder is not None and decoder.active:
                     self._step(decoder)
 
-    def _admit(self, job: Job) -> None:
-        decoder = self._decoder(job.mode)
+    def _admit(self, job: Job, load: int = 1) -> None:
         try:
+            if job.mode is None:
+                job.mode = self.engine.default_mode_at(load)
+            decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
                 job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
                                                  on_tokens=job.on_tokens))
                 return
-            seq = decoder.add(Request(job.ids, job.max_new_tokens, job.sampling,
-                                      self.engine.stop_ids, job.on_tokens))
         except Exception as exc:  # bad input, a cancelled stream, a bug: this request alone
             job.on_error(exc)
             return
-        self._finish(seq, job)
+        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling,
+                                     self.engine.stop_ids, job.on_tokens), self.prefill_chunk or None)
+        self.joining.append(Joining(job, decoder, steps, len(job.ids)))
+
+    def _prefill(self) -> None:
+        """Prefill joining prompts: at most prefill_chunk target tokens while rows are
+        running (a join's last part, the drafter's prefill and the first token, is not
+        counted), everything when none is (or chunking is off)."""
+        budget = self.prefill_chunk if self.prefill_chunk and self.running else None
+        while self.joining:
+            if budget is None and self.prefill_chunk and self.running:
+                budget = self.prefill_chunk  # a prompt just joined: it is running now
+            head = self.joining[0]
+            cost = min(head.left, self.prefill_chunk or head.left)
+            if budget is not None and cost > budget:
+                return
+            if budget is not None:
+                budget -= cost
+            head.left -= cost
+            try:
+                next(head.steps)
+                continue  # a chunk done; the prompt joins later
+            except StopIteration as joined:
+                seq = joined.value
+            except Exception as exc:  # bad input, a cancelled stream, a bug: this request alone
+                self.joining.popleft()
+                head.job.on_error(exc)
+                continue
+            self.joining.popleft()
+            self._finish(seq, head.job)
 
     def _step(self, decoder) -> None:
         batch = list(decoder.active)
@@ -116,6 +174,9 @@ class StepScheduler:
                 self.jobs.pop(id(seq)).on_error(exc)
             decoder.active.clear()
             self.decoders = {m: d for m, d in self.decoders.items() if d is not decoder}
+            for entry in [j for j in self.joining if j.decoder is decoder]:
+                self.joining.remove(entry)  # it would join a decoder no longer stepped
+                entry.job.on_error(exc)
             return
         for seq in batch:
             self._finish(seq, self.jobs.pop(id(seq)))

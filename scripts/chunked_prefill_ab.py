@@ -1,0 +1,256 @@
+"""Chunked prefill, A/B in one run: the same engine served twice, one mode, the same long
+prompts at the same concurrency, with `serve --prefill-chunk CHUNK` and with 0 (a joining
+prompt prefills whole), one server after the other on free loopback ports. Every
+request is a gRPC stream; each response's arrival time is kept, so the script reports,
+per arm, what running streams saw while another prompt joined:
+
+- worst_gap_while_joining_ms: the longest wait between two responses of a stream that was
+  already decoding, over the gaps that overlap another request's join (its send to its
+  first token);
+- itl_ms p50/p99 per request (AIPerf's inter-token latency: (last - first response) /
+  (tokens - 1)), and the gaps between consecutive responses p50/p99/max;
+- ttft_ms p50/p99 and output tokens/s;
+- tokens_identical: every stream's tokens equal between the arms (greedy: they must).
+
+With --bound it also times, in this process, one chunk's prefill at the prompts' length
+and one decode step at the concurrency, for the issue's bound (the worst gap while
+joining <= one chunk's prefill + one step). Run it on an idle machine:
+
+    python scripts/chunked_prefill_ab.py --engine-dir engines/dflash-sharpdraft \
+        --mode sharpdraft --tokens 4096 --concurrency 4 --requests 8 --max-new-tokens 64 \
+        --chunk 256 --bound --out results/chunked-prefill-ab.json
+
+Prompts: --tokens-token windows of the evaluation split (scripts/aiperf_prompts.py), or
+--prompts-file (JSONL of {"text": ...}). Progress goes to stderr, one JSON to --out and
+stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_server(args, chunk: int, work: Path):
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", args.engine_dir,
+           "--model-repository", str(work / f"repo-{chunk}"), "--streaming", "--start", "--json",
+           "--instances", "1", "--max-batch", str(args.max_batch), "--prefill-chunk", str(chunk),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"error: serve --prefill-chunk {chunk} exited with {proc.wait()} before ready")
+    return proc, json.loads(line), grpc
+
+
+def stop_server(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stream(grpc_port: int, model: str, prompt: str, n: int, mode: str | None) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    inputs = [grpcclient.InferInput("prompt", [1], "BYTES"),
+              grpcclient.InferInput("max_new_tokens", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([n], dtype=np.int32))
+    if mode:
+        inputs.append(grpcclient.InferInput("mode", [1], "BYTES"))
+        inputs[2].set_data_from_numpy(np.array([mode.encode()], dtype=np.object_))
+    responses = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+    sent = time.perf_counter()
+    client.async_stream_infer(model, inputs)
+    arrivals, ids = [], []  # (time, tokens in that response)
+    try:
+        while True:
+            at, result, error = responses.get(timeout=1800)
+            if error is not None:
+                raise RuntimeError(str(error))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return {"sent": sent, "arrivals": arrivals, "ids": ids,
+                        "sharpdraft": json.loads(result.as_numpy("speculation")[0])}
+            new = result.as_numpy("token_ids").tolist()
+            ids += new
+            arrivals.append((at, len(new)))
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def load(grpc_port: int, model: str, prompts: list[str], args) -> list[dict]:
+    """--concurrency closed-loop clients, --requests in all, request i on prompt i."""
+    results, lock, order = [None] * args.requests, threading.Lock(), iter(range(args.requests))
+
+    def client():
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                results[i] = stream(grpc_port, model, prompts[i % len(prompts)], args.max_new_tokens,
+                                    args.mode)
+            except Exception as exc:  # reported once the load is over, the server stopped
+                results[i] = {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+
+    threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def pct(values, q):
+    return round(float(np.percentile(values, q)) * 1000, 1) if len(values) else None
+
+
+def summarize(results: list[dict]) -> dict:
+    joins = [(r["sent"], r["arrivals"][0][0]) for r in results]
+    gaps, gaps_joining, itl = [], [], []
+    for i, r in enumerate(results):
+        times = [t for t, _ in r["arrivals"]]
+        tokens = sum(n for _, n in r["arrivals"])
+        if tokens > 1:
+            itl.append((times[-1] - times[0]) / (tokens - 1))
+        for a, b in zip(times, times[1:]):
+            gaps.append(b - a)
+            if any(j != i and s < b and e > a for j, (s, e) in enumerate(joins)):
+                gaps_joining.append(b - a)
+    start = min(r["sent"] for r in results)
+    end = max(r["arrivals"][-1][0] for r in results)
+    return {"worst_gap_while_joining_ms": round(max(gaps_joining) * 1000, 1) if gaps_joining else None,
+            "gaps_while_joining": len(gaps_joining),
+            "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
+            "gap_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": pct(gaps, 100)},
+            "ttft_ms": {"p50": pct([e - s for s, e in joins], 50), "p99": pct([e - s for s, e in joins], 99)},
+            "output_tokens_per_s": round(sum(len(r["ids"]) for r in results) / (end - start), 3),
+            "mean_accepted_length": round(sum(sum(r["sharpdraft"]["accepted_per_step"]) + r["sharpdraft"]["verify_steps"]
+                                              for r in results) / sum(r["sharpdraft"]["verify_steps"] for r in results), 4)}
+
+
+def bound(args, prompt_ids: list[int]) -> dict:
+    """One chunk's target prefill at the prompt's length and one decode step of
+    --concurrency rows, timed in this process (median of three)."""
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    engine = Engine(args.engine_dir)
+    decoder = engine.batch_decoder(args.mode or engine.default_mode)
+    single, chunk = decoder.target.single, args.chunk
+    times = []
+    for _ in range(3):
+        single.prefill(prompt_ids[:-chunk], len(prompt_ids) + args.max_new_tokens + 64)
+        start = time.perf_counter()
+        single.prefill_more(prompt_ids[-chunk:])
+        times.append(time.perf_counter() - start)
+    for _ in range(args.concurrency):
+        decoder.add(Request(prompt_ids, args.max_new_tokens))
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        decoder.step()
+        steps.append(time.perf_counter() - start)
+    return {"chunk_prefill_ms": round(float(np.median(times)) * 1000, 1),
+            "step_ms": round(float(np.median(steps)) * 1000, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--mode", help="the mode every request names (default: the engine's default)")
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length (evaluation-split windows)")
+    p.add_argument("--prompts-file", help="JSONL of {\"text\": ...} instead")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=256, help="the chunked arm's --prefill-chunk")
+    p.add_argument("--bound", action="store_true", help="also time one chunk's prefill and one step")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.chunk < 1 or args.concurrency < 1 or args.requests < 1:
+        print("error: --chunk, --concurrency and --requests must be >= 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="chunked-ab-") as tmp:
+        work = Path(tmp)
+        if args.prompts_file:
+            path = Path(args.prompts_file)
+        else:
+            import aiperf_prompts
+
+            path = work / "prompts.jsonl"
+            if aiperf_prompts.main(["--engine-dir", args.engine_dir, "--tokens", str(args.tokens),
+                                    "--count", str(args.requests), "--out", str(path)]):
+                return 1
+        prompts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+        report = {"engine_dir": args.engine_dir, "mode": args.mode, "tokens": args.tokens,
+                  "concurrency": args.concurrency, "requests": args.requests,
+                  "max_new_tokens": args.max_new_tokens, "chunk": args.chunk, "arms": {}}
+        tokens = {}
+        for chunk in (args.chunk, 0):
+            arm = f"chunk-{chunk}" if chunk else "whole"
+            print(f"serving with --prefill-chunk {chunk} ...", file=sys.stderr)
+            proc, info, grpc_port = start_server(args, chunk, work)
+            try:
+                model = next(m for m in info["models"] if m.endswith("-stream"))
+                results = load(grpc_port, model, prompts, args)
+            finally:
+                stop_server(proc)
+            failed = [r["error"] for r in results if "error" in r]
+            if failed:
+                print(f"error: {len(failed)} of {len(results)} requests failed with --prefill-chunk "
+                      f"{chunk}, e.g. {failed[0]}", file=sys.stderr)
+                return 1
+            report["arms"][arm] = summarize(results)
+            tokens[arm] = [r["ids"] for r in results]
+            print(f"{arm}: {json.dumps(report['arms'][arm])}", file=sys.stderr)
+        report["tokens_identical"] = len(set(json.dumps(t) for t in tokens.values())) == 1
+        if args.bound:
+            from runtime.engine import Engine
+
+            ids = Engine(args.engine_dir).encode(prompts[0])
+            report["bound"] = bound(args, ids)
+    text = json.dumps(report, indent=2)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0 if report["tokens_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
