@@ -137,6 +137,10 @@ def compile_step(module: nn.Module, device: torch.device, backend: str = "induct
     from plugins.attention import register
 
     register()  # the op must exist before dynamo meets it
+    # one graph per (batch, width bucket, capacity bucket): more than dynamo's default 8
+    # entries per code object, all of them expected
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
     return torch.compile(module, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 

@@ -1,0 +1,150 @@
+"""The compiled fixed-shape steps (runtime/compiled.py): the same tokens as the eager
+torch roles, one graph with no break, no recompile when only a length changes, device and
+dtype refusals in one line. The fast tier compiles with dynamo's eager backend (the graph
+capture is what breaks or recompiles; seconds); inductor's code runs in the slow tier
+(minutes of compilation on 2 cores). CUDA checks skip without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from plugins.scaling import QueryScaling
+from runtime import proposers
+from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep,
+                              resolve_device, resolve_dtype, static_capacity)
+from runtime.decode import Decoder, Request
+from runtime.models.dflash import DFlashConfig, DFlashDrafter
+from runtime.models.target import ModelError
+
+VOCAB, BLOCK = 48, 4
+SCALING = QueryScaling(ref_keys=40, top_k=8)  # beta > 1 from ~40 keys: the prompts reach it
+PROMPT = [(7 * i) % VOCAB for i in range(60)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pair(device="cpu", dtype=torch.float64, layers=1):
+    """A float64 target (equal tokens mean equal logic) and a DFlash drafter for it."""
+    target = tiny.float64_target(seed=3, vocab=VOCAB, layers=layers, context=256)
+    c = target.config
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(DFlashConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=1,
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=VOCAB, block_size=BLOCK,
+        mask_token_id=1, target_layer_ids=tuple(range(layers)), num_target_layers=layers))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return target.to(device, dtype), drafter.to(device, dtype).eval()
+
+
+def decode(target, make_drafter=None, tokens=24):
+    proposer = proposers.Block(RowBlockDrafters(make_drafter)) if make_drafter else proposers.NoDrafts()
+    decoder = Decoder(RowTargets(lambda: target, target.context_limit), proposer)
+    return decoder.generate(Request(PROMPT, tokens)).tokens
+
+
+def compiled_roles(target, drafter, backend):
+    features = drafter.config.target_layer_ids
+    ct = CompiledTarget(target, features, buckets=(1, BLOCK), backend=backend)
+    cd = CompiledDFlash(drafter, target, SCALING, backend=backend)
+    return ct, cd
+
+
+def eager_tokens(target, drafter, speculative=True):
+    features = drafter.config.target_layer_ids
+    make = (lambda: TorchDFlash(drafter, target, SCALING)) if speculative else None
+    return decode(TorchTarget(target, features), make)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_steps_equal_eager_and_compile_once(backend):
+    """Token for token the eager roles' output, target-only and speculative. fullgraph=True
+    raises on a graph break; error_on_recompile raises when a step at another length (or
+    another request's) needs a new graph."""
+    import torch._dynamo
+
+    target, drafter = pair()
+    ct, cd = compiled_roles(target, drafter, backend)
+    plain, speculative = eager_tokens(target, drafter, False), eager_tokens(target, drafter)
+    assert plain == speculative  # lossless eagerly, so the comparison below means something
+    assert decode(ct) == plain
+    steps = cd.step  # the drafter's compiled step must actually run, not the eager fallback
+    ran = []
+    cd.step = lambda *a: ran.append(1) or steps(*a)
+    assert decode(ct, lambda: cd) == speculative
+    assert len(ran) > 3
+    # every graph now exists (1-row and block-row verify, the drafter's block): another
+    # request, at other lengths in the same capacity bucket, compiles nothing
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert decode(ct, lambda: cd, tokens=20) == speculative[:20]
+
+
+def test_the_stock_cache_would_break_the_graph():
+    """Why StaticView exists: KVCache.write reads the longest length on the host, which
+    fullgraph refuses -- the check above can fail."""
+    import torch._dynamo
+
+    target, _ = pair()
+    cache = target.new_cache(64, batch=1, per_sequence=True)
+    step = torch.compile(lambda ids, c: target(ids, c), fullgraph=True, backend="eager")
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="data-dependent"):
+        step(torch.tensor([[1, 2]]), cache)
+
+
+def test_static_view_writes_at_each_sequences_length():
+    k = torch.zeros(1, 2, 1, 8, 1)
+    view = StaticView(k, k.clone(), torch.tensor([1, 5]))
+    new = torch.tensor([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])
+    out, _ = view.write(0, view.lengths, new, new)
+    assert out.shape[2] == 8  # the whole buffer: the visible counts bound each row
+    assert out[0, 0, :, 0].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert out[1, 0, :, 0].tolist() == [0, 0, 0, 0, 0, 3, 4, 0]
+
+
+def test_static_capacity_is_a_few_shapes_and_never_past_the_context():
+    assert static_capacity(100, 4096) == 128
+    assert static_capacity(129, 4096) == 256
+    assert static_capacity(4100, 4113) == 4113  # a full-context request pays no doubling
+    assert static_capacity(5000, 4113) == 5000
+
+
+def test_device_and_dtype_refusals_are_one_line():
+    with pytest.raises(ModelError, match="not one of"):
+        resolve_device("tpu")
+    with pytest.raises(ModelError, match="not one of"):
+        resolve_dtype("int8")
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="no CUDA device") as err:
+            resolve_device("cuda")
+        assert "\n" not in str(err.value)
+
+
+def test_target_step_returns_the_eager_logits():
+    """One compiled step against the eager forward at the same cached length."""
+    target, _ = pair()
+    eager_cache = target.new_cache(64)
+    target(torch.tensor([PROMPT[:20]]), eager_cache)
+    buffers = target.new_cache(64)
+    buffers.k.copy_(eager_cache.k), buffers.v.copy_(eager_cache.v)
+    step = torch.compile(TargetStep(target), fullgraph=True, dynamic=False, backend="eager")
+    ids = torch.tensor([PROMPT[20:24]])
+    expected, _ = target(ids, eager_cache)
+    got, _ = step(ids, buffers.k, buffers.v, torch.tensor([20]))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_decode_equals_eager_on_cuda(dtype):
+    target, drafter = pair("cuda", dtype, layers=2)
+    ct, cd = compiled_roles(target, drafter, "inductor")
+    plain = eager_tokens(target, drafter, False)
+    assert decode(ct) == plain
+    assert decode(ct, lambda: cd) == plain == eager_tokens(target, drafter)
