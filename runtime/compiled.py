@@ -104,6 +104,8 @@ class TargetStep(nn.Module):
     """The target over `ids` [b, t] after `cached` [b] tokens: logits [b, t, vocab] and
     the drafter's features [b, t, F] (None without feature layers)."""
 
+    STATIC = (1, 2)  # k, v: the KV buffers, written in place
+
     def __init__(self, model: TargetModel, feature_layers=()):
         super().__init__()
         self.model, self.feature_layers = model, tuple(feature_layers)
@@ -118,6 +120,8 @@ class DraftStep(nn.Module):
     of which the first context_lens [b] are real: logits of the block's draft rows
     [b, block - 1, columns] over the drafter's head."""
 
+    STATIC = (2, 3)  # k, v
+
     def __init__(self, drafter: DFlashDrafter, embed: nn.Embedding, head: DraftHead,
                  scaling: QueryScaling | None, window: int | None):
         super().__init__()
@@ -131,18 +135,59 @@ class DraftStep(nn.Module):
 
 
 def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
-    """One graph per input shape (dynamic=False: a new bucket is a new graph, a new length
-    is not); CUDA graphs on CUDA. backend="eager" runs dynamo alone (the graph-break and
-    recompile checks, in seconds)."""
+    """backend "inductor": torch.compile(fullgraph=True), one graph per input shape
+    (dynamic=False: a new bucket is a new graph, a new length is not), replayed as CUDA
+    graphs on CUDA (mode="reduce-overhead"); "eager": dynamo alone (the graph-break and
+    recompile checks, in seconds); "cudagraph": no compiler, the eager step captured as
+    a CUDA graph per shape (CapturedStep: seconds to make, where inductor takes minutes)."""
     from plugins.attention import register
 
-    register()  # the op must exist before dynamo meets it
+    register()  # the op must exist before dynamo meets it (or a capture runs it)
+    if backend == "cudagraph":
+        if device.type != "cuda":
+            raise ModelError("CUDA graphs need a CUDA device — use backend inductor on CPU")
+        return CapturedStep(module)
     # one graph per (batch, width bucket, capacity bucket): more than dynamo's default 8
     # entries per code object, all of them expected
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
     return torch.compile(module, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+class CapturedStep:
+    """A step module's eager forward captured as one CUDA graph per input shapes and KV
+    buffer addresses (the module's STATIC arguments: read and written in place, never
+    copied); the other inputs are copied into the graph's own before each replay, and the
+    outputs are the graph's (overwritten by its next replay: callers clone)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.static = module, set(module.STATIC)
+        self.graphs = {}
+
+    def _key(self, args):
+        return tuple(a.data_ptr() if i in self.static else (tuple(a.shape), a.dtype)
+                     for i, a in enumerate(args))
+
+    def __call__(self, *args):
+        key = self._key(args)
+        if key not in self.graphs:
+            inputs = [a if i in self.static else a.clone() for i, a in enumerate(args)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (lazy inits, autotune)
+                self.module(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self.module(*inputs)
+            self.graphs[key] = (graph, inputs, outputs)
+        graph, inputs, outputs = self.graphs[key]
+        for i, a in enumerate(args):
+            if i not in self.static:
+                inputs[i].copy_(a, non_blocking=True)
+        graph.replay()
+        return outputs
 
 
 def static_capacity(needed: int, limit: int) -> int:

@@ -148,3 +148,52 @@ def test_cuda_graphs_decode_equals_eager_on_cuda(dtype):
     plain = eager_tokens(target, drafter, False)
     assert decode(ct) == plain
     assert decode(ct, lambda: cd) == plain == eager_tokens(target, drafter)
+
+
+# -- scripts/gpu_e2e.py: the GPU section's plumbing, on CPU -----------------------------------
+
+def gpu_e2e():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_e2e.py"
+    spec = importlib.util.spec_from_file_location("gpu_e2e", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+def test_gpu_e2e_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    section = gpu_e2e()
+    report = section.run(tmp_path)
+    assert report["status"] == "not run" and "CUDA" in report["reason"]
+    assert not (tmp_path / "gpu_e2e.json").exists()  # nothing measured, nothing written
+    assert section.main(["--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_drafter):
+    """Section (a)'s code path on the tiny pair, eagerly on CPU: one row per mode and
+    context with tok/s and MAL, and transformers' peers named in their mode."""
+    section = gpu_e2e()
+    clock = section.Clock(600)
+    cpu = torch.device("cpu")
+    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72, 96), 8, None, clock)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 96) for m in section.MODES]
+    assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
+    assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
+    peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
+    assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
+    assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
+
+
+def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
+    """Built on the meta device (no memory): Qwen3-8B's parameter count and DFlash's
+    default target layers for 36 layers and 5 draft layers."""
+    target, drafter = gpu_e2e().qwen3_8b_shaped("meta", torch.bfloat16)
+    count = sum(p.numel() for p in target.parameters())
+    assert 8.1e9 < count < 8.3e9
+    assert drafter.config.target_layer_ids == (1, 9, 17, 25, 33)
+    assert drafter.config.block_size == 16 and len(drafter.layers) == 5
