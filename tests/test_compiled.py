@@ -141,13 +141,16 @@ def test_target_step_returns_the_eager_logits():
 
 
 @needs_cuda
+@pytest.mark.parametrize("backend", ["cudagraph", "inductor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_decode_equals_eager_on_cuda(dtype):
+def test_cuda_graphs_decode_equals_eager_on_cuda(dtype, backend):
+    """Needs the capturable op (no host read of the visible counts inside it)."""
     target, drafter = pair("cuda", dtype, layers=2)
-    ct, cd = compiled_roles(target, drafter, "inductor")
-    plain = eager_tokens(target, drafter, False)
-    assert decode(ct) == plain
-    assert decode(ct, lambda: cd) == plain == eager_tokens(target, drafter)
+    ct, cd = compiled_roles(target, drafter, backend)
+    plain = decode(ct)
+    assert decode(ct, lambda: cd) == plain  # lossless on the device
+    if backend == "cudagraph" or dtype == torch.float32:  # the same kernels, or fp32's precision
+        assert plain == eager_tokens(target, drafter, False)
 
 
 # -- scripts/gpu_e2e.py: the GPU section's plumbing, on CPU -----------------------------------
