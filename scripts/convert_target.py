@@ -31,11 +31,11 @@ def parse(argv):
     p.add_argument("--out", required=True, metavar="DIR")
     # float16 keeps the Q4_1 values (scale * q + min, scale and min in fp16) closer than bf16
     p.add_argument("--dtype", choices=DTYPES, default="float16")
-    p.add_argument("--shard-mb", type=int, default=60, help="largest shard, in MB (default 60)")
+    p.add_argument("--shard-mb", type=float, default=60, help="largest shard, in MB (default 60)")
     return p.parse_args(argv)
 
 
-def convert(target, out: Path, dtype: str, shard_mb: int) -> list[Path]:
+def convert(target, out: Path, dtype: str, shard_mb: float) -> list[Path]:
     import torch
 
     from build.checkpoints import prepare_target
@@ -45,7 +45,7 @@ def convert(target, out: Path, dtype: str, shard_mb: int) -> list[Path]:
     model, tokenizer = load_hf_causal_lm(source, getattr(torch, dtype))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size=f"{shard_mb}MB")
+    model.save_pretrained(tmp, max_shard_size=int(shard_mb * 10**6))
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -54,8 +54,8 @@ def convert(target, out: Path, dtype: str, shard_mb: int) -> list[Path]:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.shard_mb < 1:
-        print(f"error: --shard-mb must be >= 1, got {args.shard_mb}", file=sys.stderr)
+    if not args.shard_mb > 0:
+        print(f"error: --shard-mb must be > 0, got {args.shard_mb}", file=sys.stderr)
         return 2
     from runtime.models.target import ModelError
 

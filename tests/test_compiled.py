@@ -200,3 +200,36 @@ def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
     assert 8.1e9 < count < 8.3e9
     assert drafter.config.target_layer_ids == (1, 9, 17, 25, 33)
     assert drafter.config.block_size == 16 and len(drafter.layers) == 5
+
+
+def test_convert_target_refuses_bad_input_in_one_line(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "convert_target.py"
+    spec = importlib.util.spec_from_file_location("convert_target", path)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    assert convert.main(["--out", str(tmp_path / "x"), "--shard-mb", "0"]) == 2
+    assert convert.main(["--target", str(tmp_path / "absent"), "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_convert_target_writes_shards_transformers_loads(tiny_target, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from runtime.models.target import load_target
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "convert_target.py"
+    spec = importlib.util.spec_from_file_location("convert_target", path)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    out = tmp_path / "fp16"
+    shards = convert.convert(str(tiny_target), out, "float16", 0.03)  # 30 kB: several shards
+    assert len(shards) > 1 and all(s.stat().st_size <= 31_000 for s in shards)
+    model, _ = load_target(out, torch.float16)
+    original, _ = load_target(tiny_target, torch.float16)
+    for (name, a), b in zip(model.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
