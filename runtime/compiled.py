@@ -82,29 +82,39 @@ def load_dflash(drafter_dir, device="cpu", dtype="float32") -> DFlashDrafter:
 # -- the compiled steps -------------------------------------------------------------------
 
 class StaticView(KVCache):
-    """A step's view of preallocated buffers k, v [layers, batch, kv_heads, capacity, d]:
-    `lengths` [batch] are the cached tokens of each sequence, a device tensor. A write
-    scatters the step's keys at lengths + i (past the committed length they are scratch,
-    as in KVCache) and hands back the whole buffer: the visible counts bound each row,
-    so the attended shape never depends on a length."""
+    """A step's view of preallocated buffers: k, v one [batch, kv_heads, capacity, d]
+    tensor per layer (views of a KVCache's, KVCache.layers), `lengths` [batch] the cached
+    tokens of each sequence, a device tensor. A write puts the step's keys at lengths + i
+    (past the committed length they are scratch, as in KVCache) and hands back the whole
+    layer buffer: the visible counts bound each row, so the attended shape never depends
+    on a length. One tensor per layer, written by index_put_: inductor then writes in
+    place (a scatter into a view of one all-layer tensor copied the whole cache per layer
+    on CPU, 3x a step's time)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], lengths: torch.Tensor):
         # no KVCache.__init__: the buffers exist; nothing here allocates
         self.k, self.v, self.lengths = k, v, lengths
-        self.capacity, self.length = k.shape[3], 0
+        self.capacity, self.length = k[0].shape[2], 0
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
-        index = (start[:, None] + torch.arange(k.shape[2], device=k.device))[:, None, :, None]
-        self.k[layer].scatter_(2, index.expand_as(k), k)
-        self.v[layer].scatter_(2, index.expand_as(v), v)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        at = start[:, None] + torch.arange(k.shape[2], device=k.device)
+        self.k[layer][rows, :, at] = k.transpose(1, 2)  # [b, t] x heads: [b, t, heads, d]
+        self.v[layer][rows, :, at] = v.transpose(1, 2)
         return self.k[layer], self.v[layer]
+
+
+def layers(cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A KVCache's buffers as one view per layer (what StaticView writes in place)."""
+    # select, not unbind: unbind's views may not be written in place outside inference mode
+    return [cache.k[i] for i in range(cache.k.shape[0])], [cache.v[i] for i in range(cache.v.shape[0])]
 
 
 class TargetStep(nn.Module):
     """The target over `ids` [b, t] after `cached` [b] tokens: logits [b, t, vocab] and
     the drafter's features [b, t, F] (None without feature layers)."""
 
-    STATIC = (1, 2)  # k, v: the KV buffers, written in place
+    STATIC = (1, 2)  # k, v: the KV buffers (a tensor per layer), written in place
 
     def __init__(self, model: TargetModel, feature_layers=()):
         super().__init__()
@@ -166,7 +176,7 @@ class CapturedStep:
         self.graphs = {}
 
     def _key(self, args):
-        return tuple(a.data_ptr() if i in self.static else (tuple(a.shape), a.dtype)
+        return tuple(tuple(t.data_ptr() for t in a) if i in self.static else (tuple(a.shape), a.dtype)
                      for i, a in enumerate(args))
 
     def __call__(self, *args):
@@ -215,9 +225,10 @@ class _Buffers:
         cache = self.pool.get(capacity)
         if cache is None:
             cache = self.pool[capacity] = self.make(capacity)
+            cache.layers = layers(cache)
             if cache.k.is_cuda:
-                torch._dynamo.mark_static_address(cache.k)
-                torch._dynamo.mark_static_address(cache.v)
+                for t in cache.layers[0] + cache.layers[1]:
+                    torch._dynamo.mark_static_address(t)
         cache.length = 0
         return cache
 
@@ -255,10 +266,15 @@ class CompiledTarget(TorchTarget):
             return super().verify(ids)
         self.cached.fill_(n)
         x = self._ids(list(ids) + [0] * (width - t))
-        logits, features = self.step(x, self.cache.k, self.cache.v, self.cached)
+        logits, features = self.step(x, *self.cache.layers, self.cached)
         self.cache.length = n + t
         # clone: a CUDA graph's outputs are overwritten by its next replay
         return logits[0, :t].clone(), None if features is None else features[0, :t].clone()
+
+    def verify_tree(self, tree):
+        result = super().verify_tree(tree)  # may grow the cache (KVCache.reserve): new buffers
+        self.cache.layers = layers(self.cache)
+        return result
 
     def restore(self, snap, capacity: int) -> None:
         n, k, v = snap
@@ -312,7 +328,7 @@ class CompiledDFlash(TorchDFlash):
         self.block[0, 0] = bonus
         self.cached.fill_(n)
         self.context_lens.fill_(c)
-        logits = self.step(self.block, self.context, self.cache.k, self.cache.v, self.cached,
+        logits = self.step(self.block, self.context, *self.cache.layers, self.cached,
                            self.context_lens)
         self.cache.length = n + c
         return logits[0].clone(), StepMetadata(n, c).block_keys(self.block_size)

@@ -14,7 +14,7 @@ from plugins.scaling import QueryScaling
 from runtime import proposers
 from runtime.backends.rows import RowBlockDrafters, RowTargets
 from runtime.backends.torch import TorchDFlash, TorchTarget
-from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep,
+from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep, layers,
                               resolve_device, resolve_dtype, static_capacity)
 from runtime.decode import Decoder, Request
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
@@ -98,11 +98,11 @@ def test_the_stock_cache_would_break_the_graph():
 
 
 def test_static_view_writes_at_each_sequences_length():
-    k = torch.zeros(1, 2, 1, 8, 1)
-    view = StaticView(k, k.clone(), torch.tensor([1, 5]))
+    k = torch.zeros(2, 1, 8, 1)
+    view = StaticView([k], [k.clone()], torch.tensor([1, 5]))
     new = torch.tensor([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])
     out, _ = view.write(0, view.lengths, new, new)
-    assert out.shape[2] == 8  # the whole buffer: the visible counts bound each row
+    assert out is k  # in place, and the whole buffer: the visible counts bound each row
     assert out[0, 0, :, 0].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
     assert out[1, 0, :, 0].tolist() == [0, 0, 0, 0, 0, 3, 4, 0]
 
@@ -136,7 +136,7 @@ def test_target_step_returns_the_eager_logits():
     step = torch.compile(TargetStep(target), fullgraph=True, dynamic=False, backend="eager")
     ids = torch.tensor([PROMPT[20:24]])
     expected, _ = target(ids, eager_cache)
-    got, _ = step(ids, buffers.k, buffers.v, torch.tensor([20]))
+    got, _ = step(ids, *layers(buffers), torch.tensor([20]))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
