@@ -43,10 +43,10 @@ def pair(device="cpu", dtype=torch.float64, layers=1):
     return target.to(device, dtype), drafter.to(device, dtype).eval()
 
 
-def decode(target, make_drafter=None, tokens=24):
+def decode(target, make_drafter=None, tokens=24, prompt=PROMPT):
     proposer = proposers.Block(RowBlockDrafters(make_drafter)) if make_drafter else proposers.NoDrafts()
     decoder = Decoder(RowTargets(lambda: target, target.context_limit), proposer)
-    return decoder.generate(Request(PROMPT, tokens)).tokens
+    return decoder.generate(Request(prompt, tokens)).tokens
 
 
 def compiled_roles(target, drafter, backend):
@@ -56,10 +56,10 @@ def compiled_roles(target, drafter, backend):
     return ct, cd
 
 
-def eager_tokens(target, drafter, speculative=True):
+def eager_tokens(target, drafter, speculative=True, **request):
     features = drafter.config.target_layer_ids
     make = (lambda: TorchDFlash(drafter, target, SCALING)) if speculative else None
-    return decode(TorchTarget(target, features), make)
+    return decode(TorchTarget(target, features), make, **request)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -80,9 +80,11 @@ def test_compiled_steps_equal_eager_and_compile_once(backend):
     assert decode(ct, lambda: cd) == speculative
     assert len(ran) > 3
     # every graph now exists (1-row and block-row verify, the drafter's block): another
-    # request, at other lengths in the same capacity bucket, compiles nothing
+    # request, at lengths the first never reached (a shorter prompt) in the same
+    # capacity bucket, compiles nothing
+    shorter = dict(tokens=20, prompt=PROMPT[:45])
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert decode(ct, lambda: cd, tokens=20) == speculative[:20]
+        assert decode(ct, lambda: cd, **shorter) == eager_tokens(target, drafter, **shorter)
 
 
 def test_the_stock_cache_would_break_the_graph():
