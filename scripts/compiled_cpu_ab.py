@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Does the compiled torch path (runtime/compiled.py, inductor on CPU) decode faster than
+the eager torch roles and ONNX Runtime's? Median milliseconds of the target's 1-token
+decode step and of a block-wide verify step, after a prompt of --context tokens, the
+three backends alternating step by step so machine load hits them alike.
+
+    python scripts/compiled_cpu_ab.py --target DIR [--engine-dir ORT_ENGINE] [--context 1024]
+
+--engine-dir: an onnxruntime engine over the same target (build_engine.py --backend
+onnxruntime); without it the ONNX Runtime column is left out. One JSON object on stdout,
+with the command and the machine's load average (a loaded machine's figures are not
+results); progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="compiled_cpu_ab.py", description=__doc__.splitlines()[0])
+    p.add_argument("--target", metavar="DIR", help="transformers directory (default: the default target)")
+    p.add_argument("--engine-dir", metavar="DIR", help="an onnxruntime engine over the same target")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--width", type=int, default=8, help="verify rows (the DFlash block)")
+    p.add_argument("--steps", type=int, default=24, help="timed steps per backend and width")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from build.checkpoints import prepare_target
+    from runtime.backends.torch import TorchTarget
+    from runtime.compiled import CompiledTarget
+    from runtime.models.target import ModelError, load_target
+
+    try:
+        target_dir, _ = prepare_target(args.target, progress=lambda m: print(m, file=sys.stderr))
+        model, _ = load_target(target_dir)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    prompt = [(17 * i + 5) % model.config.vocab_size for i in range(args.context)]
+    capacity = args.context + 4 * args.steps * (args.width + 1) + args.width
+    roles = {"torch eager": TorchTarget(model), "torch compiled (inductor)":
+             CompiledTarget(model, buckets=(1, args.width))}
+    if args.engine_dir:
+        from runtime.engine import Engine
+
+        roles["onnxruntime"] = Engine(args.engine_dir, backend="onnxruntime").target
+    for name, role in roles.items():
+        start = time.perf_counter()
+        role.prefill(prompt, capacity)
+        for width in (1, args.width):  # compiles (or warms up) each step shape
+            role.verify([1] * width)
+            role.rollback(args.context)
+        print(f"{name}: prefill and warm-up {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    times = {(name, w): [] for name in roles for w in (1, args.width)}
+    for _ in range(args.steps):
+        for width in (1, args.width):
+            for name, role in roles.items():
+                start = time.perf_counter()
+                role.verify([1] * width)
+                times[name, width].append((time.perf_counter() - start) * 1e3)
+                role.rollback(args.context)
+    result = {"command": " ".join(["scripts/compiled_cpu_ab.py"] + (argv or sys.argv[1:])),
+              "load_average": os.getloadavg(), "threads": torch.get_num_threads(),
+              "context": args.context,
+              "median_ms": {f"{name}, {w} token(s)": round(statistics.median(v), 2)
+                            for (name, w), v in times.items()}}
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The compiled fixed-shape steps (runtime/compiled.py): the same tokens as the eager
+torch roles, one graph with no break, no recompile when only a length changes, device and
+dtype refusals in one line. The fast tier compiles with dynamo's eager backend (the graph
+capture is what breaks or recompiles; seconds); inductor's code runs in the slow tier
+(minutes of compilation on 2 cores). CUDA checks skip without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from plugins.scaling import QueryScaling
+from runtime import proposers
+from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep, layers,
+                              resolve_device, resolve_dtype, static_capacity)
+from runtime.decode import Decoder, Request
+from runtime.models.dflash import DFlashConfig, DFlashDrafter
+from runtime.models.target import ModelError
+
+VOCAB, BLOCK = 48, 4
+SCALING = QueryScaling(ref_keys=40, top_k=8)  # beta > 1 from ~40 keys: the prompts reach it
+PROMPT = [(7 * i) % VOCAB for i in range(60)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pair(device="cpu", dtype=torch.float64, layers=1):
+    """A float64 target (equal tokens mean equal logic) and a DFlash drafter for it."""
+    target = tiny.float64_target(seed=3, vocab=VOCAB, layers=layers, context=256)
+    c = target.config
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(DFlashConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=1,
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=VOCAB, block_size=BLOCK,
+        mask_token_id=1, target_layer_ids=tuple(range(layers)), num_target_layers=layers))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return target.to(device, dtype), drafter.to(device, dtype).eval()
+
+
+def decode(target, make_drafter=None, tokens=24, prompt=PROMPT):
+    proposer = proposers.Block(RowBlockDrafters(make_drafter)) if make_drafter else proposers.NoDrafts()
+    decoder = Decoder(RowTargets(lambda: target, target.context_limit), proposer)
+    return decoder.generate(Request(prompt, tokens)).tokens
+
+
+def compiled_roles(target, drafter, backend):
+    features = drafter.config.target_layer_ids
+    ct = CompiledTarget(target, features, buckets=(1, BLOCK), backend=backend)
+    cd = CompiledDFlash(drafter, target, SCALING, backend=backend)
+    return ct, cd
+
+
+def eager_tokens(target, drafter, speculative=True, **request):
+    features = drafter.config.target_layer_ids
+    make = (lambda: TorchDFlash(drafter, target, SCALING)) if speculative else None
+    return decode(TorchTarget(target, features), make, **request)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_steps_equal_eager_and_compile_once(backend):
+    """Token for token the eager roles' output, target-only and speculative. fullgraph=True
+    raises on a graph break; error_on_recompile raises when a step at another length (or
+    another request's) needs a new graph."""
+    import torch._dynamo
+
+    target, drafter = pair()
+    ct, cd = compiled_roles(target, drafter, backend)
+    plain, speculative = eager_tokens(target, drafter, False), eager_tokens(target, drafter)
+    assert plain == speculative  # lossless eagerly, so the comparison below means something
+    assert decode(ct) == plain
+    steps = cd.step  # the drafter's compiled step must actually run, not the eager fallback
+    ran = []
+    cd.step = lambda *a: ran.append(1) or steps(*a)
+    assert decode(ct, lambda: cd) == speculative
+    assert len(ran) > 3
+    # every graph now exists (1-row and block-row verify, the drafter's block): another
+    # request, at lengths the first never reached (a shorter prompt) in the same
+    # capacity bucket, compiles nothing
+    shorter = dict(tokens=20, prompt=PROMPT[:45])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert decode(ct, lambda: cd, **shorter) == eager_tokens(target, drafter, **shorter)
+
+
+def test_the_stock_cache_would_break_the_graph():
+    """Why StaticView exists: KVCache.write reads the longest length on the host, which
+    fullgraph refuses -- the check above can fail."""
+    import torch._dynamo
+
+    target, _ = pair()
+    cache = target.new_cache(64, batch=1, per_sequence=True)
+    step = torch.compile(lambda ids, c: target(ids, c), fullgraph=True, backend="eager")
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="data-dependent"):
+        step(torch.tensor([[1, 2]]), cache)
+
+
+def test_static_view_writes_at_each_sequences_length():
+    k = torch.zeros(2, 1, 8, 1)
+    view = StaticView([k], [k.clone()], torch.tensor([1, 5]))
+    new = torch.tensor([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])
+    out, _ = view.write(0, view.lengths, new, new)
+    assert out is k  # in place, and the whole buffer: the visible counts bound each row
+    assert out[0, 0, :, 0].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert out[1, 0, :, 0].tolist() == [0, 0, 0, 0, 0, 3, 4, 0]
+
+
+def test_static_capacity_is_a_few_shapes_and_never_past_the_context():
+    assert static_capacity(100, 4096) == 128
+    assert static_capacity(129, 4096) == 256
+    assert static_capacity(4100, 4113) == 4113  # a full-context request pays no doubling
+    assert static_capacity(5000, 4113) == 5000
+
+
+def test_device_and_dtype_refusals_are_one_line():
+    with pytest.raises(ModelError, match="not one of"):
+        resolve_device("tpu")
+    with pytest.raises(ModelError, match="not one of"):
+        resolve_dtype("int8")
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="no CUDA device") as err:
+            resolve_device("cuda")
+        assert "\n" not in str(err.value)
+
+
+def test_target_step_returns_the_eager_logits():
+    """One compiled step against the eager forward at the same cached length."""
+    target, _ = pair()
+    eager_cache = target.new_cache(64)
+    target(torch.tensor([PROMPT[:20]]), eager_cache)
+    buffers = target.new_cache(64)
+    buffers.k.copy_(eager_cache.k), buffers.v.copy_(eager_cache.v)
+    step = torch.compile(TargetStep(target), fullgraph=True, dynamic=False, backend="eager")
+    ids = torch.tensor([PROMPT[20:24]])
+    expected, _ = target(ids, eager_cache)
+    got, _ = step(ids, *layers(buffers), torch.tensor([20]))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["cudagraph", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_decode_equals_eager_on_cuda(dtype, backend):
+    """Needs the capturable op (no host read of the visible counts inside it)."""
+    target, drafter = pair("cuda", dtype, layers=2)
+    ct, cd = compiled_roles(target, drafter, backend)
+    plain = decode(ct)
+    assert decode(ct, lambda: cd) == plain  # lossless on the device
+    if backend == "cudagraph" or dtype == torch.float32:  # the same kernels, or fp32's precision
+        assert plain == eager_tokens(target, drafter, False)
+
+
+# -- scripts/gpu_e2e.py: the GPU section's plumbing, on CPU -----------------------------------
+
+def gpu_e2e():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_e2e.py"
+    spec = importlib.util.spec_from_file_location("gpu_e2e", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+def test_gpu_e2e_refuses_without_cuda_in_one_line(tmp_path, capsys):
+    section = gpu_e2e()
+    report = section.run(tmp_path)
+    assert report["status"] == "not run" and "CUDA" in report["reason"]
+    assert not (tmp_path / "gpu_e2e.json").exists()  # nothing measured, nothing written
+    assert section.main(["--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_drafter):
+    """Section (a)'s code path on the tiny pair, eagerly on CPU: one row per mode and
+    context with tok/s and MAL, and transformers' peers named in their mode."""
+    section = gpu_e2e()
+    clock = section.Clock(600)
+    cpu = torch.device("cpu")
+    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72, 96), 8, None, clock)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 96) for m in section.MODES]
+    assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
+    assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
+    peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
+    assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
+    assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
+
+
+def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
+    """Built on the meta device (no memory): Qwen3-8B's parameter count and DFlash's
+    default target layers for 36 layers and 5 draft layers."""
+    target, drafter = gpu_e2e().qwen3_8b_shaped("meta", torch.bfloat16)
+    count = sum(p.numel() for p in target.parameters())
+    assert 8.1e9 < count < 8.3e9
+    assert drafter.config.target_layer_ids == (1, 9, 17, 25, 33)
+    assert drafter.config.block_size == 16 and len(drafter.layers) == 5
+
+
+def test_convert_target_refuses_bad_input_in_one_line(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "convert_target.py"
+    spec = importlib.util.spec_from_file_location("convert_target", path)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    assert convert.main(["--out", str(tmp_path / "x"), "--shard-mb", "0"]) == 2
+    assert convert.main(["--target", str(tmp_path / "absent"), "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_convert_target_writes_shards_transformers_loads(tiny_target, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from runtime.models.target import load_target
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "convert_target.py"
+    spec = importlib.util.spec_from_file_location("convert_target", path)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    out = tmp_path / "fp16"
+    shards = convert.convert(str(tiny_target), out, "float16", 0.03)  # 30 kB: several shards
+    assert len(shards) > 1 and all(s.stat().st_size <= 31_000 for s in shards)
+    model, _ = load_target(out, torch.float16)
+    original, _ = load_target(tiny_target, torch.float16)
+    for (name, a), b in zip(model.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
