@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
-from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import TorchDFlash, TorchTarget
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
