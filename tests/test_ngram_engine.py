@@ -16,7 +16,8 @@ PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b
 def ngram_engine(request, tmp_path_factory, tiny_target):
     out = tmp_path_factory.mktemp("engines") / f"ngram-{request.param}"
     assert build_engine.main(["--drafter", "ngram", "--num-draft-tokens", "3", "--target",
-                              str(tiny_target), "--backend", request.param, "--output", str(out)]) == 0
+                              str(tiny_target), "--backend", request.param, "--step-costs", "fixed",
+                              "--output", str(out)]) == 0
     return out
 
 

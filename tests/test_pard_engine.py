@@ -37,7 +37,7 @@ def pard_onnx_engine(tmp_path_factory, long_target, pard_checkpoint):
     assert build("--drafter", "pard", "--sharpdraft", "--target", str(long_target),
                  "--drafter-checkpoint", str(pard_checkpoint), "--ref-keys", "64", "--top-k", "8",
                  "--num-draft-tokens", "3", "--backend", "onnxruntime", "--attention", "plugin",
-                 "--output", str(out)) == 0
+                 "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 
@@ -47,7 +47,7 @@ def pard_torch_engine(tmp_path_factory, tiny_target):
     ckpt = tiny.make_pard(tmp_path_factory.mktemp("pard-small"), tiny_target)
     assert build("--drafter", "pard", "--sharpdraft", "--target", str(tiny_target),
                  "--drafter-checkpoint", str(ckpt), "--ref-keys", "64", "--top-k", "8",
-                 "--backend", "torch", "--output", str(out)) == 0
+                 "--backend", "torch", "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 
