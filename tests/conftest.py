@@ -76,22 +76,29 @@ def long_drafter(tmp_path_factory, long_target) -> Path:
 
 
 @pytest.fixture(scope="session")
-def onnx_engine(tmp_path_factory, long_target, long_drafter) -> Path:
+def export_cache(tmp_path_factory) -> Path:
+    """Where tiny.shared_exports keeps the graphs exported so far in this run."""
+    return tmp_path_factory.mktemp("export-cache")
+
+
+@pytest.fixture(scope="session")
+def onnx_engine(tmp_path_factory, long_target, long_drafter, export_cache) -> Path:
     """A SharpDraft engine of ONNX graphs (plugin form) over the long-context tiny pair,
     built by build_engine.py itself; ref_keys 64 puts beta > 1 from ~70 keys on."""
     import build_engine
 
     out = tmp_path_factory.mktemp("engines") / "tiny-onnx"
-    code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
-                              "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--backend", "onnxruntime", "--attention", "plugin",
-                              *FIXED_COSTS, "--output", str(out)])
+    with tiny.shared_exports(export_cache):
+        code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target",
+                                  str(long_target), "--drafter-checkpoint", str(long_drafter),
+                                  "--ref-keys", "64", "--top-k", "8", "--backend", "onnxruntime",
+                                  "--attention", "plugin", *FIXED_COSTS, "--output", str(out)])
     assert code == 0
     return out
 
 
 @pytest.fixture(scope="session")
-def native_engine(tmp_path_factory, long_target, long_drafter) -> Path:
+def native_engine(tmp_path_factory, long_target, long_drafter, export_cache) -> Path:
     """onnx_engine's pair and scaling in ONNX Runtime's default form: beta in plain ONNX
     ops, and each drafter also over the runtime's cache buffers (drafter-kv.onnx,
     drafter-frozen-kv.onnx), the graphs the runtime then runs; a draft window of 48 context
@@ -99,10 +106,11 @@ def native_engine(tmp_path_factory, long_target, long_drafter) -> Path:
     import build_engine
 
     out = tmp_path_factory.mktemp("engines") / "tiny-native"
-    code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
-                              "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--backend", "onnxruntime", "--draft-window", "48",
-                              *FIXED_COSTS, "--output", str(out)])
+    with tiny.shared_exports(export_cache):
+        code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target",
+                                  str(long_target), "--drafter-checkpoint", str(long_drafter),
+                                  "--ref-keys", "64", "--top-k", "8", "--backend", "onnxruntime",
+                                  "--draft-window", "48", *FIXED_COSTS, "--output", str(out)])
     assert code == 0
     return out
 
@@ -115,14 +123,15 @@ def native_ort_engine(native_engine):
 
 
 @pytest.fixture(scope="session")
-def native_drafter_graph(tmp_path_factory, onnx_engine) -> Path:
+def native_drafter_graph(tmp_path_factory, onnx_engine, export_cache) -> Path:
     """onnx_engine's SharpDraft drafter exported again, with beta in plain ONNX ops."""
     from build import export
     from runtime.engine import Engine
 
     engine = Engine(onnx_engine, backend="torch")
     path = tmp_path_factory.mktemp("native") / "drafter-native.onnx"
-    export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
+    with tiny.shared_exports(export_cache):  # native_engine's drafter.onnx
+        export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
     return path
 
 

@@ -30,7 +30,7 @@ def tree_engine(tmp_path_factory, tiny_target, eagle3_checkpoint):
     assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(tiny_target),
                  "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
                  "--tree-top-k", "3", "--tree-depth", "3", "--tree-total-tokens", "8",
-                 "--backend", "torch", "--output", str(out)) == 0
+                 "--backend", "torch", "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 
@@ -40,7 +40,7 @@ def chain_engine(tmp_path_factory, tiny_target, eagle3_checkpoint):
     assert build("--drafter", "eagle3", "--sharpdraft", "--target", str(tiny_target),
                  "--drafter-checkpoint", str(eagle3_checkpoint), "--ref-keys", "64", "--top-k", "8",
                  "--tree-top-k", "1", "--num-draft-tokens", "3", "--backend", "torch",
-                 "--output", str(out)) == 0
+                 "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 

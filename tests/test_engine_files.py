@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 def build(target, drafter, out, *extra):
     assert build_engine.main(["--sharpdraft", "--backend", "torch", "--target", str(target),
                               "--drafter-checkpoint", str(drafter), "--ref-keys", "64",
-                              "--top-k", "8", "--output", str(out), *extra]) == 0
+                              "--top-k", "8", "--step-costs", "fixed", "--output", str(out),
+                              *extra]) == 0
     return out
 
 
@@ -75,7 +76,8 @@ def test_an_engine_works_after_the_checkout_moves_and_when_copied_elsewhere(tiny
         return done.stdout
 
     python(first, "build_engine.py", "--sharpdraft", "--backend", "torch", "--target",
-           "models/target", "--drafter-checkpoint", "models/drafter", "--output", "engines/e")
+           "models/target", "--drafter-checkpoint", "models/drafter", "--step-costs", "fixed",
+           "--output", "engines/e")
     recorded = json.loads((first / "engines" / "e" / "engine.json").read_text())
     assert recorded["target"]["path"] == "models/target"
     assert recorded["drafter_checkpoint"]["path"] == "models/drafter"

@@ -183,6 +183,15 @@ def test_build_reports_each_stage_and_torch_engines_have_no_graphs(capsys, tiny_
     assert stages == ["load", "export", "check", "build", "measure"]
     engine = Engine(out)
     assert engine.backend == "torch" and engine.context_limit == 300
+    # The fast tier's one build that measures stage 5 (the suite's other builds record fixed
+    # costs): step costs timed on this machine, then every mode decoded, the fastest kept.
+    from runtime.step_costs import StepCosts, fixed_costs
+
+    extra = json.loads((out / "engine.json").read_text())["extra"]
+    costs = StepCosts.from_dict(extra["step_costs"]["torch"])
+    assert costs != fixed_costs(True) and costs.verify_seconds(1, 64) > 0
+    assert list(extra["default_mode"]["tokens_per_second"]) == [str(m) for m in engine.modes]
+    assert engine.default_mode == extra["default_mode"]["mode"]
     with pytest.raises(EngineError, match="--backend onnxruntime"):
         Engine(out, backend="onnxruntime")
 

@@ -96,7 +96,7 @@ def test_bench_runs_a_kept_preset_once(tiny_target, tiny_drafter, doc, tmp_path,
     engine = tmp_path / "preset-engine"  # no calibration, no --ref-keys: the preset itself
     assert build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(tiny_target),
                               "--drafter-checkpoint", str(tiny_drafter), "--backend", "torch",
-                              "--output", str(engine)]) == 0
+                              "--step-costs", "fixed", "--output", str(engine)]) == 0
     out = tmp_path / "kept.json"
     code = run(main, ["bench", "--engine-dir", str(engine), "--lengths", "100", "--new-tokens",
                       "8", "--docs", str(doc), "--repeats", "1", "--modes", "preset", "sharpdraft",

@@ -164,7 +164,7 @@ def test_calibrate_refuses_an_engine_without_the_sharpdraft_mode_saying_why(tiny
 
     out = tmp_path / "ngram"
     assert build_engine.main(["--drafter", "ngram", "--target", str(tiny_target), "--backend",
-                              "torch", "--output", str(out)]) == 0
+                              "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
     capsys.readouterr()
     assert run(main, ["calibrate", "--engine-dir", str(out)]) == 2
     err = capsys.readouterr().err

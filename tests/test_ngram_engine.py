@@ -13,10 +13,17 @@ PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b
 
 
 @pytest.fixture(scope="module", params=["torch", "onnxruntime"])
-def ngram_engine(request, tmp_path_factory, tiny_target):
+def ngram_engine(request, tmp_path_factory, tiny_target, export_cache):
+    """On ONNX Runtime over the long-context target: the target graphs (no features read)
+    are then the PARD engine's (tests/test_pard_engine.py), exported once (tiny.shared_exports)."""
+    import tiny
+
+    target = tiny_target if request.param == "torch" else request.getfixturevalue("long_target")
     out = tmp_path_factory.mktemp("engines") / f"ngram-{request.param}"
-    assert build_engine.main(["--drafter", "ngram", "--num-draft-tokens", "3", "--target",
-                              str(tiny_target), "--backend", request.param, "--output", str(out)]) == 0
+    with tiny.shared_exports(export_cache):
+        assert build_engine.main(["--drafter", "ngram", "--num-draft-tokens", "3", "--target",
+                                  str(target), "--backend", request.param, "--step-costs", "fixed",
+                                  "--output", str(out)]) == 0
     return out
 
 

@@ -31,13 +31,15 @@ def pard_checkpoint(tmp_path_factory, long_target):
 
 
 @pytest.fixture(scope="module")
-def pard_onnx_engine(tmp_path_factory, long_target, pard_checkpoint):
-    """ONNX graphs, plugin form; ref_keys 64 puts beta > 1 from ~70 keys on."""
+def pard_onnx_engine(tmp_path_factory, long_target, pard_checkpoint, export_cache):
+    """ONNX graphs, plugin form; ref_keys 64 puts beta > 1 from ~70 keys on. The target
+    graphs are the n-gram engine's (tests/test_ngram_engine.py), exported once."""
     out = tmp_path_factory.mktemp("engines") / "pard-onnx"
-    assert build("--drafter", "pard", "--sharpdraft", "--target", str(long_target),
-                 "--drafter-checkpoint", str(pard_checkpoint), "--ref-keys", "64", "--top-k", "8",
-                 "--num-draft-tokens", "3", "--backend", "onnxruntime", "--attention", "plugin",
-                 "--output", str(out)) == 0
+    with tiny.shared_exports(export_cache):
+        assert build("--drafter", "pard", "--sharpdraft", "--target", str(long_target),
+                     "--drafter-checkpoint", str(pard_checkpoint), "--ref-keys", "64", "--top-k",
+                     "8", "--num-draft-tokens", "3", "--backend", "onnxruntime", "--attention",
+                     "plugin", "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 
@@ -47,7 +49,7 @@ def pard_torch_engine(tmp_path_factory, tiny_target):
     ckpt = tiny.make_pard(tmp_path_factory.mktemp("pard-small"), tiny_target)
     assert build("--drafter", "pard", "--sharpdraft", "--target", str(tiny_target),
                  "--drafter-checkpoint", str(ckpt), "--ref-keys", "64", "--top-k", "8",
-                 "--backend", "torch", "--output", str(out)) == 0
+                 "--backend", "torch", "--step-costs", "fixed", "--output", str(out)) == 0
     return out
 
 

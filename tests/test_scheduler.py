@@ -110,7 +110,7 @@ def chain_or_tree_engine(request, tmp_path_factory, tiny_target):
     assert build_engine.main(["--drafter", request.param, "--sharpdraft", "--target", str(tiny_target),
                               "--drafter-checkpoint", str(make(folder / "ckpt", tiny_target)),
                               "--ref-keys", "64", "--top-k", "8", "--backend", "torch",
-                              "--output", str(out)]) == 0
+                              "--step-costs", "fixed", "--output", str(out)]) == 0
     return Engine(out)
 
 

@@ -57,14 +57,15 @@ def build(out, target, drafter, attention):
 
 
 @pytest.fixture(scope="module")
-def trt_engines(tmp_path_factory, long_target, long_drafter):
-    """form -> engine dir, built (once per form) by build_engine.py for the stand-in TensorRT."""
+def trt_engines(tmp_path_factory, long_target, long_drafter, export_cache):
+    """form -> engine dir, built (once per form) by build_engine.py for the stand-in TensorRT
+    (its graphs are onnx_engine's and native_engine's: exported once, tiny.shared_exports)."""
     built = {}
 
     def engine(form: str):
         if form not in built:
             out = tmp_path_factory.mktemp("trt") / f"tiny-trt-{form}"
-            with pytest.MonkeyPatch.context() as patch:
+            with pytest.MonkeyPatch.context() as patch, tiny.shared_exports(export_cache):
                 stand_in(patch)
                 assert build(out, long_target, long_drafter, form) == 0
                 assert fake_tensorrt.MISSING == []

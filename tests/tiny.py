@@ -5,7 +5,10 @@ LM + pard_token). Seeded, built in about a second."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -238,3 +241,59 @@ class RecordedChain:
         proposal = self.inner.draft(ids, features, k, sampler)
         self.proposals.append((proposal.tokens, proposal.visible.tolist()))
         return proposal
+
+
+# The ONNX graphs of one model, exported once per test run: the session engines and the
+# stand-in TensorRT engine over the long pair ask the exporter for the same graphs (the
+# same weights, layers, scaling and form), and each export costs seconds. Inside
+# shared_exports, a graph asked for again is a copy of the file its first export wrote.
+EXPORTERS = ("export_target", "export_target_kv", "export_drafter", "export_drafter_kv")
+_exported: dict = {}
+
+
+def _fingerprint(value) -> str:
+    import hashlib
+
+    if isinstance(value, torch.nn.Module):
+        h = hashlib.sha256(f"{type(value).__name__} {getattr(value, 'config', None)!r}".encode())
+        for name, tensor in sorted(value.state_dict().items()):
+            h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    if hasattr(value, "to_dict"):  # QueryScaling
+        return repr(sorted(value.to_dict().items()))
+    return repr(value)
+
+
+@contextlib.contextmanager
+def shared_exports(cache: Path):
+    """build.export's graph exporters memoised into cache (a folder kept for the session),
+    keyed by everything they read but the output path."""
+    import inspect
+
+    import pytest
+    from build import export
+
+    def memoised(name, real):
+        signature = inspect.signature(real)
+
+        def exporter(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            path = Path(bound.arguments.pop("path"))
+            key = (name,) + tuple((k, _fingerprint(v)) for k, v in bound.arguments.items())
+            if key in _exported:
+                kept, record = _exported[key]
+                shutil.copyfile(kept, path)
+                return copy.deepcopy(record) | {"file": path.name}
+            record = real(*args, **kwargs)
+            kept = cache / f"{len(_exported)}-{path.name}"
+            shutil.copyfile(path, kept)
+            _exported[key] = (kept, copy.deepcopy(record))
+            return record
+
+        return exporter
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in EXPORTERS:
+            patch.setattr(export, name, memoised(name, getattr(export, name)))
+        yield
