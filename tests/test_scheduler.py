@@ -90,12 +90,18 @@ def test_a_bad_or_cancelled_job_fails_alone(engine):
 
 
 def test_a_full_queue_refuses_the_request(engine):
+    """The queue bounds what waits beyond the batch's free rows: with one row and no queue,
+    the first request takes the row and the next, sent while it decodes, is refused."""
     scheduler = StepScheduler(engine, max_batch=1, max_queue=0)
+    first = Outcome()
     try:
+        scheduler.submit(first.job([1, 2], 48))
         with pytest.raises(QueueFull, match="max_queue 0"):
             scheduler.submit(Outcome().job([1, 2], 4))
+        assert first.finished.wait(60)
     finally:
         scheduler.close()
+    assert first.error is None and len(first.gen.tokens) > 1
 
 
 @pytest.fixture(scope="module", params=["pard", "eagle3"])

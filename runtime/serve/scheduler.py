@@ -75,7 +75,11 @@ class StepScheduler:
 
     def submit(self, job: Job) -> None:
         with self.wake:
-            if len(self.waiting) >= self.max_queue:
+            # A request that finds a free row is not queued for long: the queue's bound
+            # counts only what waits beyond the batch's free rows (else two requests that
+            # arrive together at an idle server could refuse each other, before the
+            # scheduler thread has taken the first into the batch).
+            if len(self.waiting) >= self.max_queue + self._free_rows():
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue "
                                 f"{self.max_queue}); retry later")
             self.waiting.append(job)
@@ -86,6 +90,12 @@ class StepScheduler:
             self.stopping = True
             self.wake.notify()
         self.thread.join()
+
+    def _free_rows(self) -> int:
+        # read from the submitting thread: a snapshot of the decoders (the scheduler thread
+        # may add one), lengths read whole
+        rows = sum(len(d.active) for d in list(self.decoders.values()) if d is not None)
+        return max(0, self.max_batch - rows - len(self.joining))
 
     @property
     def running(self) -> int:
