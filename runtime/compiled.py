@@ -20,14 +20,16 @@ import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
-from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import TorchDFlash, TorchTarget
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
 
 DEVICES = ("cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64: the exactness tests' dtype (tests/test_loaders.py); the command line offers the rest
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 
 
 # -- device and dtype: what a torch loader calls ------------------------------------------

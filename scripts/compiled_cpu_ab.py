@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import torch
 
     from build.checkpoints import prepare_target
-    from runtime.backends.torch import TorchTarget
+    from runtime.backends.pytorch import TorchTarget
     from runtime.compiled import CompiledTarget
     from runtime.models.target import ModelError, load_target
 

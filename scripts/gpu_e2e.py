@@ -113,7 +113,7 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
 
 
 def make_target(model, feature_layers, buckets, steps):
-    from runtime.backends.torch import TorchTarget
+    from runtime.backends.pytorch import TorchTarget
     from runtime.compiled import CompiledTarget
 
     if steps is None:
@@ -122,7 +122,7 @@ def make_target(model, feature_layers, buckets, steps):
 
 
 def make_drafter(drafter_model, target_model, scaling, window, steps):
-    from runtime.backends.torch import TorchDFlash
+    from runtime.backends.pytorch import TorchDFlash
     from runtime.compiled import CompiledDFlash
 
     if steps is None:

@@ -13,7 +13,7 @@ import tiny
 from plugins.scaling import QueryScaling
 from runtime import proposers
 from runtime.backends.rows import RowBlockDrafters, RowTargets
-from runtime.backends.torch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import TorchDFlash, TorchTarget
 from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep, layers,
                               resolve_device, resolve_dtype, static_capacity)
 from runtime.decode import Decoder, Request
