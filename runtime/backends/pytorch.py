@@ -387,8 +387,8 @@ class TorchLoaded:
                  device: str = "cpu", dtype: str | None = None, steps: str | None = None):
         from runtime import compiled
 
-        if steps is not None and steps not in STEPS:
-            raise ModelError(f"steps {steps!r} is not one of {', '.join(STEPS)}")
+        if steps is not None and steps not in compiled.STEPS:
+            raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
         self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
         self.model, self.tokenizer = compiled.load_target(manifest.target_dir, self.device, self.dtype)
@@ -435,9 +435,6 @@ class TorchLoaded:
     def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
         return TorchBatchDFlash(self.drafter_model, self.model, scaling)
 
-
-# TorchLoaded's `steps` (runtime/compiled.py: compile_step's backends)
-STEPS = ("eager", "inductor", "cudagraph")
 
 # drafter family -> its per-row drafter on this backend
 DRAFTERS = {
