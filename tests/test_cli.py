@@ -232,3 +232,10 @@ def test_serve_writes_the_placement_into_the_repository(tiny_engine, tmp_path, c
     assert 'key: "device"\n  value: { string_value: "cpu" }' in config
     assert 'key: "steps"\n  value: { string_value: "eager" }' in config
     assert 'key: "dtype"' not in config
+
+
+def test_steps_on_an_onnxruntime_run_is_refused_in_one_line(tiny_engine, capsys):
+    code, out, err = generate(tiny_engine, "--prompt", "x", "--backend", "onnxruntime", "--steps", "eager",
+                              capsys=capsys)
+    assert code != 0 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "runs exported graphs, not compiled torch steps" in err

@@ -93,3 +93,15 @@ def test_the_torch_loader_refuses_unknown_steps_in_one_line(tiny_engine):
         Engine(tiny_engine, steps="tensorrt")
     assert "steps 'tensorrt' is not one of eager, inductor, cudagraph" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_the_other_loaders_refuse_compiled_torch_steps_in_one_line(tmp_path):
+    from runtime.backends.onnxruntime import OnnxEngine
+    from runtime.backends.tensorrt_plans import TensorRTEngine
+
+    for loader, says in ((OnnxEngine, "the onnxruntime backend runs exported graphs"),
+                         (TensorRTEngine, "the tensorrt backend runs built plans")):
+        with pytest.raises(EngineError) as info:
+            loader(tmp_path, None, steps="eager")
+        assert says in str(info.value) and "--backend torch" in str(info.value)
+        assert "\n" not in str(info.value)
