@@ -27,6 +27,37 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def add_device_options(p) -> None:
+    """--device, --dtype, --steps: where and how the torch backend runs an engine
+    (runtime/compiled.py; Engine passes them to the backend's loader)."""
+    from runtime.compiled import DEVICES, DTYPES, STEPS
+
+    p.add_argument("--device", choices=DEVICES,
+                   help="torch backend: run target and drafter on this device (default cpu)")
+    p.add_argument("--dtype", choices=[d for d in DTYPES if d != "float64"],
+                   help="torch backend: weights and KV caches in this dtype (default: engine.json's)")
+    p.add_argument("--steps", choices=STEPS,
+                   help="torch backend: compiled fixed-shape decode, verify and DFlash steps "
+                        "(eager: dynamo alone; inductor: torch.compile, CUDA graphs on cuda; "
+                        "cudagraph: eager steps captured as CUDA graphs, cuda only); "
+                        "default: every step eager")
+
+
+def device_options(args) -> dict:
+    """The Engine keywords of add_device_options' flags; a cuda the host lacks, or CUDA
+    graphs off cuda, refused as bad usage."""
+    options = {k: getattr(args, k, None) for k in ("device", "dtype", "steps")}
+    if options["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device here — pass --device cpu")
+    if options["steps"] == "cudagraph" and options["device"] != "cuda":
+        raise UsageError("--steps cudagraph captures CUDA graphs: it needs --device cuda "
+                         "(on the cpu: --steps inductor or eager)")
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

@@ -27,7 +27,11 @@ from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
 
 DEVICES = ("cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# compile_step's backends: TorchLoaded's `steps`, the commands' --steps
+STEPS = ("eager", "inductor", "cudagraph")
+# float64: the exactness tests' dtype (tests/test_loaders.py); the command line offers the rest
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 
 
 # -- device and dtype: what a torch loader calls ------------------------------------------

@@ -25,11 +25,12 @@ from runtime.step_costs import StepCosts
 
 class Engine:
     """An engine directory opened by its backend's loader (runtime/backends: LOADERS);
-    `device` / `dtype` are the loader's (torch: cpu / cuda, any dtype; default cpu and
-    engine.json's dtype)."""
+    `device` / `dtype` / `steps` are the loader's (torch: cpu / cuda, any dtype, compiled
+    steps or eager; default cpu, engine.json's dtype, eager); a loader that cannot honour
+    one refuses it."""
 
     def __init__(self, engine_dir: str | Path, verify: str = "quick", backend: str | None = None,
-                 device: str | None = None, dtype: str | None = None):
+                 device: str | None = None, dtype: str | None = None, steps: str | None = None):
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir, verify=verify)
         if self.manifest.drafter not in DRAFTERS:
@@ -55,7 +56,8 @@ class Engine:
         # step verifies the whole block.
         costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
         self.step_costs = StepCosts.from_dict(costs) if costs else None
-        options = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps))
+                   if v is not None}
         self.loaded = loader(self.dir, self.manifest, drafting, **options)
         self.tokenizer, self.target = self.loaded.tokenizer, self.loaded.target
         # Engines built with --max-seq-len serve no longer sequences, whichever backend runs.

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import build_engine
 from runtime.__main__ import main as runtime_main
@@ -166,3 +167,75 @@ def test_streamed_terminal_text_never_shows_half_a_character(tiny_engine, monkey
     code, out, err = generate(tiny_engine, "--prompt", "x", capsys=capsys)
     assert code == 0, err
     assert out == "café\n"
+
+
+def test_generate_with_compiled_steps_gives_the_eager_tokens(tiny_engine, capsys):
+    """--steps eager (dynamo alone, cheap): the compiled target and drafter steps decode
+    the default engine's greedy tokens, speculative and target-only."""
+    tokens = {}
+    for extra in ([], ["--steps", "eager"], ["--steps", "eager", "--target-only"],
+                  ["--steps", "eager", "--device", "cpu", "--dtype", "float32"]):
+        code, out, err = generate(tiny_engine, "--prompt", "import os\n", "--max-new-tokens", "20",
+                                  "--ignore-eos", "--json", *extra, capsys=capsys)
+        assert code == 0, err
+        tokens[" ".join(extra)] = json.loads(out)["tokens"]
+    assert len(set(map(tuple, tokens.values()))) == 1, tokens
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--steps", "fast"], "argument --steps: invalid choice: 'fast'"),
+    (["--steps", "cudagraph", "--device", "cpu"], "--steps cudagraph captures CUDA graphs"),
+])
+def test_bad_device_flags_are_one_line(tiny_engine, tmp_path, capsys, command, args, message):
+    extra = {"generate": ["--prompt", "x"], "bench": [],
+             "serve": ["--model-repository", str(tmp_path / "repo")]}[command]
+    code, out, err = call(runtime_main, [command, "--engine-dir", str(tiny_engine), *extra, *args],
+                          capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_device_cuda_without_cuda_is_refused_in_one_line(tiny_engine, tmp_path, capsys, command):
+    extra = {"generate": ["--prompt", "x"], "bench": [],
+             "serve": ["--model-repository", str(tmp_path / "repo")]}[command]
+    code, out, err = call(runtime_main, [command, "--engine-dir", str(tiny_engine), *extra,
+                                         "--device", "cuda", "--dtype", "bfloat16"], capsys)
+    assert code == 2 and err == "error: --device cuda: torch sees no CUDA device here — pass --device cpu\n"
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_speculative_equals_target_only_on_cuda_in_bfloat16(tiny_engine, capsys):
+    tokens = {}
+    for mode in ([], ["--target-only"]):
+        code, out, err = generate(tiny_engine, "--prompt", "import os\n", "--max-new-tokens", "30",
+                                  "--ignore-eos", "--json", "--device", "cuda", "--dtype", "bfloat16",
+                                  *mode, capsys=capsys)
+        assert code == 0, err
+        result = json.loads(out)
+        tokens[result["mode"]] = result["tokens"]
+    assert tokens["sharpdraft"] == tokens["target"]
+
+
+def test_serve_writes_the_placement_into_the_repository(tiny_engine, tmp_path, capsys):
+    code, out, err = call(runtime_main, ["serve", "--engine-dir", str(tiny_engine), "--model-repository",
+                                         str(tmp_path / "repo"), "--device", "cpu", "--steps", "eager",
+                                         "--json"], capsys)
+    assert code == 0, err
+    (name,) = json.loads(out)["models"]
+    config = (tmp_path / "repo" / name / "config.pbtxt").read_text()
+    assert 'key: "device"\n  value: { string_value: "cpu" }' in config
+    assert 'key: "steps"\n  value: { string_value: "eager" }' in config
+    assert 'key: "dtype"' not in config
+
+
+def test_steps_on_an_onnxruntime_run_is_refused_in_one_line(tiny_engine, capsys):
+    code, out, err = generate(tiny_engine, "--prompt", "x", "--backend", "onnxruntime", "--steps", "eager",
+                              capsys=capsys)
+    assert code != 0 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "runs exported graphs, not compiled torch steps" in err

@@ -62,3 +62,46 @@ def test_a_family_the_backend_cannot_draft_is_refused_before_loading(tiny_engine
     with pytest.raises(EngineError, match="EAGLE-3 runs on the torch and onnxruntime and trtllm "
                                           "backends, not tensorrt — pass --backend onnxruntime"):
         Engine(engine_dir, backend="tensorrt", verify="skip")
+
+
+def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
+    """steps="eager" (dynamo alone: the fast tier's compiler) puts CompiledTarget /
+    CompiledDFlash where TorchTarget / TorchDFlash were; greedy tokens stay the eager
+    engine's, target-only and speculative."""
+    from runtime.backends.pytorch import TorchTarget
+    from runtime.compiled import CompiledDFlash, CompiledTarget
+
+    eager, compiled = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    assert type(eager.target) is TorchTarget and eager.loaded.steps is None
+    assert isinstance(compiled.target, CompiledTarget)
+    assert isinstance(compiled.loaded.new_target(), CompiledTarget)
+    assert compiled.target.buckets == tuple(sorted({1, compiled.ngram_settings["num_draft_tokens"] + 1,
+                                                    compiled.manifest.block_size}))
+    assert isinstance(compiled.loaded.drafter(compiled.scaling), CompiledDFlash)
+    assert isinstance(compiled.loaded.drafter(compiled.scaling, window=8), CompiledDFlash)
+    prompt = eager.encode("def fibonacci(n):\n    ")
+    want = eager.generate(prompt, 24, mode="target", stop=False).tokens
+    assert compiled.generate(prompt, 24, mode="target", stop=False).tokens == want
+    assert compiled.generate(prompt, 24, mode="sharpdraft", stop=False).tokens == want
+    assert eager.generate(prompt, 24, mode="sharpdraft", stop=False).tokens == want
+
+
+def test_the_torch_loader_refuses_unknown_steps_in_one_line(tiny_engine):
+    from runtime.models.target import ModelError
+
+    with pytest.raises(ModelError) as info:
+        Engine(tiny_engine, steps="tensorrt")
+    assert "steps 'tensorrt' is not one of eager, inductor, cudagraph" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_other_loaders_refuse_compiled_torch_steps_in_one_line(tmp_path):
+    from runtime.backends.onnxruntime import OnnxEngine
+    from runtime.backends.tensorrt_plans import TensorRTEngine
+
+    for loader, says in ((OnnxEngine, "the onnxruntime backend runs exported graphs"),
+                         (TensorRTEngine, "the tensorrt backend runs built plans")):
+        with pytest.raises(EngineError) as info:
+            loader(tmp_path, None, steps="eager")
+        assert says in str(info.value) and "--backend torch" in str(info.value)
+        assert "\n" not in str(info.value)

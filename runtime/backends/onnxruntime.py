@@ -749,7 +749,10 @@ class OnnxEngine:
     can = modes.BACKENDS["onnxruntime"]
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None,
-                 device: str = "cpu", dtype: str | None = None):
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
+        if steps is not None:
+            raise EngineError(f"{engine_dir}: the onnxruntime backend runs exported graphs, "
+                              f"not compiled torch steps ({steps}) — pass --backend torch")
         if str(device) != "cpu" or dtype not in (None, "float32"):
             raise EngineError(f"{engine_dir}: the onnxruntime backend runs float32 graphs on the "
                               f"cpu, not {dtype or 'float32'} on {device} — pass --backend torch")

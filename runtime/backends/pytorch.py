@@ -13,12 +13,13 @@ from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends import ChainDraft, Drafting
 from runtime.manifest import Manifest
+from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
 from runtime.step_metadata import capacity_bucket, padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
-from runtime.models.target import TargetModel
+from runtime.models.target import ModelError, TargetModel
 from runtime.tree import DraftTree, TreeShape, grow_tree
 
 
@@ -370,38 +371,65 @@ DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_e
 
 class TorchLoaded:
     """An engine directory on the torch backend: the target and drafter models from their
-    checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records)."""
+    checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records;
+    runtime/compiled.py loads and places them).
+
+    `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
+    (runtime/compiled.py: compile_step's backends) make the single-sequence target a
+    CompiledTarget, fixed-shape steps for a decode (1), an n-gram verify (ngram drafts + 1)
+    and a block verify (block_size), and DFlash drafters CompiledDFlash. The batched roles
+    (batch_target, batch_drafter) and the PARD / EAGLE-3 drafters stay eager: no compiled
+    step exists for them yet."""
 
     can = modes.BACKENDS["torch"]
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
-                 device: str = "cpu", dtype: str | None = None):
-        from runtime.models.target import load_target
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
+        from runtime import compiled
 
+        if steps is not None and steps not in compiled.STEPS:
+            raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
-        self.device, self.dtype = str(device), dtype or manifest.dtype
-        torch_dtype = getattr(torch, self.dtype)
-        self.model, self.tokenizer = load_target(manifest.target_dir, torch_dtype)
-        self.model.to(self.device)
+        self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
+        self.model, self.tokenizer = compiled.load_target(manifest.target_dir, self.device, self.dtype)
+        torch_dtype = compiled.resolve_dtype(self.dtype)
         self.drafter_model, feature_layers = None, ()
         if manifest.drafter in DRAFTER_LOADERS:
             self.drafter_model, feature_layers = DRAFTER_LOADERS[manifest.drafter](
                 manifest, torch_dtype, self.model)
-            self.drafter_model.to(self.device)
-        self.target = TorchTarget(self.model, feature_layers)
+            compiled.place(self.drafter_model, self.device)
+        self.feature_layers = tuple(feature_layers)
+        # the widths a single sequence's verify takes: a decode step, an n-gram verify
+        # (ngram drafts + the bonus), a block verify
+        ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
+        self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
+        self.target = self.new_target()
 
     def new_target(self) -> TorchTarget:
-        return TorchTarget(self.model, self.target.feature_layers)
+        if self.steps is None:
+            return TorchTarget(self.model, self.feature_layers)
+        from runtime.compiled import CompiledTarget
+
+        return CompiledTarget(self.model, self.feature_layers, buckets=self.buckets,
+                              backend=self.steps)
 
     def batch_target(self) -> TorchBatchTarget:
-        return TorchBatchTarget(self.model, self.target.feature_layers)
+        return TorchBatchTarget(self.model, self.feature_layers)
 
     def has_window(self) -> bool:
         return True
 
+    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
+        """A DFlash drafter role: eager, or compiled with `steps`."""
+        if self.steps is None:
+            return TorchDFlash(self.drafter_model, self.model, scaling, window)
+        from runtime.compiled import CompiledDFlash
+
+        return CompiledDFlash(self.drafter_model, self.model, scaling, window, backend=self.steps)
+
     def drafter(self, scaling: QueryScaling | None, window: int | None = None):
         if window is not None:
-            return TorchDFlash(self.drafter_model, self.model, scaling, window)
+            return self.dflash(scaling, window)
         return DRAFTERS[self.family](self, scaling)
 
     def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
@@ -410,7 +438,7 @@ class TorchLoaded:
 
 # drafter family -> its per-row drafter on this backend
 DRAFTERS = {
-    "dflash": lambda loaded, scaling: TorchDFlash(loaded.drafter_model, loaded.model, scaling),
+    "dflash": lambda loaded, scaling: loaded.dflash(scaling),
     "pard": lambda loaded, scaling: TorchPARD(loaded.drafter_model, loaded.model.config.vocab_size,
                                               loaded.drafting.max_drafts, scaling),
     "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,

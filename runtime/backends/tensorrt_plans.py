@@ -360,11 +360,15 @@ class TensorRTEngine:
     can = modes.BACKENDS["tensorrt"]
 
     def __init__(self, engine_dir: Path, manifest: Manifest, device: str | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, steps: str | None = None):
         """The tensorrt backend's loader (runtime/backends/__init__.py: LOADERS): plans run
         on the GPU gpu() finds, in the dtype they were built for (`device` / `dtype` may
-        only name those)."""
+        only name those; `steps`, compiled torch steps, is the torch backend's)."""
         from plugins.tensorrt import import_tensorrt, register_plugin
+
+        if steps is not None:
+            raise EngineError(f"{engine_dir}: the tensorrt backend runs built plans, not compiled "
+                              f"torch steps ({steps}) — pass --backend torch")
 
         record = manifest.extra.get("tensorrt")
         if not record or not record.get("plans"):

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.cli import UsageError, progress
+from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.commands.provenance import provenance
 from runtime.measure import decode_from_one_prefill  # noqa: F401 -- bench's runs
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
@@ -40,6 +40,7 @@ def add_parser(sub):
                                      "SharpDraft from the same prefill")
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--backend", choices=RUNNABLE_BACKENDS)
+    add_device_options(p)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--docs", nargs="+", metavar="FILE", help="text files (default: the 3 longest "
@@ -229,7 +230,8 @@ def run(args) -> int:
     from runtime.engine import Engine
     from runtime.sampling import Sampling
 
-    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
+    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick",
+                    **device_options(args))
     check_args(args, engine.context_limit)
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.cli import UsageError, progress
+from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime import modes
 from runtime.modes import Mode
 from runtime.streaming import TextStream
@@ -27,6 +27,7 @@ def add_parser(sub):
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
                    help="run with this backend instead of the one engine.json names")
+    add_device_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -103,10 +104,15 @@ def run(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    options = device_options(args)
     manifest = read_manifest(Path(args.engine_dir), verify="full" if args.verify else "quick")
     if manifest.backend == "trtllm":
+        if options:
+            raise UsageError(f"--{', --'.join(options)}: for our backends; a trtllm engine runs "
+                             "in TensorRT-LLM, which places it itself")
         return run_trtllm(args, manifest, text)
-    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick")
+    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick",
+                    **options)
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.cli import UsageError, progress
+from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
 from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
 
@@ -40,6 +40,7 @@ def add_parser(sub):
                    help="torch/onnxruntime/tensorrt: our Python-backend model runs the engine with "
                         "this backend instead of the one engine.json names; trtllm: TensorRT-LLM's "
                         "llmapi model with SharpDraft's hook, for engines built with --backend trtllm")
+    add_device_options(p)
     p.add_argument("--threads", default="auto",
                    help="torch threads per instance ('auto': cores / instances)")
     p.add_argument("--llmapi-model", metavar="DIR",
@@ -70,7 +71,11 @@ def run(args) -> int:
     from runtime.serve import repository, server
 
     built_for = _engine_backend(args.engine_dir)
+    placement = device_options(args)
     if (args.backend or built_for) == "trtllm":
+        if placement:
+            raise UsageError(f"--{', --'.join(placement)}: for our backends; TensorRT-LLM places "
+                             "a trtllm engine itself")
         return _write_trtllm(args)
     if built_for == "trtllm":
         raise UsageError(f"{args.engine_dir} is configuration for TensorRT-LLM; serve it with --backend trtllm")
@@ -103,7 +108,8 @@ def run(args) -> int:
                                              verify="full" if args.verify else "quick",
                                              backend=args.backend, max_batch=args.max_batch,
                                              max_queue=args.max_queue,
-                                             prefill_chunk=args.prefill_chunk)
+                                             prefill_chunk=args.prefill_chunk,
+                                             placement=placement)
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None

@@ -54,7 +54,7 @@ DEFAULT_PREFILL_CHUNK = 256
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
                  max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> str:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, placement: dict | None = None) -> str:
     # Paths relative to the model's own directory (model.py resolves them against the
     # model_repository path Triton hands it), so a copied or moved checkout still serves.
     def relative(path: Path) -> str:
@@ -68,6 +68,7 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
               "prefill_chunk": str(prefill_chunk)}
     if backend:  # else the backend engine.json names
         params["backend"] = backend
+    params.update(placement or {})  # device / dtype / steps: Engine's, for the loader
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
             # Triton hands execute() single requests; the model batches them itself, in
@@ -86,14 +87,14 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 def write_model(out: Path, name: str, engine_dir: Path, instances: int, streaming: bool,
                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Path:
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, placement: dict | None = None) -> Path:
     model_dir = out / name
     if model_dir.exists():  # a previous run's model of the same name: replace it whole
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
         config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads,
-                     backend, max_batch, max_queue, prefill_chunk))
+                     backend, max_batch, max_queue, prefill_chunk, placement))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
@@ -103,8 +104,10 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
                      threads: str = "auto", verify: str = "quick", backend: str | None = None,
                      max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[str]:
-    """Write the model(s) for `engine_dir` into the repository `out`; returns their names."""
+                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                     placement: dict | None = None) -> list[str]:
+    """Write the model(s) for `engine_dir` into the repository `out`; returns their names.
+    `placement`: Engine's device / dtype / steps (the commands' --device, --dtype, --steps)."""
     engine_dir = Path(engine_dir)
     read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
     if instances < 1:
@@ -125,7 +128,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     names = [name] + ([name + STREAM_SUFFIX] if streaming else [])
     for n in names:
         write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend,
-                    max_batch, max_queue, prefill_chunk)
+                    max_batch, max_queue, prefill_chunk, placement)
     return names
 
 
