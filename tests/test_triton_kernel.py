@@ -196,8 +196,8 @@ def test_exact_row_tile_for_small_steps_matches_the_reference(seed, group, q_len
     # path) instead of a 16-row tensor-core tile that is mostly padding.
     rows = q_len * group
     block_m = triton_kernel.exact_row_tile(rows)
-    if block_m is None:  # 9..16 rows already fill the 16-row tile at least half
-        assert triton.next_power_of_2(rows) == 16
+    if block_m is None:  # 9 or more rows already fill a 16-row tile at least half
+        assert rows >= 9
         return
     kv_len = q_len + extra
     dtype = torch.float16 if half else torch.float32
