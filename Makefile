@@ -52,11 +52,15 @@ engine: setup
 demo: setup
 	$(PY) -m runtime demo
 
+# Tests run in JOBS pytest-xdist workers (auto: one per core), grouped so that a file's
+# module fixtures and this run's ONNX exports are each made once (tests/conftest.py).
+JOBS ?= auto
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup
 
 test-all: setup
-	$(PY) -m pytest -q -m "slow or not slow" --hypothesis-profile full
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "slow or not slow" --hypothesis-profile full
 
 clean:
 	rm -rf engines/dflash engines/dflash-sharpdraft

@@ -1,5 +1,11 @@
 import os
 
+# Tests run tiny models, in this process and in the ones they start (servers, CLI runs,
+# MPI workers): one thread each, so that two pytest workers (make test: -n auto) and the
+# processes they start do not contend for the same cores (two torch processes with a
+# thread per core each run 10-30x slower on 2 cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 # The Triton kernel runs on CPU through Triton's interpreter; the switch must be set before
@@ -172,3 +178,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_IDS:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+def xdist_group(item) -> str:
+    """Which pytest-xdist worker group a test runs in (make test: --dist loadgroup). A
+    file's tests stay together, so its module fixtures (a served engine, venvs) are made
+    once; every test that reads ONNX graphs exported this run (the export_cache fixture)
+    joins one group, so each graph is exported once, not once per worker."""
+    if "export_cache" in getattr(item, "fixturenames", ()):
+        return "onnx-exports"
+    return item.nodeid.split("::")[0]

@@ -63,7 +63,7 @@ def serve(engine_dir, work: Path, *flags):
     http, grpc, metrics = free_ports(3)
     server_log, cli_err = work / "tritonserver.log", work / "serve.stderr"
     cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(engine_dir),
-           "--model-repository", str(work / "repo"), "--start", "--json", *flags,
+           "--model-repository", str(work / "repo"), "--start", "--json", "--threads", "1", *flags,
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--ready-timeout", str(READY_TIMEOUT), "--server-log", str(server_log)]
     with open(cli_err, "w") as err:
