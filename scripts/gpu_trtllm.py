@@ -82,18 +82,11 @@ def expected(q, counts, active):
 
 def captured(call, graphs: bool):
     """call() captured in a CUDA graph (returns replay), or run eagerly on CPU (returns call)."""
-    import torch
+    from plugins.cuda_graph import capture
 
     if not graphs:
         return call
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # warm-up outside capture, as CUDA-graph runners do
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture(call, warmups=1)  # one warm-up outside capture, as CUDA-graph runners do
     return graph.replay
 
 
