@@ -105,15 +105,9 @@ def time_graph_us(fn, repeats: int) -> float:
     side stream, as torch.cuda.graph requires), averaged over `repeats` replays, median of 5."""
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from plugins.cuda_graph import capture
+
+    graph, _ = capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     samples = []

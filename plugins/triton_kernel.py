@@ -144,6 +144,54 @@ def _attend_rows(Q, K, V, VISIBLE, tile, batch, kv_head, key_lo, key_hi,
 
 
 @triton.jit
+def _store_rows(OUT, out, batch, kv_head, rows, row_ok, group, stride_ob, stride_oh, stride_om, d,
+                HEAD_DIM: tl.constexpr):
+    """Normalised fp32 rows of one tile into OUT (q's dtype), unpacking row = query * group +
+    head_in_group."""
+    query = (rows // group).to(tl.int64)
+    head = kv_head * group + (rows % group)
+    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
+             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _store_partial(PARTIAL_OUT, PARTIAL_LSE, slot, acc, m_i, l_i, row_ok, d, HEAD_DIM: tl.constexpr):
+    """One key slice's partial of a row tile, at scratch rows `slot`: the rows' output
+    normalised over the slice and their log2-domain log-sum-exp (-inf where a row sees
+    none of the slice's keys)."""
+    seen = l_i > 0.0
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(PARTIAL_LSE + slot, lse, mask=row_ok)
+    tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+             acc / tl.where(seen, l_i, 1.0)[:, None], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _merge_partials(PARTIAL_OUT, PARTIAL_LSE, first_slot, slot_step, slices, row_ok, d,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """The partials of `slices` key slices (_store_partial's, slice i at scratch rows
+    first_slot + i * slot_step) merged by their log-sum-exp in slice order: the row tile's
+    normalised output (fp32). CACHE: the loads' cache modifier."""
+    d_ok = d < HEAD_DIM
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, slices):
+        slot = first_slot + i * slot_step
+        lse = tl.load(PARTIAL_LSE + slot, mask=row_ok, other=float("-inf"), cache_modifier=CACHE)
+        part = tl.load(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        total = total * alpha + weight
+        m = m_new
+    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+
+@triton.jit
 def _sharpdraft_attention_kernel(
         Q, K, V, VISIBLE,
         q_len, kv_len, kv_heads, group,
@@ -167,13 +215,16 @@ def _sharpdraft_attention_kernel(
         stride_vb, stride_vh, stride_vn, stride_visible_b,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len * group
-    query = (rows // group).to(tl.int64)
-    head = kv_head * group + (rows % group)
-    d = tl.arange(0, BLOCK_D)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
-             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+    _store_rows(OUT, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], batch, kv_head, rows,
+                rows < q_len * group, group, stride_ob, stride_oh, stride_om, tl.arange(0, BLOCK_D), HEAD_DIM)
+
+
+@triton.jit
+def _split_slots(rows, row_count):
+    """Where the two-launch split keeps this program's rows in its partials, laid out
+    [split, batch * kv_head, row]: (slice 0's slots, the step from one slice to the next)."""
+    first_slot = tl.program_id(1).to(tl.int64) * row_count + rows
+    return first_slot, tl.num_programs(1).to(tl.int64) * row_count
 
 
 @triton.jit
@@ -204,15 +255,9 @@ def _split_keys_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
     row_count = q_len * group
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_count
-    d = tl.arange(0, BLOCK_D)
-    seen = l_i > 0.0
-    # log2-domain log-sum-exp of the slice; -inf where the row sees none of its keys.
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    slot = (split.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * row_count + rows
-    tl.store(PARTIAL_LSE + slot, lse, mask=row_ok)
-    tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
-             acc / tl.where(seen, l_i, 1.0)[:, None], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+    first_slot, slot_step = _split_slots(rows, row_count)
+    _store_partial(PARTIAL_OUT, PARTIAL_LSE, first_slot + split * slot_step, acc, m_i, l_i,
+                   rows < row_count, tl.arange(0, BLOCK_D), HEAD_DIM)
 
 
 @triton.jit
@@ -226,26 +271,10 @@ def _merge_splits(PARTIAL_OUT, PARTIAL_LSE, q_len, kv_heads, group, splits,
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_count
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(0, splits):
-        slot = (split * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * row_count + rows
-        lse = tl.load(PARTIAL_LSE + slot, mask=row_ok, other=float("-inf"))
-        part = tl.load(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + weight[:, None] * part
-        total = total * alpha + weight
-        m = m_new
-    query = (rows // group).to(tl.int64)
-    head = kv_head * group + (rows % group)
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om
-             + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    first_slot, slot_step = _split_slots(rows, row_count)
+    out = _merge_partials(PARTIAL_OUT, PARTIAL_LSE, first_slot, slot_step, splits, row_ok, d,
+                          HEAD_DIM, BLOCK_D, BLOCK_M, "")
+    _store_rows(OUT, out, batch, kv_head, rows, row_ok, group, stride_ob, stride_oh, stride_om, d, HEAD_DIM)
 
 
 @triton.jit
@@ -295,14 +324,9 @@ def _single_launch_kernel(
     programs = tl.num_programs(0) * tl.num_programs(1)
     active, per_slice = _slice_plan(programs, tl.num_programs(2), kv_len, fill_programs,
                                     min_keys_per_split, scratch_rows, counters, BLOCK_M, BLOCK_N)
-    row_count = q_len * group
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_count
-    query = (rows // group).to(tl.int64)
-    head = kv_head * group + (rows % group)
+    row_ok = rows < q_len * group
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    out_at = OUT + batch * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om + d[None, :]
     if slice_id < active:
         key_lo = slice_id * per_slice
         acc, m_i, l_i = _attend_rows(
@@ -311,38 +335,25 @@ def _single_launch_kernel(
             stride_vb, stride_vh, stride_vn, stride_visible_b,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SCORE_SCALE, PRECISION, SCALED, TOP_K, INV_SLOPE, BIAS, CAP)
         if active == 1:
-            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(out_at, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            _store_rows(OUT, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], batch, kv_head, rows, row_ok,
+                        group, stride_ob, stride_oh, stride_om, d, HEAD_DIM)
         else:
+            # Scratch laid out [slice, row tile, BLOCK_M]: one tile's rows per (slice, counter).
             counter = tl.program_id(1) * tl.num_programs(0) + tile
-            slot = (slice_id * programs + counter).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            seen = l_i > 0.0
-            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            tl.store(PARTIAL_LSE + slot, lse)
-            tl.store(PARTIAL_OUT + slot[:, None] * HEAD_DIM + d[None, :],
-                     acc / tl.where(seen, l_i, 1.0)[:, None], mask=d_ok[None, :])
+            first_slot = counter.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            slot_step = programs.to(tl.int64) * BLOCK_M
+            _store_partial(PARTIAL_OUT, PARTIAL_LSE, first_slot + slice_id * slot_step, acc, m_i, l_i,
+                           row_ok, d, HEAD_DIM)
             # Every thread's stores before one thread's release: a CTA barrier, then the
             # counter's acq_rel atomic at GPU scope (the merging program acquires it).
             tl.debug_barrier()
             arrived = tl.atomic_add(ARRIVALS + counter, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
-                m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-                total = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for other in range(0, active):
-                    at = (other * programs + counter).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-                    # .cg: partials come from other SMs; never from this SM's L1.
-                    part_lse = tl.load(PARTIAL_LSE + at, cache_modifier=".cg")
-                    part = tl.load(PARTIAL_OUT + at[:, None] * HEAD_DIM + d[None, :],
-                                   mask=d_ok[None, :], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, part_lse)
-                    alpha = tl.exp2(m - m_new)
-                    weight = tl.exp2(part_lse - m_new)
-                    acc = acc * alpha[:, None] + weight[:, None] * part
-                    total = total * alpha + weight
-                    m = m_new
-                out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-                tl.store(out_at, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                # .cg: partials come from other SMs; never from this SM's L1.
+                out = _merge_partials(PARTIAL_OUT, PARTIAL_LSE, first_slot, slot_step, active, row_ok, d,
+                                      HEAD_DIM, BLOCK_D, BLOCK_M, ".cg")
+                _store_rows(OUT, out, batch, kv_head, rows, row_ok, group, stride_ob, stride_oh, stride_om,
+                            d, HEAD_DIM)
                 tl.atomic_xchg(ARRIVALS + counter, 0, sem="relaxed", scope="gpu")
 
 

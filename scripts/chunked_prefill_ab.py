@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,38 +43,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def start_server(args, chunk: int, work: Path):
-    http, grpc, metrics = free_ports(3)
-    cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", args.engine_dir,
-           "--model-repository", str(work / f"repo-{chunk}"), "--streaming", "--start", "--json",
-           "--instances", "1", "--max-batch", str(args.max_batch), "--prefill-chunk", str(chunk),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"error: serve --prefill-chunk {chunk} exited with {proc.wait()} before ready")
-    return proc, json.loads(line), grpc
+    """The arm's server, ready: (its ServeProcess, serve's JSON line)."""
+    from runtime.serve.launch import NotReady, ServeProcess
 
-
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
+    server = ServeProcess(args.engine_dir, work / f"repo-{chunk}", "--streaming", "--instances", "1",
+                          "--max-batch", str(args.max_batch), "--prefill-chunk", str(chunk))
     try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        return server, server.wait_ready()
+    except NotReady as exc:
+        raise SystemExit(f"error: serve --prefill-chunk {chunk} exited with {exc.code} before ready")
 
 
 def stream(grpc_port: int, model: str, prompt: str, n: int, mode: str | None) -> dict:
@@ -225,12 +201,12 @@ def main(argv=None) -> int:
         for chunk in (args.chunk, 0):
             arm = f"chunk-{chunk}" if chunk else "whole"
             print(f"serving with --prefill-chunk {chunk} ...", file=sys.stderr)
-            proc, info, grpc_port = start_server(args, chunk, work)
+            server, info = start_server(args, chunk, work)
             try:
                 model = next(m for m in info["models"] if m.endswith("-stream"))
-                results = load(grpc_port, model, prompts, args)
+                results = load(server.grpc_port, model, prompts, args)
             finally:
-                stop_server(proc)
+                server.stop(120)
             failed = [r["error"] for r in results if "error" in r]
             if failed:
                 print(f"error: {len(failed)} of {len(results)} requests failed with --prefill-chunk "

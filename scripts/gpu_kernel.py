@@ -129,6 +129,7 @@ def capture(report: dict) -> bool:
 
     from plugins import triton_kernel
     from plugins.attention import reference_attention, sharpdraft_attention
+    from plugins.cuda_graph import capture as capture_graph
     from plugins.scaling import QueryScaling
 
     scaling = QueryScaling()
@@ -141,16 +142,8 @@ def capture(report: dict) -> bool:
     results = {}
     for name, fn in calls.items():
         visible.fill_(2048)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                out = fn()
+            graph, out = capture_graph(fn)
         except Exception as exc:  # the old op failed here: a host read invalidates capture
             results[name] = dict(passed=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
             continue

@@ -82,18 +82,11 @@ def expected(q, counts, active):
 
 def captured(call, graphs: bool):
     """call() captured in a CUDA graph (returns replay), or run eagerly on CPU (returns call)."""
-    import torch
+    from plugins.cuda_graph import capture
 
     if not graphs:
         return call
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # warm-up outside capture, as CUDA-graph runners do
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture(call, warmups=1)  # one warm-up outside capture, as CUDA-graph runners do
     return graph.replay
 
 
@@ -112,6 +105,31 @@ def _kernel_note(name):
             "stand-in's pure-torch kernel")
 
 
+def _replayed(name, wrap, standin, query, active, graphs, started, *, call, lengths, new, counts, cpu,
+              first=False):
+    """The shape every kernel case shares: `wrap` over a recorder of `standin`'s signature,
+    call(wrapped) captured (run eagerly without graphs), the device `lengths` set to `new`
+    IN PLACE, replayed; the query the kernel was handed against beta of `counts`. Then the
+    wrapper over the stand-in's pure-torch kernel, eagerly on the CPU arguments `cpu` (the
+    query under `query`), against the stand-in's own reference (`first`: the first of
+    each output tuple)."""
+    import torch
+
+    from tests import trtllm_standins as k
+
+    kernel, kept = recorder(standin, query)
+    wrapped = wrap(kernel, active)
+    replay = captured(lambda: call(wrapped), graphs)
+    lengths.copy_(torch.tensor(new, dtype=torch.int32))  # in place, as the drafting loop does
+    replay()
+    result = _compare(name, kept["q"], expected(cpu[query], counts, active), _kernel_note(name), new, started)
+    want = k.reference(standin, active, **cpu)
+    got = wrap(standin, active)(**cpu)
+    if first:
+        want, got = want[0], got[0]
+    return result | {"standin_max_abs_error": float((got - want).abs().max())}
+
+
 def case_flash_attn(device, graphs, active):
     import torch
 
@@ -125,24 +143,16 @@ def case_flash_attn(device, graphs, active):
     k_cache = torch.randn(batch, keys, kv_heads, dim, generator=g).to(device)
     v_cache = torch.randn(batch, keys, kv_heads, dim, generator=g).to(device)
     lens = torch.tensor([10, 60, 100], dtype=torch.int32, device=device)
-    kernel, kept = recorder(k.flash_attn_with_kvcache, "q")
-    wrapped = wrap_flash_attn_with_kvcache(kernel, active)
     window = (90, 0)  # caps the count at 91: between beta = 1 and the cap
-    replay = captured(lambda: wrapped(q, k_cache, v_cache, cache_seqlens=lens, causal=True, window_size=window),
-                      graphs)
     new = [150, 9, 70]
-    lens.copy_(torch.tensor(new, dtype=torch.int32))  # in place, as the drafting loop does
-    replay()
     row = torch.arange(q_len)[None, :]
     counts = k.window_mask(torch.tensor(new)[:, None], q_len, row, keys, True, *window).sum(-1)
-    result = _compare("flash_attn_with_kvcache", kept["q"], expected(q, counts, active), _kernel_note(
-        "flash_attn_with_kvcache"), new, started)
-    # eager, CPU: the wrapper over the stand-in kernel equals the stand-in's own reference
     cpu = dict(q=q.cpu(), k_cache=k_cache.cpu(), v_cache=v_cache.cpu(), cache_seqlens=torch.tensor(new),
                causal=True, window_size=window)
-    want = k.reference(k.flash_attn_with_kvcache, active, **cpu)
-    got = wrap_flash_attn_with_kvcache(k.flash_attn_with_kvcache, active)(**cpu)
-    return result | {"standin_max_abs_error": float((got - want).abs().max())}
+    return _replayed("flash_attn_with_kvcache", wrap_flash_attn_with_kvcache, k.flash_attn_with_kvcache, "q",
+                     active, graphs, started, lengths=lens, new=new, counts=counts, cpu=cpu,
+                     call=lambda wrapped: wrapped(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                                  window_size=window))
 
 
 def _pages(totals, kv_heads, dim, page, g, layout):
@@ -168,24 +178,17 @@ def case_trtllm_gen_decode(device, graphs, active):
     query = torch.randn(batch * q_len, heads, dim, generator=g).to(device)
     kv = (k_pages.to(device), v_pages.to(device))
     seq_lens = torch.tensor([12, 70, 130], dtype=torch.int32, device=device)
-    kernel, kept = recorder(k.trtllm_batch_decode_with_kv_cache, "query")
-    wrapped = wrap_trtllm_gen_decode(kernel, active)
     tables_on = tables.to(device)  # every copy to the device happens before capture
-    replay = captured(lambda: wrapped(query, kv, None, tables_on, seq_lens, 200, bmm1_scale=dim ** -0.5,
-                                      q_len_per_req=q_len), graphs)
     new = [190, 40, 90]  # the cap, beta = 1, in between
-    seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
-    replay()
     row = torch.arange(q_len)[None, :]
     counts = k.window_mask(torch.tensor(new)[:, None], q_len, row, 208, True, -1, None).sum(-1).reshape(-1)
-    result = _compare("trtllm_gen_decode", kept["q"], expected(query, counts, active),
-                      _kernel_note("trtllm_gen_decode"), new, started)
     cpu = dict(query=query.cpu(), kv_cache=(k_pages, v_pages), workspace_buffer=None, block_tables=tables,
                seq_lens=torch.tensor(new, dtype=torch.int32), max_seq_len=200, bmm1_scale=dim ** -0.5,
                q_len_per_req=q_len)
-    want = k.reference(k.trtllm_batch_decode_with_kv_cache, active, **cpu)
-    got = wrap_trtllm_gen_decode(k.trtllm_batch_decode_with_kv_cache, active)(**cpu)
-    return result | {"standin_max_abs_error": float((got - want).abs().max())}
+    return _replayed("trtllm_gen_decode", wrap_trtllm_gen_decode, k.trtllm_batch_decode_with_kv_cache, "query",
+                     active, graphs, started, lengths=seq_lens, new=new, counts=counts, cpu=cpu,
+                     call=lambda wrapped: wrapped(query, kv, None, tables_on, seq_lens, 200,
+                                                  bmm1_scale=dim ** -0.5, q_len_per_req=q_len))
 
 
 def case_trtllm_gen_context(device, graphs, active):
@@ -201,25 +204,18 @@ def case_trtllm_gen_context(device, graphs, active):
     query = torch.randn(sum(q_lens), heads, dim, generator=g).to(device)
     cum_q = torch.tensor([0, 3, 8, 12], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([20, 90, 150], dtype=torch.int32, device=device)
-    kernel, kept = recorder(k.trtllm_batch_context_with_kv_cache, "query")
-    wrapped = wrap_trtllm_gen_context(kernel, active)
     kv = (k_pages.to(device), v_pages.to(device))
     tables_on = tables.to(device)  # every copy to the device happens before capture
-    replay = captured(lambda: wrapped(query, kv, None, tables_on, seq_lens, 5, 200, dim ** -0.5, 1.0, 3,
-                                      cum_q, None, causal=False), graphs)
     new = [170, 11, 66]
-    seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
-    replay()
     counts = torch.cat([k.window_mask(torch.tensor([n]), q, torch.arange(q), 208, False, -1, None).sum(-1)
                         for n, q in zip(new, q_lens)])
-    result = _compare("trtllm_gen_context", kept["q"], expected(query, counts, active),
-                      _kernel_note("trtllm_gen_context"), new, started)
     cpu = dict(query=query.cpu(), kv_cache=(k_pages, v_pages), workspace_buffer=None, block_tables=tables,
                seq_lens=torch.tensor(new, dtype=torch.int32), max_q_len=5, max_kv_len=200, bmm1_scale=dim ** -0.5,
                bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cum_q.cpu(), cum_seq_lens_kv=None, causal=False)
-    want = k.reference(k.trtllm_batch_context_with_kv_cache, active, **cpu)
-    got = wrap_trtllm_gen_context(k.trtllm_batch_context_with_kv_cache, active)(**cpu)
-    return result | {"standin_max_abs_error": float((got - want).abs().max())}
+    return _replayed("trtllm_gen_context", wrap_trtllm_gen_context, k.trtllm_batch_context_with_kv_cache, "query",
+                     active, graphs, started, lengths=seq_lens, new=new, counts=counts, cpu=cpu,
+                     call=lambda wrapped: wrapped(query, kv, None, tables_on, seq_lens, 5, 200, dim ** -0.5, 1.0, 3,
+                                                  cum_q, None, causal=False))
 
 
 def case_fa4(device, graphs, active):
@@ -234,23 +230,17 @@ def case_fa4(device, graphs, active):
     k_pages, v_pages, tables = _pages([160, 160], 2, dim, 16, g, "NHD")
     q = torch.randn(batch, q_len, heads, dim, generator=g).to(device)
     used = torch.tensor([30, 100], dtype=torch.int32, device=device)
-    kernel, kept = recorder(k._flash_attn_fwd, "q")
-    wrapped = wrap_fa4_fwd(kernel, active)
     kv = (k_pages.to(device), v_pages.to(device))
     tables_on = tables.to(device)  # every copy to the device happens before capture
-    replay = captured(lambda: wrapped(q, *kv, seqused_k=used, page_table=tables_on, causal=False,
-                                      window_size_left=None, window_size_right=None), graphs)
     new = [100, 70]  # both between beta = 1 and the cap: an off-by-one count changes beta
-    used.copy_(torch.tensor(new, dtype=torch.int32))
-    replay()
     row = torch.arange(q_len)[None, :]
     counts = k.window_mask(torch.tensor(new)[:, None], q_len, row, 160, False, None, None).sum(-1)
-    result = _compare("fa4_fwd", kept["q"], expected(q, counts, active), _kernel_note("fa4_fwd"), new, started)
     cpu = dict(q=q.cpu(), k=k_pages, v=v_pages, seqused_k=torch.tensor(new, dtype=torch.int32), page_table=tables,
                causal=False)
-    want = k.reference(k._flash_attn_fwd, active, **cpu)[0]
-    got = wrap_fa4_fwd(k._flash_attn_fwd, active)(**cpu)[0]
-    return result | {"standin_max_abs_error": float((got - want).abs().max())}
+    return _replayed("fa4_fwd", wrap_fa4_fwd, k._flash_attn_fwd, "q", active, graphs, started, lengths=used,
+                     new=new, counts=counts, cpu=cpu, first=True,
+                     call=lambda wrapped: wrapped(q, *kv, seqused_k=used, page_table=tables_on, causal=False,
+                                                  window_size_left=None, window_size_right=None))
 
 
 def case_apply_rope(device, graphs, active):

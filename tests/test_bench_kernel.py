@@ -2,6 +2,7 @@
 and --smoke measures tiny shapes under the Triton interpreter and writes the JSON (with
 device, date, command and the named ratios) and the plot."""
 
+import contextlib
 import json
 
 import pytest
@@ -33,3 +34,38 @@ def test_smoke_run_writes_json_with_named_figures_and_plot(tmp_path, capsys):
         assert all(t > 0 for t in row["eager_us"].values())
     out = capsys.readouterr().out
     assert out.count("\n") == len(shapes)  # one line per shape on stdout
+
+
+def test_graph_capture_warms_up_on_a_side_stream_then_captures_one_call(monkeypatch):
+    # The one capture sequence the benchmark and the GPU checks share (plugins/cuda_graph),
+    # on CPU with torch.cuda's streams and graphs recorded: the warm-ups run on a side
+    # stream that first waits for the current one, the current one waits for them, then
+    # exactly one call is captured and its output is what capture returns.
+    from plugins import cuda_graph
+
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    @contextlib.contextmanager
+    def recorded(what, name):
+        log.append(f"{what} {name}")
+        yield
+        log.append(f"end {name}")
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: recorded("on", s.name))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: recorded("capture", g))
+    calls = iter(range(10))
+    graph, out = cuda_graph.capture(lambda: log.append("call") or next(calls), warmups=2)
+    assert (graph, out) == ("graph", 2)
+    assert log == ["side waits current", "on side", "call", "call", "end side", "current waits side",
+                   "capture graph", "call", "end graph"]
