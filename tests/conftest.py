@@ -179,13 +179,20 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in SLOW_IDS:
             item.add_marker(pytest.mark.slow)
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the export groups are the longest units of work: handed out first, they run
+        # beside the other files rather than after them
+        items.sort(key=lambda item: not xdist_group(item).startswith("exports-"))
 
 
 def xdist_group(item) -> str:
     """Which pytest-xdist worker group a test runs in (make test: --dist loadgroup). A
     file's tests stay together, so its module fixtures (a served engine, venvs) are made
-    once; every test that reads ONNX graphs exported this run (the export_cache fixture)
-    joins one group, so each graph is exported once, not once per worker."""
-    if "export_cache" in getattr(item, "fixturenames", ()):
-        return "onnx-exports"
-    return item.nodeid.split("::")[0]
+    once. Tests that read ONNX graphs exported this run (the export_cache fixture) form
+    two groups, one per set of graphs they share: the n-gram and PARD engines' target
+    graphs (no features), and the DFlash long pair's. Each graph is then exported once,
+    not once per worker, and the two groups can run side by side."""
+    names = getattr(item, "fixturenames", ())
+    if "export_cache" not in names:
+        return item.nodeid.split("::")[0]
+    return "exports-chain" if {"ngram_engine", "pard_onnx_engine"} & set(names) else "exports-dflash"
