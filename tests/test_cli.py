@@ -239,3 +239,25 @@ def test_steps_on_an_onnxruntime_run_is_refused_in_one_line(tiny_engine, capsys)
                               capsys=capsys)
     assert code != 0 and err.count("\n") == 1 and err.startswith("error: ")
     assert "runs exported graphs, not compiled torch steps" in err
+
+
+def test_loadtest_reads_jsonl_prompts_with_newlines_and_names_a_bad_line(tmp_path):
+    """A .jsonl prompts file (AIPerf's form, scripts/aiperf_prompts.py) keeps each prompt's
+    newlines; a line that is not an object with a "text" string is named, in one line."""
+    from pathlib import Path
+
+    from runtime.cli import UsageError
+    from runtime.commands.loadtest import read_prompts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"text": "def f(x):\\n    return x"}\n\n{"text": "import os"}\n')
+    assert read_prompts(good) == ["def f(x):\n    return x", "import os"]
+    plain = tmp_path / "p.txt"
+    plain.write_text('{"text": "kept as a line"}\nsecond\n')
+    assert read_prompts(plain) == ['{"text": "kept as a line"}', "second"]
+    for bad, says in (('{"text": 3}', 'expected an object with a "text" string'),
+                      ("not json", "not a JSON object")):
+        path = tmp_path / "bad.jsonl"
+        path.write_text('{"text": "ok"}\n' + bad + "\n")
+        with pytest.raises(UsageError, match=f"{Path(path).name}:2: {says}"):
+            read_prompts(path)

@@ -41,7 +41,10 @@ def add_parser(sub):
     p.add_argument("--mode", choices=[m.value for m in Mode], metavar="NAME",
                    help="the decoding mode every request names (docs/modes.md); default: none "
                         "named, so the server's default (SharpDraft where the engine has it)")
-    p.add_argument("--prompts-file", help="one prompt per line (default: built-in code prompts)")
+    p.add_argument("--prompts-file",
+                   help="one prompt per line, or a .jsonl file of {\"text\": ...} objects (AIPerf's "
+                        "single_turn form: prompts with newlines, scripts/aiperf_prompts.py); "
+                        "default: built-in code prompts")
     p.add_argument("--engine-dir", help="also run the prompts in-process on this engine")
     p.add_argument("--threads", type=int,
                    help="torch threads for the in-process run (default: torch's, one per core); "
@@ -49,6 +52,25 @@ def add_parser(sub):
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", action="store_true")
+
+
+def read_prompts(path) -> list[str]:
+    """A prompts file's prompts: a .jsonl file's "text" fields, else its non-blank lines."""
+    import json
+
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise UsageError(f'{path}:{number}: expected an object with a "text" string')
+        prompts.append(record["text"])
+    return prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -289,7 +311,7 @@ def run(args) -> int:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise UsageError(f"prompt file {path} does not exist")
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = read_prompts(path)
         if not prompts:
             raise UsageError(f"prompt file {path} has no prompts")
     else:
