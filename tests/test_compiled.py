@@ -235,3 +235,89 @@ def test_convert_target_writes_shards_transformers_loads(tiny_target, tmp_path):
     original, _ = load_target(tiny_target, torch.float16)
     for (name, a), b in zip(model.state_dict().items(), original.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# -- one engine's steps, shared by every request and role ---------------------------------
+
+def engine_prompts(engine, lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, engine.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def recorded_steps(monkeypatch):
+    """compile_step counting the steps made and the CUDA-graph keys its steps are called
+    with (CapturedStep captures once per key: a key not seen before is a capture)."""
+    from runtime import compiled
+
+    made, keys, real = [], set(), compiled.compile_step
+
+    def recording(module, device, backend="inductor"):
+        step = real(module, device, backend)
+        made.append(type(module).__name__)
+
+        def call(*args):
+            keys.add((id(module), compiled.capture_key(set(module.STATIC), args)))
+            return step(*args)
+        return call
+
+    monkeypatch.setattr(compiled, "compile_step", recording)
+    return made, keys
+
+
+def test_an_engines_second_request_compiles_and_captures_nothing(tiny_engine, monkeypatch):
+    """The compiled steps, their graphs and the KV buffers they read belong to the loaded
+    engine: after a first round (target-only and SharpDraft alone, SharpDraft batched), a
+    second round of other prompts in the same buckets makes no step, no dynamo graph, no
+    CUDA-graph key (same buffer addresses, same shapes) and no KV buffer; every token is
+    the eager target's."""
+    from torch._dynamo.utils import counters
+
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    shared = engine.loaded.shared
+
+    def one_round(seed):
+        alone, batched = engine_prompts(engine, [40], seed), engine_prompts(engine, [90, 100], seed)
+        for mode in ("target", "sharpdraft"):
+            got = engine.generate(alone[0], 12, mode=mode, stop=False, adaptive=False).tokens
+            assert got == eager.generate(alone[0], 12, mode="target", stop=False).tokens, mode
+        requests = [Request(p, n) for p, n in zip(batched, (6, 12))]
+        seqs = engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=[0, 1])
+        for request, seq in zip(requests, seqs):
+            assert seq.gen.tokens == eager.generate(request.prompt, request.max_new_tokens, "target",
+                                                    stop=False).tokens
+
+    one_round(seed=1)
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"],
+             shared.target_buffers.made, shared.draft_buffers.made)
+    assert {"TargetStep", "DraftStep"} <= set(made)
+    # the batch ran its steps two sequences wide (a slot each), not row by row
+    assert {args[0][0][0] for _, args in keys} == {1, 2}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"],
+            shared.target_buffers.made, shared.draft_buffers.made) == state
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_batched_compiled_steps_decode_each_requests_own_tokens(tiny_engine, backend):
+    """Batched compiled steps (CompiledBatchTarget, CompiledBatchDFlash: one graph per
+    batch-size, width and capacity bucket), requests joining and leaving (a group grows
+    from one slot to two; one request sits in another capacity bucket; one leaves early):
+    token for token each request's target-only output alone, target-only and SharpDraft
+    (beta > 1 at 90 keys and past)."""
+    from runtime.compiled import CompiledBatchDFlash, CompiledBatchTarget
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
+    assert isinstance(engine.loaded.batch_target(), CompiledBatchTarget)
+    assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchDFlash)
+    requests = [Request(p, n) for p, n in zip(engine_prompts(engine, [90, 100, 30]), (6, 16, 10))]
+    alone = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
+    for mode in ("target", "sharpdraft"):
+        seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
+        assert [s.gen.tokens for s in seqs] == alone, mode
