@@ -258,7 +258,8 @@ class BufferPool:
         if free:
             cache = free.pop()
         else:
-            cache = bind(self.make(capacity, slots))
+            with torch.inference_mode(False):  # see EngineSteps.staging
+                cache = bind(self.make(capacity, slots))
             self.made += 1
         cache.length = 0
         if cache.lengths is not None:
@@ -314,11 +315,15 @@ class EngineSteps:
         return self._drafts[key]
 
     def staging(self, name: str, shape: tuple, dtype=torch.long, fill=0) -> torch.Tensor:
-        """A step input the roles fill before each call: one tensor per engine (a step runs
-        at a time, its outputs cloned), so a CUDA graph sees one address."""
+        """A step input the roles fill before each call: one tensor per engine and shape (a
+        step runs at a time, its outputs cloned), so a CUDA graph sees one address. Step
+        inputs and KV buffers are made outside inference mode whoever asks first: dynamo
+        guards on the difference, and a graph made for one kind would not serve the other
+        (the batched roles' groups of one share the single-sequence roles' graphs)."""
         key = (name, tuple(shape), dtype)
         if key not in self._staging:
-            t = self._staging[key] = torch.full(shape, fill, dtype=dtype, device=self.device)
+            with torch.inference_mode(False):
+                t = self._staging[key] = torch.full(shape, fill, dtype=dtype, device=self.device)
             if self.device.type == "cuda":
                 torch._dynamo.mark_static_address(t)
         return self._staging[key]
@@ -375,7 +380,8 @@ class CompiledTarget(TorchTarget):
         if width is None or n + width > self.cache.capacity:
             return super().verify(ids)
         self.cached.fill_(n)
-        x = self._ids(list(ids) + [0] * (width - t))
+        x = self.steps.staging("target.ids", (1, width))
+        x.copy_(torch.tensor([list(ids) + [0] * (width - t)]))
         logits, features = self.step(x, *self.cache.layers, self.cached)
         self.cache.length = n + t
         # clone: a CUDA graph's outputs are overwritten by its next replay
@@ -386,6 +392,7 @@ class CompiledTarget(TorchTarget):
         bind(self.cache)
         return result
 
+    @torch.inference_mode()
     def restore(self, snap, capacity: int) -> None:
         n, k, v = snap
         self._lease(capacity)
@@ -468,8 +475,9 @@ class SlotGroup:
 class SlotGroups:
     """CacheGroups' contract (runtime/backends/pytorch.py: join, drop, rollback; rows
     grouped by capacity bucket, one pass per group) over fixed shapes, so a group's step
-    is one compiled graph: a group's buffers hold its bucket's top capacity (+ `room`) and
-    a power of two of slots (slots_for), leased from the engine's pool. A sequence joins
+    is one compiled graph: a group's buffers hold a power of two of keys (a sequence's
+    capacity + `room`, rounded up: the single-sequence roles' static_capacity, so a group
+    of one shares their graphs) and of slots (slots_for), leased from the engine's pool. A sequence joins
     into a free slot (one copy: its own keys) and leaves its slot idle; the group moves to
     other buffers only when it outgrows its slots or drops to a quarter of them."""
 
@@ -479,11 +487,11 @@ class SlotGroups:
         self.rows = 0
 
     def _lease(self, bucket: int, slots: int):
-        return self.pool.lease(self, (1 << bucket) + self.room, slots)
+        return self.pool.lease(self, 1 << bucket, slots)
 
     @torch.inference_mode()
     def join(self, single: KVCache) -> None:
-        bucket = capacity_bucket(single.capacity)
+        bucket = capacity_bucket(single.capacity + self.room)
         group = next((g for g in self.groups if g.bucket == bucket), None)
         if group is None:
             group = SlotGroup(bucket, *self._lease(bucket, 1))
@@ -557,8 +565,9 @@ class CompiledBatchTarget(TorchBatchTarget):
             ids = [[0] * bucket for _ in group.lengths]
             for r, slot in zip(group.members, group.slots):
                 ids[slot][:len(rows[r])] = rows[r]
-            part_logits, part_features = step(torch.tensor(ids, device=self.steps.device),
-                                              *group.cache.layers, group.cache.lengths)
+            x = self.steps.staging("target.ids", (len(ids), bucket))
+            x.copy_(torch.tensor(ids))
+            part_logits, part_features = step(x, *group.cache.layers, group.cache.lengths)
             # indexing copies: a CUDA graph's outputs are overwritten by its next replay
             logits = scatter_rows(logits, part_logits[group.slots, :t], group.members, len(rows), width)
             if part_features is not None:
@@ -584,21 +593,27 @@ class CompiledBatchDFlash(TorchBatchDFlash):
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
-        device, logits = self.steps.device, None
+        logits = None
         visible = torch.zeros(len(contexts), dtype=torch.long)
         for group in self.caches.groups:
             c = max(len(contexts[r]) for r in group.members)
             width, step = self.context_bucket, self.step
             if c > width:
                 width, step = c, self.module
-            slots = len(group.lengths)
-            context = contexts[0].new_zeros((slots, width, self.single.feature_size))
+            slots, staging = len(group.lengths), self.steps.staging
+            # the single-sequence role's staging where the shapes meet (a group of one)
+            context = staging("dflash.context", (slots, width, self.single.feature_size),
+                              contexts[0].dtype)
+            context.zero_()
             lens, block = [0] * slots, [[self.mask_token_id] * self.block_size for _ in range(slots)]
             for r, slot in zip(group.members, group.slots):
                 context[slot, :len(contexts[r])] = contexts[r]
                 lens[slot], block[slot][0] = len(contexts[r]), bonuses[r]
-            part = step(torch.tensor(block, device=device), context, *group.cache.layers,
-                        group.cache.lengths, torch.tensor(lens, device=device))
+            ids = staging("dflash.block", (slots, self.block_size), fill=self.mask_token_id)
+            ids.copy_(torch.tensor(block))
+            context_lens = staging("dflash.context_lens", (slots,))
+            context_lens.copy_(torch.tensor(lens))
+            part = step(ids, context, *group.cache.layers, group.cache.lengths, context_lens)
             logits = scatter_rows(logits, part[group.slots], group.members, len(contexts),
                                   self.block_size - 1)
             keys = StepMetadata(torch.tensor(group.lengths), torch.tensor(lens)).block_keys(self.block_size)

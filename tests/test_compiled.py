@@ -62,11 +62,13 @@ def eager_tokens(target, drafter, speculative=True, **request):
     return decode(TorchTarget(target, features), make, **request)
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier's check: the engine's roles, below (the same steps, float32)
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_steps_equal_eager_and_compile_once(backend):
-    """Token for token the eager roles' output, target-only and speculative. fullgraph=True
-    raises on a graph break; error_on_recompile raises when a step at another length (or
-    another request's) needs a new graph."""
+    """Token for token the eager roles' output, target-only and speculative, on float64
+    roles made without an engine. fullgraph=True raises on a graph break;
+    error_on_recompile raises when a step at another length (or another request's) needs
+    a new graph."""
     import torch._dynamo
 
     target, drafter = pair()
@@ -264,60 +266,94 @@ def recorded_steps(monkeypatch):
     return made, keys
 
 
-def test_an_engines_second_request_compiles_and_captures_nothing(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tiny_engine, backend,
+                                                                             monkeypatch):
     """The compiled steps, their graphs and the KV buffers they read belong to the loaded
-    engine: after a first round (target-only and SharpDraft alone, SharpDraft batched), a
-    second round of other prompts in the same buckets makes no step, no dynamo graph, no
-    CUDA-graph key (same buffer addresses, same shapes) and no KV buffer; every token is
-    the eager target's."""
+    engine, and batch: target-only and SharpDraft (beta > 1 from 64 keys) alone, then
+    batched (CompiledBatchTarget / CompiledBatchDFlash: a graph per batch-size, width and
+    capacity bucket; a group grows from one slot to two, one request sits in another
+    bucket, one leaves early) decode each request's own target-only tokens; a second
+    round of other prompts in the same buckets makes no step, no dynamo graph, no CUDA-graph
+    key (the same buffer addresses and shapes: no capture) and no KV buffer."""
     from torch._dynamo.utils import counters
 
+    from runtime.compiled import CompiledBatchDFlash, CompiledBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
 
     made, keys = recorded_steps(monkeypatch)
-    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
     shared = engine.loaded.shared
+    assert isinstance(engine.loaded.batch_target(), CompiledBatchTarget)
+    assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchDFlash)
 
     def one_round(seed):
-        alone, batched = engine_prompts(engine, [40], seed), engine_prompts(engine, [90, 100], seed)
+        alone, batched = engine_prompts(engine, [70], seed), engine_prompts(engine, [90, 100, 30], seed)
+        want = eager.generate(alone[0], 12, mode="target", stop=False).tokens
         for mode in ("target", "sharpdraft"):
-            got = engine.generate(alone[0], 12, mode=mode, stop=False, adaptive=False).tokens
-            assert got == eager.generate(alone[0], 12, mode="target", stop=False).tokens, mode
-        requests = [Request(p, n) for p, n in zip(batched, (6, 12))]
-        seqs = engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=[0, 1])
-        for request, seq in zip(requests, seqs):
-            assert seq.gen.tokens == eager.generate(request.prompt, request.max_new_tokens, "target",
-                                                    stop=False).tokens
+            assert engine.generate(alone[0], 12, mode=mode, stop=False, adaptive=False).tokens == want
+        requests = [Request(p, n) for p, n in zip(batched, (6, 16, 10))]
+        want = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
+        for mode in ("target", "sharpdraft"):
+            seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
+            assert [s.gen.tokens for s in seqs] == want, mode
 
     one_round(seed=1)
     state = (len(made), len(keys), counters["stats"]["unique_graphs"],
              shared.target_buffers.made, shared.draft_buffers.made)
-    assert {"TargetStep", "DraftStep"} <= set(made)
-    # the batch ran its steps two sequences wide (a slot each), not row by row
-    assert {args[0][0][0] for _, args in keys} == {1, 2}
+    # both steps ran compiled, one and two sequences wide (the batch a slot each, not row by row)
+    assert {(made_by, args[0][0][0]) for made_by, args in keys} == {
+        (id(m), b) for m in (shared.target_module, shared.draft_step(engine.scaling, None)[0])
+        for b in (1, 2)}
     with torch._dynamo.config.patch(error_on_recompile=True):
         one_round(seed=2)
     assert (len(made), len(keys), counters["stats"]["unique_graphs"],
             shared.target_buffers.made, shared.draft_buffers.made) == state
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_batched_compiled_steps_decode_each_requests_own_tokens(tiny_engine, backend):
-    """Batched compiled steps (CompiledBatchTarget, CompiledBatchDFlash: one graph per
-    batch-size, width and capacity bucket), requests joining and leaving (a group grows
-    from one slot to two; one request sits in another capacity bucket; one leaves early):
-    token for token each request's target-only output alone, target-only and SharpDraft
-    (beta > 1 at 90 keys and past)."""
-    from runtime.compiled import CompiledBatchDFlash, CompiledBatchTarget
-    from runtime.decode import Request
-    from runtime.engine import Engine
+def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
+    """SlotGroups (the batched compiled roles' caches) against the single-sequence caches
+    that joined: each remaining row's keys and length in its slot, slots a power of two,
+    growing and shrinking; an emptied group's buffers back to the pool and reused."""
+    from runtime.compiled import BufferPool, SlotGroups
+    from runtime.models.layers import KVCache
 
-    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
-    assert isinstance(engine.loaded.batch_target(), CompiledBatchTarget)
-    assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchDFlash)
-    requests = [Request(p, n) for p, n in zip(engine_prompts(engine, [90, 100, 30]), (6, 16, 10))]
-    alone = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
-    for mode in ("target", "sharpdraft"):
-        seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
-        assert [s.gen.tokens for s in seqs] == alone, mode
+    def make(capacity, slots):
+        return KVCache(2, slots or 1, 1, capacity, 3, torch.float64, per_sequence=slots is not None)
+
+    pool = BufferPool(make)
+    groups = SlotGroups(pool)
+    singles = []
+    for i, n in enumerate([5, 9, 3, 7, 6]):
+        single = KVCache(2, 1, 1, 30, 3, torch.float64)
+        single.k.normal_(), single.v.normal_()
+        single.length = n
+        singles.append(single)
+        groups.join(single)
+    # a capacity of 30 rounds up to 32: one group, five sequences in eight slots
+    (group,) = groups.groups
+    assert group.cache.capacity == 32 and len(group.lengths) == 8
+
+    def check(alive):
+        (group,) = groups.groups
+        assert sorted(group.members) == list(range(len(alive))) and groups.rows == len(alive)
+        assert group.cache.lengths.tolist() == group.lengths
+        for row, single in enumerate(alive):
+            slot, n = group.slots[group.members.index(row)], single.length
+            assert group.lengths[slot] == n
+            assert torch.equal(group.cache.k[:, slot, :, :n], single.k[:, 0, :, :n])
+            assert torch.equal(group.cache.v[:, slot, :, :n], single.v[:, 0, :, :n])
+        return group
+
+    check(singles)
+    for row in (1, 3, 0):  # down to two sequences in eight slots: moved into two
+        groups.drop(row)
+        singles.pop(row)
+    assert len(check(singles).lengths) == 2
+    made = pool.made
+    groups.drop(0), groups.drop(0)
+    assert not groups.groups and groups.rows == 0
+    groups.join(singles[0])
+    assert pool.made == made  # the emptied group's buffers, reused
+    check(singles[:1])
