@@ -29,9 +29,11 @@ import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchTarget,
-                                      scatter_rows)
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchPARD,
+                                      TorchTarget, scatter_rows)
+from runtime.backends.chain import ChainDraft
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
@@ -156,6 +158,23 @@ class DraftStep(nn.Module):
         hidden, _ = self.drafter(self.embed(block_ids), context, StaticView(k, v, cached),
                                  self.scaling, context_lens=context_lens, window=self.window)
         return self.head(hidden[:, 1:])
+
+
+class ChainStep(nn.Module):
+    """The PARD drafter over `ids` [b, t] (the unread tokens, the newest, pard tokens,
+    then padding: past every real row, so causally unseen) after `cached` [b] keys:
+    logits over the target's `vocab_size` ids [b, t, vocab] and each row's visible-key
+    count [b, t]."""
+
+    STATIC = (1, 2)  # k, v
+
+    def __init__(self, drafter: PARDDrafter, scaling: QueryScaling | None, vocab_size: int):
+        super().__init__()
+        self.drafter, self.scaling, self.vocab_size = drafter, scaling, vocab_size
+
+    def forward(self, ids, k, v, cached):
+        hidden, visible = self.drafter(ids, StaticView(k, v, cached), self.scaling)
+        return self.drafter.logits(hidden, self.vocab_size), visible
 
 
 def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
@@ -295,7 +314,9 @@ class EngineSteps:
         self.target_buffers = BufferPool(lambda capacity, slots: model.new_cache(capacity) if slots is None
                                          else model.new_cache(capacity, batch=slots, per_sequence=True))
         self.drafter, self._drafts, self._staging = drafter, {}, {}
-        if drafter is not None:
+        if isinstance(drafter, PARDDrafter):
+            self.chain_buffers = BufferPool(lambda capacity, slots: drafter.new_cache(capacity))
+        if isinstance(drafter, DFlashDrafter):
             self.head = DraftHead.for_drafter(drafter, model.lm_head)
             block = self.block_size = drafter.config.block_size
             # a step's context: the tokens one verify committed (a block's, or a lookup's)
@@ -311,6 +332,14 @@ class EngineSteps:
         key = (scaling, window)
         if key not in self._drafts:
             module = DraftStep(self.drafter, self.model.embed_tokens, self.head, scaling, window)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def chain_step(self, scaling: QueryScaling | None):
+        """The PARD drafter's step under `scaling`: (the module, its compiled step)."""
+        key = ("chain", scaling)
+        if key not in self._drafts:
+            module = ChainStep(self.drafter, scaling, self.model.config.vocab_size)
             self._drafts[key] = module, compile_step(module, self.device, self.backend)
         return self._drafts[key]
 
@@ -340,6 +369,9 @@ class EngineSteps:
 
     def batch_dflash(self, scaling: QueryScaling | None) -> "CompiledBatchDFlash":
         return CompiledBatchDFlash(self, scaling)
+
+    def pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledPARD":
+        return CompiledPARD(self, scaling, max_drafts)
 
 
 class CompiledTarget(TorchTarget):
@@ -445,6 +477,44 @@ class CompiledDFlash(TorchDFlash):
                            self.context_lens)
         self.cache.length = n + c
         return logits[0].clone(), StepMetadata(n, c).block_keys(self.block_size)
+
+
+class CompiledPARD(TorchPARD):
+    """TorchPARD whose draft runs the engine's compiled chain step: the row [unread
+    tokens, the newest, pard x (k - 1)] padded at its end to a width bucket (max_drafts:
+    a step that accepted little; 2 x max_drafts: every draft and the bonus read, k drafted);
+    a wider row, and the prompt's read, run eagerly on the same cache."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
+        self.steps = steps
+        _, self.step = steps.chain_step(scaling)
+        self.widths = tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
+        self.cached = steps.staging("pard.cached", (1,))
+        self.lease = None
+
+    def reset(self, capacity: int) -> None:
+        if self.lease is not None:
+            self.lease()  # the last request's buffers back to the engine's pool
+        room = self.widths[-1]  # a padded row's keys sit past the committed ones as scratch
+        limit = self.drafter.config.layers.max_position_embeddings
+        self.cache, self.lease = self.steps.chain_buffers.lease(
+            self, static_capacity(capacity + room, limit + room))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        n, t = self.cache.length, len(row)
+        width = bucket_for(t, self.widths)
+        if width is None or n + width > self.cache.capacity:
+            return super().draft(ids, features, k, sampler)
+        x = self.steps.staging("pard.ids", (1, width))
+        x.copy_(torch.tensor([row + [0] * (width - t)]))
+        self.cached.fill_(n)
+        logits, visible = self.step(x, *self.cache.layers, self.cached)
+        self.cache.length = n + len(ids)  # the real tokens' keys; the pard rows' are scratch
+        first = t - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(logits[0, first:t].clone(), visible[0, first:t].clone(), sampler)
 
 
 # -- batched: CacheGroups' rows in fixed-shape buffers ----------------------------------------

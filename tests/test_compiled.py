@@ -187,13 +187,26 @@ def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_draft
     section = gpu_e2e()
     clock = section.Clock(600)
     cpu = torch.device("cpu")
-    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72, 96), 8, None, clock)
-    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 96) for m in section.MODES]
+    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72,), 8, None, clock)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, 72) for m in section.MODES]
     assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
     assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
     peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
     assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
     assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
+
+
+@pytest.mark.slow
+def test_gpu_e2e_rows_run_on_one_engines_compiled_steps(tiny_target, tiny_drafter):
+    """The section's rows over its shared compiled steps (dynamo on CPU): no mode falls
+    back to eager roles, and each mode's MAL is the eager run's (the same tokens)."""
+    section = gpu_e2e()
+    cpu = torch.device("cpu")
+    run = lambda steps: section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72,), 8,  # noqa: E731
+                                         steps, section.Clock(600))
+    compiled, eager = run("eager"), run(None)
+    assert not [r["mode"] for r in compiled if "fallback" in r]
+    assert [(r["mode"], r["mal"]) for r in compiled] == [(r["mode"], r["mal"]) for r in eager]
 
 
 def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
@@ -357,3 +370,44 @@ def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
     groups.join(singles[0])
     assert pool.made == made  # the emptied group's buffers, reused
     check(singles[:1])
+
+
+@pytest.fixture(scope="module")
+def pard_engine(tmp_path_factory, tiny_target):
+    import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "pard-torch"
+    ckpt = tiny.make_pard(tmp_path_factory.mktemp("pard"), tiny_target)
+    assert build_engine.main(["--drafter", "pard", "--sharpdraft", "--target", str(tiny_target),
+                              "--drafter-checkpoint", str(ckpt), "--ref-keys", "64", "--top-k", "8",
+                              "--backend", "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow  # an engine of its own to build and graphs of its own: ~30 s on 2 cores
+def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine, monkeypatch):
+    """CompiledPARD: SharpDraft (beta > 1 from 64 keys) on the engine's compiled chain
+    step decodes the target-only tokens; a second request makes no step, graph or KV
+    buffer."""
+    from torch._dynamo.utils import counters
+
+    from runtime.compiled import CompiledPARD
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(pard_engine), Engine(pard_engine, steps="eager")
+    assert isinstance(engine.drafter(), CompiledPARD)
+
+    def one_round(seed):
+        (prompt,) = engine_prompts(engine, [80], seed)
+        want = eager.generate(prompt, 12, mode="target", stop=False).tokens
+        assert engine.generate(prompt, 12, mode="sharpdraft", stop=False, adaptive=False).tokens == want
+
+    one_round(seed=1)
+    shared = engine.loaded.shared
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made)
+    # the chain step ran compiled (a key of its own), not the eager fallback
+    assert id(shared.chain_step(engine.scaling)[0]) in {made_by for made_by, _ in keys}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made) == state

@@ -377,11 +377,11 @@ class TorchLoaded:
     `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
     (runtime/compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
     an n-gram verify (ngram drafts + 1) and a block verify (block_size), and the DFlash
-    block: the targets are CompiledTarget / CompiledBatchTarget, DFlash drafters
-    CompiledDFlash / CompiledBatchDFlash, all over this engine's one EngineSteps (`shared`:
-    its compiled steps, graphs and KV buffer pool), so a request after the first compiles
-    and captures nothing. The PARD / EAGLE-3 drafters stay eager: no compiled step exists
-    for them yet."""
+    block and the PARD chain: the targets are CompiledTarget / CompiledBatchTarget, DFlash
+    drafters CompiledDFlash / CompiledBatchDFlash, PARD drafters CompiledPARD, all over
+    this engine's one EngineSteps (`shared`: its compiled steps, graphs and KV buffer
+    pool), so a request after the first compiles and captures nothing. EAGLE-3 drafters
+    stay eager (a chain link per host-sampled token; trees under per-step masks)."""
 
     can = modes.BACKENDS["torch"]
 
@@ -407,7 +407,7 @@ class TorchLoaded:
         self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
         self.shared = None if steps is None else compiled.EngineSteps(
             self.model, self.feature_layers, self.buckets, steps,
-            drafter=self.drafter_model if isinstance(self.drafter_model, DFlashDrafter) else None)
+            drafter=self.drafter_model)
         self.target = self.new_target()
 
     def new_target(self) -> TorchTarget:
@@ -434,6 +434,13 @@ class TorchLoaded:
             return self.dflash(scaling, window)
         return DRAFTERS[self.family](self, scaling)
 
+    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
+        """A PARD chain drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.pard(scaling, self.drafting.max_drafts)
+        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
+                         scaling)
+
     def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
         if self.shared is not None:
             return self.shared.batch_dflash(scaling)
@@ -443,8 +450,7 @@ class TorchLoaded:
 # drafter family -> its per-row drafter on this backend
 DRAFTERS = {
     "dflash": lambda loaded, scaling: loaded.dflash(scaling),
-    "pard": lambda loaded, scaling: TorchPARD(loaded.drafter_model, loaded.model.config.vocab_size,
-                                              loaded.drafting.max_drafts, scaling),
+    "pard": lambda loaded, scaling: loaded.pard(scaling),
     "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
                                                   loaded.drafting.tree_shape,
                                                   max(loaded.drafting.max_drafts, 1)),
