@@ -311,8 +311,9 @@ class EngineSteps:
         self.device = model.embed_tokens.weight.device
         self.target_module = TargetStep(model, self.feature_layers)  # eager: shapes no bucket covers
         self.target_step = compile_step(self.target_module, self.device, backend)
-        self.target_buffers = BufferPool(lambda capacity, slots: model.new_cache(capacity) if slots is None
-                                         else model.new_cache(capacity, batch=slots, per_sequence=True))
+        self.target_buffers = BufferPool(
+            lambda capacity, slots: model.new_cache(capacity) if slots is None
+            else model.new_cache(capacity, batch=slots, per_sequence=True))
         self.drafter, self._drafts, self._staging = drafter, {}, {}
         if isinstance(drafter, PARDDrafter):
             self.chain_buffers = BufferPool(lambda capacity, slots: drafter.new_cache(capacity))
@@ -449,7 +450,8 @@ class CompiledDFlash(TorchDFlash):
         _, self.step = self.steps.draft_step(scaling, window)
         staging = self.steps.staging
         self.block = staging("dflash.block", (1, self.block_size), fill=self.mask_token_id)
-        self.cached, self.context_lens = staging("dflash.cached", (1,)), staging("dflash.context_lens", (1,))
+        self.cached = staging("dflash.cached", (1,))
+        self.context_lens = staging("dflash.context_lens", (1,))
         self.context = staging("dflash.context", (1, self.context_bucket, self.feature_size),
                                drafter.fc.weight.dtype)
         self.lease = None
@@ -686,7 +688,8 @@ class CompiledBatchDFlash(TorchBatchDFlash):
             part = step(ids, context, *group.cache.layers, group.cache.lengths, context_lens)
             logits = scatter_rows(logits, part[group.slots], group.members, len(contexts),
                                   self.block_size - 1)
-            keys = StepMetadata(torch.tensor(group.lengths), torch.tensor(lens)).block_keys(self.block_size)
+            meta = StepMetadata(torch.tensor(group.lengths), torch.tensor(lens))
+            keys = meta.block_keys(self.block_size)
             visible[group.members] = keys[group.slots]
             for slot in group.slots:
                 group.lengths[slot] += lens[slot]

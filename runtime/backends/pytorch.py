@@ -406,8 +406,7 @@ class TorchLoaded:
         ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
         self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
         self.shared = None if steps is None else compiled.EngineSteps(
-            self.model, self.feature_layers, self.buckets, steps,
-            drafter=self.drafter_model)
+            self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
         self.target = self.new_target()
 
     def new_target(self) -> TorchTarget:
