@@ -11,17 +11,29 @@ buffer, bounded per row by the visible counts of runtime/step_metadata.py; atten
 through `sharpdraft::attention` as everywhere else (on CUDA the op must be capturable: no
 host read of the counts inside it). CompiledTarget and CompiledDFlash are drop-in
 TorchTarget / TorchDFlash roles over the same KVCache, so a step the buckets do not cover
-(a prompt, a long catch-up context) runs eagerly on the very same buffers.
+(a prompt, a long catch-up context) runs eagerly on the very same buffers;
+CompiledBatchTarget and CompiledBatchDFlash are the batched roles' (TorchBatchTarget,
+TorchBatchDFlash), a graph per batch-size, width and capacity bucket.
+
+What a request does not own belongs to the loaded engine (EngineSteps, held by
+TorchLoaded): the compiled step functions (their CUDA graphs), the staging tensors a step
+reads, and a pool of KV buffers that roles lease for a request and give back, so the
+engine's second request, on any role it hands out, compiles and captures nothing.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchPARD,
+                                      TorchTarget, scatter_rows)
+from runtime.backends.chain import ChainDraft
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
@@ -148,6 +160,23 @@ class DraftStep(nn.Module):
         return self.head(hidden[:, 1:])
 
 
+class ChainStep(nn.Module):
+    """The PARD drafter over `ids` [b, t] (the unread tokens, the newest, pard tokens,
+    then padding: past every real row, so causally unseen) after `cached` [b] keys:
+    logits over the target's `vocab_size` ids [b, t, vocab] and each row's visible-key
+    count [b, t]."""
+
+    STATIC = (1, 2)  # k, v
+
+    def __init__(self, drafter: PARDDrafter, scaling: QueryScaling | None, vocab_size: int):
+        super().__init__()
+        self.drafter, self.scaling, self.vocab_size = drafter, scaling, vocab_size
+
+    def forward(self, ids, k, v, cached):
+        hidden, visible = self.drafter(ids, StaticView(k, v, cached), self.scaling)
+        return self.drafter.logits(hidden, self.vocab_size), visible
+
+
 def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
     """backend "inductor": torch.compile(fullgraph=True), one graph per input shape
     (dynamic=False: a new bucket is a new graph, a new length is not), replayed as CUDA
@@ -161,10 +190,11 @@ def compile_step(module: nn.Module, device: torch.device, backend: str = "induct
         if device.type != "cuda":
             raise ModelError("CUDA graphs need a CUDA device — use backend inductor on CPU")
         return CapturedStep(module)
-    # one graph per (batch, width bucket, capacity bucket): more than dynamo's default 8
-    # entries per code object, all of them expected
+    # one graph per (batch bucket, width bucket, capacity bucket): more than dynamo's
+    # default 8 entries per code object, all of them expected
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 64)
+    config.recompile_limit = max(config.recompile_limit, 256)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
     return torch.compile(module, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
@@ -179,12 +209,8 @@ class CapturedStep:
         self.module, self.static = module, set(module.STATIC)
         self.graphs = {}
 
-    def _key(self, args):
-        return tuple(tuple(t.data_ptr() for t in a) if i in self.static else (tuple(a.shape), a.dtype)
-                     for i, a in enumerate(args))
-
     def __call__(self, *args):
-        key = self._key(args)
+        key = capture_key(self.static, args)
         if key not in self.graphs:
             inputs = [a if i in self.static else a.clone() for i, a in enumerate(args)]
             side = torch.cuda.Stream()
@@ -204,6 +230,14 @@ class CapturedStep:
         return outputs
 
 
+def capture_key(static, args) -> tuple:
+    """What picks a step's CUDA graph (CapturedStep): the addresses of its STATIC
+    arguments (the KV buffers, read and written in place) and the shapes and dtypes of
+    the rest (copied in). A call with a key not seen before captures a graph."""
+    return tuple(tuple(t.data_ptr() for t in a) if i in static else (tuple(a.shape), a.dtype)
+                 for i, a in enumerate(args))
+
+
 def static_capacity(needed: int, limit: int) -> int:
     """Buffer capacity for `needed` tokens: the next power of two (the batched backends'
     capacity_bucket), but no more than `limit` when that covers the need, so a request at
@@ -218,46 +252,156 @@ def bucket_for(width: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= width), None)
 
 
-class _Buffers:
-    """KV buffers kept between requests per capacity: a CUDA graph reads fixed addresses,
-    so a new request reuses the buffers (their stale keys lie past its length, unread)."""
+def bind(cache: KVCache) -> KVCache:
+    """A cache's per-layer views for the steps (StaticView); on CUDA its buffers marked as
+    static addresses, so compiled CUDA graphs read them in place."""
+    cache.layers = layers(cache)
+    if cache.k.is_cuda:
+        for t in cache.layers[0] + cache.layers[1]:
+            torch._dynamo.mark_static_address(t)
+    return cache
+
+
+class BufferPool:
+    """KV buffers by shape, leased for a request and given back after it. A CUDA graph
+    reads fixed addresses: the engine's next request finds buffers its steps have
+    captured already (their stale keys lie past its lengths, unread), and memory does not
+    grow with the requests served. make(capacity, slots): a KVCache of `capacity` keys,
+    one sequence (slots None) or `slots` rows at their own lengths."""
 
     def __init__(self, make):
-        self.make, self.pool = make, {}
+        self.make, self.free, self.made = make, {}, 0
 
-    def cache(self, capacity: int) -> KVCache:
-        cache = self.pool.get(capacity)
-        if cache is None:
-            cache = self.pool[capacity] = self.make(capacity)
-            cache.layers = layers(cache)
-            if cache.k.is_cuda:
-                for t in cache.layers[0] + cache.layers[1]:
-                    torch._dynamo.mark_static_address(t)
+    def take(self, capacity: int, slots: int | None = None) -> KVCache:
+        free = self.free.get((capacity, slots))
+        if free:
+            cache = free.pop()
+        else:
+            with torch.inference_mode(False):  # see EngineSteps.staging
+                cache = bind(self.make(capacity, slots))
+            self.made += 1
         cache.length = 0
+        if cache.lengths is not None:
+            cache.lengths.zero_()
         return cache
+
+    def give(self, cache: KVCache) -> None:
+        slots = None if cache.lengths is None else cache.k.shape[1]
+        self.free.setdefault((cache.capacity, slots), []).append(cache)
+
+    def lease(self, owner, capacity: int, slots: int | None = None):
+        """Buffers for `owner` and the lease that gives them back: call it (the owner's
+        next request), or it runs when the owner is gone (a row that left the batch)."""
+        cache = self.take(capacity, slots)
+        return cache, weakref.finalize(owner, self.give, cache)
+
+
+class EngineSteps:
+    """The compiled steps of one loaded engine (TorchLoaded with `steps`), shared by every
+    role it hands out, request after request: one target step (every width, batch and
+    capacity bucket a graph of it), one DFlash block step per (scaling, window), the
+    staging tensors they read, and pools of KV buffers roles lease per request. Each
+    graph is made by the first request that needs its shape; no later one compiles or
+    captures it again."""
+
+    def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,), backend: str = "inductor",
+                 drafter: DFlashDrafter | None = None, context_bucket: int | None = None):
+        self.model, self.feature_layers = model, tuple(feature_layers)
+        self.buckets, self.backend = tuple(sorted(set(buckets))), backend
+        self.device = model.embed_tokens.weight.device
+        self.target_module = TargetStep(model, self.feature_layers)  # eager: shapes no bucket covers
+        self.target_step = compile_step(self.target_module, self.device, backend)
+        self.target_buffers = BufferPool(
+            lambda capacity, slots: model.new_cache(capacity) if slots is None
+            else model.new_cache(capacity, batch=slots, per_sequence=True))
+        self.drafter, self._drafts, self._staging = drafter, {}, {}
+        if isinstance(drafter, PARDDrafter):
+            self.chain_buffers = BufferPool(lambda capacity, slots: drafter.new_cache(capacity))
+        if isinstance(drafter, DFlashDrafter):
+            self.head = DraftHead.for_drafter(drafter, model.lm_head)
+            block = self.block_size = drafter.config.block_size
+            # a step's context: the tokens one verify committed (a block's, or a lookup's)
+            self.context_bucket = context_bucket or max(block, self.buckets[-1])
+            # drafter.new_cache adds the block's scratch; a pool's capacity is the whole
+            self.draft_buffers = BufferPool(
+                lambda capacity, slots: drafter.new_cache(capacity - block) if slots is None
+                else drafter.new_cache(capacity - block, batch=slots, per_sequence=True))
+
+    def draft_step(self, scaling: QueryScaling | None, window: int | None):
+        """The drafter's block step under `scaling` and `window`: (the module, which runs
+        eagerly where no graph fits, and its compiled step)."""
+        key = (scaling, window)
+        if key not in self._drafts:
+            module = DraftStep(self.drafter, self.model.embed_tokens, self.head, scaling, window)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def chain_step(self, scaling: QueryScaling | None):
+        """The PARD drafter's step under `scaling`: (the module, its compiled step)."""
+        key = ("chain", scaling)
+        if key not in self._drafts:
+            module = ChainStep(self.drafter, scaling, self.model.config.vocab_size)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def staging(self, name: str, shape: tuple, dtype=torch.long, fill=0) -> torch.Tensor:
+        """A step input the roles fill before each call: one tensor per engine and shape (a
+        step runs at a time, its outputs cloned), so a CUDA graph sees one address. Step
+        inputs and KV buffers are made outside inference mode whoever asks first: dynamo
+        guards on the difference, and a graph made for one kind would not serve the other
+        (the batched roles' groups of one share the single-sequence roles' graphs)."""
+        key = (name, tuple(shape), dtype)
+        if key not in self._staging:
+            with torch.inference_mode(False):
+                t = self._staging[key] = torch.full(shape, fill, dtype=dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch._dynamo.mark_static_address(t)
+        return self._staging[key]
+
+    # the roles, as TorchLoaded hands them out
+    def target(self) -> "CompiledTarget":
+        return CompiledTarget(self.model, self.feature_layers, steps=self)
+
+    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> "CompiledDFlash":
+        return CompiledDFlash(self.drafter, self.model, scaling, window, steps=self)
+
+    def batch_target(self) -> "CompiledBatchTarget":
+        return CompiledBatchTarget(self)
+
+    def batch_dflash(self, scaling: QueryScaling | None) -> "CompiledBatchDFlash":
+        return CompiledBatchDFlash(self, scaling)
+
+    def pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledPARD":
+        return CompiledPARD(self, scaling, max_drafts)
 
 
 class CompiledTarget(TorchTarget):
     """TorchTarget whose verify runs a compiled step per width bucket (1: a decode step;
     the draft-length buckets: a verify), rows past the real ones padded (their keys are
-    scratch past the committed length, their logits unread)."""
+    scratch past the committed length, their logits unread). `steps`: the engine's
+    (EngineSteps); without, its own."""
 
     def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,),
-                 backend: str = "inductor"):
+                 backend: str = "inductor", steps: EngineSteps | None = None):
         super().__init__(model, feature_layers)
-        self.device = model.embed_tokens.weight.device
-        self.buckets = tuple(sorted(set(buckets)))
-        self.step = compile_step(TargetStep(model, self.feature_layers), self.device, backend)
-        self.buffers = _Buffers(lambda c: model.new_cache(c))
-        self.cached = torch.zeros(1, dtype=torch.long, device=self.device)
-        if self.device.type == "cuda":
-            torch._dynamo.mark_static_address(self.cached)
+        self.steps = steps or EngineSteps(model, self.feature_layers, buckets, backend)
+        self.device, self.buckets = self.steps.device, self.steps.buckets
+        self.step = self.steps.target_step
+        self.cached = self.steps.staging("target.cached", (1,))
+        self.lease = None
+
+    def _lease(self, capacity: int) -> KVCache:
+        """This request's buffers; the last request's go back to the engine's pool."""
+        if self.lease is not None:
+            self.lease()
+        slack = self.buckets[-1]  # a padded verify writes up to the widest bucket's rows
+        self.cache, self.lease = self.steps.target_buffers.lease(
+            self, static_capacity(capacity + slack, self.context_limit + slack))
+        return self.cache
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], capacity: int):
-        slack = self.buckets[-1]  # a padded verify writes up to the widest bucket's rows
-        self.cache = self.buffers.cache(static_capacity(capacity + slack,
-                                                        self.context_limit + slack))
+        self._lease(capacity)
         logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
                                       last_logits_only=True)
         return logits[0, -1], None if features is None else features[0]
@@ -269,7 +413,8 @@ class CompiledTarget(TorchTarget):
         if width is None or n + width > self.cache.capacity:
             return super().verify(ids)
         self.cached.fill_(n)
-        x = self._ids(list(ids) + [0] * (width - t))
+        x = self.steps.staging("target.ids", (1, width))
+        x.copy_(torch.tensor([list(ids) + [0] * (width - t)]))
         logits, features = self.step(x, *self.cache.layers, self.cached)
         self.cache.length = n + t
         # clone: a CUDA graph's outputs are overwritten by its next replay
@@ -277,14 +422,13 @@ class CompiledTarget(TorchTarget):
 
     def verify_tree(self, tree):
         result = super().verify_tree(tree)  # may grow the cache (KVCache.reserve): new buffers
-        self.cache.layers = layers(self.cache)
+        bind(self.cache)
         return result
 
+    @torch.inference_mode()
     def restore(self, snap, capacity: int) -> None:
         n, k, v = snap
-        slack = self.buckets[-1]
-        self.cache = self.buffers.cache(static_capacity(capacity + slack,
-                                                        self.context_limit + slack))
+        self._lease(capacity)
         self.cache.k[:, :, :, :n] = k
         self.cache.v[:, :, :, :n] = v
         self.cache.length = n
@@ -294,33 +438,32 @@ class CompiledDFlash(TorchDFlash):
     """TorchDFlash whose steps run one compiled graph: the block after a context of at
     most `context_bucket` feature rows (a step's accepted tokens; padded, context_lens
     says how many are real). A longer context (the prompt's) runs eagerly on the same
-    cache."""
+    cache. `steps`: the engine's (EngineSteps); without, its own."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
                  window: int | None = None, context_bucket: int | None = None,
-                 backend: str = "inductor"):
+                 backend: str = "inductor", steps: EngineSteps | None = None):
         super().__init__(drafter, target, scaling, window)
-        self.device = drafter.fc.weight.device
-        self.context_bucket = context_bucket or self.block_size
-        self.step = compile_step(DraftStep(drafter, target.embed_tokens, self.head, scaling, window),
-                                 self.device, backend)
-        self.buffers = _Buffers(lambda c: drafter.new_cache(c - self.block_size))
-        self.block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long,
-                                device=self.device)
-        self.cached = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.context_lens = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.context = torch.zeros((1, self.context_bucket, self.feature_size),
-                                   dtype=drafter.fc.weight.dtype, device=self.device)
-        if self.device.type == "cuda":
-            for t in (self.block, self.cached, self.context_lens, self.context):
-                torch._dynamo.mark_static_address(t)
+        self.steps = steps or EngineSteps(target, backend=backend, drafter=drafter,
+                                          context_bucket=context_bucket or self.block_size)
+        self.device, self.context_bucket = self.steps.device, self.steps.context_bucket
+        _, self.step = self.steps.draft_step(scaling, window)
+        staging = self.steps.staging
+        self.block = staging("dflash.block", (1, self.block_size), fill=self.mask_token_id)
+        self.cached = staging("dflash.cached", (1,))
+        self.context_lens = staging("dflash.context_lens", (1,))
+        self.context = staging("dflash.context", (1, self.context_bucket, self.feature_size),
+                               drafter.fc.weight.dtype)
+        self.lease = None
 
     def reset(self, capacity: int) -> None:
+        if self.lease is not None:
+            self.lease()  # the last request's buffers back to the engine's pool
         # room: the padded context's rows, then the block's, past the committed keys
         limit = self.drafter.config.max_position_embeddings
         needed = capacity + self.context_bucket + self.block_size
-        self.cache = self.buffers.cache(static_capacity(needed, limit + self.context_bucket
-                                                        + self.block_size))
+        self.cache, self.lease = self.steps.draft_buffers.lease(
+            self, static_capacity(needed, limit + self.context_bucket + self.block_size))
 
     @torch.inference_mode()
     def draft(self, context: torch.Tensor, bonus: int):
@@ -336,3 +479,219 @@ class CompiledDFlash(TorchDFlash):
                            self.context_lens)
         self.cache.length = n + c
         return logits[0].clone(), StepMetadata(n, c).block_keys(self.block_size)
+
+
+class CompiledPARD(TorchPARD):
+    """TorchPARD whose draft runs the engine's compiled chain step: the row [unread
+    tokens, the newest, pard x (k - 1)] padded at its end to a width bucket (max_drafts:
+    a step that accepted little; 2 x max_drafts: every draft and the bonus read, k drafted);
+    a wider row, and the prompt's read, run eagerly on the same cache."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
+        self.steps = steps
+        _, self.step = steps.chain_step(scaling)
+        self.widths = tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
+        self.cached = steps.staging("pard.cached", (1,))
+        self.lease = None
+
+    def reset(self, capacity: int) -> None:
+        if self.lease is not None:
+            self.lease()  # the last request's buffers back to the engine's pool
+        room = self.widths[-1]  # a padded row's keys sit past the committed ones as scratch
+        limit = self.drafter.config.layers.max_position_embeddings
+        self.cache, self.lease = self.steps.chain_buffers.lease(
+            self, static_capacity(capacity + room, limit + room))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        n, t = self.cache.length, len(row)
+        width = bucket_for(t, self.widths)
+        if width is None or n + width > self.cache.capacity:
+            return super().draft(ids, features, k, sampler)
+        x = self.steps.staging("pard.ids", (1, width))
+        x.copy_(torch.tensor([row + [0] * (width - t)]))
+        self.cached.fill_(n)
+        logits, visible = self.step(x, *self.cache.layers, self.cached)
+        self.cache.length = n + len(ids)  # the real tokens' keys; the pard rows' are scratch
+        first = t - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(logits[0, first:t].clone(), visible[0, first:t].clone(), sampler)
+
+
+# -- batched: CacheGroups' rows in fixed-shape buffers ----------------------------------------
+
+def slots_for(rows: int) -> int:
+    """Buffer rows for a group of `rows` sequences: the next power of two (few shapes, few
+    graphs; idle slots run as padding)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class SlotGroup:
+    """One capacity bucket's sequences in leased buffers: `cache` (its lengths [slots] on
+    the device), `members` the batch rows in it, `slots` each one's buffer row, `lengths`
+    every buffer row's length on the host (so no step reads one back; an idle slot's
+    outputs are never read)."""
+
+    def __init__(self, bucket: int, cache: KVCache, lease):
+        self.bucket, self.cache, self.lease = bucket, cache, lease
+        self.members: list[int] = []
+        self.slots: list[int] = []
+        self.lengths = [0] * cache.k.shape[1]
+
+    def sync(self) -> None:
+        """The host lengths to the device (a copy in, never a read back)."""
+        self.cache.lengths.copy_(torch.tensor(self.lengths, dtype=torch.long))
+
+
+class SlotGroups:
+    """CacheGroups' contract (runtime/backends/pytorch.py: join, drop, rollback; rows
+    grouped by capacity bucket, one pass per group) over fixed shapes, so a group's step
+    is one compiled graph: a group's buffers hold a power of two of keys (a sequence's
+    capacity + `room`, rounded up: the single-sequence roles' static_capacity, so a group
+    of one shares their graphs) and of slots (slots_for), leased from the engine's pool. A sequence joins
+    into a free slot (one copy: its own keys) and leaves its slot idle; the group moves to
+    other buffers only when it outgrows its slots or drops to a quarter of them."""
+
+    def __init__(self, pool: BufferPool, room: int = 0):
+        self.pool, self.room = pool, room
+        self.groups: list[SlotGroup] = []
+        self.rows = 0
+
+    def _lease(self, bucket: int, slots: int):
+        return self.pool.lease(self, 1 << bucket, slots)
+
+    @torch.inference_mode()
+    def join(self, single: KVCache) -> None:
+        bucket = capacity_bucket(single.capacity + self.room)
+        group = next((g for g in self.groups if g.bucket == bucket), None)
+        if group is None:
+            group = SlotGroup(bucket, *self._lease(bucket, 1))
+            self.groups.append(group)
+        elif len(group.members) == len(group.lengths):
+            self._move(group, 2 * len(group.lengths))
+        slot = next(i for i in range(len(group.lengths)) if i not in group.slots)
+        n = single.length
+        group.cache.k[:, slot, :, :n] = single.k[:, 0, :, :n]
+        group.cache.v[:, slot, :, :n] = single.v[:, 0, :, :n]
+        group.lengths[slot] = n
+        group.sync()
+        group.members.append(self.rows)
+        group.slots.append(slot)
+        self.rows += 1
+
+    @torch.inference_mode()
+    def drop(self, row: int) -> None:
+        group = next(g for g in self.groups if row in g.members)
+        at = group.members.index(row)
+        group.members.pop(at)
+        group.lengths[group.slots.pop(at)] = 0
+        if not group.members:
+            group.lease()
+            self.groups.remove(group)
+        elif len(group.members) <= len(group.lengths) // 4:
+            self._move(group, slots_for(len(group.members)))
+        for g in self.groups:  # the rows after it move up one
+            g.members[:] = [r - (r > row) for r in g.members]
+        self.rows -= 1
+
+    def _move(self, group: SlotGroup, slots: int) -> None:
+        """The group's sequences into `slots` new buffer rows, in their order; the old
+        buffers back to the pool."""
+        cache, lease = self._lease(group.bucket, slots)
+        cache.k[:, :len(group.slots)] = group.cache.k[:, group.slots]
+        cache.v[:, :len(group.slots)] = group.cache.v[:, group.slots]
+        lengths = [group.lengths[s] for s in group.slots]
+        group.lease()
+        group.cache, group.lease = cache, lease
+        group.slots = list(range(len(lengths)))
+        group.lengths = lengths + [0] * (slots - len(lengths))
+        group.sync()
+
+    @torch.inference_mode()
+    def rollback(self, lengths: list[int]) -> None:
+        for group in self.groups:
+            for r, slot in zip(group.members, group.slots):
+                group.lengths[slot] = lengths[r]
+            group.sync()
+
+
+class CompiledBatchTarget(TorchBatchTarget):
+    """TorchBatchTarget whose verify runs the engine's compiled target step, one call per
+    group: every slot's row padded to the width bucket that holds the group's widest
+    (CompiledTarget's buckets; wider runs the step eagerly)."""
+
+    def __init__(self, steps: EngineSteps):
+        super().__init__(steps.model, steps.feature_layers)
+        self.steps, self.step = steps, steps.target_step
+        self.caches = SlotGroups(steps.target_buffers)
+
+    @torch.inference_mode()
+    def verify(self, rows: list[list[int]]):
+        width, logits, features = max(len(r) for r in rows), None, None
+        for group in self.caches.groups:
+            t = max(len(rows[r]) for r in group.members)
+            bucket, step = bucket_for(t, self.steps.buckets), self.step
+            if bucket is None or max(group.lengths) + bucket > group.cache.capacity:
+                bucket, step = t, self.steps.target_module
+            ids = [[0] * bucket for _ in group.lengths]
+            for r, slot in zip(group.members, group.slots):
+                ids[slot][:len(rows[r])] = rows[r]
+            x = self.steps.staging("target.ids", (len(ids), bucket))
+            x.copy_(torch.tensor(ids))
+            part_logits, part_features = step(x, *group.cache.layers, group.cache.lengths)
+            # indexing copies: a CUDA graph's outputs are overwritten by its next replay
+            logits = scatter_rows(logits, part_logits[group.slots, :t], group.members, len(rows), width)
+            if part_features is not None:
+                features = scatter_rows(features, part_features[group.slots, :t], group.members,
+                                        len(rows), width)
+            for slot in group.slots:  # as the eager pass: every row past its group's widest
+                group.lengths[slot] += t
+            group.sync()
+        return logits, features
+
+
+class CompiledBatchDFlash(TorchBatchDFlash):
+    """TorchBatchDFlash whose draft runs the engine's compiled block step, one call per
+    group: every slot's context padded to the engine's context bucket (a longer one runs
+    the step eagerly), context_lens saying how many rows are real."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None):
+        super().__init__(steps.drafter, steps.model, scaling)
+        self.steps, self.context_bucket = steps, steps.context_bucket
+        self.module, self.step = steps.draft_step(scaling, None)
+        # room: a padded context's rows past a sequence's budget (its cache holds the block's)
+        self.caches = SlotGroups(steps.draft_buffers, room=self.context_bucket)
+
+    @torch.inference_mode()
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        logits = None
+        visible = torch.zeros(len(contexts), dtype=torch.long)
+        for group in self.caches.groups:
+            c = max(len(contexts[r]) for r in group.members)
+            width, step = self.context_bucket, self.step
+            if c > width:
+                width, step = c, self.module
+            slots, staging = len(group.lengths), self.steps.staging
+            # the single-sequence role's staging where the shapes meet (a group of one)
+            context = staging("dflash.context", (slots, width, self.single.feature_size),
+                              contexts[0].dtype)
+            context.zero_()
+            lens, block = [0] * slots, [[self.mask_token_id] * self.block_size for _ in range(slots)]
+            for r, slot in zip(group.members, group.slots):
+                context[slot, :len(contexts[r])] = contexts[r]
+                lens[slot], block[slot][0] = len(contexts[r]), bonuses[r]
+            ids = staging("dflash.block", (slots, self.block_size), fill=self.mask_token_id)
+            ids.copy_(torch.tensor(block))
+            context_lens = staging("dflash.context_lens", (slots,))
+            context_lens.copy_(torch.tensor(lens))
+            part = step(ids, context, *group.cache.layers, group.cache.lengths, context_lens)
+            logits = scatter_rows(logits, part[group.slots], group.members, len(contexts),
+                                  self.block_size - 1)
+            meta = StepMetadata(torch.tensor(group.lengths), torch.tensor(lens))
+            keys = meta.block_keys(self.block_size)
+            visible[group.members] = keys[group.slots]
+            for slot in group.slots:
+                group.lengths[slot] += lens[slot]
+            group.sync()
+        return logits, visible

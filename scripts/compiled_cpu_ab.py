@@ -32,13 +32,16 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--width", type=int, default=8, help="verify rows (the DFlash block)")
     p.add_argument("--steps", type=int, default=24, help="timed steps per backend and width")
+    p.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
+                   help="the compiled column's backend (eager: dynamo alone, a dry run of the "
+                        "plumbing in seconds; its times are not inductor's)")
     args = p.parse_args(argv)
 
     import torch
 
     from build.checkpoints import prepare_target
     from runtime.backends.pytorch import TorchTarget
-    from runtime.compiled import CompiledTarget
+    from runtime.compiled import EngineSteps
     from runtime.models.target import ModelError, load_target
 
     try:
@@ -49,8 +52,9 @@ def main(argv=None) -> int:
         return 1
     prompt = [(17 * i + 5) % model.config.vocab_size for i in range(args.context)]
     capacity = args.context + 4 * args.steps * (args.width + 1) + args.width
-    roles = {"torch eager": TorchTarget(model), "torch compiled (inductor)":
-             CompiledTarget(model, buckets=(1, args.width))}
+    # the compiled role as a loaded engine hands it out: over the engine's shared steps
+    steps = EngineSteps(model, buckets=(1, args.width), backend=args.compiler)
+    roles = {"torch eager": TorchTarget(model), f"torch compiled ({args.compiler})": steps.target()}
     if args.engine_dir:
         from runtime.engine import Engine
 

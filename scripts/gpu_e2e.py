@@ -90,7 +90,7 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     raise RuntimeError(f"the eval documents hold {len(ids)} tokens, fewer than {length}")
 
 
-def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window, steps):
+def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window, shared):
     """The decode loop (runtime/decode.py) for `mode` over the compiled roles: the
     proposer the engine would pick (runtime/modes.py's table), every drafter step
     verifying its whole block (no measured step costs for this GPU)."""
@@ -106,28 +106,36 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
         proposer = proposers.Lookup(NGramProposer)
     else:
         drafter = make_drafter(drafter_model, target_model, scaling if m.scaled else None,
-                               window if m.needs_window else None, steps)
+                               window if m.needs_window else None, shared)
         proposer = proposers.Block(RowBlockDrafters(lambda: drafter),
                                    NGramProposer if m.ngram_assist else None)
     return Decoder(RowTargets(lambda: target, target.context_limit), proposer)
 
 
-def make_target(model, feature_layers, buckets, steps):
+def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_bucket=None):
+    """The run's compiled steps (runtime/compiled.py: EngineSteps), made once and shared
+    by every mode and context as a loaded engine's are (graphs captured once, KV buffers
+    leased and given back); None: eager roles."""
+    from runtime.compiled import EngineSteps
+
+    if steps is None:
+        return None
+    return EngineSteps(model, feature_layers, buckets, steps, drafter=drafter_model,
+                       context_bucket=context_bucket)
+
+
+def make_target(model, feature_layers, shared):
     from runtime.backends.pytorch import TorchTarget
-    from runtime.compiled import CompiledTarget
 
-    if steps is None:
-        return TorchTarget(model, feature_layers)
-    return CompiledTarget(model, feature_layers, buckets=buckets, backend=steps)
+    return TorchTarget(model, feature_layers) if shared is None else shared.target()
 
 
-def make_drafter(drafter_model, target_model, scaling, window, steps):
+def make_drafter(drafter_model, target_model, scaling, window, shared):
     from runtime.backends.pytorch import TorchDFlash
-    from runtime.compiled import CompiledDFlash
 
-    if steps is None:
+    if shared is None:
         return TorchDFlash(drafter_model, target_model, scaling, window)
-    return CompiledDFlash(drafter_model, target_model, scaling, window, backend=steps)
+    return shared.dflash(scaling, window)
 
 
 def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps, clock,
@@ -148,7 +156,9 @@ def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps
     window = drafter.config.training_max_length or 512
     block = drafter.config.block_size
     buckets = (1, NGramProposer().num_draft_tokens + 1, block)
-    target = make_target(model, drafter.config.target_layer_ids, buckets, steps)
+    layer_ids = drafter.config.target_layer_ids
+    shared = shared_steps(model, layer_ids, buckets, steps, drafter)
+    target = make_target(model, layer_ids, shared)
     plain = None  # eager roles, where a step cannot run as a graph
     decoders = {}
     rows = []
@@ -160,15 +170,15 @@ def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps
                 continue
             try:
                 row = decode_row(decoders, mode, prompt, new_tokens, device, steps,
-                                 lambda s: mode_decoder(mode, target, drafter, model, scaling, window, s))
+                                 lambda: mode_decoder(mode, target, drafter, model, scaling, window, shared))
             except Exception as exc:  # a step that cannot be captured yet: say so, run eagerly
                 if steps is None:
                     raise
                 why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 log(f"gpu_e2e: {mode} at {context}: {steps} steps failed ({why}); eager instead")
-                plain = plain or make_target(model, drafter.config.target_layer_ids, buckets, None)
+                plain = plain or make_target(model, layer_ids, None)
                 row = decode_row(decoders, mode, prompt, new_tokens, device, None,
-                                 lambda s: mode_decoder(mode, plain, drafter, model, scaling, window, None))
+                                 lambda: mode_decoder(mode, plain, drafter, model, scaling, window, None))
                 row["fallback"] = f"{steps} steps failed: {why}"
             rows.append({"context": context} | row)
             log(f"gpu_e2e: {mode} at {context}: {row['tok_s']} tok/s, MAL {row['mal']}")
@@ -183,7 +193,7 @@ def decode_row(decoders, mode, prompt, new_tokens, device, steps, make) -> dict:
     from runtime.decode import Request
 
     key = (mode, steps)
-    decoder = decoders.get(key) or decoders.setdefault(key, make(steps))
+    decoder = decoders.get(key) or decoders.setdefault(key, make())
     decoder.generate(Request(prompt, new_tokens))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -327,9 +337,11 @@ def step_cost_rows(device, dtype, contexts, clock, repeats: int = 20, shape=QWEN
     rows = []
     with torch.inference_mode():
         for graph in graphs:
-            steps = None if graph == "eager" else graph
-            target = make_target(target_model, drafter_model.config.target_layer_ids, (1, block + 1), steps)
-            drafter = make_drafter(drafter_model, target_model, PRESETS["dflash"], None, steps)
+            # context_bucket = block: the drafter step timed is one block after one block's context
+            shared = shared_steps(target_model, drafter_model.config.target_layer_ids, (1, block + 1),
+                                  None if graph == "eager" else graph, drafter_model, context_bucket=block)
+            target = make_target(target_model, drafter_model.config.target_layer_ids, shared)
+            drafter = make_drafter(drafter_model, target_model, PRESETS["dflash"], None, shared)
             for context in contexts:
                 if clock.out():
                     rows.append({"mode": f"steps ({graph})", "context": context,
@@ -364,7 +376,7 @@ def step_cost_rows(device, dtype, contexts, clock, repeats: int = 20, shape=QWEN
                                  "gpu_ms": round(gpu, 3), "host_share": round(host / max(gpu, 1e-9), 3),
                                  "tok_s": None, "mal": None})
                     log(f"gpu_e2e: {rows[-1]['mode']} at {context}: host {host:.3f} ms, GPU {gpu:.3f} ms")
-            del target, drafter
+            del target, drafter, shared
             torch.cuda.empty_cache()
     return rows
 

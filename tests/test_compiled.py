@@ -62,11 +62,13 @@ def eager_tokens(target, drafter, speculative=True, **request):
     return decode(TorchTarget(target, features), make, **request)
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier's check: the engine's roles, below (the same steps, float32)
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_steps_equal_eager_and_compile_once(backend):
-    """Token for token the eager roles' output, target-only and speculative. fullgraph=True
-    raises on a graph break; error_on_recompile raises when a step at another length (or
-    another request's) needs a new graph."""
+    """Token for token the eager roles' output, target-only and speculative, on float64
+    roles made without an engine. fullgraph=True raises on a graph break;
+    error_on_recompile raises when a step at another length (or another request's) needs
+    a new graph."""
     import torch._dynamo
 
     target, drafter = pair()
@@ -185,13 +187,26 @@ def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_draft
     section = gpu_e2e()
     clock = section.Clock(600)
     cpu = torch.device("cpu")
-    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72, 96), 8, None, clock)
-    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 96) for m in section.MODES]
+    rows = section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72,), 8, None, clock)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, 72) for m in section.MODES]
     assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
     assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
     peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
     assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
     assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
+
+
+@pytest.mark.slow
+def test_gpu_e2e_rows_run_on_one_engines_compiled_steps(tiny_target, tiny_drafter):
+    """The section's rows over its shared compiled steps (dynamo on CPU): no mode falls
+    back to eager roles, and each mode's MAL is the eager run's (the same tokens)."""
+    section = gpu_e2e()
+    cpu = torch.device("cpu")
+    run = lambda steps: section.our_rows(tiny_target, tiny_drafter, cpu, torch.float32, (72,), 8,  # noqa: E731
+                                         steps, section.Clock(600))
+    compiled, eager = run("eager"), run(None)
+    assert not [r["mode"] for r in compiled if "fallback" in r]
+    assert [(r["mode"], r["mal"]) for r in compiled] == [(r["mode"], r["mal"]) for r in eager]
 
 
 def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
@@ -235,3 +250,164 @@ def test_convert_target_writes_shards_transformers_loads(tiny_target, tmp_path):
     original, _ = load_target(tiny_target, torch.float16)
     for (name, a), b in zip(model.state_dict().items(), original.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# -- one engine's steps, shared by every request and role ---------------------------------
+
+def engine_prompts(engine, lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, engine.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def recorded_steps(monkeypatch):
+    """compile_step counting the steps made and the CUDA-graph keys its steps are called
+    with (CapturedStep captures once per key: a key not seen before is a capture)."""
+    from runtime import compiled
+
+    made, keys, real = [], set(), compiled.compile_step
+
+    def recording(module, device, backend="inductor"):
+        step = real(module, device, backend)
+        made.append(type(module).__name__)
+
+        def call(*args):
+            keys.add((id(module), compiled.capture_key(set(module.STATIC), args)))
+            return step(*args)
+        return call
+
+    monkeypatch.setattr(compiled, "compile_step", recording)
+    return made, keys
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tiny_engine, backend,
+                                                                             monkeypatch):
+    """The compiled steps, their graphs and the KV buffers they read belong to the loaded
+    engine, and batch: target-only and SharpDraft (beta > 1 from 64 keys) alone, then
+    batched (CompiledBatchTarget / CompiledBatchDFlash: a graph per batch-size, width and
+    capacity bucket; a group grows from one slot to two, one request sits in another
+    bucket, one leaves early) decode each request's own target-only tokens; a second
+    round of other prompts in the same buckets makes no step, no dynamo graph, no CUDA-graph
+    key (the same buffer addresses and shapes: no capture) and no KV buffer."""
+    from torch._dynamo.utils import counters
+
+    from runtime.compiled import CompiledBatchDFlash, CompiledBatchTarget
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
+    shared = engine.loaded.shared
+    assert isinstance(engine.loaded.batch_target(), CompiledBatchTarget)
+    assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchDFlash)
+
+    def one_round(seed):
+        alone, batched = engine_prompts(engine, [70], seed), engine_prompts(engine, [90, 100, 30], seed)
+        want = eager.generate(alone[0], 12, mode="target", stop=False).tokens
+        for mode in ("target", "sharpdraft"):
+            assert engine.generate(alone[0], 12, mode=mode, stop=False, adaptive=False).tokens == want
+        requests = [Request(p, n) for p, n in zip(batched, (6, 16, 10))]
+        want = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
+        for mode in ("target", "sharpdraft"):
+            seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
+            assert [s.gen.tokens for s in seqs] == want, mode
+
+    one_round(seed=1)
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"],
+             shared.target_buffers.made, shared.draft_buffers.made)
+    # both steps ran compiled, one and two sequences wide (the batch a slot each, not row by row)
+    assert {(made_by, args[0][0][0]) for made_by, args in keys} == {
+        (id(m), b) for m in (shared.target_module, shared.draft_step(engine.scaling, None)[0])
+        for b in (1, 2)}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"],
+            shared.target_buffers.made, shared.draft_buffers.made) == state
+
+
+def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
+    """SlotGroups (the batched compiled roles' caches) against the single-sequence caches
+    that joined: each remaining row's keys and length in its slot, slots a power of two,
+    growing and shrinking; an emptied group's buffers back to the pool and reused."""
+    from runtime.compiled import BufferPool, SlotGroups
+    from runtime.models.layers import KVCache
+
+    def make(capacity, slots):
+        return KVCache(2, slots or 1, 1, capacity, 3, torch.float64, per_sequence=slots is not None)
+
+    pool = BufferPool(make)
+    groups = SlotGroups(pool)
+    singles = []
+    for i, n in enumerate([5, 9, 3, 7, 6]):
+        single = KVCache(2, 1, 1, 30, 3, torch.float64)
+        single.k.normal_(), single.v.normal_()
+        single.length = n
+        singles.append(single)
+        groups.join(single)
+    # a capacity of 30 rounds up to 32: one group, five sequences in eight slots
+    (group,) = groups.groups
+    assert group.cache.capacity == 32 and len(group.lengths) == 8
+
+    def check(alive):
+        (group,) = groups.groups
+        assert sorted(group.members) == list(range(len(alive))) and groups.rows == len(alive)
+        assert group.cache.lengths.tolist() == group.lengths
+        for row, single in enumerate(alive):
+            slot, n = group.slots[group.members.index(row)], single.length
+            assert group.lengths[slot] == n
+            assert torch.equal(group.cache.k[:, slot, :, :n], single.k[:, 0, :, :n])
+            assert torch.equal(group.cache.v[:, slot, :, :n], single.v[:, 0, :, :n])
+        return group
+
+    check(singles)
+    for row in (1, 3, 0):  # down to two sequences in eight slots: moved into two
+        groups.drop(row)
+        singles.pop(row)
+    assert len(check(singles).lengths) == 2
+    made = pool.made
+    groups.drop(0), groups.drop(0)
+    assert not groups.groups and groups.rows == 0
+    groups.join(singles[0])
+    assert pool.made == made  # the emptied group's buffers, reused
+    check(singles[:1])
+
+
+@pytest.fixture(scope="module")
+def pard_engine(tmp_path_factory, tiny_target):
+    import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "pard-torch"
+    ckpt = tiny.make_pard(tmp_path_factory.mktemp("pard"), tiny_target)
+    assert build_engine.main(["--drafter", "pard", "--sharpdraft", "--target", str(tiny_target),
+                              "--drafter-checkpoint", str(ckpt), "--ref-keys", "64", "--top-k", "8",
+                              "--backend", "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow  # an engine of its own to build and graphs of its own: ~30 s on 2 cores
+def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine, monkeypatch):
+    """CompiledPARD: SharpDraft (beta > 1 from 64 keys) on the engine's compiled chain
+    step decodes the target-only tokens; a second request makes no step, graph or KV
+    buffer."""
+    from torch._dynamo.utils import counters
+
+    from runtime.compiled import CompiledPARD
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(pard_engine), Engine(pard_engine, steps="eager")
+    assert isinstance(engine.drafter(), CompiledPARD)
+
+    def one_round(seed):
+        (prompt,) = engine_prompts(engine, [80], seed)
+        want = eager.generate(prompt, 12, mode="target", stop=False).tokens
+        assert engine.generate(prompt, 12, mode="sharpdraft", stop=False, adaptive=False).tokens == want
+
+    one_round(seed=1)
+    shared = engine.loaded.shared
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made)
+    # the chain step ran compiled (a key of its own), not the eager fallback
+    assert id(shared.chain_step(engine.scaling)[0]) in {made_by for made_by, _ in keys}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made) == state

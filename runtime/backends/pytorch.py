@@ -375,11 +375,13 @@ class TorchLoaded:
     runtime/compiled.py loads and places them).
 
     `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
-    (runtime/compiled.py: compile_step's backends) make the single-sequence target a
-    CompiledTarget, fixed-shape steps for a decode (1), an n-gram verify (ngram drafts + 1)
-    and a block verify (block_size), and DFlash drafters CompiledDFlash. The batched roles
-    (batch_target, batch_drafter) and the PARD / EAGLE-3 drafters stay eager: no compiled
-    step exists for them yet."""
+    (runtime/compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
+    an n-gram verify (ngram drafts + 1) and a block verify (block_size), and the DFlash
+    block and the PARD chain: the targets are CompiledTarget / CompiledBatchTarget, DFlash
+    drafters CompiledDFlash / CompiledBatchDFlash, PARD drafters CompiledPARD, all over
+    this engine's one EngineSteps (`shared`: its compiled steps, graphs and KV buffer
+    pool), so a request after the first compiles and captures nothing. EAGLE-3 drafters
+    stay eager (a chain link per host-sampled token; trees under per-step masks)."""
 
     can = modes.BACKENDS["torch"]
 
@@ -403,17 +405,18 @@ class TorchLoaded:
         # (ngram drafts + the bonus), a block verify
         ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
         self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
+        self.shared = None if steps is None else compiled.EngineSteps(
+            self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
         self.target = self.new_target()
 
     def new_target(self) -> TorchTarget:
-        if self.steps is None:
-            return TorchTarget(self.model, self.feature_layers)
-        from runtime.compiled import CompiledTarget
-
-        return CompiledTarget(self.model, self.feature_layers, buckets=self.buckets,
-                              backend=self.steps)
+        if self.shared is not None:
+            return self.shared.target()
+        return TorchTarget(self.model, self.feature_layers)
 
     def batch_target(self) -> TorchBatchTarget:
+        if self.shared is not None:
+            return self.shared.batch_target()
         return TorchBatchTarget(self.model, self.feature_layers)
 
     def has_window(self) -> bool:
@@ -421,26 +424,32 @@ class TorchLoaded:
 
     def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
         """A DFlash drafter role: eager, or compiled with `steps`."""
-        if self.steps is None:
-            return TorchDFlash(self.drafter_model, self.model, scaling, window)
-        from runtime.compiled import CompiledDFlash
-
-        return CompiledDFlash(self.drafter_model, self.model, scaling, window, backend=self.steps)
+        if self.shared is not None:
+            return self.shared.dflash(scaling, window)
+        return TorchDFlash(self.drafter_model, self.model, scaling, window)
 
     def drafter(self, scaling: QueryScaling | None, window: int | None = None):
         if window is not None:
             return self.dflash(scaling, window)
         return DRAFTERS[self.family](self, scaling)
 
+    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
+        """A PARD chain drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.pard(scaling, self.drafting.max_drafts)
+        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
+                         scaling)
+
     def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
+        if self.shared is not None:
+            return self.shared.batch_dflash(scaling)
         return TorchBatchDFlash(self.drafter_model, self.model, scaling)
 
 
 # drafter family -> its per-row drafter on this backend
 DRAFTERS = {
     "dflash": lambda loaded, scaling: loaded.dflash(scaling),
-    "pard": lambda loaded, scaling: TorchPARD(loaded.drafter_model, loaded.model.config.vocab_size,
-                                              loaded.drafting.max_drafts, scaling),
+    "pard": lambda loaded, scaling: loaded.pard(scaling),
     "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
                                                   loaded.drafting.tree_shape,
                                                   max(loaded.drafting.max_drafts, 1)),
