@@ -74,3 +74,33 @@ def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine
         alone = ort_engine.generate(request.prompt, 12, "sharpdraft", request.sampling,
                                     stop=False, adaptive=False)
         assert seq.gen.tokens == alone.tokens
+
+
+
+def test_one_windowed_drafter_graph_call_gives_each_row_its_own_window(native_ort_engine):
+    """drafter-kv.onnx stepping three sequences in one call (their capacities share a
+    bucket, so one pass) under the draft window of 48: each row's logits and N equal that
+    sequence's own windowed call; the window leaves the shortest row's context whole and
+    cuts the others' (there the logits differ from an unwindowed call's)."""
+    loaded, window = native_ort_engine.loaded, native_ort_engine.draft_window
+    lengths, news = [34, 50, 55], [3, 1, 5]
+    single = loaded.drafter(None, window)
+    features = [torch.randn(n + c, single.feature_size, generator=torch.Generator().manual_seed(n))
+                for n, c in zip(lengths, news)]
+    want, got = [], {}
+    for f, n in zip(features, lengths):
+        single.reset(n + 8)
+        single.draft(f[:n], 0)
+        want.append(single.draft(f[n:], 5))
+    for w in (window, None):
+        batch = loaded.batch_drafter(None, w)
+        for f, n in zip(features, lengths):
+            batch.add(n + 8, f[:n], 0)
+        assert len(batch.groups) == 1
+        got[w] = batch.draft([f[n:] for f, n in zip(features, lengths)], [5] * 3)
+    logits, visible = got[window]
+    assert visible.tolist() == [v for _, v in want] == [n + c + 4 for n, c in zip(lengths, news)]
+    for row, (expected, _) in zip(logits, want):
+        torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
+    cut = [not torch.allclose(a, b, atol=1e-5) for a, b in zip(logits, got[None][0])]
+    assert cut == [n + c > window for n, c in zip(lengths, news)] == [False, True, True]
