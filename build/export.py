@@ -77,6 +77,7 @@ from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
+from runtime.step_metadata import StepMetadata
 
 OPSET = 18  # the dynamo exporter's lowest; nothing these graphs use needs a newer one
 TARGET_FILE, DRAFTER_FILE, FROZEN_FILE = "target.onnx", "drafter.onnx", "drafter-frozen.onnx"
@@ -387,16 +388,12 @@ class BlockBufferCache:
         """Block rows over the buffer, the context and the block, which starts at `start`
         [batch] (each sequence's cached + real context tokens). The draft window is the
         graph's input (self.window), not the argument: the rule is KVCache's
-        (layers.window_mask), with beta read from the keys left."""
+        (StepMetadata.block_window, per row), with beta read from the keys left."""
         context = self.new_keys[layer].shape[2]
         if self.masks is None:  # once per step: every layer's block sees the same keys
             lowest, self.counts = None, visible
             if self.window is not None:  # window 0: lowest 0, every key (counts unchanged)
-                block_len = k.shape[2]
-                on = self.window > 0
-                lowest = torch.where(on, visible - block_len - self.window, 0)
-                self.counts = torch.where(on, torch.minimum(visible, self.window + block_len),
-                                          visible)
+                lowest, self.counts = StepMetadata.block_window(visible, k.shape[2], self.window)
             held = torch.arange(context, device=q.device) + self.lengths[:, None]
             # A padding row of the context sits where the block goes (KVCache writes the
             # block over it): give it the first position no block row sees.

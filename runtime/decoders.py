@@ -30,8 +30,8 @@ class Roles:
     "block", "chain", "tree"; None: no drafter model). Roles are made on demand, one per
     row where a row needs its own: `new_target()` a single-sequence target with its own
     cache; `drafter(mode)` the per-row drafter a drafter mode runs; `batch_target()` /
-    `batch_drafter(mode)` the fused batch roles (None: the backend has none, rows run one
-    by one); `lookup()` an n-gram proposer."""
+    `batch_drafter(mode)` the fused batch roles (None, or a batch_drafter returning None
+    for a mode: rows run one by one); `lookup()` an n-gram proposer."""
 
     style: str | None
     new_target: Callable[[], object]
@@ -57,16 +57,18 @@ def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
         return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
     drafter = lambda: roles.drafter(mode)  # noqa: E731 -- one per row
     lookup = roles.lookup if mode.ngram_assist else None
-    fused = batched and roles.batch_drafter is not None and not (mode.needs_window or mode.swaps_scaling)
+    fused = batched and roles.batch_drafter is not None
     return DRAFTER_PROPOSERS[roles.style](roles, mode, drafter, lookup, fused)
 
 
-# One proposer per drafting style: the only place the style chooses code.
+# One proposer per drafting style: the only place the style chooses code. A batched
+# drafter (a window or a preset too: modes.drafts_fused) where the roles give one for
+# the mode, else one per row.
 DRAFTER_PROPOSERS = {
     "tree": lambda roles, mode, drafter, lookup, fused: proposers.Tree(drafter, roles.tree_shape),
     "chain": lambda roles, mode, drafter, lookup, fused: proposers.Chain(drafter),
     "block": lambda roles, mode, drafter, lookup, fused: proposers.Block(
-        roles.batch_drafter(mode) if fused else RowBlockDrafters(drafter), lookup),
+        (roles.batch_drafter(mode) if fused else None) or RowBlockDrafters(drafter), lookup),
 }
 
 

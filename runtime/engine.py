@@ -172,6 +172,20 @@ class Engine:
             return self.drafter(scaled=False, window=self.draft_window)
         return self.drafter(scaled=mode.scaled)
 
+    def batch_drafter_for(self, mode: Mode):
+        """drafter_for's drafter for every row of a batch in one pass (the backend's
+        batched form: the same scaling, the same draft window per row), or None where the
+        table (modes.drafts_fused) has this mode draft one call per row."""
+        if not modes.drafts_fused(mode, self.style, self.backend):
+            return None
+        if mode.swaps_scaling:
+            if not self.can.swap_scaling:  # the table refuses it first; never the wrong graph
+                raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled in")
+            return self.loaded.batch_drafter(self.family_preset)
+        if mode.needs_window:
+            return self.loaded.batch_drafter(None, self.draft_window)
+        return self.loaded.batch_drafter(self.scaling if mode.scaled else None)
+
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): backends that
         swap scalings at run time only, since a compiled drafter graph has its scaling
@@ -200,8 +214,7 @@ class Engine:
         return decoders.Roles(
             self.style, new_target, self.context_limit, drafter=self.drafter_for,
             batch_target=batch_target if fused else None,
-            batch_drafter=(lambda mode: self.loaded.batch_drafter(
-                self.scaling if mode.scaled else None)) if fused else None,
+            batch_drafter=self.batch_drafter_for if fused else None,
             lookup=self.ngram_lookup, tree_shape=self.tree_shape,
             block_size=self.manifest.block_size,
             lookup_drafts=self.ngram_settings["num_draft_tokens"])

@@ -70,6 +70,21 @@ class StepMetadata:
         return self.cached + self.new + block
 
     @staticmethod
+    def block_window(visible: torch.Tensor, block: int, window):
+        """DFlash block rows under a draft window, each row's own range from its own
+        `visible` (block_visible: a batch's rows at their own lengths): (lowest, counts),
+        both [batch, block]. Row (b, i) sees keys [lowest, visible) -- its block and the
+        last `window` context keys before it, the most a drafter trained on windows of
+        `window` tokens ever saw -- counts = min(visible, window + block) of them, what
+        beta reads where it applies. window: an int >= 1, or an exported graph's [1]
+        tensor where 0 means no window (lowest 0, counts visible)."""
+        if torch.is_tensor(window):
+            on = window > 0
+            return (torch.where(on, visible - block - window, 0),
+                    torch.where(on, torch.minimum(visible, window + block), visible))
+        return visible - block - window, visible.clamp(max=window + block)
+
+    @staticmethod
     def tree_visible(mask: torch.Tensor) -> torch.Tensor:
         """Tree rows: the keys a [batch, q_len, kv_len] mask leaves unmasked."""
         return mask.sum(-1)

@@ -22,13 +22,13 @@ from test_speculative import runners, tiny_pair
 SCALING = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
 
 
-def batched(target, drafter, scaling):
+def batched(target, drafter, scaling, window=None):
     return (TorchBatchTarget(target, drafter.config.target_layer_ids),
-            TorchBatchDFlash(drafter, target, scaling))
+            TorchBatchDFlash(drafter, target, scaling, window))
 
 
-def alone(target, drafter, scaling, request, costs=None):
-    t, d = runners(target, drafter, scaling)
+def alone(target, drafter, scaling, request, costs=None, window=None):
+    t, d = runners(target, drafter, scaling, window)
     return generate_block(t, d, request.prompt, request.max_new_tokens,
                           Sampler(request.sampling), request.stop_ids, costs=costs)
 
@@ -38,11 +38,13 @@ def alone(target, drafter, scaling, request, costs=None):
        shapes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30), st.booleans(),
                                  st.integers(0, 6)), min_size=1, max_size=5),
        scaled=st.booleans(), max_batch=st.sampled_from([None, 1, 2, 3]),
-       adaptive=st.booleans())
+       adaptive=st.booleans(), window=st.sampled_from([None, 1, 4, 12]))
 def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, scaled,
-                                                   max_batch, adaptive):
+                                                   max_batch, adaptive, window):
     """Different prompt lengths, budgets, stop tokens and join steps; sequences leave as
-    they finish and wait for a free row under max_batch."""
+    they finish and wait for a free row under max_batch; with a draft window, one batched
+    drafter pass gives each row the last `window` of its own context keys (the window
+    modes, fused), the per-row windowed drafter's tokens, N and beta."""
     target, drafter = tiny_pair(seed, vocab, block)
     scaling = SCALING if scaled else None
     g = torch.Generator().manual_seed(seed)
@@ -51,9 +53,10 @@ def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, s
                 for n, new, stop, _ in shapes]
     join_at = [j for *_, j in shapes]
     costs = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0)) if adaptive else None
-    got = generate_batch(*batched(target, drafter, scaling), requests, costs, max_batch, join_at)
+    got = generate_batch(*batched(target, drafter, scaling, window), requests, costs, max_batch,
+                         join_at)
     for request, seq in zip(requests, got):
-        want = alone(target, drafter, scaling, request, costs)
+        want = alone(target, drafter, scaling, request, costs, window)
         assert seq.gen.tokens == want.tokens
         assert seq.gen.committed_per_step == want.committed_per_step
         assert seq.gen.visible_per_step == want.visible_per_step
@@ -101,12 +104,15 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     assert betas == [SCALING.beta(len(p) + 4) for p in prompts] and len(set(betas)) == 3
 
 
-def test_batched_drafter_call_equals_separate_single_sequence_calls():
+@pytest.mark.parametrize("window", [None, 10])
+def test_batched_drafter_call_equals_separate_single_sequence_calls(window):
     """Logits of each row of one batched drafter step (torch op) equal that sequence's own
-    single-sequence step, at three different cached lengths and context lengths."""
+    single-sequence step, at three different cached lengths and context lengths; under a
+    draft window of 10 the first row sees all its context and the others only their own
+    last 10 keys, each row's N (what the per-row drafter reports) unchanged."""
     target, drafter = tiny_pair(5, vocab=40, block=4)
-    t, d = runners(target, drafter, SCALING)
-    _, batch = batched(target, drafter, SCALING)
+    t, d = runners(target, drafter, SCALING, window)
+    _, batch = batched(target, drafter, SCALING, window)
     g = torch.Generator().manual_seed(0)
     features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
                 for n in (3, 17, 40)]
@@ -136,7 +142,9 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
 
 def test_batched_speculative_sampling_preserves_the_target_distribution():
     """The chi-square check of tests/test_speculative.py through the batched executor:
-    the sequence under test shares every step with two others at other lengths."""
+    the sequence under test shares every step with two others at other lengths. The
+    drafter is the batched windowed one (a window of 2 keys cuts every row's context,
+    each at its own length) under beta: the window modes' fused drafter, at no extra run."""
     vocab, draws = 4, law_runs(4_000)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
     prompt = [1, 2, 0]
@@ -144,7 +152,7 @@ def test_batched_speculative_sampling_preserves_the_target_distribution():
     expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     first_step = Counter()
-    t, d = batched(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
+    t, d = batched(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0), window=2)
     for i in range(draws // 4):
         decoder = batch_decoder(t, d)
         seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 8 + j)))

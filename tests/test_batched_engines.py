@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from runtime.decode import Request
+from runtime.modes import parse
 from runtime.sampling import Sampling
 
 
@@ -17,33 +18,50 @@ MODES = ["sharpdraft", "frozen", "target", "ngram", "hybrid", "window", "frozen-
 
 
 # the fast tier batches one mode of each proposer path (none, blocks, blocks + lookup,
-# the windowed drafter row by row); the rest run in the slow tier (make test-all)
-FAST = {"target", "sharpdraft", "hybrid", "window-hybrid"}
+# blocks under a draft window, blocks under the family preset); the rest run in the
+# slow tier (make test-all)
+FAST = {"target", "sharpdraft", "hybrid", "window-hybrid", "preset"}
 
 
-# the draft window needs drafter graphs over cache buffers: the native-form engine's
+@pytest.fixture(scope="module")
+def native_torch_engine(native_engine):
+    """native_engine's checkpoints on the torch backend: the torch side of the window modes
+    (the engine records a draft window of 48; onnx_engine's records none). No build."""
+    from runtime.engine import Engine
+
+    return Engine(native_engine, backend="torch")
+
+
+# the draft window needs drafter graphs over cache buffers: the native-form engine's;
+# the preset swaps the drafter's scaling, which only torch does (onnx_engine on torch)
 @pytest.mark.parametrize("engine, mode", [
     pytest.param(e, m, marks=() if m in FAST else pytest.mark.slow)
     for e in ("ort_engine", "native_ort_engine") for m in MODES
-    if e == "native_ort_engine" or "window" not in m])
+    if e == "native_ort_engine" or "window" not in m] + [("ort_engine", "preset")])
 def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_time(
         mode, engine, torch_engine, request):
-    """Four sequences at 5, 90, 300 and 40 tokens (beta 1 and > 1 side by side), two of
-    them joining later, one with a short budget leaving early; on the drafters' portable
-    graphs (plugin-form engine) and on their graphs over cache buffers (native form)."""
+    """Four sequences at 5, 90, 300 and 40 tokens (beta 1 and > 1 side by side; the draft
+    window of 48 cuts three of them), two of them joining later, one with a short budget
+    leaving early; on the drafters' portable graphs (plugin-form engine) and on their
+    graphs over cache buffers (native form). Every drafter mode drafts in one batched pass
+    per step (a window and the preset too), never one call per row."""
+    from runtime.backends.rows import RowBlockDrafters
+
     ort_engine = request.getfixturevalue(engine)
+    if "window" in mode:  # the torch side with the native engine's recorded window
+        torch_engine = request.getfixturevalue("native_torch_engine")
     lengths, budgets, join_at = [5, 90, 300, 40], [24, 6, 24, 16], [0, 0, 1, 3]
     requests = [Request(p, n, stop_ids=torch_engine.stop_ids)
                 for p, n in zip(prompts(torch_engine, lengths), budgets)]
-    out = {}
-    # the tiny torch engine records no draft window: window modes run on ONNX Runtime alone
-    for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
-        if mode in engine.modes:
-            seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=join_at)
-            out[name] = [s.gen.tokens for s in seqs]
-    assert out["ort"] == out.get("torch", out["ort"])
-    for request, tokens in zip(requests, out["ort"]):
-        alone = ort_engine.generate(request.prompt, request.max_new_tokens, mode, adaptive=False)
+    out, runs = {}, [e for e in (torch_engine, ort_engine) if e.refusal(parse(mode)) is None]
+    assert torch_engine in runs and (ort_engine in runs) == (mode != "preset")
+    for engine in runs:
+        decoder = engine.batch_decoder(mode, adaptive=False)
+        assert not isinstance(getattr(decoder.proposer, "drafter", None), RowBlockDrafters)
+        out[engine] = [s.gen.tokens for s in decoder.run(requests, join_at=join_at)]
+    assert out[runs[0]] == out[runs[-1]]
+    for request, tokens in zip(requests, out[runs[-1]]):  # one at a time: ONNX Runtime's
+        alone = runs[-1].generate(request.prompt, request.max_new_tokens, mode, adaptive=False)
         target = torch_engine.generate(request.prompt, request.max_new_tokens, "target")
         assert tokens == alone.tokens == target.tokens
 
@@ -56,3 +74,33 @@ def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine
         alone = ort_engine.generate(request.prompt, 12, "sharpdraft", request.sampling,
                                     stop=False, adaptive=False)
         assert seq.gen.tokens == alone.tokens
+
+
+
+def test_one_windowed_drafter_graph_call_gives_each_row_its_own_window(native_ort_engine):
+    """drafter-kv.onnx stepping three sequences in one call (their capacities share a
+    bucket, so one pass) under the draft window of 48: each row's logits and N equal that
+    sequence's own windowed call; the window leaves the shortest row's context whole and
+    cuts the others' (there the logits differ from an unwindowed call's)."""
+    loaded, window = native_ort_engine.loaded, native_ort_engine.draft_window
+    lengths, news = [34, 50, 55], [3, 1, 5]
+    single = loaded.drafter(None, window)
+    features = [torch.randn(n + c, single.feature_size, generator=torch.Generator().manual_seed(n))
+                for n, c in zip(lengths, news)]
+    want, got = [], {}
+    for f, n in zip(features, lengths):
+        single.reset(n + 8)
+        single.draft(f[:n], 0)
+        want.append(single.draft(f[n:], 5))
+    for w in (window, None):
+        batch = loaded.batch_drafter(None, w)
+        for f, n in zip(features, lengths):
+            batch.add(n + 8, f[:n], 0)
+        assert len(batch.groups) == 1
+        got[w] = batch.draft([f[n:] for f, n in zip(features, lengths)], [5] * 3)
+    logits, visible = got[window]
+    assert visible.tolist() == [v for _, v in want] == [n + c + 4 for n, c in zip(lengths, news)]
+    for row, (expected, _) in zip(logits, want):
+        torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
+    cut = [not torch.allclose(a, b, atol=1e-5) for a, b in zip(logits, got[None][0])]
+    assert cut == [n + c > window for n, c in zip(lengths, news)] == [False, True, True]

@@ -71,6 +71,18 @@ def test_batching_follows_the_table():
     assert "torch and onnxruntime" in modes.batch_refusal("tensorrt")
 
 
+def test_every_dflash_mode_drafts_in_one_batched_pass_where_the_backend_batches():
+    """A draft window (a per-row visible range) and the preset (another QueryScaling) keep
+    no mode's batch drafter per row: the table fuses every DFlash mode on torch and
+    onnxruntime, none on tensorrt (one sequence) or trtllm (its own loop)."""
+    for backend in ("torch", "onnxruntime"):
+        fused = {m for m in Mode if modes.drafts_fused(m, "block", backend)}
+        assert fused == {m for m in Mode if m.uses_drafter_model}
+        assert {Mode.WINDOW, Mode.WINDOW_HYBRID, Mode.PRESET} <= fused
+    assert not any(modes.drafts_fused(m, "block", b) for m in Mode for b in ("tensorrt", "trtllm"))
+    assert not any(modes.drafts_fused(m, None, "torch") for m in Mode)
+
+
 def test_the_backend_registries_are_the_table():
     from plugins.onnx import ATTENTION_FORMS
     from runtime.backends import BACKENDS, RUNNABLE_BACKENDS

@@ -101,7 +101,7 @@ def test_window_modes_run_the_recorded_window_on_either_backend(mode, native_eng
                                                                 native_ort_engine):
     """build_engine.py --draft-window records the window modes' window; both backends run
     them (alone, or assisted by n-gram lookup), token-identical to target-only, and batch
-    them (one windowed drafter per row)."""
+    them (one windowed drafter pass for every row: tests/test_batched_engines.py)."""
     torch_side = Engine(native_engine, backend="torch")
     prompt = text_prompt(torch_side, 300)
     runs = {}

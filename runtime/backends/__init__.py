@@ -211,7 +211,10 @@ class Loaded(Protocol):
         """The per-row drafter (block, chain or tree) under `scaling` (None: frozen); with
         a `window`, its block rows see only the last `window` context keys (DFlash)."""
 
-    def batch_drafter(self, scaling: QueryScaling | None) -> BatchBlockDrafter: ...
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
+                      ) -> BatchBlockDrafter:
+        """The DFlash drafter of every row in one batched pass, under `scaling` and, with
+        a `window`, each row's own draft window (the per-row drafter's, fused)."""
 
     def has_window(self) -> bool:
         """Whether its DFlash drafter can draft under a draft window."""

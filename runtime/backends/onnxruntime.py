@@ -700,11 +700,15 @@ class BoundDFlash:
 class BoundBatchDFlash(BoundRows):
     """drafter-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_lens
     and its rows' context lengths as context_lens. A sequence reads its prompt's
-    features alone (BoundDFlash), then joins."""
+    features alone (BoundDFlash), then joins. With a `window` (a graph that takes one:
+    has_window), the graph gives each row the last `window` of its own context keys from
+    its own past_lens + context_lens (StepMetadata.block_window), so the window modes
+    draft in one pass too."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
-        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab)
+                 scaling: QueryScaling | None, vocab: DraftVocab | None = None,
+                 window: int | None = None):
+        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab, window)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.groups: list[RowGroup] = []
@@ -825,10 +829,19 @@ class OnnxEngine:
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
 
-    def batch_drafter(self, scaling: QueryScaling | None) -> OnnxBatchDFlash | BoundBatchDFlash:
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
+                      ) -> OnnxBatchDFlash | BoundBatchDFlash:
+        """One batched DFlash pass for every row; with a `window`, over the drafter graph
+        that takes one (window_feed refuses a graph exported without the input)."""
         if self.drafter_family != "dflash":
             raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
         session, scaling, in_place = self._drafter_graph(scaling is not None)
+        if window is not None:
+            if not self.has_window():
+                raise EngineError("this engine's drafter graphs take no draft window — rebuild "
+                                  "it with build_engine.py (native attention)")
+            return BoundBatchDFlash(session, self.block_size, self.mask_token_id, scaling,
+                                    self.vocab, window)
         return (BoundBatchDFlash if in_place else OnnxBatchDFlash)(session, self.block_size,
                                                                    self.mask_token_id, scaling,
                                                                    self.vocab)

@@ -232,10 +232,14 @@ class TorchBatchTarget:
 
 class TorchBatchDFlash:
     """The drafter over a batch: per-sequence KVCaches (CacheGroups), each row at its own
-    length."""
+    length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
+    each row seeing only the last `window` of its own context keys (StepMetadata.block_window
+    gives every row its own range in the one pass)."""
 
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None):
-        self.single = TorchDFlash(drafter, target, scaling)
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
+                 window: int | None = None):
+        self.single = TorchDFlash(drafter, target, scaling, window)
+        self.window = self.single.window
         self.drafter, self.scaling, self.head = drafter, scaling, self.single.head
         self.vocab = self.single.vocab
         self.embed_tokens = target.embed_tokens
@@ -258,7 +262,8 @@ class TorchBatchDFlash:
             block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
             ids = torch.tensor(block, dtype=torch.long, device=context.device)
             hidden, part_visible = self.drafter(self.embed_tokens(ids), context, cache,
-                                                self.scaling, context_lens=lengths.to(context.device))
+                                                self.scaling, context_lens=lengths.to(context.device),
+                                                window=self.window)
             logits = scatter_rows(logits, self.head(hidden[:, 1:]), members, len(contexts),
                                   self.block_size - 1)
             if visible is None:
@@ -440,10 +445,13 @@ class TorchLoaded:
         return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
                          scaling)
 
-    def batch_drafter(self, scaling: QueryScaling | None) -> TorchBatchDFlash:
-        if self.shared is not None:
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
+                      ) -> TorchBatchDFlash:
+        """One batched DFlash pass for every row, under any scaling and draft window:
+        compiled with `steps` (whole context), eager under a draft window."""
+        if self.shared is not None and window is None:
             return self.shared.batch_dflash(scaling)
-        return TorchBatchDFlash(self.drafter_model, self.model, scaling)
+        return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
 
 
 # drafter family -> its per-row drafter on this backend

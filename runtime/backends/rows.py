@@ -53,8 +53,8 @@ def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 class RowBlockDrafters:
     """A BatchBlockDrafter over one single-sequence BlockDrafter per row, made by
-    `make()`: drafters with no batched form (a draft window, a swapped scaling,
-    TensorRT) and a batch of one. A row whose context is empty this step does not draft
+    `make()`: drafters with no batched form (TensorRT plans; a mode the table,
+    modes.drafts_fused, does not fuse) and a batch of one. A row whose context is empty this step does not draft
     (its logits are zeros, never read)."""
 
     fused = False  # one call per row: rows that sit a step out pass an empty context

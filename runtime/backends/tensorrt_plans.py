@@ -419,7 +419,7 @@ class TensorRTEngine:
     def batch_target(self):
         raise EngineError(f"{self.dir}: tensorrt engines hold one target")
 
-    def batch_drafter(self, scaling: QueryScaling | None):
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         raise EngineError(f"{self.dir}: tensorrt engines hold one drafter")
 
     def has_window(self) -> bool:

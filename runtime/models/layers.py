@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.attention import sharpdraft_attention
+from runtime.step_metadata import StepMetadata
 
 
 class RMSNorm(nn.Module):
@@ -98,12 +99,12 @@ class AttentionProjections(nn.Module):
 
 
 def window_mask(visible: torch.Tensor, block: int, window: int, kv_len: int) -> torch.Tensor:
-    """[batch, block, kv_len]: what a block row sees under a draft window -- its block and
-    the last `window` context keys before it, the most a drafter trained on windows of
-    `window` tokens ever saw (visible counts the block: keys [visible - block - window,
-    visible)). Beta, where it applies, then reads the keys left: min(visible, window + block)."""
-    lowest = (visible - block - window)[..., None]
-    return torch.arange(kv_len, device=visible.device) >= lowest
+    """[batch, block, kv_len]: what each block row sees under a draft window -- its block
+    and the last `window` context keys before it (StepMetadata.block_window: each row's
+    range from its own visible count, so one batched pass gives every row its own). Beta,
+    where it applies, then reads the keys left: min(visible, window + block)."""
+    lowest, _ = StepMetadata.block_window(visible, block, window)
+    return torch.arange(kv_len, device=visible.device) >= lowest[..., None]
 
 
 class KVCache:
