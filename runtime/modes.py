@@ -122,16 +122,23 @@ class Backend:
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
+    # the drafter families (FAMILIES) whose drafter runs for a whole batch in one pass per
+    # step -- per chain link for chains, EAGLE-3's (its trees draft row by row) -- in the
+    # modes that batch it (not a draft window or a swapped scaling); the rest: one per row
+    batched_drafters: frozenset[str] = frozenset()
 
 
 BACKENDS = {
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
-                     swap_scaling=True, own_loop=False),
+                     swap_scaling=True, own_loop=False,
+                     batched_drafters=frozenset({"dflash", "pard", "eagle3"})),
     # the window needs a drafter graph exported with its input (onnxruntime.has_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
-                           attention_forms=("native", "plugin")),
+                           attention_forms=("native", "plugin"),
+                           # EAGLE-3's graphs take one committed length per run (a shape)
+                           batched_drafters=frozenset({"dflash", "pard"})),
     "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not

@@ -293,7 +293,7 @@ class TorchBatchPARD:
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     def add(self, capacity: int, ids: list[int], features=None) -> None:
-        self.single.reset(capacity + _chain_room(self.max_drafts))
+        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
         if ids:
             self.single.read(ids)
         self.caches.join(self.single.cache)
@@ -562,3 +562,4 @@ BATCH_DRAFTERS = {
     "eagle3": lambda loaded, scaling: TorchBatchEagle3(loaded.drafter_model, scaling,
                                                        max(loaded.drafting.max_drafts, 1)),
 }
+assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"
