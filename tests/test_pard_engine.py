@@ -92,12 +92,12 @@ def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, s
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
         pard_onnx_engine, backend, monkeypatch):
-    """Three sequences at different lengths (one drafter cache bucket on torch): every
+    """Three sequences at different lengths, beta > 1 (one drafter cache bucket on torch): every
     step drafts all their chains in ONE drafter pass, and each sequence decodes the
     tokens, per-step N and beta of its own single-sequence run (greedy: target-only's)."""
     engine = Engine(pard_onnx_engine, backend=backend)
     text = engine.encode(tiny.stdlib_text())
-    prompts = [text[:30], text[100:138], text[200:245]]
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
     decoder = engine.batch_decoder("sharpdraft", adaptive=False)
     assert decoder.proposer.drafter.fused
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
@@ -109,6 +109,8 @@ def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
                                                                  stop=False).tokens
         assert seq.gen.visible_per_step == alone.visible_per_step
         assert seq.gen.beta_per_step == alone.beta_per_step
+    first = [seq.gen.beta_per_step[0] for seq in seqs]
+    assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled
 
 
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
