@@ -81,18 +81,18 @@ def generate_batch(target, drafter, requests: list[Request], costs: StepCosts | 
     return batch_decoder(target, drafter, costs).run(requests, max_batch, join_at)
 
 
-def chain_batch_decoder(target, drafter) -> Decoder:
-    """Chains over batched roles (BatchTarget, BatchChainDrafter)."""
+def chain_batch_decoder(target, drafter, costs: StepCosts | None = None) -> Decoder:
+    """Chains over batched roles (BatchTarget, BatchChainDrafter); requests join with
+    add() and step together."""
     batched = decoders.Roles("chain", None, target.context_limit, batch_target=lambda: target,
                              batch_drafter=lambda mode: drafter,
                              block_size=drafter.max_drafts + 1)
-    return decoders.decoder(batched, Mode.FROZEN)
+    return decoders.decoder(batched, Mode.FROZEN, costs=costs)
 
 
 def drafter_passes(decoder: Decoder, monkeypatch) -> list[int]:
-    """Counts the passes of a decoder's batch drafter (a torch model's forward, or an
-    ONNX Runtime session's run): the returned list gets one count per step() after
-    step_counted(decoder, counts) runs it."""
+    """From now on, count the passes of a decoder's batch drafter (its torch model's
+    forward, or its ONNX Runtime session's run) in the returned one-item list."""
     counts = [0]
     drafter = decoder.proposer.drafter
     owner, name = ((drafter, "session") if hasattr(drafter, "session")
