@@ -5,10 +5,10 @@
 engine directory) build theirs here too, so they run the production shape.
 
 Single sequence (a `target` given: the engine's own, or a PrefillOnce over it): a batch of
-one on it. Batched: the backend's fused batch target and DFlash drafter where it has them,
-else one target / drafter per row (trees always: each row's tree verifies under its own
-mask); a padded verify row writes scratch keys past its own budget, so every cache gets
-`slack` tokens of room past it."""
+one on it. Batched: the backend's fused batch target and batch drafter (blocks, chains)
+where it has them, else one target / drafter per row (trees always: each row's tree
+verifies under its own mask); a padded verify row writes scratch keys past its own
+budget, so every cache gets `slack` tokens of room past it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import dataclasses
 from typing import Callable
 
 from runtime import modes, proposers
-from runtime.backends.rows import RowBlockDrafters, RowTargets
+from runtime.backends.rows import RowBlockDrafters, RowChainDrafters, RowTargets
 from runtime.decode import Decoder, policy_for
 from runtime.modes import Mode
 from runtime.ngram import NGramProposer
@@ -66,7 +66,8 @@ def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
 # the mode, else one per row.
 DRAFTER_PROPOSERS = {
     "tree": lambda roles, mode, drafter, lookup, fused: proposers.Tree(drafter, roles.tree_shape),
-    "chain": lambda roles, mode, drafter, lookup, fused: proposers.Chain(drafter),
+    "chain": lambda roles, mode, drafter, lookup, fused: proposers.Chain(
+        (roles.batch_drafter(mode) if fused else None) or RowChainDrafters(drafter)),
     "block": lambda roles, mode, drafter, lookup, fused: proposers.Block(
         (roles.batch_drafter(mode) if fused else None) or RowBlockDrafters(drafter), lookup),
 }

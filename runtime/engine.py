@@ -176,7 +176,7 @@ class Engine:
         """drafter_for's drafter for every row of a batch in one pass (the backend's
         batched form: the same scaling, the same draft window per row), or None where the
         table (modes.drafts_fused) has this mode draft one call per row."""
-        if not modes.drafts_fused(mode, self.style, self.backend):
+        if not modes.drafts_fused(mode, self.manifest.drafter, self.backend):
             return None
         if mode.swaps_scaling:
             if not self.can.swap_scaling:  # the table refuses it first; never the wrong graph

@@ -122,21 +122,24 @@ class Backend:
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
-    # the drafting styles whose drafter runs one batched pass for every row of a batch, in
-    # every mode it runs: a draft window is a per-row visible range and a preset another
-    # QueryScaling, so neither keeps a mode out (drafts_fused); other styles draft per row
-    fused_styles: frozenset[str] = frozenset()
+    # the drafter families (FAMILIES) whose drafter runs for a whole batch in one pass per
+    # step (per chain link for chains; EAGLE-3's trees draft row by row); a DFlash block's
+    # draft window is a per-row visible range and its preset another QueryScaling, so both
+    # fuse too, while chains run those modes per row (drafts_fused); the rest: one per row
+    batched_drafters: frozenset[str] = frozenset()
 
 
 BACKENDS = {
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
-                     swap_scaling=True, own_loop=False, fused_styles=frozenset({"block"})),
+                     swap_scaling=True, own_loop=False,
+                     batched_drafters=frozenset({"dflash", "pard", "eagle3"})),
     # the window needs a drafter graph exported with its input (onnxruntime.has_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
                            attention_forms=("native", "plugin"),
-                           fused_styles=frozenset({"block"})),
+                           # EAGLE-3's graphs take one committed length per run (a shape)
+                           batched_drafters=frozenset({"dflash", "pard"})),
     "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not
@@ -189,14 +192,16 @@ def batch_refusal(backend: str) -> str | None:
     return None
 
 
-def drafts_fused(mode: Mode, style: str | None, backend: str) -> bool:
-    """Whether a batch's drafter of `mode` runs as one pass for every row on `backend`
-    (else one call per row, runtime/backends/rows.py): every drafter mode of a style the
-    backend fuses -- the window modes and the preset too (each row its own window, N and
-    beta)."""
+def drafts_fused(mode: Mode, family: str | None, backend: str) -> bool:
+    """Whether a batch's drafter of `mode` runs as one pass per step for every row on
+    `backend` (else one call per row, runtime/backends/rows.py): a drafter family the
+    backend batches; for DFlash blocks in every drafter mode, the window modes and the
+    preset too (each row its own window, N and beta), for chains in the others."""
     can = BACKENDS[backend]
-    return (mode.uses_drafter_model and can.batch and not can.own_loop
-            and style in can.fused_styles)
+    if not (mode.uses_drafter_model and can.batch and not can.own_loop
+            and family in can.batched_drafters):
+        return False
+    return FAMILIES[family] == "block" or not (mode.needs_window or mode.swaps_scaling)
 
 
 def family_refusal(family: str, backend: str) -> str | None:

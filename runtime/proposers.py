@@ -19,8 +19,9 @@ call. With n-gram assist (hybrid), a row whose context ends in an n-gram of 2+ t
 seen before verifies the lookup's drafts instead and skips the drafter; its unread
 features wait for the drafter's next step, so the drafter's cache stays exact.
 
-Chain (PARD; EAGLE-3 with top_k 1): each row's drafter reads the tokens committed since
-its last step (and the target's features of them) and proposes up to K drafts.
+Chain (PARD; EAGLE-3 with top_k 1): the drafter reads each row's tokens committed since
+its last step (and the target's features of them) and proposes up to K drafts per row,
+for the whole batch in one call.
 
 Tree (EAGLE-3): each row's drafter grows a tree of drafts below the last committed token
 (runtime/tree.py); the target verifies each tree under its mask and keeps one path.
@@ -166,39 +167,45 @@ class Block(Proposer):
 
 @dataclasses.dataclass
 class ChainRow:
-    drafter: object  # this row's chain drafter (its own cache)
-    unread: list[int]  # committed tokens before the newest that it has not read
+    unread: list[int]  # committed tokens before the newest that the drafter has not read
     features: torch.Tensor | None  # the target's features of the newest unread tokens
 
 
 class Chain(Proposer):
-    """Chains, one drafter per row (runtime/backends: ChainDrafter)."""
+    """Chains over a batch chain drafter (runtime/backends: BatchChainDrafter): one call
+    for the whole batch, fused (one drafter pass per chain step across the rows) or one
+    drafter per row (RowChainDrafters)."""
 
-    def __init__(self, make: Callable[[], object]):
-        self.make = make
+    def __init__(self, drafter):
+        self.drafter = drafter
 
     def add(self, seq, features):
-        drafter = self.make()
         prompt = seq.request.prompt
-        drafter.reset(seq.committed + seq.budget)
         read = len(prompt) if len(prompt) > 1 else 0  # its prefill: all but the last feature row
-        if read:
-            drafter.read(prompt, None if features is None else features[:-1])
-            features = None if features is None else features[-1:]
-        seq.row = ChainRow(drafter, prompt[read:], features)
+        self.drafter.add(seq.committed + seq.budget, prompt[:read],
+                         None if features is None or not read else features[:-1])
+        if read and features is not None:
+            features = features[-1:]
+        seq.row = ChainRow(prompt[read:], features)
+
+    def remove(self, row):
+        self.drafter.remove(row)
 
     def propose(self, batch):
+        # no room: the last step is a plain decode step (k = 0: the row does not draft)
+        ks = [min(self.drafter.max_drafts, s.room) if s.room > 0 else 0 for s in batch]
+        drafts = self.drafter.draft([s.row.unread + s.gen.tokens[-1:] for s in batch],
+                                    [s.row.features for s in batch], ks,
+                                    [s.sampler for s in batch])
         proposals = []
-        for s in batch:
-            row, p = s.row, Proposal()
-            if s.room > 0:  # no room: the last step is a plain decode step
-                draft = row.drafter.draft(row.unread + s.gen.tokens[-1:], row.features,
-                                          min(row.drafter.max_drafts, s.room), s.sampler)
+        for s, draft in zip(batch, drafts):
+            p = Proposal()
+            if draft is not None:
                 p.tokens, p.q, p.kind = draft.tokens, draft.probs, DraftKind.drawn(draft.probs)
                 p.tokens = s.policy.trim(p.tokens, draft.logits, p.q, s.sampler, s.committed)
                 # N of the first draft row: the row whose acceptance every other one needs
                 p.visible = int(draft.visible[0])
-                p.beta = beta_used(row.drafter, p.visible)
+                p.beta = beta_used(self.drafter, p.visible)
             proposals.append(p)
         return proposals
 

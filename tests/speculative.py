@@ -79,3 +79,50 @@ def batch_decoder(target, drafter=None, costs: StepCosts | None = None) -> Decod
 def generate_batch(target, drafter, requests: list[Request], costs: StepCosts | None = None,
                    max_batch: int | None = None, join_at: list[int] | None = None):
     return batch_decoder(target, drafter, costs).run(requests, max_batch, join_at)
+
+
+def chain_batch_decoder(target, drafter, costs: StepCosts | None = None) -> Decoder:
+    """Chains over batched roles (BatchTarget, BatchChainDrafter); requests join with
+    add() and step together."""
+    batched = decoders.Roles("chain", None, target.context_limit, batch_target=lambda: target,
+                             batch_drafter=lambda mode: drafter,
+                             block_size=drafter.max_drafts + 1)
+    return decoders.decoder(batched, Mode.FROZEN, costs=costs)
+
+
+def drafter_passes(decoder: Decoder, monkeypatch) -> list[int]:
+    """From now on, count the passes of a decoder's batch drafter (its torch model's
+    forward, or its ONNX Runtime session's run) in the returned one-item list."""
+    counts = [0]
+    drafter = decoder.proposer.drafter
+    owner, name = ((drafter, "session") if hasattr(drafter, "session")
+                   else (drafter.drafter, "forward"))
+    inner = getattr(owner, name)
+
+    if name == "session":
+        class Counting:
+            def __getattr__(self, attr):
+                return getattr(inner, attr)
+
+            def run(self, *args, **kwargs):
+                counts[0] += 1
+                return inner.run(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, Counting())
+    else:
+        def counting(*args, **kwargs):
+            counts[0] += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+    return counts
+
+
+def run_counting_passes(decoder: Decoder, counts: list[int]) -> list[int]:
+    """Step the decoder until its rows finish: the drafter passes of each step."""
+    per_step = []
+    while decoder.active:
+        before = counts[0]
+        decoder.step()
+        per_step.append(counts[0] - before)
+    return per_step

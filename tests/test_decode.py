@@ -12,8 +12,8 @@ from tiers import examples
 import tiny
 from plugins.scaling import QueryScaling
 from runtime.backends.rows import RowBlockDrafters, RowTargets
-from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchEagle3,
-                                    TorchPARD, TorchTarget)
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+                                    TorchBatchTarget, TorchDFlash, TorchEagle3, TorchTarget)
 from runtime.decode import Decoder, Request, policy_for
 from runtime.ngram import NGramProposer
 from runtime.proposers import Block, Chain, Lookup, NoDrafts, Tree
@@ -34,7 +34,8 @@ COSTS = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0))
 
 def setup(style: str, seed: int, vocab: int):
     """(single-sequence target maker, batch target, proposer maker) of a style on tiny
-    float64 models; block styles get the batched roles, the others one per row."""
+    float64 models; block and chain styles get the batched roles (block-rows: a drafter
+    per row), trees one target per row."""
     if style in ("target", "ngram", "block", "hybrid", "block-rows"):
         target, drafter = tiny_pair(seed, vocab, 4)
         layers = drafter.config.target_layer_ids
@@ -51,7 +52,7 @@ def setup(style: str, seed: int, vocab: int):
     if style == "pard":
         target, drafter = tiny.float64_target(seed, vocab), tiny.float64_pard(seed + 1, vocab)
         single = lambda: TorchTarget(target)  # noqa: E731
-        make = lambda: Chain(lambda: TorchPARD(drafter, vocab, 3, SCALING))  # noqa: E731
+        make = lambda: Chain(TorchBatchPARD(drafter, vocab, 3, SCALING))  # noqa: E731
         batch = TorchBatchTarget(target)
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4
@@ -59,7 +60,7 @@ def setup(style: str, seed: int, vocab: int):
     layers = drafter.config.feature_layers(target.config.num_layers)
     single = lambda: TorchTarget(target, layers)  # noqa: E731
     if style == "eagle3-chain":
-        make = lambda: Chain(lambda: TorchEagle3(drafter, SCALING, max_drafts=3))  # noqa: E731
+        make = lambda: Chain(TorchBatchEagle3(drafter, SCALING, 3))  # noqa: E731
         batch = TorchBatchTarget(target, layers)
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4

@@ -12,10 +12,10 @@ from tiers import examples, law_runs
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.backends import PrefillOnce
-from runtime.backends.pytorch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget, TorchEagle3, TorchTarget
+from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
-from speculative import generate_chain, generate_target_only
+from speculative import chain_batch_decoder, generate_chain, generate_target_only
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens
@@ -25,6 +25,13 @@ from test_eagle3 import eagle_pair
 def chain_runners(target, drafter, scaling, k):
     layers = drafter.config.feature_layers(target.config.num_layers)
     return TorchTarget(target, layers), TorchEagle3(drafter, scaling, max_drafts=k)
+
+
+def batched(target, drafter, scaling, k, costs=None):
+    """A decoder whose batch grows every row's chain in one drafter pass per link."""
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    return chain_batch_decoder(TorchBatchTarget(target, layers),
+                               TorchBatchEagle3(drafter, scaling, k), costs)
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -47,6 +54,29 @@ def test_greedy_chain_speculation_equals_target_only(seed, vocab, k, prompt_len,
     if got.stopped_by == "length":
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
     assert all(1 <= c <= k + 1 for c in got.committed_per_step)
+    # batched beside a sequence at another length that joins a step later
+    other = [(seed + i) % vocab for i in range(prompt_len + 5)]
+    together = batched(target, drafter, scaling, k, costs).run(
+        [Request(prompt, max_new, stop_ids=stop_ids), Request(other, max_new)], join_at=[0, 1])
+    assert together[0].gen.tokens == want.tokens
+    assert together[0].gen.visible_per_step == got.visible_per_step
+    assert together[0].gen.beta_per_step == got.beta_per_step
+    assert together[1].gen.tokens == generate_target_only(t, other, max_new, Sampler()).tokens
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
+    target, drafter = eagle_pair(7, 12, 8, sharpness=1.5)
+    scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
+    requests = [Request(p, 30, Sampling(0.8, 0.9, seed=s))
+                for s, p in enumerate([[1, 2], [3] * 9, [4, 5, 6, 7]], start=1)]
+    got = batched(target, drafter, scaling, 3).run(requests, join_at=[0, 2, 1])
+    for request, seq in zip(requests, got):
+        t, d = chain_runners(target, drafter, scaling, 3)
+        alone = generate_chain(t, d, request.prompt, 30, Sampler(request.sampling))
+        assert seq.gen.tokens == alone.tokens
+        assert seq.gen.committed_per_step == alone.committed_per_step
+    assert len({tuple(s.gen.tokens) for s in got}) == 3
+    assert max(max(s.gen.committed_per_step) for s in got) > 1  # drafts were accepted
 
 
 def test_the_chain_check_exercises_acceptance():
@@ -91,20 +121,26 @@ def test_chain_sampling_preserves_the_target_distribution(draft_vocab):
     """20k runs (temperature 0.8, top-p 0.9) against the exact law of the first three
     tokens: the prefill's token, then a step drafting 2 tokens autoregressively, each
     drawn from the drafter's own distribution. With a draft vocabulary of 3 of the 4
-    tokens, the fourth (draft probability 0) still comes out at its target rate."""
+    tokens, the fourth (draft probability 0) still comes out at its target rate. Through
+    the batched chain drafter: eight sequences under test share every drafter pass with
+    one at another length."""
     vocab, draws = 4, law_runs(20_000)
     target, drafter = eagle_pair(11, vocab, draft_vocab, sharpness=1.5)
-    t, d = chain_runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0), 2)
+    scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
     prompt = [1, 2, 0]
-    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=4321))
-    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
+    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     first_step = Counter()
-    once = PrefillOnce(t, prompt, len(prompt) + 4)
-    for _ in range(draws):
-        gen = generate_chain(once, d, prompt, 4, sampler)
-        t1, t2, t3 = gen.tokens[:3]
-        counts[(t1 * vocab + t2) * vocab + t3] += 1
-        first_step[gen.committed_per_step[0]] += 1
+    for i in range(draws // 8):
+        decoder = batched(target, drafter, scaling, 2)
+        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
+                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
+        while decoder.active:
+            decoder.step()
+        for seq in seqs[:1] + seqs[2:]:
+            t1, t2, t3 = seq.gen.tokens[:3]
+            counts[(t1 * vocab + t2) * vocab + t3] += 1
+            first_step[seq.gen.committed_per_step[0]] += 1
     assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
     assert chi_square_p(counts, expected) > 0.001

@@ -8,9 +8,11 @@ import json
 import pytest
 
 import build_engine
+import speculative
 import tiny
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
+from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.manifest import EngineError
 
@@ -71,6 +73,30 @@ def test_chain_engine_decodes_like_the_target_and_samples(chain_engine):
     sampled = engine.generate(prompt, 20, mode="sharpdraft", stop=False,
                               sampling=Sampling(temperature=0.8, seed=3))
     assert len(sampled.tokens) == 20
+
+
+def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain_engine,
+                                                                            monkeypatch):
+    """Three sequences at different lengths, beta > 1 (one drafter cache bucket): a step ingests
+    every row's new entries in one drafter pass and grows every row's chain in one pass
+    per link (K passes, not K per row), and each sequence decodes the tokens, per-step N
+    and beta of its own single-sequence run (greedy: target-only's)."""
+    engine = Engine(chain_engine)
+    text = engine.encode(tiny.stdlib_text())
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
+    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    assert decoder.proposer.drafter.fused
+    seqs = [decoder.add(Request(p, 10)) for p in prompts]
+    passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
+    assert passes[0] == engine.max_drafts == max(passes) == 3, passes
+    for prompt, seq in zip(prompts, seqs):
+        alone = engine.generate(prompt, 10, mode="sharpdraft", stop=False, adaptive=False)
+        assert seq.gen.tokens == alone.tokens == engine.generate(prompt, 10, mode="target",
+                                                                 stop=False).tokens
+        assert seq.gen.visible_per_step == alone.visible_per_step
+        assert seq.gen.beta_per_step == alone.beta_per_step
+    first = [seq.gen.beta_per_step[0] for seq in seqs]
+    assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled
 
 
 def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engine, capsys):

@@ -14,6 +14,7 @@ import torch
 import tiny
 import speculative
 from runtime.cli import run
+from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.sampling import Sampler
 
@@ -129,6 +130,21 @@ def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdra
     # a chain's rows see the committed entries and every earlier link: N = L, L + 1, ...
     for tokens, visible in runs[0][2]:
         assert visible == list(range(visible[0], visible[0] + len(tokens)))
+
+
+def test_a_batch_of_chains_runs_row_by_row_and_decodes_each_alone(chain_engine):
+    """ONNX Runtime's EAGLE-3 graphs take one committed length per run, so a batch drafts
+    its chains one row at a time (modes.BACKENDS: not among its batched drafters), each
+    sequence decoding what it decodes alone."""
+    engine = Engine(chain_engine)
+    text = engine.encode(tiny.stdlib_text())
+    prompts = [text[:PROMPT], text[400:440]]
+    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    assert not decoder.proposer.drafter.fused
+    got = decoder.run([Request(p, 12) for p in prompts], join_at=[0, 1])
+    for prompt, seq in zip(prompts, got):
+        alone = engine.generate(prompt, 12, mode="sharpdraft", stop=False, adaptive=False)
+        assert seq.gen.tokens == alone.tokens and seq.gen.visible_per_step == alone.visible_per_step
 
 
 def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):

@@ -76,11 +76,17 @@ def test_every_dflash_mode_drafts_in_one_batched_pass_where_the_backend_batches(
     no mode's batch drafter per row: the table fuses every DFlash mode on torch and
     onnxruntime, none on tensorrt (one sequence) or trtllm (its own loop)."""
     for backend in ("torch", "onnxruntime"):
-        fused = {m for m in Mode if modes.drafts_fused(m, "block", backend)}
+        fused = {m for m in Mode if modes.drafts_fused(m, "dflash", backend)}
         assert fused == {m for m in Mode if m.uses_drafter_model}
         assert {Mode.WINDOW, Mode.WINDOW_HYBRID, Mode.PRESET} <= fused
-    assert not any(modes.drafts_fused(m, "block", b) for m in Mode for b in ("tensorrt", "trtllm"))
+    assert not any(modes.drafts_fused(m, "dflash", b) for m in Mode for b in ("tensorrt", "trtllm"))
     assert not any(modes.drafts_fused(m, None, "torch") for m in Mode)
+    # chains batch in the modes without a window or another scaling; EAGLE-3's ONNX graphs
+    # take one committed length per run, so its chains stay per row there
+    assert modes.drafts_fused(Mode.SHARPDRAFT, "pard", "onnxruntime")
+    assert modes.drafts_fused(Mode.FROZEN, "eagle3", "torch")
+    assert not modes.drafts_fused(Mode.PRESET, "pard", "torch")
+    assert not modes.drafts_fused(Mode.SHARPDRAFT, "eagle3", "onnxruntime")
 
 
 def test_the_backend_registries_are_the_table():

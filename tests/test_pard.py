@@ -16,12 +16,12 @@ import tiny
 from exact_law import chi_square_p, exact_first_tokens
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.backends import PrefillOnce
-from runtime.backends.pytorch import TorchPARD, TorchTarget
+from runtime.backends.pytorch import TorchBatchPARD, TorchBatchTarget, TorchPARD, TorchTarget
+from runtime.decode import Request
 from runtime.models.pard import load_pard, read_pard_config
 from runtime.models.target import ModelError, load_target
 from runtime.sampling import Sampler, Sampling
-from speculative import generate_chain, generate_target_only
+from speculative import chain_batch_decoder, generate_chain, generate_target_only
 from runtime.step_costs import StepCosts
 
 
@@ -32,6 +32,13 @@ def tiny_pard(tmp_path_factory, tiny_target):
 
 def runners(target, drafter, max_drafts, scaling):
     return TorchTarget(target), TorchPARD(drafter, target.config.vocab_size, max_drafts, scaling)
+
+
+def batched(target, drafter, max_drafts, scaling, costs=None):
+    """A decoder whose batch drafts every row's chain in one PARD pass per step."""
+    return chain_batch_decoder(TorchBatchTarget(target, ()),
+                               TorchBatchPARD(drafter, target.config.vocab_size, max_drafts, scaling),
+                               costs)
 
 
 # ---- the published layout -------------------------------------------------------------
@@ -75,7 +82,8 @@ def test_the_drafter_is_the_causal_lm_transformers_reads(tiny_pard):
 def test_greedy_chain_speculation_equals_target_only(seed, vocab, max_drafts, prompt_len, max_new,
                                                      scaled, stop, copy, per_token):
     """copy: the drafter is the target itself (drafts accepted, long chains); else a
-    random PARD drafter of its own width (mostly rejected)."""
+    random PARD drafter of its own width (mostly rejected). Alone, and batched beside a
+    sequence at another length that joins a step later: the same tokens, N and beta."""
     target = tiny.float64_target(seed, vocab)
     drafter = (tiny.pard_from_target(target, vocab - 1) if copy
                else tiny.float64_pard(seed + 1, vocab))
@@ -90,6 +98,13 @@ def test_greedy_chain_speculation_equals_target_only(seed, vocab, max_drafts, pr
     if got.stopped_by == "length":
         assert sum(got.committed_per_step) + 1 == len(got.tokens)
     assert all(1 <= c <= max_drafts + 1 for c in got.committed_per_step)
+    other = [(seed + i) % vocab for i in range(prompt_len + 5)]
+    together = batched(target, drafter, max_drafts, scaling, costs).run(
+        [Request(prompt, max_new, stop_ids=stop_ids), Request(other, max_new)], join_at=[0, 1])
+    assert together[0].gen.tokens == want.tokens
+    assert together[0].gen.visible_per_step == got.visible_per_step
+    assert together[0].gen.beta_per_step == got.beta_per_step
+    assert together[1].gen.tokens == generate_target_only(t, other, max_new, Sampler()).tokens
 
 
 def test_the_lossless_check_exercises_acceptance():
@@ -106,10 +121,11 @@ def test_the_lossless_check_exercises_acceptance():
     assert max(accepted) > 1.2
 
 
-def test_speculative_sampling_through_chains_preserves_the_target_distribution():
-    """20k chain runs (temperature 0.8, top-p 0.9) against the target's exact law of the
-    first three tokens: the prefill's token, then a step of up to 2 PARD drafts, each
-    outcome (reject draft 1, reject draft 2, accept both) exercised."""
+def test_speculative_sampling_through_batched_chains_preserves_the_target_distribution():
+    """Runs (temperature 0.8, top-p 0.9) against the target's exact law of the first three
+    tokens: the prefill's token, then a step of up to 2 PARD drafts, each outcome (reject
+    draft 1, reject draft 2, accept both) exercised. Through the batched chain drafter:
+    eight sequences under test share every drafter pass with one at another length."""
     vocab, draws = 4, law_runs(20_000)
     target = tiny.float64_target(11, vocab, sharpness=1.5)
     drafter = tiny.pard_from_target(target, 3)
@@ -117,20 +133,44 @@ def test_speculative_sampling_through_chains_preserves_the_target_distribution()
         for p in drafter.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()),
                                      dtype=p.dtype))
-    t, d = runners(target, drafter, 2, QueryScaling(ref_keys=8, top_k=2, slope=2.0))
     prompt = [1, 2, 0]
-    sampler = Sampler(Sampling(temperature=0.8, top_p=0.9, seed=4321))
-    expected = exact_first_tokens(target, prompt, sampler, vocab).flatten() * draws
+    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
+    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     first_step = Counter()
-    once = PrefillOnce(t, prompt, len(prompt) + 4)
-    for _ in range(draws):
-        gen = generate_chain(once, d, prompt, 4, sampler)
-        t1, t2, t3 = gen.tokens[:3]
-        counts[(t1 * vocab + t2) * vocab + t3] += 1
-        first_step[gen.committed_per_step[0]] += 1
+    scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
+    for i in range(draws // 8):
+        decoder = batched(target, drafter, 2, scaling)
+        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
+                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
+        while decoder.active:
+            decoder.step()
+        for seq in seqs[:1] + seqs[2:]:
+            t1, t2, t3 = seq.gen.tokens[:3]
+            counts[(t1 * vocab + t2) * vocab + t3] += 1
+            first_step[seq.gen.committed_per_step[0]] += 1
     assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
     assert chi_square_p(counts, expected) > 0.001
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
+    target = tiny.float64_target(7, 12, sharpness=1.5)
+    drafter = tiny.pard_from_target(target, 11)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()),
+                                     dtype=p.dtype))
+    scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
+    requests = [Request(p, 30, Sampling(0.8, 0.9, seed=s))
+                for s, p in enumerate([[1, 2], [3] * 9, [4, 5, 6, 7]], start=1)]
+    got = batched(target, drafter, 3, scaling).run(requests, join_at=[0, 2, 1])
+    for request, seq in zip(requests, got):
+        t, d = runners(target, drafter, 3, scaling)
+        alone = generate_chain(t, d, request.prompt, 30, Sampler(request.sampling))
+        assert seq.gen.tokens == alone.tokens
+        assert seq.gen.committed_per_step == alone.committed_per_step
+    assert len({tuple(s.gen.tokens) for s in got}) == 3
+    assert max(max(s.gen.committed_per_step) for s in got) > 1  # drafts were accepted
 
 
 # ---- visible keys ---------------------------------------------------------------------

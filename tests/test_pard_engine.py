@@ -13,6 +13,7 @@ import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends.onnxruntime import OnnxPARD, open_session
 from runtime.cli import run
+from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.sampling import Sampler
 
@@ -86,6 +87,30 @@ def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, s
     assert len(ours[0]) == NEW_TOKENS
     if sharpdraft and length == 600:
         assert ort.scaling.beta(ours[2][0]) > 1.0  # the comparison covers scaled rows
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
+        pard_onnx_engine, backend, monkeypatch):
+    """Three sequences at different lengths, beta > 1 (one drafter cache bucket on torch): every
+    step drafts all their chains in ONE drafter pass, and each sequence decodes the
+    tokens, per-step N and beta of its own single-sequence run (greedy: target-only's)."""
+    engine = Engine(pard_onnx_engine, backend=backend)
+    text = engine.encode(tiny.stdlib_text())
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
+    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    assert decoder.proposer.drafter.fused
+    seqs = [decoder.add(Request(p, 10)) for p in prompts]
+    passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
+    assert passes[0] == 1 and max(passes) == 1, passes
+    for prompt, seq in zip(prompts, seqs):
+        alone = engine.generate(prompt, 10, mode="sharpdraft", stop=False, adaptive=False)
+        assert seq.gen.tokens == alone.tokens == engine.generate(prompt, 10, mode="target",
+                                                                 stop=False).tokens
+        assert seq.gen.visible_per_step == alone.visible_per_step
+        assert seq.gen.beta_per_step == alone.beta_per_step
+    first = [seq.gen.beta_per_step[0] for seq in seqs]
+    assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled
 
 
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):

@@ -46,9 +46,10 @@ these roles:
 
 The loop runs over a batch of sequences at different lengths, one row each; a sequence
 joins as the last row and leaves from any row, between steps. Batched roles (torch and
-ONNX Runtime run them fused; RowTargets / RowBlockDrafters below make them of
-single-sequence roles, one per row -- how trees, chains, a batch of one and backends
-without batched graphs run):
+ONNX Runtime run them fused, modes.BACKENDS[...].batched_drafters says which drafters;
+RowTargets / RowBlockDrafters / RowChainDrafters (rows.py) make them of single-sequence
+roles, one per row -- how trees, a batch of one and drafters without a batched form
+run):
 
   BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
                 verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
@@ -64,6 +65,19 @@ without batched graphs run):
                                     step for every row; False (RowBlockDrafters): a row
                                     that sits the step out passes an empty context
                 remove(row); scaling; vocab (as BlockDrafter's)
+  BatchChainDrafter (PARD; EAGLE-3 with top_k = 1):
+                add(capacity, ids, features) -- a new row's prefill: reset(capacity), then
+                                    read(ids, features) unless ids is empty
+                draft(rows of ids, rows of features, ks, samplers) -> [ChainDraft or None]
+                                    -- per row as ChainDrafter.draft (None where its k = 0),
+                                    fused: one drafter pass per chain step for every row
+                                    (PARD: one pass; EAGLE-3: one ingesting the rows' new
+                                    entries, then one per link), each row at its own cache
+                                    length, so its own N and beta; row r's drafts drawn by
+                                    samplers[r] from its own q, one draw per position
+                fused               -- True: one call drafts the whole batch; False
+                                    (RowChainDrafters): one drafter per row
+                remove(row); max_drafts; scaling
 """
 
 from __future__ import annotations
@@ -190,6 +204,18 @@ class BatchBlockDrafter(Protocol):
     def remove(self, row: int) -> None: ...
 
 
+class BatchChainDrafter(Protocol):
+    max_drafts: int
+    scaling: QueryScaling | None
+    fused: bool
+
+    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None: ...
+
+    def draft(self, ids: list[list[int]], features: list, ks: list[int],
+              samplers: list) -> list[ChainDraft | None]: ...
+
+    def remove(self, row: int) -> None: ...
+
 
 class Loaded(Protocol):
     """What a loader hands back for one engine directory (the roles above, made on
@@ -212,9 +238,10 @@ class Loaded(Protocol):
         a `window`, its block rows see only the last `window` context keys (DFlash)."""
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
-                      ) -> BatchBlockDrafter:
-        """The DFlash drafter of every row in one batched pass, under `scaling` and, with
-        a `window`, each row's own draft window (the per-row drafter's, fused)."""
+                      ) -> BatchBlockDrafter | BatchChainDrafter:
+        """The drafter over a batch under `scaling`: blocks (DFlash) or chains (PARD,
+        EAGLE-3 with top_k 1) for the whole batch in one call; with a `window`, each DFlash
+        row under its own draft window (the per-row drafter's, fused)."""
 
     def has_window(self) -> bool:
         """Whether its DFlash drafter can draft under a draft window."""

@@ -1,5 +1,6 @@
-"""What a chain drafter proposes in one call, and the one way to grow a chain token by
-token (runtime/backends/__init__.py: ChainDrafter)."""
+"""What a chain drafter proposes in one call, and the one way to grow chains token by
+token, for one row or a batch of rows at once (runtime/backends/__init__.py:
+ChainDrafter, BatchChainDrafter)."""
 
 from __future__ import annotations
 
@@ -29,16 +30,40 @@ class ChainDraft:
         """k >= 1 drafts token by token (EAGLE-3 with top_k 1, on any backend): each chosen
         by the sampler's rule from its row (to_row(logits): the row over the target's
         vocabulary; default the logits themselves), then fed back with the row's own state,
-        step(token, hidden, i) -> (logits, hidden, visible) of link i + 1."""
-        tokens, dists, rows, counts = [], [], [], []
-        for i in range(k):
-            row = logits if to_row is None else to_row(logits)
-            token, q = sampler.propose(row[None])
-            tokens += token
-            dists.append(q)
-            rows.append(row)
-            counts.append(visible)
-            if i + 1 < k:  # the last draft needs no row of its own
-                logits, hidden, visible = step(token, hidden, i)
-        probs = None if dists[0] is None else torch.cat(dists)
-        return cls(tokens, probs, torch.stack(rows), torch.tensor(counts, dtype=torch.long))
+        step(token, hidden, i) -> (logits, hidden, visible) of link i + 1. A batch of
+        one of grow_rows."""
+
+        def one(tokens, hidden, i):
+            out, state, n = step(tokens, hidden[0], i)
+            return out[None], state[None], [n]
+
+        return cls.grow_rows(logits[None], hidden[None], [visible], one, [k], [sampler],
+                             to_row)[0]
+
+    @classmethod
+    def grow_rows(cls, logits: torch.Tensor, hidden: torch.Tensor, visible, step, ks: list[int],
+                  samplers: list, to_row=None) -> list["ChainDraft | None"]:
+        """Chains of ks[r] drafts for every row r of a batch, one step(tokens [b], hidden
+        [b, H], i) -> (logits [b, ...], hidden [b, H], visible [b]) per link for all rows
+        together (EAGLE-3's batched chain drafter). Row r's drafts are drawn by its own
+        sampler from its own row only, one draw per position, exactly as grow draws them
+        alone, so sampling stays lossless; a row past its k rides along (its token is a
+        filler, its outputs never read). None for a row with k = 0."""
+        longest = max(ks, default=0)
+        tokens, dists, rows, counts = ([[] for _ in ks] for _ in range(4))
+        for i in range(longest):
+            full = logits if to_row is None else to_row(logits)
+            fed = []
+            for r, (k, sampler) in enumerate(zip(ks, samplers)):
+                if i < k:
+                    token, q = sampler.propose(full[r][None])
+                    tokens[r] += token
+                    dists[r].append(q)
+                    rows[r].append(full[r])
+                    counts[r].append(int(visible[r]))
+                fed.append(tokens[r][-1] if tokens[r] else 0)
+            if i + 1 < longest:  # the last draft needs no row of its own
+                logits, hidden, visible = step(fed, hidden, i)
+        return [cls(tokens[r], None if dists[r][0] is None else torch.cat(dists[r]),
+                    torch.stack(rows[r]), torch.tensor(counts[r], dtype=torch.long))
+                if k else None for r, k in enumerate(ks)]

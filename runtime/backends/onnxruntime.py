@@ -39,6 +39,7 @@ import torch
 
 from runtime import modes
 from runtime.backends import ChainDraft, load_tokenizer
+from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
@@ -341,6 +342,80 @@ class OnnxPARD:
         row = ids + [self.pard_token] * max(k - 1, 0)
         logits, visible = self._step(row, max(k, 1), len(ids))
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
+
+
+class OnnxBatchPARD:
+    """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
+    sequence, each row's committed length fed as past_lens, so one run drafts every
+    row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
+    length, counts and beta. A sequence reads its prompt alone (OnnxPARD.read), then
+    joins. EAGLE-3's graphs take one committed length for the whole batch (a shape), so
+    its chains run one row at a time here (RowChainDrafters)."""
+
+    fused = True
+
+    def __init__(self, session, pard_token: int, max_drafts: int, scaling: QueryScaling | None):
+        self.single = OnnxPARD(session, pard_token, max_drafts, scaling)
+        self.session, self.pard_token, self.scaling = session, pard_token, scaling
+        self.max_drafts = max_drafts
+        self.cache: HostKVCache | None = None
+        self.lengths: list[int] = []
+
+    def add(self, capacity: int, ids: list[int], features=None) -> None:
+        self.single.reset(capacity + self.max_drafts + 1)  # + a padded row's real tokens
+        if ids:
+            self.single.read(ids)
+        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
+        held = self.cache.capacity if self.cache is not None else 0
+        self._rebuild(max(held, self.single.cache.capacity), rows)
+        self.lengths.append(self.single.cache.length)
+
+    def _rows(self):
+        if self.cache is None:
+            return []
+        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
+
+    def _rebuild(self, capacity: int, rows: list) -> None:
+        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
+        for i, (k, v) in enumerate(rows):
+            cache.k[:k.shape[0], :, i] = k
+            cache.v[:v.shape[0], :, i] = v
+        self.cache = cache
+
+    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+        if not any(ks):
+            return [None] * len(ids)
+        rows = [list(i) + [self.pard_token] * max(k - 1, 0) for i, k in zip(ids, ks)]
+        width = max(len(row) for row in rows)
+        meta = StepMetadata(torch.tensor(self.lengths), width)
+        first = min(len(row) - k for row, k in zip(rows, ks) if k)  # the first row read
+        ends = [n + len(i) for n, i in zip(self.lengths, ids)]
+        if max(ends) > self.cache.capacity:
+            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
+                             f"{max(ends)}")
+        longest = max(self.lengths)
+        feeds = {"ids": np.asarray(padded(rows), dtype=np.int64),
+                 "logit_positions": np.arange(first, width, dtype=np.int64),
+                 "past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest],
+                 "past_lens": meta.cached.numpy()}
+        logits, keys, values = self.session.run(None, feeds)
+        for r, (start, end) in enumerate(zip(self.lengths, ends)):  # only the real tokens stay
+            self.cache.k[start:end, :, r] = keys[:end - start, :, r]
+            self.cache.v[start:end, :, r] = values[:end - start, :, r]
+        self.lengths = ends
+        visible = meta.causal_visible(width, len(rows))
+        logits = torch.from_numpy(logits)
+        return [ChainDraft.propose(logits[r, len(row) - k - first:len(row) - first],
+                                   visible[r, len(row) - k:len(row)], sampler) if k else None
+                for r, (row, k, sampler) in enumerate(zip(rows, ks, samplers))]
+
+    def remove(self, row: int) -> None:
+        rows = self._rows()
+        del rows[row], self.lengths[row]
+        if rows:
+            self._rebuild(self.cache.capacity, rows)
+        else:
+            self.cache = None
 
 
 class OnnxEagle3:
@@ -829,13 +904,16 @@ class OnnxEngine:
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
 
-    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
-                      ) -> OnnxBatchDFlash | BoundBatchDFlash:
-        """One batched DFlash pass for every row; with a `window`, over the drafter graph
-        that takes one (window_feed refuses a graph exported without the input)."""
-        if self.drafter_family != "dflash":
-            raise EngineError(f"batched drafting runs DFlash blocks, not {self.drafter_family}")
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
+        that takes one) and PARD chains in one run per step
+        (modes.BACKENDS["onnxruntime"].batched_drafters); EAGLE-3 chains one row at a
+        time (RowChainDrafters: its graphs take one committed length per run)."""
+        if self.drafter_family not in self.can.batched_drafters:
+            return RowChainDrafters(lambda: self.drafter(scaling))
         session, scaling, in_place = self._drafter_graph(scaling is not None)
+        if self.drafter_family == "pard":
+            return OnnxBatchPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         if window is not None:
             if not self.has_window():
                 raise EngineError("this engine's drafter graphs take no draft window — rebuild "

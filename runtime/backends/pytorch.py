@@ -275,6 +275,57 @@ class TorchBatchDFlash:
         self.caches.drop(row)
 
 
+# Cache room a batched chain drafter's rows need past their capacity: a row is padded to
+# the batch's widest (at most K + 1 real tokens, then K - 1 pard rows), and an EAGLE-3
+# chain's links are scratch past the committed entries.
+def _chain_room(max_drafts: int) -> int:
+    return 2 * max_drafts + 1
+
+
+class TorchBatchPARD:
+    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (CacheGroups), each
+    row at its own length; one pass per group drafts every row's chain, each row's
+    [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
+    own (causal over its own cache: StepMetadata.causal_visible), so its beta is too."""
+
+    fused = True
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
+                 scaling: QueryScaling | None):
+        self.single = TorchPARD(drafter, vocab_size, max_drafts, scaling)
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+        self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
+        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+
+    def add(self, capacity: int, ids: list[int], features=None) -> None:
+        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
+        if ids:
+            self.single.read(ids)
+        self.caches.join(self.single.cache)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+        drafts = [None] * len(ids)
+        device = self.drafter.embed_tokens.weight.device
+        for _, cache, members in self.caches.groups:
+            if not any(ks[r] for r in members):
+                continue
+            rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
+            keep = torch.tensor([len(ids[r]) for r in members], dtype=torch.long, device=device)
+            x = torch.tensor(padded(rows), dtype=torch.long, device=device)
+            hidden, visible = self.drafter(x, cache, self.scaling, keep=keep)
+            for i, (r, row) in enumerate(zip(members, rows)):
+                if ks[r]:
+                    first = len(row) - ks[r]  # the newest real token's row, then the pard rows
+                    drafts[r] = ChainDraft.propose(
+                        self.drafter.logits(hidden[i, first:len(row)], self.vocab_size),
+                        visible[i, first:len(row)], samplers[r])
+        return drafts
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
+
+
 class TorchEagle3:
     """EAGLE-3 drafting on the torch backend. The drafter's cache holds one entry per
     token the target has committed, from (the target's features of token p, token p + 1);
@@ -345,6 +396,60 @@ class TorchEagle3:
         draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
         self.cache.rollback(committed)
         return draft
+
+
+class TorchBatchEagle3:
+    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
+    (CacheGroups), each row at its own length. Per group, one pass ingests every row's
+    newly committed entries (padded to the longest), then one pass per chain link drafts
+    the next token of every row; the links are scratch past each row's committed
+    entries, as TorchEagle3.draft leaves them."""
+
+    fused = True
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
+        self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
+        self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
+        self.vocab = self.single.vocab
+        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+
+    def add(self, capacity: int, ids: list[int], features) -> None:
+        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
+        if ids:
+            self.single.read(ids, features)
+        self.caches.join(self.single.cache)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        drafts = [None] * len(ids)
+        for _, cache, members in self.caches.groups:
+            if not any(ks[r] for r in members):
+                continue
+            context, counts = padded_context([features[r] for r in members])
+            following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
+            x = torch.tensor(following, dtype=torch.long, device=context.device)
+            logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
+                                                   self.scaling, keep=counts.to(context.device))
+            last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
+            at = torch.arange(len(members), device=context.device)
+            committed = cache.lengths.clone()
+
+            def step(tokens, hidden, i):
+                x = torch.tensor(tokens, dtype=torch.long, device=hidden.device)[:, None]
+                out, state, n = self.drafter(x, hidden[:, None], cache, self.scaling)
+                return out[:, -1], state[:, -1], n[:, -1]
+
+            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
+                                         step, [ks[r] for r in members],
+                                         [samplers[r] for r in members], self.vocab.target_logits)
+            cache.lengths = committed
+            for r, draft in zip(members, grown):
+                drafts[r] = draft
+        return drafts
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
 
 
 def _load_dflash(manifest: Manifest, dtype, target):
@@ -445,13 +550,18 @@ class TorchLoaded:
         return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
                          scaling)
 
-    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
-                      ) -> TorchBatchDFlash:
+    def batch_dflash(self, scaling: QueryScaling | None, window: int | None = None
+                     ) -> TorchBatchDFlash:
         """One batched DFlash pass for every row, under any scaling and draft window:
-        compiled with `steps` (whole context), eager under a draft window."""
+        compiled with `steps` (whole context), eager under a window."""
         if self.shared is not None and window is None:
             return self.shared.batch_dflash(scaling)
         return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
+
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
+        step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
+        return BATCH_DRAFTERS[self.family](self, scaling, window)
 
 
 # drafter family -> its per-row drafter on this backend
@@ -462,3 +572,14 @@ DRAFTERS = {
                                                   loaded.drafting.tree_shape,
                                                   max(loaded.drafting.max_drafts, 1)),
 }
+
+# drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);
+# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/decoders.py)
+BATCH_DRAFTERS = {
+    "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
+    "pard": lambda loaded, scaling, window: TorchBatchPARD(
+        loaded.drafter_model, loaded.model.config.vocab_size, loaded.drafting.max_drafts, scaling),
+    "eagle3": lambda loaded, scaling, window: TorchBatchEagle3(loaded.drafter_model, scaling,
+                                                               max(loaded.drafting.max_drafts, 1)),
+}
+assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"

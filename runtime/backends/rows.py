@@ -1,7 +1,8 @@
-"""Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter) made of
-single-sequence ones, one per row: how the decode loop runs a batch of one on any target,
-trees (each row under its own mask), chains, and drafters with no batched graph. Rows run
-one after another; their outputs are padded as the batched roles' are."""
+"""Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter,
+BatchChainDrafter) made of single-sequence ones, one per row: how the decode loop runs a
+batch of one on any target, trees (each row under its own mask), and drafters with no
+batched form (a draft window, a swapped scaling, TensorRT, ONNX Runtime's EAGLE-3
+chains). Rows run one after another; their outputs are padded as the batched roles' are."""
 
 from __future__ import annotations
 
@@ -81,6 +82,34 @@ class RowBlockDrafters:
         like = next(r[0] for r in drafted if r is not None)
         logits = stack_padded([r[0] if r else like.new_zeros(like.shape) for r in drafted])
         return logits, torch.tensor([r[1] if r else 0 for r in drafted], dtype=torch.long)
+
+    def remove(self, row: int) -> None:
+        self.rows.pop(row)
+
+
+class RowChainDrafters:
+    """A BatchChainDrafter over one single-sequence ChainDrafter per row, made by
+    `make()`: chain drafters with no batched form and a batch of one. A row with k = 0
+    does not draft (None)."""
+
+    fused = False  # one call per row
+
+    def __init__(self, make):
+        self.make = make
+        self.spare = make()  # the first row's; its attributes describe them all
+        self.scaling, self.max_drafts = self.spare.scaling, self.spare.max_drafts
+        self.rows: list = []
+
+    def add(self, capacity: int, ids: list[int], features) -> None:
+        drafter, self.spare = self.spare or self.make(), None
+        drafter.reset(capacity)
+        if ids:
+            drafter.read(ids, features)
+        self.rows.append(drafter)
+
+    def draft(self, ids: list[list[int]], features: list, ks: list[int], samplers: list):
+        return [d.draft(i, f, k, s) if k else None
+                for d, i, f, k, s in zip(self.rows, ids, features, ks, samplers)]
 
     def remove(self, row: int) -> None:
         self.rows.pop(row)

@@ -204,9 +204,10 @@ class Eagle3Drafter(nn.Module):
         """Target token id of each draft-vocabulary index."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> KVCache:
         c, p = self.config, self.fc.weight
-        return KVCache(1, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device)
+        return KVCache(1, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device,
+                       per_sequence)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., num_aux * target_hidden] -> the layer's hidden input."""
@@ -216,11 +217,13 @@ class Eagle3Drafter(nn.Module):
         return self.fc(features)
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
-                scaling: QueryScaling | None, tree=None):
-        """Rows of (token ids [b, t], hidden [b, t, H]) after the cache's entries.
+                scaling: QueryScaling | None, tree=None, keep=None):
+        """Rows of (token ids [b, t], hidden [b, t, H]) after the cache's entries (each
+        sequence's own, in a per-sequence cache).
 
-        Without `tree`: causal rows at the next positions, committed (context entries, or
-        chain drafts that a runner rolls back). With tree = (scratch_mask [b, t, s],
+        Without `tree`: causal rows at the next positions, the first `keep` of each
+        sequence committed (an int, or [b]; None: all t) -- context entries, or chain
+        drafts that a runner rolls back. With tree = (scratch_mask [b, t, s],
         offsets [b, t]): one level of a draft tree, its keys scratch (StepMetadata.tree_rows).
         Returns draft-vocabulary logits [b, t, V_draft], the state each row hands the next
         drafting step [b, t, H], and each row's visible-key count N [b, t].
@@ -242,7 +245,11 @@ class Eagle3Drafter(nn.Module):
 
         h = self.midlayer(self.embed_tokens(ids), hidden, self.rotary(positions, hidden.dtype), attend)
         if tree is None:
-            cache.length = meta.committed()
+            committed = StepMetadata(meta.cached, t if keep is None else keep).committed()
+            if meta.per_sequence:
+                cache.lengths = committed
+            else:
+                cache.length = committed
         normed = self.norm(h)
         return self.lm_head(normed), (normed if self.config.norm_output else h), counts
 
