@@ -6,9 +6,10 @@ engine directory) build theirs here too, so they run the production shape.
 
 Single sequence (a `target` given: the engine's own, or a PrefillOnce over it): a batch of
 one on it. Batched: the backend's fused batch target and DFlash drafter where it has them,
-else one target / drafter per row (trees always: each row's tree verifies under its own
-mask); a padded verify row writes scratch keys past its own budget, so every cache gets
-`slack` tokens of room past it."""
+else one target / drafter per row; trees verify packed in the batch target's pass, each
+row under its own mask, where it `packs_trees` (else one target per row); a padded verify
+row or a tree writes scratch keys past its own budget, so every cache gets `slack` tokens
+of room past it."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ class Roles:
     @property
     def slack(self) -> int:
         """Cache room past a sequence's budget for a verify row padded to the batch's
-        widest: the widest row any proposer makes (a block, or a lookup's drafts + 1)."""
-        return max(self.block_size, self.lookup_drafts + 1)
+        widest: the widest row any proposer makes (a block, a lookup's drafts + 1, a tree)."""
+        tree = self.tree_shape.total_tokens if self.style == "tree" and self.tree_shape else 0
+        return max(self.block_size, self.lookup_drafts + 1, tree)
 
 
 def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
@@ -76,10 +78,11 @@ def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = Non
     drafter steps (None: every step verifies every draft)."""
     batched = target is None
     chosen = proposer(roles, mode, batched)
-    slack = 0
-    if batched and not chosen.drafts_trees and roles.batch_target is not None:
-        rows, slack = roles.batch_target(), roles.slack
-    else:
+    rows = roles.batch_target() if batched and roles.batch_target is not None else None
+    if rows is not None and chosen.drafts_trees and not getattr(rows, "packs_trees", False):
+        rows = None  # a backend whose batch target cannot pack trees: one target per row
+    slack = 0 if rows is None else roles.slack
+    if rows is None:
         one = target
         rows = RowTargets(roles.new_target if one is None else (lambda: one), roles.context_limit)
     return Decoder(rows, chosen, policy_for(costs if mode.uses_drafter_model else None), slack)
