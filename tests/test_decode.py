@@ -151,3 +151,39 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
     for request, seq in zip(requests, seqs):
         assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), request.prompt,
                                                       6, Sampler()).tokens
+
+
+def test_a_batch_target_that_cannot_pack_trees_verifies_them_row_by_row():
+    """An ONNX engine whose tree graph is fixed to one sequence (or absent) does not
+    claim packs_trees, and the decoder then verifies each row's tree on its own target:
+    the engine still loads and decodes, never fails or differs."""
+    from types import SimpleNamespace
+
+    from runtime import decoders
+    from runtime.backends.onnxruntime import OnnxBatchTarget
+    from runtime.modes import Mode
+
+    def graph(batch):
+        names = [("ids", [batch, "q_len"]), ("cache_keys_0", ["batch", 2, "capacity", 4]),
+                 ("cache_values_0", ["batch", 2, "capacity", 4])]
+        return SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n, shape=s) for n, s in names])
+
+    step = graph("batch")
+    assert OnnxBatchTarget(step, 64, graph("batch")).packs_trees
+    assert not OnnxBatchTarget(step, 64, graph(1)).packs_trees
+    assert not OnnxBatchTarget(step, 64).packs_trees
+
+    class Unpacked(TorchBatchTarget):
+        packs_trees = False
+
+    target, drafter = eagle_pair(4, 12)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    roles = decoders.Roles("tree", lambda: TorchTarget(target, layers), 64,
+                           drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
+                           batch_target=lambda: Unpacked(target, layers), tree_shape=SHAPE)
+    decoder = decoders.decoder(roles, Mode.FROZEN)
+    assert isinstance(decoder.target, RowTargets)
+    got = decoder.run([Request([1, 2, 3], 5), Request([4], 5)])
+    for prompt, seq in zip([[1, 2, 3], [4]], got):
+        assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), prompt, 5,
+                                                      Sampler()).tokens
