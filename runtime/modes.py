@@ -122,16 +122,22 @@ class Backend:
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
+    # a batch's draft trees verified in one packed target pass, each row under its own
+    # tree mask (else one target call per row)
+    packed_trees: bool = False
 
 
 BACKENDS = {
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
-                     swap_scaling=True, own_loop=False),
+                     swap_scaling=True, own_loop=False, packed_trees=True),
     # the window needs a drafter graph exported with its input (onnxruntime.has_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
-                           attention_forms=("native", "plugin")),
+                           attention_forms=("native", "plugin"),
+                           # target-tree.onnx takes a batch (an engine whose graph is fixed
+                           # to one sequence verifies row by row: OnnxBatchTarget.packs_trees)
+                           packed_trees=True),
     "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not

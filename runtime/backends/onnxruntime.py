@@ -561,7 +561,7 @@ class OnnxBatchTarget(BoundRows):
     def packs_trees(self) -> bool:
         """Whether verify_trees can run: a tree graph whose batch dimension is free (a
         graph fixed to one sequence leaves the decoder verifying trees row by row)."""
-        if self.tree_session is None:
+        if self.tree_session is None or not modes.BACKENDS["onnxruntime"].packed_trees:
             return False
         batch = next(i.shape[0] for i in self.tree_session.get_inputs() if i.name == "ids")
         return not isinstance(batch, int) or batch > 1

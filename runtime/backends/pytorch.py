@@ -193,7 +193,7 @@ class TorchBatchTarget:
     """The target over a batch: per-sequence KVCaches (CacheGroups), each row at its own
     length; verify and verify_trees run one pass per group."""
 
-    packs_trees = True  # verify_trees: every row's tree in its group's one pass
+    packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
 
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
         self.single = TorchTarget(model, feature_layers)

@@ -1,7 +1,8 @@
 """Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter) made of
 single-sequence ones, one per row: how the decode loop runs a batch of one on any target,
-trees (each row under its own mask), chains, and drafters with no batched graph. Rows run
-one after another; their outputs are padded as the batched roles' are."""
+trees where the batch target cannot pack them, chains' drafters, and drafters with no
+batched graph. Rows run one after another; their outputs are padded as the batched roles'
+are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from runtime.step_metadata import padded_context
 class RowTargets:
     """A BatchTarget over one single-sequence Target per row, made by `make()` (for a
     batch of one, the caller's target: a generate costs one single-sequence call)."""
+
+    packs_trees = False  # one verify_tree call per row
 
     def __init__(self, make, context_limit: int):
         self.make, self.context_limit = make, context_limit
