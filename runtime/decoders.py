@@ -48,9 +48,8 @@ class Roles:
     @property
     def slack(self) -> int:
         """Cache room past a sequence's budget for a verify row padded to the batch's
-        widest: the widest row any proposer makes (a block, a lookup's drafts + 1, a tree)."""
-        tree = self.tree_shape.total_tokens if self.style == "tree" and self.tree_shape else 0
-        return max(self.block_size, self.lookup_drafts + 1, tree)
+        widest: the widest row any proposer makes (a block, or a lookup's drafts + 1)."""
+        return max(self.block_size, self.lookup_drafts + 1)
 
 
 def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
@@ -78,11 +77,12 @@ def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = Non
     drafter steps (None: every step verifies every draft)."""
     batched = target is None
     chosen = proposer(roles, mode, batched)
+    policy = policy_for(costs if mode.uses_drafter_model else None)
     rows = roles.batch_target() if batched and roles.batch_target is not None else None
-    if rows is not None and chosen.drafts_trees and not getattr(rows, "packs_trees", False):
-        rows = None  # a backend whose batch target cannot pack trees: one target per row
-    slack = 0 if rows is None else roles.slack
-    if rows is None:
-        one = target
+    if rows is None or (chosen.drafts_trees and not getattr(rows, "packs_trees", False)):
+        one = target  # one target per row (a batch of one; a batch target that cannot pack trees)
         rows = RowTargets(roles.new_target if one is None else (lambda: one), roles.context_limit)
-    return Decoder(rows, chosen, policy_for(costs if mode.uses_drafter_model else None), slack)
+        return Decoder(rows, chosen, policy)
+    # a packed tree's nodes are scratch keys past each row's committed ones, as a padded row's
+    slack = max(roles.slack, roles.tree_shape.total_tokens if chosen.drafts_trees else 0)
+    return Decoder(rows, chosen, policy, slack)
