@@ -218,11 +218,12 @@ class KVCache:
         dest = lengths[:, None] + torch.arange(width, device=device)  # [b, width]
         rows = torch.tensor([p + list(range(len(p), width)) for p in paths], dtype=torch.long,
                             device=device)
-        source = lengths[:, None] + rows
-        if int(source.max()) >= self.capacity or int(dest.max()) >= self.capacity:
+        source = lengths[:, None] + rows  # distinct rows: its largest is >= dest's
+        if int(source.max()) >= self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} tokens; a row to keep is past it")
         shape = (self.k.shape[0], -1, self.k.shape[2], width, self.k.shape[4])
-        source, dest = source[None, :, None, :, None].expand(shape), dest[None, :, None, :, None].expand(shape)
+        source = source[None, :, None, :, None].expand(shape)
+        dest = dest[None, :, None, :, None].expand(shape)
         for buffer in (self.k, self.v):
             buffer.scatter_(3, dest, buffer.gather(3, source))  # gathered before the write
         self.lengths = self.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long,
