@@ -6,9 +6,10 @@ engine directory) build theirs here too, so they run the production shape.
 
 Single sequence (a `target` given: the engine's own, or a PrefillOnce over it): a batch of
 one on it. Batched: the backend's fused batch target and batch drafter (blocks, chains)
-where it has them, else one target / drafter per row (trees always: each row's tree
-verifies under its own mask); a padded verify row writes scratch keys past its own
-budget, so every cache gets `slack` tokens of room past it."""
+where it has them, else one target / drafter per row; trees verify packed in the batch
+target's pass, each row under its own mask, where it `packs_trees` (else one target per
+row); a padded verify row or a tree writes scratch keys past its own budget, so every
+cache gets `slack` tokens of room past it."""
 
 from __future__ import annotations
 
@@ -79,10 +80,12 @@ def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = Non
     drafter steps (None: every step verifies every draft)."""
     batched = target is None
     chosen = proposer(roles, mode, batched)
-    slack = 0
-    if batched and not chosen.drafts_trees and roles.batch_target is not None:
-        rows, slack = roles.batch_target(), roles.slack
-    else:
-        one = target
+    policy = policy_for(costs if mode.uses_drafter_model else None)
+    rows = roles.batch_target() if batched and roles.batch_target is not None else None
+    if rows is None or (chosen.drafts_trees and not getattr(rows, "packs_trees", False)):
+        one = target  # one target per row (a batch of one; a batch target that cannot pack trees)
         rows = RowTargets(roles.new_target if one is None else (lambda: one), roles.context_limit)
-    return Decoder(rows, chosen, policy_for(costs if mode.uses_drafter_model else None), slack)
+        return Decoder(rows, chosen, policy)
+    # a packed tree's nodes are scratch keys past each row's committed ones, as a padded row's
+    slack = max(roles.slack, roles.tree_shape.total_tokens if chosen.drafts_trees else 0)
+    return Decoder(rows, chosen, policy, slack)

@@ -127,11 +127,14 @@ class Backend:
     # draft window is a per-row visible range and its preset another QueryScaling, so both
     # fuse too, while chains run those modes per row (drafts_fused); the rest: one per row
     batched_drafters: frozenset[str] = frozenset()
+    # a batch's draft trees verified in one packed target pass, each row under its own
+    # tree mask (else one target call per row)
+    packed_trees: bool = False
 
 
 BACKENDS = {
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
-                     swap_scaling=True, own_loop=False,
+                     swap_scaling=True, own_loop=False, packed_trees=True,
                      batched_drafters=frozenset({"dflash", "pard", "eagle3"})),
     # the window needs a drafter graph exported with its input (onnxruntime.has_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
@@ -139,7 +142,10 @@ BACKENDS = {
                            # the plugin node runs only through a Python bridge here
                            attention_forms=("native", "plugin"),
                            # EAGLE-3's graphs take one committed length per run (a shape)
-                           batched_drafters=frozenset({"dflash", "pard"})),
+                           batched_drafters=frozenset({"dflash", "pard"}),
+                           # target-tree.onnx takes a batch (an engine whose graph is fixed
+                           # to one sequence verifies row by row: OnnxBatchTarget.packs_trees)
+                           packed_trees=True),
     "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not

@@ -91,10 +91,14 @@ class StepMetadata:
 
     def tree_rows(self, scratch_mask: torch.Tensor, offsets: torch.Tensor) -> "TreeRows":
         """A step of t tree rows (EAGLE-3 drafting, the target's one-pass tree verify)
-        after `cached` committed keys (an int: one sequence) and s >= t scratch keys
-        past them, the step's own t keys last. scratch_mask [b, t, s]: the scratch keys
-        each row may see (its tree ancestors and itself); offsets [b, t]: each row's
-        position past the committed ones (its depth below the tree's root)."""
+        after `cached` committed keys and s >= t scratch keys past them, the step's own
+        t keys last. scratch_mask [b, t, s]: the scratch keys each row may see (its tree
+        ancestors and itself); offsets [b, t]: each row's position past the committed
+        ones (its depth below the tree's root). `cached` an int: every sequence alike;
+        [b] (a batch of trees packed in one pass): sequence i's scratch keys start at
+        its own cached[i], so its rows see its committed keys and its own tree only."""
+        if self.per_sequence:
+            return self._packed_tree_rows(scratch_mask, offsets)
         b, t, s = scratch_mask.shape
         committed = scratch_mask.new_ones((b, t, self.cached))
         mask = torch.cat([committed, scratch_mask], -1)
@@ -102,6 +106,20 @@ class StepMetadata:
         # row is then the keys left unmasked (tree_visible), never the cache's length.
         bound = torch.full((b, t), self.cached + s, dtype=torch.long, device=mask.device)
         return TreeRows(offsets + self.cached, bound, mask, self.cached + s - t)
+
+    def _packed_tree_rows(self, scratch_mask: torch.Tensor, offsets: torch.Tensor) -> "TreeRows":
+        """tree_rows over per-sequence lengths: the keys run to the longest sequence's
+        cached + s; key j of sequence i is committed below cached[i], its scratch key
+        j - cached[i] up to cached[i] + s, and past that another sequence's room."""
+        b, t, s = scratch_mask.shape
+        device = scratch_mask.device
+        cached = self.cached.to(device)
+        relative = torch.arange(int(cached.max()) + s, device=device) - cached[:, None]  # [b, keys]
+        scratch = (relative >= 0) & (relative < s)
+        picked = scratch_mask.gather(2, relative.clamp(0, s - 1)[:, None, :].expand(b, t, -1))
+        mask = (relative < 0)[:, None, :] | (picked & scratch[:, None, :])
+        bound = (cached + s)[:, None].expand(b, t)
+        return TreeRows(offsets + cached[:, None], bound, mask, cached + s - t)
 
     def committed(self):
         """Each sequence's cache length after the step."""

@@ -96,6 +96,24 @@ class DraftTree:
         return path, choice[path[-1]]
 
 
+def pack(trees: list[DraftTree], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several sequences' trees for one pass: ids [b, t], ancestor masks [b, t, t] and
+    depths [b, t], each tree padded to the widest. A padding node repeats its tree's
+    root at depth 0 and sees only itself (no real node sees it); its outputs are never
+    read, its key lands in the sequence's scratch."""
+    width = max(len(tree) for tree in trees)
+    ids = torch.zeros((len(trees), width), dtype=torch.long)
+    depths = torch.zeros((len(trees), width), dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for i, tree in enumerate(trees):
+        n = len(tree)
+        ids[i] = tree.tokens[0]
+        ids[i, :n] = torch.tensor(tree.tokens)
+        depths[i, :n] = torch.tensor(tree.depths)
+        mask[i, :n, :n] = tree.ancestor_mask()
+    return ids.to(device), mask.to(device), depths.to(device)
+
+
 # expand(tokens [k], hidden [k, H], scratch_mask [k, s], offset) -> (log-probs [k, V], hidden [k, H]):
 # one drafter step over a frontier, its rows at `offset` past the committed tokens, seeing
 # the scratch keys scratch_mask allows (ancestors written by earlier steps, then themselves).

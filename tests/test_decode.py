@@ -33,9 +33,10 @@ COSTS = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0))
 
 
 def setup(style: str, seed: int, vocab: int):
-    """(single-sequence target maker, batch target, proposer maker) of a style on tiny
-    float64 models; block and chain styles get the batched roles (block-rows: a drafter
-    per row), trees one target per row."""
+    """(single-sequence target maker, batch target, proposer maker, slack) of a style on
+    tiny float64 models: the batch target is the fused one (trees packed in its pass);
+    block and chain styles get the batched drafter (block-rows: a drafter per row), trees
+    one drafter per row."""
     if style in ("target", "ngram", "block", "hybrid", "block-rows"):
         target, drafter = tiny_pair(seed, vocab, 4)
         layers = drafter.config.target_layer_ids
@@ -65,7 +66,9 @@ def setup(style: str, seed: int, vocab: int):
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4
     make = lambda: Tree(lambda: TorchEagle3(drafter, SCALING, SHAPE), SHAPE)  # noqa: E731
-    return single, RowTargets(single, target.config.max_position_embeddings), make, 0
+    batch = TorchBatchTarget(target, layers)  # every row's tree in one packed pass
+    batch.context_limit = target.config.max_position_embeddings
+    return single, batch, make, SHAPE.total_tokens
 
 
 def requests_from(shapes, vocab, seed, sampling=None):
@@ -122,3 +125,66 @@ def test_a_tree_style_refuses_sampling_for_that_request_alone():
     assert "verifies greedily" in got[1].error and not got[1].gen.tokens
     for request, seq in zip([requests[0], requests[2]], [got[0], got[2]]):
         assert seq.gen.tokens == generate_target_only(single(), request.prompt, 8, Sampler()).tokens
+
+
+def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
+    """A batched tree decoder as runtime/decoders.py builds it, three rows whose
+    capacities share a bucket (capacity_bucket): a step's verify is one call of the
+    target model, not one per row, and the rows still decode target-only's tokens."""
+    from runtime import decoders
+    from runtime.modes import Mode
+
+    target, drafter = eagle_pair(3, 12)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    limit = target.config.max_position_embeddings
+    roles = decoders.Roles("tree", lambda: TorchTarget(target, layers), limit,
+                           drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
+                           batch_target=lambda: TorchBatchTarget(target, layers), tree_shape=SHAPE)
+    decoder = decoders.decoder(roles, Mode.FROZEN)
+    requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]
+    seqs = [decoder.add(r) for r in requests]
+    calls, forward = [], target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
+    decoder.step()
+    assert len(calls) == 1 and calls[0]["tree"] is not None
+    while decoder.active:
+        decoder.step()
+    for request, seq in zip(requests, seqs):
+        assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), request.prompt,
+                                                      6, Sampler()).tokens
+
+
+def test_a_batch_target_that_cannot_pack_trees_verifies_them_row_by_row():
+    """An ONNX engine whose tree graph is fixed to one sequence (or absent) does not
+    claim packs_trees, and the decoder then verifies each row's tree on its own target:
+    the engine still loads and decodes, never fails or differs."""
+    from types import SimpleNamespace
+
+    from runtime import decoders
+    from runtime.backends.onnxruntime import OnnxBatchTarget
+    from runtime.modes import Mode
+
+    def graph(batch):
+        names = [("ids", [batch, "q_len"]), ("cache_keys_0", ["batch", 2, "capacity", 4]),
+                 ("cache_values_0", ["batch", 2, "capacity", 4])]
+        return SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n, shape=s) for n, s in names])
+
+    step = graph("batch")
+    assert OnnxBatchTarget(step, 64, graph("batch")).packs_trees
+    assert not OnnxBatchTarget(step, 64, graph(1)).packs_trees
+    assert not OnnxBatchTarget(step, 64).packs_trees
+
+    class Unpacked(TorchBatchTarget):
+        packs_trees = False
+
+    target, drafter = eagle_pair(4, 12)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    roles = decoders.Roles("tree", lambda: TorchTarget(target, layers), 64,
+                           drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
+                           batch_target=lambda: Unpacked(target, layers), tree_shape=SHAPE)
+    decoder = decoders.decoder(roles, Mode.FROZEN)
+    assert isinstance(decoder.target, RowTargets)
+    got = decoder.run([Request([1, 2, 3], 5), Request([4], 5)])
+    for prompt, seq in zip([[1, 2, 3], [4]], got):
+        assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), prompt, 5,
+                                                      Sampler()).tokens

@@ -1,6 +1,7 @@
 """Draft trees: what grow_tree keeps, the mask and visible-key counts a tree step hands
 the attention op, the target's one-pass tree verification against plain causal passes,
-and cache compaction to the accepted path against caches built from scratch."""
+a batch's trees packed in one pass against each row's own pass, and cache compaction to
+the accepted path against caches built from scratch."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples
 
 from plugins.attention import visible_counts
-from runtime.backends.pytorch import TorchTarget
+from runtime.backends.pytorch import TorchBatchTarget, TorchTarget
 from runtime.models.layers import KVCache
 from runtime.sampling import Sampler
 from speculative import generate_target_only
@@ -250,3 +251,81 @@ def test_reserve_grows_the_cache_and_keeps_what_it_held():
     assert cache.capacity == 13 and cache.k.shape[3] == 13 and cache.length == 5
     assert torch.equal(cache.k[:, :, :, :8], before)
     cache.write(0, 5, torch.ones(1, 2, 8, 3, dtype=torch.float64), torch.ones(1, 2, 8, 3, dtype=torch.float64))
+
+
+def test_packed_tree_rows_see_their_own_committed_keys_and_ancestors_only():
+    """Three sequences at 4, 9 and 1 committed keys, each with its own tree padded to the
+    widest (runtime/tree.py: pack): the mask StepMetadata hands the op against one the
+    test builds key by key from where each sequence's keys lie (committed, then its
+    tree's nodes at its own length), and the op's N against the ancestor count."""
+    from runtime.tree import pack
+
+    trees = [random_tree(1, 5, 6), DraftTree.root_only(3), random_tree(2, 7, 6)]
+    cached = [4, 9, 1]
+    ids, mask, depths = pack(trees)
+    rows = StepMetadata(torch.tensor(cached), ids.shape[1]).tree_rows(mask, depths)
+    kv = max(cached) + 7
+    assert rows.mask.shape == (3, 7, kv) and rows.write_at.tolist() == cached
+    for b, (tree, c) in enumerate(zip(trees, cached)):
+        for i in range(len(tree)):
+            want = [key < c or key - c in ancestors(tree.parents, i) for key in range(kv)]
+            assert rows.mask[b, i].tolist() == want, (b, i)
+            assert int(rows.positions[b, i]) == c + tree.depths[i]
+        handed, _ = visible_counts(rows.bound, kv, rows.mask)
+        assert handed[b, :len(tree)].tolist() == [c + len(ancestors(tree.parents, i))
+                                                  for i in range(len(tree))]
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8),
+                                                           st.sampled_from([0, 40])),
+                                                 min_size=1, max_size=4))
+def test_a_packed_tree_pass_gives_each_row_what_its_own_pass_gives(seed, rows):
+    """Rows at different lengths (some in another capacity group), trees of different
+    sizes (a root alone too) in one batch target's pass: each node's logits and features
+    equal the row's own single-sequence verify_tree; after keep_paths each row's cache
+    holds its accepted path (its next verify equals the single target's)."""
+    model = float64_target(seed % 1000, vocab=7, layers=3)
+    layers = (0, 2)
+    g = torch.Generator().manual_seed(seed)
+    batch, singles, trees = TorchBatchTarget(model, layers), [], []
+    for i, (prompt_len, size, extra) in enumerate(rows):
+        prompt = torch.randint(0, 7, (prompt_len,), generator=g).tolist()
+        batch.add(prompt, prompt_len + size + 2 + extra)
+        singles.append(TorchTarget(model, layers))
+        singles[-1].prefill(prompt, prompt_len + size + 2 + extra)
+        trees.append(random_tree(seed + i, size, 7))
+    got = batch.verify_trees(trees)
+    paths = []
+    for single, tree, (logits, features) in zip(singles, trees, got):
+        want_logits, want_features = single.verify_tree(tree)
+        assert logits.shape == want_logits.shape
+        torch.testing.assert_close(logits, want_logits, atol=1e-9, rtol=0)
+        torch.testing.assert_close(features, want_features, atol=1e-9, rtol=0)
+        end = int(torch.randint(0, len(tree), (), generator=g))
+        paths.append(list(reversed(ancestors(tree.parents, end))))
+    batch.keep_paths(paths)
+    following = [[int(torch.randint(0, 7, (), generator=g))] for _ in rows]
+    logits, _ = batch.verify(following)
+    for i, (single, path) in enumerate(zip(singles, paths)):
+        single.keep_path(path)
+        want, _ = single.verify(following[i])
+        torch.testing.assert_close(logits[i, :1], want, atol=1e-9, rtol=0)
+
+
+def test_keep_each_moves_every_sequences_path_into_place():
+    cache = KVCache(2, 3, 2, 20, 3, torch.float64, per_sequence=True)
+    cache.k.copy_(torch.randn_like(cache.k))
+    cache.v.copy_(torch.randn_like(cache.v))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    cache.lengths = torch.tensor([6, 2, 9])
+    paths = [[0, 3, 2, 7], [0], [0, 2]]
+    cache.keep_each(paths)
+    assert cache.lengths.tolist() == [10, 3, 11]
+    for b, (start, path) in enumerate(zip([6, 2, 9], paths)):
+        for i, row in enumerate(path):
+            assert torch.equal(cache.k[:, b, :, start + i], before_k[:, b, :, start + row])
+            assert torch.equal(cache.v[:, b, :, start + i], before_v[:, b, :, start + row])
+        assert torch.equal(cache.k[:, b, :, :start], before_k[:, b, :, :start])
+    with pytest.raises(ValueError):
+        cache.keep_each([[1, 1], [0], [0]])

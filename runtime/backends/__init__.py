@@ -46,17 +46,23 @@ these roles:
 
 The loop runs over a batch of sequences at different lengths, one row each; a sequence
 joins as the last row and leaves from any row, between steps. Batched roles (torch and
-ONNX Runtime run them fused, modes.BACKENDS[...].batched_drafters says which drafters;
-RowTargets / RowBlockDrafters / RowChainDrafters (rows.py) make them of single-sequence
-roles, one per row -- how trees, a batch of one and drafters without a batched form
-run):
+ONNX Runtime run them fused, modes.BACKENDS[...].batched_drafters says which drafters and
+.packed_trees whether trees verify in one packed pass; RowTargets / RowBlockDrafters /
+RowChainDrafters (rows.py) make them of single-sequence roles, one per row -- how trees
+a batch target cannot pack, a batch of one and drafters without a batched form run):
 
   BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
                 verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
                 rollback(lengths)   -- each sequence's committed length
                 remove(row)
-                verify_trees(trees) -> [(logits, features)] per row; keep_paths(paths)
-                                    -- RowTargets only (each row's tree under its own mask)
+                verify_trees(trees) -> [(logits [n, vocab], features [n, F])] per row: every
+                                    row's DraftTree packed in one pass (runtime/tree.py:
+                                    pack), each node seeing its own row's committed keys
+                                    and its ancestors at that row's length + depth
+                keep_paths(paths)   -- commit each row's accepted path (node indices)
+                packs_trees         -- whether verify_trees runs packed (modes.BACKENDS
+                                    packed_trees; an ONNX tree graph fixed to one sequence
+                                    does not): else the decoder verifies trees on RowTargets
   BatchBlockDrafter:
                 add(capacity, context [c, F], last) -> the features its first draft() must
                                     pass (what it left unread); last: the prompt's last token

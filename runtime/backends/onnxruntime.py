@@ -45,7 +45,7 @@ from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
 from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, capacity_bucket, padded, padded_context
-from runtime.tree import TreeShape, grow_tree
+from runtime.tree import TreeShape, grow_tree, pack
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
 # 2: the target's KV cache lives in buffers bound to target-kv.onnx (1: cache as an input).
@@ -144,6 +144,16 @@ class BoundKVCache:
             binding.bind_ortvalue_input(f"cache_keys_{i}", keys)
             binding.bind_ortvalue_input(f"cache_values_{i}", values)
         return binding
+
+
+def keep_rows(buffers, start: int, nodes: list[int]) -> None:
+    """Commit a verified tree's accepted path in buffers [..., capacity, head_dim]: the
+    keys written at start + nodes[i] move to start + i (KVCache.keep's rule)."""
+    if len(set(nodes)) != len(nodes) or any(r < 0 for r in nodes):
+        raise ValueError(f"rows to keep must be distinct and >= 0, got {nodes}")
+    rows = start + np.asarray(nodes, dtype=np.int64)
+    for buffer in buffers:  # fancy indexing copies before the write: overlaps are safe
+        buffer[..., start:start + len(nodes), :] = buffer[..., rows, :]
 
 
 def run_bound(session, binding, feeds: dict, outputs) -> list[np.ndarray]:
@@ -258,16 +268,9 @@ class OnnxTarget:
         return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
 
     def keep_path(self, nodes: list[int]) -> None:
-        """Commit a verified tree's accepted path (node indices, root first): the keys
-        written at length + nodes[i] move to length + i (KVCache.keep's rule)."""
-        cache, start = self.cache, self.cache.length
-        if len(set(nodes)) != len(nodes) or any(r < 0 for r in nodes):
-            raise ValueError(f"rows to keep must be distinct and >= 0, got {nodes}")
-        rows = start + np.asarray(nodes, dtype=np.int64)
-        # fancy indexing copies before the write, so overlapping rows are safe
-        cache.k[:, :, :, start:start + len(nodes)] = cache.k[:, :, :, rows]
-        cache.v[:, :, :, start:start + len(nodes)] = cache.v[:, :, :, rows]
-        cache.length = start + len(nodes)
+        """Commit a verified tree's accepted path (node indices, root first)."""
+        keep_rows((self.cache.k, self.cache.v), self.cache.length, nodes)
+        self.cache.length += len(nodes)
 
     def snapshot(self):
         n = self.cache.length
@@ -508,13 +511,13 @@ class RowGroup:
     tokens, beside 84 s of steps.) Spare rows cost no memory until written: np.zeros
     maps its pages lazily."""
 
-    def __init__(self, session, single, capacity: int, slots: int):
-        self.session, self.layers = session, single.layers
+    def __init__(self, session, single, capacity: int, slots: int, tree_session=None):
+        self.session, self.layers, self.tree_session = session, single.layers, tree_session
         self.cache = BoundKVCache(capacity, single.layers, single.kv_heads, single.head_dim,
                                   batch=slots)
         self.bucket = capacity_bucket(capacity)
         self.members: list[int] = []
-        self.binding = None
+        self.binding = self.tree_binding = None
 
     def fits(self, capacity: int) -> bool:
         return len(self.members) < self.cache.k.shape[1] and capacity <= self.cache.capacity
@@ -541,14 +544,18 @@ class RowGroup:
         self._bind()
 
     def _bind(self) -> None:
-        """Bind the members' buffer rows (a contiguous view of each layer: no copy)."""
+        """Bind the members' buffer rows (a contiguous view of each layer: no copy), to
+        the step graph and, where the group has one, the tree graph."""
         import onnxruntime
 
         wrap, n = onnxruntime.OrtValue.ortvalue_from_numpy, len(self.members)
+        values = [(f"cache_{name}_{i}", wrap(buffer[i, :n])) for name, buffer in
+                  (("keys", self.cache.k), ("values", self.cache.v)) for i in range(self.layers)]
         self.binding = self.session.io_binding()
-        for i in range(self.layers):
-            self.binding.bind_ortvalue_input(f"cache_keys_{i}", wrap(self.cache.k[i, :n]))
-            self.binding.bind_ortvalue_input(f"cache_values_{i}", wrap(self.cache.v[i, :n]))
+        self.tree_binding = self.tree_session.io_binding() if self.tree_session else None
+        for binding in filter(None, (self.binding, self.tree_binding)):
+            for name, value in values:
+                binding.bind_ortvalue_input(name, value)
 
     def check_room(self, ends) -> None:
         """Refuse a pass whose rows would write up to `ends` past the buffer."""
@@ -577,18 +584,21 @@ class BoundRows:
 
     groups: list[RowGroup]
     lengths: list[int]
+    tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
 
     def _join(self, new: BoundKVCache) -> None:
         row, bucket = len(self.lengths), capacity_bucket(new.capacity)
         at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
         if at is None:
-            self.groups.append(RowGroup(self.session, self.single, new.capacity, slots=4))
+            self.groups.append(RowGroup(self.session, self.single, new.capacity, slots=4,
+                                        tree_session=self.tree_session))
             at = -1
         elif not self.groups[at].fits(new.capacity):  # a larger buffer, twice the rows
             old = self.groups[at]
             self.groups[at] = RowGroup(self.session, self.single,
                                        max(old.cache.capacity, new.capacity),
-                                       slots=2 * old.cache.k.shape[1])
+                                       slots=2 * old.cache.k.shape[1],
+                                       tree_session=self.tree_session)
             for i, r in enumerate(old.members):
                 self.groups[at].put(r, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r])
         self.groups[at].put(row, new.k[:, 0], new.v[:, 0], new.length)
@@ -611,13 +621,25 @@ class BoundRows:
 
 class OnnxBatchTarget(BoundRows):
     """target-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_len
-    [g]. A sequence is prefilled alone (OnnxTarget.prefill), then joins."""
+    [g]. A sequence is prefilled alone (OnnxTarget.prefill), then joins. An EAGLE-3
+    engine's target-tree.onnx (`tree_session`) verifies every row's draft tree in one
+    pass per group over the same buffers (packs_trees: its graph takes a batch)."""
 
-    def __init__(self, session, context_limit: int):
+    def __init__(self, session, context_limit: int, tree_session=None):
         self.single = OnnxTarget(session, context_limit)
         self.session, self.context_limit = session, context_limit
+        self.tree_session = tree_session
         self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
+
+    @property
+    def packs_trees(self) -> bool:
+        """Whether verify_trees can run: a tree graph whose batch dimension is free (a
+        graph fixed to one sequence leaves the decoder verifying trees row by row)."""
+        if self.tree_session is None or not modes.BACKENDS["onnxruntime"].packed_trees:
+            return False
+        batch = next(i.shape[0] for i in self.tree_session.get_inputs() if i.name == "ids")
+        return not isinstance(batch, int) or batch > 1
 
     def add(self, ids: list[int], capacity: int):
         result = self.single.prefill(ids, capacity)
@@ -650,6 +672,35 @@ class OnnxBatchTarget(BoundRows):
             for r, n in zip(group.members, meta.committed().tolist()):
                 self.lengths[r] = n
         return torch.from_numpy(logits), torch.from_numpy(features)
+
+    def verify_trees(self, trees: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row's draft tree (runtime/tree.py: pack) in one target-tree.onnx pass per
+        group: each node sees its own row's committed keys and its ancestors, at that
+        row's length + depth; the nodes' keys land past each row's committed length as
+        scratch until keep_paths. (logits [n_i, vocab], features [n_i, F]) per row."""
+        out = [None] * len(trees)
+        for group in self.groups:
+            part = [trees[r] for r in group.members]
+            ids, mask, depths = pack(part)
+            meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
+            rows = meta.tree_rows(mask, depths)
+            group.check_room((meta.cached + torch.tensor([len(t) for t in part])).tolist())
+            feeds = {"ids": ids.numpy(), "positions": rows.positions.numpy(),
+                     "tree_mask": mask.numpy(), "past_len": meta.cached.numpy()}
+            logits, features, keys, values = run_bound(self.tree_session, group.tree_binding,
+                                                       feeds, OnnxTarget.STEP_OUTPUTS)
+            group.store(meta.cached.tolist(), keys, values, [len(t) for t in part])
+            for i, (r, tree) in enumerate(zip(group.members, part)):
+                out[r] = (torch.from_numpy(logits[i, :len(tree)]),
+                          torch.from_numpy(features[i, :len(tree)]))
+        return out
+
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """Commit each row's accepted path (node indices, root first) of its verified tree."""
+        for group in self.groups:
+            for i, r in enumerate(group.members):
+                keep_rows((group.cache.k[:, i], group.cache.v[:, i]), self.lengths[r], paths[r])
+                self.lengths[r] += len(paths[r])
 
     def rollback(self, lengths: list[int]) -> None:
         if any(not 0 <= n <= have for n, have in zip(lengths, self.lengths)):
@@ -902,7 +953,8 @@ class OnnxEngine:
                                                          self.mask_token_id, scaling, self.vocab)
 
     def batch_target(self) -> OnnxBatchTarget:
-        return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit)
+        return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit,
+                               self.sessions.get("target_tree"))
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph

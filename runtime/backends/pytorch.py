@@ -20,7 +20,7 @@ from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
 from runtime.models.target import ModelError, TargetModel
-from runtime.tree import DraftTree, TreeShape, grow_tree
+from runtime.tree import DraftTree, TreeShape, grow_tree, pack
 
 
 class TorchTarget:
@@ -191,7 +191,9 @@ def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int
 
 class TorchBatchTarget:
     """The target over a batch: per-sequence KVCaches (CacheGroups), each row at its own
-    length."""
+    length; verify and verify_trees run one pass per group."""
+
+    packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
 
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
         self.single = TorchTarget(model, feature_layers)
@@ -222,6 +224,28 @@ class TorchBatchTarget:
             if part_features is not None:
                 features = scatter_rows(features, part_features, members, len(rows), width)
         return logits, features
+
+    @torch.inference_mode()
+    def verify_trees(self, trees: list[DraftTree]):
+        """Every row's draft tree in one pass per group (runtime/tree.py: pack): each
+        node sees its own sequence's committed keys and its ancestors, at that
+        sequence's length + depth; the nodes' keys stay scratch until keep_paths.
+        Returns (logits [n_i, vocab], features [n_i, F] or None) per row."""
+        out = [None] * len(trees)
+        for _, cache, members in self.caches.groups:
+            ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
+            cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # as TorchTarget.verify_tree
+            logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
+            for i, r in enumerate(members):
+                n = len(trees[r])
+                out[r] = (logits[i, :n], None if features is None else features[i, :n])
+        return out
+
+    @torch.inference_mode()  # the caches were made under inference mode
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """Commit each row's accepted path (node indices, root first) of its verified tree."""
+        for _, cache, members in self.caches.groups:
+            cache.keep_each([paths[r] for r in members])
 
     def rollback(self, lengths: list[int]) -> None:
         self.caches.rollback(lengths)

@@ -1,8 +1,9 @@
 """Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter,
 BatchChainDrafter) made of single-sequence ones, one per row: how the decode loop runs a
-batch of one on any target, trees (each row under its own mask), and drafters with no
-batched form (a draft window, a swapped scaling, TensorRT, ONNX Runtime's EAGLE-3
-chains). Rows run one after another; their outputs are padded as the batched roles' are."""
+batch of one on any target, trees where the batch target cannot pack them, tree
+drafting, and drafters with no batched form (TensorRT, ONNX Runtime's EAGLE-3 chains,
+preset chains). Rows run one after another; their outputs are padded as the batched
+roles' are."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from runtime.step_metadata import padded_context
 class RowTargets:
     """A BatchTarget over one single-sequence Target per row, made by `make()` (for a
     batch of one, the caller's target: a generate costs one single-sequence call)."""
+
+    packs_trees = False  # one verify_tree call per row
 
     def __init__(self, make, context_limit: int):
         self.make, self.context_limit = make, context_limit

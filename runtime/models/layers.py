@@ -199,6 +199,37 @@ class KVCache:
         self.v[:, :, :, self.length:end] = self.v.index_select(3, index)
         self.length = end
 
+    def keep_each(self, paths: list[list[int]]) -> None:
+        """keep() for a batch of sequences (per-sequence `lengths`): sequence i commits
+        the scratch rows paths[i] (a tree packed with the others, each verified past its
+        own length). One gather and one scatter per tensor; a row past a shorter path
+        moves onto itself."""
+        if self.lengths is None:
+            raise ValueError("keep_each() compacts a batch of per-sequence caches; use keep()")
+        if len(paths) != self.k.shape[1]:
+            raise ValueError(f"one path per sequence: {len(paths)} paths for {self.k.shape[1]}")
+        width = max(len(p) for p in paths)
+        if not width:
+            return
+        for p in paths:
+            if len(set(p)) != len(p) or any(r < 0 for r in p):
+                raise ValueError(f"rows to keep must be distinct and >= 0, got {p}")
+        device = self.k.device
+        lengths = self.lengths.to(device)
+        dest = lengths[:, None] + torch.arange(width, device=device)  # [b, width]
+        rows = torch.tensor([p + list(range(len(p), width)) for p in paths], dtype=torch.long,
+                            device=device)
+        source = lengths[:, None] + rows  # distinct rows: its largest is >= dest's
+        if int(source.max()) >= self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens; a row to keep is past it")
+        shape = (self.k.shape[0], -1, self.k.shape[2], width, self.k.shape[4])
+        source = source[None, :, None, :, None].expand(shape)
+        dest = dest[None, :, None, :, None].expand(shape)
+        for buffer in (self.k, self.v):
+            buffer.scatter_(3, dest, buffer.gather(3, source))  # gathered before the write
+        self.lengths = self.lengths + torch.tensor([len(p) for p in paths], dtype=torch.long,
+                                                   device=self.lengths.device)
+
     # Continuous batching: a sequence joins as the last row and leaves from any row. Each
     # costs one copy of the cache; the steps between them write in place.
     def join(self, other: "KVCache") -> None:
