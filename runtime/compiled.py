@@ -621,6 +621,10 @@ class CompiledBatchTarget(TorchBatchTarget):
     group: every slot's row padded to the width bucket that holds the group's widest
     (CompiledTarget's buckets; wider runs the step eagerly)."""
 
+    # TorchBatchTarget packs trees over its own cache groups, not these slotted buffers:
+    # trees verify one CompiledTarget per row (runtime/decoders.py)
+    packs_trees = False
+
     def __init__(self, steps: EngineSteps):
         super().__init__(steps.model, steps.feature_layers)
         self.steps, self.step = steps, steps.target_step
