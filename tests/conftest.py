@@ -174,6 +174,9 @@ SLOW_IDS = {
 }
 
 
+# tryfirst: pytest-xdist's worker reads the xdist_group marks in its own
+# collection_modifyitems hook, which would otherwise run before this one
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_IDS:
