@@ -174,28 +174,59 @@ SLOW_IDS = {
 }
 
 
-# tryfirst: pytest-xdist's worker reads the xdist_group marks in its own
-# collection_modifyitems hook, which would otherwise run before this one
-@pytest.hookimpl(tryfirst=True)
+# make test's workers (pytest-xdist, --dist loadgroup): tests run in groups, one group
+# to a worker. A file's tests stay together, so its module fixtures (a served engine,
+# venvs) are made once. The files that read ONNX graphs exported this run (the
+# export_cache fixture) form two groups, one per set of graphs they share, so each graph
+# is exported once, not once per worker, and the two groups run side by side: the
+# n-gram and PARD engines' target graphs (no features), and the DFlash long pair's.
+# (xdist's own xdist_group marks do not work with this pytest: xdist renames a node's
+# `_nodeid`, which pytest 9 no longer reads.)
+EXPORT_GROUPS = {
+    "exports-chain": {"tests/test_ngram_engine.py", "tests/test_pard_engine.py"},
+    "exports-dflash": {"tests/test_batched_buckets.py", "tests/test_batched_engines.py",
+                       "tests/test_chunked_prefill.py", "tests/test_export.py",
+                       "tests/test_onnxruntime_backend.py", "tests/test_step_metadata.py",
+                       "tests/test_tensorrt_engine.py"},
+}
+
+
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return next((group for group, files in EXPORT_GROUPS.items() if path in files), path)
+
+
+def export_group_needed(item) -> str | None:
+    """The export group a test's fixtures put it in (None: it reads no exports)."""
+    names = set(getattr(item, "fixturenames", ()))
+    if "export_cache" not in names:
+        return None
+    return "exports-chain" if {"ngram_engine", "pard_onnx_engine"} & names else "exports-dflash"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    # hand groups out in collection order, the export groups first (below): they are the
+    # longest, and run beside the other files rather than after them
+    config.option.loadscopereorder = False
+    return Groups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_IDS:
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        needed = export_group_needed(item)
+        if needed is not None and group_of(item.nodeid) != needed:
+            raise pytest.UsageError(f"{item.nodeid} reads graphs exported this run: list its "
+                                    f"file under {needed} in tests/conftest.py EXPORT_GROUPS")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # the export groups are the longest units of work: handed out first, they run
-        # beside the other files rather than after them
-        items.sort(key=lambda item: not xdist_group(item).startswith("exports-"))
-
-
-def xdist_group(item) -> str:
-    """Which pytest-xdist worker group a test runs in (make test: --dist loadgroup). A
-    file's tests stay together, so its module fixtures (a served engine, venvs) are made
-    once. Tests that read ONNX graphs exported this run (the export_cache fixture) form
-    two groups, one per set of graphs they share: the n-gram and PARD engines' target
-    graphs (no features), and the DFlash long pair's. Each graph is then exported once,
-    not once per worker, and the two groups can run side by side."""
-    names = getattr(item, "fixturenames", ())
-    if "export_cache" not in names:
-        return item.nodeid.split("::")[0]
-    return "exports-chain" if {"ngram_engine", "pard_onnx_engine"} & set(names) else "exports-dflash"
+        items.sort(key=lambda item: not group_of(item.nodeid).startswith("exports-"))
