@@ -231,13 +231,20 @@ class Decoder:
         self._leave_finished()
         return seq
 
-    def step(self) -> list[Sequence]:
-        """One draft + verify step of every active sequence; returns those that finished."""
+    def step(self, aside: frozenset = frozenset()) -> list[Sequence]:
+        """One draft + verify step of every active sequence; returns those that finished.
+        `aside`: the DraftKinds whose drafts this step drops (the serving scheduler steps a
+        mode that stops paying under load aside for target-only or n-gram lookup): those
+        rows verify no drafts, a plain decode step, as if every draft were rejected --
+        lossless, and the proposer's state (a drafter's cache, its unread features) moves
+        on as after a rejection. Trees are never set aside."""
         batch = self.active
         if not batch:
             return []
         with self._timed(batch, "draft"):
             proposals = self.proposer.propose(batch)
+        if aside and not self.proposer.drafts_trees:
+            proposals = [Proposal() if p.kind in aside else p for p in proposals]
         with self._timed(batch, "verify"):
             if self.proposer.drafts_trees:
                 outcomes = self._verify_trees(batch, proposals)

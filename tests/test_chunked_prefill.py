@@ -32,11 +32,11 @@ def _events(engine, mode, scheduler_kwargs, jobs):
     single_type = type(engine.batch_decoder(mode).target.single)
     step, prefill, more = decoder_type.step, single_type.prefill, getattr(single_type, "prefill_more", None)
 
-    def logged_step(decoder):
+    def logged_step(decoder, *aside):
         if decoder.active:
             with lock:
                 log.append(("step", len(decoder.active)))
-        return step(decoder)
+        return step(decoder, *aside)
 
     inside = []  # an ONNX prefill runs its loop through prefill_more: log the outer call
 

@@ -80,3 +80,49 @@ def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_
     for job, outcome in zip(jobs, [alone] + burst):
         assert outcome.error is None
         assert outcome.gen.tokens == engine.generate(job.ids, 8, "sharpdraft").tokens  # lossless
+
+
+def test_requests_join_the_running_default_batch_and_it_steps_aside_under_load(engine_copy,
+                                                                               monkeypatch):
+    """A request naming no mode joins the default batch while it runs (one batch, not a
+    half batch per mode), and each of that batch's steps follows the load it runs at: at
+    three rows the recorded default is target-only, so those steps verify no drafts --
+    and every request still gets exactly the target's tokens."""
+    from runtime.decode import Decoder, DraftKind
+
+    _record(engine_copy, LOADED)
+    engine = Engine(engine_copy)
+    steps, real_step = [], Decoder.step
+
+    def recording(self, aside=frozenset()):
+        steps.append((len(self.active), aside))
+        return real_step(self, aside)
+
+    monkeypatch.setattr(Decoder, "step", recording)
+    scheduler = StepScheduler(engine, max_batch=4)
+    first, burst = Outcome(), [Outcome() for _ in range(3)]
+    ids = prompts([12, 30, 7, 20])
+    jobs = [first.job(ids[0], 40, mode=None)]
+    on_tokens = jobs[0].on_tokens
+
+    def join_while_running(new):  # the scheduler thread: the first request is running
+        on_tokens(new)
+        if len(first.streamed) == 2:
+            for outcome, p in zip(burst, ids[1:]):
+                jobs.append(outcome.job(p, 8, mode=None))
+                scheduler.submit(jobs[-1])
+
+    jobs[0].on_tokens = join_while_running
+    try:
+        scheduler.submit(jobs[0])
+        assert first.finished.wait(120) and all(o.finished.wait(120) for o in burst)
+    finally:
+        scheduler.close()
+    assert [j.mode for j in jobs] == ["hybrid"] * 4  # the running batch's, not target's
+    every = {DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT}
+    assert {a for rows, a in steps if rows >= 3} == {frozenset(every)}  # target at 3+ rows
+    assert {a for rows, a in steps if rows < 3} == {frozenset()}  # hybrid drafts alone
+    assert any(rows == 4 for rows, _ in steps)
+    for job, outcome in zip(jobs, [first] + burst):
+        assert outcome.error is None
+        assert outcome.gen.tokens == engine.generate(job.ids, job.max_new_tokens, "target").tokens

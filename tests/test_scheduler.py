@@ -49,9 +49,9 @@ def test_concurrent_jobs_share_steps_and_each_gets_its_own_generate(engine):
     seen = []
     step = type(engine.batch_decoder("sharpdraft")).step
 
-    def counting_step(decoder):
+    def counting_step(decoder, *aside):
         seen.append(len(decoder.active))
-        return step(decoder)
+        return step(decoder, *aside)
 
     jobs = [(ids, n, "sharpdraft" if i % 3 else "frozen", Sampling(0.7, 1.0, seed=i) if i == 4 else Sampling())
             for i, (ids, n) in enumerate(zip(prompts([5, 80, 20, 150, 9, 33]), [20, 8, 30, 12, 16, 1]))]
@@ -127,9 +127,9 @@ def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
     seen = []
     step = type(engine.batch_decoder("sharpdraft")).step
 
-    def counting_step(decoder):
+    def counting_step(decoder, *aside):
         seen.append(len(decoder.active))
-        return step(decoder)
+        return step(decoder, *aside)
 
     jobs = list(zip(prompts([7, 60, 25]), [12, 6, 9], ["sharpdraft", "sharpdraft", "frozen"]))
     outcomes = [Outcome() for _ in jobs]

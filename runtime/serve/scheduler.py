@@ -12,9 +12,15 @@ at most prefill_chunk tokens between two steps of the running rows (Decoder.join
 long prompt delays the others by a chunk per step instead of its whole prefill. With
 no row running there is nobody to delay, and joining prompts prefill whole.
 
-A job that names no mode runs the engine's default for the load it joins (running,
+A job that names no mode joins the default batch: the batch of the mode the last
+default job took, while it has rows (one batch serves the load; two half batches would
+each pay a whole step); else the engine's default for the load it joins (running,
 joining and waiting requests, itself included, up to max_batch: Engine.default_mode_at,
-the one rule in runtime/modes.py over the batch sizes the build measured).
+the one rule in runtime/modes.py over the batch sizes the build measured). Each step of
+the default batch follows the load it runs at: where the default at that batch size
+drafts with no drafter model (target-only, n-gram lookup), the step sets the drafter's
+drafts aside (Decoder.step's `aside`: a plain decode step for those rows, lossless), so a
+mode that stops paying under load steps aside within its running requests.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import dataclasses
 import threading
 from typing import Callable
 
-from runtime.decode import Request
+from runtime.decode import DraftKind, Request
+from runtime.modes import LOOKUP, Mode
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
 
@@ -67,6 +74,7 @@ class StepScheduler:
         self.joining: collections.deque[Joining] = collections.deque()
         self.waiting: collections.deque[Job] = collections.deque()
         self.decoders: dict[str, object] = {}  # mode -> its Decoder
+        self.default: str | None = None  # the mode of the default batch (jobs naming none)
         self.jobs: dict[int, Job] = {}  # id(Sequence) -> its job
         self.wake = threading.Condition()
         self.stopping = False
@@ -135,7 +143,8 @@ class StepScheduler:
     def _admit(self, job: Job, load: int = 1) -> None:
         try:
             if job.mode is None:
-                job.mode = self.engine.default_mode_at(load)
+                job.mode = self._default_batch() or self.engine.default_mode_at(load)
+                self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
                 job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
@@ -175,10 +184,29 @@ class StepScheduler:
             self.joining.popleft()
             self._finish(seq, head.job)
 
+    def _default_batch(self) -> str | None:
+        """The default batch's mode while it has rows (decoding or joining), else None."""
+        decoder = self.decoders.get(self.default)
+        if decoder is None:
+            return None
+        joining = any(j.decoder is decoder for j in self.joining)
+        return self.default if decoder.active or joining else None
+
+    def _aside(self, decoder) -> frozenset:
+        """The DraftKinds the default batch sets aside this step: at its size, a default
+        with no drafter model (target: every draft; ngram: the drafter's, lookups stay)."""
+        if decoder is not self.decoders.get(self.default):
+            return frozenset()
+        at = Mode(self.engine.default_mode_at(len(decoder.active)))
+        if at.uses_drafter_model:
+            return frozenset()
+        drafter = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED})
+        return drafter if at.drafter == LOOKUP else drafter | {DraftKind.ONE_HOT}
+
     def _step(self, decoder) -> None:
         batch = list(decoder.active)
         try:
-            decoder.step()
+            decoder.step(self._aside(decoder))
         except Exception as exc:  # the step itself failed: every sequence in it fails
             for seq in batch:
                 self.jobs.pop(id(seq)).on_error(exc)
