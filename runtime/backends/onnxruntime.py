@@ -347,7 +347,42 @@ class OnnxPARD:
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
 
 
-class OnnxBatchPARD:
+class HostRows:
+    """A batch drafter's cache: one HostKVCache row per sequence (`lengths`: each row's
+    committed length, fed as past_lens), joined from the single-sequence drafter
+    (`self.single`) that read the sequence's prompt, rebuilt when a row joins or leaves."""
+
+    cache: HostKVCache | None = None
+
+    def _join_single(self) -> None:
+        """Append the row `self.single` holds (a prompt it has just read)."""
+        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
+        held = self.cache.capacity if self.cache is not None else 0
+        self._rebuild(max(held, self.single.cache.capacity), rows)
+        self.lengths.append(self.single.cache.length)
+
+    def _rows(self):
+        if self.cache is None:
+            return []
+        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
+
+    def _rebuild(self, capacity: int, rows: list) -> None:
+        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
+        for i, (k, v) in enumerate(rows):
+            cache.k[:k.shape[0], :, i] = k
+            cache.v[:v.shape[0], :, i] = v
+        self.cache = cache
+
+    def remove(self, row: int) -> None:
+        rows = self._rows()
+        del rows[row], self.lengths[row]
+        if rows:
+            self._rebuild(self.cache.capacity, rows)
+        else:
+            self.cache = None
+
+
+class OnnxBatchPARD(HostRows):
     """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
@@ -368,22 +403,7 @@ class OnnxBatchPARD:
         self.single.reset(capacity + self.max_drafts + 1)  # + a padded row's real tokens
         if ids:
             self.single.read(ids)
-        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
-        held = self.cache.capacity if self.cache is not None else 0
-        self._rebuild(max(held, self.single.cache.capacity), rows)
-        self.lengths.append(self.single.cache.length)
-
-    def _rows(self):
-        if self.cache is None:
-            return []
-        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
-
-    def _rebuild(self, capacity: int, rows: list) -> None:
-        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
-        for i, (k, v) in enumerate(rows):
-            cache.k[:k.shape[0], :, i] = k
-            cache.v[:v.shape[0], :, i] = v
-        self.cache = cache
+        self._join_single()
 
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
         if not any(ks):
@@ -411,15 +431,6 @@ class OnnxBatchPARD:
         return [ChainDraft.propose(logits[r, len(row) - k - first:len(row) - first],
                                    visible[r, len(row) - k:len(row)], sampler) if k else None
                 for r, (row, k, sampler) in enumerate(zip(rows, ks, samplers))]
-
-    def remove(self, row: int) -> None:
-        rows = self._rows()
-        del rows[row], self.lengths[row]
-        if rows:
-            self._rebuild(self.cache.capacity, rows)
-        else:
-            self.cache = None
-
 
 class OnnxEagle3:
     """EAGLE-3 drafting over an engine's two drafter graphs (build/export.py): `step`
@@ -708,7 +719,7 @@ class OnnxBatchTarget(BoundRows):
         self.lengths = list(lengths)
 
 
-class OnnxBatchDFlash:
+class OnnxBatchDFlash(HostRows):
     """A drafter graph over a batch: one HostKVCache row per sequence, `lengths` per row
     fed as past_lens and each step's context lengths as context_lens."""
 
@@ -723,23 +734,8 @@ class OnnxBatchDFlash:
     def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.single.reset(capacity + self.block_size)
         self.single.draft(context, last)  # the block is scratch: only the context stays
-        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
-        held = self.cache.capacity if self.cache is not None else 0
-        self._rebuild(max(held, self.single.cache.capacity), rows)
-        self.lengths.append(self.single.cache.length)
+        self._join_single()
         return context[:0]
-
-    def _rows(self):
-        if self.cache is None:
-            return []
-        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
-
-    def _rebuild(self, capacity: int, rows: list) -> None:
-        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
-        for i, (k, v) in enumerate(rows):
-            cache.k[:k.shape[0], :, i] = k
-            cache.v[:v.shape[0], :, i] = v
-        self.cache = cache
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
         context, context_lens = padded_context(contexts)
@@ -756,11 +752,6 @@ class OnnxBatchDFlash:
             self.cache.v[start:start + c, :, i] = values[:c, :, i]
         self.lengths = meta.committed().tolist()
         return torch.from_numpy(logits), meta.block_keys(self.block_size)
-
-    def remove(self, row: int) -> None:
-        rows = self._rows()
-        del rows[row], self.lengths[row]
-        self._rebuild(self.cache.capacity, rows)
 
 
 def has_window(session) -> bool:
