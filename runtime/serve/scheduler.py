@@ -20,7 +20,8 @@ the one rule in runtime/modes.py over the batch sizes the build measured). Each 
 the default batch follows the load it runs at: where the default at that batch size
 drafts with no drafter model (target-only, n-gram lookup), the step sets the drafter's
 drafts aside (Decoder.step's `aside`: a plain decode step for those rows, lossless), so a
-mode that stops paying under load steps aside within its running requests.
+mode that stops paying under load steps aside within its running requests. A job that
+names the default batch's mode shares that batch, and so its steps aside.
 """
 
 from __future__ import annotations
