@@ -126,3 +126,27 @@ def run_counting_passes(decoder: Decoder, counts: list[int]) -> list[int]:
         decoder.step()
         per_step.append(counts[0] - before)
     return per_step
+
+
+def assert_batched_as_alone(together: list, alone: Generation, target, other: list[int],
+                            max_new_tokens: int) -> None:
+    """A sequence decoded beside `other` (a row at another length, joining a step later):
+    the same tokens, per-step N and beta as alone; `other` gets the target's tokens."""
+    assert together[0].gen.tokens == alone.tokens
+    assert together[0].gen.visible_per_step == alone.visible_per_step
+    assert together[0].gen.beta_per_step == alone.beta_per_step
+    assert together[1].gen.tokens == generate_target_only(target, other, max_new_tokens, Sampler()).tokens
+
+
+def assert_engine_rows_decode_as_alone(engine, prompts: list[list[int]], seqs: list,
+                                       new_tokens: int) -> None:
+    """Each batched row of an engine's SharpDraft decoder: its own generate's tokens (and
+    target-only's), N and beta per step; the rows' first betas differ, all above 1."""
+    for prompt, seq in zip(prompts, seqs):
+        alone = engine.generate(prompt, new_tokens, mode="sharpdraft", stop=False, adaptive=False)
+        assert seq.gen.tokens == alone.tokens == engine.generate(prompt, new_tokens, mode="target",
+                                                                 stop=False).tokens
+        assert seq.gen.visible_per_step == alone.visible_per_step
+        assert seq.gen.beta_per_step == alone.beta_per_step
+    first = [seq.gen.beta_per_step[0] for seq in seqs]
+    assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled

@@ -15,7 +15,8 @@ from plugins.scaling import QueryScaling
 from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget, TorchEagle3, TorchTarget
 from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
-from speculative import chain_batch_decoder, generate_chain, generate_target_only
+from speculative import (assert_batched_as_alone, chain_batch_decoder, generate_chain,
+                         generate_target_only)
 from runtime.step_costs import StepCosts
 
 from exact_law import chi_square_p, exact_first_tokens
@@ -58,10 +59,7 @@ def test_greedy_chain_speculation_equals_target_only(seed, vocab, k, prompt_len,
     other = [(seed + i) % vocab for i in range(prompt_len + 5)]
     together = batched(target, drafter, scaling, k, costs).run(
         [Request(prompt, max_new, stop_ids=stop_ids), Request(other, max_new)], join_at=[0, 1])
-    assert together[0].gen.tokens == want.tokens
-    assert together[0].gen.visible_per_step == got.visible_per_step
-    assert together[0].gen.beta_per_step == got.beta_per_step
-    assert together[1].gen.tokens == generate_target_only(t, other, max_new, Sampler()).tokens
+    assert_batched_as_alone(together, got, t, other, max_new)  # and so want's tokens
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():

@@ -89,14 +89,7 @@ def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
     assert passes[0] == engine.max_drafts == max(passes) == 3, passes
-    for prompt, seq in zip(prompts, seqs):
-        alone = engine.generate(prompt, 10, mode="sharpdraft", stop=False, adaptive=False)
-        assert seq.gen.tokens == alone.tokens == engine.generate(prompt, 10, mode="target",
-                                                                 stop=False).tokens
-        assert seq.gen.visible_per_step == alone.visible_per_step
-        assert seq.gen.beta_per_step == alone.beta_per_step
-    first = [seq.gen.beta_per_step[0] for seq in seqs]
-    assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled
+    speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10)
 
 
 def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engine, capsys):
