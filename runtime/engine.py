@@ -158,19 +158,25 @@ class Engine:
     def drafter(self, scaled: bool = True, window: int | None = None):
         """The drafter with the engine's query scaling, or unscaled (frozen); with a
         `window`, its block rows see only the last `window` context keys (DFlash)."""
+        self._check_drafter(window)
+        return self.loaded.drafter(self.scaling if scaled else None, window)
+
+    def _check_drafter(self, window: int | None) -> None:
         if not self.has_drafter_model:
             raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
         if window is not None and not modes.takes_window(self.style):
             raise EngineError(f"{self.dir}: a draft window is written for DFlash blocks only")
-        return self.loaded.drafter(self.scaling if scaled else None, window)
+
+    def _check_swap(self) -> None:
+        if not self.has_drafter_model:
+            raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
+        if not self.can.swap_scaling:
+            raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
+                              "in; try other values with the torch backend (--backend torch)")
 
     def drafter_for(self, mode: Mode):
         """The drafter a drafter mode runs: unscaled, windowed, or under its beta scaling."""
-        if mode.swaps_scaling:
-            return self.drafter_with_scaling(self.family_preset)
-        if mode.needs_window:
-            return self.drafter(scaled=False, window=self.draft_window)
-        return self.drafter(scaled=mode.scaled)
+        return self.loaded.drafter(*self.drafter_setting(mode))
 
     def batch_drafter_for(self, mode: Mode):
         """drafter_for's drafter for every row of a batch in one pass (the backend's
@@ -178,23 +184,25 @@ class Engine:
         table (modes.drafts_fused) has this mode draft one call per row."""
         if not modes.drafts_fused(mode, self.manifest.drafter, self.backend):
             return None
+        return self.loaded.batch_drafter(*self.drafter_setting(mode))
+
+    def drafter_setting(self, mode: Mode) -> tuple[QueryScaling | None, int | None]:
+        """The (scaling, draft window) a drafter mode's drafter runs under, alone or
+        batched: the family preset, the window unscaled, or the engine's scaling / none."""
         if mode.swaps_scaling:
-            if not self.can.swap_scaling:  # the table refuses it first; never the wrong graph
-                raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled in")
-            return self.loaded.batch_drafter(self.family_preset)
+            self._check_swap()
+            return self.family_preset, None
         if mode.needs_window:
-            return self.loaded.batch_drafter(None, self.draft_window)
-        return self.loaded.batch_drafter(self.scaling if mode.scaled else None)
+            self._check_drafter(self.draft_window)
+            return None, self.draft_window
+        self._check_drafter(None)
+        return (self.scaling if mode.scaled else None), None
 
     def drafter_with_scaling(self, scaling: QueryScaling | None):
         """The drafter under any other scaling (calibration, diagnostics): backends that
         swap scalings at run time only, since a compiled drafter graph has its scaling
         built in."""
-        if not self.has_drafter_model:
-            raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
-        if not self.can.swap_scaling:
-            raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
-                              "in; try other values with the torch backend (--backend torch)")
+        self._check_swap()
         return self.loaded.drafter(scaling)
 
     def roles(self) -> decoders.Roles:
