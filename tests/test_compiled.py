@@ -411,3 +411,97 @@ def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine,
     with torch._dynamo.config.patch(error_on_recompile=True):
         one_round(seed=2)
     assert (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made) == state
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alone(tiny_engine, backend,
+                                                                                 monkeypatch):
+    """The issue's Must-hold: seeded SharpDraft requests sample the same tokens, N and beta
+    per step through CompiledBatchTarget / CompiledBatchDFlash -- two sampled rows in one
+    group's slots beside a greedy row at another length, joining a step apart -- as
+    through the single-sequence compiled roles alone; and the draws are not greedy's."""
+    from runtime.decode import Request
+    from runtime.engine import Engine
+    from runtime.sampling import Sampling
+    from speculative import assert_batched_as_alone
+
+    made, keys = recorded_steps(monkeypatch)
+    engine = Engine(tiny_engine, steps=backend)
+    # 70 and 90 tokens share a capacity bucket (one group, a pass for both); 30 another
+    first, second, other = engine_prompts(engine, [70, 90, 30], seed=5)
+    sampled = [Sampling(1.0, 1.0, seed=1), Sampling(1.0, 1.0, seed=2)]
+    alone = [engine.generate(p, 24, "sharpdraft", s, stop=False, adaptive=False)
+             for p, s in zip((first, second), sampled)]
+    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    requests = [Request(first, 24, sampled[0]), Request(other, 24), Request(second, 24, sampled[1])]
+    together = decoder.run(requests, join_at=[0, 1, 2])
+    assert_batched_as_alone(together[:2], alone[0], engine.loaded.new_target(), other, 24)
+    assert_batched_as_alone([together[2], together[1]], alone[1], engine.loaded.new_target(), other, 24)
+    greedy = engine.generate(first, 24, "sharpdraft", stop=False, adaptive=False).tokens
+    assert alone[0].tokens != greedy
+    # the batched steps ran compiled, the sampled pair in one call two slots wide
+    shared = engine.loaded.shared
+    assert {(id(m), 2) for m in (shared.target_module, shared.draft_step(engine.scaling, None)[0])} <= {
+        (made_by, args[0][0][0]) for made_by, args in keys}
+
+
+def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens(tiny_engine,
+                                                                                monkeypatch):
+    """Chunked prefill (Decoder.join) through CompiledBatchTarget: a 100-token prompt joins
+    a running row a chunk at a time, the row stepping between chunks, and both decode the
+    tokens of a whole join and of the eager engine, target-only and SharpDraft. The chunks
+    run eagerly on the role's single-sequence target (a prompt's prefill: no graph), so a
+    second round at another chunk length and other prompts in the same buckets makes no
+    step, dynamo graph, CUDA-graph key or KV buffer."""
+    from torch._dynamo.utils import counters
+
+    from runtime.backends.pytorch import TorchTarget
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    chunks = []
+    more = TorchTarget.prefill_more
+    monkeypatch.setattr(TorchTarget, "prefill_more",
+                        lambda self, ids: chunks.append(len(ids)) or more(self, ids))
+
+    def run(mode, running, joining, chunk):
+        decoder = engine.batch_decoder(mode, adaptive=False)
+        first = decoder.add(Request(running, 40))
+        decoder.step()
+        joins, stepped = decoder.join(Request(joining, 10), chunk), 0
+        while True:
+            try:
+                next(joins)
+            except StopIteration as joined:
+                second = joined.value
+                break
+            assert not first.done
+            decoder.step()  # the running row steps between two chunks
+            stepped += 1
+        while decoder.active:
+            decoder.step()
+        return [first.gen.tokens, second.gen.tokens], stepped
+
+    def one_round(seed, chunk):
+        running, joining = engine_prompts(engine, [40, 100], seed)
+        want = [eager.generate(running, 40, "target", stop=False).tokens,
+                eager.generate(joining, 10, "target", stop=False).tokens]
+        for mode in ("target", "sharpdraft"):
+            chunks.clear()
+            chunked, stepped = run(mode, running, joining, chunk)
+            # the first chunk is prefill's, the rest prefill_more's; a step after each
+            assert chunks == [min(chunk, 100 - b) for b in range(chunk, 100, chunk)]
+            assert stepped == -(-100 // chunk)
+            whole, stepped = run(mode, running, joining, None)
+            assert chunked == whole == want and stepped == 0, mode
+
+    one_round(seed=1, chunk=32)
+    shared = engine.loaded.shared
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"],
+             shared.target_buffers.made, shared.draft_buffers.made)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2, chunk=24)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"],
+            shared.target_buffers.made, shared.draft_buffers.made) == state
