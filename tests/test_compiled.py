@@ -191,6 +191,7 @@ def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_draft
     assert [(r["mode"], r["context"]) for r in rows] == [(m, 72) for m in section.MODES]
     assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
     assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
+    assert all(r["tokens_equal_target"] for r in rows if r["mode"] != "target")  # and checked
     peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
     assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
     assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
@@ -207,6 +208,45 @@ def test_gpu_e2e_rows_run_on_one_engines_compiled_steps(tiny_target, tiny_drafte
     compiled, eager = run("eager"), run(None)
     assert not [r["mode"] for r in compiled if "fallback" in r]
     assert [(r["mode"], r["mal"]) for r in compiled] == [(r["mode"], r["mal"]) for r in eager]
+
+
+def test_gpu_e2e_keeps_measuring_after_a_part_fails_and_fails_the_section(tmp_path, monkeypatch):
+    """A part that raises (a capture refused on the real target, say) is a one-line note;
+    transformers' rows and (b)'s step costs are still measured and written, and the
+    section is failed for scripts/gpu_check.py (its `passed`)."""
+    import json
+
+    section = gpu_e2e()
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    peer = {"mode": "transformers generate (static cache)", "context": 4096, "tok_s": 9.5, "mal": 1.0}
+    cost = {"mode": "target decode (1 token), cudagraph", "context": 4096, "host_ms": 0.2, "gpu_ms": 3.0}
+    monkeypatch.setattr(section, "find_target", lambda target: (tmp_path, None))
+    monkeypatch.setattr(section, "our_rows", refused)
+    monkeypatch.setattr(section, "transformers_rows", lambda *args: [peer])
+    monkeypatch.setattr(section, "step_cost_rows", lambda *args: [cost])
+    report = section.run(tmp_path, device="cpu")
+    assert report["notes"] == {"real_target": "failed: RuntimeError: operation not permitted when "
+                                              "stream is capturing"}
+    assert report["rows"] == [peer, cost]
+    assert report["status"] == "failed" and report["passed"] is False
+    assert json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"] == [peer, cost]
+
+
+def test_gpu_e2e_passes_only_when_the_runtimes_rows_decode_target_onlys_tokens():
+    verdict = gpu_e2e().verdict
+    ours = [{"mode": "target", "context": 4096, "tok_s": 50.0},
+            {"mode": "sharpdraft", "context": 4096, "tok_s": 90.0, "tokens_equal_target": True}]
+    peer_error = {"mode": "transformers prompt lookup", "context": 4096, "error": "refused"}
+    assert verdict(ours + [peer_error], {})["passed"] is True  # a peer may refuse, saying why
+    differ = [ours[0], ours[1] | {"tokens_equal_target": False}]
+    fallback = [ours[0], ours[1] | {"fallback": "cudagraph steps failed: x"}]
+    for rows in (differ, fallback, [peer_error], []):
+        assert verdict(rows, {}) == {"status": "failed", "passed": False}
+    assert verdict(ours, {"transformers": "failed: ImportError: x"})["passed"] is False
+    assert verdict(ours, {"real_target": "not run: no shards"})["passed"] is True
 
 
 def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
