@@ -451,7 +451,10 @@ def run(out_dir, target=None, steps: str = "cudagraph", new_tokens: int = NEW_TO
         save()
 
     clock = Clock(budget_s)
-    target_dir, why = find_target(target)
+    try:  # the default GGUF's conversion can fail where its package is missing: (b) still runs
+        target_dir, why = find_target(target)
+    except Exception as exc:
+        target_dir, why = None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
     if target_dir is None:
         notes["real_target"] = f"not run: {why}"
     else:

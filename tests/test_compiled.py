@@ -233,6 +233,11 @@ def test_gpu_e2e_keeps_measuring_after_a_part_fails_and_fails_the_section(tmp_pa
     assert report["rows"] == [peer, cost]
     assert report["status"] == "failed" and report["passed"] is False
     assert json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"] == [peer, cost]
+    # no real target to be found (the GGUF's package missing, say): (b) alone, and it passes
+    monkeypatch.setattr(section, "find_target", refused)
+    report = section.run(tmp_path, device="cpu")
+    assert report["notes"]["real_target"].startswith("not run: RuntimeError: operation not permitted")
+    assert report["rows"] == [cost] and report["passed"] is True
 
 
 def test_gpu_e2e_passes_only_when_the_runtimes_rows_decode_target_onlys_tokens():
