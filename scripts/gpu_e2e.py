@@ -25,7 +25,9 @@ context, tok_s, mal; transformers' rows name it in their mode), rewritten after 
 so a run stopped at its limit keeps what it measured. tok_s is decode speed on both sides:
 the N - 1 tokens after the prefill's first over the time after it. Each drafting mode's row
 says whether its greedy tokens equal target-only's at that context (tokens_equal_target:
-lossless on the device). The section passes when something was measured and none of the
+lossless on the device); `goals` holds the issue's GPU goals as ratios of the rows
+(target-only / transformers' static cache, SharpDraft + n-gram / target-only, host / GPU
+time of a graph-replayed decode step). The section passes when something was measured and none of the
 runtime's rows failed, fell back to eager steps or differed from target-only; a part that
 raises is a note, and the next part runs. Without CUDA: one line `error: ...`, exit 1.
 """
@@ -467,9 +469,35 @@ def run(out_dir, target=None, steps: str = "cudagraph", new_tokens: int = NEW_TO
             target_dir, device, torch.bfloat16, CONTEXTS_A, new_tokens,
             Clock(clock.left() - RESERVE["step_costs"] * budget_s)))
     part("qwen3_8b_shaped", lambda: step_cost_rows(device, torch.bfloat16, CONTEXTS_B, clock))
+    report["goals"] = goals(report["rows"])
     report |= verdict(report["rows"], notes)
     save()
     return report
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's GPU goals as ratios of this run's rows, where both rows were measured:
+    target-only over transformers' static-cache generate (goal >= 1.0) and SharpDraft +
+    n-gram over target-only (goal > 1.0 at 8K), per context; host over GPU time of a
+    1-token step under CUDA graphs (goal <= 0.1), per context of (b)."""
+    def tok_s(mode, context):
+        return next((r["tok_s"] for r in rows if r["mode"] == mode and r["context"] == context
+                     and r.get("tok_s") and "fallback" not in r), None)
+
+    out = {}
+    for context in sorted({r["context"] for r in rows if "context" in r}):
+        target = tok_s("target", context)
+        peer = tok_s("transformers generate (static cache)", context)
+        hybrid = tok_s("hybrid", context)
+        if target and peer:
+            out[f"target_vs_transformers_static_{context}"] = round(target / peer, 3)
+        if target and hybrid:
+            out[f"hybrid_vs_target_{context}"] = round(hybrid / target, 3)
+        share = next((r["host_share"] for r in rows if r["context"] == context
+                      and r["mode"] == "target decode (1 token), cudagraph" and "host_share" in r), None)
+        if share is not None:
+            out[f"host_share_decode_cudagraph_{context}"] = share
+    return out
 
 
 def verdict(rows: list[dict], notes: dict) -> dict:

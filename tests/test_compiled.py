@@ -240,6 +240,19 @@ def test_gpu_e2e_keeps_measuring_after_a_part_fails_and_fails_the_section(tmp_pa
     assert report["rows"] == [cost] and report["passed"] is True
 
 
+def test_gpu_e2e_goals_are_ratios_of_measured_rows():
+    rows = [{"mode": "target", "context": 8192, "tok_s": 400.0, "mal": 1.0},
+            {"mode": "hybrid", "context": 8192, "tok_s": 1000.0, "mal": 3.2},
+            {"mode": "transformers generate (static cache)", "context": 8192, "tok_s": 320.0},
+            {"mode": "target", "context": 4096, "tok_s": 420.0, "fallback": "cudagraph steps failed"},
+            {"mode": "transformers generate (static cache)", "context": 4096, "tok_s": 330.0},
+            {"mode": "target decode (1 token), cudagraph", "context": 32768, "host_ms": 0.5,
+             "gpu_ms": 10.0, "host_share": 0.05}]
+    assert gpu_e2e().goals(rows) == {"target_vs_transformers_static_8192": 1.25,
+                                     "hybrid_vs_target_8192": 2.5,
+                                     "host_share_decode_cudagraph_32768": 0.05}
+
+
 def test_gpu_e2e_passes_only_when_the_runtimes_rows_decode_target_onlys_tokens():
     verdict = gpu_e2e().verdict
     ours = [{"mode": "target", "context": 4096, "tok_s": 50.0},
