@@ -619,7 +619,11 @@ class SlotGroups:
 class CompiledBatchTarget(TorchBatchTarget):
     """TorchBatchTarget whose verify runs the engine's compiled target step, one call per
     group: every slot's row padded to the width bucket that holds the group's widest
-    (CompiledTarget's buckets; wider runs the step eagerly)."""
+    (CompiledTarget's buckets; wider runs the step eagerly). A joining prompt prefills as
+    TorchBatchTarget's does, whole (add) or in chunks between the batch's steps (single's
+    prefill / prefill_more, then join_prefilled: Decoder.join), eagerly on `single` -- a
+    prefill is compute-bound, and a graph per chunk length would compile one per prompt
+    -- then copies into its slot; no step shape depends on how it was chunked."""
 
     # TorchBatchTarget packs trees over its own cache groups, not these slotted buffers:
     # trees verify one CompiledTarget per row (runtime/decoders.py)

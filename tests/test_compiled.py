@@ -191,6 +191,7 @@ def test_gpu_e2e_rows_run_every_mode_beside_transformers(tiny_target, tiny_draft
     assert [(r["mode"], r["context"]) for r in rows] == [(m, 72) for m in section.MODES]
     assert all(r["tok_s"] > 0 and r["mal"] >= 1 and r["new_tokens"] == 8 for r in rows)
     assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
+    assert all(r["tokens_equal_target"] for r in rows if r["mode"] != "target")  # and checked
     peers = section.transformers_rows(tiny_target, cpu, torch.float32, (72,), 8, clock)
     assert len(peers) == 2 and all("transformers" in r["mode"] for r in peers)
     assert all(r.get("tok_s", 0) > 0 or "error" in r for r in peers)
@@ -207,6 +208,63 @@ def test_gpu_e2e_rows_run_on_one_engines_compiled_steps(tiny_target, tiny_drafte
     compiled, eager = run("eager"), run(None)
     assert not [r["mode"] for r in compiled if "fallback" in r]
     assert [(r["mode"], r["mal"]) for r in compiled] == [(r["mode"], r["mal"]) for r in eager]
+
+
+def test_gpu_e2e_keeps_measuring_after_a_part_fails_and_fails_the_section(tmp_path, monkeypatch):
+    """A part that raises (a capture refused on the real target, say) is a one-line note;
+    transformers' rows and (b)'s step costs are still measured and written, and the
+    section is failed for scripts/gpu_check.py (its `passed`)."""
+    import json
+
+    section = gpu_e2e()
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    peer = {"mode": "transformers generate (static cache)", "context": 4096, "tok_s": 9.5, "mal": 1.0}
+    cost = {"mode": "target decode (1 token), cudagraph", "context": 4096, "host_ms": 0.2, "gpu_ms": 3.0}
+    monkeypatch.setattr(section, "find_target", lambda target: (tmp_path, None))
+    monkeypatch.setattr(section, "our_rows", refused)
+    monkeypatch.setattr(section, "transformers_rows", lambda *args: [peer])
+    monkeypatch.setattr(section, "step_cost_rows", lambda *args: [cost])
+    report = section.run(tmp_path, device="cpu")
+    assert report["notes"] == {"real_target": "failed: RuntimeError: operation not permitted when "
+                                              "stream is capturing"}
+    assert report["rows"] == [peer, cost]
+    assert report["status"] == "failed" and report["passed"] is False
+    assert json.loads((tmp_path / "gpu_e2e.json").read_text())["rows"] == [peer, cost]
+    # no real target to be found (the GGUF's package missing, say): (b) alone, and it passes
+    monkeypatch.setattr(section, "find_target", refused)
+    report = section.run(tmp_path, device="cpu")
+    assert report["notes"]["real_target"].startswith("not run: RuntimeError: operation not permitted")
+    assert report["rows"] == [cost] and report["passed"] is True
+
+
+def test_gpu_e2e_goals_are_ratios_of_measured_rows():
+    rows = [{"mode": "target", "context": 8192, "tok_s": 400.0, "mal": 1.0},
+            {"mode": "hybrid", "context": 8192, "tok_s": 1000.0, "mal": 3.2},
+            {"mode": "transformers generate (static cache)", "context": 8192, "tok_s": 320.0},
+            {"mode": "target", "context": 4096, "tok_s": 420.0, "fallback": "cudagraph steps failed"},
+            {"mode": "transformers generate (static cache)", "context": 4096, "tok_s": 330.0},
+            {"mode": "target decode (1 token), cudagraph", "context": 32768, "host_ms": 0.5,
+             "gpu_ms": 10.0, "host_share": 0.05}]
+    assert gpu_e2e().goals(rows) == {"target_vs_transformers_static_8192": 1.25,
+                                     "hybrid_vs_target_8192": 2.5,
+                                     "host_share_decode_cudagraph_32768": 0.05}
+
+
+def test_gpu_e2e_passes_only_when_the_runtimes_rows_decode_target_onlys_tokens():
+    verdict = gpu_e2e().verdict
+    ours = [{"mode": "target", "context": 4096, "tok_s": 50.0},
+            {"mode": "sharpdraft", "context": 4096, "tok_s": 90.0, "tokens_equal_target": True}]
+    peer_error = {"mode": "transformers prompt lookup", "context": 4096, "error": "refused"}
+    assert verdict(ours + [peer_error], {})["passed"] is True  # a peer may refuse, saying why
+    differ = [ours[0], ours[1] | {"tokens_equal_target": False}]
+    fallback = [ours[0], ours[1] | {"fallback": "cudagraph steps failed: x"}]
+    for rows in (differ, fallback, [peer_error], []):
+        assert verdict(rows, {}) == {"status": "failed", "passed": False}
+    assert verdict(ours, {"transformers": "failed: ImportError: x"})["passed"] is False
+    assert verdict(ours, {"real_target": "not run: no shards"})["passed"] is True
 
 
 def test_gpu_e2e_qwen3_8b_shape_is_qwen3_8b():
@@ -411,3 +469,97 @@ def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine,
     with torch._dynamo.config.patch(error_on_recompile=True):
         one_round(seed=2)
     assert (len(made), len(keys), counters["stats"]["unique_graphs"], shared.chain_buffers.made) == state
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alone(tiny_engine, backend,
+                                                                                 monkeypatch):
+    """The issue's Must-hold: seeded SharpDraft requests sample the same tokens, N and beta
+    per step through CompiledBatchTarget / CompiledBatchDFlash -- two sampled rows in one
+    group's slots beside a greedy row at another length, joining a step apart -- as
+    through the single-sequence compiled roles alone; and the draws are not greedy's."""
+    from runtime.decode import Request
+    from runtime.engine import Engine
+    from runtime.sampling import Sampling
+    from speculative import assert_batched_as_alone
+
+    made, keys = recorded_steps(monkeypatch)
+    engine = Engine(tiny_engine, steps=backend)
+    # 70 and 90 tokens share a capacity bucket (one group, a pass for both); 30 another
+    first, second, other = engine_prompts(engine, [70, 90, 30], seed=5)
+    sampled = [Sampling(1.0, 1.0, seed=1), Sampling(1.0, 1.0, seed=2)]
+    alone = [engine.generate(p, 24, "sharpdraft", s, stop=False, adaptive=False)
+             for p, s in zip((first, second), sampled)]
+    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    requests = [Request(first, 24, sampled[0]), Request(other, 24), Request(second, 24, sampled[1])]
+    together = decoder.run(requests, join_at=[0, 1, 2])
+    assert_batched_as_alone(together[:2], alone[0], engine.loaded.new_target(), other, 24)
+    assert_batched_as_alone([together[2], together[1]], alone[1], engine.loaded.new_target(), other, 24)
+    greedy = engine.generate(first, 24, "sharpdraft", stop=False, adaptive=False).tokens
+    assert alone[0].tokens != greedy
+    # the batched steps ran compiled, the sampled pair in one call two slots wide
+    shared = engine.loaded.shared
+    assert {(id(m), 2) for m in (shared.target_module, shared.draft_step(engine.scaling, None)[0])} <= {
+        (made_by, args[0][0][0]) for made_by, args in keys}
+
+
+def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens(tiny_engine,
+                                                                                monkeypatch):
+    """Chunked prefill (Decoder.join) through CompiledBatchTarget: a 100-token prompt joins
+    a running row a chunk at a time, the row stepping between chunks, and both decode the
+    tokens of a whole join and of the eager engine, target-only and SharpDraft. The chunks
+    run eagerly on the role's single-sequence target (a prompt's prefill: no graph), so a
+    second round at another chunk length and other prompts in the same buckets makes no
+    step, dynamo graph, CUDA-graph key or KV buffer."""
+    from torch._dynamo.utils import counters
+
+    from runtime.backends.pytorch import TorchTarget
+    from runtime.decode import Request
+    from runtime.engine import Engine
+
+    made, keys = recorded_steps(monkeypatch)
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    chunks = []
+    more = TorchTarget.prefill_more
+    monkeypatch.setattr(TorchTarget, "prefill_more",
+                        lambda self, ids: chunks.append(len(ids)) or more(self, ids))
+
+    def run(mode, running, joining, chunk):
+        decoder = engine.batch_decoder(mode, adaptive=False)
+        first = decoder.add(Request(running, 40))
+        decoder.step()
+        joins, stepped = decoder.join(Request(joining, 10), chunk), 0
+        while True:
+            try:
+                next(joins)
+            except StopIteration as joined:
+                second = joined.value
+                break
+            assert not first.done
+            decoder.step()  # the running row steps between two chunks
+            stepped += 1
+        while decoder.active:
+            decoder.step()
+        return [first.gen.tokens, second.gen.tokens], stepped
+
+    def one_round(seed, chunk):
+        running, joining = engine_prompts(engine, [40, 100], seed)
+        want = [eager.generate(running, 40, "target", stop=False).tokens,
+                eager.generate(joining, 10, "target", stop=False).tokens]
+        for mode in ("target", "sharpdraft"):
+            chunks.clear()
+            chunked, stepped = run(mode, running, joining, chunk)
+            # the first chunk is prefill's, the rest prefill_more's; a step after each
+            assert chunks == [min(chunk, 100 - b) for b in range(chunk, 100, chunk)]
+            assert stepped == -(-100 // chunk)
+            whole, stepped = run(mode, running, joining, None)
+            assert chunked == whole == want and stepped == 0, mode
+
+    one_round(seed=1, chunk=32)
+    shared = engine.loaded.shared
+    state = (len(made), len(keys), counters["stats"]["unique_graphs"],
+             shared.target_buffers.made, shared.draft_buffers.made)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_round(seed=2, chunk=24)
+    assert (len(made), len(keys), counters["stats"]["unique_graphs"],
+            shared.target_buffers.made, shared.draft_buffers.made) == state

@@ -388,9 +388,30 @@ def _figure(value) -> str:
     return str(value)
 
 
+def measurement_rows(data: dict) -> list[str]:
+    """A section's `rows` (scripts/gpu_e2e.py: one per mode and context, transformers'
+    peers named in their mode, step costs with host and GPU time) as a table; a row that
+    was skipped, failed or fell back says so."""
+    rows = [r for r in data.get("rows") or [] if isinstance(r, dict) and "mode" in r]
+    if not rows:
+        return []
+
+    def note(r: dict) -> str:
+        said = [f"{k}: {r[k]}" for k in ("skipped", "error", "fallback") if r.get(k)]
+        if "tokens_equal_target" in r:
+            said.append("tokens = target-only's" if r["tokens_equal_target"] else "tokens DIFFER from target-only's")
+        return "; ".join(said)
+
+    cell = lambda r, k: "" if r.get(k) is None else r[k]  # noqa: E731
+    return table(["mode", "context", "tok/s", "MAL", "host ms", "GPU ms", "note"],
+                 [[r["mode"], cell(r, "context"), cell(r, "tok_s"), cell(r, "mal"), cell(r, "host_ms"),
+                   cell(r, "gpu_ms"), note(r)] for r in rows]) + [""]
+
+
 def gpu_section(folder: Path) -> list[str]:
     """results/gpu/*.json from scripts/gpu_check.py (one file per section, plus the kernel
-    bench's): device, date, command, then each flat figure the file holds."""
+    bench's): device, date, command, each flat figure the file holds, then its
+    measurement rows as a table."""
     gpu = folder / "gpu"
     lines = []
     for path in sorted(gpu.glob("*.json")) if gpu.is_dir() else []:
@@ -404,6 +425,7 @@ def gpu_section(folder: Path) -> list[str]:
         lines += [f"### `results/{name}`", "", f"- device: {data.get('device') or NOT_RECORDED}",
                   *provenance_lines(data, name, folder)[1:2], *provenance_lines(data, name, folder)[3:], "",
                   *(f"- {k}: {_figure(flat[k])}" for k in keys), "",
+                  *measurement_rows(data),
                   *plot_line(folder, f"gpu/{path.stem}", path.stem)]
     if not lines:
         return []
