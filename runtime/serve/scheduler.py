@@ -7,10 +7,11 @@ jobs and sends what the callbacks hand it. Pure Python, so it is tested without 
 Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
 batch (tensorrt) requests run one at a time on the same thread.
 
-Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt's target prefill runs
-at most prefill_chunk tokens between two steps of the running rows (Decoder.join), so a
-long prompt delays the others by a chunk per step instead of its whole prefill. With
-no row running there is nobody to delay, and joining prompts prefill whole.
+Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt prefills at most
+prefill_chunk tokens between two steps of the running rows (Decoder.join: the target's
+chunk, then the block drafter's read of its features), so a long prompt delays the
+others by a chunk per step instead of its whole prefill. With no row running there is
+nobody to delay, and joining prompts prefill whole.
 
 A job that names no mode joins the default batch: the batch of the mode the last
 default job took, while it has rows (one batch serves the load; two half batches would
@@ -159,8 +160,9 @@ class StepScheduler:
         self.joining.append(Joining(job, decoder, steps, len(job.ids)))
 
     def _prefill(self) -> None:
-        """Prefill joining prompts: at most prefill_chunk target tokens while rows are
-        running (a join's last part, the drafter's prefill and the first token, is not
+        """Prefill joining prompts: at most prefill_chunk tokens while rows are running
+        (a join's last part, the rows joining and the first token -- and the prompt's
+        whole prefill of a drafter that reads it in one piece, PARD and EAGLE-3 -- is not
         counted), everything when none is (or chunking is off)."""
         budget = self.prefill_chunk if self.prefill_chunk and self.running else None
         while self.joining:
