@@ -41,13 +41,20 @@ def engine(request):
 
 def _events(engine, mode, scheduler_kwargs, jobs):
     """Run `jobs` [(ids, n, mode, sampling, delay_steps)] through a scheduler; returns the
-    outcomes and the log of ("step", rows), ("prefill", tokens) (the target's) and
+    outcomes and the log of ("step", rows), ("prefill", tokens) (the target's),
     ("draft", feature rows) (the block drafter's prefill: its single-sequence drafter's
-    calls, which a fused batch drafter makes for nothing else) events in order."""
+    calls, which a fused batch drafter makes for nothing else) and ("join", 0) (a chunked
+    join's last part: the target's join_prefilled) events in order."""
     log, lock = [], threading.Lock()
     decoder = engine.batch_decoder(mode)
     decoder_type, single_type = type(decoder), type(decoder.target.single)
     step, prefill, more = decoder_type.step, single_type.prefill, getattr(single_type, "prefill_more", None)
+    target_type = type(decoder.target)
+    join_prefilled = target_type.join_prefilled
+
+    def logged_join(self):
+        log.append(("join", 0))
+        return join_prefilled(self)
     drafter = getattr(getattr(decoder.proposer, "drafter", None), "single", None)
     drafter_type = type(drafter) if drafter is not None else None
     draft = drafter_type.draft if drafter is not None else None
@@ -87,6 +94,7 @@ def _events(engine, mode, scheduler_kwargs, jobs):
                 m.setattr(single_type, "prefill_more", logged_more)
             if drafter_type is not None:
                 m.setattr(drafter_type, "draft", logged_draft)
+            m.setattr(target_type, "join_prefilled", logged_join)
             for outcome, (ids, n, job_mode, sampling, after_steps) in zip(outcomes, jobs):
                 waited = 0
                 while sum(e[0] == "step" for e in log) < after_steps:
@@ -100,7 +108,7 @@ def _events(engine, mode, scheduler_kwargs, jobs):
     return outcomes, log
 
 
-@pytest.mark.parametrize("mode", ["sharpdraft", "target"])
+@pytest.mark.parametrize("mode", ["sharpdraft", "hybrid", "target"])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill_and_of_generate(engine, mode):
     short, long_ = prompts([9, 300])
     jobs = [(short, 40, mode, Sampling(), 0),
@@ -120,7 +128,8 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_steps(engine):
     two of its steps, the target's or the drafter's (the old scheduler prefilled it whole:
     300 tokens at once; then the target chunked and the drafter read all 300 feature
     rows in the join's last part): the drafter reads each chunk's features right after
-    the target's chunk, in the same turn between steps."""
+    the target's chunk, in the same turn between steps, and the join's last part has a
+    turn of its own (it ran right after the last chunk)."""
     short, long_ = prompts([9, 300])
     outcomes, log = _events(engine, "sharpdraft", {"max_batch": 4, "prefill_chunk": CHUNK},
                             [(short, 60, "sharpdraft", Sampling(), 0),
@@ -137,9 +146,11 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_steps(engine):
     for at, (kind, n) in enumerate(joining):
         if kind == "prefill":
             assert joining[at + 1] == ("draft", n), joining
-    # between two steps of the running row, at most one chunk of the joining prompt
+    # between two steps of the running row, at most one chunk of the joining prompt, or
+    # the join's last part alone
+    assert joining[-2:] == [("step", 1), ("join", 0)], joining
     since_step = {"prefill": 0, "draft": 0}
-    for kind, value in joining:
+    for kind, value in joining[:-1]:
         if kind == "step":
             since_step = dict.fromkeys(since_step, 0)
         else:
