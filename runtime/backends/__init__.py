@@ -231,10 +231,11 @@ class BlockPrefill:
     the batch (`_join_row`). In parts, like the target's prefill / prefill_more /
     join_prefilled, so that a prompt prefilling in chunks (Decoder.join) has the drafter
     read each chunk's features right after the target's chunk, and the join's last part
-    holds no drafter pass over the whole prompt. DFlash's context keys are a function of
-    each token's own features and position, each part's land at the committed length,
-    and the block drafted after each part is scratch (its bonus: the prompt's last
-    token): the parts leave the cache one piece leaves. add() is all three at once."""
+    holds no drafter pass over the whole prompt. A DFlash context key depends only on its
+    token's features and position, each part's keys land at the committed length, and
+    the block drafted after each part is scratch (its bonus: the prompt's last token), so
+    the parts leave the cache one piece leaves (to rounding: a part's projections are
+    matmuls of another shape). add() is all three at once."""
 
     room = 0  # cache room the single drafter needs past a sequence's capacity
 

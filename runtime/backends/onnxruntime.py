@@ -816,10 +816,10 @@ class BoundDFlash:
 class BoundBatchDFlash(BlockPrefill, BoundRows):
     """drafter-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_lens
     and its rows' context lengths as context_lens. A sequence reads its prompt's
-    features alone (BoundDFlash, whole or in parts: BlockPrefill), then joins. With a `window` (a graph that takes one:
-    has_window), the graph gives each row the last `window` of its own context keys from
-    its own past_lens + context_lens (StepMetadata.block_window), so the window modes
-    draft in one pass too."""
+    features alone (BoundDFlash, whole or in parts: BlockPrefill), then joins. With a
+    `window` (a graph that takes one: has_window), the graph gives each row the last
+    `window` of its own context keys from its own past_lens + context_lens
+    (StepMetadata.block_window), so the window modes draft in one pass too."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
