@@ -197,7 +197,9 @@ class Decoder:
         between them while a long prompt joins (chunked prefill); the last part (the rows
         join, the first token) is what must happen once. Returns the Sequence. Without
         `chunk`, or on a target that cannot continue a prefill (one without
-        join_prefilled), the whole prompt in one go."""
+        join_prefilled), the whole prompt in one go. One chunked join at a time per
+        decoder: the prompt prefills on the target's and drafter's single-sequence roles
+        until its rows join."""
         prompt = request.prompt
         budget = check_budget(self.target.context_limit, prompt, request.max_new_tokens)
         sampler = request.sampler or Sampler(request.sampling)
