@@ -191,11 +191,15 @@ class Decoder:
                 return joined.value
 
     def join(self, request: Request, chunk: int | None = None):
-        """add() as a generator: with `chunk`, the target prefills the prompt `chunk`
-        tokens at a time, yielding after each (and before the drafter's prefill), so the
-        batch can step between them while a long prompt joins (chunked prefill); returns
-        the Sequence. Without `chunk`, or on a target that cannot continue a prefill
-        (one without join_prefilled), the whole prompt in one go."""
+        """add() as a generator: with `chunk`, the prompt prefills `chunk` tokens at a
+        time, the target's chunk and then the drafter's read of its features
+        (Proposer.prefill / prefill_more), yielding after each, so the batch can step
+        between them while a long prompt joins (chunked prefill); the last part (the rows
+        join, the first token) is what must happen once. Returns the Sequence. Without
+        `chunk`, or on a target that cannot continue a prefill (one without
+        join_prefilled), the whole prompt in one go. One chunked join at a time per
+        decoder: the prompt prefills on the target's and drafter's single-sequence roles
+        until its rows join."""
         prompt = request.prompt
         budget = check_budget(self.target.context_limit, prompt, request.max_new_tokens)
         sampler = request.sampler or Sampler(request.sampling)
@@ -205,16 +209,18 @@ class Decoder:
         capacity = len(prompt) + budget + self.slack
         chunked = bool(chunk) and len(prompt) > chunk and hasattr(self.target, "join_prefilled")
         if chunked:  # the prompt prefills outside the batch's rows, then joins them
-            parts = []
+            single = self.target.single
             for begin in range(0, len(prompt), chunk):
                 if begin:
                     yield
                 with seq.gen.timed("prefill"):
                     part = prompt[begin:begin + chunk]
-                    logits, features = (self.target.single.prefill_more(part) if begin else
-                                        self.target.single.prefill(part, capacity))
-                parts.append(features)
-            features = None if parts[0] is None else torch.cat(parts)
+                    if begin:
+                        logits, features = single.prefill_more(part)
+                        self.proposer.prefill_more(seq, features)
+                    else:
+                        logits, features = single.prefill(part, capacity)
+                        self.proposer.prefill(seq, features)
             yield
         with seq.gen.timed("prefill"):
             if chunked:
@@ -222,7 +228,10 @@ class Decoder:
             else:
                 logits, features = self.target.add(prompt, capacity)
             try:
-                self.proposer.add(seq, features)
+                if chunked:
+                    self.proposer.join(seq)
+                else:
+                    self.proposer.add(seq, features)
             except Exception:
                 self.target.remove(len(self.active))  # the row the target just added
                 raise

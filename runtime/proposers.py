@@ -2,6 +2,12 @@
 them all). Each keeps its per-row state on the Sequence (`seq.row`) and answers:
 
   add(seq, features)        -- the drafter's prefill: the prompt's target features
+  prefill(seq, features), prefill_more(seq, features), join(seq)
+                            -- add in parts (chunked prefill, Decoder.join): each chunk's
+                               features right after the target computed them, then the
+                               row joins. By default the parts wait for join, which reads
+                               them in one piece (add): so chains (PARD, EAGLE-3) and
+                               trees; Block reads each part as it comes
   propose(batch)            -> a Proposal per row
   accept(seq, proposal, new, features) -- what the step committed (accepted drafts and
                                the target's token) and the target's features of them
@@ -68,6 +74,16 @@ class Proposer:
     def add(self, seq: Sequence, features) -> None:
         pass
 
+    def prefill(self, seq: Sequence, features) -> None:
+        seq.row = [features]  # until join: the parts read so far
+
+    def prefill_more(self, seq: Sequence, features) -> None:
+        seq.row.append(features)
+
+    def join(self, seq: Sequence) -> None:
+        parts, seq.row = seq.row, None
+        self.add(seq, None if parts[0] is None else torch.cat(parts))
+
     def propose(self, batch: list[Sequence]) -> list[Proposal]:
         return [Proposal() for _ in batch]
 
@@ -115,7 +131,19 @@ class Block(Proposer):
     def add(self, seq, features):
         # the drafter's own prefill, as serving engines run the draft model's prefill with
         # the target's: otherwise the first step pays for the whole prompt
-        first = self.drafter.add(seq.budget + seq.committed, features, seq.request.prompt[-1])
+        self.prefill(seq, features)
+        self.join(seq)
+
+    def prefill(self, seq, features):
+        self.drafter.prefill(seq.budget + seq.committed, features, seq.request.prompt[-1])
+
+    def prefill_more(self, seq, features):
+        # each chunk as the target computed it: a chunked join's last part then holds no
+        # drafter pass over the whole prompt (the context keys are the same either way)
+        self.drafter.prefill_more(features, seq.request.prompt[-1])
+
+    def join(self, seq):
+        first = self.drafter.join_prefilled()
         seq.row = BlockRow([first], self.lookup() if self.lookup else None)
 
     def remove(self, row):

@@ -13,8 +13,10 @@ per arm, what running streams saw while another prompt joined:
 - tokens_identical: every stream's tokens equal between the arms (greedy: they must).
 
 With --bound it also times, in this process, one chunk's prefill at the prompts' length
-and one decode step at the concurrency, for the issue's bound (the worst gap while
-joining <= one chunk's prefill + one step). Run it on an idle machine:
+(one turn of a chunked join between two steps: the target's chunk and the drafter's read
+of its features) and one decode step at the concurrency, for the issue's bound (the worst
+gap while joining <= one chunk's prefill + one step), and the join's last part on its
+own (the rows join, the first token). Run it on an idle machine:
 
     python scripts/chunked_prefill_ab.py --engine-dir engines/dflash-sharpdraft \
         --mode sharpdraft --tokens 4096 --concurrency 4 --requests 8 --max-new-tokens 64 \
@@ -139,21 +141,32 @@ def summarize(results: list[dict]) -> dict:
                                               for r in results) / sum(r["sharpdraft"]["verify_steps"] for r in results), 4)}
 
 
+def timed_join(decoder, request, chunk: int) -> list[float]:
+    """Seconds of each turn of a chunked join (Decoder.join, as the scheduler runs it
+    between steps): one per chunk (the target's prefill of it, then the drafter's read of
+    its features), then the last part."""
+    turns, joining = [], decoder.join(request, chunk)
+    while True:
+        start = time.perf_counter()
+        try:
+            next(joining)
+        except StopIteration:
+            turns.append(time.perf_counter() - start)
+            return turns
+        turns.append(time.perf_counter() - start)
+
+
 def bound(args, prompt_ids: list[int]) -> dict:
-    """One chunk's target prefill at the prompt's length and one decode step of
-    --concurrency rows, timed in this process (median of three)."""
+    """One decode step of --concurrency rows, then three chunked joins of the prompt into
+    that batch, timed in this process (medians of three): a full chunk's turn at the
+    prompt's length (target + drafter), the join's last part, and their bound, one
+    chunk's prefill + one step."""
     from runtime.decode import Request
     from runtime.engine import Engine
 
     engine = Engine(args.engine_dir)
     decoder = engine.batch_decoder(args.mode or engine.default_mode)
-    single, chunk = decoder.target.single, args.chunk
-    times = []
-    for _ in range(3):
-        single.prefill(prompt_ids[:-chunk], len(prompt_ids) + args.max_new_tokens + 64)
-        start = time.perf_counter()
-        single.prefill_more(prompt_ids[-chunk:])
-        times.append(time.perf_counter() - start)
+    chunk, chunks = args.chunk, -(-len(prompt_ids) // args.chunk)
     for _ in range(args.concurrency):
         decoder.add(Request(prompt_ids, args.max_new_tokens))
     steps = []
@@ -161,8 +174,18 @@ def bound(args, prompt_ids: list[int]) -> dict:
         start = time.perf_counter()
         decoder.step()
         steps.append(time.perf_counter() - start)
-    return {"chunk_prefill_ms": round(float(np.median(times)) * 1000, 1),
-            "step_ms": round(float(np.median(steps)) * 1000, 1)}
+    turns, last_parts = [], []
+    for _ in range(3):
+        timed = timed_join(decoder, Request(prompt_ids, args.max_new_tokens), chunk)
+        if len(timed) != chunks + 1 or chunks < 2:  # a join in one piece: nothing to time
+            return {"error": f"a {len(prompt_ids)}-token prompt does not join in chunks of "
+                             f"{chunk} on this engine's batch ({type(decoder.target).__name__})"}
+        turns.append(timed[len(prompt_ids) // chunk - 1])  # the last full chunk
+        last_parts.append(timed[-1])
+    chunk_ms, step_ms = (round(float(np.median(t)) * 1000, 1) for t in (turns, steps))
+    return {"chunk_prefill_ms": chunk_ms, "step_ms": step_ms,
+            "bound_ms": round(chunk_ms + step_ms, 1),
+            "join_last_part_ms": round(float(np.median(last_parts)) * 1000, 1)}
 
 
 def main(argv=None) -> int:
@@ -176,7 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--chunk", type=int, default=256, help="the chunked arm's --prefill-chunk")
-    p.add_argument("--bound", action="store_true", help="also time one chunk's prefill and one step")
+    p.add_argument("--bound", action="store_true", help="also time one chunk's prefill (target + drafter), one step and a join's last part")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.chunk < 1 or args.concurrency < 1 or args.requests < 1:
@@ -221,11 +244,13 @@ def main(argv=None) -> int:
 
             ids = Engine(args.engine_dir).encode(prompts[0])
             report["bound"] = bound(args, ids)
+            if "error" in report["bound"]:
+                print(f"error: --bound: {report['bound']['error']}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
     print(text)
-    return 0 if report["tokens_identical"] else 1
+    return 0 if report["tokens_identical"] and "error" not in report.get("bound", {}) else 1
 
 
 if __name__ == "__main__":

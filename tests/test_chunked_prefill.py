@@ -1,17 +1,32 @@
 """Chunked prefill (runtime/serve/scheduler.py, Decoder.join): a joining prompt prefills a
-chunk at a time between steps of the running rows, and decoding stays lossless -- the
-tokens are those of a whole prefill and of `generate` alone, on the torch and ONNX
-Runtime backends."""
+chunk at a time between steps of the running rows -- the target's chunk, then the
+drafter's read of its features -- and decoding stays lossless: the tokens are those of a
+whole prefill and of `generate` alone, on the torch and ONNX Runtime backends, and a
+drafter read in parts holds the cache it holds after one piece."""
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+from runtime import decoders
+from runtime.backends.onnxruntime import HostKVCache
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+                                      TorchBatchTarget, TorchDFlash, TorchEagle3, TorchTarget)
+from runtime.backends.rows import RowBlockDrafters
+from runtime.decode import Request
 from runtime.engine import Engine
-from runtime.sampling import Sampling
+from runtime.modes import Mode
+from runtime.sampling import Sampler, Sampling
 from runtime.serve.scheduler import StepScheduler
+from runtime.tree import TreeShape
+from speculative import batch_decoder, chain_batch_decoder, generate_target_only
+from test_batched import SCALING
+from test_eagle3 import eagle_pair
 from test_scheduler import Outcome, prompts
+from test_speculative import tiny_pair
+from tiny import float64_pard, float64_target
 
 CHUNK = 32
 
@@ -26,11 +41,27 @@ def engine(request):
 
 def _events(engine, mode, scheduler_kwargs, jobs):
     """Run `jobs` [(ids, n, mode, sampling, delay_steps)] through a scheduler; returns the
-    outcomes and the log of ("step", rows) and ("prefill", tokens) events in order."""
+    outcomes and the log of ("step", rows), ("prefill", tokens) (the target's),
+    ("draft", feature rows) (the block drafter's prefill: its single-sequence drafter's
+    calls, which a fused batch drafter makes for nothing else) and ("join", 0) (a chunked
+    join's last part: the target's join_prefilled) events in order."""
     log, lock = [], threading.Lock()
-    decoder_type = type(engine.batch_decoder(mode))
-    single_type = type(engine.batch_decoder(mode).target.single)
+    decoder = engine.batch_decoder(mode)
+    decoder_type, single_type = type(decoder), type(decoder.target.single)
     step, prefill, more = decoder_type.step, single_type.prefill, getattr(single_type, "prefill_more", None)
+    target_type = type(decoder.target)
+    join_prefilled = target_type.join_prefilled
+
+    def logged_join(self):
+        log.append(("join", 0))
+        return join_prefilled(self)
+    drafter = getattr(getattr(decoder.proposer, "drafter", None), "single", None)
+    drafter_type = type(drafter) if drafter is not None else None
+    draft = drafter_type.draft if drafter is not None else None
+
+    def logged_draft(self, context, bonus):
+        log.append(("draft", len(context)))
+        return draft(self, context, bonus)
 
     def logged_step(decoder, *aside):
         if decoder.active:
@@ -61,9 +92,15 @@ def _events(engine, mode, scheduler_kwargs, jobs):
             m.setattr(single_type, "prefill", logged_prefill)
             if more is not None:
                 m.setattr(single_type, "prefill_more", logged_more)
+            if drafter_type is not None:
+                m.setattr(drafter_type, "draft", logged_draft)
+            m.setattr(target_type, "join_prefilled", logged_join)
             for outcome, (ids, n, job_mode, sampling, after_steps) in zip(outcomes, jobs):
+                waited = 0
                 while sum(e[0] == "step" for e in log) < after_steps:
+                    assert waited < 60_000, f"no step {after_steps} came (earlier jobs failed?)"
                     threading.Event().wait(0.005)
+                    waited += 1
                 scheduler.submit(outcome.job(ids, n, job_mode, sampling))
             assert all(o.finished.wait(300) for o in outcomes)
     finally:
@@ -71,7 +108,7 @@ def _events(engine, mode, scheduler_kwargs, jobs):
     return outcomes, log
 
 
-@pytest.mark.parametrize("mode", ["sharpdraft", "target"])
+@pytest.mark.parametrize("mode", ["sharpdraft", "hybrid", "target"])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill_and_of_generate(engine, mode):
     short, long_ = prompts([9, 300])
     jobs = [(short, 40, mode, Sampling(), 0),
@@ -88,24 +125,37 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill_and_of_generate(eng
 
 def test_a_long_prompt_joins_a_chunk_at_a_time_between_steps(engine):
     """While a row decodes, a 300-token prompt never prefills more than one chunk between
-    two of its steps (the old scheduler prefilled it whole: 300 tokens at once)."""
+    two of its steps, the target's or the drafter's (the old scheduler prefilled it whole:
+    300 tokens at once; then the target chunked and the drafter read all 300 feature
+    rows in the join's last part): the drafter reads each chunk's features right after
+    the target's chunk, in the same turn between steps, and the join's last part has a
+    turn of its own (it ran right after the last chunk)."""
     short, long_ = prompts([9, 300])
     outcomes, log = _events(engine, "sharpdraft", {"max_batch": 4, "prefill_chunk": CHUNK},
                             [(short, 60, "sharpdraft", Sampling(), 0),
                              (long_, 6, "sharpdraft", Sampling(), 2)])
     assert all(o.error is None for o in outcomes)
     first = next(i for i, e in enumerate(log) if e == ("prefill", CHUNK))
-    chunks = [e for e in log[first:] if e[0] == "prefill"]
-    assert sum(n for _, n in chunks) == 300 and max(n for _, n in chunks) <= CHUNK
-    # between two steps of the running row, at most one chunk of the joining prompt
-    since_step = 0
-    for kind, value in log[first:]:
+    joined = log.index(("step", 2), first)  # the joining row's first step
+    joining = log[first:joined]
+    chunks = [n for kind, n in joining if kind == "prefill"]
+    assert sum(chunks) == 300 and max(chunks) <= CHUNK
+    # the drafter's prefill: one read per target chunk, of its features, right after it
+    # (so nothing is left for the join's last part)
+    assert [n for kind, n in joining if kind == "draft"] == chunks, joining
+    for at, (kind, n) in enumerate(joining):
+        if kind == "prefill":
+            assert joining[at + 1] == ("draft", n), joining
+    # between two steps of the running row, at most one chunk of the joining prompt, or
+    # the join's last part alone
+    assert joining[-2:] == [("step", 1), ("join", 0)], joining
+    since_step = {"prefill": 0, "draft": 0}
+    for kind, value in joining[:-1]:
         if kind == "step":
-            since_step = 0
+            since_step = dict.fromkeys(since_step, 0)
         else:
-            since_step += value
-            assert since_step <= CHUNK, log
-    assert ("step", 2) in log  # and it did join the running row
+            since_step[kind] += value
+            assert since_step[kind] <= CHUNK, log
 
 
 def test_a_bad_request_fails_alone_while_another_prefills_in_chunks(engine):
@@ -117,3 +167,180 @@ def test_a_bad_request_fails_alone_while_another_prefills_in_chunks(engine):
     assert isinstance(outcomes[2].error, ValueError) and isinstance(outcomes[3].error, ValueError)
     for (ids, n, mode, sampling, _), o in zip(jobs[:2], outcomes[:2]):
         assert o.error is None and o.gen.tokens == engine.generate(ids, n, mode, sampling).tokens
+
+
+# ---- the drafter's prefill in parts ----------------------------------------------------
+
+def committed(drafter) -> list[torch.Tensor]:
+    """A single-sequence block drafter's committed context keys and values, sequence
+    first."""
+    cache, n = drafter.cache, drafter.cache.length
+    if isinstance(cache, HostKVCache):  # sequence-major already
+        return [torch.as_tensor(cache.k[:n]), torch.as_tensor(cache.v[:n])]
+    # [layers, batch, kv_heads, capacity, head_dim]
+    return [torch.as_tensor(cache.k[..., :n, :]).movedim(-2, 0),
+            torch.as_tensor(cache.v[..., :n, :]).movedim(-2, 0)]
+
+
+def single_of(batch):
+    """The single-sequence drafter a batch block drafter read its last prompt with."""
+    return batch.rows[-1] if isinstance(batch, RowBlockDrafters) else batch.single
+
+
+def assert_parts_leave_one_pieces_cache(make, features, new, last: int, capacity: int,
+                                        parts: list[int], tolerance: float) -> None:
+    """A batch block drafter fed the prompt's `features` in `parts` (prefill, prefill_more,
+    join_prefilled) holds the committed keys/values, hands back the features it left
+    unread, and drafts its next block (context `new`) as one fed them whole (add) does,
+    within `tolerance` (0: bitwise)."""
+    assert sum(parts) == len(features) and len(parts) > 1
+    whole, chunked = make(), make()
+    first = whole.add(capacity, features, last)
+    chunked.prefill(capacity, features[:parts[0]], last)
+    at = parts[0]
+    for n in parts[1:]:
+        chunked.prefill_more(features[at:at + n], last)
+        at += n
+    assert torch.equal(chunked.join_prefilled(), first)
+    held = [committed(single_of(d)) for d in (whole, chunked)]
+    assert len(held[0][0]) == len(features) - len(first)  # every feature row read is cached
+    close = dict(rtol=tolerance, atol=tolerance)
+    for want, got in zip(*held):
+        torch.testing.assert_close(got, want, **close)
+    (want, want_n), (got, got_n) = (d.draft([torch.cat([first, new])], [7]) for d in (whole, chunked))
+    assert torch.equal(got_n, want_n)
+    torch.testing.assert_close(got, want, **close)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_drafter_read_in_parts_holds_the_cache_of_one_piece(fused, window):
+    """Float64 torch DFlash, fused (TorchBatchDFlash) and one drafter per row
+    (RowBlockDrafters, which holds the last feature row back), with and without a draft
+    window: parts of 1, 12 and 17 rows leave the cache one piece of 30 leaves, to
+    rounding (not bitwise: a part's projections are matmuls of another shape, and differ
+    from one piece's in the last bit, ~1e-15)."""
+    target, drafter = tiny_pair(5, vocab=40, block=4, context=256)
+    make = ((lambda: TorchBatchDFlash(drafter, target, SCALING, window)) if fused else
+            (lambda: RowBlockDrafters(lambda: TorchDFlash(drafter, target, SCALING, window))))
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(32, drafter.fc.in_features, generator=g, dtype=torch.float64)
+    assert_parts_leave_one_pieces_cache(make, features[:30], features[30:], 3, 64, [1, 12, 17],
+                                        1e-12)
+
+
+def _engine_features(engine, n: int):
+    """The engine target's features of a prompt of n tokens, and the prompt."""
+    prompt = prompts([n])[0]
+    _, features = engine.loaded.new_target().prefill(prompt, n + 8)
+    return prompt, features
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine, fused):
+    """The engine's own drafters (torch: TorchBatchDFlash / TorchDFlash over float32;
+    ONNX Runtime: BoundBatchDFlash / BoundDFlash, drafter-kv.onnx), fused and one per row,
+    SharpDraft and the window mode where the engine has one: 70 prompt rows read as
+    1 + 31 + 32 + 6 leave the cache of one piece (float32: within 1e-5)."""
+    prompt, features = _engine_features(engine, 72)
+    for mode in [Mode.SHARPDRAFT] + ([Mode.WINDOW] if Mode.WINDOW in engine.modes else []):
+        make = ((lambda: engine.batch_drafter_for(mode)) if fused else
+                (lambda: RowBlockDrafters(lambda: engine.drafter_for(mode))))
+        assert_parts_leave_one_pieces_cache(make, features[:70], features[70:], prompt[69], 90,
+                                            [1, 31, 32, 6], 1e-5)
+
+
+def test_a_host_cache_drafter_read_in_parts_holds_the_cache_of_one_piece(ort_engine):
+    """ONNX Runtime's drafter.onnx over a HostKVCache (OnnxBatchDFlash / OnnxDFlash: the
+    plugin-form engine), likewise."""
+    assert type(ort_engine.batch_drafter_for(Mode.SHARPDRAFT)).__name__ == "OnnxBatchDFlash"
+    prompt, features = _engine_features(ort_engine, 72)
+    assert_parts_leave_one_pieces_cache(lambda: ort_engine.batch_drafter_for(Mode.SHARPDRAFT),
+                                        features[:70], features[70:], prompt[69], 90,
+                                        [1, 31, 32, 6], 1e-5)
+
+
+def join_between_steps(decoder, request: Request, chunk: int):
+    """Decoder.join with the batch stepping between its parts, as the scheduler runs it;
+    the joined Sequence."""
+    joining = decoder.join(request, chunk)
+    while True:
+        try:
+            next(joining)
+        except StopIteration as joined:
+            return joined.value
+        decoder.step()
+
+
+def _block_pair():
+    target, drafter = tiny_pair(3, vocab=40, block=4, context=256)
+    return batch_decoder(TorchBatchTarget(target, drafter.config.target_layer_ids),
+                         TorchBatchDFlash(drafter, target, SCALING)), target, drafter
+
+
+def _pard_pair():
+    target = float64_target(4, 40, context=256)
+    drafter = float64_pard(5, 40, context=256)
+    return chain_batch_decoder(TorchBatchTarget(target, ()),
+                               TorchBatchPARD(drafter, 40, 3, SCALING)), target, drafter
+
+
+def _eagle3_chain_pair():
+    target, drafter = eagle_pair(6, 40)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    return chain_batch_decoder(TorchBatchTarget(target, layers),
+                               TorchBatchEagle3(drafter, SCALING, 3)), target, drafter
+
+
+def _eagle3_tree_pair():
+    target, drafter = eagle_pair(7, 40)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    roles = decoders.Roles("tree", None, target.config.max_position_embeddings,
+                           drafter=lambda mode: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
+                           batch_target=lambda: TorchBatchTarget(target, layers),
+                           tree_shape=TreeShape(2, 3, 6))
+    return decoders.decoder(roles, Mode.FROZEN), target, drafter
+
+
+@pytest.mark.parametrize("pair", [_block_pair, _pard_pair, _eagle3_chain_pair, _eagle3_tree_pair],
+                         ids=["dflash", "pard", "eagle3-chain", "eagle3-tree"])
+def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_drafter(pair):
+    """Float64 torch roles, greedy: a 50-token prompt joining in chunks of 8 while another
+    row decodes (DFlash: the drafter reads each chunk; PARD and EAGLE-3 chains and trees:
+    their prefill still reads the prompt in one piece, at the join) gets the target's
+    own tokens, as does the row it joins."""
+    decoder, target, _ = pair()
+    other, prompt = prompts([6, 50])
+    other, prompt = [t % 39 for t in other], [t % 39 for t in prompt]
+    running = decoder.add(Request(other, 30))
+    decoder.step()
+    joined = join_between_steps(decoder, Request(prompt, 20), chunk=8)
+    while decoder.active:
+        decoder.step()
+    single = TorchTarget(target, ())
+    for seq, ids, n in ((running, other, 30), (joined, prompt, 20)):
+        assert seq.error is None
+        assert seq.gen.tokens == generate_target_only(single, ids, n, Sampler()).tokens
+
+
+def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_engine):
+    """scripts/chunked_prefill_ab.py --bound, in process on the tiny engine: a full
+    chunk's turn of a chunked join (target + drafter), one step, their sum, and the join's
+    last part; a prompt that joins in one piece is reported, not timed."""
+    import argparse
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "chunked_prefill_ab.py"
+    spec = importlib.util.spec_from_file_location("chunked_prefill_ab", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = argparse.Namespace(engine_dir=str(tiny_engine), mode="sharpdraft", chunk=32,
+                              concurrency=2, max_new_tokens=8)
+    engine = Engine(tiny_engine)
+    turns = script.timed_join(engine.batch_decoder("sharpdraft"), Request(prompts([100])[0], 8), 32)
+    assert len(turns) == 4 + 1  # 32 + 32 + 32 + 4 tokens, then the last part
+    got = script.bound(args, prompts([100])[0])
+    assert set(got) == {"chunk_prefill_ms", "step_ms", "bound_ms", "join_last_part_ms"}
+    assert all(v > 0 for v in got.values())
+    assert abs(got["bound_ms"] - got["chunk_prefill_ms"] - got["step_ms"]) <= 0.11
+    assert "does not join in chunks of 32" in script.bound(args, prompts([32])[0])["error"]

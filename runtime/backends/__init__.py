@@ -66,6 +66,12 @@ a batch target cannot pack, a batch of one and drafters without a batched form r
   BatchBlockDrafter:
                 add(capacity, context [c, F], last) -> the features its first draft() must
                                     pass (what it left unread); last: the prompt's last token
+                prefill(capacity, context, last); prefill_more(context, last);
+                join_prefilled() -> as add's      -- add in parts, like the target's
+                                    prefill / prefill_more / join_prefilled: chunked
+                                    prefill feeds it each chunk's features right after
+                                    the target's chunk; the parts leave the cache one
+                                    piece leaves (BlockPrefill)
                 draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
                 fused               -- one call for the whole batch (default): it runs every
                                     step for every row; False (RowBlockDrafters): a row
@@ -205,9 +211,55 @@ class BatchBlockDrafter(Protocol):
         """Ingest a new row's prompt features (`last`: the prompt's last token); returns
         the features its first draft() must pass (what it left unread)."""
 
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        """add's first part: a new sequence's drafter reads the prompt's first features."""
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        """The next part of the prompt's features, after those read so far."""
+
+    def join_prefilled(self) -> torch.Tensor:
+        """The sequence read in parts becomes the last row; returns what add returns."""
+
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def remove(self, row: int) -> None: ...
+
+
+class BlockPrefill:
+    """How a fused BatchBlockDrafter prefills a joining sequence: its single-sequence
+    drafter (`single`, a BlockDrafter) reads the prompt's features, then the row joins
+    the batch (`_join_row`). In parts, like the target's prefill / prefill_more /
+    join_prefilled, so that a prompt prefilling in chunks (Decoder.join) has the drafter
+    read each chunk's features right after the target's chunk, and the join's last part
+    holds no drafter pass over the whole prompt. A DFlash context key depends only on its
+    token's features and position, each part's keys land at the committed length, and
+    the block drafted after each part is scratch (its bonus: the prompt's last token), so
+    the parts leave the cache one piece leaves (to rounding: a part's projections are
+    matmuls of another shape). add() is all three at once."""
+
+    room = 0  # cache room the single drafter needs past a sequence's capacity
+
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        self.prefill(capacity, context, last)
+        return self.join_prefilled()
+
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        self.single.reset(capacity + self.room)
+        # what the row's first draft() passes: nothing (a fused drafter reads every row's
+        # new features every step, so it holds none back)
+        self.unread = context[:0]
+        self.prefill_more(context, last)
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        self.single.draft(context, last)  # the block is scratch: only the context stays
+
+    def join_prefilled(self) -> torch.Tensor:
+        self._join_row()
+        return self.unread
+
+    def _join_row(self) -> None:
+        """Copy the single drafter's cache in as the batch's last row."""
+        raise NotImplementedError
 
 
 class BatchChainDrafter(Protocol):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from runtime import modes
-from runtime.backends import ChainDraft, load_tokenizer
+from runtime.backends import BlockPrefill, ChainDraft, load_tokenizer
 from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
@@ -719,9 +719,10 @@ class OnnxBatchTarget(BoundRows):
         self.lengths = list(lengths)
 
 
-class OnnxBatchDFlash(HostRows):
+class OnnxBatchDFlash(BlockPrefill, HostRows):
     """A drafter graph over a batch: one HostKVCache row per sequence, `lengths` per row
-    fed as past_lens and each step's context lengths as context_lens."""
+    fed as past_lens and each step's context lengths as context_lens. A sequence reads
+    its prompt's features alone (OnnxDFlash, whole or in parts: BlockPrefill), then joins."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None):
@@ -730,12 +731,10 @@ class OnnxBatchDFlash(HostRows):
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
+        self.room = block_size
 
-    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        self.single.reset(capacity + self.block_size)
-        self.single.draft(context, last)  # the block is scratch: only the context stays
+    def _join_row(self) -> None:
         self._join_single()
-        return context[:0]
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
         context, context_lens = padded_context(contexts)
@@ -814,13 +813,13 @@ class BoundDFlash:
         return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
 
 
-class BoundBatchDFlash(BoundRows):
+class BoundBatchDFlash(BlockPrefill, BoundRows):
     """drafter-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_lens
     and its rows' context lengths as context_lens. A sequence reads its prompt's
-    features alone (BoundDFlash), then joins. With a `window` (a graph that takes one:
-    has_window), the graph gives each row the last `window` of its own context keys from
-    its own past_lens + context_lens (StepMetadata.block_window), so the window modes
-    draft in one pass too."""
+    features alone (BoundDFlash, whole or in parts: BlockPrefill), then joins. With a
+    `window` (a graph that takes one: has_window), the graph gives each row the last
+    `window` of its own context keys from its own past_lens + context_lens
+    (StepMetadata.block_window), so the window modes draft in one pass too."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
@@ -831,11 +830,8 @@ class BoundBatchDFlash(BoundRows):
         self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
 
-    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        self.single.reset(capacity)
-        self.single.draft(context, last)  # the block is scratch: the context stays
+    def _join_row(self) -> None:
         self._join(self.single.cache)
-        return context[:0]
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
         """One pass per group, its rows' contexts padded to its longest (an empty context,

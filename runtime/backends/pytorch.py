@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import ChainDraft, Drafting
+from runtime.backends import BlockPrefill, ChainDraft, Drafting
 from runtime.manifest import Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
@@ -254,11 +254,12 @@ class TorchBatchTarget:
         self.caches.drop(row)
 
 
-class TorchBatchDFlash:
+class TorchBatchDFlash(BlockPrefill):
     """The drafter over a batch: per-sequence KVCaches (CacheGroups), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
-    gives every row its own range in the one pass)."""
+    gives every row its own range in the one pass). A sequence reads its prompt's
+    features alone (TorchDFlash, whole or in parts: BlockPrefill), then joins."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
                  window: int | None = None):
@@ -270,11 +271,8 @@ class TorchBatchDFlash:
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
-    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        self.single.reset(capacity)
-        self.single.draft(context, last)  # the block is scratch: only the context stays
+    def _join_row(self) -> None:
         self.caches.join(self.single.cache)
-        return context[:0]
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):

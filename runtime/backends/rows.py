@@ -71,13 +71,28 @@ class RowBlockDrafters:
         self.rows: list = []
 
     def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        drafter, self.spare = self.spare or self.make(), None
-        drafter.reset(capacity)
+        self.prefill(capacity, context, last)
+        return self.join_prefilled()
+
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        """A new row's drafter reads the prompt's features but the last row, which its
+        first draft() passes (an empty context would sit that draft out), whole or in
+        parts (prefill_more), as the fused drafters' BlockPrefill."""
+        self.joining, self.spare = self.spare or self.make(), None
+        self.joining.reset(capacity)
+        self.held = context[:0]
+        self.prefill_more(context, last)
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        context = torch.cat([self.held, context])
         if len(context) > 1:  # all but the last row now; the block drafted is scratch
-            drafter.draft(context[:-1], last)
-            context = context[-1:]
-        self.rows.append(drafter)
-        return context
+            self.joining.draft(context[:-1], last)
+        self.held = context[-1:]
+
+    def join_prefilled(self) -> torch.Tensor:
+        self.rows.append(self.joining)
+        self.joining = None
+        return self.held
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
         drafted = [d.draft(c, b) if len(c) else None

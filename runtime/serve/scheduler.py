@@ -7,10 +7,12 @@ jobs and sends what the callbacks hand it. Pure Python, so it is tested without 
 Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
 batch (tensorrt) requests run one at a time on the same thread.
 
-Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt's target prefill runs
-at most prefill_chunk tokens between two steps of the running rows (Decoder.join), so a
-long prompt delays the others by a chunk per step instead of its whole prefill. With
-no row running there is nobody to delay, and joining prompts prefill whole.
+Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt prefills at most
+prefill_chunk tokens between two steps of the running rows (Decoder.join: the target's
+chunk, then the block drafter's read of its features), and its last part (the rows
+join, the first token) takes a turn of its own, so a long prompt delays the others by a
+chunk per step instead of its whole prefill. With no row running there is nobody to
+delay, and joining prompts prefill whole.
 
 A job that names no mode joins the default batch: the batch of the mode the last
 default job took, while it has rows (one batch serves the load; two half batches would
@@ -159,19 +161,23 @@ class StepScheduler:
         self.joining.append(Joining(job, decoder, steps, len(job.ids)))
 
     def _prefill(self) -> None:
-        """Prefill joining prompts: at most prefill_chunk target tokens while rows are
-        running (a join's last part, the drafter's prefill and the first token, is not
-        counted), everything when none is (or chunking is off)."""
+        """Prefill joining prompts: at most prefill_chunk tokens while rows are running,
+        everything when none is (or chunking is off). A join's last part (the rows
+        joining and the first token; and the prompt's whole prefill of a drafter that
+        reads it in one piece, PARD and EAGLE-3) counts no tokens but takes a turn of
+        its own between two steps, not the last chunk's: so the running rows wait at most
+        one chunk's prefill, or the last part, per step."""
         budget = self.prefill_chunk if self.prefill_chunk and self.running else None
         while self.joining:
             if budget is None and self.prefill_chunk and self.running:
                 budget = self.prefill_chunk  # a prompt just joined: it is running now
             head = self.joining[0]
             cost = min(head.left, self.prefill_chunk or head.left)
-            if budget is not None and cost > budget:
+            last_part = budget is not None and not cost  # a chunked join's: a turn alone
+            if budget is not None and (cost > budget or last_part and budget < self.prefill_chunk):
                 return
             if budget is not None:
-                budget -= cost
+                budget = 0 if last_part else budget - cost
             head.left -= cost
             try:
                 next(head.steps)
