@@ -139,11 +139,12 @@ def assert_batched_as_alone(together: list, alone: Generation, target, other: li
 
 
 def assert_engine_rows_decode_as_alone(engine, prompts: list[list[int]], seqs: list,
-                                       new_tokens: int) -> None:
-    """Each batched row of an engine's SharpDraft decoder: its own generate's tokens (and
-    target-only's), N and beta per step; the rows' first betas differ, all above 1."""
+                                       new_tokens: int, mode: str = "sharpdraft") -> None:
+    """Each batched row of an engine's `mode` decoder (a scaled one): its own generate's
+    tokens (and target-only's), N and beta per step; the rows' first betas differ, all
+    above 1."""
     for prompt, seq in zip(prompts, seqs):
-        alone = engine.generate(prompt, new_tokens, mode="sharpdraft", stop=False, adaptive=False)
+        alone = engine.generate(prompt, new_tokens, mode=mode, stop=False, adaptive=False)
         assert seq.gen.tokens == alone.tokens == engine.generate(prompt, new_tokens, mode="target",
                                                                  stop=False).tokens
         assert seq.gen.visible_per_step == alone.visible_per_step

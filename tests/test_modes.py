@@ -83,11 +83,14 @@ def test_every_dflash_mode_drafts_in_one_batched_pass_where_the_backend_batches(
         assert {Mode.WINDOW, Mode.WINDOW_HYBRID, Mode.PRESET} <= fused
     assert not any(modes.drafts_fused(m, "dflash", b) for m in Mode for b in ("tensorrt", "trtllm"))
     assert not any(modes.drafts_fused(m, None, "torch") for m in Mode)
-    # chains batch in the modes without a window or another scaling; EAGLE-3's ONNX graphs
-    # take one committed length per run, so its chains stay per row there
+    # chains batch in every mode they run, the preset too (torch's batched chain drafters
+    # take any QueryScaling); EAGLE-3's ONNX graphs take one committed length per run, so
+    # its chains stay per row there
+    for family in ("pard", "eagle3"):
+        chains = {m for m in Mode if modes.drafts_fused(m, family, "torch")
+                  and modes.refusal(m, "chain", "torch", True, False) is None}
+        assert chains == {Mode.FROZEN, Mode.PRESET, Mode.SHARPDRAFT}
     assert modes.drafts_fused(Mode.SHARPDRAFT, "pard", "onnxruntime")
-    assert modes.drafts_fused(Mode.FROZEN, "eagle3", "torch")
-    assert not modes.drafts_fused(Mode.PRESET, "pard", "torch")
     assert not modes.drafts_fused(Mode.SHARPDRAFT, "eagle3", "onnxruntime")
 
 
