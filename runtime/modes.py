@@ -143,8 +143,10 @@ BACKENDS = {
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
                            attention_forms=("native", "plugin"),
-                           # EAGLE-3's graphs take one committed length per run (a shape)
-                           batched_drafters=frozenset({"dflash", "pard"}),
+                           # EAGLE-3 chains: on graphs that take past_lens [batch] (an
+                           # engine exported before they did drafts its chains row by row:
+                           # onnxruntime.takes_lengths)
+                           batched_drafters=frozenset({"dflash", "pard", "eagle3"}),
                            # target-tree.onnx takes a batch (an engine whose graph is fixed
                            # to one sequence verifies row by row: OnnxBatchTarget.packs_trees)
                            packed_trees=True),
