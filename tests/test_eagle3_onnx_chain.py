@@ -23,7 +23,7 @@ from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
 from runtime.tree import TreeShape
 from speculative import (assert_batched_as_alone, chain_batch_decoder, drafter_passes,
-                         generate_chain, run_counting_passes)
+                         generate_chain, generate_target_only, run_counting_passes)
 
 from exact_law import chi_square_p, exact_first_tokens
 from test_eagle3 import eagle_pair
@@ -120,9 +120,10 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
 
 
 def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, monkeypatch):
-    """A sequence beside one at another length that joins a step later: the batch grows
-    both chains in K drafter runs a step (the step graph, then a tree-graph run per later
-    link), and the sequence decodes its tokens, N and beta alone (greedy: target-only's)."""
+    """A sequence beside one at another length that joins a step later (and a one-token
+    prompt, whose drafter has read nothing, two steps later): the batch grows every chain
+    in K drafter runs a step (the step graph, then a tree-graph run per later link), and
+    the sequence decodes its tokens, N and beta alone (greedy: target-only's)."""
     target, _, _ = pair
     layers = layers_of(target, pair[1])
     prompt, other = [1, 2, 0, 3, 1, 1, 2, 0, 3, 2], [3, 1, 2, 2, 1, 0, 3, 3, 0, 1, 2, 1, 0, 2]
@@ -133,9 +134,13 @@ def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, m
     counts = drafter_passes(decoder, monkeypatch)
     decoder.step()
     seqs.append(decoder.add(Request(other, 30)))
+    decoder.step()
+    short = decoder.add(Request([2], 20))
     passes = run_counting_passes(decoder, counts)
     assert max(passes) == K and passes.count(K) > 3, passes
     assert_batched_as_alone(seqs, alone, TorchTarget(target, layers), other, 30)
+    assert short.gen.tokens == generate_target_only(TorchTarget(target, layers), [2], 20,
+                                                    Sampler()).tokens
     assert max(alone.committed_per_step) > 1  # drafts were accepted
 
 

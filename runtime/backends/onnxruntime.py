@@ -432,6 +432,7 @@ class OnnxBatchPARD(HostRows):
                                    visible[r, len(row) - k:len(row)], sampler) if k else None
                 for r, (row, k, sampler) in enumerate(zip(rows, ks, samplers))]
 
+
 def takes_lengths(session) -> bool:
     """Whether a drafter graph over a past input takes each sequence's committed length
     (past_lens [batch]) over a past padded to the longest, so one run steps a batch of
