@@ -26,11 +26,13 @@ go to one external-data file, weights.bin, each distinct tensor once (share_weig
   threads, scripts/bench_backends.py, same machine and session for each pair).
 - EAGLE-3 engines: drafter.onnx / drafter-frozen.onnx are the drafter's causal step
   (Eagle3Step: committed tokens' entries from the target's features, plugin node or
-  native), drafter-tree.onnx / drafter-frozen-tree.onnx one level of a draft tree
-  (Eagle3TreeStep, native: the plugin node takes no mask), both over the committed
-  cache as an input like PARD's; target-tree.onnx verifies a whole tree in one pass
-  over the target's cache buffers, under its ancestor mask at per-node positions
-  (TargetTreeStep), the nodes' keys out as scratch for keep_path.
+  native), drafter-tree.onnx / drafter-frozen-tree.onnx one level of a draft tree, or
+  one link of a chain (Eagle3TreeStep, native: the plugin node takes no mask), both over
+  the committed cache as an input with past_lens [batch] like PARD's, so one run steps
+  every row of a batch at its own length (engines exported before took one committed
+  length per run, the past's shape, and draft row by row); target-tree.onnx verifies a
+  whole tree in one pass over the target's cache buffers, under its ancestor mask at
+  per-node positions (TargetTreeStep), the nodes' keys out as scratch for keep_path.
 - drafter-kv.onnx / drafter-frozen-kv.onnx (native-form engines) are the drafter steps
   ONNX Runtime runs, in the same way (BlockBufferCache): per-layer buffers read in place
   under `past_lens` [batch]; the block's rows attend to the buffer, the step's context
@@ -94,9 +96,9 @@ DRAFTER_OUTPUTS = ("logits", "present_keys", "present_values")
 PARD_INPUTS = ("ids", "logit_positions", "past_keys", "past_values", "past_lens")
 DRAFTER_KV_OUTPUTS = ("logits", "new_keys", "new_values")  # inputs: drafter_kv_inputs
 TARGET_TREE_OUTPUTS = TARGET_KV_OUTPUTS  # inputs: target_tree_inputs
-EAGLE3_INPUTS = ("ids", "features", "past_keys", "past_values")
+EAGLE3_INPUTS = ("ids", "features", "context_lens", "past_keys", "past_values", "past_lens")
 EAGLE3_TREE_INPUTS = ("ids", "hidden", "ancestors", "offsets", "past_keys", "past_values",
-                      "scratch_keys", "scratch_values")
+                      "scratch_keys", "scratch_values", "past_lens")
 EAGLE3_OUTPUTS = ("logits", "state", "visible", "present_keys", "present_values")
 
 
@@ -113,6 +115,9 @@ class ExportCache:
     def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor, lengths=None):
         self.length = past_keys.shape[0]
         self.lengths = lengths
+        # the padded past's width (a shape), where packed tree rows' keys run from
+        # (StepMetadata.past_width)
+        self.past_width = None if lengths is None else past_keys.shape[0]
         # [past, layers, batch, kv_heads, d] -> per layer [batch, kv_heads, past, d]
         self.keys = [[past_keys[:, i].permute(1, 2, 0, 3)] for i in range(past_keys.shape[1])]
         self.values = [[past_values[:, i].permute(1, 2, 0, 3)] for i in range(past_values.shape[1])]
@@ -212,36 +217,47 @@ class PARDStep(nn.Module):
 class Eagle3Step(nn.Module):
     """EAGLE-3's causal step (the drafter-*.onnx of an EAGLE-3 engine): the entries of
     newly committed tokens, `ids` [b, c] (the token after each row) with the target's
-    `features` [b, c, F], after past_keys/past_values, the committed entries (the
-    HostKVCache's first `length` rows, so the count is the input's length, a shape).
-    Row i sees past + i + 1 keys (StepMetadata.causal_visible), returned as `visible`.
-    Out: the last row's logits over the target's vocabulary (DraftVocabulary puts -inf
-    where the drafter cannot propose), its state for the next drafting step, and every
-    row's keys/values, which the runtime commits."""
+    `features` [b, c, F], context_lens [b] of them real (padded to the longest), after
+    each sequence's past_lens [b] committed entries (past_keys/past_values padded to the
+    longest: PARD's form, so one run steps a batch of sequences at different lengths).
+    Row i of sequence b sees past_lens[b] + i + 1 keys (StepMetadata.causal_visible, read
+    from that input, never from a shape), returned as `visible`. Out: each sequence's
+    last real row's logits over the target's vocabulary (DraftVocabulary puts -inf where
+    the drafter cannot propose), its state for the next drafting step, and every row's
+    keys/values, of which the runtime commits the real ones. (Engines exported before
+    took no lengths: the past's length was the one committed count of the run.)"""
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None):
         super().__init__()
         self.drafter, self.scaling = drafter, scaling
         self.vocab = DraftVocabulary(drafter)
 
-    def forward(self, ids, features, past_keys, past_values):
-        cache = ExportCache(past_keys, past_values)
+    def forward(self, ids, features, context_lens, past_keys, past_values, past_lens):
+        cache = ExportCache(past_keys, past_values, past_lens)
         logits, hidden, visible = self.drafter(ids, self.drafter.project(features), cache,
                                                self.scaling)
-        return (self.vocab.target_logits(logits[:, -1]), hidden[:, -1], visible) + cache.present()
+        rows, last = torch.arange(ids.shape[0], device=ids.device), context_lens - 1
+        return ((self.vocab.target_logits(logits[rows, last]), hidden[rows, last], visible)
+                + cache.present())
 
 
 class ScratchExportCache(ExportCache):
     """ExportCache with scratch keys between the committed past and the step's own: the
     keys earlier levels of a draft tree (or links of a chain) wrote past the committed
-    length. `length` stays the committed count (a tree step's metadata counts committed
-    keys and scratch keys apart); the step's own keys are the second write."""
+    length. The metadata counts committed keys and scratch keys apart; the step's own
+    keys are the second write. With `lengths` [batch] (the past padded to the longest),
+    each sequence's scratch keys go right after its own committed ones, where
+    StepMetadata.tree_rows looks for them, as they lie in a per-sequence KVCache."""
 
-    def __init__(self, past_keys, past_values, scratch_keys, scratch_values):
-        super().__init__(past_keys, past_values)
+    def __init__(self, past_keys, past_values, scratch_keys, scratch_values, lengths=None):
+        super().__init__(past_keys, past_values, lengths)
         for i in range(len(self.keys)):
-            self.keys[i].append(scratch_keys[:, i].permute(1, 2, 0, 3))
-            self.values[i].append(scratch_values[:, i].permute(1, 2, 0, 3))
+            k, v = (s[:, i].permute(1, 2, 0, 3) for s in (scratch_keys, scratch_values))
+            if lengths is None:
+                self.keys[i].append(k)
+                self.values[i].append(v)
+            else:
+                self.write(i, lengths, k, v)
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
         def stack(per_layer):
@@ -252,8 +268,9 @@ class ScratchExportCache(ExportCache):
 class Eagle3TreeStep(Eagle3Step):
     """One level of an EAGLE-3 draft tree (or one link of a chain: a tree of one child per
     node) (drafter-tree.onnx): rows (ids [b, t], the parents' states hidden [b, t, H])
-    at `offsets` [b, t] past the committed entries, after the committed past and the
-    scratch keys earlier levels wrote. ancestors [b, t, S] says which scratch keys each
+    at `offsets` [b, t] past each sequence's past_lens [b] committed entries (the past
+    padded to the longest, as Eagle3Step takes it), after them the scratch keys earlier
+    levels wrote [S, layers, b, ...]. ancestors [b, t, S] says which scratch keys each
     row sees; it also sees its own key and no sibling's, as a tree level does
     (runtime/tree.py: grow_tree), so the scratch mask the drafter gets is [ancestors,
     identity]. Each row's N is the keys that mask leaves unmasked, committed ones
@@ -261,8 +278,9 @@ class Eagle3TreeStep(Eagle3Step):
     native form: the plugin node has no mask input."""
 
     def forward(self, ids, hidden, ancestors, offsets, past_keys, past_values, scratch_keys,
-                scratch_values):
-        cache = ScratchExportCache(past_keys, past_values, scratch_keys, scratch_values)
+                scratch_values, past_lens):
+        cache = ScratchExportCache(past_keys, past_values, scratch_keys, scratch_values,
+                                   past_lens)
         t = ids.shape[1]
         own = torch.arange(t)[:, None] == torch.arange(t)[None, :]
         scratch_mask = torch.cat([ancestors, own.expand(ids.shape[0], t, t)], -1)
@@ -601,10 +619,13 @@ def export_eagle3(drafter: Eagle3Drafter, scaling: QueryScaling | None, form: st
     features = torch.randn(BATCH, CONTEXT, drafter.fc.in_features, generator=g).to(
         drafter.fc.weight.dtype)
     cache = {0: d["past_len"], 2: d["batch"]}
-    shapes = ({0: d["batch"], 1: d["context_len"]}, {0: d["batch"], 1: d["context_len"]},
-              cache, cache)
-    _export(Eagle3Step(drafter, scaling), (ids, features) + _eagle3_past(drafter, PAST), shapes,
-            EAGLE3_INPUTS, EAGLE3_OUTPUTS, path, attention=form)
+    rows = {0: d["batch"], 1: d["context_len"]}
+    shapes = (rows, rows, {0: d["batch"]}, cache, cache, {0: d["batch"]})
+    context_lens = torch.tensor([CONTEXT, CONTEXT - 1][:BATCH])
+    example = ((ids, features, context_lens) + _eagle3_past(drafter, PAST)
+               + (torch.tensor([PAST, PAST - 2][:BATCH]),))
+    _export(Eagle3Step(drafter, scaling), example, shapes, EAGLE3_INPUTS, EAGLE3_OUTPUTS, path,
+            attention=form)
     return graph_record(path, attention=form if scaling is not None else None)
 
 
@@ -622,9 +643,9 @@ def export_eagle3_tree(drafter: Eagle3Drafter, scaling: QueryScaling | None, pat
     cache = {0: d["past_len"], 2: d["batch"]}
     scratch_cache = {0: scratch, 2: d["batch"]}
     shapes = (rows, rows, {0: d["batch"], 1: d["q_len"], 2: scratch}, rows, cache, cache,
-              scratch_cache, scratch_cache)
+              scratch_cache, scratch_cache, {0: d["batch"]})
     example = ((ids, hidden, ancestors, offsets) + _eagle3_past(drafter, PAST)
-               + _eagle3_past(drafter, SCRATCH))
+               + _eagle3_past(drafter, SCRATCH) + (torch.tensor([PAST, PAST - 2][:BATCH]),))
     _export(Eagle3TreeStep(drafter, scaling), example, shapes, EAGLE3_TREE_INPUTS,
             EAGLE3_OUTPUTS, path, attention="native")
     return graph_record(path, attention="native" if scaling is not None else None)

@@ -123,9 +123,11 @@ class Backend:
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
     # the drafter families (FAMILIES) whose drafter runs for a whole batch in one pass per
-    # step (per chain link for chains; EAGLE-3's trees draft row by row); a DFlash block's
-    # draft window is a per-row visible range and its preset another QueryScaling, so both
-    # fuse too, while chains run those modes per row (drafts_fused); the rest: one per row
+    # step (per chain link for chains; EAGLE-3's trees draft row by row), each row at its
+    # own length, N and beta, in every drafter mode the backend runs (drafts_fused): a
+    # DFlash block's draft window is a per-row visible range, and the preset another
+    # QueryScaling, which a batched drafter takes as the single one does (only backends
+    # that swap scalings run it); the rest: one call per row (runtime/backends/rows.py)
     batched_drafters: frozenset[str] = frozenset()
     # a batch's draft trees verified in one packed target pass, each row under its own
     # tree mask (else one target call per row)
@@ -133,6 +135,7 @@ class Backend:
 
 
 BACKENDS = {
+    # its batched drafters take any QueryScaling: the preset fuses for blocks and chains
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                      swap_scaling=True, own_loop=False, packed_trees=True,
                      batched_drafters=frozenset({"dflash", "pard", "eagle3"})),
@@ -141,8 +144,10 @@ BACKENDS = {
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
                            attention_forms=("native", "plugin"),
-                           # EAGLE-3's graphs take one committed length per run (a shape)
-                           batched_drafters=frozenset({"dflash", "pard"}),
+                           # chain graphs read each row's committed length (past_lens
+                           # [batch]); an EAGLE-3 engine exported before its graphs took
+                           # it drafts its chains row by row (onnxruntime.takes_lengths)
+                           batched_drafters=frozenset({"dflash", "pard", "eagle3"}),
                            # target-tree.onnx takes a batch (an engine whose graph is fixed
                            # to one sequence verifies row by row: OnnxBatchTarget.packs_trees)
                            packed_trees=True),
@@ -199,15 +204,14 @@ def batch_refusal(backend: str) -> str | None:
 
 
 def drafts_fused(mode: Mode, family: str | None, backend: str) -> bool:
-    """Whether a batch's drafter of `mode` runs as one pass per step for every row on
-    `backend` (else one call per row, runtime/backends/rows.py): a drafter family the
-    backend batches; for DFlash blocks in every drafter mode, the window modes and the
-    preset too (each row its own window, N and beta), for chains in the others."""
+    """Whether a batch's drafter of `mode` runs as one pass per step (per chain link) for
+    every row on `backend` (else one call per row, runtime/backends/rows.py): a drafter
+    family the backend batches, in every drafter mode it runs -- the window modes (DFlash
+    blocks: each row its own window) and the preset (chains too: the batched drafter
+    under the family's QueryScaling, each row its own N and beta) included."""
     can = BACKENDS[backend]
-    if not (mode.uses_drafter_model and can.batch and not can.own_loop
-            and family in can.batched_drafters):
-        return False
-    return FAMILIES[family] == "block" or not (mode.needs_window or mode.swaps_scaling)
+    return (mode.uses_drafter_model and can.batch and not can.own_loop
+            and family in can.batched_drafters)
 
 
 def family_refusal(family: str, backend: str) -> str | None:

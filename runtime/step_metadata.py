@@ -27,17 +27,22 @@ class TreeRows(NamedTuple):
 class StepMetadata:
     """cached: tokens in each sequence's cache before the step, an int (every sequence
     alike; a 0-d tensor while tracing) or int64 [batch]; new: tokens each sequence adds
-    (context features for a DFlash drafter, ids for the target), the same kinds."""
+    (context features for a DFlash drafter, ids for the target), the same kinds.
+    past_width: with per-sequence `cached`, the width of the committed keys' axis when it
+    is padded past the longest sequence's (an exported graph's past input, whose length is
+    a shape while tracing, not a value); None: the longest cached."""
 
-    def __init__(self, cached, new):
+    def __init__(self, cached, new, past_width=None):
         _check_lengths(cached=cached, new=new)
-        self.cached, self.new = cached, new
+        self.cached, self.new, self.past_width = cached, new, past_width
 
     @classmethod
     def of(cls, cache, new) -> "StepMetadata":
-        """A step over `cache` (its per-sequence `lengths` when it has them)."""
+        """A step over `cache` (its per-sequence `lengths` when it has them, and the width
+        its committed keys are padded to where it says: `past_width`)."""
         lengths = getattr(cache, "lengths", None)
-        return cls(cache.length if lengths is None else lengths, new)
+        return cls(cache.length if lengths is None else lengths, new,
+                   getattr(cache, "past_width", None))
 
     @property
     def per_sequence(self) -> bool:
@@ -109,12 +114,13 @@ class StepMetadata:
 
     def _packed_tree_rows(self, scratch_mask: torch.Tensor, offsets: torch.Tensor) -> "TreeRows":
         """tree_rows over per-sequence lengths: the keys run to the longest sequence's
-        cached + s; key j of sequence i is committed below cached[i], its scratch key
-        j - cached[i] up to cached[i] + s, and past that another sequence's room."""
+        cached (or past_width) + s; key j of sequence i is committed below cached[i], its
+        scratch key j - cached[i] up to cached[i] + s, and past that another sequence's room."""
         b, t, s = scratch_mask.shape
         device = scratch_mask.device
         cached = self.cached.to(device)
-        relative = torch.arange(int(cached.max()) + s, device=device) - cached[:, None]  # [b, keys]
+        width = int(cached.max()) if self.past_width is None else self.past_width
+        relative = torch.arange(width + s, device=device) - cached[:, None]  # [b, keys]
         scratch = (relative >= 0) & (relative < s)
         picked = scratch_mask.gather(2, relative.clamp(0, s - 1)[:, None, :].expand(b, t, -1))
         mask = (relative < 0)[:, None, :] | (picked & scratch[:, None, :])

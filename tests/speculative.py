@@ -90,31 +90,38 @@ def chain_batch_decoder(target, drafter, costs: StepCosts | None = None) -> Deco
     return decoders.decoder(batched, Mode.FROZEN, costs=costs)
 
 
+# the ONNX Runtime sessions a batch drafter runs (EAGLE-3's: its step and tree graphs)
+DRAFTER_SESSIONS = ("session", "step_session", "tree_session")
+
+
 def drafter_passes(decoder: Decoder, monkeypatch) -> list[int]:
     """From now on, count the passes of a decoder's batch drafter (its torch model's
-    forward, or its ONNX Runtime session's run) in the returned one-item list."""
+    forward, or the runs of its ONNX Runtime sessions) in the returned one-item list."""
     counts = [0]
     drafter = decoder.proposer.drafter
-    owner, name = ((drafter, "session") if hasattr(drafter, "session")
-                   else (drafter.drafter, "forward"))
-    inner = getattr(owner, name)
+    sessions = [name for name in DRAFTER_SESSIONS if hasattr(drafter, name)]
 
-    if name == "session":
-        class Counting:
-            def __getattr__(self, attr):
-                return getattr(inner, attr)
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
 
-            def run(self, *args, **kwargs):
-                counts[0] += 1
-                return inner.run(*args, **kwargs)
+        def __getattr__(self, attr):
+            return getattr(self.inner, attr)
 
-        monkeypatch.setattr(owner, name, Counting())
-    else:
+        def run(self, *args, **kwargs):
+            counts[0] += 1
+            return self.inner.run(*args, **kwargs)
+
+    for name in sessions:
+        monkeypatch.setattr(drafter, name, Counting(getattr(drafter, name)))
+    if not sessions:
+        inner = drafter.drafter.forward
+
         def counting(*args, **kwargs):
             counts[0] += 1
             return inner(*args, **kwargs)
 
-        monkeypatch.setattr(owner, name, counting)
+        monkeypatch.setattr(drafter.drafter, "forward", counting)
     return counts
 
 
@@ -139,11 +146,12 @@ def assert_batched_as_alone(together: list, alone: Generation, target, other: li
 
 
 def assert_engine_rows_decode_as_alone(engine, prompts: list[list[int]], seqs: list,
-                                       new_tokens: int) -> None:
-    """Each batched row of an engine's SharpDraft decoder: its own generate's tokens (and
-    target-only's), N and beta per step; the rows' first betas differ, all above 1."""
+                                       new_tokens: int, mode: str = "sharpdraft") -> None:
+    """Each batched row of an engine's `mode` decoder (a scaled one): its own generate's
+    tokens (and target-only's), N and beta per step; the rows' first betas differ, all
+    above 1."""
     for prompt, seq in zip(prompts, seqs):
-        alone = engine.generate(prompt, new_tokens, mode="sharpdraft", stop=False, adaptive=False)
+        alone = engine.generate(prompt, new_tokens, mode=mode, stop=False, adaptive=False)
         assert seq.gen.tokens == alone.tokens == engine.generate(prompt, new_tokens, mode="target",
                                                                  stop=False).tokens
         assert seq.gen.visible_per_step == alone.visible_per_step

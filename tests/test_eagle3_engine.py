@@ -10,6 +10,7 @@ import pytest
 import build_engine
 import speculative
 import tiny
+from plugins.scaling import QueryScaling
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 from runtime.decode import Request
@@ -75,21 +76,30 @@ def test_chain_engine_decodes_like_the_target_and_samples(chain_engine):
     assert len(sampled.tokens) == 20
 
 
-def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain_engine,
+# The preset, recorded with 32 reference keys: its beta (> 1 at these lengths, unlike the
+# paper's 2,048) differs from SharpDraft's calibrated one.
+TINY_PRESET = QueryScaling(ref_keys=32, top_k=4, slope=3.0)
+
+
+@pytest.mark.parametrize("mode", ["sharpdraft", "preset"])
+def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain_engine, mode,
                                                                             monkeypatch):
     """Three sequences at different lengths, beta > 1 (one drafter cache bucket): a step ingests
     every row's new entries in one drafter pass and grows every row's chain in one pass
     per link (K passes, not K per row), and each sequence decodes the tokens, per-step N
-    and beta of its own single-sequence run (greedy: target-only's)."""
+    and beta of its own single-sequence run (greedy: target-only's), under the
+    calibrated scaling and under the family preset."""
     engine = Engine(chain_engine)
+    engine.manifest.extra["family_preset"] = TINY_PRESET.to_dict()
     text = engine.encode(tiny.stdlib_text())
-    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
-    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64, or 32)
+    decoder = engine.batch_decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
+    assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
     assert passes[0] == engine.max_drafts == max(passes) == 3, passes
-    speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10)
+    speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
 
 
 def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engine, capsys):

@@ -1,8 +1,11 @@
 """EAGLE-3 engines on ONNX Runtime, built by build_engine.py itself over the long-context
 tiny target: the tree engine (native form) and the chain engine (plugin form) draft the
 same trees and chains, with the same per-row N, and decode the same tokens as the torch
-backend running the same checkpoints, SharpDraft on and off; a tree level's N is the keys
-its mask leaves unmasked; calibrate re-exports the tree graph with its choice."""
+backend running the same checkpoints, SharpDraft on and off; a batch grows its chains
+in one drafter run per chain link (an engine exported before the graphs took past_lens,
+row by row); a tree level's N is the keys its mask leaves unmasked; calibrate re-exports
+the tree graph with its choice. (The batched chain drafter on graphs exported without an
+engine, in the fast tier: tests/test_eagle3_onnx_chain.py.)"""
 
 import json
 import shutil
@@ -23,7 +26,8 @@ PROMPT = 300  # tokens: past ref_keys 64, so SharpDraft's rows scale by beta > 1
 
 
 # Slow (each build exports EAGLE-3's tree graphs, ~30 s on 2 cores): the fast tier's torch <->
-# ONNX Runtime parity is DFlash's and PARD's (test_onnxruntime_backend, test_pard_engine), and
+# ONNX Runtime parity is DFlash's and PARD's (test_onnxruntime_backend, test_pard_engine) and
+# EAGLE-3's batched chain drafter's on its two graphs alone (test_eagle3_onnx_chain.py), and
 # EAGLE-3's greedy losslessness runs on torch (test_eagle3.py).
 pytestmark = pytest.mark.slow
 
@@ -88,6 +92,9 @@ def test_the_engine_records_the_tree_graphs(tree_engine, chain_engine):
     assert names["target_tree"][:4] == ["ids", "positions", "tree_mask", "past_len"]
     assert "ancestors" in names["drafter_tree"] and "visible" in [
         o["name"] for o in graphs["drafter_tree"]["outputs"]]
+    # each sequence's committed length, so one run steps a batch (PARD's form)
+    assert all("past_lens" in names[g] for g in ("drafter", "drafter_frozen", "drafter_tree",
+                                                  "drafter_frozen_tree"))
     assert graphs["drafter_tree"]["attention"] == "native"
     assert manifest["extra"]["step_costs"]["onnxruntime"]["draft"] is not None
     plugin = json.loads((chain_engine / "engine.json").read_text())["extra"]["onnx"]
@@ -132,19 +139,111 @@ def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdra
         assert visible == list(range(visible[0], visible[0] + len(tokens)))
 
 
-def test_a_batch_of_chains_runs_row_by_row_and_decodes_each_alone(chain_engine):
-    """ONNX Runtime's EAGLE-3 graphs take one committed length per run, so a batch drafts
-    its chains one row at a time (modes.BACKENDS: not among its batched drafters), each
-    sequence decoding what it decodes alone."""
-    engine = Engine(chain_engine)
+@pytest.mark.parametrize("mode", ["sharpdraft", "frozen"])
+def test_a_batch_grows_its_chains_in_one_run_per_link_as_each_would_alone(chain_engine, mode,
+                                                                          monkeypatch):
+    """Three sequences at different lengths, beta > 1: a step ingests every row's new
+    entries in one run of the step graph and grows every row's chain in one tree-graph
+    run per later link (K runs, not K per row), each sequence decoding the tokens, per-step
+    N and beta of its own single-sequence run (greedy: target-only's), and the torch
+    backend's batch the same tokens."""
+    text = Engine(chain_engine, backend="torch").encode(tiny.stdlib_text())
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
+    tokens = []
+    for backend in ("onnxruntime", "torch"):
+        engine = Engine(chain_engine, backend=backend)
+        decoder = engine.batch_decoder(mode, adaptive=False)
+        assert decoder.proposer.drafter.fused
+        seqs = [decoder.add(Request(p, 10)) for p in prompts]
+        counts = speculative.drafter_passes(decoder, monkeypatch)
+        passes = speculative.run_counting_passes(decoder, counts)
+        assert passes[0] == engine.max_drafts == max(passes) == 3, (backend, passes)
+        if mode == "sharpdraft":
+            speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10)
+        tokens.append([s.gen.tokens for s in seqs])
+    assert tokens[0] == tokens[1]
+    assert tokens[0] == [Engine(chain_engine).generate(p, 10, "target", stop=False).tokens
+                         for p in prompts]
+
+
+def export_before_past_lens(engine_dir):
+    """Replace the SharpDraft drafter's step and tree graphs of an EAGLE-3 engine with
+    the form engines were exported in before the graphs took past_lens: the past's length
+    (a shape) is the run's one committed count, and the step returns the last row's
+    logits. The frozen drafter keeps its graphs (each pair is read by its inputs)."""
+    from build import export
+    from runtime.manifest import engine_files, read_manifest
+
+    class StepBefore(export.Eagle3Step):
+        def forward(self, ids, features, past_keys, past_values):
+            cache = export.ExportCache(past_keys, past_values)
+            logits, hidden, visible = self.drafter(ids, self.drafter.project(features), cache,
+                                                   self.scaling)
+            return ((self.vocab.target_logits(logits[:, -1]), hidden[:, -1], visible)
+                    + cache.present())
+
+    class TreeBefore(export.Eagle3TreeStep):
+        def forward(self, ids, hidden, ancestors, offsets, past_keys, past_values,
+                    scratch_keys, scratch_values):
+            return super().forward(ids, hidden, ancestors, offsets, past_keys, past_values,
+                                   scratch_keys, scratch_values, None)
+
+    torch_side = Engine(engine_dir, backend="torch")
+    drafter, scaling = torch_side.drafter_model, torch_side.scaling
+    d, g = export._dims(), torch.Generator().manual_seed(0)
+    b, c, q, s = export.BATCH, export.CONTEXT, export.Q_LEN, export.SCRATCH
+    rows, cache = {0: d["batch"], 1: d["context_len"]}, {0: d["past_len"], 2: d["batch"]}
+    step = (torch.randint(0, drafter.config.vocab_size, (b, c), generator=g),
+            torch.randn(b, c, drafter.fc.in_features, generator=g)) + export._eagle3_past(
+                drafter, export.PAST)
+    scratch = torch.export.Dim("scratch_len", min=0)
+    q_rows = {0: d["batch"], 1: d["q_len"]}
+    tree = ((torch.randint(0, drafter.config.vocab_size, (b, q), generator=g),
+             torch.randn(b, q, drafter.config.hidden_size, generator=g),
+             torch.rand(b, q, s, generator=g) < 0.5, torch.full((b, q), 2))
+            + export._eagle3_past(drafter, export.PAST) + export._eagle3_past(drafter, s))
+    manifest = read_manifest(engine_dir)
+    graphs = manifest.extra["onnx"]["graphs"]
+    for name, module, example, shapes, inputs, form in (
+            ("drafter", StepBefore(drafter, scaling), step, (rows, rows, cache, cache),
+             export.EAGLE3_INPUTS[:2] + ("past_keys", "past_values"), "plugin"),
+            ("drafter_tree", TreeBefore(drafter, scaling), tree,
+             (q_rows, q_rows, {0: d["batch"], 1: d["q_len"], 2: scratch}, q_rows, cache, cache,
+              {0: scratch, 2: d["batch"]}, {0: scratch, 2: d["batch"]}),
+             export.EAGLE3_TREE_INPUTS[:-1], "native")):
+        path = engine_dir / graphs[name]["file"]
+        export._export(module, example, shapes, inputs, export.EAGLE3_OUTPUTS, path, form)
+        graphs[name] = export.graph_record(path, attention=form)
+    manifest.artifacts = engine_files(engine_dir)
+    manifest.write(engine_dir)
+
+
+def test_an_engine_exported_before_past_lens_drafts_its_chains_row_by_row(chain_engine,
+                                                                          tmp_path):
+    """Graphs that take one committed length per run (read by their inputs:
+    onnxruntime.takes_lengths) draft a batch's chains one row at a time, each sequence
+    decoding what it decodes alone and what the batched graphs decode; the engine's
+    frozen drafter, exported with past_lens, still batches."""
+    from runtime.backends.onnxruntime import takes_lengths
+
+    engine_dir = tmp_path / "before"
+    shutil.copytree(chain_engine, engine_dir)
+    export_before_past_lens(engine_dir)
+    engine = Engine(engine_dir)
+    assert not takes_lengths(engine.loaded.sessions["drafter"])
+    assert not takes_lengths(engine.loaded.sessions["drafter_tree"])
     text = engine.encode(tiny.stdlib_text())
     prompts = [text[:PROMPT], text[400:440]]
     decoder = engine.batch_decoder("sharpdraft", adaptive=False)
     assert not decoder.proposer.drafter.fused
+    assert engine.batch_decoder("frozen", adaptive=False).proposer.drafter.fused
     got = decoder.run([Request(p, 12) for p in prompts], join_at=[0, 1])
-    for prompt, seq in zip(prompts, got):
+    batched = Engine(chain_engine).batch_decoder("sharpdraft", adaptive=False).run(
+        [Request(p, 12) for p in prompts], join_at=[0, 1])
+    for prompt, seq, fused in zip(prompts, got, batched):
         alone = engine.generate(prompt, 12, mode="sharpdraft", stop=False, adaptive=False)
-        assert seq.gen.tokens == alone.tokens and seq.gen.visible_per_step == alone.visible_per_step
+        assert seq.gen.tokens == alone.tokens == fused.gen.tokens
+        assert seq.gen.visible_per_step == alone.visible_per_step == fused.gen.visible_per_step
 
 
 def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):

@@ -11,6 +11,7 @@ import torch
 import tiny
 import speculative
 from runtime.__main__ import main as runtime_main
+from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import OnnxPARD, open_session
 from runtime.cli import run
 from runtime.decode import Request
@@ -89,21 +90,31 @@ def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, s
         assert ort.scaling.beta(ours[2][0]) > 1.0  # the comparison covers scaled rows
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+# The preset runs on torch only (it swaps the drafter's scaling); recorded here with 32
+# reference keys, so its beta (> 1 at these lengths, unlike the paper's 8,192) differs
+# from SharpDraft's calibrated one.
+TINY_PRESET = QueryScaling(ref_keys=32, top_k=4, slope=3.0)
+
+
+@pytest.mark.parametrize("backend, mode", [("torch", "sharpdraft"), ("onnxruntime", "sharpdraft"),
+                                           ("torch", "preset")])
 def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
-        pard_onnx_engine, backend, monkeypatch):
+        pard_onnx_engine, backend, mode, monkeypatch):
     """Three sequences at different lengths, beta > 1 (one drafter cache bucket on torch): every
     step drafts all their chains in ONE drafter pass, and each sequence decodes the
-    tokens, per-step N and beta of its own single-sequence run (greedy: target-only's)."""
+    tokens, per-step N and beta of its own single-sequence run (greedy: target-only's),
+    under the calibrated scaling and under the family preset."""
     engine = Engine(pard_onnx_engine, backend=backend)
+    engine.manifest.extra["family_preset"] = TINY_PRESET.to_dict()
     text = engine.encode(tiny.stdlib_text())
-    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
-    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64, or 32)
+    decoder = engine.batch_decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
+    assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
     assert passes[0] == 1 and max(passes) == 1, passes
-    speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10)
+    speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
 
 
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):

@@ -274,6 +274,12 @@ def test_packed_tree_rows_see_their_own_committed_keys_and_ancestors_only():
         handed, _ = visible_counts(rows.bound, kv, rows.mask)
         assert handed[b, :len(tree)].tolist() == [c + len(ancestors(tree.parents, i))
                                                   for i in range(len(tree))]
+    # the committed keys padded wider than the longest (an exported graph's past input,
+    # past_width): each sequence's keys lie where they did, and the extra room is nobody's
+    wider = StepMetadata(torch.tensor(cached), ids.shape[1], past_width=12).tree_rows(mask, depths)
+    assert wider.mask.shape == (3, 7, 12 + 7)
+    assert torch.equal(wider.mask[..., :kv], rows.mask) and not wider.mask[..., kv:].any()
+    assert torch.equal(wider.bound, rows.bound) and torch.equal(wider.write_at, rows.write_at)
 
 
 @settings(max_examples=examples(20), deadline=None)

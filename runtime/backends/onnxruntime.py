@@ -21,7 +21,8 @@ input (HostKVCache; OnnxDFlash, OnnxBatchDFlash); engine.json's graph keys say w
 EAGLE-3 engines: the target verifies a draft tree in one pass of target-tree.onnx over
 the same bound buffers (OnnxTarget.verify_tree; keep_path compacts the accepted path);
 the drafter (OnnxEagle3) runs its causal step and its tree levels over a HostKVCache,
-the levels' keys as scratch past the committed entries.
+the levels' keys as scratch past the committed entries; a batch's chains draft in one
+run of each per step and chain link (OnnxBatchEagle3: past_lens per row, as PARD's).
 
 Threads: intra-op pools spin while a run is in flight (fast hand-off between small
 decode nodes) but stop when it returns (session.force_spinning_stop), else the target's
@@ -387,8 +388,7 @@ class OnnxBatchPARD(HostRows):
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
     length, counts and beta. A sequence reads its prompt alone (OnnxPARD.read), then
-    joins. EAGLE-3's graphs take one committed length for the whole batch (a shape), so
-    its chains run one row at a time here (RowChainDrafters)."""
+    joins. (EAGLE-3's chains batch the same way: OnnxBatchEagle3.)"""
 
     fused = True
 
@@ -432,6 +432,15 @@ class OnnxBatchPARD(HostRows):
                                    visible[r, len(row) - k:len(row)], sampler) if k else None
                 for r, (row, k, sampler) in enumerate(zip(rows, ks, samplers))]
 
+
+def takes_lengths(session) -> bool:
+    """Whether a drafter graph over a past input takes each sequence's committed length
+    (past_lens [batch]) over a past padded to the longest, so one run steps a batch of
+    sequences at different lengths: PARD's and DFlash's always, EAGLE-3's exported since
+    (before, the past's length, a shape, was the run's one committed count)."""
+    return any(i.name == "past_lens" for i in session.get_inputs())
+
+
 class OnnxEagle3:
     """EAGLE-3 drafting over an engine's two drafter graphs (build/export.py): `step`
     (Eagle3Step, causal) commits the entries of newly committed tokens; `tree`
@@ -440,13 +449,20 @@ class OnnxEagle3:
     current draft wrote (never committed: the next step overwrites them). The graphs
     return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
     and each row's visible-key count N, the one the graph scaled by. Same roles as
-    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1)."""
+    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1). Graphs that take past_lens
+    (takes_lengths) are fed this sequence's committed length; older ones read it from
+    the past's shape."""
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
         self.tree, self.max_drafts = shape, max_drafts
         self.dims = _cache_dims(step)
         self.cache: HostKVCache | None = None
+        self.step_lengths, self.tree_lengths = takes_lengths(step), takes_lengths(tree)
+
+    def _lengths(self, takes: bool) -> dict:
+        """The past_lens feed of a graph that takes it: the committed entries."""
+        return {"past_lens": np.asarray([self.cache.length], dtype=np.int64)} if takes else {}
 
     def reset(self, capacity: int) -> None:
         # + scratch past the committed entries, as TorchEagle3.reset sizes it
@@ -456,8 +472,10 @@ class OnnxEagle3:
     def _ingest(self, context: torch.Tensor, following: list[int]):
         feeds = {"ids": np.asarray([following], dtype=np.int64),
                  "features": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None]}
+        if self.step_lengths:
+            feeds["context_lens"] = np.asarray([len(following)], dtype=np.int64)
         logits, state, visible, keys, values = self.step_session.run(
-            None, feeds | self.cache.past())
+            None, feeds | self.cache.past() | self._lengths(self.step_lengths))
         self.cache.append(keys, values)
         return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), int(visible[0, -1])
 
@@ -474,7 +492,8 @@ class OnnxEagle3:
                  "ancestors": ancestors[None], "offsets": np.full((1, t), offset, dtype=np.int64),
                  "scratch_keys": cache.k[cache.length:start],
                  "scratch_values": cache.v[cache.length:start]}
-        logits, state, visible, keys, values = self.tree_session.run(None, feeds | cache.past())
+        logits, state, visible, keys, values = self.tree_session.run(
+            None, feeds | cache.past() | self._lengths(self.tree_lengths))
         cache.k[start:end], cache.v[start:end] = keys, values
         return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), torch.from_numpy(visible[0])
 
@@ -510,6 +529,78 @@ class OnnxEagle3:
             return out[0], state[0], int(n[0])
 
         return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
+
+
+class OnnxBatchEagle3(HostRows):
+    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter), on graphs that take
+    past_lens (takes_lengths): one HostKVCache row per sequence, each row's committed
+    length fed as past_lens, as OnnxBatchPARD does. A step is one run of the causal
+    step graph, ingesting every row's newly committed entries (padded to the longest,
+    context_lens real), then one run of the tree graph per chain link for every row,
+    each link a one-row tree level seeing its row's committed entries and every earlier
+    link of its own chain: those links' keys are the scratch input, [links, layers,
+    batch, ...], which the graph places after each row's own committed entries. So
+    every row drafts at its own length, N and beta, each draft drawn by its row's own
+    sampler (ChainDraft.grow_rows), as OnnxEagle3.draft drafts it alone. A sequence
+    reads its prompt alone (OnnxEagle3.read), then joins."""
+
+    fused = True
+
+    def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
+        self.single = OnnxEagle3(step, tree, scaling, shape, max_drafts)
+        self.step_session, self.tree_session, self.scaling = step, tree, scaling
+        self.max_drafts = max_drafts
+        self.cache: HostKVCache | None = None
+        self.lengths: list[int] = []
+
+    def add(self, capacity: int, ids: list[int], features) -> None:
+        self.single.reset(capacity)
+        if ids:
+            self.single.read(ids, features)
+        self._join_single()
+
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        if not any(ks):
+            return [None] * len(ids)
+        context, counts = padded_context(features)
+        following = padded([list(i[len(i) - len(f):]) for i, f in zip(ids, features)])
+        meta = StepMetadata(torch.tensor(self.lengths), counts)
+        ends = meta.committed().tolist()
+        if max(ends) > self.cache.capacity:
+            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
+                             f"{max(ends)}")
+        feeds = {"ids": np.asarray(following, dtype=np.int64),
+                 "features": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+                 "context_lens": counts.numpy(), "past_lens": meta.cached.numpy()}
+        logits, state, visible, keys, values = self.step_session.run(
+            None, feeds | self._past(max(self.lengths)))
+        for r, (start, end) in enumerate(zip(self.lengths, ends)):  # only the real entries stay
+            self.cache.k[start:end, :, r] = keys[:end - start, :, r]
+            self.cache.v[start:end, :, r] = values[:end - start, :, r]
+        self.lengths = ends
+        last = visible[np.arange(len(ends)), counts.numpy() - 1]  # N of each row's draft 1
+        past, lengths = self._past(max(ends)), np.asarray(ends, dtype=np.int64)
+        links = [np.zeros((0,) + keys.shape[1:], keys.dtype)] * 2  # the chain's scratch keys
+
+        def step(tokens, hidden, i):
+            b = len(tokens)
+            feeds = {"ids": np.asarray(tokens, dtype=np.int64)[:, None],
+                     "hidden": np.ascontiguousarray(hidden.numpy(), dtype=np.float32)[:, None],
+                     "ancestors": np.ones((b, 1, i), dtype=bool),
+                     "offsets": np.full((b, 1), i, dtype=np.int64),
+                     "scratch_keys": links[0], "scratch_values": links[1], "past_lens": lengths}
+            out, state, n, k, v = self.tree_session.run(None, feeds | past)
+            links[:] = np.concatenate([links[0], k]), np.concatenate([links[1], v])
+            return (torch.from_numpy(out[:, 0]), torch.from_numpy(state[:, 0]),
+                    torch.from_numpy(n[:, 0]))
+
+        return ChainDraft.grow_rows(torch.from_numpy(logits), torch.from_numpy(state),
+                                    torch.from_numpy(last), step, ks, samplers)
+
+    def _past(self, longest: int) -> dict:
+        """Every row's committed entries, padded to the `longest` (a view, no copy)."""
+        return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
 
 class RowGroup:
@@ -945,12 +1036,17 @@ class OnnxEngine:
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
-        that takes one) and PARD chains in one run per step
-        (modes.BACKENDS["onnxruntime"].batched_drafters); EAGLE-3 chains one row at a
-        time (RowChainDrafters: its graphs take one committed length per run)."""
-        if self.drafter_family not in self.can.batched_drafters:
-            return RowChainDrafters(lambda: self.drafter(scaling))
+        that takes one) and PARD chains in one run per step, EAGLE-3 chains in one run
+        per step and chain link (modes.BACKENDS["onnxruntime"].batched_drafters); an
+        EAGLE-3 engine exported before its graphs took past_lens (takes_lengths) drafts
+        its chains one row at a time (RowChainDrafters)."""
         session, scaling, in_place = self._drafter_graph(scaling is not None)
+        if self.drafter_family == "eagle3":
+            tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
+            if not (takes_lengths(session) and takes_lengths(tree)):
+                return RowChainDrafters(lambda: self.drafter(scaling))
+            return OnnxBatchEagle3(session, tree, scaling, self.tree_shape,
+                                   max(self.block_size - 1, 1))
         if self.drafter_family == "pard":
             return OnnxBatchPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         if window is not None:

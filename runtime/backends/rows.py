@@ -1,9 +1,8 @@
 """Batch roles (runtime/backends/__init__.py: BatchTarget, BatchBlockDrafter,
 BatchChainDrafter) made of single-sequence ones, one per row: how the decode loop runs a
 batch of one on any target, trees where the batch target cannot pack them, tree
-drafting, and drafters with no batched form (TensorRT, ONNX Runtime's EAGLE-3 chains,
-preset chains). Rows run one after another; their outputs are padded as the batched
-roles' are."""
+drafting, and drafters with no batched form (TensorRT, ONNX Runtime's EAGLE-3 chains).
+Rows run one after another; their outputs are padded as the batched roles' are."""
 
 from __future__ import annotations
 
