@@ -679,15 +679,32 @@ def _export(module, example, shapes, input_names, output_names, path: Path, atte
             table = {torch.ops.sharpdraft.attention.default: onnx_attention.plugin_translation}
         else:
             register_attention_op()  # a graph over cache buffers may never have called it
-            program = program.run_decompositions(
-                {torch.ops.sharpdraft.attention.default: onnx_attention.native_decomposition})
-        onnx_program = torch.onnx.export(program, example, input_names=list(input_names),
-                                         output_names=list(output_names), opset_version=OPSET,
-                                         custom_translation_table=table, verbose=False)
+        with _native_attention(attention == "native"):
+            onnx_program = torch.onnx.export(program, example, input_names=list(input_names),
+                                             output_names=list(output_names), opset_version=OPSET,
+                                             custom_translation_table=table, verbose=False)
     flat = [axes for spec in shapes
             for axes in (spec if isinstance(spec, tuple) else (spec,))]  # *buffers nest
     _name_dims(onnx_program.model, flat, input_names)
     onnx_program.save(path)
+
+
+@contextlib.contextmanager
+def _native_attention(native: bool):
+    """The native form: sharpdraft::attention decomposed into ATen ops (then plain ONNX
+    ops) by the exporter's own decomposition pass, which reads torch._decomp's table, for
+    the length of the export. (A run_decompositions of our own first retraced the whole
+    program once more: about 6 s of a 15 s target export, for graphs that mostly hold no
+    such op.)"""
+    table, op = torch._decomp.decomposition_table, torch.ops.sharpdraft.attention.default
+    if not native or op in table:
+        yield
+        return
+    table[op] = onnx_attention.native_decomposition
+    try:
+        yield
+    finally:
+        del table[op]
 
 
 @contextlib.contextmanager
