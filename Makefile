@@ -52,8 +52,8 @@ engine: setup
 demo: setup
 	$(PY) -m runtime demo
 
-# Tests run in JOBS pytest-xdist workers (auto: one more than the cores), grouped so that
-# a file's module fixtures and this run's ONNX exports are each made once (tests/conftest.py).
+# Tests run in JOBS pytest-xdist workers (auto: one per core), grouped so that a file's
+# module fixtures and this run's ONNX exports are each made once (tests/conftest.py).
 JOBS ?= auto
 
 test: setup

@@ -205,17 +205,6 @@ def export_group_needed(item) -> str | None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config) -> int:
-    """-n auto: one worker more than this process may use cores. A sixth of the fast tier's
-    wall time on 2 cores had a core idle (user + sys 497 s over 298 s): tests waiting on
-    the processes they start (Triton servers coming up, MPI launches, CLI runs). Every
-    test and process runs one thread, so a third worker fills those waits instead of
-    contending for a core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) + 1
-
-
-@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
