@@ -1,0 +1,158 @@
+"""Where one served instance's time goes, one request at a time against eight at once, in
+process: the serving scheduler itself (runtime/serve/scheduler.py, the default mode,
+chunked prefill as served) without Triton, so the split between prefill and decode steps
+is read directly rather than inferred from TTFT.
+
+    python scripts/load_bound.py --engine-dir engines/dflash-sharpdraft \
+        --prompts-file results/loadtest-mixed/prompts.jsonl --max-new-tokens 32 \
+        --out results/loadtest-mixed/bound.json
+
+Prefill does not batch (a prompt's tokens already fill the matrix multiplies), so however
+cheap batched decoding gets, c8 throughput over c1 stays under
+(prefill + decode alone) / prefill; the JSON records that ceiling beside the measured c8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--prompts-file", required=True, help='JSONL of {"text": ...}')
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def one_at_a_time(engine, prompts, new_tokens, mode, sampling) -> dict:
+    seconds = collections.Counter()
+    start = time.perf_counter()
+    outputs = []
+    for ids in prompts:
+        gen = engine.generate(ids, new_tokens, mode, sampling)
+        seconds.update(gen.seconds)
+        outputs.append(gen.tokens)
+    wall = time.perf_counter() - start
+    return {"wall_s": round(wall, 3), "tokens": sum(map(len, outputs)),
+            "prefill_s": round(seconds["prefill"], 3),
+            "decode_s": round(seconds["total"] - seconds["prefill"], 3)}, outputs
+
+
+def concurrent(engine, prompts, new_tokens, concurrency, sampling) -> dict:
+    """The served scheduler with `concurrency` requests in flight; its prefill turns and
+    batch steps timed apart."""
+    from runtime import decode
+    from runtime.serve import scheduler
+
+    spent, rows = collections.Counter(), []
+    real_step, real_prefill = decode.Decoder.step, scheduler.StepScheduler._prefill
+
+    def step(self, aside=frozenset()):
+        t = time.perf_counter()
+        rows.append(len(self.active))
+        try:
+            return real_step(self, aside)
+        finally:
+            spent["steps"] += time.perf_counter() - t
+
+    def prefill(self):
+        t = time.perf_counter()
+        try:
+            return real_prefill(self)
+        finally:
+            spent["prefill"] += time.perf_counter() - t
+
+    decode.Decoder.step, scheduler.StepScheduler._prefill = step, prefill
+    outputs, errors, left = {}, [], list(range(len(prompts)))
+    finished, lock = threading.Semaphore(0), threading.Lock()
+    sched = scheduler.StepScheduler(engine, max_batch=concurrency)
+
+    def submit():
+        with lock:
+            if not left:
+                return
+            i = left.pop(0)
+
+        def done(gen, i=i):
+            outputs[i] = gen.tokens
+            finished.release()
+            submit()
+
+        def failed(exc):
+            errors.append(repr(exc))
+            finished.release()
+
+        sched.submit(scheduler.Job(prompts[i], new_tokens, None, sampling, lambda t: None, done, failed))
+
+    try:
+        start = time.perf_counter()
+        for _ in range(concurrency):
+            submit()
+        for _ in prompts:
+            finished.acquire()
+        wall = time.perf_counter() - start
+    finally:
+        sched.close()
+        decode.Decoder.step, scheduler.StepScheduler._prefill = real_step, real_prefill
+    return {"wall_s": round(wall, 3), "tokens": sum(map(len, outputs.values())),
+            "prefill_s": round(spent["prefill"], 3), "steps_s": round(spent["steps"], 3),
+            "steps": len(rows), "mean_rows_per_step": round(sum(rows) / max(len(rows), 1), 2),
+            "errors": errors}, [outputs[i] for i in sorted(outputs)]
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    from runtime.engine import Engine
+    from runtime.sampling import Sampling
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(args.engine_dir)
+    texts = [json.loads(line)["text"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
+    mode, greedy = engine.default_mode, Sampling(0.0)
+    engine.generate(prompts[0], 4, mode, greedy)  # sessions warm
+    c1, alone = one_at_a_time(engine, prompts, args.max_new_tokens, mode, greedy)
+    cn, batched = concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy)
+    ratio = c1["wall_s"] / cn["wall_s"]
+    ceiling = c1["wall_s"] / cn["prefill_s"]
+    report = {
+        "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {"cpus": len(__import__("os").sched_getaffinity(0)), "torch_threads": args.threads,
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "engine_dir": args.engine_dir, "mode_alone": str(mode), "requests": args.requests,
+        "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
+        "c1": c1, f"c{args.concurrency}": cn,
+        "throughput_ratio": round(ratio, 3),
+        "prefill_share_c1": round(c1["prefill_s"] / c1["wall_s"], 3),
+        # decode free: c1's whole time over the prefill alone (which no batch shares)
+        "ceiling_if_decode_were_free": round(ceiling, 3),
+        "tokens_identical": alone == batched,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"c1 {c1['wall_s']:.2f} s (prefill {c1['prefill_s']:.2f}), c{args.concurrency} "
+          f"{cn['wall_s']:.2f} s (prefill {cn['prefill_s']:.2f}, steps {cn['steps_s']:.2f}, "
+          f"{cn['mean_rows_per_step']} rows a step): {ratio:.2f}x; ceiling {ceiling:.2f}x; "
+          f"tokens identical: {report['tokens_identical']}")
+    return 0 if report["tokens_identical"] and not cn["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
