@@ -217,7 +217,10 @@ def main(argv=None) -> int:
                                     "--count", str(args.requests), "--out", str(path)]):
                 return 1
         prompts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-        report = {"engine_dir": args.engine_dir, "mode": args.mode, "tokens": args.tokens,
+        report = {"command": "python scripts/chunked_prefill_ab.py " + " ".join(
+                      argv if argv is not None else sys.argv[1:]),
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "engine_dir": args.engine_dir, "mode": args.mode, "tokens": args.tokens,
                   "concurrency": args.concurrency, "requests": args.requests,
                   "max_new_tokens": args.max_new_tokens, "chunk": args.chunk, "arms": {}}
         tokens = {}
