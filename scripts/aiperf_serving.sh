@@ -20,7 +20,9 @@
 # http://127.0.0.1:8002/metrics, "none" to skip): the sharpdraft_spec_* counters are
 # scraped before and after each run, and what the run added (steps, draft and accepted
 # tokens, MAL, sit-outs, mean beta per mode and context bucket) lands in
-# OUT/<run>/speculation.json and in the summary.
+# OUT/<run>/speculation.json and in the summary. AIPerf's own server-metrics collection
+# is off (--no-server-metrics): on 2 cores its service missed heartbeats and AIPerf exited
+# 1, calling the run degraded; the sharpdraft_spec_* scrape above is ours.
 set -euo pipefail
 
 AIPERF_VERSION=0.13.0
@@ -90,7 +92,8 @@ for mode in $MODES; do
       [ "$METRICS" = none ] || before="$(scrape)"
       "$VENV/bin/python" -m aiperf profile --model "$MODEL" --url "$URL" --endpoint-type completions --streaming \
         --tokenizer "$TOKENIZER" "${inputs[@]}" --output-tokens-mean "$OSL" --output-tokens-stddev 0 \
-        --concurrency "$c" --request-count "$REQUESTS" "${extra[@]}" --artifact-dir "$dir" --ui-type none
+        --concurrency "$c" --request-count "$REQUESTS" "${extra[@]}" --artifact-dir "$dir" --ui-type none \
+        --no-server-metrics
       if [ "$METRICS" != none ]; then
         after="$(scrape)"
         "$ROOT/.venv/bin/python" -c 'import json, sys
