@@ -2,7 +2,6 @@
 loop PARD shares): greedy output equals target-only output token for token, with and
 without SharpDraft, and speculative sampling leaves the target's law unchanged."""
 
-from collections import Counter
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from speculative import (assert_batched_as_alone, chain_batch_decoder, generate_
                          generate_target_only)
 from runtime.step_costs import StepCosts
 
-from exact_law import chi_square_p, exact_first_tokens
+from exact_law import assert_batched_chains_keep_the_law
 from test_eagle3 import eagle_pair
 
 
@@ -125,20 +124,4 @@ def test_chain_sampling_preserves_the_target_distribution(draft_vocab):
     vocab, draws = 4, law_runs(20_000)
     target, drafter = eagle_pair(11, vocab, draft_vocab, sharpness=1.5)
     scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
-    prompt = [1, 2, 0]
-    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
-    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    first_step = Counter()
-    for i in range(draws // 8):
-        decoder = batched(target, drafter, scaling, 2)
-        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
-                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
-        while decoder.active:
-            decoder.step()
-        for seq in seqs[:1] + seqs[2:]:
-            t1, t2, t3 = seq.gen.tokens[:3]
-            counts[(t1 * vocab + t2) * vocab + t3] += 1
-            first_step[seq.gen.committed_per_step[0]] += 1
-    assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
-    assert chi_square_p(counts, expected) > 0.001
+    assert_batched_chains_keep_the_law(target, lambda: batched(target, drafter, scaling, 2), draws, vocab)

@@ -8,7 +8,6 @@ it keeps the target's law. The graphs are exported here from a tiny drafter, wit
 building an engine; the engine-level checks are tests/test_eagle3_onnx.py's."""
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
@@ -20,12 +19,12 @@ from runtime.backends.onnxruntime import (OnnxBatchEagle3, OnnxEagle3, open_sess
                                           takes_lengths)
 from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3, TorchTarget
 from runtime.decode import Request
-from runtime.sampling import Sampler, Sampling
+from runtime.sampling import Sampler
 from runtime.tree import TreeShape
 from speculative import (assert_batched_as_alone, chain_batch_decoder, drafter_passes,
                          generate_chain, generate_target_only, run_counting_passes)
 
-from exact_law import chi_square_p, exact_first_tokens
+from exact_law import assert_batched_chains_keep_the_law
 from test_eagle3 import eagle_pair
 
 K = 2  # drafts per chain: the law test's step of up to 2 drafts
@@ -93,7 +92,7 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
     features = [torch.randn(n + c, drafter.fc.in_features, generator=g)
                 for n, c in zip(lengths, news)]
     ids = [torch.randint(0, 4, (n + c + 1,), generator=g).tolist() for n, c in zip(lengths, news)]
-    batch, alone = onnx_batch(graphs), []
+    batch = onnx_batch(graphs)
     for f, i, n in zip(features, ids, lengths):
         batch.add(80, i[:n + 1], f[:n])
     runs = []
@@ -154,20 +153,4 @@ def test_speculative_sampling_through_batched_onnx_chains_preserves_the_target_d
     target, drafter, _ = pair
     vocab, draws = 4, law_runs(20_000)
     layers = layers_of(target, drafter)
-    prompt = [1, 2, 0]
-    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
-    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    first_step = Counter()
-    for i in range(draws // 8):
-        decoder = chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs))
-        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
-                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
-        while decoder.active:
-            decoder.step()
-        for seq in seqs[:1] + seqs[2:]:
-            t1, t2, t3 = seq.gen.tokens[:3]
-            counts[(t1 * vocab + t2) * vocab + t3] += 1
-            first_step[seq.gen.committed_per_step[0]] += 1
-    assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
-    assert chi_square_p(counts, expected) > 0.001
+    assert_batched_chains_keep_the_law(target, lambda: chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs)), draws, vocab)

@@ -4,7 +4,6 @@ every row's visible-key count is its causal mask's, and bad checkpoints are refu
 one line."""
 
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from tiers import examples, law_runs
 from safetensors.torch import load_file, save_file
 
 import tiny
-from exact_law import chi_square_p, exact_first_tokens
+from exact_law import assert_batched_chains_keep_the_law
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
 from runtime.backends.pytorch import TorchBatchPARD, TorchBatchTarget, TorchPARD, TorchTarget
@@ -131,24 +130,8 @@ def test_speculative_sampling_through_batched_chains_preserves_the_target_distri
         for p in drafter.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()),
                                      dtype=p.dtype))
-    prompt = [1, 2, 0]
-    probe = Sampler(Sampling(temperature=0.8, top_p=0.9))
-    expected = exact_first_tokens(target, prompt, probe, vocab).flatten() * draws
-    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
-    first_step = Counter()
     scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
-    for i in range(draws // 8):
-        decoder = batched(target, drafter, 2, scaling)
-        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
-                for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
-        while decoder.active:
-            decoder.step()
-        for seq in seqs[:1] + seqs[2:]:
-            t1, t2, t3 = seq.gen.tokens[:3]
-            counts[(t1 * vocab + t2) * vocab + t3] += 1
-            first_step[seq.gen.committed_per_step[0]] += 1
-    assert all(first_step[n] > 0.02 * draws for n in (1, 2, 3)), first_step
-    assert chi_square_p(counts, expected) > 0.001
+    assert_batched_chains_keep_the_law(target, lambda: batched(target, drafter, 2, scaling), draws, vocab)
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
