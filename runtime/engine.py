@@ -168,8 +168,7 @@ class Engine:
             raise EngineError(f"{self.dir}: a draft window is written for DFlash blocks only")
 
     def _check_swap(self) -> None:
-        if not self.has_drafter_model:
-            raise EngineError(f"{self.dir} is an n-gram engine: it has no drafter model")
+        self._check_drafter(None)
         if not self.can.swap_scaling:
             raise EngineError(f"{self.dir}: a {self.backend} drafter's scaling is compiled "
                               "in; try other values with the torch backend (--backend torch)")

@@ -18,6 +18,7 @@ import argparse
 import collections
 import datetime
 import json
+import os
 import platform
 import sys
 import threading
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     report = {
         "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": {"cpus": len(__import__("os").sched_getaffinity(0)), "torch_threads": args.threads,
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "torch_threads": args.threads,
                     "python": platform.python_version(), "torch": torch.__version__},
         "engine_dir": args.engine_dir, "mode_alone": str(mode), "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
