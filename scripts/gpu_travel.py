@@ -149,6 +149,8 @@ def split(files: list[Path], out: Path, part_bytes: int) -> dict:
 
 def join(parts_dir: Path, out: Path) -> list[Path]:
     """split() undone: the files back from their parts, every sha256 checked."""
+    if not (parts_dir / "manifest.json").is_file():
+        raise TravelError(f"{parts_dir} has no manifest.json: carry the first call's parts first")
     manifest = json.loads((parts_dir / "manifest.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -118,13 +118,21 @@ def concurrent(engine, prompts, new_tokens, concurrency, sampling) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if not Path(args.prompts_file).is_file():
+        print(f"error: --prompts-file {args.prompts_file} does not exist", file=sys.stderr)
+        return 2
     import torch
 
     from runtime.engine import Engine
+    from runtime.manifest import EngineError
     from runtime.sampling import Sampling
 
     torch.set_num_threads(args.threads)
-    engine = Engine(args.engine_dir)
+    try:
+        engine = Engine(args.engine_dir)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     texts = [json.loads(line)["text"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
     mode, greedy = engine.default_mode, Sampling(0.0)

@@ -114,3 +114,9 @@ def test_pack_refuses_when_the_tree_leaves_no_room(repo, monkeypatch):
     monkeypatch.setattr(gpu_travel, "LIMIT", 500_000)
     with pytest.raises(gpu_travel.TravelError, match="run slim first"):
         gpu_travel.pack(repo, ("x==1",), lambda specs, into: None)
+
+
+def test_unpack_before_the_first_part_arrived_says_so(tmp_path):
+    (tmp_path / "parts").mkdir()
+    with pytest.raises(gpu_travel.TravelError, match="no manifest.json"):
+        gpu_travel.join(tmp_path / "parts", tmp_path / "wheels")
