@@ -191,6 +191,32 @@ EXPORT_GROUPS = {
 }
 
 
+# The groups that take longest, longest first (seconds of one make test run on 2 idle cores,
+# 2026-12-05, pytest --durations=0 summed per group): handed out before the short files, so
+# the last group to start is a short one and neither worker idles at the end (run in
+# collection order, test_trtllm_workers.py started last and ran 72 s after the other
+# worker had finished). Rough weights are enough: the order is what counts. A file missing
+# here runs after these, in collection order.
+LONGEST_FIRST = (
+    "exports-dflash",                   # ~105 s: seven graph exports + the ONNX tests
+    "tests/test_trtllm_workers.py",     # ~72 s: real MPI workers, fresh interpreters
+    "tests/test_serving.py",            # ~50 s: a Triton server with four model instances
+    "exports-chain",                    # ~45 s: the n-gram and PARD engines' exports
+    "tests/test_openai.py",             # ~36 s
+    "tests/test_triton_kernel.py",      # ~25 s: the kernel under Triton's interpreter
+    "tests/test_eagle3_onnx_chain.py",  # ~24 s
+    "tests/test_engine_files.py",       # ~21 s
+    "tests/test_speculative.py",        # ~14 s
+    "tests/test_pard.py",               # ~13 s
+    "tests/test_batched.py",            # ~12 s
+)
+
+
+def run_order(nodeid: str) -> int:
+    group = group_of(nodeid)
+    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def group_of(nodeid: str) -> str:
     path = nodeid.split("::")[0]
     return next((group for group, files in EXPORT_GROUPS.items() if path in files), path)
@@ -214,13 +240,15 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
-    # hand groups out in collection order, the export groups first (below): they are the
-    # longest, and run beside the other files rather than after them
+    # hand groups out in the order the workers collected them: longest first (below)
     config.option.loadscopereorder = False
     return Groups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
+    stale = [g for g in LONGEST_FIRST if g not in EXPORT_GROUPS and not (REPO / g).is_file()]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no such file: {stale}")
     for item in items:
         if item.nodeid in SLOW_IDS:
             item.add_marker(pytest.mark.slow)
@@ -229,4 +257,4 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} reads graphs exported this run: list its "
                                     f"file under {needed} in tests/conftest.py EXPORT_GROUPS")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not group_of(item.nodeid).startswith("exports-"))
+        items.sort(key=lambda item: run_order(item.nodeid))  # stable: files keep their order
