@@ -65,3 +65,38 @@ def test_unsupported_architecture_is_refused(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="model_type 'gpt2' is not supported"):
         load_target(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_reading_the_safetensors_directly_gives_transformers_model(tmp_path, model_type,
+                                                                   tiny_target):
+    """load_target reads config.json and the safetensors itself when config.json states
+    every field it reads; the model equals the one built from transformers' own (bfloat16
+    weights loaded as float32, as transformers casts them)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from runtime.models.target import stated_config
+
+    path = tiny.make_target(tmp_path / "t", model_type, dtype=torch.bfloat16, tokenizer=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the session's tokenizer
+        shutil.copy(tiny_target / name, path / name)
+    assert stated_config(path) is not None
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    want = target_from_hf(hf.eval())
+    got, tokenizer = load_target(path, torch.float32)
+    assert got.config == want.config and tokenizer.vocab_size > 0
+    assert got.state_dict().keys() == want.state_dict().keys()
+    assert all(torch.equal(v, want.state_dict()[k]) for k, v in got.state_dict().items())
+    # a config.json that leaves a field to transformers' config class (whose defaults
+    # differ by architecture: Qwen3's head_dim is 128, not hidden / heads) loads through
+    # transformers instead
+    config = json.loads((path / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert stated_config(path) is None
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    assert load_target(path)[0].config == target_from_hf(hf).config
+

@@ -103,6 +103,7 @@ import torch
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.manifest import EngineError, Manifest
+from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
 from runtime.sampling import DraftVocab
 from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below return it
 from runtime.tree import TreeShape
@@ -355,15 +356,3 @@ def _tensorrt(engine_dir, manifest, drafting, **options) -> Loaded:
 LOADERS: dict[str, Callable[..., Loaded]] = {
     "torch": _torch, "onnxruntime": _onnxruntime, "tensorrt": _tensorrt}
 assert set(LOADERS) == set(RUNNABLE_BACKENDS), "every runnable backend of the table has a loader"
-
-
-def load_tokenizer(path: str | Path):
-    """The target's tokenizer alone (backends that run exported graphs need no weights)."""
-    from transformers import AutoTokenizer
-
-    from runtime.models.target import ModelError
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
