@@ -10,6 +10,9 @@ is read directly rather than inferred from TTFT.
 Prefill does not batch (a prompt's tokens already fill the matrix multiplies), so however
 cheap batched decoding gets, c8 throughput over c1 stays under
 (prefill + decode alone) / prefill; the JSON records that ceiling beside the measured c8.
+The peers (--peers, default target-only and n-gram lookup) run the same prompts the same
+two ways in the same run, each request naming its mode, so the default's figures sit
+beside theirs (`peers`, and `default_speedup`: a peer's wall time over the default's).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def parse(argv):
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers", nargs="*", default=["target", "ngram"], metavar="MODE",
+                   help="modes measured beside the default, the same two ways (default: "
+                        "target ngram; none: --peers with no mode)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -54,9 +60,10 @@ def one_at_a_time(engine, prompts, new_tokens, mode, sampling) -> dict:
             "decode_s": round(seconds["total"] - seconds["prefill"], 3)}, outputs
 
 
-def concurrent(engine, prompts, new_tokens, concurrency, sampling) -> dict:
-    """The served scheduler with `concurrency` requests in flight; its prefill turns and
-    batch steps timed apart."""
+def concurrent(engine, prompts, new_tokens, concurrency, sampling, mode=None) -> dict:
+    """The served scheduler with `concurrency` requests in flight, each naming `mode`
+    (None: the served default for the batch it joins); its prefill turns and batch steps
+    timed apart."""
     from runtime import decode
     from runtime.serve import scheduler
 
@@ -98,7 +105,7 @@ def concurrent(engine, prompts, new_tokens, concurrency, sampling) -> dict:
             errors.append(repr(exc))
             finished.release()
 
-        sched.submit(scheduler.Job(prompts[i], new_tokens, None, sampling, lambda t: None, done, failed))
+        sched.submit(scheduler.Job(prompts[i], new_tokens, mode, sampling, lambda t: None, done, failed))
 
     try:
         start = time.perf_counter()
@@ -136,11 +143,28 @@ def main(argv=None) -> int:
     texts = [json.loads(line)["text"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
     mode, greedy = engine.default_mode, Sampling(0.0)
+    unknown = [m for m in args.peers if m not in engine.modes]
+    if unknown:
+        print(f"error: --peers {' '.join(unknown)}: not a mode of this engine "
+              f"(it has {', '.join(map(str, engine.modes))})", file=sys.stderr)
+        return 2
     engine.generate(prompts[0], 4, mode, greedy)  # sessions warm
     c1, alone = one_at_a_time(engine, prompts, args.max_new_tokens, mode, greedy)
     cn, batched = concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy)
     ratio = c1["wall_s"] / cn["wall_s"]
     ceiling = c1["wall_s"] / cn["prefill_s"]
+    peers, identical = {}, alone == batched
+    for peer in args.peers:
+        engine.generate(prompts[0], 4, peer, greedy)
+        p1, peer_alone = one_at_a_time(engine, prompts, args.max_new_tokens, peer, greedy)
+        pn, peer_batched = concurrent(engine, prompts, args.max_new_tokens, args.concurrency,
+                                      greedy, peer)
+        # greedy: every mode commits the target's own tokens
+        identical = identical and peer_alone == peer_batched == alone
+        peers[peer] = {"c1": p1, f"c{args.concurrency}": pn,
+                       "throughput_ratio": round(p1["wall_s"] / pn["wall_s"], 3)}
+        print(f"peer {peer}: c1 {p1['wall_s']:.2f} s, c{args.concurrency} {pn['wall_s']:.2f} s",
+              file=sys.stderr)
     report = {
         "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -153,14 +177,21 @@ def main(argv=None) -> int:
         "prefill_share_c1": round(c1["prefill_s"] / c1["wall_s"], 3),
         # decode free: c1's whole time over the prefill alone (which no batch shares)
         "ceiling_if_decode_were_free": round(ceiling, 3),
-        "tokens_identical": alone == batched,
+        "peers": peers,
+        # a peer's wall time over the default's, one at a time and at the concurrency
+        "default_speedup": {peer: {"c1": round(v["c1"]["wall_s"] / c1["wall_s"], 3),
+                                   f"c{args.concurrency}": round(
+                                       v[f"c{args.concurrency}"]["wall_s"] / cn["wall_s"], 3)}
+                            for peer, v in peers.items()},
+        "tokens_identical": identical,
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"c1 {c1['wall_s']:.2f} s (prefill {c1['prefill_s']:.2f}), c{args.concurrency} "
           f"{cn['wall_s']:.2f} s (prefill {cn['prefill_s']:.2f}, steps {cn['steps_s']:.2f}, "
           f"{cn['mean_rows_per_step']} rows a step): {ratio:.2f}x; ceiling {ceiling:.2f}x; "
           f"tokens identical: {report['tokens_identical']}")
-    return 0 if report["tokens_identical"] and not cn["errors"] else 1
+    return 0 if identical and not cn["errors"] and not any(
+        v[f"c{args.concurrency}"]["errors"] for v in peers.values()) else 1
 
 
 if __name__ == "__main__":

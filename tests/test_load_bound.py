@@ -1,0 +1,42 @@
+"""scripts/load_bound.py on the tiny engine: the default mode one request at a time and
+all in flight through the serving scheduler, and each peer mode the same two ways in the
+same run, tokens identical everywhere (greedy); a peer the engine lacks is one error line."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("load_bound", REPO / "scripts" / "load_bound.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_default_and_its_peers_are_measured_alike(tiny_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n"
+                               for t in ("def f(x):\n    return x", "import os\n" * 6)))
+    out = tmp_path / "bound.json"
+    assert script().main(["--engine-dir", str(tiny_engine), "--prompts-file", str(prompts),
+                          "--requests", "4", "--max-new-tokens", "6", "--concurrency", "2",
+                          "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens_identical"] and set(report["peers"]) == {"target", "ngram"}
+    for figures in [report] + list(report["peers"].values()):
+        assert figures["c1"]["tokens"] == figures["c2"]["tokens"] == 24
+        assert figures["c2"]["errors"] == [] and figures["throughput_ratio"] > 0
+    assert set(report["default_speedup"]["ngram"]) == {"c1", "c2"}
+    assert "peer target: c1" in capsys.readouterr().err
+
+
+def test_a_peer_the_engine_lacks_is_refused_in_one_line(tiny_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "x = 1"}) + "\n")
+    code = script().main(["--engine-dir", str(tiny_engine), "--prompts-file", str(prompts),
+                          "--peers", "target", "warp", "--out", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --peers warp: not a mode")
