@@ -100,3 +100,21 @@ def test_reading_the_safetensors_directly_gives_transformers_model(tmp_path, mod
     hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     assert load_target(path)[0].config == target_from_hf(hf).config
 
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path, tiny_target):
+    """A Qwen3 config.json without head_dim: transformers' default (128) does not fit the
+    weights (hidden / heads = 8), so the load is refused with the mismatch named, not a
+    traceback."""
+    import json
+    import shutil
+
+    path = tiny.make_target(tmp_path / "t", "qwen3", tokenizer=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_target / name, path / name)
+    config = json.loads((path / "config.json").read_text())
+    del config["head_dim"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="weights do not match its config.json") as info:
+        load_target(path)
+    assert "\n" not in str(info.value)

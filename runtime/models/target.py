@@ -213,6 +213,9 @@ def load_hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32, gguf_file:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {str(exc).splitlines()[0]}") from None
+    except RuntimeError as exc:  # transformers' refusal of weights shaped unlike the config
+        raise ModelError(f"cannot load a causal LM from {path}: its weights do not match its "
+                         f"config.json (transformers: {str(exc).splitlines()[0]})") from None
     return model.eval(), tokenizer
 
 
