@@ -231,11 +231,11 @@ def load_tokenizer(path: str | Path):
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """Our TargetModel and its tokenizer from a local transformers directory. The weights
-    come straight from its safetensors when config.json states every field we read (what
-    transformers >= 4.45 writes); otherwise, or for other weight files, through
-    transformers' own model (its config class supplies the defaults). Both give the same
-    model (tests/test_target.py); the direct read skips importing and building
-    transformers' model class, about 1.7 s of every process that opens a torch engine."""
+    come straight from its safetensors when config.json states every field we read (as
+    transformers' save_pretrained writes it); otherwise, or for other weight files,
+    through transformers' own model (its config class supplies the defaults). Both give
+    the same model (tests/test_target.py); the direct read skips importing and building
+    transformers' model class, about 2 s of every process that opens a torch engine."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
