@@ -148,17 +148,20 @@ def main(argv=None) -> int:
         print(f"error: --peers {' '.join(unknown)}: not a mode of this engine "
               f"(it has {', '.join(map(str, engine.modes))})", file=sys.stderr)
         return 2
-    engine.generate(prompts[0], 4, mode, greedy)  # sessions warm
-    c1, alone = one_at_a_time(engine, prompts, args.max_new_tokens, mode, greedy)
-    cn, batched = concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy)
+    def both_ways(alone_mode, served_mode):
+        """Sessions warmed, then the prompts one at a time (alone_mode) and all in flight
+        through the scheduler (served_mode; None: the served default)."""
+        engine.generate(prompts[0], 4, alone_mode, greedy)
+        return (*one_at_a_time(engine, prompts, args.max_new_tokens, alone_mode, greedy),
+                *concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy,
+                            served_mode))
+
+    c1, alone, cn, batched = both_ways(mode, None)
     ratio = c1["wall_s"] / cn["wall_s"]
     ceiling = c1["wall_s"] / cn["prefill_s"]
     peers, identical = {}, alone == batched
     for peer in args.peers:
-        engine.generate(prompts[0], 4, peer, greedy)
-        p1, peer_alone = one_at_a_time(engine, prompts, args.max_new_tokens, peer, greedy)
-        pn, peer_batched = concurrent(engine, prompts, args.max_new_tokens, args.concurrency,
-                                      greedy, peer)
+        p1, peer_alone, pn, peer_batched = both_ways(peer, peer)
         # greedy: every mode commits the target's own tokens
         identical = identical and peer_alone == peer_batched == alone
         peers[peer] = {"c1": p1, f"c{args.concurrency}": pn,
