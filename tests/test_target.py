@@ -118,3 +118,50 @@ def test_weights_that_do_not_fit_the_config_are_refused_in_one_line(tmp_path, ti
     with pytest.raises(ModelError, match="weights do not match its config.json") as info:
         load_target(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_the_tokenizer_is_the_one_autotokenizer_gives(tmp_path, tiny_target, model_type):
+    """load_tokenizer skips AutoTokenizer where it would settle on TokenizersBackend anyway
+    (llama, mistral); a Qwen2 checkpoint (a class of its own in transformers' table) and one
+    naming code of its own still go through AutoTokenizer. Either way: AutoTokenizer's
+    tokenizer, the same class, vocabulary, special tokens, encodings and chat prompt."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from runtime.models import target as target_module
+
+    path = tmp_path / model_type
+    path.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_target / name, path / name)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert target_module._names_the_generic_tokenizer(path) == (model_type != "qwen2")
+    ours, theirs = target_module.load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(theirs)
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    text = tiny.stdlib_text()[:2000] + "<|im_start|>user\nhi<|im_end|>"
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+    chat = [{"role": "user", "content": "def f(x):"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "tok.Custom"]}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert not target_module._names_the_generic_tokenizer(path)
+
+
+def test_the_generic_tokenizer_types_are_transformers_own():
+    """GENERIC_TOKENIZER_TYPES restates transformers' table for the pinned version: each
+    type has no tokenizer class of its own and no known-wrong hub class."""
+    from transformers.models.auto import tokenization_auto
+
+    from runtime.models.target import GENERIC_TOKENIZER_TYPES
+
+    for model_type in GENERIC_TOKENIZER_TYPES:
+        assert tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+        assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS

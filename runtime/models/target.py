@@ -221,12 +221,42 @@ def load_hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32, gguf_file:
 
 def load_tokenizer(path: str | Path):
     """The target's tokenizer alone (backends that run exported graphs need no weights)."""
-    from transformers import AutoTokenizer
-
     try:
+        if _names_the_generic_tokenizer(Path(path)):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(path, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+
+
+# The model types whose checkpoints AutoTokenizer gives transformers' generic
+# TokenizersBackend when their tokenizer_config.json names it (its TOKENIZER_MAPPING_NAMES
+# has no class of their own; tests/test_target.py checks this against the pinned
+# transformers' table).
+GENERIC_TOKENIZER_TYPES = ("llama", "mistral")
+
+
+def _names_the_generic_tokenizer(path: Path) -> bool:
+    """Whether AutoTokenizer would settle on TokenizersBackend for this checkpoint: it names
+    that class and no code of its own, and its model type has no class of its own.
+    AutoTokenizer reads config.json through the model's config class and its own tables to
+    find that out (importing them takes ~2 s of every engine process's start), so such a
+    checkpoint gets TokenizersBackend directly; any other goes through AutoTokenizer.
+    tests/test_target.py checks that the two give the same tokenizer."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tokenizer_config, dict) and isinstance(config, dict)
+            and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in tokenizer_config and "auto_map" not in config
+            and config.get("model_type") in GENERIC_TOKENIZER_TYPES
+            and (path / "tokenizer.json").is_file())
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
