@@ -81,30 +81,43 @@ def _attention(q, k, v, visible, mask, scaling):
     return reference_attention(q, k, v, visible, mask, scaling).contiguous()
 
 
-_op = None
+# `sharpdraft::attention`'s schema: the tensors, then QueryScaling's fields flat (scaled
+# False: plain attention), as graphs and plugins carry them.
+SCHEMA = ("attention(Tensor q, Tensor k, Tensor v, Tensor visible, Tensor? mask, bool scaled, "
+          "int ref_keys, int top_k, float slope, float max_log_scale) -> Tensor")
+
+_library = None  # kept for the process's life: a torch Library drops its registrations when collected
 
 
 def register() -> None:
-    """Define the torch custom op `sharpdraft::attention` (idempotent). Called by
-    sharpdraft_attention on first use, so importing this module registers nothing."""
-    global _op
-    if _op is not None:
+    """Define the torch op `sharpdraft::attention` (idempotent). Called by
+    sharpdraft_attention on first use, so importing this module registers nothing.
+
+    Defined through torch.library's Library, with the fake kernel and the autograd
+    formula registered beside it: to torch.compile, torch.export and the ONNX exporter
+    this is the op torch.library.custom_op would make, without custom_op's guard around
+    the kernel, which imports torch._dynamo on the op's first eager call (~2 s of every
+    eager process's start) and adds tens of microseconds to every call."""
+    global _library
+    if _library is not None:
         return
+    library = torch.library.Library("sharpdraft", "DEF")
+    library.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+    library.impl("attention", _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("sharpdraft::attention", _fake, lib=library)
+    torch.library.register_autograd("sharpdraft::attention", _backward,
+                                    setup_context=_setup_context, lib=library)
+    _library = library
 
-    @torch.library.custom_op("sharpdraft::attention", mutates_args=())
-    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-           mask: torch.Tensor | None, scaled: bool, ref_keys: int, top_k: int,
-           slope: float, max_log_scale: float) -> torch.Tensor:
-        return _attention(q, k, v, visible, mask,
-                          _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale))
 
-    @op.register_fake
-    def _(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
-        # The kernel and the reference both return a contiguous tensor of q's shape.
-        return q.new_empty(q.shape)
+def _kernel(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
+    return _attention(q, k, v, visible, mask,
+                      _scaling_from_op_args(scaled, ref_keys, top_k, slope, max_log_scale))
 
-    op.register_autograd(_backward, setup_context=_setup_context)
-    _op = op
+
+def _fake(q, k, v, visible, mask, scaled, ref_keys, top_k, slope, max_log_scale):
+    # The kernel and the reference both return a contiguous tensor of q's shape.
+    return q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs, output):
