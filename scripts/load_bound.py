@@ -13,6 +13,9 @@ cheap batched decoding gets, c8 throughput over c1 stays under
 The peers (--peers, default target-only and n-gram lookup) run the same prompts the same
 two ways in the same run, each request naming its mode, so the default's figures sit
 beside theirs (`peers`, and `default_speedup`: a peer's wall time over the default's).
+With --repeats R the default and the peers run in R interleaved rounds (default, peers,
+default, peers, ...), so a drift in the machine's speed falls on every mode alike; each
+figure is then the median over the rounds, and every round is kept under `rounds`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -42,8 +46,23 @@ def parse(argv):
     p.add_argument("--peers", nargs="*", default=["target", "ngram"], metavar="MODE",
                    help="modes measured beside the default, the same two ways (default: "
                         "target ngram; none: --peers with no mode)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved rounds of the default and its peers; figures are their medians")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def medians(runs: list[dict]) -> dict:
+    """One run's figures as the median over `runs` (errors: all of them)."""
+    merged = {}
+    for key, value in runs[0].items():
+        values = [run[key] for run in runs]
+        merged[key] = (sum(values, []) if isinstance(value, list) else value
+                       if len(set(values)) == 1 else round(statistics.median(values), 3))
+    return merged
 
 
 def one_at_a_time(engine, prompts, new_tokens, mode, sampling) -> dict:
@@ -156,18 +175,28 @@ def main(argv=None) -> int:
                 *concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy,
                             served_mode))
 
-    c1, alone, cn, batched = both_ways(mode, None)
-    ratio = c1["wall_s"] / cn["wall_s"]
-    ceiling = c1["wall_s"] / cn["prefill_s"]
-    peers, identical = {}, alone == batched
-    for peer in args.peers:
-        p1, peer_alone, pn, peer_batched = both_ways(peer, peer)
-        # greedy: every mode commits the target's own tokens
-        identical = identical and peer_alone == peer_batched == alone
-        peers[peer] = {"c1": p1, f"c{args.concurrency}": pn,
-                       "throughput_ratio": round(p1["wall_s"] / pn["wall_s"], 3)}
-        print(f"peer {peer}: c1 {p1['wall_s']:.2f} s, c{args.concurrency} {pn['wall_s']:.2f} s",
-              file=sys.stderr)
+    modes = [None] + list(args.peers)  # None: the default
+    runs = {m: ([], []) for m in modes}
+    identical, n, reference = True, args.concurrency, None
+    for r in range(args.repeats):
+        for m in modes:
+            one, alone, many, batched = both_ways(mode if m is None else m, m)
+            # greedy: every mode, either way, commits the target's own tokens
+            reference = alone if reference is None else reference
+            identical = identical and alone == batched == reference
+            runs[m][0].append(one)
+            runs[m][1].append(many)
+            print(f"round {r + 1}/{args.repeats} {m or 'default'}: c1 {one['wall_s']:.2f} s, "
+                  f"c{n} {many['wall_s']:.2f} s", file=sys.stderr)
+    c1, cn = medians(runs[None][0]), medians(runs[None][1])
+
+    def median_ratio(tops, bottoms, field="wall_s"):
+        return round(statistics.median(a["wall_s"] / b[field] for a, b in zip(tops, bottoms)), 3)
+
+    ratio = median_ratio(*runs[None])
+    ceiling = median_ratio(*runs[None], field="prefill_s")
+    peers = {peer: {"c1": medians(runs[peer][0]), f"c{n}": medians(runs[peer][1]),
+                    "throughput_ratio": median_ratio(*runs[peer])} for peer in args.peers}
     report = {
         "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -176,17 +205,20 @@ def main(argv=None) -> int:
         "engine_dir": args.engine_dir, "mode_alone": str(mode), "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
         "c1": c1, f"c{args.concurrency}": cn,
-        "throughput_ratio": round(ratio, 3),
+        "throughput_ratio": ratio,
         "prefill_share_c1": round(c1["prefill_s"] / c1["wall_s"], 3),
         # decode free: c1's whole time over the prefill alone (which no batch shares)
-        "ceiling_if_decode_were_free": round(ceiling, 3),
+        "ceiling_if_decode_were_free": ceiling,
         "peers": peers,
-        # a peer's wall time over the default's, one at a time and at the concurrency
-        "default_speedup": {peer: {"c1": round(v["c1"]["wall_s"] / c1["wall_s"], 3),
-                                   f"c{args.concurrency}": round(
-                                       v[f"c{args.concurrency}"]["wall_s"] / cn["wall_s"], 3)}
-                            for peer, v in peers.items()},
+        # a peer's wall time over the default's in the same round, one at a time and at
+        # the concurrency (median over the rounds)
+        "default_speedup": {peer: {"c1": median_ratio(runs[peer][0], runs[None][0]),
+                                   f"c{n}": median_ratio(runs[peer][1], runs[None][1])}
+                            for peer in args.peers},
         "tokens_identical": identical,
+        "repeats": args.repeats,
+        "rounds": [{str(m or "default"): {"c1": runs[m][0][r], f"c{n}": runs[m][1][r]} for m in modes}
+                   for r in range(args.repeats)],
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"c1 {c1['wall_s']:.2f} s (prefill {c1['prefill_s']:.2f}), c{args.concurrency} "

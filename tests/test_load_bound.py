@@ -30,7 +30,23 @@ def test_the_default_and_its_peers_are_measured_alike(tiny_engine, tmp_path, cap
         assert figures["c1"]["tokens"] == figures["c2"]["tokens"] == 24
         assert figures["c2"]["errors"] == [] and figures["throughput_ratio"] > 0
     assert set(report["default_speedup"]["ngram"]) == {"c1", "c2"}
-    assert "peer target: c1" in capsys.readouterr().err
+    assert "round 1/1 target: c1" in capsys.readouterr().err
+
+
+def test_repeats_interleave_the_modes_and_report_medians(tiny_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "def f(x):\n    return x"}) + "\n")
+    out = tmp_path / "bound.json"
+    assert script().main(["--engine-dir", str(tiny_engine), "--prompts-file", str(prompts),
+                          "--requests", "2", "--max-new-tokens", "4", "--concurrency", "2",
+                          "--threads", "1", "--peers", "target", "--repeats", "3",
+                          "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    order = [line.split(":")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("round")]
+    assert order == [f"round {r}/3 {m}" for r in (1, 2, 3) for m in ("default", "target")]
+    assert report["repeats"] == 3 and len(report["rounds"]) == 3 and report["tokens_identical"]
+    walls = sorted(r["default"]["c2"]["wall_s"] for r in report["rounds"])
+    assert report["c2"]["wall_s"] == walls[1] and report["c2"]["tokens"] == 8
 
 
 def test_a_peer_the_engine_lacks_is_refused_in_one_line(tiny_engine, tmp_path, capsys):
