@@ -8,7 +8,10 @@ per arm, what running streams saw while another prompt joined:
   already decoding, over the gaps that overlap another request's join (its send to its
   first token);
 - itl_ms p50/p99 per request (AIPerf's inter-token latency: (last - first response) /
-  (tokens - 1)), and the gaps between consecutive responses p50/p99/max;
+  (tokens - 1); vLLM's and SGLang's serving benchmarks call this TPOT), and gap_ms, the
+  gaps between consecutive responses of every stream pooled, p50/p99/max (what vLLM's and
+  SGLang's serving benchmarks report as ITL: their percentiles run over every gap between
+  a stream's consecutive chunks, all requests together);
 - ttft_ms p50/p99 and output tokens/s;
 - tokens_identical: every stream's tokens equal between the arms (greedy: they must).
 
