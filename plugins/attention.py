@@ -86,7 +86,8 @@ def _attention(q, k, v, visible, mask, scaling):
 SCHEMA = ("attention(Tensor q, Tensor k, Tensor v, Tensor visible, Tensor? mask, bool scaled, "
           "int ref_keys, int top_k, float slope, float max_log_scale) -> Tensor")
 
-_library = None  # kept for the process's life: a torch Library drops its registrations when collected
+# Kept for the process's life: a torch Library drops its registrations when collected.
+_library = None
 
 
 def register() -> None:

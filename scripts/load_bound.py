@@ -47,7 +47,8 @@ def parse(argv):
                    help="modes measured beside the default, the same two ways (default: "
                         "target ngram; none: --peers with no mode)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="interleaved rounds of the default and its peers; figures are their medians")
+                   help="interleaved rounds of the default and its peers; figures are "
+                        "their medians")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -60,8 +61,12 @@ def medians(runs: list[dict]) -> dict:
     merged = {}
     for key, value in runs[0].items():
         values = [run[key] for run in runs]
-        merged[key] = (sum(values, []) if isinstance(value, list) else value
-                       if len(set(values)) == 1 else round(statistics.median(values), 3))
+        if isinstance(value, list):
+            merged[key] = sum(values, [])
+        elif len(set(values)) == 1:
+            merged[key] = value  # a count every round shares stays an integer
+        else:
+            merged[key] = round(statistics.median(values), 3)
     return merged
 
 
@@ -217,8 +222,8 @@ def main(argv=None) -> int:
                             for peer in args.peers},
         "tokens_identical": identical,
         "repeats": args.repeats,
-        "rounds": [{str(m or "default"): {"c1": runs[m][0][r], f"c{n}": runs[m][1][r]} for m in modes}
-                   for r in range(args.repeats)],
+        "rounds": [{m or "default": {"c1": runs[m][0][r], f"c{n}": runs[m][1][r]}
+                    for m in modes} for r in range(args.repeats)],
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"c1 {c1['wall_s']:.2f} s (prefill {c1['prefill_s']:.2f}), c{args.concurrency} "

@@ -42,7 +42,8 @@ def test_repeats_interleave_the_modes_and_report_medians(tiny_engine, tmp_path, 
                           "--threads", "1", "--peers", "target", "--repeats", "3",
                           "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    order = [line.split(":")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("round")]
+    err = capsys.readouterr().err.splitlines()
+    order = [line.split(":")[0] for line in err if line.startswith("round")]
     assert order == [f"round {r}/3 {m}" for r in (1, 2, 3) for m in ("default", "target")]
     assert report["repeats"] == 3 and len(report["rounds"]) == 3 and report["tokens_identical"]
     walls = sorted(r["default"]["c2"]["wall_s"] for r in report["rounds"])

@@ -145,7 +145,8 @@ def test_the_tokenizer_is_the_one_autotokenizer_gives(tmp_path, tiny_target, mod
     assert ours.special_tokens_map == theirs.special_tokens_map
     text = tiny.stdlib_text()[:2000] + "<|im_start|>user\nhi<|im_end|>"
     for special in (True, False):
-        assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+        assert (ours.encode(text, add_special_tokens=special)
+                == theirs.encode(text, add_special_tokens=special))
     chat = [{"role": "user", "content": "def f(x):"}]
     assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
@@ -163,5 +164,6 @@ def test_the_generic_tokenizer_types_are_transformers_own():
     from runtime.models.target import GENERIC_TOKENIZER_TYPES
 
     for model_type in GENERIC_TOKENIZER_TYPES:
-        assert tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+        own_class = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type)
+        assert own_class in (None, "TokenizersBackend")
         assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
