@@ -226,6 +226,30 @@ def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
     return out
 
 
+def read_turns(text: str, model: str | None = None) -> dict[str, dict]:
+    """The scheduler's turns from a Prometheus text scrape (sharpdraft_turn_seconds and
+    sharpdraft_turn_longest_seconds, runtime/serve/model.py), of `model` or every model:
+    kind -> count and seconds summed over instances, the longest over them."""
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        if not line.startswith("sharpdraft_turn_") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        body, value = rest.rsplit("}", 1)
+        labels = {k: v.strip('"') for k, v in (p.split("=", 1) for p in _label_parts(body))}
+        if model is not None and labels.get("model") != model:
+            continue
+        entry = out.setdefault(labels["kind"], {"count": 0, "seconds": 0.0, "longest": 0.0})
+        value = float(value.split()[0])
+        if name == "sharpdraft_turn_seconds_count":
+            entry["count"] += int(value)
+        elif name == "sharpdraft_turn_seconds_sum":
+            entry["seconds"] += value
+        elif name == "sharpdraft_turn_longest_seconds":
+            entry["longest"] = max(entry["longest"], value)
+    return out
+
+
 def _label_parts(body: str):
     # label values are ours (model, instance, mode, bucket names): no escaped quotes or commas
     return [p for p in body.split(",") if "=" in p]

@@ -158,6 +158,26 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_steps(engine):
             assert since_step[kind] <= CHUNK, log
 
 
+def test_the_scheduler_times_every_turn_the_running_rows_wait_on(engine):
+    """on_turn hears each turn by kind: the first prompt prefilled with no row running, the
+    long one's chunks and last part while a row ran, and every step (what the served
+    metrics export)."""
+    short, long_ = prompts([9, 300])
+    heard = []
+    outcomes, log = _events(engine, "sharpdraft",
+                            {"max_batch": 4, "prefill_chunk": CHUNK,
+                             "on_turn": lambda kind, seconds: heard.append((kind, seconds))},
+                            [(short, 60, "sharpdraft", Sampling(), 0),
+                             (long_, 6, "sharpdraft", Sampling(), 2)])
+    assert all(o.error is None for o in outcomes)
+    kinds = [kind for kind, _ in heard]
+    assert kinds[0] == "prefill" and kinds.count("prefill") == 1
+    assert kinds.count("chunk") == -(-300 // CHUNK) and kinds.count("join") == 1
+    assert kinds.index("join") > max(i for i, kind in enumerate(kinds) if kind == "chunk")
+    assert kinds.count("step") == sum(kind == "step" for kind, _ in log)
+    assert all(seconds > 0 for _, seconds in heard)
+
+
 def test_a_bad_request_fails_alone_while_another_prefills_in_chunks(engine):
     short, long_ = prompts([9, 300])
     jobs = [(short, 30, "sharpdraft", Sampling(), 0), (long_, 8, "sharpdraft", Sampling(), 1),

@@ -1,6 +1,7 @@
 """The paired bootstrap interval the bench reports for SharpDraft's MAL effect."""
 
 import numpy as np
+import pytest
 
 from runtime.metrics import paired_ratio_ci
 
@@ -104,3 +105,19 @@ def test_a_scrape_sums_instances_and_recomputes_mal():
     row, = speculation_delta(before, after)["rows"]
     assert (row["steps"], row["accepted_tokens"], row["beta_count"]) == (6, 14, 6)
     assert row["mean_beta"] == 1.5 and row["accepted_per_position"] == {"1": 6}
+
+
+def test_a_turns_scrape_sums_counts_and_keeps_the_longest_per_model():
+    from runtime.metrics import read_turns
+
+    rows = []
+    for model, instance, count, total, longest in (("m", "m_0", 3, 0.6, 0.3), ("m", "m_1", 2, 0.2, 0.5),
+                                                   ("other", "other_0", 9, 9.0, 4.0)):
+        labels = f'instance="{instance}",kind="chunk",model="{model}"'
+        rows += [f"sharpdraft_turn_seconds_count{{{labels}}} {count}",
+                 f"sharpdraft_turn_seconds_sum{{{labels}}} {total}",
+                 f'sharpdraft_turn_seconds_bucket{{{labels},le="1"}} {count}',
+                 f"sharpdraft_turn_longest_seconds{{{labels}}} {longest}"]
+    text = "# HELP x\n" + "\n".join(rows) + "\nsharpdraft_batch_peak_rows{model=\"m\"} 3\n"
+    assert read_turns(text, "m") == {"chunk": {"count": 5, "seconds": pytest.approx(0.8), "longest": 0.5}}
+    assert read_turns(text)["chunk"]["longest"] == 4.0 and read_turns(text)["chunk"]["count"] == 14

@@ -324,11 +324,11 @@ def test_a_request_names_its_mode_and_gets_what_generate_mode_gives(served, tiny
                 for e in events), []) == ref["tokens"]
 
 
-def _scrape(served) -> dict:
+def _scrape(served, read=None) -> dict:
     from runtime.metrics import read_speculation
 
     with urllib.request.urlopen(served["metrics"], timeout=30) as response:
-        return read_speculation(response.read().decode())
+        return (read or read_speculation)(response.read().decode())
 
 
 def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine):
@@ -345,7 +345,9 @@ def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine
     work = [(served["model"], LONG_PROMPT, 10, "sharpdraft"), (served["model"], repeated, 12, "hybrid"),
             (served["stream_model"], PROMPTS[1], 9, "sharpdraft"), (served["model"], PROMPTS[2], 7, "target"),
             (served["stream_model"], LONG_PROMPT + "\n", 11, "frozen")]
-    before = _scrape(served)
+    from runtime.metrics import read_turns
+
+    before, turns_before = _scrape(served), _scrape(served, read_turns)
     objects = []
     for model, prompt, n, mode in work:
         if model == served["stream_model"]:
@@ -365,7 +367,7 @@ def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine
             assert spec["mean_beta"] == pytest.approx(sum(gen.beta_per_step) / len(gen.beta_per_step))
             assert spec["visible_keys"] == gen.visible_per_step[-1]
         objects.append((model, mode, spec, gen))
-    after = _scrape(served)
+    after, turns_after = _scrape(served), _scrape(served, read_turns)
 
     assert any(s["mean_beta"] > 1.0 for _, _, s, _ in objects)  # SharpDraft scaled somewhere
     assert any(s["drafter_steps"] < s["verify_steps"] for _, m, s, _ in objects if m == "hybrid")
@@ -392,3 +394,13 @@ def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine
             got = sum(after[k]["accepted_per_position"].get(p, 0)
                       - before.get(k, {}).get("accepted_per_position", {}).get(p, 0) for k in keys)
             assert got == sum(a >= p for s, _ in mine for a in s["accepted_per_step"])
+
+    # the scheduler's turns (sharpdraft_turn_*): the requests ran one after another, so
+    # the steps taken are the steps they verified, and no prompt joined while a row ran
+    def turns(kind):
+        return (turns_after.get(kind, {}).get("count", 0)
+                - turns_before.get(kind, {}).get("count", 0))
+
+    assert turns("step") == sum(s["verify_steps"] for _, _, s, _ in objects)
+    assert turns("chunk") == turns("join") == 0 and turns("prefill") >= len(work)
+    assert turns_after["step"]["longest"] > 0 and turns_after["prefill"]["longest"] > 0

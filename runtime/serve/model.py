@@ -38,7 +38,7 @@ class TritonPythonModel:
 
         from runtime.engine import Engine
         from runtime.serve import protocol
-        from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
+        from runtime.serve.scheduler import TURNS, Cancelled, Job, QueueFull, StepScheduler
         from runtime.streaming import TextStream
 
         self.protocol, self.TextStream = protocol, TextStream
@@ -48,9 +48,10 @@ class TritonPythonModel:
         self.engine = Engine(engine_dir, backend=params.get("backend") or None, **placement)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         max_batch = int(params.get("max_batch", "1"))
-        self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")),
-                                       int(params.get("prefill_chunk", "0")))
         self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])
+        self.turns = _Turns(args["model_name"], args["model_instance_name"], TURNS)
+        self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")),
+                                       int(params.get("prefill_chunk", "0")), self.turns.observe)
         from runtime import metrics, modes
 
         self.speculation = _Speculation(args["model_name"], args["model_instance_name"],
@@ -179,6 +180,42 @@ class _BatchPeak:
         if rows > self.peak:
             self.peak = rows
             self.gauge.set(rows)
+
+
+class _Turns:
+    """How long the scheduler's turns make running streams wait (scheduler.TURNS: step,
+    chunk, join, prefill), per model and instance: the histogram sharpdraft_turn_seconds
+    {kind} and the gauge sharpdraft_turn_longest_seconds{kind}. A running stream waits one
+    prefill turn and one step between two responses, so with chunked prefill the longest
+    chunk + the longest step bound its worst gap under this server's own load
+    (scripts/chunked_prefill_ab.py reads them)."""
+
+    BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+    def __init__(self, model: str, instance: str, kinds):
+        labels = {"model": model, "instance": instance}
+        # families must outlive their metrics (see _BatchPeak): both are kept
+        self.families = [
+            pb_utils.MetricFamily(name="sharpdraft_turn_seconds",
+                                  kind=pb_utils.MetricFamily.HISTOGRAM,
+                                  description="seconds of one scheduler turn that running "
+                                              "streams wait on: a step, a prefill chunk, a "
+                                              "join's last part, a prefill with no budget"),
+            pb_utils.MetricFamily(name="sharpdraft_turn_longest_seconds",
+                                  kind=pb_utils.MetricFamily.GAUGE,
+                                  description="the longest scheduler turn of each kind so far")]
+        self.seconds, self.longest = {}, {}
+        for kind in kinds:
+            self.seconds[kind] = self.families[0].Metric(labels=labels | {"kind": kind},
+                                                         buckets=self.BUCKETS)
+            self.longest[kind] = [self.families[1].Metric(labels=labels | {"kind": kind}), 0.0]
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.seconds[kind].observe(seconds)
+        longest = self.longest[kind]
+        if seconds > longest[1]:
+            longest[1] = seconds
+            longest[0].set(seconds)
 
 
 class _Speculation:

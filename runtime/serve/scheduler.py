@@ -24,6 +24,13 @@ drafts with no drafter model (target-only, n-gram lookup), the step sets the dra
 drafts aside (Decoder.step's `aside`: a plain decode step for those rows, lossless), so a
 mode that stops paying under load steps aside within its running requests. A job that
 names the default batch's mode shares that batch, and so its steps aside.
+
+Every turn of the loop that makes the running rows wait is timed (TURNS: a step, a chunk
+of a joining prompt, a chunked join's last part, a prefill with no budget) and handed to
+`on_turn(kind, seconds)`. A running stream's gap between two responses is one prefill
+turn and one step, so the longest chunk and step bound what chunked prefill promises,
+measured under the server's own load (the Triton model exports them:
+runtime/serve/model.py).
 """
 
 from __future__ import annotations
@@ -31,11 +38,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from typing import Callable
 
 from runtime.decode import DraftKind, Request
 from runtime.modes import LOOKUP, Mode
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
+
+
+# What a turn of the loop did: a decode step of a batch; a chunk of a joining prompt, or a
+# chunked join's last part (the rows join, the first token), while rows were running; a
+# prefill with no budget (chunking off, or no row running: then nobody waits on it).
+TURNS = ("step", "chunk", "join", "prefill")
 
 
 class QueueFull(RuntimeError):
@@ -68,12 +82,14 @@ class Joining:
 
 class StepScheduler:
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 on_turn: Callable[[str, float], None] | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
             raise ValueError(f"max_batch must be >= 1, max_queue and prefill_chunk >= 0, got "
                              f"{max_batch}, {max_queue}, {prefill_chunk}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefill_chunk = prefill_chunk
+        self.on_turn = on_turn
         self.joining: collections.deque[Joining] = collections.deque()
         self.waiting: collections.deque[Job] = collections.deque()
         self.decoders: dict[str, object] = {}  # mode -> its Decoder
@@ -179,8 +195,11 @@ class StepScheduler:
             if budget is not None:
                 budget = 0 if last_part else budget - cost
             head.left -= cost
+            kind = "prefill" if budget is None else "chunk" if cost else "join"
+            start = time.perf_counter()
             try:
                 next(head.steps)
+                self._turn(kind, start)
                 continue  # a chunk done; the prompt joins later
             except StopIteration as joined:
                 seq = joined.value
@@ -188,8 +207,13 @@ class StepScheduler:
                 self.joining.popleft()
                 head.job.on_error(exc)
                 continue
+            self._turn(kind, start)
             self.joining.popleft()
             self._finish(seq, head.job)
+
+    def _turn(self, kind: str, start: float) -> None:
+        if self.on_turn is not None:
+            self.on_turn(kind, time.perf_counter() - start)
 
     def _default_batch(self) -> str | None:
         """The default batch's mode while it has rows (decoding or joining), else None."""
@@ -211,9 +235,10 @@ class StepScheduler:
         return drafter if at.drafter == LOOKUP else drafter | {DraftKind.ONE_HOT}
 
     def _step(self, decoder) -> None:
-        batch = list(decoder.active)
+        batch, start = list(decoder.active), time.perf_counter()
         try:
             decoder.step(self._aside(decoder))
+            self._turn("step", start)
         except Exception as exc:  # the step itself failed: every sequence in it fails
             for seq in batch:
                 self.jobs.pop(id(seq)).on_error(exc)
