@@ -6,7 +6,7 @@ the middle of a group and skipping a draft (an empty context)."""
 import pytest
 import torch
 
-from runtime.backends.onnxruntime import BoundDFlash, OnnxTarget
+from runtime.backends.onnxruntime import FIRST_SLOTS, BoundDFlash, OnnxTarget
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
 from runtime.decode import Request
 from runtime.models.layers import KVCache
@@ -88,6 +88,29 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
         want, want_features = single.verify(row)
         torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
         torch.testing.assert_close(features[i, :len(row)], want_features, atol=1e-4, rtol=0)
+
+
+def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(native_ort_engine):
+    """Rows of one capacity bucket share a buffer of FIRST_SLOTS rows: a row that needs
+    more capacity moves them into a longer buffer of as many rows, a row past its last
+    row into one of twice the rows; every row's verify logits still equal its
+    single-sequence ones."""
+    engine = native_ort_engine
+    batch = engine.loaded.batch_target()
+    prompts = [[4 + i] * (30 + i) for i in range(FIRST_SLOTS + 1)]  # capacities 35..43
+    assert len({capacity_bucket(len(p) + 5) for p in prompts}) == 1
+    for i, p in enumerate(prompts):
+        batch.add(p, len(p) + 5)  # each longer than the buffer holds: a longer buffer
+        group, = batch.groups
+        assert group.cache.capacity == len(p) + 5
+        assert group.cache.k.shape[1] == (FIRST_SLOTS if i < FIRST_SLOTS else 2 * FIRST_SLOTS)
+    rows = [[7, 8]] * len(prompts)
+    logits, _ = batch.verify(rows)
+    single = OnnxTarget(engine.loaded.sessions["target_kv"], engine.context_limit)
+    for i, (p, row) in enumerate(zip(prompts, rows)):
+        single.prefill(p, len(p) + 5)
+        want, _ = single.verify(row)
+        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
 
 
 def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):

@@ -603,6 +603,13 @@ class OnnxBatchEagle3(HostRows):
         return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
 
+# Buffer rows of a new RowGroup: serve's default --max-batch, so a batch of up to 8 rows in
+# one bucket never moves its rows into a bigger buffer (a regrowth copies every row's keys:
+# at 4,096 tokens, 4 rows' worth in the turn that joined the fifth). Spare rows cost no
+# memory until written.
+FIRST_SLOTS = 8
+
+
 class RowGroup:
     """Rows of a batch in one BoundKVCache with room for more rows (`slots`): `members`
     are their rows in the batch's order, member i in buffer row i; the first
@@ -692,14 +699,15 @@ class BoundRows:
         row, bucket = len(self.lengths), capacity_bucket(new.capacity)
         at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
         if at is None:
-            self.groups.append(RowGroup(self.session, self.single, new.capacity, slots=4,
-                                        tree_session=self.tree_session))
+            self.groups.append(RowGroup(self.session, self.single, new.capacity,
+                                        slots=FIRST_SLOTS, tree_session=self.tree_session))
             at = -1
-        elif not self.groups[at].fits(new.capacity):  # a larger buffer, twice the rows
+        elif not self.groups[at].fits(new.capacity):  # a larger buffer, or twice the rows
             old = self.groups[at]
+            slots = old.cache.k.shape[1]
             self.groups[at] = RowGroup(self.session, self.single,
                                        max(old.cache.capacity, new.capacity),
-                                       slots=2 * old.cache.k.shape[1],
+                                       slots=2 * slots if len(old.members) == slots else slots,
                                        tree_session=self.tree_session)
             for i, r in enumerate(old.members):
                 self.groups[at].put(r, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r])
