@@ -15,11 +15,18 @@ per arm, what running streams saw while another prompt joined:
 - ttft_ms p50/p99 and output tokens/s;
 - tokens_identical: every stream's tokens equal between the arms (greedy: they must).
 
-With --bound it also times, in this process, one chunk's prefill at the prompts' length
-(one turn of a chunked join between two steps: the target's chunk and the drafter's read
-of its features) and one decode step at the concurrency, for the issue's bound (the worst
-gap while joining <= one chunk's prefill + one step), and the join's last part on its
-own (the rows join, the first token). Run it on an idle machine:
+- turns_ms: the server's own scheduler turns over the arm (its metrics endpoint:
+  sharpdraft_turn_*, runtime/serve/model.py), per kind (step, chunk, join, prefill):
+  count, mean and longest.
+
+served_bound, from the chunked arm's turns: the issue's bound (the worst gap while joining
+<= one chunk's prefill + one step) with the longest chunk and the longest step the server
+itself timed under this load, and whether the worst gap kept within it. With --bound it
+also times, in this process, one chunk's prefill at the prompts' length (one turn of a
+chunked join between two steps: the target's chunk and the drafter's read of its
+features) and one decode step at the concurrency, and the join's last part on its own
+(the rows join, the first token): the same turns on an otherwise idle process, which run
+faster than in the loaded server. Run it on an idle machine:
 
     python scripts/chunked_prefill_ab.py --engine-dir engines/dflash-sharpdraft \
         --mode sharpdraft --tokens 4096 --concurrency 4 --requests 8 --max-new-tokens 64 \
@@ -144,6 +151,35 @@ def summarize(results: list[dict]) -> dict:
                                               for r in results) / sum(r["sharpdraft"]["verify_steps"] for r in results), 4)}
 
 
+def served_turns(metrics_port: int, model: str) -> dict:
+    """The server's scheduler turns for `model` (runtime.metrics.read_turns), in ms."""
+    import urllib.request
+
+    from runtime.metrics import read_turns
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        turns = read_turns(response.read().decode(), model)
+    return {kind: {"count": t["count"],
+                   "mean": round(t["seconds"] / t["count"] * 1000, 1) if t["count"] else None,
+                   "longest": round(t["longest"] * 1000, 1)}
+            for kind, t in sorted(turns.items())}
+
+
+def served_bound(arm: dict) -> dict:
+    """The issue's bound with the chunked arm's own turns: the longest chunk + the longest
+    step the server timed, and whether the worst gap while joining kept within it (a
+    join's last part longer than every chunk would break it: it takes a turn alone)."""
+    turns = arm["turns_ms"]
+    chunk, step = (turns.get(kind, {}).get("longest") or 0.0 for kind in ("chunk", "step"))
+    bound = round(chunk + step, 1)
+    worst = arm["worst_gap_while_joining_ms"]
+    return {"longest_chunk_ms": chunk, "longest_step_ms": step,
+            "longest_join_ms": turns.get("join", {}).get("longest"), "bound_ms": bound,
+            "worst_gap_while_joining_ms": worst,
+            "holds": None if worst is None else worst <= bound}  # None: no stream waited
+
+
 def timed_join(decoder, request, chunk: int) -> list[float]:
     """Seconds of each turn of a chunked join (Decoder.join, as the scheduler runs it
     between steps): one per chunk (the target's prefill of it, then the drafter's read of
@@ -163,7 +199,10 @@ def bound(args, prompt_ids: list[int]) -> dict:
     """One decode step of --concurrency rows, then three chunked joins of the prompt into
     that batch, timed in this process (medians of three): a full chunk's turn at the
     prompt's length (target + drafter), the join's last part, and their bound, one
-    chunk's prefill + one step."""
+    chunk's prefill + one step. Each joining request asks for one token, so it leaves
+    at its first, in its last part, as a finished request does: the three join into the
+    same buffer row, as joins at a steady concurrency do (a row never written before
+    costs this VM's first touch of its pages: 0.3-0.7 s at 4,096 tokens)."""
     from runtime.decode import Request
     from runtime.engine import Engine
 
@@ -179,7 +218,7 @@ def bound(args, prompt_ids: list[int]) -> dict:
         steps.append(time.perf_counter() - start)
     turns, last_parts = [], []
     for _ in range(3):
-        timed = timed_join(decoder, Request(prompt_ids, args.max_new_tokens), chunk)
+        timed = timed_join(decoder, Request(prompt_ids, 1), chunk)
         if len(timed) != chunks + 1 or chunks < 2:  # a join in one piece: nothing to time
             return {"error": f"a {len(prompt_ids)}-token prompt does not join in chunks of "
                              f"{chunk} on this engine's batch ({type(decoder.target).__name__})"}
@@ -234,6 +273,7 @@ def main(argv=None) -> int:
             try:
                 model = next(m for m in info["models"] if m.endswith("-stream"))
                 results = load(server.grpc_port, model, prompts, args)
+                turns = served_turns(server.metrics_port, model)
             finally:
                 server.stop(120)
             failed = [r["error"] for r in results if "error" in r]
@@ -241,10 +281,11 @@ def main(argv=None) -> int:
                 print(f"error: {len(failed)} of {len(results)} requests failed with --prefill-chunk "
                       f"{chunk}, e.g. {failed[0]}", file=sys.stderr)
                 return 1
-            report["arms"][arm] = summarize(results)
+            report["arms"][arm] = summarize(results) | {"turns_ms": turns}
             tokens[arm] = [r["ids"] for r in results]
             print(f"{arm}: {json.dumps(report['arms'][arm])}", file=sys.stderr)
         report["tokens_identical"] = len(set(json.dumps(t) for t in tokens.values())) == 1
+        report["served_bound"] = served_bound(report["arms"][f"chunk-{args.chunk}"])
         if args.bound:
             from runtime.engine import Engine
 
