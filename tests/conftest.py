@@ -43,6 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Back to one torch thread after every test: a test that runs a command's main() in
+    this process (scripts/load_bound.py, loadtest, overhead) sets torch's thread count for
+    the machine, and the worker's later tests then ran two threads beside the other
+    worker's on 2 cores (one sampling-law test: 3.4 s alone, 14.7 s after such a test)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     return tiny.make_target(tmp_path_factory.mktemp("target"))
