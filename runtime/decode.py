@@ -138,6 +138,7 @@ class Sequence:
     sampler: Sampler
     gen: Generation
     committed: int  # tokens in the target's cache; gen.tokens[-1] is not yet
+    prefilled: int = 0  # prompt tokens the target has prefilled so far (a chunked join)
     policy: DraftPolicy = dataclasses.field(default_factory=DraftPolicy)
     row: object = None  # the proposer's state for this row
     done: bool = False
@@ -215,6 +216,7 @@ class Decoder:
                     yield
                 with seq.gen.timed("prefill"):
                     part = prompt[begin:begin + chunk]
+                    seq.prefilled = begin + len(part)
                     if begin:
                         logits, features = single.prefill_more(part)
                         self.proposer.prefill_more(seq, features)

@@ -5,9 +5,11 @@ them all). Each keeps its per-row state on the Sequence (`seq.row`) and answers:
   prefill(seq, features), prefill_more(seq, features), join(seq)
                             -- add in parts (chunked prefill, Decoder.join): each chunk's
                                features right after the target computed them, then the
-                               row joins. By default the parts wait for join, which reads
-                               them in one piece (add): so chains (PARD, EAGLE-3) and
-                               trees; Block reads each part as it comes
+                               row joins. Block, Chain and Tree read each part as it
+                               comes (chains and trees pair a feature row with the token
+                               after it, so each part's newest row waits: PromptRead); by
+                               default the parts wait for join, which reads them in one
+                               piece (add)
   propose(batch)            -> a Proposal per row
   accept(seq, proposal, new, features) -- what the step committed (accepted drafts and
                                the target's token) and the target's features of them
@@ -194,6 +196,28 @@ class Block(Proposer):
 
 
 @dataclasses.dataclass
+class PromptRead:
+    """A drafter reading a prompt in parts (a chunked join): the prompt tokens read so
+    far, and the newest feature row, held until its token's part comes."""
+    drafter: object
+    read: int = 0
+    held: torch.Tensor | None = None
+
+    def part(self, seq: Sequence, features):
+        """The next tokens to read (up to what the target prefilled, seq.prefilled) and
+        their features, paired as ChainDrafter.read pairs them in one read of the prompt:
+        feature row i with the token after it, so the newest row waits for the next part.
+        None while there is nothing to pair (a first part of one token)."""
+        if features is not None:
+            features = features if self.held is None else torch.cat([self.held, features])
+            features, self.held = features[:-1], features[-1:]
+            if not len(features):
+                return None
+        ids, self.read = seq.request.prompt[self.read:seq.prefilled], seq.prefilled
+        return ids, features
+
+
+@dataclasses.dataclass
 class ChainRow:
     unread: list[int]  # committed tokens before the newest that the drafter has not read
     features: torch.Tensor | None  # the target's features of the newest unread tokens
@@ -215,6 +239,23 @@ class Chain(Proposer):
         if read and features is not None:
             features = features[-1:]
         seq.row = ChainRow(prompt[read:], features)
+
+    def prefill(self, seq, features):
+        # the drafter's prefill a part at a time, each right after the target's (a chunked
+        # join): its last part then reads no prompt; add() reads it in one piece
+        self.drafter.prefill(seq.committed + seq.budget, [], None)
+        seq.row = PromptRead(self.drafter)
+        self.prefill_more(seq, features)
+
+    def prefill_more(self, seq, features):
+        part = seq.row.part(seq, features)
+        if part is not None:
+            self.drafter.prefill_more(*part)
+
+    def join(self, seq):
+        self.drafter.join_prefilled()
+        read = seq.row  # as add() leaves the row: every prompt token read, the last feature held
+        seq.row = ChainRow(seq.request.prompt[read.read:], read.held)
 
     def remove(self, row):
         self.drafter.remove(row)
@@ -269,6 +310,21 @@ class Tree(Proposer):
             drafter.read(prompt[1:], features[:-1])
             features = features[-1:]
         seq.row = TreeRow(drafter, features, prompt[len(prompt) - len(features) + 1:])
+
+    def prefill(self, seq, features):
+        # as Chain.prefill: the row's own drafter reads the prompt a part at a time
+        drafter = self.make()
+        drafter.reset(seq.committed + seq.budget)
+        seq.row = PromptRead(drafter)
+        self.prefill_more(seq, features)
+
+    def prefill_more(self, seq, features):
+        part = seq.row.part(seq, features)
+        if part is not None:
+            seq.row.drafter.read(*part)
+
+    def join(self, seq):
+        seq.row = TreeRow(seq.row.drafter, seq.row.held, [])  # as add() leaves it
 
     def propose(self, batch):
         proposals = []

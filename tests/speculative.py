@@ -158,3 +158,45 @@ def assert_engine_rows_decode_as_alone(engine, prompts: list[list[int]], seqs: l
         assert seq.gen.beta_per_step == alone.beta_per_step
     first = [seq.gen.beta_per_step[0] for seq in seqs]
     assert len(set(first)) == 3 and min(first) > 1.0  # each row its own beta, all scaled
+
+
+def assert_chunked_join_drafts_as_whole(make_decoder, prompt: list[int], chunk: int, sampling,
+                                        tolerance: float = 0.0, reader=None) -> None:
+    """One request joined whole (Decoder.add) and in `chunk`-token parts (Decoder.join), each
+    alone on its own decoder from make_decoder(): the first step's proposals agree (tokens,
+    kind, visible keys, the draft distributions to `tolerance`, a tree's shape), so the
+    drafter read the prompt in parts into the state one read leaves. With `reader` (a class
+    whose `read` the drafter calls), every read happens in the parts, none in the join's last
+    part, and together they read the whole prompt."""
+    import pytest
+    import torch
+
+    reads, turns = [], []
+    whole_decoder, chunked_decoder = make_decoder(), make_decoder()
+    with pytest.MonkeyPatch.context() as m:
+        if reader is not None:
+            read = reader.read
+
+            def spy(self, ids, features=None):
+                reads.append((len(turns), len(ids)))
+                return read(self, ids, features)
+
+            m.setattr(reader, "read", spy)
+        whole = whole_decoder.add(Request(prompt, 8, sampling))
+        reads.clear()
+        joining = chunked_decoder.join(Request(prompt, 8, sampling), chunk)
+        while True:
+            try:
+                next(joining)
+                turns.append(1)
+            except StopIteration as joined:
+                chunked = joined.value
+                break
+    assert len(turns) == -(-len(prompt) // chunk) > 1  # it joined in parts, then a last part
+    if reader is not None:
+        assert len(reads) > 1 and all(turn < len(turns) for turn, _ in reads), reads
+        assert sum(n for _, n in reads) >= len(prompt) - 1
+    (a,), (b,) = (d.proposer.propose([s]) for d, s in ((whole_decoder, whole), (chunked_decoder, chunked)))
+    assert (a.tokens, a.kind, a.visible, a.tree) == (b.tokens, b.kind, b.visible, b.tree)
+    if a.q is not None:
+        torch.testing.assert_close(b.q, a.q, atol=tolerance, rtol=0)

@@ -13,15 +13,17 @@ import torch
 from runtime import decoders
 from runtime.backends.onnxruntime import HostKVCache
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                      TorchBatchTarget, TorchDFlash, TorchEagle3, TorchTarget)
-from runtime.backends.rows import RowBlockDrafters
+                                      TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
+                                      TorchTarget)
+from runtime.backends.rows import RowBlockDrafters, RowChainDrafters
 from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.modes import Mode
 from runtime.sampling import Sampler, Sampling
 from runtime.serve.scheduler import StepScheduler
 from runtime.tree import TreeShape
-from speculative import batch_decoder, chain_batch_decoder, generate_target_only
+from speculative import (assert_chunked_join_drafts_as_whole, batch_decoder, chain_batch_decoder,
+                         generate_target_only)
 from test_batched import SCALING
 from test_eagle3 import eagle_pair
 from test_scheduler import Outcome, prompts
@@ -326,9 +328,8 @@ def _eagle3_tree_pair():
                          ids=["dflash", "pard", "eagle3-chain", "eagle3-tree"])
 def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_drafter(pair):
     """Float64 torch roles, greedy: a 50-token prompt joining in chunks of 8 while another
-    row decodes (DFlash: the drafter reads each chunk; PARD and EAGLE-3 chains and trees:
-    their prefill still reads the prompt in one piece, at the join) gets the target's
-    own tokens, as does the row it joins."""
+    row decodes (every drafter reads each chunk right after the target's) gets the
+    target's own tokens, as does the row it joins."""
     decoder, target, _ = pair()
     other, prompt = prompts([6, 50])
     other, prompt = [t % 39 for t in other], [t % 39 for t in prompt]
@@ -341,6 +342,34 @@ def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_draf
     for seq, ids, n in ((running, other, 30), (joined, prompt, 20)):
         assert seq.error is None
         assert seq.gen.tokens == generate_target_only(single, ids, n, Sampler()).tokens
+
+
+@pytest.mark.parametrize("pair, reader, sampling", [
+    (_pard_pair, TorchPARD, Sampling(1.0, 1.0, seed=3)),
+    (_eagle3_chain_pair, TorchEagle3, Sampling(1.0, 1.0, seed=3)),
+    (_eagle3_tree_pair, TorchEagle3, Sampling())], ids=["pard", "eagle3-chain", "eagle3-tree"])
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_chain_and_tree_drafters_read_a_chunked_prompt_a_part_at_a_time(pair, reader, sampling, chunk):
+    """Float64 torch roles: a 50-token prompt joining in parts has the PARD or EAGLE-3
+    drafter read each part right after the target's (EAGLE-3 holding each part's newest
+    feature row until its token comes; one token alone waits for the next part), none in
+    the join's last part, and then draft as after one read of the whole prompt."""
+    prompt = [t % 39 for t in prompts([50])[0]]  # the pairs' vocabulary: 40 tokens
+    assert_chunked_join_drafts_as_whole(lambda: pair()[0], prompt, chunk, sampling, 1e-12, reader)
+
+
+def test_row_chain_drafters_read_a_chunked_prompt_a_part_at_a_time():
+    """RowChainDrafters (chain drafters with no batched form) likewise."""
+    target, drafter = eagle_pair(6, 40)
+    layers = drafter.config.feature_layers(target.config.num_layers)
+
+    def make():
+        return chain_batch_decoder(TorchBatchTarget(target, layers),
+                                   RowChainDrafters(lambda: TorchEagle3(drafter, SCALING, max_drafts=3)))
+
+    prompt = [t % 39 for t in prompts([50])[0]]
+    assert_chunked_join_drafts_as_whole(make, prompt, 8, Sampling(1.0, 1.0, seed=3), 1e-12,
+                                        TorchEagle3)
 
 
 def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_engine):

@@ -118,6 +118,21 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
     assert len({SCALING.beta(int(d.visible[0])) for d in got}) == 3  # each row its own beta
 
 
+def test_a_chunked_prompt_is_read_a_part_at_a_time(pair, graphs):
+    """OnnxBatchEagle3 under a chunked join: the drafter reads each chunk right after the
+    target's (each chunk's newest feature row held for the next), none in the join's last
+    part, and drafts as after one read (float32 graphs: within 1e-5)."""
+    from runtime.sampling import Sampling
+    from speculative import assert_chunked_join_drafts_as_whole
+
+    target = pair[0]
+    layers = layers_of(target, pair[1])
+    prompt = [(3 * i + i // 5) % 4 for i in range(40)]
+    assert_chunked_join_drafts_as_whole(
+        lambda: chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs)), prompt,
+        8, Sampling(1.0, 1.0, seed=3), 1e-5, OnnxEagle3)
+
+
 def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, monkeypatch):
     """A sequence beside one at another length that joins a step later (and a one-token
     prompt, whose drafter has read nothing, two steps later): the batch grows every chain

@@ -117,6 +117,20 @@ def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
     speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
 
 
+def test_an_onnx_pard_drafter_reads_a_chunked_prompt_a_part_at_a_time(pard_onnx_engine):
+    """OnnxBatchPARD under a chunked join (the engine's ONNX Runtime target, which has no
+    features for a PARD drafter): the drafter reads each chunk right after the target's,
+    none in the join's last part, and drafts as after one read (float32: within 1e-5)."""
+    from runtime.sampling import Sampling
+
+    engine = Engine(pard_onnx_engine)
+    assert type(engine.batch_decoder("sharpdraft").proposer.drafter).__name__ == "OnnxBatchPARD"
+    prompt = engine.encode(tiny.stdlib_text())[:150]
+    speculative.assert_chunked_join_drafts_as_whole(
+        lambda: engine.batch_decoder("sharpdraft", adaptive=False), prompt, 64,
+        Sampling(1.0, 1.0, seed=3), 1e-5, OnnxPARD)
+
+
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
     """The drafter graph exported again with beta in plain ONNX ops gives the plugin
     node's logits, with the per-row counts read from past_lens."""

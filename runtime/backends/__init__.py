@@ -270,10 +270,54 @@ class BatchChainDrafter(Protocol):
 
     def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None: ...
 
+    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        """add's first part: a new sequence's drafter reads the prompt's first tokens."""
+
+    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """The next tokens of the prompt (ChainDrafter.read's pairing), after those read."""
+
+    def join_prefilled(self) -> None:
+        """The sequence read in parts becomes the last row."""
+
     def draft(self, ids: list[list[int]], features: list, ks: list[int],
               samplers: list) -> list[ChainDraft | None]: ...
 
     def remove(self, row: int) -> None: ...
+
+
+class ChainPrefill:
+    """How a BatchChainDrafter prefills a joining sequence, in parts like BlockPrefill: a
+    single-sequence chain drafter (what `_reset(capacity)` readies and returns) reads the
+    prompt's tokens part by part (ChainDrafter.read: each entry written at the committed
+    length, from its token, its features and its position), then the row joins
+    (`_join_row`). So a prompt prefilling in chunks (Decoder.join) has the drafter read
+    each chunk right after the target's, and the join's last part holds no drafter pass
+    over the whole prompt; the parts leave the cache one read leaves (to rounding: a
+    part's projections are matmuls of another shape). add() is all three at once."""
+
+    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        self.prefill(capacity, ids, features)
+        self.join_prefilled()
+
+    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        self.reading = self._reset(capacity)
+        self.prefill_more(ids, features)
+
+    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
+        if ids:
+            self.reading.read(ids, features)
+
+    def join_prefilled(self) -> None:
+        self._join_row()
+        self.reading = None
+
+    def _reset(self, capacity: int):
+        """A single-sequence chain drafter with room for a row of `capacity`, empty."""
+        raise NotImplementedError
+
+    def _join_row(self) -> None:
+        """The drafter that read the prompt (`self.reading`) becomes the batch's last row."""
+        raise NotImplementedError
 
 
 class Loaded(Protocol):

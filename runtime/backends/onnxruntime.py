@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from runtime import modes
-from runtime.backends import BlockPrefill, ChainDraft, load_tokenizer
+from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, load_tokenizer
 from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
@@ -383,12 +383,13 @@ class HostRows:
             self.cache = None
 
 
-class OnnxBatchPARD(HostRows):
+class OnnxBatchPARD(ChainPrefill, HostRows):
     """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
-    length, counts and beta. A sequence reads its prompt alone (OnnxPARD.read), then
-    joins. (EAGLE-3's chains batch the same way: OnnxBatchEagle3.)"""
+    length, counts and beta. A sequence reads its prompt alone (OnnxPARD.read, whole or
+    in parts: ChainPrefill), then joins. (EAGLE-3's chains batch the same way:
+    OnnxBatchEagle3.)"""
 
     fused = True
 
@@ -399,10 +400,11 @@ class OnnxBatchPARD(HostRows):
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
 
-    def add(self, capacity: int, ids: list[int], features=None) -> None:
+    def _reset(self, capacity: int):
         self.single.reset(capacity + self.max_drafts + 1)  # + a padded row's real tokens
-        if ids:
-            self.single.read(ids)
+        return self.single
+
+    def _join_row(self) -> None:
         self._join_single()
 
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
@@ -531,7 +533,7 @@ class OnnxEagle3:
         return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
 
 
-class OnnxBatchEagle3(HostRows):
+class OnnxBatchEagle3(ChainPrefill, HostRows):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter), on graphs that take
     past_lens (takes_lengths): one HostKVCache row per sequence, each row's committed
     length fed as past_lens, as OnnxBatchPARD does. A step is one run of the causal
@@ -542,7 +544,8 @@ class OnnxBatchEagle3(HostRows):
     batch, ...], which the graph places after each row's own committed entries. So
     every row drafts at its own length, N and beta, each draft drawn by its row's own
     sampler (ChainDraft.grow_rows), as OnnxEagle3.draft drafts it alone. A sequence
-    reads its prompt alone (OnnxEagle3.read), then joins."""
+    reads its prompt alone (OnnxEagle3.read, whole or in parts: ChainPrefill), then
+    joins."""
 
     fused = True
 
@@ -553,10 +556,11 @@ class OnnxBatchEagle3(HostRows):
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
 
-    def add(self, capacity: int, ids: list[int], features) -> None:
+    def _reset(self, capacity: int):
         self.single.reset(capacity)
-        if ids:
-            self.single.read(ids, features)
+        return self.single
+
+    def _join_row(self) -> None:
         self._join_single()
 
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import BlockPrefill, ChainDraft, Drafting
+from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, Drafting
 from runtime.manifest import Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
@@ -304,11 +304,13 @@ def _chain_room(max_drafts: int) -> int:
     return 2 * max_drafts + 1
 
 
-class TorchBatchPARD:
+class TorchBatchPARD(ChainPrefill):
     """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (CacheGroups), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
-    own (causal over its own cache: StepMetadata.causal_visible), so its beta is too."""
+    own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
+    sequence reads its prompt alone (TorchPARD, whole or in parts: ChainPrefill), then
+    joins."""
 
     fused = True
 
@@ -319,10 +321,11 @@ class TorchBatchPARD:
         self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
-    def add(self, capacity: int, ids: list[int], features=None) -> None:
+    def _reset(self, capacity: int):
         self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-        if ids:
-            self.single.read(ids)
+        return self.single
+
+    def _join_row(self) -> None:
         self.caches.join(self.single.cache)
 
     @torch.inference_mode()
@@ -420,12 +423,13 @@ class TorchEagle3:
         return draft
 
 
-class TorchBatchEagle3:
+class TorchBatchEagle3(ChainPrefill):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
     (CacheGroups), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
-    entries, as TorchEagle3.draft leaves them."""
+    entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
+    (TorchEagle3, whole or in parts: ChainPrefill), then joins."""
 
     fused = True
 
@@ -435,10 +439,11 @@ class TorchBatchEagle3:
         self.vocab = self.single.vocab
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
-    def add(self, capacity: int, ids: list[int], features) -> None:
+    def _reset(self, capacity: int):
         self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-        if ids:
-            self.single.read(ids, features)
+        return self.single
+
+    def _join_row(self) -> None:
         self.caches.join(self.single.cache)
 
     @torch.inference_mode()

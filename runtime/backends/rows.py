@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.backends import ChainPrefill
 from runtime.step_metadata import padded_context
 
 
@@ -104,7 +105,7 @@ class RowBlockDrafters:
         self.rows.pop(row)
 
 
-class RowChainDrafters:
+class RowChainDrafters(ChainPrefill):
     """A BatchChainDrafter over one single-sequence ChainDrafter per row, made by
     `make()`: chain drafters with no batched form and a batch of one. A row with k = 0
     does not draft (None)."""
@@ -117,12 +118,14 @@ class RowChainDrafters:
         self.scaling, self.max_drafts = self.spare.scaling, self.spare.max_drafts
         self.rows: list = []
 
-    def add(self, capacity: int, ids: list[int], features) -> None:
+    def _reset(self, capacity: int):
+        """A new row's drafter, which reads the prompt (ChainPrefill: whole or in parts)."""
         drafter, self.spare = self.spare or self.make(), None
         drafter.reset(capacity)
-        if ids:
-            drafter.read(ids, features)
-        self.rows.append(drafter)
+        return drafter
+
+    def _join_row(self) -> None:
+        self.rows.append(self.reading)
 
     def draft(self, ids: list[list[int]], features: list, ks: list[int], samplers: list):
         return [d.draft(i, f, k, s) if k else None

@@ -9,7 +9,7 @@ batch (tensorrt) requests run one at a time on the same thread.
 
 Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt prefills at most
 prefill_chunk tokens between two steps of the running rows (Decoder.join: the target's
-chunk, then the block drafter's read of its features), and its last part (the rows
+chunk, then the drafter's read of it), and its last part (the rows
 join, the first token) takes a turn of its own, so a long prompt delays the others by a
 chunk per step instead of its whole prefill. With no row running there is nobody to
 delay, and joining prompts prefill whole.
@@ -179,10 +179,9 @@ class StepScheduler:
     def _prefill(self) -> None:
         """Prefill joining prompts: at most prefill_chunk tokens while rows are running,
         everything when none is (or chunking is off). A join's last part (the rows
-        joining and the first token; and the prompt's whole prefill of a drafter that
-        reads it in one piece, PARD and EAGLE-3) counts no tokens but takes a turn of
-        its own between two steps, not the last chunk's: so the running rows wait at most
-        one chunk's prefill, or the last part, per step."""
+        joining and the first token) counts no tokens but takes a turn of its own
+        between two steps, not the last chunk's: so the running rows wait at most one
+        chunk's prefill, or the last part, per step."""
         budget = self.prefill_chunk if self.prefill_chunk and self.running else None
         while self.joining:
             if budget is None and self.prefill_chunk and self.running:
