@@ -80,11 +80,16 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
     for p in prompts:
         batch.add(p, len(p) + 10)
     assert sorted(g.cache.capacity for g in batch.groups) == [20, 310]
-    rows = [[7, 8, 9], [8]]
+    assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8, 9], [8]], room=10)
+
+
+def assert_onnx_rows_verify_as_alone(engine, batch, prompts, rows, room: int) -> None:
+    """One verify of `rows` on the batch target gives each row the logits and features
+    of its prompt (capacity len + room) verified alone on a single-sequence target."""
     logits, features = batch.verify(rows)
     single = OnnxTarget(engine.loaded.sessions["target_kv"], engine.context_limit)
     for i, (p, row) in enumerate(zip(prompts, rows)):
-        single.prefill(p, len(p) + 10)
+        single.prefill(p, len(p) + room)
         want, want_features = single.verify(row)
         torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
         torch.testing.assert_close(features[i, :len(row)], want_features, atol=1e-4, rtol=0)
@@ -104,13 +109,7 @@ def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(nat
         group, = batch.groups
         assert group.cache.capacity == len(p) + 5
         assert group.cache.k.shape[1] == (FIRST_SLOTS if i < FIRST_SLOTS else 2 * FIRST_SLOTS)
-    rows = [[7, 8]] * len(prompts)
-    logits, _ = batch.verify(rows)
-    single = OnnxTarget(engine.loaded.sessions["target_kv"], engine.context_limit)
-    for i, (p, row) in enumerate(zip(prompts, rows)):
-        single.prefill(p, len(p) + 5)
-        want, _ = single.verify(row)
-        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
+    assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8]] * len(prompts), room=5)
 
 
 def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):
