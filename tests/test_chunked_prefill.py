@@ -393,3 +393,13 @@ def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_e
     assert all(v > 0 for v in got.values())
     assert abs(got["bound_ms"] - got["chunk_prefill_ms"] - got["step_ms"]) <= 0.11
     assert "does not join in chunks of 32" in script.bound(args, prompts([32])[0])["error"]
+    # served_bound: the chunked arm's longest chunk + longest step, from the server's turns
+    arm = {"worst_gap_while_joining_ms": 130.0,
+           "turns_ms": {"chunk": {"count": 4, "mean": 80.0, "longest": 100.0},
+                        "join": {"count": 1, "mean": 5.0, "longest": 5.0},
+                        "step": {"count": 9, "mean": 20.0, "longest": 40.0}}}
+    assert script.served_bound(arm) == {"longest_chunk_ms": 100.0, "longest_step_ms": 40.0,
+                                        "longest_join_ms": 5.0, "bound_ms": 140.0,
+                                        "worst_gap_while_joining_ms": 130.0, "holds": True}
+    assert script.served_bound(arm | {"worst_gap_while_joining_ms": 141.0})["holds"] is False
+    assert script.served_bound(arm | {"worst_gap_while_joining_ms": None})["holds"] is None
