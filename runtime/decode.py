@@ -138,13 +138,13 @@ class Sequence:
     sampler: Sampler
     gen: Generation
     committed: int  # tokens in the target's cache; gen.tokens[-1] is not yet
-    prefilled: int = 0  # prompt tokens the target has prefilled so far (a chunked join)
     policy: DraftPolicy = dataclasses.field(default_factory=DraftPolicy)
     row: object = None  # the proposer's state for this row
     done: bool = False
     error: str | None = None
     failure: BaseException | None = None  # what its on_tokens raised (a cancelled stream)
     started: float = 0.0
+    prefilled: int = 0  # prompt tokens the target has prefilled so far (a chunked join)
 
     @property
     def room(self) -> int:
