@@ -206,7 +206,7 @@ class Decoder:
         sampler = request.sampler or Sampler(request.sampling)
         self.proposer.check(sampler)
         seq = Sequence(request, budget, sampler, Generation(len(prompt)), len(prompt),
-                       self.policy(), started=time.perf_counter())
+                       policy=self.policy(), started=time.perf_counter())
         capacity = len(prompt) + budget + self.slack
         chunked = bool(chunk) and len(prompt) > chunk and hasattr(self.target, "join_prefilled")
         if chunked:  # the prompt prefills outside the batch's rows, then joins them
