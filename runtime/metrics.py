@@ -202,17 +202,11 @@ def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
     (model, mode, context bucket) -> counters, accepted per position, the beta
     histogram's count and sum, and MAL recomputed from the counters."""
     out: dict[tuple[str, str, str], dict] = {}
-    for line in text.splitlines():
-        if not line.startswith("sharpdraft_spec_") or "{" not in line:
-            continue
-        name, rest = line.split("{", 1)
-        body, value = rest.rsplit("}", 1)
-        labels = dict(part.split("=", 1) for part in _label_parts(body))
-        labels = {k: v.strip('"') for k, v in labels.items()}
+    for name, labels, value in _samples(text, "sharpdraft_spec_"):
         key = (labels.get("model", ""), labels.get("mode", ""), labels.get("context", ""))
         entry = out.setdefault(key, {c: 0.0 for c in SPEC_COUNTERS}
                                | {"accepted_per_position": {}, "beta_count": 0.0, "beta_sum": 0.0})
-        family, value = name[len("sharpdraft_spec_"):], float(value.split()[0])
+        family = name[len("sharpdraft_spec_"):]
         if family == "accepted_tokens_per_position_total":
             position = int(labels["position"])
             entry["accepted_per_position"][position] = entry["accepted_per_position"].get(position, 0) + value
@@ -231,16 +225,10 @@ def read_turns(text: str, model: str | None = None) -> dict[str, dict]:
     sharpdraft_turn_longest_seconds, runtime/serve/model.py), of `model` or every model:
     kind -> count and seconds summed over instances, the longest over them."""
     out: dict[str, dict] = {}
-    for line in text.splitlines():
-        if not line.startswith("sharpdraft_turn_") or "{" not in line:
-            continue
-        name, rest = line.split("{", 1)
-        body, value = rest.rsplit("}", 1)
-        labels = {k: v.strip('"') for k, v in (p.split("=", 1) for p in _label_parts(body))}
+    for name, labels, value in _samples(text, "sharpdraft_turn_"):
         if model is not None and labels.get("model") != model:
             continue
         entry = out.setdefault(labels["kind"], {"count": 0, "seconds": 0.0, "longest": 0.0})
-        value = float(value.split()[0])
         if name == "sharpdraft_turn_seconds_count":
             entry["count"] += int(value)
         elif name == "sharpdraft_turn_seconds_sum":
@@ -250,9 +238,18 @@ def read_turns(text: str, model: str | None = None) -> dict[str, dict]:
     return out
 
 
-def _label_parts(body: str):
-    # label values are ours (model, instance, mode, bucket names): no escaped quotes or commas
-    return [p for p in body.split(",") if "=" in p]
+def _samples(text: str, prefix: str):
+    """(name, labels, value) of each labelled sample of a Prometheus text scrape whose
+    name starts with `prefix`."""
+    for line in text.splitlines():
+        if not line.startswith(prefix) or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        body, value = rest.rsplit("}", 1)
+        # label values are ours (model, instance, mode, kind, bucket names): no escaped
+        # quotes or commas
+        labels = dict(p.split("=", 1) for p in body.split(",") if "=" in p)
+        yield name, {k: v.strip('"') for k, v in labels.items()}, float(value.split()[0])
 
 
 def speculation_delta(before: dict, after: dict) -> dict:

@@ -204,18 +204,17 @@ class _Turns:
             pb_utils.MetricFamily(name="sharpdraft_turn_longest_seconds",
                                   kind=pb_utils.MetricFamily.GAUGE,
                                   description="the longest scheduler turn of each kind so far")]
-        self.seconds, self.longest = {}, {}
-        for kind in kinds:
-            self.seconds[kind] = self.families[0].Metric(labels=labels | {"kind": kind},
-                                                         buckets=self.BUCKETS)
-            self.longest[kind] = [self.families[1].Metric(labels=labels | {"kind": kind}), 0.0]
+        self.seconds = {kind: self.families[0].Metric(labels=labels | {"kind": kind},
+                                                      buckets=self.BUCKETS) for kind in kinds}
+        self.longest_gauge = {kind: self.families[1].Metric(labels=labels | {"kind": kind})
+                              for kind in kinds}
+        self.longest = dict.fromkeys(kinds, 0.0)
 
     def observe(self, kind: str, seconds: float) -> None:
         self.seconds[kind].observe(seconds)
-        longest = self.longest[kind]
-        if seconds > longest[1]:
-            longest[1] = seconds
-            longest[0].set(seconds)
+        if seconds > self.longest[kind]:
+            self.longest[kind] = seconds
+            self.longest_gauge[kind].set(seconds)
 
 
 class _Speculation:
