@@ -3,6 +3,7 @@ drafts as the torch backend on one engine, with and without SharpDraft, in both
 attention forms; engines whose files changed are refused; the overhead command."""
 
 import json
+import mmap
 import shutil
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
-from runtime.backends.onnxruntime import HOST_PREFILL_CHUNK, BoundDFlash, OnnxDFlash, open_session
+from runtime.backends.onnxruntime import (HOST_PREFILL_CHUNK, BoundDFlash, BoundKVCache, OnnxDFlash,
+                                          open_session)
 from runtime.backends.pytorch import TorchDFlash
 from runtime.cli import run
 from runtime.engine import Engine
@@ -242,6 +244,32 @@ def test_target_steps_read_and_write_the_bound_cache_in_place(torch_engine, ort_
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.from_numpy(cache.v[:, :, :, :n]), theirs.cache.v[:, :, :, :n],
                                atol=1e-4, rtol=0)
+
+
+def vm_flags(array: np.ndarray) -> list[str]:
+    """The kernel's VmFlags of the mapping holding the middle of `array` (/proc/self/smaps;
+    numpy advises from the first whole page on, so its first page is a mapping apart)."""
+    address, inside = array.ctypes.data + array.nbytes // 2, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE"), reason="no madvise(MADV_NOHUGEPAGE) here")
+def test_kv_buffers_are_zeroed_writable_and_kept_off_huge_pages():
+    cache = BoundKVCache(capacity=512, layers=30, kv_heads=3, head_dim=64, batch=8)  # 94 MiB each
+    for buffer in (cache.k, cache.v):
+        assert buffer.flags.c_contiguous and buffer.flags.writeable and not buffer.any()
+        assert "nh" in vm_flags(buffer)  # madvise(MADV_NOHUGEPAGE) took
+        buffer[3, 5, 1, 7, 9] = 2.0
+        assert buffer.sum() == 2.0
+    numpys = np.zeros(cache.k.shape, np.float32)  # what numpy would have given: huge pages
+    assert "hg" in vm_flags(numpys) or not np._core.multiarray._get_madvise_hugepage()
 
 
 @pytest.mark.parametrize("length", [HOST_PREFILL_CHUNK, 2 * HOST_PREFILL_CHUNK + 1])
