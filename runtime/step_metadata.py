@@ -154,13 +154,31 @@ def _check_lengths(**lengths) -> None:
 
 
 def capacity_bucket(capacity: int) -> int:
-    """The batched backends' rule for which rows share a cache and a pass of each step:
-    those whose capacities round up to the same power of two. A row in a pass pays for
-    the pass's widest reach (the bound buffer's capacity in ONNX Runtime's graphs, the
-    longest row's length in torch's), so a 512-token row beside a 4,096-token one would
-    pay eight times its own attention; a pass more per bucket costs one more read of
-    the weights."""
+    """log2 of the power of two a capacity rounds up to: the compiled steps' static
+    capacities (runtime/compiled.py) and, from SHARED_CAPACITY up, the batched backends'
+    groups (row_group)."""
     return max(capacity - 1, 0).bit_length()
+
+
+# Rows of capacities up to this share one group: below it a pass more costs more than the
+# padded attention the shorter rows then pay. One step of 8 rows on the default engine
+# (ONNX Runtime, SmolLM2-135M, 2 cores; scripts/row_groups_ab.py, medians of 15): prompts
+# of 100-400 tokens 62.7 ms as groups of 256 and 512, 47.2 ms as one
+# (results/row-groups.json); of 100-900 tokens 73.4 ms as groups of 512 and 1,024, 62.8
+# as one (4 tokens a row: even; results/row-groups-long.json); of 200-1,900 tokens one
+# group of 2,048 no longer pays (4 tokens a row: 167.5 ms against 156.3 as two;
+# results/row-groups-2k.json).
+SHARED_CAPACITY = 1024
+
+
+def row_group(capacity: int) -> int:
+    """The batched backends' rule for which rows share a cache and a pass of each step:
+    those whose capacities round up to the same power of two, every capacity up to
+    SHARED_CAPACITY in one group. A row in a pass pays for the pass's widest reach (the
+    bound buffer's capacity in ONNX Runtime's graphs, the longest row's length in
+    torch's), so a 512-token row beside a 4,096-token one would pay eight times its own
+    attention; a pass more per group costs one more read of the weights."""
+    return capacity_bucket(max(capacity, SHARED_CAPACITY))
 
 
 def padded(rows: list[list[int]], fill: int = 0) -> list[list[int]]:

@@ -10,7 +10,7 @@ from runtime.backends.onnxruntime import FIRST_SLOTS, BoundDFlash, OnnxTarget
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
 from runtime.decode import Request
 from runtime.models.layers import KVCache
-from runtime.step_metadata import capacity_bucket
+from runtime.step_metadata import SHARED_CAPACITY, capacity_bucket, row_group
 
 from test_batched import SCALING
 from test_speculative import runners, tiny_pair
@@ -21,12 +21,19 @@ def test_capacity_buckets_are_powers_of_two():
         [0, 1, 2, 2, 3, 9, 10, 10, 13]
 
 
+def test_rows_up_to_the_shared_capacity_share_a_group_and_longer_ones_group_by_power_of_two():
+    assert SHARED_CAPACITY == 1024
+    assert {row_group(n) for n in (1, 20, 300, 513, 1024)} == {10}
+    assert [row_group(n) for n in (1025, 2048, 2049, 4176)] == [11, 11, 12, 13]
+
+
 def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
-    """Rows at 5 and 100 tokens: the short row's pass hands the op keys up to its own
-    length, not the long row's, and both rows' logits equal their single-sequence ones."""
-    target, drafter = tiny_pair(2, vocab=12, block=3, context=256)
+    """Rows at 5 and 1,100 tokens (past the capacity short rows share: SHARED_CAPACITY):
+    the short row's pass hands the op keys up to its own length, not the long row's, and
+    both rows' logits equal their single-sequence ones."""
+    target, drafter = tiny_pair(2, vocab=12, block=3, context=2048)
     batch = TorchBatchTarget(target, ())
-    prompts = [[1, 2, 3, 4, 5], list(range(1, 11)) * 10]
+    prompts = [[1, 2, 3, 4, 5], list(range(1, 11)) * 110]
     for p in prompts:
         batch.add(p, len(p) + 8)
     handed = []
@@ -38,7 +45,7 @@ def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
 
     monkeypatch.setattr(KVCache, "attend", recording)
     logits, _ = batch.verify([[7], [8, 9]])
-    assert sorted(set(handed)) == [(1, 5 + 1), (1, 100 + 2)]
+    assert sorted(set(handed)) == [(1, 5 + 1), (1, 1100 + 2)]
     single = TorchTarget(target, ())
     for i, (p, row) in enumerate(zip(prompts, ([7], [8, 9]))):
         single.prefill(p, len(p) + 8)
@@ -47,14 +54,14 @@ def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
 
 
 def test_torch_drafter_rows_in_two_groups_with_an_empty_context():
-    """Drafter rows at 3 and 100 cached features (two buckets), the first with an empty
+    """Drafter rows at 3 and 1,100 cached features (two buckets), the first with an empty
     context (a row that does not draft this step): each equals its own single call."""
-    target, drafter = tiny_pair(5, vocab=40, block=4, context=256)
+    target, drafter = tiny_pair(5, vocab=40, block=4, context=2048)
     _, single = runners(target, drafter, SCALING)
     batch = TorchBatchDFlash(drafter, target, SCALING)
     g = torch.Generator().manual_seed(0)
     features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
-                for n in (3, 100)]
+                for n in (3, 1100)]
     news = [features[0][:0], torch.randn(2, drafter.fc.in_features, generator=g,
                                          dtype=torch.float64)]
     want = []
@@ -65,22 +72,23 @@ def test_torch_drafter_rows_in_two_groups_with_an_empty_context():
         batch.add(len(f) + 8, f, 0)
     assert len(batch.caches.groups) == 2
     logits, visible = batch.draft(news, [5, 6])
-    assert visible.tolist() == [int(w[1]) for w in want] == [3 + 0 + 4, 100 + 2 + 4]
+    assert visible.tolist() == [int(w[1]) for w in want] == [3 + 0 + 4, 1100 + 2 + 4]
     for i, (w, _) in enumerate(want):
         torch.testing.assert_close(logits[i], w, atol=1e-12, rtol=0)
 
 
 def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
-    """A 10-token and a 300-token row: two buffers, each at its own row's capacity (the
+    """A 10-token and a 1,100-token row: two buffers, each at its own row's capacity (the
     graph reads a bound buffer to its capacity), and each row's verify logits equal its
-    single-sequence ones."""
+    single-sequence ones; a 300-token row shares the short row's (SHARED_CAPACITY)."""
     engine = native_ort_engine
     batch = engine.loaded.batch_target()
-    prompts = [list(range(4, 14)), [5, 6, 7] * 100]
+    prompts = [list(range(4, 14)), [5, 6, 7] * 366 + [5, 6], [8, 9, 10] * 100]
     for p in prompts:
         batch.add(p, len(p) + 10)
-    assert sorted(g.cache.capacity for g in batch.groups) == [20, 310]
-    assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8, 9], [8]], room=10)
+    assert sorted(g.cache.capacity for g in batch.groups) == [310, 1110]
+    assert sorted(len(g.members) for g in batch.groups) == [1, 2]
+    assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8, 9], [8], [9, 10]], room=10)
 
 
 def assert_onnx_rows_verify_as_alone(engine, batch, prompts, rows, room: int) -> None:
@@ -103,7 +111,7 @@ def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(nat
     engine = native_ort_engine
     batch = engine.loaded.batch_target()
     prompts = [[4 + i] * (30 + i) for i in range(FIRST_SLOTS + 1)]  # capacities 35..43
-    assert len({capacity_bucket(len(p) + 5) for p in prompts}) == 1
+    assert len({row_group(len(p) + 5) for p in prompts}) == 1
     for i, p in enumerate(prompts):
         batch.add(p, len(p) + 5)  # each longer than the buffer holds: a longer buffer
         group, = batch.groups
@@ -119,7 +127,7 @@ def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine
                          batch.vocab)
     g = torch.Generator().manual_seed(1)
     size = single.feature_size
-    features = [torch.randn(n, size, generator=g) for n in (6, 200)]
+    features = [torch.randn(n, size, generator=g) for n in (6, 1100)]
     news = [features[0][:0], torch.randn(3, size, generator=g)]
     want = []
     for f, new, bonus in zip(features, news, (5, 6)):
@@ -141,7 +149,7 @@ def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_or
     (the last row moves into the freed buffer row), later joins reuse it."""
     engine = native_ort_engine
     g = torch.Generator().manual_seed(7)
-    lengths, budgets = [30, 28, 35, 40, 300, 33, 38, 31], [3, 12, 2, 10, 8, 12, 4, 6]
+    lengths, budgets = [30, 28, 35, 40, 1100, 33, 38, 31], [3, 12, 2, 10, 8, 12, 4, 6]
     join_at = [0, 0, 0, 0, 0, 0, 1, 4]
     requests = [Request(torch.randint(4, 320, (n,), generator=g).tolist(), b)
                 for n, b in zip(lengths, budgets)]
@@ -150,3 +158,31 @@ def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_or
         alone = engine.generate(request.prompt, request.max_new_tokens, mode, stop=False,
                                 adaptive=False)
         assert seq.gen.tokens == alone.tokens
+
+
+def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_engine, tmp_path,
+                                                                       monkeypatch):
+    """scripts/row_groups_ab.py on the tiny engine: rows of 10, 300 and 1,100 tokens group
+    as two (shared up to 1,024) or three (up to 256) passes, each timed per repeat."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from runtime import step_metadata
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import row_groups_ab
+
+    monkeypatch.setattr(step_metadata, "SHARED_CAPACITY", step_metadata.SHARED_CAPACITY)
+    out = tmp_path / "groups.json"
+    assert row_groups_ab.main(["--engine-dir", str(native_engine), "--lengths", "10", "300",
+                               "1100", "--new-tokens", "4", "--repeats", "2", "--out",
+                               str(out)]) == 0
+    record = json.loads(out.read_text())
+    groups = {(r["shared_capacity"], r["tokens_per_row"]): r for r in record["rows"]}
+    assert set(groups) == {(s, w) for s in (256, 1024) for w in (1, 4)}
+    for width in (1, 4):
+        assert groups[256, width]["group_capacities"] == [14, 304, 1104]
+        assert groups[1024, width]["group_capacities"] == [304, 1104]
+        assert all(len(groups[s, width]["step_ms"]) == 2 for s in (256, 1024))
+    assert record["command"].startswith("python scripts/row_groups_ab.py --engine-dir")

@@ -46,7 +46,7 @@ from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
 from runtime.sampling import DraftVocab, log_softmax
-from runtime.step_metadata import StepMetadata, capacity_bucket, padded, padded_context
+from runtime.step_metadata import StepMetadata, padded, padded_context, row_group
 from runtime.tree import TreeShape, grow_tree, pack
 
 # The graph layout this runtime runs (build/export.py writes it into engine.json):
@@ -645,7 +645,7 @@ class RowGroup:
         self.session, self.layers, self.tree_session = session, single.layers, tree_session
         self.cache = BoundKVCache(capacity, single.layers, single.kv_heads, single.head_dim,
                                   batch=slots)
-        self.bucket = capacity_bucket(capacity)
+        self.bucket = row_group(capacity)
         self.members: list[int] = []
         self.binding = self.tree_binding = None
 
@@ -705,7 +705,7 @@ class RowGroup:
 
 class BoundRows:
     """A batch's rows in BoundKVCaches bound to `session`, one per capacity bucket
-    (RowGroup, capacity_bucket), `lengths` committed per row in the batch's order. A
+    (RowGroup, row_group), `lengths` committed per row in the batch's order. A
     step runs one pass per group, so each row reads a buffer near its own capacity
     rather than the batch's largest. A sequence joins as the last row (its one-sequence
     cache copied into its bucket's group) and leaves from any row; the steps between
@@ -717,7 +717,7 @@ class BoundRows:
     tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
 
     def _join(self, new: BoundKVCache) -> None:
-        row, bucket = len(self.lengths), capacity_bucket(new.capacity)
+        row, bucket = len(self.lengths), row_group(new.capacity)
         at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
         if at is None:
             self.groups.append(RowGroup(self.session, self.single, new.capacity,

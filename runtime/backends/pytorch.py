@@ -15,7 +15,7 @@ from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, Drafting
 from runtime.manifest import Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
-from runtime.step_metadata import capacity_bucket, padded, padded_context
+from runtime.step_metadata import padded, padded_context, row_group
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
@@ -140,7 +140,7 @@ class TorchPARD:
 
 
 class CacheGroups:
-    """A batch's rows in per-sequence KVCaches, one per capacity bucket (capacity_bucket):
+    """A batch's rows in per-sequence KVCaches, one per capacity bucket (row_group):
     a step runs one pass per group, so a row attends over its group's longest length, not
     the batch's. `members` of each group: its rows in the batch's order, one cache row
     each, in the same order. A sequence joins as the last row (copied into its bucket's
@@ -152,7 +152,7 @@ class CacheGroups:
         self.rows = 0
 
     def join(self, single) -> None:
-        bucket = capacity_bucket(single.capacity)
+        bucket = row_group(single.capacity)
         group = next((g for g in self.groups if g[0] == bucket), None)
         if group is None:
             group = (bucket, self.new_cache(), [])
