@@ -69,11 +69,11 @@ HOST_PREFILL_CHUNK = 128
 def cache_buffer(shape: tuple, dtype=np.float32) -> np.ndarray:
     """A zeroed cache buffer in 4 KiB pages. numpy advises the kernel to back any array
     over 4 MiB with 2 MiB huge pages (madvise MADV_HUGEPAGE), so the first write to each
-    2 MiB of a KV buffer stops to zero the whole huge page: a joining row's copy into a
-    fresh batch buffer took 0.2-1.0 s instead of ~5 ms on our 2-core VM, and 8 requests
-    in flight spent 2.0-3.2 s of 13-14 s in those copies (scripts/load_bound.py's c8; the
-    same run with 4 KiB pages: 0.1 s, c8 11.0-11.3 s). A cache fills a few rows at a time,
-    so it takes base pages, mapped as it is written."""
+    2 MiB of a KV buffer stops to zero the whole huge page: on our 2-core VM a joining
+    row's copy into a fresh batch buffer took 0.2-1.0 s instead of about 5 ms, and eight
+    requests in flight took 14.2 s in process before this and the shared row groups
+    (row_group), 10.2-10.7 s after (results/loadtest-mixed/bound-*.json). A cache fills
+    a few rows at a time, so it takes base pages, mapped as they are written."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if not size or not hasattr(mmap, "MADV_NOHUGEPAGE"):
         return np.zeros(shape, dtype=dtype)
@@ -638,8 +638,8 @@ class RowGroup:
     the next free buffer row and leaves by the last one moving into its place: one
     copy of one row's committed keys each. (Rebuilding the batch's buffer at every
     join and leave, as before, took 46 s of bench --batch 8's 320 at 512 / 4,096
-    tokens, beside 84 s of steps.) Spare rows cost no memory until written: np.zeros
-    maps its pages lazily."""
+    tokens, beside 84 s of steps.) Spare rows cost no memory until written: a
+    cache_buffer maps its pages as they are written."""
 
     def __init__(self, session, single, capacity: int, slots: int, tree_session=None):
         self.session, self.layers, self.tree_session = session, single.layers, tree_session
