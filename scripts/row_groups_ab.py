@@ -29,6 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None) -> int:
+    from runtime.cli import run
+
+    return run(_main, list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--lengths", type=int, nargs="+", default=[100, 200, 300, 400] * 2)
@@ -45,19 +51,14 @@ def main(argv=None) -> int:
     import torch
 
     from runtime import step_metadata
+    from runtime.cli import UsageError
     from runtime.engine import Engine
-    from runtime.manifest import EngineError
 
     torch.set_num_threads(args.threads)
-    try:
-        engine = Engine(args.engine_dir)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    engine = Engine(args.engine_dir)  # a bad engine: one line and exit 1 (runtime.cli.run)
     if engine.backend != "onnxruntime":
-        print(f"error: {args.engine_dir} runs on {engine.backend}; this compares ONNX Runtime's "
-              "row groups", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.engine_dir} runs on {engine.backend}; this compares ONNX "
+                         "Runtime's row groups")
     g = torch.Generator().manual_seed(0)
     vocab = len(engine.tokenizer)
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
              "step_ms_median": round(1000 * statistics.median(times[s, w]), 2),
              "step_ms": [round(1000 * t, 2) for t in times[s, w]]}
             for w in args.widths for s in args.shared]
-    record = {"command": "python scripts/row_groups_ab.py " + " ".join(argv or sys.argv[1:]),
+    record = {"command": "python scripts/row_groups_ab.py " + " ".join(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {args.threads} threads",
               "engine_dir": args.engine_dir, "lengths": args.lengths,

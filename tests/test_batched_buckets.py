@@ -161,7 +161,7 @@ def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_or
 
 
 def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_engine, tmp_path,
-                                                                       monkeypatch):
+                                                                       monkeypatch, capsys):
     """scripts/row_groups_ab.py on the tiny engine: rows of 10, 300 and 1,100 tokens group
     as two (shared up to 1,024) or three (up to 256) passes, each timed per repeat."""
     import json
@@ -186,3 +186,8 @@ def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_eng
         assert groups[1024, width]["group_capacities"] == [304, 1104]
         assert all(len(groups[s, width]["step_ms"]) == 2 for s in (256, 1024))
     assert record["command"].startswith("python scripts/row_groups_ab.py --engine-dir")
+    capsys.readouterr()
+    assert row_groups_ab.main(["--engine-dir", str(tmp_path / "no-engine"), "--out",
+                               str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "no-engine" in err
