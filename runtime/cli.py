@@ -62,6 +62,25 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def code_commit() -> str | None:
+    """The commit of the code measuring (`git rev-parse --short HEAD`, "-dirty" when
+    tracked files differ from it), for a result to say which code made it; None outside
+    a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
 def run(main, argv, debug_flag="--debug") -> int:
     """Call main(argv); turn expected failures into one line on stderr. Every command
     starts here, so this is where the process is made offline by construction: the loaders

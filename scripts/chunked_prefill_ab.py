@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     if args.chunk < 1 or args.concurrency < 1 or args.requests < 1:
         print("error: --chunk, --concurrency and --requests must be >= 1", file=sys.stderr)
         return 2
+    from runtime.cli import code_commit
+
     with tempfile.TemporaryDirectory(prefix="chunked-ab-") as tmp:
         work = Path(tmp)
         if args.prompts_file:
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
         report = {"command": "python scripts/chunked_prefill_ab.py " + " ".join(
                       argv if argv is not None else sys.argv[1:]),
                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "commit": code_commit(),
                   "engine_dir": args.engine_dir, "mode": args.mode, "tokens": args.tokens,
                   "concurrency": args.concurrency, "requests": args.requests,
                   "max_new_tokens": args.max_new_tokens, "chunk": args.chunk, "arms": {}}

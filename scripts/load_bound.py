@@ -154,6 +154,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
+    from runtime.cli import code_commit
     from runtime.engine import Engine
     from runtime.manifest import EngineError
     from runtime.sampling import Sampling
@@ -205,6 +206,7 @@ def main(argv=None) -> int:
     report = {
         "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": code_commit(),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "torch_threads": args.threads,
                     "python": platform.python_version(), "torch": torch.__version__},
         "engine_dir": args.engine_dir, "mode_alone": str(mode), "requests": args.requests,

@@ -51,7 +51,7 @@ def _main(argv: list[str]) -> int:
     import torch
 
     from runtime import step_metadata
-    from runtime.cli import UsageError
+    from runtime.cli import UsageError, code_commit
     from runtime.engine import Engine
 
     torch.set_num_threads(args.threads)
@@ -98,6 +98,7 @@ def _main(argv: list[str]) -> int:
             for w in args.widths for s in args.shared]
     record = {"command": "python scripts/row_groups_ab.py " + " ".join(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": code_commit(),
               "machine": f"{platform.machine()}, {args.threads} threads",
               "engine_dir": args.engine_dir, "lengths": args.lengths,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}

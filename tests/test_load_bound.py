@@ -1,10 +1,16 @@
 """scripts/load_bound.py on the tiny engine: the default mode one request at a time and
 all in flight through the serving scheduler, and each peer mode the same two ways in the
-same run, tokens identical everywhere (greedy); a peer the engine lacks is one error line."""
+same run, tokens identical everywhere (greedy); a peer the engine lacks is one error line;
+the code that measured is named by its commit (runtime.cli.code_commit)."""
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
+
+import pytest
+
+from runtime.cli import code_commit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +36,18 @@ def test_the_default_and_its_peers_are_measured_alike(tiny_engine, tmp_path, cap
         assert figures["c1"]["tokens"] == figures["c2"]["tokens"] == 24
         assert figures["c2"]["errors"] == [] and figures["throughput_ratio"] > 0
     assert set(report["default_speedup"]["ngram"]) == {"c1", "c2"}
+    assert report["commit"] == code_commit()
     assert "round 1/1 target: c1" in capsys.readouterr().err
+
+
+def test_code_commit_names_the_checkout_and_whether_it_differs():
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                              "--untracked-files=no"], capture_output=True, text=True).stdout
+    assert code_commit() == head.stdout.strip() + ("-dirty" if changed.strip() else "")
 
 
 def test_repeats_interleave_the_modes_and_report_medians(tiny_engine, tmp_path, capsys):
