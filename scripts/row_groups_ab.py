@@ -54,6 +54,8 @@ def _main(argv: list[str]) -> int:
     from runtime.cli import UsageError, code_commit
     from runtime.engine import Engine
 
+    if any(s < 1 or s & (s - 1) for s in args.shared):
+        raise UsageError(f"--shared takes powers of two, got {args.shared}")
     torch.set_num_threads(args.threads)
     engine = Engine(args.engine_dir)  # a bad engine: one line and exit 1 (runtime.cli.run)
     if engine.backend != "onnxruntime":
@@ -68,7 +70,7 @@ def _main(argv: list[str]) -> int:
     prompts = [ids(n) for n in args.lengths]
     batches = {}
     for shared in args.shared:  # each grouping's batch, its rows prefilled once
-        step_metadata.SHARED_CAPACITY = shared
+        step_metadata.SHARED_CAPACITY = shared  # row_group reads it as each row joins
         batch = engine.loaded.batch_target()
         for prompt in prompts:
             batch.add(prompt, len(prompt) + args.new_tokens)

@@ -165,13 +165,12 @@ def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_eng
     """scripts/row_groups_ab.py on the tiny engine: rows of 10, 300 and 1,100 tokens group
     as two (shared up to 1,024) or three (up to 256) passes, each timed per repeat."""
     import json
-    import sys
     from pathlib import Path
 
     from runtime import step_metadata
     from runtime.cli import code_commit
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     import row_groups_ab
 
     monkeypatch.setattr(step_metadata, "SHARED_CAPACITY", step_metadata.SHARED_CAPACITY)
@@ -193,3 +192,6 @@ def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_eng
                                str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "no-engine" in err
+    assert row_groups_ab.main(["--engine-dir", str(native_engine), "--shared", "300", "--out",
+                               str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == "error: --shared takes powers of two, got [300]\n"
