@@ -304,12 +304,25 @@ def _chain_room(max_drafts: int) -> int:
     return 2 * max_drafts + 1
 
 
-class TorchBatchPARD(ChainPrefill):
+class ChainRows(ChainPrefill):
+    """ChainPrefill over CacheGroups: the single-sequence drafter (`single`) reads the
+    prompt into a cache of its own, with the chain's room past the capacity, which then
+    joins the groups (`caches`)."""
+
+    def _reset(self, capacity: int):
+        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
+        return self.single
+
+    def _join_row(self) -> None:
+        self.caches.join(self.single.cache)
+
+
+class TorchBatchPARD(ChainRows):
     """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (CacheGroups), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
     own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
-    sequence reads its prompt alone (TorchPARD, whole or in parts: ChainPrefill), then
+    sequence reads its prompt alone (TorchPARD, whole or in parts: ChainRows), then
     joins."""
 
     fused = True
@@ -320,13 +333,6 @@ class TorchBatchPARD(ChainPrefill):
         self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
         self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
-
-    def _reset(self, capacity: int):
-        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-        return self.single
-
-    def _join_row(self) -> None:
-        self.caches.join(self.single.cache)
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
@@ -423,13 +429,13 @@ class TorchEagle3:
         return draft
 
 
-class TorchBatchEagle3(ChainPrefill):
+class TorchBatchEagle3(ChainRows):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
     (CacheGroups), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
     entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
-    (TorchEagle3, whole or in parts: ChainPrefill), then joins."""
+    (TorchEagle3, whole or in parts: ChainRows), then joins."""
 
     fused = True
 
@@ -438,13 +444,6 @@ class TorchBatchEagle3(ChainPrefill):
         self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
         self.vocab = self.single.vocab
         self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
-
-    def _reset(self, capacity: int):
-        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-        return self.single
-
-    def _join_row(self) -> None:
-        self.caches.join(self.single.cache)
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],

@@ -9,9 +9,9 @@ batch (tensorrt) requests run one at a time on the same thread.
 
 Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt prefills at most
 prefill_chunk tokens between two steps of the running rows (Decoder.join: the target's
-chunk, then the drafter's read of it), and its last part (the rows
-join, the first token) takes a turn of its own, so a long prompt delays the others by a
-chunk per step instead of its whole prefill. With no row running there is nobody to
+chunk, then the drafter's read of it), and its last part (the rows join, the first
+token) takes a turn of its own, so a long prompt delays the others by a chunk per step
+instead of its whole prefill. With no row running there is nobody to
 delay, and joining prompts prefill whole.
 
 A job that names no mode joins the default batch: the batch of the mode the last
