@@ -248,12 +248,14 @@ class Decoder:
         mode that stops paying under load aside for target-only or n-gram lookup): those
         rows verify no drafts, a plain decode step, as if every draft were rejected --
         lossless, and the proposer's state (a drafter's cache, its unread features) moves
-        on as after a rejection. Trees are never set aside."""
+        on as after a rejection. The proposer is told, so it need not draft what will be
+        dropped (Block: its drafter does not run while its drafts are set aside). Trees
+        are never set aside."""
         batch = self.active
         if not batch:
             return []
         with self._timed(batch, "draft"):
-            proposals = self.proposer.propose(batch)
+            proposals = self.proposer.propose(batch, aside)
         if aside and not self.proposer.drafts_trees:
             proposals = [Proposal() if p.kind in aside else p for p in proposals]
         with self._timed(batch, "verify"):

@@ -10,7 +10,8 @@ them all). Each keeps its per-row state on the Sequence (`seq.row`) and answers:
                                after it, so each part's newest row waits: PromptRead); by
                                default the parts wait for join, which reads them in one
                                piece (add)
-  propose(batch)            -> a Proposal per row
+  propose(batch, aside)     -> a Proposal per row; `aside`: the DraftKinds this step
+                               drops (Decoder.step), which a proposer need not draft
   accept(seq, proposal, new, features) -- what the step committed (accepted drafts and
                                the target's token) and the target's features of them
   remove(row)               -- a sequence left the batch
@@ -25,7 +26,10 @@ Block (DFlash): the drafter reads the target features of every token committed s
 last ran and drafts a block [bonus, d1 .. d(k)] in one pass, for the whole batch in one
 call. With n-gram assist (hybrid), a row whose context ends in an n-gram of 2+ tokens
 seen before verifies the lookup's drafts instead and skips the drafter; its unread
-features wait for the drafter's next step, so the drafter's cache stays exact.
+features wait for the drafter's next step, so the drafter's cache stays exact. While
+the step sets the drafter's drafts aside (the served default under load: target-only
+or n-gram), the drafter does not run at all; its rows' features wait, and the step
+that drafts again reads them first (Block._catch_up).
 
 Chain (PARD; EAGLE-3 with top_k 1): the drafter reads each row's tokens committed since
 its last step (and the target's features of them) and proposes up to K drafts per row,
@@ -86,7 +90,7 @@ class Proposer:
         parts, seq.row = seq.row, None
         self.add(seq, None if parts[0] is None else torch.cat(parts))
 
-    def propose(self, batch: list[Sequence]) -> list[Proposal]:
+    def propose(self, batch: list[Sequence], aside: frozenset = frozenset()) -> list[Proposal]:
         return [Proposal() for _ in batch]
 
     def accept(self, seq: Sequence, proposal: Proposal, new: list[int], features) -> None:
@@ -109,7 +113,7 @@ class Lookup(Proposer):
     def add(self, seq, features):
         seq.row = self.make()
 
-    def propose(self, batch):
+    def propose(self, batch, aside=frozenset()):
         proposals = []
         for s in batch:
             drafts = s.row.propose(s.tokens)[:s.room]
@@ -151,7 +155,10 @@ class Block(Proposer):
     def remove(self, row):
         self.drafter.remove(row)
 
-    def propose(self, batch):
+    def propose(self, batch, aside=frozenset()):
+        # drafter drafts set aside: the drafter does not run (its rows make plain decode
+        # steps, as Decoder.step's aside would leave them)
+        idle = DraftKind.GREEDY in aside
         proposals = []
         for s in batch:
             p, lookup = Proposal(), s.row.lookup
@@ -163,14 +170,17 @@ class Block(Proposer):
             # a lookup step: verify the lookup's drafts (maybe none: a plain decode step)
             if p.strong or not s.policy.use_drafter(s.committed):
                 p.kind = DraftKind.ONE_HOT
+            elif idle:
+                p = Proposal()  # the drafter's row, its drafts set aside: a plain step
             proposals.append(p)
-        drafting = [p.kind is DraftKind.NONE for p in proposals]  # the drafter drafts these
-        # A fused drafter (one call for the batch) runs every step and reads every row's
-        # features, so a row's context stays within one step's commits: the call pads
-        # every row to the widest context, and its cache holds a block past the budget.
-        # Drafters run row by row skip the rows that sit out (they read it all later).
+        drafting = [p.kind is DraftKind.NONE and not idle for p in proposals]
+        # A fused drafter (one call for the batch) runs every step it is not set aside and
+        # reads every row's features, so a row's context stays within one step's commits
+        # (_catch_up keeps it so after steps set aside): the call pads every row to the
+        # widest context, and its cache holds a block past the budget. Drafters run row
+        # by row skip the rows that sit out (they read it all later).
         fused = getattr(self.drafter, "fused", True)
-        if not (any(drafting) or fused):
+        if idle or not (any(drafting) or fused):
             return proposals
         contexts = []
         for s, drafts in zip(batch, drafting):
@@ -180,7 +190,10 @@ class Block(Proposer):
                 s.row.unread = []
             else:
                 contexts.append(unread[0][:0])
-        logits, visible = self.drafter.draft(contexts, [s.gen.tokens[-1] for s in batch])
+        bonuses = [s.gen.tokens[-1] for s in batch]
+        if fused:
+            contexts = self._catch_up(contexts, bonuses)
+        logits, visible = self.drafter.draft(contexts, bonuses)
         for i, (s, p) in enumerate(zip(batch, proposals)):
             if drafting[i]:
                 row = logits[i, :s.room]
@@ -190,6 +203,19 @@ class Block(Proposer):
                 p.visible = int(visible[i])
                 p.beta = beta_used(self.drafter, p.visible)
         return proposals
+
+    def _catch_up(self, contexts: list[torch.Tensor], bonuses: list[int]) -> list[torch.Tensor]:
+        """Features a fused drafter's rows left unread while its drafts were set aside,
+        read in passes of at most a block per row before the pass that drafts (their
+        blocks are scratch: a context key depends only on its token's features and
+        position). A pass then pads rows no wider than one step's commits do, so it
+        writes no further past a row's length than a step does (a torch cache writes
+        the padding). Returns what the drafting pass reads."""
+        piece = self.drafter.block_size
+        while max(len(c) for c in contexts) > piece:
+            self.drafter.draft([c[:piece] for c in contexts], bonuses)
+            contexts = [c[piece:] for c in contexts]
+        return contexts
 
     def accept(self, seq, proposal, new, features):
         seq.row.unread.append(features)
@@ -260,7 +286,7 @@ class Chain(Proposer):
     def remove(self, row):
         self.drafter.remove(row)
 
-    def propose(self, batch):
+    def propose(self, batch, aside=frozenset()):
         # no room: the last step is a plain decode step (k = 0: the row does not draft)
         ks = [min(self.drafter.max_drafts, s.room) if s.room > 0 else 0 for s in batch]
         drafts = self.drafter.draft([s.row.unread + s.gen.tokens[-1:] for s in batch],
@@ -326,7 +352,7 @@ class Tree(Proposer):
     def join(self, seq):
         seq.row = TreeRow(seq.row.drafter, seq.row.held, [])  # as add() leaves it
 
-    def propose(self, batch):
+    def propose(self, batch, aside=frozenset()):
         proposals = []
         for s in batch:
             row = s.row

@@ -11,7 +11,7 @@ from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
-from runtime.decode import Request
+from runtime.decode import DraftKind, Request
 from runtime.sampling import Sampler, Sampling
 from speculative import batch_decoder, generate_batch, generate_block, generate_target_only
 from runtime.step_costs import StepCosts
@@ -128,6 +128,44 @@ def test_batched_drafter_call_equals_separate_single_sequence_calls(window):
     assert visible.tolist() == [w[1] for w in want] == [3 + 1 + 4, 17 + 4 + 4, 40 + 2 + 4]
     for i, (w, _) in enumerate(want):
         torch.testing.assert_close(logits[i], w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_drafter_set_aside_does_not_run_and_reads_what_it_missed_when_it_drafts_again(window):
+    """Steps that set the drafter's drafts aside (the served default under load,
+    Decoder.step's aside) run no drafter pass; the first step that drafts again has
+    its rows read the features they missed first, a block at a time, and then drafts
+    what a drafter that ran every step (its drafts dropped) drafts: same N, same logits
+    (float64), same tokens committed."""
+    target, drafter = tiny_pair(11, vocab=40, block=4)
+    g = torch.Generator().manual_seed(3)
+    requests = [Request(torch.randint(0, 40, (n,), generator=g).tolist(), 30)
+                for n in (5, 20, 9)]
+    aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
+
+    def run(drafter_ignores_aside: bool):
+        batch_target, batch_drafter = batched(target, drafter, SCALING, window)
+        decoder = batch_decoder(batch_target, batch_drafter)
+        if drafter_ignores_aside:  # as before: it drafts every step, the step drops them
+            propose = decoder.proposer.propose
+            decoder.proposer.propose = lambda batch, aside=frozenset(): propose(batch)
+        for request in requests:
+            decoder.add(request)
+        passes, draft = [], batch_drafter.draft
+        batch_drafter.draft = lambda *a: passes.append(draft(*a)) or passes[-1]
+        for _ in range(7):  # 7 plain decode steps: 7 unread feature rows per row (> a block)
+            decoder.step(aside)
+        set_aside = len(passes)
+        decoder.step()
+        return set_aside, passes[set_aside:], [s.gen.tokens for s in decoder.active]
+
+    skipped, every_step = run(False), run(True)
+    assert skipped[0] == 0 and every_step[0] == 7
+    assert len(skipped[1]) == 2 and len(every_step[1]) == 1  # a block of catch-up, then the draft
+    (logits, visible), (want_logits, want_visible) = skipped[1][-1], every_step[1][0]
+    assert visible.tolist() == want_visible.tolist()
+    torch.testing.assert_close(logits, want_logits, atol=1e-10, rtol=0)
+    assert skipped[2] == every_step[2]
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():

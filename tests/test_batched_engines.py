@@ -104,3 +104,44 @@ def test_one_windowed_drafter_graph_call_gives_each_row_its_own_window(native_or
         torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)
     cut = [not torch.allclose(a, b, atol=1e-5) for a, b in zip(logits, got[None][0])]
     assert cut == [n + c > window for n, c in zip(lengths, news)] == [False, True, True]
+
+
+@pytest.mark.parametrize("engine, mode", [("ort_engine", "sharpdraft"),
+                                          ("native_ort_engine", "window-hybrid")])
+def test_a_drafter_set_aside_reads_what_it_missed_on_onnxruntime(engine, mode, request):
+    """ONNX Runtime's fused drafters (plugin-form graph; the native graph under the draft
+    window, with n-gram assist): steps that set the drafter's drafts aside run no
+    drafter pass, and the step that drafts again reads the rows' missed features a block
+    at a time (rows of unequal backlogs: some passes read nothing for a row), then drafts
+    as a drafter that ran every step does (N equal, logits to float32 rounding)."""
+    from runtime.decode import DraftKind
+
+    engine = request.getfixturevalue(engine)
+    requests = [Request(p, 40) for p in prompts(engine, [9, 130, 60])]
+    aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
+    runs = []
+    for drafter_ignores_aside in (False, True):
+        decoder = engine.batch_decoder(mode, adaptive=False)
+        if drafter_ignores_aside:  # as before: it drafts every step, the step drops them
+            propose = decoder.proposer.propose
+            decoder.proposer.propose = lambda batch, aside=frozenset(), p=propose: p(batch)
+        decoder.add(requests[0])
+        for _ in range(6):  # the first row's backlog grows before the others join
+            decoder.step(aside)
+        for r in requests[1:]:
+            decoder.add(r)
+        drafter = decoder.proposer.drafter
+        passes, draft = [], drafter.draft
+        drafter.draft = lambda *a, draft=draft: passes.append(draft(*a)) or passes[-1]
+        for _ in range(13):
+            decoder.step(aside)
+        set_aside = len(passes)
+        decoder.step()
+        runs.append((set_aside, passes[set_aside:], [s.gen.tokens for s in decoder.active]))
+    (skipped, resumed, tokens), (every_step, once, want_tokens) = runs
+    block = engine.loaded.block_size
+    assert skipped == 0 and every_step == 13
+    assert len(resumed) == -(-20 // block) and len(once) == 1  # 19 missed + this step's
+    assert resumed[-1][1].tolist() == once[0][1].tolist()
+    torch.testing.assert_close(resumed[-1][0], once[0][0], atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
