@@ -62,13 +62,13 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def code_commit() -> str | None:
+def code_commit(root: str | os.PathLike | None = None) -> str | None:
     """The commit of the code measuring (`git rev-parse --short HEAD`, "-dirty" when
     tracked files differ from it), for a result to say which code made it; None outside
-    a git checkout."""
+    a git checkout. `root`: another checkout's (an A/B's arm), else this code's."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args) -> str:
         return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
