@@ -42,11 +42,12 @@ def evaluation_prompt(engine, context: int, new_tokens: int) -> tuple[str, list[
     return docs[0].name, ids
 
 
-def measure_loaded(engine, prompt: list[int], new_tokens: int, batch: int, repeats: int,
+def measure_loaded(engine, prompts: list[list[int]], new_tokens: int, batch: int, repeats: int,
                    progress=None) -> dict[str, float]:
-    """{mode: tokens/s of `batch` rows of `prompt` decoding together} for the modes that
-    batch: every row joins (prefill untimed), then the steps until all are done are
-    timed; the median over `repeats`, modes interleaved, after an untimed warm-up."""
+    """{mode: tokens/s of `batch` rows decoding together} for the modes that batch, row r
+    a decode of prompts[r % len(prompts)]: every row joins (prefill untimed), then the
+    steps until all are done are timed; the median over `repeats`, modes interleaved,
+    after an untimed warm-up."""
     from runtime.decode import Request
 
     listed = [m for m in engine.modes if not engine.batch_refusal(m)]
@@ -54,8 +55,8 @@ def measure_loaded(engine, prompt: list[int], new_tokens: int, batch: int, repea
 
     def one(mode, n):
         decoder = decoders[mode]
-        for _ in range(batch):
-            decoder.add(Request(prompt, n))
+        for r in range(batch):
+            decoder.add(Request(prompts[r % len(prompts)], n))
         start, tokens = time.perf_counter(), 0
         while decoder.active:
             tokens += sum(len(s.gen.tokens) - 1 for s in decoder.step())  # less the prefill's token
@@ -76,42 +77,60 @@ def measure_loaded(engine, prompt: list[int], new_tokens: int, batch: int, repea
 
 
 def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeats: int = REPEATS,
-            progress=None, loaded_batch: int = LOADED_BATCH) -> dict:
-    """What engine.json's extra.default_mode holds: the fastest mode and how it was chosen."""
-    name, prompt = evaluation_prompt(engine, context, new_tokens)
+            progress=None, loaded_batch: int = LOADED_BATCH, prompts: list[list[int]] | None = None,
+            source: str | None = None) -> dict:
+    """What engine.json's extra.default_mode holds: the fastest mode and how it was chosen.
+    `prompts` (token ids, from `source`): one's own traffic instead of the evaluation
+    document -- every mode decodes each of them one stream at a time, and they are the
+    loaded batch's rows in turn -- so the default is the fastest for that traffic."""
+    if prompts:
+        room = engine.context_limit - new_tokens - 1
+        if room < 1:
+            raise UsageError(f"{engine.dir}: a context of {engine.context_limit} tokens leaves no "
+                             f"room for a prompt and {new_tokens} new tokens")
+        prompts = [p[-room:] for p in prompts]  # a decode continues a prompt's end
+        name, rows = source, prompts
+    else:
+        name, prompt = evaluation_prompt(engine, context, new_tokens)
+        prompts, rows = [prompt], [prompt[:min(LOADED_CONTEXT, len(prompt))]]
     listed = engine.modes
-    # One prefill per call, replayed for every run: the runs differ only
-    # in how they decode. The warm-up builds each mode's sessions and caches, untimed.
-    decode_from_one_prefill(engine, prompt, WARMUP_TOKENS, listed)
-    runs = decode_from_one_prefill(engine, prompt, new_tokens, listed, repeats)
+    # One prefill per prompt, replayed for every run: the runs differ only in how they
+    # decode. The warm-up builds each mode's sessions and caches, untimed.
+    decode_from_one_prefill(engine, prompts[0], WARMUP_TOKENS, listed)
+    gens = {mode: [] for mode in listed}
+    for i, prompt in enumerate(prompts):
+        for mode, runs in decode_from_one_prefill(engine, prompt, new_tokens, listed, repeats,
+                                                  rotation=i).items():
+            gens[mode] += runs
     medians = {}
-    for mode, gens in runs.items():
-        medians[str(mode)] = round(statistics.median(g.tokens_per_second for g in gens), 2)
+    for mode, runs in gens.items():
+        medians[str(mode)] = round(statistics.median(g.tokens_per_second for g in runs), 2)
         if progress:
             progress(f"      default mode: {mode} {medians[str(mode)]:.1f} tok/s (MAL "
-                     f"{statistics.fmean(g.mean_accepted_length for g in gens):.2f}, "
-                     f"{', '.join(f'{g.tokens_per_second:.1f}' for g in gens)})")
+                     f"{statistics.fmean(g.mean_accepted_length for g in runs):.2f}, "
+                     f"{', '.join(f'{g.tokens_per_second:.1f}' for g in runs[:8])})")
     best = max(medians, key=medians.get)
     by_batch = {"1": {"mode": best, "tokens_per_second": medians}}
     if loaded_batch > 1:
-        loaded = measure_loaded(engine, prompt[:min(LOADED_CONTEXT, len(prompt))], new_tokens,
-                                loaded_batch, repeats, progress)
+        loaded = measure_loaded(engine, rows, new_tokens, loaded_batch, repeats, progress)
         if loaded:
             by_batch[str(loaded_batch)] = {"mode": max(loaded, key=loaded.get),
                                            "tokens_per_second": loaded,
-                                           "context": min(LOADED_CONTEXT, len(prompt))}
+                                           "context": round(statistics.median(map(len, rows)))}
     return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, "backend": engine.backend,
-            "document": name, "context": len(prompt), "new_tokens": new_tokens, "repeats": repeats,
+            "document": name, "context": round(statistics.median(map(len, prompts))),
+            "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
             "rule": "fastest median greedy decode (prefill excluded) over the modes the engine "
-                    "lists, interleaved from one prefill, after an untimed warm-up; by_batch: the "
-                    "same at one stream and, for the modes that batch, a loaded batch"}
+                    "lists, interleaved from one prefill per prompt, after an untimed warm-up; "
+                    "by_batch: the same at one stream and, for the modes that batch, a loaded batch"}
 
 
-def record(engine_dir, progress=None, **settings) -> dict:
-    """Measure the default mode of the engine in `engine_dir` and write it to its engine.json."""
+def record(engine, progress=None, **settings) -> dict:
+    """Measure the default mode of `engine` (an Engine, or its directory) and write it to
+    its engine.json."""
     from runtime.engine import Engine
 
-    engine = Engine(engine_dir)
+    engine = engine if isinstance(engine, Engine) else Engine(engine)
     result = measure(engine, progress=progress, **settings)
     engine.manifest.extra["default_mode"] = result
     engine.manifest.write(engine.dir)

@@ -57,6 +57,34 @@ def test_dry_run_changes_nothing(engine_copy, capsys):
     assert (engine_copy / "engine.json").read_text() == before
 
 
+def test_default_mode_measures_on_ones_own_prompts(engine_copy, tmp_path, capsys, monkeypatch):
+    """--prompts-file: every mode decodes each prompt of the file (one stream), and the
+    loaded batch's rows are those prompts in turn; the record names the file."""
+    from runtime import measure
+
+    texts = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n\n\ndef main(",
+             "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"]
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    decoded, joined = [], []
+    real_one, real_loaded = measure.decode_from_one_prefill, measure.measure_loaded
+    monkeypatch.setattr(measure, "decode_from_one_prefill",
+                        lambda engine, prompt, *a, **k: decoded.append(prompt) or real_one(engine, prompt, *a, **k))
+    monkeypatch.setattr(measure, "measure_loaded",
+                        lambda engine, rows, *a, **k: joined.append(rows) or real_loaded(engine, rows, *a, **k))
+    assert main(["default-mode", "--engine-dir", str(engine_copy), "--prompts-file", str(path),
+                 "--new-tokens", "6", "--repeats", "1", "--loaded-batch", "2", "--dry-run"]) == 0
+    recorded = json.loads(capsys.readouterr().out)
+    engine = Engine(engine_copy)
+    ids = [engine.encode(t) for t in texts]
+    assert decoded == [ids[0]] + ids  # the warm-up, then each prompt
+    assert joined == [ids]
+    assert (recorded["document"], recorded["prompts"]) == (str(path), 3)
+    assert recorded["context"] == sorted(map(len, ids))[1]
+    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.modes]
+    assert recorded["by_batch"]["2"]["context"] == recorded["context"]
+
+
 @pytest.mark.parametrize("record, expected", [
     ({"mode": "hybrid", "backend": "torch"}, "hybrid"),
     ({"mode": "hybrid", "backend": "onnxruntime"}, "sharpdraft"),  # measured on another backend
@@ -77,6 +105,7 @@ def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_
 @pytest.mark.parametrize("flags, message", [
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--new-tokens", "600"], "leaves no room for a prompt and 600 new tokens"),
+    (["--prompts-file", "/nonexistent.jsonl"], "prompt file /nonexistent.jsonl does not exist"),
 ])
 def test_bad_default_mode_input_is_one_line(engine_copy, capsys, flags, message):
     code = run(main, ["default-mode", "--engine-dir", str(engine_copy)] + flags)

@@ -17,6 +17,7 @@ and both are recorded (by_batch); the served default follows the batch a request
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from runtime.cli import UsageError, progress
 from runtime.measure import CONTEXT, LOADED_BATCH, NEW_TOKENS, REPEATS, measure, record
@@ -28,6 +29,10 @@ def add_parser(sub):
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--context", type=int, default=CONTEXT,
                    help="prompt tokens from the evaluation split (clipped to the engine's context)")
+    p.add_argument("--prompts-file",
+                   help="measure on these prompts instead (one's own traffic): one prompt per "
+                        "line, or a .jsonl file of {\"text\": ...} objects, as loadtest reads them; "
+                        "each decoded one stream at a time, and the loaded batch's rows")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--loaded-batch", type=int, default=LOADED_BATCH,
@@ -35,6 +40,18 @@ def add_parser(sub):
                         "(1: one stream only; default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, change nothing")
     p.add_argument("--debug", action="store_true")
+
+
+def own_prompts(engine, path: Path) -> list[list[int]]:
+    """The token ids of a prompts file's prompts (loadtest's formats)."""
+    from runtime.commands.loadtest import read_prompts
+
+    if not path.is_file():
+        raise UsageError(f"prompt file {path} does not exist")
+    prompts = [ids for ids in map(engine.encode, read_prompts(path)) if ids]
+    if not prompts:
+        raise UsageError(f"prompt file {path} has no prompts")
+    return prompts
 
 
 def run(args) -> int:
@@ -45,11 +62,16 @@ def run(args) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
                 "loaded_batch": args.loaded_batch}
-    progress(f"default-mode: every mode of {args.engine_dir}, {args.repeats} repeat(s)")
+    engine = Engine(args.engine_dir)
+    if args.prompts_file:
+        settings |= {"prompts": own_prompts(engine, Path(args.prompts_file)),
+                     "source": args.prompts_file}
+    progress(f"default-mode: every mode of {args.engine_dir}, {args.repeats} repeat(s)" +
+             (f", {len(settings['prompts'])} prompts of {args.prompts_file}" if args.prompts_file else ""))
     if args.dry_run:
-        result = measure(Engine(args.engine_dir), progress=progress, **settings)
+        result = measure(engine, progress=progress, **settings)
     else:
-        result = record(args.engine_dir, progress=progress, **settings)
+        result = record(engine, progress=progress, **settings)
     print(json.dumps(result))
     progress(f"default-mode: {result['mode']}" + ("" if args.dry_run else
                                                    f" (recorded in {args.engine_dir}/engine.json)"))
