@@ -33,7 +33,8 @@ that drafts again reads them first (Block._catch_up).
 
 Chain (PARD; EAGLE-3 with top_k 1): the drafter reads each row's tokens committed since
 its last step (and the target's features of them) and proposes up to K drafts per row,
-for the whole batch in one call.
+for the whole batch in one call; while its drafts are set aside, one draft per row (the
+read is what its cache needs).
 
 Tree (EAGLE-3): each row's drafter grows a tree of drafts below the last committed token
 (runtime/tree.py); the target verifies each tree under its mask and keeps one path.
@@ -287,8 +288,12 @@ class Chain(Proposer):
         self.drafter.remove(row)
 
     def propose(self, batch, aside=frozenset()):
-        # no room: the last step is a plain decode step (k = 0: the row does not draft)
-        ks = [min(self.drafter.max_drafts, s.room) if s.room > 0 else 0 for s in batch]
+        # no room: the last step is a plain decode step (k = 0: the row does not draft).
+        # Drafts set aside: the drafter still reads every row's new tokens (its cache must
+        # follow them), but drafts one token, not K (an EAGLE-3 chain's links are passes
+        # of their own; PARD pads K - 1 rows); the step drops the draft.
+        most = 1 if DraftKind.GREEDY in aside else self.drafter.max_drafts
+        ks = [min(most, s.room) if s.room > 0 else 0 for s in batch]
         drafts = self.drafter.draft([s.row.unread + s.gen.tokens[-1:] for s in batch],
                                     [s.row.features for s in batch], ks,
                                     [s.sampler for s in batch])

@@ -168,6 +168,56 @@ def test_a_drafter_set_aside_does_not_run_and_reads_what_it_missed_when_it_draft
     assert skipped[2] == every_step[2]
 
 
+@pytest.mark.parametrize("family", ["pard", "eagle3"])
+def test_a_chain_drafter_set_aside_only_reads(family):
+    """A chain drafter under a step that sets its drafts aside still reads every row's
+    new tokens (its cache follows them) but drafts one token, not K; the step after
+    drafts as a drafter that drafted K every step does (same N, float64 logits equal),
+    and the tokens are the same."""
+    from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchPARD
+    from speculative import chain_batch_decoder
+    from test_eagle3 import eagle_pair
+    from tiny import float64_pard, float64_target
+
+    if family == "pard":
+        target, drafter = float64_target(4, 40, context=256), float64_pard(5, 40, context=256)
+        roles = lambda: (TorchBatchTarget(target, ()), TorchBatchPARD(drafter, 40, 3, SCALING))
+    else:
+        target, drafter = eagle_pair(6, 40)
+        layers = drafter.config.feature_layers(target.config.num_layers)
+        roles = lambda: (TorchBatchTarget(target, layers), TorchBatchEagle3(drafter, SCALING, 3))
+    g = torch.Generator().manual_seed(4)
+    requests = [Request(torch.randint(0, 40, (n,), generator=g).tolist(), 30) for n in (6, 17)]
+    aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
+    runs = []
+    for drafter_ignores_aside in (False, True):
+        decoder = chain_batch_decoder(*roles())
+        if drafter_ignores_aside:
+            propose = decoder.proposer.propose
+            decoder.proposer.propose = lambda batch, aside=frozenset(), p=propose: p(batch)
+        for request in requests:
+            decoder.add(request)
+        batch_drafter, ks, drafts = decoder.proposer.drafter, [], []
+        draft = batch_drafter.draft
+
+        def counting(ids, features, k, samplers, draft=draft):
+            ks.append(list(k))
+            drafts.append(draft(ids, features, k, samplers))
+            return drafts[-1]
+
+        batch_drafter.draft = counting
+        for _ in range(5):
+            decoder.step(aside)
+        decoder.step()
+        runs.append((ks, drafts[-1], [s.gen.tokens for s in decoder.active]))
+    (ks, last, tokens), (want_ks, want_last, want_tokens) = runs
+    assert ks == [[1, 1]] * 5 + [[3, 3]] and want_ks == [[3, 3]] * 6
+    for got, want in zip(last, want_last):
+        assert got.tokens == want.tokens and got.visible.tolist() == want.visible.tolist()
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-10, rtol=0)
+    assert tokens == want_tokens
+
+
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
     target, drafter = tiny_pair(7, vocab=12, block=4, sharpness=1.5)
     sampling = [Sampling(0.8, 0.9, seed=s) for s in (1, 2, 3)]
