@@ -315,3 +315,27 @@ def test_a_full_queue_refuses_plain_requests_and_the_others_finish(endpoint, lon
     for code, message in refused:
         assert str(code) == str(status) and "max_queue 1" in message and "\n" not in message
     assert served == [ref.tokens[:n]] * len(served)  # every admitted request ran to its end
+
+
+def test_the_ttft_script_times_every_path_against_this_server(endpoint, tiny_engine, tmp_path):
+    """scripts/ttft_paths.py against this module's server: a time to first token per
+    request through the OpenAI endpoint, the Triton gRPC stream and in process."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ttft_paths.py"
+    spec = importlib.util.spec_from_file_location("ttft_paths", script)
+    ttft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttft)
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "ttft.json"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    assert ttft.main(["--openai-url", endpoint["openai"], "--grpc-url",
+                      f"grpc://127.0.0.1:{endpoint['grpc_port']}", "--engine-dir", str(tiny_engine),
+                      "--prompts-file", str(prompts), "--requests", "3", "--new-tokens", "4",
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["ttft_s"]) == ["openai", "grpc", "in_process"]
+    for name, seconds in result["ttft_s"].items():
+        assert len(seconds) == 3 and all(0 < s < 60 for s in seconds)
+        assert abs(result["median_s"][name] - statistics.median(seconds)) < 1e-3
