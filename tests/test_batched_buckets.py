@@ -120,6 +120,43 @@ def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(nat
     assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8]] * len(prompts), room=5)
 
 
+def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(native_ort_engine,
+                                                                               monkeypatch):
+    """A prompt prefills straight into the buffer row it will hold (BoundRows._reserve):
+    joining copies no keys; a row that left while a prompt prefilled in parts moves the
+    joining row down one buffer row, a group emptied meanwhile comes back; every row
+    verifies as alone."""
+    from runtime.backends.onnxruntime import RowGroup
+
+    engine = native_ort_engine
+    batch = engine.loaded.batch_target()
+    puts, put = [], RowGroup.put
+    monkeypatch.setattr(RowGroup, "put", lambda self, *a: puts.append(a[0]) or put(self, *a))
+    prompts = [[4 + i] * (22 - i) for i in range(3)]  # the first sets the buffer's capacity
+    for p in prompts:
+        batch.add(p, len(p) + 5)
+    group, = batch.groups
+    late = [9] * 16
+    batch.single.prefill(late[:8], len(late) + 5)  # into buffer row 3
+    batch.remove(0)  # the last member moves into buffer row 0
+    del prompts[0]
+    batch.single.prefill_more(late[8:])
+    batch.join_prefilled()  # buffer row 3 -> 2
+    prompts.append(late)
+    assert puts == [] and batch.groups == [group] and group.members == [1, 0, 2]
+    assert_onnx_rows_verify_as_alone(engine, batch, prompts, [[7, 8]] * 3, room=5)
+
+    alone = engine.loaded.batch_target()
+    alone.add(prompts[0], len(prompts[0]) + 5)
+    first, = alone.groups
+    alone.single.prefill(late, len(late) + 5)  # into buffer row 1
+    alone.remove(0)  # the group empties and leaves the batch
+    assert alone.groups == []
+    alone.join_prefilled()
+    assert puts == [] and alone.groups == [first] and first.members == [0]
+    assert_onnx_rows_verify_as_alone(engine, alone, [late], [[7, 8]], room=5)
+
+
 def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):
     engine = native_ort_engine
     batch = engine.loaded.batch_drafter(engine.scaling)

@@ -149,6 +149,22 @@ class BoundKVCache:
         self.capacity = capacity
         self.length = 0
 
+    @classmethod
+    def row_of(cls, group: "RowGroup", slot: int) -> "BoundKVCache":
+        """A one-sequence cache that is buffer row `slot` of `group` (a view, no copy),
+        empty: a sequence prefilled into it joins the group without a copy
+        (BoundRows._reserve)."""
+        import onnxruntime
+
+        cache = cls.__new__(cls)
+        cache.k, cache.v = group.cache.k[:, slot:slot + 1], group.cache.v[:, slot:slot + 1]
+        wrap = onnxruntime.OrtValue.ortvalue_from_numpy
+        cache.k_values = [wrap(cache.k[i]) for i in range(cache.k.shape[0])]
+        cache.v_values = [wrap(cache.v[i]) for i in range(cache.v.shape[0])]
+        cache.capacity, cache.length = group.cache.capacity, 0
+        cache.group, cache.slot = group, slot
+        return cache
+
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
@@ -199,15 +215,17 @@ class OnnxTarget:
 
     STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
 
-    def __init__(self, session, context_limit: int, tree_session=None):
+    def __init__(self, session, context_limit: int, tree_session=None, reserve=None):
         self.session, self.tree_session = session, tree_session
         self.context_limit = context_limit
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.cache: BoundKVCache | None = None
         self.binding = self.tree_binding = None
+        self.reserve = reserve  # capacity -> the cache to prefill into (a batch's: BoundRows._reserve)
 
     def _new_cache(self, capacity: int) -> None:
-        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
+        self.cache = (self.reserve(capacity) if self.reserve is not None else
+                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
         self.binding = self.cache.bind(self.session)
         if self.tree_session is not None:
             self.tree_binding = self.cache.bind(self.tree_session)
@@ -661,6 +679,17 @@ class RowGroup:
         self.members.append(row)
         self._bind()
 
+    def attach(self, row: int, slot: int, length: int) -> None:
+        """Member `row`, prefilled in place in buffer row `slot` (BoundKVCache.row_of),
+        joins: it is the next free buffer row already, unless members left while it
+        prefilled (then it moves down, into rows touched before)."""
+        at = len(self.members)
+        if slot != at:
+            self.cache.k[:, at, :, :length] = self.cache.k[:, slot, :, :length]
+            self.cache.v[:, at, :, :length] = self.cache.v[:, slot, :, :length]
+        self.members.append(row)
+        self._bind()
+
     def take(self, row: int, length_of_last: int) -> None:
         """Member `row` leaves; the last member (`length_of_last` committed) moves into
         its buffer row."""
@@ -716,23 +745,46 @@ class BoundRows:
     lengths: list[int]
     tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
 
-    def _join(self, new: BoundKVCache) -> None:
-        row, bucket = len(self.lengths), row_group(new.capacity)
+    def _group_for(self, capacity: int) -> RowGroup:
+        """The group a row of `capacity` joins, with a free buffer row that holds it: its
+        bucket's group, remade larger if full or too short (a larger buffer, or twice the
+        rows; the members copied in), or a new group -- which joins self.groups only with
+        its first row (a step must not meet an empty group)."""
+        bucket = row_group(capacity)
         at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
         if at is None:
-            self.groups.append(RowGroup(self.session, self.single, new.capacity,
-                                        slots=FIRST_SLOTS, tree_session=self.tree_session))
-            at = -1
-        elif not self.groups[at].fits(new.capacity):  # a larger buffer, or twice the rows
-            old = self.groups[at]
+            return RowGroup(self.session, self.single, capacity, slots=FIRST_SLOTS,
+                            tree_session=self.tree_session)
+        old = self.groups[at]
+        if not old.fits(capacity):
             slots = old.cache.k.shape[1]
-            self.groups[at] = RowGroup(self.session, self.single,
-                                       max(old.cache.capacity, new.capacity),
+            self.groups[at] = RowGroup(self.session, self.single, max(old.cache.capacity, capacity),
                                        slots=2 * slots if len(old.members) == slots else slots,
                                        tree_session=self.tree_session)
             for i, r in enumerate(old.members):
                 self.groups[at].put(r, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r])
-        self.groups[at].put(row, new.k[:, 0], new.v[:, 0], new.length)
+        return self.groups[at]
+
+    def _reserve(self, capacity: int) -> BoundKVCache:
+        """The cache a sequence about to join prefills into: the next free row of its
+        group's buffer (BoundKVCache.row_of), so that joining copies nothing. A
+        4,096-token row is about 190 MB of keys and values; copied in at the join, into
+        a buffer row never touched before, it took up to 1.4 s of one turn on our VM
+        (results/chunked-prefill-ab-128-base-pages.json), every running stream waiting."""
+        group = self._group_for(capacity)
+        return BoundKVCache.row_of(group, len(group.members))
+
+    def _join(self, new: BoundKVCache) -> None:
+        """`new` becomes the batch's last row: a cache reserved in a group's buffer
+        (_reserve) is that buffer row already; any other is copied in."""
+        group = getattr(new, "group", None)
+        if group is None:
+            group = self._group_for(new.capacity)
+            group.put(len(self.lengths), new.k[:, 0], new.v[:, 0], new.length)
+        else:
+            group.attach(len(self.lengths), new.slot, new.length)
+        if group not in self.groups:  # new, or its last member left while this row prefilled
+            self.groups.append(group)
         self.lengths.append(new.length)
 
     def _group_lengths(self, group: RowGroup) -> list[int]:
@@ -742,6 +794,7 @@ class BoundRows:
         at = next(at for at, group in enumerate(self.groups) if row in group.members)
         group = self.groups[at]
         if len(group.members) == 1:
+            group.members.clear()  # a row reserved in its buffer may bring it back (_join)
             del self.groups[at]
         else:
             group.take(row, self.lengths[group.members[-1]])
@@ -752,12 +805,13 @@ class BoundRows:
 
 class OnnxBatchTarget(BoundRows):
     """target-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_len
-    [g]. A sequence is prefilled alone (OnnxTarget.prefill), then joins. An EAGLE-3
+    [g]. A sequence is prefilled alone (OnnxTarget.prefill) into the buffer row it
+    will hold (BoundRows._reserve), then joins without a copy. An EAGLE-3
     engine's target-tree.onnx (`tree_session`) verifies every row's draft tree in one
     pass per group over the same buffers (packs_trees: its graph takes a batch)."""
 
     def __init__(self, session, context_limit: int, tree_session=None):
-        self.single = OnnxTarget(session, context_limit)
+        self.single = OnnxTarget(session, context_limit, reserve=self._reserve)
         self.session, self.context_limit = session, context_limit
         self.tree_session = tree_session
         self.groups: list[RowGroup] = []
