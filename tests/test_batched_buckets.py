@@ -157,8 +157,14 @@ def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(
     assert_onnx_rows_verify_as_alone(engine, alone, [late], [[7, 8]], room=5)
 
 
-def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine):
+def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine, monkeypatch):
+    """Two drafter rows in two groups, each read straight into its buffer row (no copy
+    at the join); one step with one row's context empty equals each alone."""
+    from runtime.backends.onnxruntime import RowGroup
+
     engine = native_ort_engine
+    puts, put = [], RowGroup.put
+    monkeypatch.setattr(RowGroup, "put", lambda self, *a: puts.append(a[0]) or put(self, *a))
     batch = engine.loaded.batch_drafter(engine.scaling)
     single = BoundDFlash(batch.session, batch.block_size, batch.mask_token_id, batch.scaling,
                          batch.vocab)
@@ -172,7 +178,7 @@ def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine
         single.draft(f, batch.mask_token_id)
         want.append(single.draft(new, bonus))
         batch.add(len(f) + 8, f, 0)
-    assert len(batch.groups) == 2
+    assert len(batch.groups) == 2 and puts == []
     logits, visible = batch.draft(news, [5, 6])
     assert visible.tolist() == [int(w[1]) for w in want]
     for i, (w, _) in enumerate(want):

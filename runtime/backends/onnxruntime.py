@@ -957,16 +957,18 @@ class BoundDFlash:
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
-                 window: int | None = None):
+                 window: int | None = None, reserve=None):
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
         self.cache: BoundKVCache | None = None
         self.window_feed = window_feed(session, window)
+        self.reserve = reserve  # capacity -> the cache to read a prompt into (BoundRows._reserve)
 
     def reset(self, capacity: int) -> None:
-        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
+        self.cache = (self.reserve(capacity) if self.reserve is not None else
+                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
         self.binding = self.cache.bind(self.session)
 
     def draft(self, context: torch.Tensor, bonus: int):
@@ -993,12 +995,15 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
     features alone (BoundDFlash, whole or in parts: BlockPrefill), then joins. With a
     `window` (a graph that takes one: has_window), the graph gives each row the last
     `window` of its own context keys from its own past_lens + context_lens
-    (StepMetadata.block_window), so the window modes draft in one pass too."""
+    (StepMetadata.block_window), so the window modes draft in one pass too. Like the
+    target's, a prompt is read straight into the buffer row it joins as
+    (BoundRows._reserve)."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
                  window: int | None = None):
-        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab, window)
+        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab, window,
+                                  reserve=self._reserve)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.groups: list[RowGroup] = []
