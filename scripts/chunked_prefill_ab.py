@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from runtime.serve.repository import DEFAULT_PREFILL_CHUNK  # noqa: E402
+
 
 def start_server(args, chunk: int, work: Path):
     """The arm's server, ready: (its ServeProcess, serve's JSON line)."""
@@ -240,7 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--chunk", type=int, default=256, help="the chunked arm's --prefill-chunk")
+    p.add_argument("--chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="the chunked arm's --prefill-chunk (default: serve's, %(default)s)")
     p.add_argument("--bound", action="store_true", help="also time one chunk's prefill (target + drafter), one step and a join's last part")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -38,6 +38,6 @@ def test_the_chunked_prefill_script_stops_in_one_line_when_serve_does(tmp_path):
     spec.loader.exec_module(script)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "hello"}\n')
-    with pytest.raises(SystemExit, match=r"^error: serve --prefill-chunk 256 exited with 1 before ready$"):
+    with pytest.raises(SystemExit, match=r"^error: serve --prefill-chunk 128 exited with 1 before ready$"):
         script.main(["--engine-dir", str(tmp_path / "no-engine"), "--prompts-file", str(prompts),
                      "--out", str(tmp_path / "out.json"), "--requests", "1"])

@@ -46,9 +46,12 @@ DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 8, 64  # in-flight batching, per instance
 # Chunked prefill (scheduler.py): a joining prompt prefills this many target tokens between
 # two steps of the running rows (0: whole). A multiple of the ONNX Runtime target's own
 # prefill chunk (128, runtime/backends/onnxruntime.py: HOST_PREFILL_CHUNK), so a chunked
-# prefill there runs the very passes of a whole one; a few hundred tokens, as the field's
-# servers chunk. Not yet measured on an idle machine (scripts/chunked_prefill_ab.sh).
-DEFAULT_PREFILL_CHUNK = 256
+# prefill there runs the very passes of a whole one. 128, measured (scripts/
+# chunked_prefill_ab.py, 4,096-token prompts at concurrency 4, docs/serving.md): the
+# running streams' ITL p99 (AIPerf's, per request) 42.5-43.1% of a whole prefill's in
+# three runs, 59-104% at 256; the joining requests' TTFT p50 is the price (48-52 s
+# against 34 s at 256 there): --prefill-chunk 256 or 512 favours it.
+DEFAULT_PREFILL_CHUNK = 128
 
 
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
