@@ -82,12 +82,7 @@ def main(argv) -> int:
 
     if args.requests < 1 or args.new_tokens < 1:
         raise UsageError("--requests and --new-tokens must be >= 1")
-    path = Path(args.prompts_file)
-    if not path.is_file():
-        raise UsageError(f"prompt file {path} does not exist")
-    prompts = read_prompts(path)
-    if not prompts:
-        raise UsageError(f"prompt file {path} has no prompts")
+    prompts = read_prompts(args.prompts_file)
     prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
     paths = {}
     for name, measure in (("openai", lambda ps: openai_ttft(args.openai_url, ps, args.new_tokens)),

@@ -46,8 +46,6 @@ def own_prompts(engine, path: Path) -> list[list[int]]:
     """The token ids of a prompts file's prompts (loadtest's formats)."""
     from runtime.commands.loadtest import read_prompts
 
-    if not path.is_file():
-        raise UsageError(f"prompt file {path} does not exist")
     prompts = [ids for ids in map(engine.encode, read_prompts(path)) if ids]
     if not prompts:
         raise UsageError(f"prompt file {path} has no prompts")

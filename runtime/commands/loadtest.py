@@ -55,10 +55,17 @@ def add_parser(sub):
 
 
 def read_prompts(path) -> list[str]:
-    """A prompts file's prompts: a .jsonl file's "text" fields, else its non-blank lines."""
+    """A prompts file's prompts: a .jsonl file's "text" fields, else its non-blank lines;
+    a missing or empty file is a UsageError."""
     import json
+    from pathlib import Path
 
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"prompt file {path} does not exist")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"prompt file {path} has no prompts")
     if path.suffix != ".jsonl":
         return lines
     prompts = []
@@ -305,17 +312,7 @@ def run(args) -> int:
     for name in ("requests", "max_new_tokens", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.prompts_file:
-        from pathlib import Path
-
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise UsageError(f"prompt file {path} does not exist")
-        prompts = read_prompts(path)
-        if not prompts:
-            raise UsageError(f"prompt file {path} has no prompts")
-    else:
-        prompts = PROMPTS
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else PROMPTS
     probe = Client(args.url, args.model or "", args.timeout)
     try:
         model = args.model or pick_model(probe)
