@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 from runtime.cli import UsageError, code_commit, run  # noqa: E402
 
-PORTS = {"http": 18300, "grpc": 18301, "metrics": 18302}
 PEERS = ("target", "ngram")
 
 
@@ -51,42 +50,24 @@ def turn_sums(metrics: str) -> dict[str, float]:
     return sums
 
 
-class Server:
-    def __init__(self, code: Path, engine_dir: str, repo: Path, log: Path):
-        self.code, self.log = code, log
-        command = [str(code / ".venv/bin/python"), "-m", "runtime", "serve", "--engine-dir", engine_dir,
-                   "--model-repository", str(repo), "--streaming", "--instances", "1",
-                   "--max-batch", "8", "--start", "--json",
-                   *[a for kind, port in PORTS.items() for a in (f"--{kind}-port", str(port))]]
-        self.process = subprocess.Popen(command, cwd=code, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                get(f"http://127.0.0.1:{PORTS['http']}/v2/health/ready")
-                return
-            except OSError:
-                if self.process.poll() is not None:
-                    raise UsageError(f"the {code} server exited; see {log}")
-                time.sleep(2)
-        self.stop()
-        raise UsageError(f"the {code} server was not ready in 300 s; see {log}")
+def start_server(code: Path, engine_dir: str, repo: Path, log: Path):
+    """The arm's server (runtime/serve/launch.py: ServeProcess, run by the arm's own
+    checkout and interpreter), ready."""
+    from runtime.serve.launch import NotReady, ServeProcess
 
-    def metrics(self) -> str:
-        return get(f"http://127.0.0.1:{PORTS['metrics']}/metrics")
-
-    def stop(self) -> None:
-        self.process.send_signal(2)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        subprocess.run(["pkill", "-f", f"grpc-port={PORTS['grpc']}"], check=False)
-        time.sleep(3)
+    server = ServeProcess(engine_dir, repo, "--streaming", "--instances", "1", "--max-batch", "8",
+                          stderr=open(log, "w"), root=code, python=str(code / ".venv/bin/python"))
+    try:
+        server.wait_ready(300)
+    except NotReady as exc:
+        server.kill()
+        raise UsageError(f"the {code} server did not start ({exc}); see {log}") from None
+    return server
 
 
-def loadtest(code: Path, args, levels, mode: str | None, check: bool) -> dict:
+def loadtest(code: Path, server, args, levels, mode: str | None, check: bool) -> dict:
     command = [str(code / ".venv/bin/python"), "-m", "runtime", "loadtest",
-               "--url", f"grpc://127.0.0.1:{PORTS['grpc']}", "--concurrency", *map(str, levels),
+               "--url", f"grpc://127.0.0.1:{server.grpc_port}", "--concurrency", *map(str, levels),
                "--requests", str(args.requests), "--max-new-tokens", str(args.max_new_tokens),
                "--prompts-file", str(Path(args.prompts_file).resolve()), "--json"]
     if mode:
@@ -102,19 +83,22 @@ def loadtest(code: Path, args, levels, mode: str | None, check: bool) -> dict:
 def one_arm(name: str, code: Path, args, round_: int) -> dict:
     levels = args.concurrency
     repo = Path(f"/tmp/served-ab-{os.getpid()}-{name}-{round_}")
-    server = Server(code, args.engine_dir, repo, Path(f"/tmp/served-ab-{name}-{round_}.log"))
+    server = start_server(code, args.engine_dir, repo, Path(f"/tmp/served-ab-{name}-{round_}.log"))
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
     try:
-        loadtest(code, argparse.Namespace(**{**vars(args), "requests": 2, "max_new_tokens": 8}),
+        loadtest(code, server, argparse.Namespace(**{**vars(args), "requests": 2, "max_new_tokens": 8}),
                  [1], None, check=False)  # warm: sessions, arenas, the first batch
-        default = loadtest(code, args, levels[:-1], None, check=False) if len(levels) > 1 else None
-        before = turn_sums(server.metrics())
-        last = loadtest(code, args, levels[-1:], None, check=True)
-        after = turn_sums(server.metrics())
+        default = (loadtest(code, server, args, levels[:-1], None, check=False)
+                   if len(levels) > 1 else None)
+        before = turn_sums(get(metrics))
+        last = loadtest(code, server, args, levels[-1:], None, check=True)
+        after = turn_sums(get(metrics))
         runs = {"default": (default["levels"] if default else []) + last["levels"]}
         for peer in PEERS:
-            runs[peer] = loadtest(code, args, [levels[0], levels[-1]], peer, check=False)["levels"]
+            runs[peer] = loadtest(code, server, args, [levels[0], levels[-1]], peer,
+                                  check=False)["levels"]
     finally:
-        server.stop()
+        server.stop(grace=60)
     return {"arm": name, "round": round_, "commit": code_commit(code),
             "runs": {mode: {str(level["concurrency"]): level for level in levels_}
                      for mode, levels_ in runs.items()},

@@ -84,15 +84,16 @@ def main(argv) -> int:
         raise UsageError("--requests and --new-tokens must be >= 1")
     prompts = read_prompts(args.prompts_file)
     prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
-    paths = {}
-    for name, measure in (("openai", lambda ps: openai_ttft(args.openai_url, ps, args.new_tokens)),
-                          ("grpc", lambda ps: grpc_ttft(args.grpc_url, ps, args.new_tokens))):
+    # each path's first request is untimed: its channel or sessions, the first run of
+    # these shapes
+    paths, warm = {}, prompts[:1] + prompts
+    for name, measure in (("openai", lambda: openai_ttft(args.openai_url, warm, args.new_tokens)),
+                          ("grpc", lambda: grpc_ttft(args.grpc_url, warm, args.new_tokens))):
         progress(f"ttft: {name}, {len(prompts)} requests after one untimed")
-        measure(prompts[:1])  # its channel, the server's first run of these shapes
-        paths[name] = measure(prompts)
+        paths[name] = measure()[1:]
     progress(f"ttft: in process, {len(prompts)} prompts after one untimed")
-    in_process_ttft(args.engine_dir, prompts[:1])
-    mode, paths["in_process"] = in_process_ttft(args.engine_dir, prompts)
+    mode, seconds = in_process_ttft(args.engine_dir, warm)
+    paths["in_process"] = seconds[1:]
     result = {"command": "python scripts/ttft_paths.py " + " ".join(argv),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": code_commit(),
               "machine": {"cpus": os.cpu_count()}, "in_process_mode": mode,

@@ -138,30 +138,27 @@ class BoundKVCache:
     where it lies; a rollback is a length change."""
 
     def __init__(self, capacity: int, layers: int, kv_heads: int, head_dim: int, batch: int = 1):
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        self._hold(cache_buffer(shape), cache_buffer(shape), capacity)
+
+    def _hold(self, k: np.ndarray, v: np.ndarray, capacity: int) -> None:
+        """Buffers k, v [layers, batch, ...], each layer wrapped once, empty."""
         import onnxruntime
 
-        shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.k = cache_buffer(shape)
-        self.v = cache_buffer(shape)
         wrap = onnxruntime.OrtValue.ortvalue_from_numpy
-        self.k_values = [wrap(self.k[i]) for i in range(layers)]
-        self.v_values = [wrap(self.v[i]) for i in range(layers)]
-        self.capacity = capacity
-        self.length = 0
+        self.k, self.v = k, v
+        self.k_values = [wrap(k[i]) for i in range(k.shape[0])]
+        self.v_values = [wrap(v[i]) for i in range(v.shape[0])]
+        self.capacity, self.length = capacity, 0
 
     @classmethod
     def row_of(cls, group: "RowGroup", slot: int) -> "BoundKVCache":
         """A one-sequence cache that is buffer row `slot` of `group` (a view, no copy),
         empty: a sequence prefilled into it joins the group without a copy
         (BoundRows._reserve)."""
-        import onnxruntime
-
         cache = cls.__new__(cls)
-        cache.k, cache.v = group.cache.k[:, slot:slot + 1], group.cache.v[:, slot:slot + 1]
-        wrap = onnxruntime.OrtValue.ortvalue_from_numpy
-        cache.k_values = [wrap(cache.k[i]) for i in range(cache.k.shape[0])]
-        cache.v_values = [wrap(cache.v[i]) for i in range(cache.v.shape[0])]
-        cache.capacity, cache.length = group.cache.capacity, 0
+        cache._hold(group.cache.k[:, slot:slot + 1], group.cache.v[:, slot:slot + 1],
+                    group.cache.capacity)
         cache.group, cache.slot = group, slot
         return cache
 

@@ -1,6 +1,7 @@
 """`python -m runtime serve --start --json` as a child process on free loopback ports, for
 what drives a real server from outside: the serving tests (tests/served.py) and the
-chunked-prefill A/B (scripts/chunked_prefill_ab.py). The child runs in its own session,
+A/B scripts (scripts/chunked_prefill_ab.py; scripts/served_ab.py, whose arms are other
+checkouts). The child runs in its own session,
 so its process group can be signalled by its PID; ready is serve's JSON line (endpoints,
 models, the server's pid); stop is SIGTERM to that group, SIGKILL after a grace period.
 """
@@ -65,15 +66,17 @@ class ServeProcess:
     """`python -m runtime serve --engine-dir ENGINE --model-repository REPOSITORY --start
     --json FLAGS...` on three free loopback ports (http_port, grpc_port, metrics_port),
     started in its own session from the repository root; its stdout is read for the JSON
-    line, its stderr goes to `stderr` (a file; None: this process's)."""
+    line, its stderr goes to `stderr` (a file; None: this process's). `root` and `python`:
+    another checkout and its interpreter (an A/B's arm), else this one's."""
 
-    def __init__(self, engine_dir, repository, *flags: str, stderr=None):
+    def __init__(self, engine_dir, repository, *flags: str, stderr=None, root: Path = REPO_ROOT,
+                 python: str = sys.executable):
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
-        cmd = [sys.executable, "-m", "runtime", "serve", "--engine-dir", str(engine_dir),
+        cmd = [python, "-m", "runtime", "serve", "--engine-dir", str(engine_dir),
                "--model-repository", str(repository), "--start", "--json", *flags,
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--metrics-port", str(self.metrics_port)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        self.proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      start_new_session=True)
         self.info: dict = {}
         self._lines: queue.Queue = queue.Queue()

@@ -1,0 +1,54 @@
+"""scripts/served_ab.py: the per-arm medians it reports, and an arm whose server does not
+start (run by the arm's own checkout and interpreter: ServeProcess's root and python)
+ending the A/B in one line."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from runtime.cli import run
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("served_ab", REPO / "scripts" / "served_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _round(arm, default, target):
+    level = lambda tok_s: {"tokens_per_second": tok_s}
+    return {"arm": arm, "commit": arm + "-c", "token_mismatches": 0,
+            "runs": {"default": {"1": level(default[0]), "8": level(default[1])},
+                     "target": {"1": level(target[0]), "8": level(target[1])}}}
+
+
+def test_summary_takes_medians_over_rounds_per_arm():
+    rounds = [_round("a", (10, 20), (5, 10)), _round("b", (10, 15), (5, 5)),
+              _round("a", (12, 18), (6, 6)), _round("a", (8, 40), (4, 12)),
+              _round("b", (20, 20), (5, 5))]
+    summary = _script().summary(rounds, [1, 8])
+    assert summary["a"]["default"] == {"tokens_per_second": {"1": 10, "8": 20},
+                                       "c8_over_c1": 2.0}  # ratios 2.0, 1.5, 5.0
+    assert summary["a"]["target"]["c8_over_c1"] == 2.0  # 2.0, 1.0, 3.0
+    assert summary["b"]["default"] == {"tokens_per_second": {"1": 15, "8": 17.5},
+                                       "c8_over_c1": 1.25}
+    assert summary["b"]["commit"] == "b-c" and summary["a"]["token_mismatches"] == 0
+
+
+def test_an_arm_whose_server_does_not_start_ends_the_ab_in_one_line(tmp_path, capsys):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "engine.json").write_text(json.dumps({"not": "an engine"}))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    code = run(_script().main, ["--arm", f"here={REPO}", "--engine-dir", str(engine),
+                                "--prompts-file", str(prompts), "--rounds", "1",
+                                "--out", str(tmp_path / "ab.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[0] == f"round 1: here ({REPO})"  # progress, then one error line
+    assert len(err) == 2 and err[1].startswith(f"error: the {REPO} server did not start")
+    assert "see /tmp/" in err[1]
+    assert not (tmp_path / "ab.json").exists()
