@@ -43,6 +43,11 @@ def parse(argv):
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", choices=["torch", "onnxruntime"],
+                   help="run with this backend instead of the one engine.json names")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="torch backend: weights and KV caches in this dtype (bfloat16 runs "
+                        "its matrix multiplies on AMX where the CPU has it)")
     p.add_argument("--peers", nargs="*", default=["target", "ngram"], metavar="MODE",
                    help="modes measured beside the default, the same two ways (default: "
                         "target ngram; none: --peers with no mode)")
@@ -161,7 +166,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     try:
-        engine = Engine(args.engine_dir)
+        engine = Engine(args.engine_dir, backend=args.backend, dtype=args.dtype)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +214,8 @@ def main(argv=None) -> int:
         "commit": code_commit(),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "torch_threads": args.threads,
                     "python": platform.python_version(), "torch": torch.__version__},
-        "engine_dir": args.engine_dir, "mode_alone": str(mode), "requests": args.requests,
+        "engine_dir": args.engine_dir, "backend": engine.backend,
+        "dtype": args.dtype or engine.manifest.dtype, "mode_alone": str(mode), "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
         "c1": c1, f"c{args.concurrency}": cn,
         "throughput_ratio": ratio,

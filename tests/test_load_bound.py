@@ -74,3 +74,15 @@ def test_a_peer_the_engine_lacks_is_refused_in_one_line(tiny_engine, tmp_path, c
                           "--peers", "target", "warp", "--out", str(tmp_path / "b.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --peers warp: not a mode")
+
+
+def test_backend_and_dtype_are_chosen_and_recorded(tiny_engine, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "def f(x):\n    return x"}) + "\n")
+    out = tmp_path / "bound.json"
+    assert script().main(["--engine-dir", str(tiny_engine), "--prompts-file", str(prompts),
+                          "--requests", "2", "--max-new-tokens", "4", "--concurrency", "2",
+                          "--threads", "1", "--peers", "--backend", "torch", "--dtype", "float32",
+                          "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["backend"], report["dtype"]) == ("torch", "float32") and report["tokens_identical"]

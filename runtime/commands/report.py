@@ -432,6 +432,28 @@ def gpu_section(folder: Path) -> list[str]:
     return ["## GPU runs (scripts/gpu_check.py)", "", *lines]
 
 
+def lossless_section(folder: Path) -> list[str]:
+    """scripts/dtype_lossless.py files: prompts whose greedy tokens differ from target-only
+    alone, per backend, dtype and mode, one at a time and in flight."""
+    names = sorted(p.name for p in folder.glob("lossless-dtype*.json"))
+    if not names:
+        return []
+    lines = ["## Greedy tokens against target-only per backend and dtype (scripts/dtype_lossless.py)", "",
+             "Prompts whose greedy tokens differ from target-only one at a time in the same "
+             "backend and dtype, and target-only's prefill and decode seconds one at a time.", ""]
+    for name in names:
+        data = load(folder, name)
+        level = f"c{field(data, name, 'concurrency')}"
+        body = [[f"{r['backend']}, {r['dtype']}", mode, len(m["alone"]), len(m[level]),
+                 f"{r['target_alone_prefill_s']:.2f} / {r['target_alone_decode_s']:.2f}"]
+                for r in field(data, name, "configs") for mode, m in r["modes"].items()]
+        lines += [f"### `{name}` (code {data.get('commit', NOT_RECORDED)}; {data['requests']} prompts, "
+                  f"{data['max_new_tokens']} tokens)", "", *provenance_lines(data, name, folder), "",
+                  *table(["backend, dtype", "mode", "differ alone", f"differ at {level}",
+                          "target-only alone: prefill / decode s"], body), ""]
+    return lines
+
+
 def render(folder: Path) -> str:
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder of results")
@@ -455,6 +477,7 @@ def render(folder: Path) -> str:
     lines += loadtest_section(folder)
     lines += rss_section(folder)
     lines += backends_section(folder)
+    lines += lossless_section(folder)
     lines += heldout_section(folder)
     lines += gpu_section(folder)
     older = sorted(p.name for p in folder.glob("bench-*.json")
