@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from plugins.op_inputs import check_inputs
+from plugins.row_invariant import KEYS, REDUCED, ROWS
 from plugins.scaling import QueryScaling, _tracing
 
 __all__ = ["sharpdraft_attention", "reference_attention", "scaled_query", "visible_counts",
@@ -39,8 +40,36 @@ def scaled_query(q, n, scaling: QueryScaling | None):
     return q * scaling.beta(n.to(q.dtype))[:, None, :, None]
 
 
+def row_invariant_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
+    """The attention of a bfloat16/float16 model (plugins/row_invariant.py): a row's result
+    does not depend on the rows beside it, the keys past its own, or the batch. The query
+    rows (heads sharing a key head, times positions) run in blocks of ROWS and the keys are
+    zero-padded to a multiple of KEYS, masked out; products in q's dtype, as transformers'
+    eager attention computes them, softmax in float32."""
+    b, heads, t, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    n, allowed = visible_counts(visible, kv_len, mask)
+    qs = (scaled_query(q.float(), n, scaling) * (1.0 / math.sqrt(d))).to(q.dtype)
+    pad = -kv_len % KEYS
+    k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    allowed = F.pad(allowed, (0, pad), value=False)
+    # a key head's query rows: its heads' positions, head-major (SDPA's grouping)
+    rows = heads // kv_heads * t
+    blocks = F.pad(qs.reshape(b, kv_heads, rows, d), (0, 0, 0, -rows % ROWS))
+    blocks = blocks.unflatten(2, (-1, ROWS))  # [b, kv_heads, blocks, ROWS, d]
+    scores = (blocks @ k.transpose(-1, -2)[:, :, None]).flatten(2, 3)[:, :, :rows]
+    scores = scores.float().unflatten(2, (heads // kv_heads, t))
+    p = torch.softmax(scores.masked_fill(~allowed[:, None, None], float("-inf")), -1)
+    p = F.pad(p.to(q.dtype).flatten(2, 3), (0, 0, 0, -rows % ROWS)).unflatten(2, (-1, ROWS))
+    out = (p @ v[:, :, None]).flatten(2, 3)[:, :, :rows]
+    return out.reshape(b, heads, t, d)
+
+
 def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
-    """Differentiable reference; computes in float32 at least and returns q's dtype."""
+    """Differentiable reference; computes in float32 at least and returns q's dtype
+    (bfloat16 and float16 eagerly: row_invariant_attention)."""
+    if q.dtype in REDUCED:
+        return row_invariant_attention(q, k, v, visible, mask, scaling)
     compute = torch.promote_types(q.dtype, torch.float32)
     n, allowed = visible_counts(visible, k.shape[2], mask)
     qc = scaled_query(q.to(compute), n, scaling)

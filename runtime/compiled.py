@@ -83,9 +83,13 @@ def load_target(target_dir, device="cpu", dtype="float32"):
     loads; this places). Its static caches are made per request by CompiledTarget."""
     from runtime.models.target import load_target as load
 
+    from plugins.row_invariant import REDUCED, make_row_invariant
+
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     model, tokenizer = load(target_dir, dtype)
+    if dtype in REDUCED:  # lossless in bfloat16/float16 too: plugins/row_invariant.py
+        make_row_invariant(model)
     return place(model, device), tokenizer
 
 
