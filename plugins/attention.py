@@ -42,27 +42,27 @@ def scaled_query(q, n, scaling: QueryScaling | None):
 
 def row_invariant_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
     """The attention of a bfloat16/float16 model (plugins/row_invariant.py): a row's result
-    does not depend on the rows beside it, the keys past its own, or the batch. The query
-    rows (heads sharing a key head, times positions) run in blocks of ROWS and the keys are
-    zero-padded to a multiple of KEYS, masked out; products in q's dtype, as transformers'
-    eager attention computes them, softmax in float32."""
+    does not depend on the rows beside it, the keys past its own, or the batch. Each key
+    head's query rows (its heads' positions, head-major as SDPA groups them) run ROWS at a
+    time over keys zero-padded to a multiple of KEYS and masked out; products in q's dtype,
+    as transformers' eager attention computes them, softmax in float32. One block at a
+    time, so a long prefill holds one block's scores, not every row's."""
     b, heads, t, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     n, allowed = visible_counts(visible, kv_len, mask)
     qs = (scaled_query(q.float(), n, scaling) * (1.0 / math.sqrt(d))).to(q.dtype)
-    pad = -kv_len % KEYS
-    k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-    allowed = F.pad(allowed, (0, pad), value=False)
-    # a key head's query rows: its heads' positions, head-major (SDPA's grouping)
-    rows = heads // kv_heads * t
-    blocks = F.pad(qs.reshape(b, kv_heads, rows, d), (0, 0, 0, -rows % ROWS))
-    blocks = blocks.unflatten(2, (-1, ROWS))  # [b, kv_heads, blocks, ROWS, d]
-    scores = (blocks @ k.transpose(-1, -2)[:, :, None]).flatten(2, 3)[:, :, :rows]
-    scores = scores.float().unflatten(2, (heads // kv_heads, t))
-    p = torch.softmax(scores.masked_fill(~allowed[:, None, None], float("-inf")), -1)
-    p = F.pad(p.to(q.dtype).flatten(2, 3), (0, 0, 0, -rows % ROWS)).unflatten(2, (-1, ROWS))
-    out = (p @ v[:, :, None]).flatten(2, 3)[:, :, :rows]
-    return out.reshape(b, heads, t, d)
+    pad, rows = -kv_len % KEYS, heads // kv_heads * t
+    keys_t, values = F.pad(k, (0, 0, 0, pad)).transpose(-1, -2), F.pad(v, (0, 0, 0, pad))
+    allowed = allowed[:, None].expand(b, heads // kv_heads, t, kv_len).reshape(b, rows, kv_len)
+    # padded query rows see every key (their results are dropped); padded keys none
+    allowed = F.pad(F.pad(allowed, (0, pad), value=False), (0, 0, 0, -rows % ROWS), value=True)
+    queries = F.pad(qs.reshape(b, kv_heads, rows, d), (0, 0, 0, -rows % ROWS))
+    out = []
+    for start in range(0, queries.shape[2], ROWS):
+        scores = (queries[:, :, start:start + ROWS] @ keys_t).float()
+        scores = scores.masked_fill(~allowed[:, None, start:start + ROWS], float("-inf"))
+        out.append(torch.softmax(scores, -1).to(q.dtype) @ values)
+    return torch.cat(out, 2)[:, :, :rows].reshape(b, heads, t, d)
 
 
 def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
