@@ -2,18 +2,13 @@
 serving scheduler, against target-only alone in the same backend and dtype; a planted
 difference is found at its first token; a bad configuration is one error line."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from script_loader import load_script
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("dtype_lossless", REPO / "scripts" / "dtype_lossless.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("dtype_lossless")
 
 
 def test_differences_name_each_prompt_and_its_first_differing_token():

@@ -3,7 +3,6 @@ all in flight through the serving scheduler, and each peer mode the same two way
 same run, tokens identical everywhere (greedy); a peer the engine lacks is one error line;
 the code that measured is named by its commit (runtime.cli.code_commit)."""
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -11,15 +10,13 @@ from pathlib import Path
 import pytest
 
 from runtime.cli import code_commit
+from script_loader import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("load_bound", REPO / "scripts" / "load_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("load_bound")
 
 
 def test_the_default_and_its_peers_are_measured_alike(tiny_engine, tmp_path, capsys):

@@ -77,13 +77,9 @@ def test_row_invariant_attention_scales_and_masks_as_the_reference():
 
 
 def test_a_bfloat16_target_decodes_greedily_lossless(tiny_engine, tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from script_loader import load_script
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "dtype_lossless.py"
-    spec = importlib.util.spec_from_file_location("dtype_lossless", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("dtype_lossless")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in
                                ("def f(x):\n    return x", "import os\n" * 6, "class A:\n    pass\n" * 3)))

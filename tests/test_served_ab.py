@@ -2,20 +2,17 @@
 start (run by the arm's own checkout and interpreter: ServeProcess's root and python)
 ending the A/B in one line."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 from runtime.cli import run
+from script_loader import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("served_ab", REPO / "scripts" / "served_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("served_ab")
 
 
 def _round(arm, default, target):
