@@ -67,7 +67,7 @@ def row_invariant_attention(q, k, v, visible, mask=None, scaling: QueryScaling |
 
 def reference_attention(q, k, v, visible, mask=None, scaling: QueryScaling | None = None):
     """Differentiable reference; computes in float32 at least and returns q's dtype
-    (bfloat16 and float16 eagerly: row_invariant_attention)."""
+    (bfloat16 and float16: row_invariant_attention)."""
     if q.dtype in REDUCED:
         return row_invariant_attention(q, k, v, visible, mask, scaling)
     compute = torch.promote_types(q.dtype, torch.float32)

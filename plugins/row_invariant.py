@@ -8,7 +8,8 @@ verify pass, in a batch of other sequences or in a prefill chunk. A kernel may p
 blocking by the shape it is handed, so the same row can come out with other rounding at
 another row count. In float32 that moves logits by about 1e-6 and no greedy token here
 changed; in bfloat16 one rounding step is 0.4%, and greedy tokens differed on 5-7 of 16
-prompts within 32 tokens (`scripts/dtype_lossless.py`, `results/lossless-dtype.json`).
+prompts within 32 tokens (`scripts/dtype_lossless.py`, `results/lossless-dtype-c3cab1e.json`;
+after this, none: `results/lossless-dtype.json`).
 Measured on this CPU's bfloat16 kernels: the 576-to-192 projection gave other bits
 between a 300-row and a 128-row call, the LM head from 33 rows on, and attention for a
 row among 9 query rows other bits than alone.
