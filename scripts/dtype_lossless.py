@@ -30,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runtime.models.target import DTYPES  # noqa: E402
+from runtime.modes import BACKENDS, Mode  # noqa: E402
+
 
 def load_bound():
     spec = importlib.util.spec_from_file_location("load_bound", ROOT / "scripts" / "load_bound.py")
@@ -54,7 +57,7 @@ def parse(argv):
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--prompts-file", required=True, help='JSONL of {"text": ...}')
     p.add_argument("--config", nargs="+", default=["onnxruntime:float32"], metavar="BACKEND:DTYPE")
-    p.add_argument("--modes", nargs="+", default=["target", "window-hybrid", "sharpdraft"])
+    p.add_argument("--modes", nargs="+", default=[Mode.TARGET, Mode.WINDOW_HYBRID, Mode.SHARPDRAFT])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
@@ -63,11 +66,11 @@ def parse(argv):
     args = p.parse_args(argv)
     for config in args.config:
         backend, _, dtype = config.partition(":")
-        if backend not in ("torch", "onnxruntime") or dtype not in ("float32", "bfloat16", "float16"):
-            p.error(f"--config {config}: expected BACKEND:DTYPE, BACKEND torch or onnxruntime, "
-                    "DTYPE float32, bfloat16 or float16")
-    if "target" not in args.modes:
-        args.modes = ["target"] + args.modes  # the reference
+        if backend not in BACKENDS or dtype not in DTYPES:
+            p.error(f"--config {config}: expected BACKEND:DTYPE, BACKEND one of {', '.join(BACKENDS)}, "
+                    f"DTYPE one of {', '.join(DTYPES)}")
+    if Mode.TARGET not in args.modes:
+        args.modes = [Mode.TARGET] + args.modes  # the reference
     return args
 
 
@@ -101,13 +104,13 @@ def main(argv=None) -> int:
             print(f"error: --modes {' '.join(unknown)}: not a mode of this engine", file=sys.stderr)
             return 2
         prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
-        engine.generate(prompts[0], 4, "target", greedy)  # warm
-        one, reference = lb.one_at_a_time(engine, prompts, args.max_new_tokens, "target", greedy)
+        engine.generate(prompts[0], 4, Mode.TARGET, greedy)  # warm
+        one, reference = lb.one_at_a_time(engine, prompts, args.max_new_tokens, Mode.TARGET, greedy)
         row = {"backend": backend, "dtype": dtype,
                "target_alone_prefill_s": one["prefill_s"], "target_alone_decode_s": one["decode_s"],
                "modes": {}}
         for mode in args.modes:
-            alone = reference if mode == "target" else lb.one_at_a_time(
+            alone = reference if mode == Mode.TARGET else lb.one_at_a_time(
                 engine, prompts, args.max_new_tokens, mode, greedy)[1]
             many, batched = lb.concurrent(engine, prompts, args.max_new_tokens, args.concurrency,
                                           greedy, mode)

@@ -34,6 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.models.target import DTYPES  # noqa: E402
+from runtime.modes import BACKENDS  # noqa: E402
+
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,9 +46,9 @@ def parse(argv):
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--backend", choices=["torch", "onnxruntime"],
+    p.add_argument("--backend", choices=list(BACKENDS),
                    help="run with this backend instead of the one engine.json names")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", choices=DTYPES,
                    help="torch backend: weights and KV caches in this dtype (bfloat16 runs "
                         "its matrix multiplies on AMX where the CPU has it)")
     p.add_argument("--peers", nargs="*", default=["target", "ngram"], metavar="MODE",
