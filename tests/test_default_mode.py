@@ -111,3 +111,18 @@ def test_bad_default_mode_input_is_one_line(engine_copy, capsys, flags, message)
     code = run(main, ["default-mode", "--engine-dir", str(engine_copy)] + flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and message in err[-1] and err[-1].startswith("error: ")
+
+
+def test_the_loaded_batch_reads_distinct_rows_and_prefers_target_only_on_a_near_tie():
+    from runtime.measure import LOADED_CONTEXT, LOADED_MARGIN, loaded_choice, loaded_rows
+
+    prompt = list(range(1000))
+    rows = loaded_rows(prompt, 8)
+    assert len(rows) == 8 and all(len(r) == LOADED_CONTEXT for r in rows)
+    assert len({tuple(r) for r in rows}) == 8  # each row continues another point
+    assert rows[0] == prompt[:LOADED_CONTEXT] and rows[-1] == prompt[-LOADED_CONTEXT:]
+    assert loaded_rows(prompt[:100], 3) == [prompt[:100]] * 3  # shorter than a row: the prompt
+    assert loaded_choice({"target": 100.0, "sharpdraft": 100.0 * LOADED_MARGIN - 0.1}) == "target"
+    assert loaded_choice({"target": 100.0, "sharpdraft": 100.0 * LOADED_MARGIN + 0.1}) == "sharpdraft"
+    assert loaded_choice({"target": 120.0, "ngram": 100.0}) == "target"
+    assert loaded_choice({"ngram": 90.0, "sharpdraft": 95.0}) == "sharpdraft"  # no target listed
