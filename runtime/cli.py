@@ -29,7 +29,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_device_options(p) -> None:
     """--device, --dtype, --steps: where and how the torch backend runs an engine
-    (runtime/compiled.py; Engine passes them to the backend's loader)."""
+    (runtime/compiled.py); --prefill-dtype: the onnxruntime backend's prefill
+    (runtime/backends/bf16_prefill.py). Engine passes them to the backend's loader."""
+    from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES
     from runtime.compiled import DEVICES, DTYPES, STEPS
 
     p.add_argument("--device", choices=DEVICES,
@@ -41,12 +43,17 @@ def add_device_options(p) -> None:
                         "(eager: dynamo alone; inductor: torch.compile, CUDA graphs on cuda; "
                         "cudagraph: eager steps captured as CUDA graphs, cuda only); "
                         "default: every step eager")
+    p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES,
+                   help="onnxruntime backend: bfloat16 runs the target's prefill in bfloat16 "
+                        "multiplies (AMX), decode steps stay float32; tokens can differ from "
+                        "the float32 target's, every mode stays lossless against it "
+                        "(default float32: the graphs)")
 
 
 def device_options(args) -> dict:
     """The Engine keywords of add_device_options' flags; a cuda the host lacks, or CUDA
     graphs off cuda, refused as bad usage."""
-    options = {k: getattr(args, k, None) for k in ("device", "dtype", "steps")}
+    options = {k: getattr(args, k, None) for k in ("device", "dtype", "steps", "prefill_dtype")}
     if options["device"] == "cuda":
         import torch
 

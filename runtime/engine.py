@@ -30,7 +30,8 @@ class Engine:
     one refuses it."""
 
     def __init__(self, engine_dir: str | Path, verify: str = "quick", backend: str | None = None,
-                 device: str | None = None, dtype: str | None = None, steps: str | None = None):
+                 device: str | None = None, dtype: str | None = None, steps: str | None = None,
+                 prefill_dtype: str | None = None):
         self.dir = Path(engine_dir)
         self.manifest: Manifest = read_manifest(self.dir, verify=verify)
         if self.manifest.drafter not in DRAFTERS:
@@ -56,10 +57,13 @@ class Engine:
         # step verifies the whole block.
         costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
         self.step_costs = StepCosts.from_dict(costs) if costs else None
-        options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps))
-                   if v is not None}
+        options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps),
+                                     ("prefill_dtype", prefill_dtype)) if v is not None}
         self.loaded = loader(self.dir, self.manifest, drafting, **options)
         self.tokenizer, self.target = self.loaded.tokenizer, self.loaded.target
+        # a prefill that gives the same bits only when chunks are a multiple of this
+        # (--prefill-dtype bfloat16); None: any chunking
+        self.prefill_grid = getattr(self.loaded, "prefill_grid", None)
         # Engines built with --max-seq-len serve no longer sequences, whichever backend runs.
         limit = self.manifest.extra.get("max_seq_len")
         if limit:

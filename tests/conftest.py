@@ -196,7 +196,8 @@ SLOW_IDS = {
 EXPORT_GROUPS = {
     "exports-chain": {"tests/test_ngram_engine.py", "tests/test_pard_engine.py"},
     "exports-dflash": {"tests/test_batched_buckets.py", "tests/test_batched_engines.py",
-                       "tests/test_chunked_prefill.py", "tests/test_export.py",
+                       "tests/test_bf16_prefill.py", "tests/test_chunked_prefill.py",
+                       "tests/test_export.py",
                        "tests/test_onnxruntime_backend.py", "tests/test_step_metadata.py",
                        "tests/test_tensorrt_engine.py"},
 }

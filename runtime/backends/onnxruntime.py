@@ -41,6 +41,7 @@ import torch
 
 from runtime import modes
 from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, load_tokenizer
+from runtime.backends import bf16_prefill
 from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
@@ -212,9 +213,12 @@ class OnnxTarget:
 
     STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
 
-    def __init__(self, session, context_limit: int, tree_session=None, reserve=None):
+    def __init__(self, session, context_limit: int, tree_session=None, reserve=None,
+                 prefiller=None):
         self.session, self.tree_session = session, tree_session
         self.context_limit = context_limit
+        # --prefill-dtype bfloat16: prefills run through runtime/backends/bf16_prefill.py
+        self.prefiller = prefiller
         self.layers, self.kv_heads, self.head_dim = _buffer_dims(session)
         self.cache: BoundKVCache | None = None
         self.binding = self.tree_binding = None
@@ -260,6 +264,8 @@ class OnnxTarget:
         calls it per chunk): the last token's logits and every new token's features."""
         import onnxruntime
 
+        if self.prefiller is not None:
+            return self.prefiller(self.cache, ids)
         cache, wrap = self.cache, onnxruntime.OrtValue.ortvalue_from_numpy
         features, done = [], cache.length
         for begin in range(0, len(ids), HOST_PREFILL_CHUNK):
@@ -807,8 +813,9 @@ class OnnxBatchTarget(BoundRows):
     engine's target-tree.onnx (`tree_session`) verifies every row's draft tree in one
     pass per group over the same buffers (packs_trees: its graph takes a batch)."""
 
-    def __init__(self, session, context_limit: int, tree_session=None):
-        self.single = OnnxTarget(session, context_limit, reserve=self._reserve)
+    def __init__(self, session, context_limit: int, tree_session=None, prefiller=None):
+        self.single = OnnxTarget(session, context_limit, reserve=self._reserve,
+                                 prefiller=prefiller)
         self.session, self.context_limit = session, context_limit
         self.tree_session = tree_session
         self.groups: list[RowGroup] = []
@@ -1042,7 +1049,8 @@ class OnnxEngine:
     can = modes.BACKENDS["onnxruntime"]
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None,
-                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None,
+                 prefill_dtype: str | None = None):
         if steps is not None:
             raise EngineError(f"{engine_dir}: the onnxruntime backend runs exported graphs, "
                               f"not compiled torch steps ({steps}) — pass --backend torch")
@@ -1077,12 +1085,19 @@ class OnnxEngine:
         self.drafter_family = manifest.drafter
         self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
         self.context_limit = int(manifest.extra["max_seq_len"])
+        self.prefill_dtype = bf16_prefill.check_dtype(prefill_dtype)
+        self.prefiller, self.prefill_grid = None, None
+        if self.prefill_dtype == "bfloat16":
+            self.prefill_grid = bf16_prefill.ROWS  # chunks must cut a prompt on it
+            width = next(o for o in graphs["target_kv"]["outputs"] if o["name"] == "features")
+            self.prefiller = bf16_prefill.Bf16Prefill.build(manifest, width["shape"][-1])
         self.target = self.new_target()
         self.tokenizer = load_tokenizer(manifest.target_dir)
 
     def new_target(self) -> OnnxTarget:
         """A target with its own cache over the shared sessions (one per sequence)."""
-        return OnnxTarget(self.sessions["target_kv"], self.context_limit, self.sessions.get("target_tree"))
+        return OnnxTarget(self.sessions["target_kv"], self.context_limit,
+                          self.sessions.get("target_tree"), prefiller=self.prefiller)
 
     def _drafter_graph(self, sharpdraft: bool):
         """(session, scaling, in place) of the SharpDraft or the frozen drafter."""
@@ -1117,7 +1132,7 @@ class OnnxEngine:
 
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit,
-                               self.sessions.get("target_tree"))
+                               self.sessions.get("target_tree"), prefiller=self.prefiller)
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph

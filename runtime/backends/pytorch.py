@@ -522,8 +522,13 @@ class TorchLoaded:
     can = modes.BACKENDS["torch"]
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
-                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None,
+                 prefill_dtype: str | None = None):
         from runtime import compiled
+
+        if prefill_dtype is not None:
+            raise ModelError(f"the torch backend prefills in the engine's dtype (--dtype), not "
+                             f"{prefill_dtype}; --prefill-dtype is the onnxruntime backend's")
 
         if steps is not None and steps not in compiled.STEPS:
             raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")

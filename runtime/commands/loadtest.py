@@ -28,6 +28,8 @@ PROMPTS = [
 
 
 def add_parser(sub):
+    from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES
+
     p = sub.add_parser("loadtest", help="load a served model: throughput, latency, MAL")
     p.add_argument("--url", required=True,
                    help="http://HOST:PORT (HTTP) or grpc://HOST:PORT (gRPC)")
@@ -46,6 +48,8 @@ def add_parser(sub):
                         "single_turn form: prompts with newlines, scripts/aiperf_prompts.py); "
                         "default: built-in code prompts")
     p.add_argument("--engine-dir", help="also run the prompts in-process on this engine")
+    p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES,
+                   help="the in-process engine's prefill, as the server's (serve --prefill-dtype)")
     p.add_argument("--threads", type=int,
                    help="torch threads for the in-process run (default: torch's, one per core); "
                         "1 matches a server instance on a shared machine")
@@ -288,7 +292,7 @@ def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.engine_dir)
+    engine = Engine(args.engine_dir, prefill_dtype=args.prefill_dtype)
     # the mode the requests name, else what the server runs for a request that names none
     mode = engine.check_mode(args.mode) if args.mode else engine.default_mode
     latencies, mals, objects, outputs = [], [], [], {}

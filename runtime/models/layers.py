@@ -80,15 +80,24 @@ class AttentionProjections(nn.Module):
 
     def query(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """x [b, t, hidden] -> q [b, heads, t, head_dim], normed and rotated."""
-        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        return self.shape_query(self.q_proj(x), cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos, sin):
+        """x [b, t, hidden] -> k, v [b, kv_heads, t, head_dim]; k normed and rotated."""
+        return self.shape_key_value(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def shape_query(self, q: torch.Tensor, cos, sin) -> torch.Tensor:
+        """q_proj's output [b, t, heads * head_dim] -> [b, heads, t, head_dim], normed
+        and rotated (a prefill that projects q, k, v in one multiply calls these two)."""
+        q = q.unflatten(-1, (self.heads, self.head_dim))
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(1, 2), cos, sin)
 
-    def key_value(self, x: torch.Tensor, cos, sin):
-        """x [b, t, hidden] -> k, v [b, kv_heads, t, head_dim]; k normed and rotated."""
-        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+    def shape_key_value(self, k: torch.Tensor, v: torch.Tensor, cos, sin):
+        """k_proj's and v_proj's outputs -> k, v [b, kv_heads, t, head_dim]."""
+        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)

@@ -44,7 +44,8 @@ class TritonPythonModel:
         self.protocol, self.TextStream = protocol, TextStream
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        placement = {k: params[k] for k in ("device", "dtype", "steps") if params.get(k)}
+        placement = {k: params[k] for k in ("device", "dtype", "steps", "prefill_dtype")
+                     if params.get(k)}
         self.engine = Engine(engine_dir, backend=params.get("backend") or None, **placement)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         max_batch = int(params.get("max_batch", "1"))

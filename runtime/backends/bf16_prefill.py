@@ -1,0 +1,199 @@
+"""A float32 engine's prefill with its matrix multiplies in bfloat16, for the onnxruntime
+backend on a CPU with AMX (`--prefill-dtype bfloat16`; decode steps stay float32 graphs).
+
+Why: on this 2-core VM a prompt's prefill is compute-bound (about 1.3 ms a token in
+float32 ONNX Runtime) and it does not batch, so it bounds a loaded instance
+(docs/serving.md). AMX multiplies bfloat16 at several times float32's rate.
+
+What it computes: our own TargetModel (runtime/models/target.py) from the engine's target
+checkpoint, layer by layer as its final_hidden does, except that every decoder linear
+multiplies bfloat16 inputs by bfloat16 weights (float32 accumulation, widened back to
+float32): q/k/v in one multiply and gate/up in another, their weights packed once for
+oneDNN's kernels; the residual stream, norms, rotary, attention and the LM head stay
+float32. The prompt's keys/values land in the ONNX Runtime cache buffers
+where they lie (a torch view of the same memory), and the features the drafter reads
+come out as the graph's do. So the target an engine serves this way is the float32 model
+with a bfloat16 prompt pass: its tokens can differ from the all-float32 target's
+(measured: docs/serving.md), and speculative decoding is lossless against it, because
+every mode prefills a prompt the same way and decodes with the same float32 graphs.
+
+That last point needs the prefill of a prompt to give the same bits however it is cut
+into calls (alone, or in chunks between batch steps: runtime/serve/scheduler.py). A
+kernel may round a row differently at another row count (plugins/row_invariant.py), so
+every matrix multiply here takes exactly ROWS rows (a short block padded), and a prefill
+runs in blocks of ROWS positions that start at multiples of ROWS, whatever the call's
+chunking: chunks that are multiples of ROWS (the scheduler's default, 128) cut the prompt
+where an unchunked prefill does.
+
+Threads: build() converts the weights with torch on one thread. An OpenMP pool lives as
+long as its thread, and libgomp makes every pool stop spinning between parallel regions
+once the process holds more OpenMP threads than CPUs, so a pool left in the loading
+thread would slow every small op of the thread that serves (measured: elementwise ops of
+a prefill 3-5x slower on a second thread). Loading on one thread leaves no pool behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.manifest import EngineError, Manifest
+from runtime.models.layers import KVCache
+from runtime.step_metadata import StepMetadata
+
+ROWS = 128  # rows of every matrix multiply, and the grid a prefill's blocks start on
+DTYPES = ("float32", "bfloat16")  # --prefill-dtype: the graphs' own, or this module's
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch ops on the calling thread without an OpenMP pool (see the module's notes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class PackedLinear:
+    """The linears `parts` side by side as one bfloat16 multiply of ROWS rows: x [ROWS, in]
+    bfloat16 -> [ROWS, sum of outs] bfloat16. The weight is packed once into oneDNN's
+    layout for ROWS rows (torch's mkldnn linear, as inductor's CPU freezing packs it),
+    where this torch has those ops; else a plain bfloat16 linear."""
+
+    def __init__(self, parts: list[nn.Linear]):
+        weight = torch.cat([p.weight.detach() for p in parts]).to(torch.bfloat16)
+        biases = [p.bias for p in parts]
+        self.bias = (None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(p.out_features)
+             for b, p in zip(biases, parts)]).to(torch.bfloat16))
+        self.widths = [p.out_features for p in parts]
+        mkldnn = torch.ops.mkldnn
+        self.packed = hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+        self.weight = mkldnn._reorder_linear_weight(weight, ROWS) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class PrefillLayer:
+    """One decoder layer's packed multiplies; its norms and attention stay the layer's."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer = layer
+        self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = PackedLinear([attn.o_proj])
+        self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj])
+        self.down = PackedLinear([mlp.down_proj])
+
+    def __call__(self, h, n: int, cos, sin, cache: KVCache, index: int, start, visible):
+        """h [ROWS, hidden] float32, its first n rows real positions (the rest padding,
+        which no key or feature ever holds) -> h after the layer."""
+        layer, attn = self.layer, self.layer.self_attn
+        x = layer.input_layernorm(h).to(torch.bfloat16)
+        q, k, v = self.qkv(x)[:n].float().split(self.qkv.widths, -1)
+        q = attn.shape_query(q[None], cos, sin)
+        k, v = attn.shape_key_value(k[None], v[None], cos, sin)
+        out = cache.attend(index, start, q, k, v, visible)[0].transpose(0, 1).flatten(1)
+        h = h + self.o(F.pad(out, (0, 0, 0, ROWS - n)).to(torch.bfloat16)).float()
+        gate, up = self.gate_up(layer.post_attention_layernorm(h).to(torch.bfloat16)).float().chunk(2, -1)
+        return h + self.down((F.silu(gate) * up).to(torch.bfloat16)).float()
+
+
+def feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs the engine's drafter reads (the target graph's
+    `features`), from the drafter checkpoint's config: DFlash's target_layer_ids,
+    EAGLE-3's auxiliary layers; none for PARD and n-gram engines."""
+    if manifest.drafter == "dflash":
+        from runtime.models.dflash import read_dflash_config
+
+        return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
+    if manifest.drafter == "eagle3":
+        from runtime.models.eagle3 import read_eagle3_config
+
+        return read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers)
+    return ()
+
+
+class Bf16Prefill:
+    """The prefill of an OnnxTarget's cache (OnnxTarget.prefill_more calls it)."""
+
+    def __init__(self, model, layers: tuple[int, ...]):
+        self.model, self.layers = model, layers
+        self.prefill_layers = [PrefillLayer(layer) for layer in model.layers]
+        for layer in model.layers:  # the packed copies replace the float32 weights
+            for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    setattr(owner, name, None)
+
+    @classmethod
+    def build(cls, manifest: Manifest, features_width: int) -> "Bf16Prefill":
+        from runtime.models.target import ModelError, load_target
+
+        if not torch.backends.mkldnn.is_available():
+            raise EngineError("--prefill-dtype bfloat16 needs torch's oneDNN kernels (this "
+                              "torch has none)")
+        with one_thread():
+            try:
+                model, _ = load_target(manifest.target_dir)
+            except ModelError as exc:
+                raise EngineError(f"--prefill-dtype bfloat16: {exc}") from None
+            layers = feature_layers(manifest, model.config.num_layers)
+            if len(layers) * model.config.hidden_size != features_width:
+                raise EngineError(f"--prefill-dtype bfloat16: the drafter reads layers "
+                                  f"{list(layers)} ({len(layers) * model.config.hidden_size} "
+                                  f"features), the target graph gives {features_width}")
+            return cls(model, layers)
+
+    def _block(self, ids: list[int], cache: KVCache):
+        """ids (at most ROWS) after the cache's committed tokens, on ROWS rows: the final
+        norm's states and the features of the real rows."""
+        model, n = self.model, len(ids)
+        meta = StepMetadata.of(cache, n)
+        cos, sin = model.rotary(meta.positions(n, 1, None), torch.float32)
+        visible = meta.causal_visible(n, 1, None)
+        h = model.embed_tokens(torch.tensor(ids + [0] * (ROWS - n)))
+        states, last = {}, len(self.prefill_layers) - 1
+        for i, layer in enumerate(self.prefill_layers):
+            h = layer(h, n, cos, sin, cache, i, meta.cached, visible)
+            if i in self.layers and i != last:
+                states[i] = h[:n]
+        cache.length = meta.committed()
+        h = model.norm(h[:n])
+        states[last] = h
+        features = torch.cat([states[i] for i in self.layers], -1) if self.layers else h[:, :0]
+        return h, features
+
+    def __call__(self, cache, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill `ids` after `cache`'s committed tokens (an onnxruntime BoundKVCache,
+        written in place); the last token's logits [vocab] and every token's features."""
+        kv = KVCache.__new__(KVCache)  # a view of the ONNX Runtime buffers, no copy
+        kv.k, kv.v = torch.from_numpy(cache.k), torch.from_numpy(cache.v)
+        kv.capacity, kv.length, kv.lengths = cache.capacity, cache.length, None
+        if kv.length + len(ids) > kv.capacity:
+            raise ValueError(f"KV cache holds {kv.capacity} tokens; asked to write up to "
+                             f"{kv.length + len(ids)}")
+        features, begin = [], 0
+        with torch.inference_mode():
+            while begin < len(ids):
+                end = min(len(ids), begin + ROWS - (kv.length % ROWS))  # next multiple of ROWS
+                h, part = self._block(ids[begin:end], kv)
+                features.append(part)
+                begin = end
+            logits = self.model.lm_head(h[-1])
+        cache.length = kv.length
+        return logits, torch.cat(features) if len(features) > 1 else features[0]
+
+
+def check_dtype(name: str | None) -> str:
+    if name not in (None,) + DTYPES:
+        raise EngineError(f"--prefill-dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return name or "float32"
