@@ -1,5 +1,5 @@
 """Is greedy decoding still lossless in another backend or dtype? For each configuration
-(backend:dtype), every prompt decoded greedily in each mode one at a time and all in
+(backend:dtype, or backend:dtype:prefill-dtype for --prefill-dtype), every prompt decoded greedily in each mode one at a time and all in
 flight through the serving scheduler (scripts/load_bound.py's two ways, chunked prefill
 as served), each compared token for token with target-only one at a time in that same
 configuration. One process, configurations run one after another.
@@ -8,6 +8,10 @@ configuration. One process, configurations run one after another.
         --prompts-file results/loadtest-mixed/prompts.jsonl \\
         --config onnxruntime:float32 torch:float32 torch:bfloat16 \\
         --out results/lossless-dtype.json
+
+Each configuration's target-only tokens are also compared with the first
+configuration's (`target_vs_first`): not a losslessness check (another dtype is
+another target) but how far the tokens drift from it.
 
 A speculative mode commits the target's own argmax, so any difference is the target's
 arithmetic giving different logits for the same position when it is computed another
@@ -30,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
 from runtime.models.target import DTYPES  # noqa: E402
 from runtime.modes import BACKENDS, Mode  # noqa: E402
 
@@ -52,11 +57,19 @@ def differences(reference: list[list[int]], outputs: list[list[int]]) -> list[di
     return found
 
 
+def split_config(config: str) -> tuple[str, str, str | None]:
+    """BACKEND:DTYPE[:PREFILL_DTYPE] -> (backend, dtype, prefill dtype or None)."""
+    backend, _, rest = config.partition(":")
+    dtype, _, prefill = rest.partition(":")
+    return backend, dtype, prefill or None
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--prompts-file", required=True, help='JSONL of {"text": ...}')
-    p.add_argument("--config", nargs="+", default=["onnxruntime:float32"], metavar="BACKEND:DTYPE")
+    p.add_argument("--config", nargs="+", default=["onnxruntime:float32"],
+                   metavar="BACKEND:DTYPE[:PREFILL_DTYPE]")
     p.add_argument("--modes", nargs="+", default=[Mode.TARGET, Mode.WINDOW_HYBRID, Mode.SHARPDRAFT])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -65,10 +78,11 @@ def parse(argv):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     for config in args.config:
-        backend, _, dtype = config.partition(":")
-        if backend not in BACKENDS or dtype not in DTYPES:
-            p.error(f"--config {config}: expected BACKEND:DTYPE, BACKEND one of {', '.join(BACKENDS)}, "
-                    f"DTYPE one of {', '.join(DTYPES)}")
+        backend, dtype, prefill = split_config(config)
+        if backend not in BACKENDS or dtype not in DTYPES or prefill not in (None,) + PREFILL_DTYPES:
+            p.error(f"--config {config}: expected BACKEND:DTYPE[:PREFILL_DTYPE], BACKEND one of "
+                    f"{', '.join(BACKENDS)}, DTYPE one of {', '.join(DTYPES)}, PREFILL_DTYPE one "
+                    f"of {', '.join(PREFILL_DTYPES)}")
     if Mode.TARGET not in args.modes:
         args.modes = [Mode.TARGET] + args.modes  # the reference
     return args
@@ -91,11 +105,11 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     lb, greedy = load_bound(), Sampling(0.0)
-    results = []
+    results, first = [], None
     for config in args.config:
-        backend, _, dtype = config.partition(":")
+        backend, dtype, prefill = split_config(config)
         try:
-            engine = Engine(args.engine_dir, backend=backend, dtype=dtype)
+            engine = Engine(args.engine_dir, backend=backend, dtype=dtype, prefill_dtype=prefill)
         except EngineError as exc:
             print(f"error: --config {config}: {exc}", file=sys.stderr)
             return 2
@@ -104,14 +118,18 @@ def main(argv=None) -> int:
             print(f"error: --modes {' '.join(unknown)}: not a mode of this engine", file=sys.stderr)
             return 2
         prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
-        engine.generate(prompts[0], 4, Mode.TARGET, greedy)  # warm
-        one, reference = lb.one_at_a_time(engine, prompts, args.max_new_tokens, Mode.TARGET, greedy)
-        row = {"backend": backend, "dtype": dtype,
+        # off the main thread, as load_bound runs them (its in_own_thread says why)
+        lb.in_own_thread(engine.generate, prompts[0], 4, Mode.TARGET, greedy)  # warm
+        one, reference = lb.in_own_thread(lb.one_at_a_time, engine, prompts, args.max_new_tokens,
+                                          Mode.TARGET, greedy)
+        first = first or (config, reference)
+        row = {"backend": backend, "dtype": dtype, "prefill_dtype": prefill or "float32",
                "target_alone_prefill_s": one["prefill_s"], "target_alone_decode_s": one["decode_s"],
+               "target_vs_first": {"config": first[0], "differ": differences(first[1], reference)},
                "modes": {}}
         for mode in args.modes:
-            alone = reference if mode == Mode.TARGET else lb.one_at_a_time(
-                engine, prompts, args.max_new_tokens, mode, greedy)[1]
+            alone = reference if mode == Mode.TARGET else lb.in_own_thread(
+                lb.one_at_a_time, engine, prompts, args.max_new_tokens, mode, greedy)[1]
             many, batched = lb.concurrent(engine, prompts, args.max_new_tokens, args.concurrency,
                                           greedy, mode)
             row["modes"][mode] = {"alone": differences(reference, alone),
@@ -139,7 +157,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     for r in results:
         worst = max(len(m[k]) for m in r["modes"].values() for k in m if k != "errors")
-        print(f"{r['backend']} {r['dtype']}: {'lossless' if worst == 0 else f'up to {worst} of {args.requests} prompts differ'}; "
+        print(f"{r['backend']} {r['dtype']} (prefill {r['prefill_dtype']}): {'lossless' if worst == 0 else f'up to {worst} of {args.requests} prompts differ'}; "
               f"target-only alone: prefill {r['target_alone_prefill_s']:.2f} s, decode {r['target_alone_decode_s']:.2f} s")
     return 0 if lossless else 1
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
 from runtime.models.target import DTYPES  # noqa: E402
 from runtime.modes import BACKENDS  # noqa: E402
 
@@ -51,6 +52,9 @@ def parse(argv):
     p.add_argument("--dtype", choices=DTYPES,
                    help="torch backend: weights and KV caches in this dtype (bfloat16 runs "
                         "its matrix multiplies on AMX where the CPU has it)")
+    p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES,
+                   help="onnxruntime backend: prefill in bfloat16 matrix multiplies "
+                        "(runtime/backends/bf16_prefill.py) instead of the float32 graphs")
     p.add_argument("--peers", nargs="*", default=["target", "ngram"], metavar="MODE",
                    help="modes measured beside the default, the same two ways (default: "
                         "target ngram; none: --peers with no mode)")
@@ -76,6 +80,19 @@ def medians(runs: list[dict]) -> dict:
         else:
             merged[key] = round(statistics.median(values), 3)
     return merged
+
+
+def in_own_thread(fn, *args):
+    """fn(*args) on a thread that ends with it. The concurrent arm's scheduler thread must
+    be the one OpenMP pool of the process: libgomp stops every pool spinning once the
+    process holds more OpenMP threads than CPUs, and a pool lives as long as its thread
+    (runtime/backends/bf16_prefill.py), so torch work in the main thread would slow the
+    scheduler's."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)))
+    thread.start()
+    thread.join()
+    return result[0]
 
 
 def one_at_a_time(engine, prompts, new_tokens, mode, sampling) -> dict:
@@ -169,7 +186,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     try:
-        engine = Engine(args.engine_dir, backend=args.backend, dtype=args.dtype)
+        engine = Engine(args.engine_dir, backend=args.backend, dtype=args.dtype,
+                        prefill_dtype=args.prefill_dtype)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -184,8 +202,9 @@ def main(argv=None) -> int:
     def both_ways(alone_mode, served_mode):
         """Sessions warmed, then the prompts one at a time (alone_mode) and all in flight
         through the scheduler (served_mode; None: the served default)."""
-        engine.generate(prompts[0], 4, alone_mode, greedy)
-        return (*one_at_a_time(engine, prompts, args.max_new_tokens, alone_mode, greedy),
+        in_own_thread(engine.generate, prompts[0], 4, alone_mode, greedy)
+        return (*in_own_thread(one_at_a_time, engine, prompts, args.max_new_tokens, alone_mode,
+                               greedy),
                 *concurrent(engine, prompts, args.max_new_tokens, args.concurrency, greedy,
                             served_mode))
 
@@ -218,7 +237,8 @@ def main(argv=None) -> int:
         "machine": {"cpus": len(os.sched_getaffinity(0)), "torch_threads": args.threads,
                     "python": platform.python_version(), "torch": torch.__version__},
         "engine_dir": args.engine_dir, "backend": engine.backend,
-        "dtype": args.dtype or engine.manifest.dtype, "mode_alone": str(mode), "requests": args.requests,
+        "dtype": args.dtype or engine.manifest.dtype,
+        "prefill_dtype": args.prefill_dtype or "float32", "mode_alone": str(mode), "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": args.max_new_tokens,
         "c1": c1, f"c{args.concurrency}": cn,
         "throughput_ratio": ratio,

@@ -50,13 +50,14 @@ def turn_sums(metrics: str) -> dict[str, float]:
     return sums
 
 
-def start_server(code: Path, engine_dir: str, repo: Path, log: Path):
+def start_server(code: Path, engine_dir: str, repo: Path, log: Path, flags=()):
     """The arm's server (runtime/serve/launch.py: ServeProcess, run by the arm's own
-    checkout and interpreter), ready."""
+    checkout and interpreter, with the arm's serve `flags`), ready."""
     from runtime.serve.launch import NotReady, ServeProcess
 
     server = ServeProcess(engine_dir, repo, "--streaming", "--instances", "1", "--max-batch", "8",
-                          stderr=open(log, "w"), root=code, python=str(code / ".venv/bin/python"))
+                          *flags, stderr=open(log, "w"), root=code,
+                          python=str(code / ".venv/bin/python"))
     try:
         server.wait_ready(300)
     except NotReady as exc:
@@ -65,15 +66,15 @@ def start_server(code: Path, engine_dir: str, repo: Path, log: Path):
     return server
 
 
-def loadtest(code: Path, server, args, levels, mode: str | None, check: bool) -> dict:
+def loadtest(code: Path, server, args, levels, mode: str | None, check: bool, name: str = "") -> dict:
     command = [str(code / ".venv/bin/python"), "-m", "runtime", "loadtest",
                "--url", f"grpc://127.0.0.1:{server.grpc_port}", "--concurrency", *map(str, levels),
                "--requests", str(args.requests), "--max-new-tokens", str(args.max_new_tokens),
                "--prompts-file", str(Path(args.prompts_file).resolve()), "--json"]
     if mode:
         command += ["--mode", mode]
-    if check:
-        command += ["--engine-dir", args.engine_dir, "--threads", "2"]
+    if check:  # the in-process reference loads the engine as the arm's server does
+        command += ["--engine-dir", args.engine_dir, "--threads", "2", *args.flags.get(name, [])]
     out = subprocess.run(command, cwd=code, capture_output=True, text=True)
     if out.returncode:
         raise UsageError(f"loadtest failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} ({' '.join(command)})")
@@ -83,7 +84,8 @@ def loadtest(code: Path, server, args, levels, mode: str | None, check: bool) ->
 def one_arm(name: str, code: Path, args, round_: int) -> dict:
     levels = args.concurrency
     repo = Path(f"/tmp/served-ab-{os.getpid()}-{name}-{round_}")
-    server = start_server(code, args.engine_dir, repo, Path(f"/tmp/served-ab-{name}-{round_}.log"))
+    server = start_server(code, args.engine_dir, repo, Path(f"/tmp/served-ab-{name}-{round_}.log"),
+                          args.flags.get(name, []))
     metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
     try:
         loadtest(code, server, argparse.Namespace(**{**vars(args), "requests": 2, "max_new_tokens": 8}),
@@ -91,7 +93,7 @@ def one_arm(name: str, code: Path, args, round_: int) -> dict:
         default = (loadtest(code, server, args, levels[:-1], None, check=False)
                    if len(levels) > 1 else None)
         before = turn_sums(get(metrics))
-        last = loadtest(code, server, args, levels[-1:], None, check=True)
+        last = loadtest(code, server, args, levels[-1:], None, check=True, name=name)
         after = turn_sums(get(metrics))
         runs = {"default": (default["levels"] if default else []) + last["levels"]}
         for peer in PEERS:
@@ -135,8 +137,15 @@ def main(argv) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--arm-flags", action="append", default=[], metavar="NAME=FLAGS",
+                   help="flags for that arm's serve and for loadtest's in-process check, e.g. "
+                        "bf16='--prefill-dtype bfloat16' (one arm's code, served two ways)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    args.flags = {}
+    for item in args.arm_flags:
+        name, _, flags = item.partition("=")
+        args.flags[name] = flags.split()
     arms = []
     for arm in args.arm:
         name, _, code = arm.partition("=")
@@ -152,7 +161,7 @@ def main(argv) -> int:
             print(f"round {round_}: {name} ({code})", file=sys.stderr, flush=True)
             rounds.append(one_arm(name, code, args, round_))
             Path(args.out).write_text(json.dumps({"partial": True, "rounds": rounds}, indent=1))
-    result = {"command": "python scripts/served_ab.py " + " ".join(argv),
+    result = {"command": "python scripts/served_ab.py " + " ".join(argv), "arm_flags": args.flags,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": os.cpu_count()}, "engine_dir": args.engine_dir,
               "concurrency": args.concurrency, "requests": args.requests,

@@ -31,7 +31,7 @@ def test_float32_is_lossless_alone_and_batched(tiny_engine, tmp_path, capsys):
     assert (row["backend"], row["dtype"]) == ("torch", "float32")
     assert set(row["modes"]) == {"target", "sharpdraft"}
     assert all(m == {"alone": [], "c2": [], "errors": []} for m in row["modes"].values())
-    assert "torch float32: lossless" in capsys.readouterr().out
+    assert "torch float32 (prefill float32): lossless" in capsys.readouterr().out
 
 
 def test_a_bad_config_is_refused_in_one_line(tmp_path, capsys):
