@@ -9,8 +9,9 @@ What it computes: our own TargetModel (runtime/models/target.py) from the engine
 checkpoint, layer by layer as its final_hidden does, except that every decoder linear
 multiplies bfloat16 inputs by bfloat16 weights (float32 accumulation, widened back to
 float32): q/k/v in one multiply and gate/up in another, their weights packed once for
-oneDNN's kernels; the residual stream, norms, rotary, attention and the LM head stay
-float32. The prompt's keys/values land in the ONNX Runtime cache buffers
+oneDNN's kernels; attention reads bfloat16 queries, keys and values (softmax and sums in
+float32 inside SDPA's kernel); the residual stream, norms, rotary, the keys/values
+stored and the LM head stay float32. The prompt's keys/values land in the ONNX Runtime cache buffers
 where they lie (a torch view of the same memory), and the features the drafter reads
 come out as the graph's do. So the target an engine serves this way is the float32 model
 with a bfloat16 prompt pass: its tokens can differ from the all-float32 target's
@@ -93,15 +94,23 @@ class PrefillLayer:
         self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj])
         self.down = PackedLinear([mlp.down_proj])
 
-    def __call__(self, h, n: int, cos, sin, cache: KVCache, index: int, start, visible):
+    def __call__(self, h, n: int, cos, sin, cache: KVCache, index: int, start, allowed):
         """h [ROWS, hidden] float32, its first n rows real positions (the rest padding,
-        which no key or feature ever holds) -> h after the layer."""
+        which no key or feature ever holds) -> h after the layer. allowed [n, keys]: the
+        causal mask of the block's rows over the cache's keys."""
         layer, attn = self.layer, self.layer.self_attn
         x = layer.input_layernorm(h).to(torch.bfloat16)
         q, k, v = self.qkv(x)[:n].float().split(self.qkv.widths, -1)
         q = attn.shape_query(q[None], cos, sin)
         k, v = attn.shape_key_value(k[None], v[None], cos, sin)
-        out = cache.attend(index, start, q, k, v, visible)[0].transpose(0, 1).flatten(1)
+        keys, values = cache.write(index, start, k, v)  # float32 in the cache
+        # attention in bfloat16 too (SDPA's CPU kernel: 2.5x float32's here), softmax and
+        # sums in float32 inside the kernel; a plain causal mask, as the target's op
+        # computes it without query scaling
+        out = F.scaled_dot_product_attention(
+            q.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16),
+            attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != keys.shape[1])
+        out = out[0].transpose(0, 1).flatten(1).float()
         h = h + self.o(F.pad(out, (0, 0, 0, ROWS - n)).to(torch.bfloat16)).float()
         gate, up = self.gate_up(layer.post_attention_layernorm(h).to(torch.bfloat16)).float().chunk(2, -1)
         return h + self.down((F.silu(gate) * up).to(torch.bfloat16)).float()
@@ -159,11 +168,12 @@ class Bf16Prefill:
         model, n = self.model, len(ids)
         meta = StepMetadata.of(cache, n)
         cos, sin = model.rotary(meta.positions(n, 1, None), torch.float32)
-        visible = meta.causal_visible(n, 1, None)
+        keys = meta.cached + n
+        allowed = torch.arange(keys) < meta.causal_visible(n, 1, None)[0, :, None]
         h = model.embed_tokens(torch.tensor(ids + [0] * (ROWS - n)))
         states, last = {}, len(self.prefill_layers) - 1
         for i, layer in enumerate(self.prefill_layers):
-            h = layer(h, n, cos, sin, cache, i, meta.cached, visible)
+            h = layer(h, n, cos, sin, cache, i, meta.cached, allowed)
             if i in self.layers and i != last:
                 states[i] = h[:n]
         cache.length = meta.committed()
