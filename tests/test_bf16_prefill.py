@@ -63,9 +63,9 @@ def test_a_prompt_prefilled_in_chunks_on_the_grid_gives_the_same_bits(bf16_engin
     assert np.array_equal(target.cache.v[:, :, :, :len(ids)], values)
 
 
-def test_every_multiply_takes_rows_rows(bf16_engine, monkeypatch):
-    """A short block (a short prompt, a chunk's tail) is padded to ROWS rows for every
-    multiply: a kernel then never sees another row count (the grid's promise)."""
+def test_blocks_follow_the_grid_however_the_prompt_is_chunked(bf16_engine, monkeypatch):
+    """Blocks start on multiples of ROWS: a prompt's rows reach every multiply in the same
+    blocks, with the same row counts, alone or in chunks (the grid's promise)."""
     seen, real = [], bf16_prefill.PackedLinear.__call__
 
     def spy(self, x):
@@ -73,11 +73,17 @@ def test_every_multiply_takes_rows_rows(bf16_engine, monkeypatch):
         return real(self, x)
 
     monkeypatch.setattr(bf16_prefill.PackedLinear, "__call__", spy)
-    ids = text_ids(bf16_engine, ROWS + 37)
-    bf16_engine.target.prefill(ids[:37], len(ids))
-    bf16_engine.target.prefill_more(ids[37:])
-    layers = len(bf16_engine.loaded.prefiller.prefill_layers)
-    assert seen == [ROWS] * (4 * layers * 3)  # 37 rows, then 91 to the grid, then 37
+    ids, target = text_ids(bf16_engine, 2 * ROWS + 37), bf16_engine.target
+    per_block = 4 * len(bf16_engine.loaded.prefiller.prefill_layers)
+    target.prefill(ids, len(ids))
+    whole, seen[:] = list(seen), []
+    target.prefill(ids[:ROWS], len(ids))
+    target.prefill_more(ids[ROWS:])
+    assert seen == whole == [ROWS] * (2 * per_block) + [37] * per_block
+    seen.clear()
+    target.prefill(ids[:37], len(ids))  # off the grid (the scheduler refuses such chunks):
+    target.prefill_more(ids[37:])  # the next block still ends on it
+    assert seen == [37] * per_block + [ROWS - 37] * per_block + [ROWS] * per_block + [37] * per_block
 
 
 def test_qk_norm_targets_prefill_like_the_model(tmp_path):

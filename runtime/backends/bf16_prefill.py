@@ -20,11 +20,12 @@ every mode prefills a prompt the same way and decodes with the same float32 grap
 
 That last point needs the prefill of a prompt to give the same bits however it is cut
 into calls (alone, or in chunks between batch steps: runtime/serve/scheduler.py). A
-kernel may round a row differently at another row count (plugins/row_invariant.py), so
-every matrix multiply here takes exactly ROWS rows (a short block padded), and a prefill
-runs in blocks of ROWS positions that start at multiples of ROWS, whatever the call's
-chunking: chunks that are multiples of ROWS (the scheduler's default, 128) cut the prompt
-where an unchunked prefill does.
+kernel may round a row differently at another row count (plugins/row_invariant.py), so a
+prefill runs in blocks of at most ROWS positions that start at multiples of ROWS,
+whatever the call's chunking: with chunks that are multiples of ROWS (the scheduler's
+default, 128; others are refused) every block, the prompt's short last one included, has
+the same rows and the same row count as in an unchunked prefill, so every kernel is
+handed the same shapes.
 
 Threads: build() converts the weights with torch on one thread. An OpenMP pool lives as
 long as its thread, and libgomp makes every pool stop spinning between parallel regions
@@ -61,9 +62,9 @@ def one_thread():
 
 
 class PackedLinear:
-    """The linears `parts` side by side as one bfloat16 multiply of ROWS rows: x [ROWS, in]
-    bfloat16 -> [ROWS, sum of outs] bfloat16. The weight is packed once into oneDNN's
-    layout for ROWS rows (torch's mkldnn linear, as inductor's CPU freezing packs it),
+    """The linears `parts` side by side as one bfloat16 multiply: x [rows, in] bfloat16 ->
+    [rows, sum of outs] bfloat16. The weight is packed once into oneDNN's layout for
+    blocks of ROWS rows (torch's mkldnn linear, as inductor's CPU freezing packs it),
     where this torch has those ops; else a plain bfloat16 linear."""
 
     def __init__(self, parts: list[nn.Linear]):
@@ -94,13 +95,12 @@ class PrefillLayer:
         self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj])
         self.down = PackedLinear([mlp.down_proj])
 
-    def __call__(self, h, n: int, cos, sin, cache: KVCache, index: int, start, allowed):
-        """h [ROWS, hidden] float32, its first n rows real positions (the rest padding,
-        which no key or feature ever holds) -> h after the layer. allowed [n, keys]: the
-        causal mask of the block's rows over the cache's keys."""
+    def __call__(self, h, cos, sin, cache: KVCache, index: int, start, allowed):
+        """h [n, hidden] float32, the block's positions -> h after the layer. allowed
+        [n, keys]: the causal mask of the block's rows over the cache's keys."""
         layer, attn = self.layer, self.layer.self_attn
         x = layer.input_layernorm(h).to(torch.bfloat16)
-        q, k, v = self.qkv(x)[:n].float().split(self.qkv.widths, -1)
+        q, k, v = self.qkv(x).float().split(self.qkv.widths, -1)
         q = attn.shape_query(q[None], cos, sin)
         k, v = attn.shape_key_value(k[None], v[None], cos, sin)
         keys, values = cache.write(index, start, k, v)  # float32 in the cache
@@ -111,7 +111,7 @@ class PrefillLayer:
             q.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16),
             attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != keys.shape[1])
         out = out[0].transpose(0, 1).flatten(1).float()
-        h = h + self.o(F.pad(out, (0, 0, 0, ROWS - n)).to(torch.bfloat16)).float()
+        h = h + self.o(out.to(torch.bfloat16)).float()
         gate, up = self.gate_up(layer.post_attention_layernorm(h).to(torch.bfloat16)).float().chunk(2, -1)
         return h + self.down((F.silu(gate) * up).to(torch.bfloat16)).float()
 
@@ -163,21 +163,21 @@ class Bf16Prefill:
             return cls(model, layers)
 
     def _block(self, ids: list[int], cache: KVCache):
-        """ids (at most ROWS) after the cache's committed tokens, on ROWS rows: the final
-        norm's states and the features of the real rows."""
+        """ids (at most ROWS) after the cache's committed tokens: the final norm's states
+        and the features."""
         model, n = self.model, len(ids)
         meta = StepMetadata.of(cache, n)
         cos, sin = model.rotary(meta.positions(n, 1, None), torch.float32)
         keys = meta.cached + n
         allowed = torch.arange(keys) < meta.causal_visible(n, 1, None)[0, :, None]
-        h = model.embed_tokens(torch.tensor(ids + [0] * (ROWS - n)))
+        h = model.embed_tokens(torch.tensor(ids))
         states, last = {}, len(self.prefill_layers) - 1
         for i, layer in enumerate(self.prefill_layers):
-            h = layer(h, n, cos, sin, cache, i, meta.cached, allowed)
+            h = layer(h, cos, sin, cache, i, meta.cached, allowed)
             if i in self.layers and i != last:
-                states[i] = h[:n]
+                states[i] = h
         cache.length = meta.committed()
-        h = model.norm(h[:n])
+        h = model.norm(h)
         states[last] = h
         features = torch.cat([states[i] for i in self.layers], -1) if self.layers else h[:, :0]
         return h, features
