@@ -114,7 +114,7 @@ def test_bad_default_mode_input_is_one_line(engine_copy, capsys, flags, message)
 
 
 def test_the_loaded_batch_reads_distinct_rows_and_prefers_target_only_on_a_near_tie():
-    from runtime.measure import LOADED_CONTEXT, LOADED_MARGIN, loaded_choice, loaded_rows
+    from runtime.measure import LOADED_CONTEXT, LOADED_MARGIN, loaded_choice, loaded_rows, loaded_sizes
 
     prompt = list(range(1000))
     rows = loaded_rows(prompt, 8)
@@ -126,3 +126,5 @@ def test_the_loaded_batch_reads_distinct_rows_and_prefers_target_only_on_a_near_
     assert loaded_choice({"target": 100.0, "sharpdraft": 100.0 * LOADED_MARGIN + 0.1}) == "sharpdraft"
     assert loaded_choice({"target": 120.0, "ngram": 100.0}) == "target"
     assert loaded_choice({"ngram": 90.0, "sharpdraft": 95.0}) == "sharpdraft"  # no target listed
+    # half the loaded batch and all of it: a batch of 4-7 rows runs the half's choice
+    assert loaded_sizes(8) == [4, 8] and loaded_sizes(3) == [3] and loaded_sizes(1) == []

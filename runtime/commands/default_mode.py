@@ -36,8 +36,8 @@ def add_parser(sub):
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--loaded-batch", type=int, default=LOADED_BATCH,
-                   help="also time the modes that batch with this many rows decoding together "
-                        "(1: one stream only; default %(default)s)")
+                   help="also time the modes that batch with this many rows decoding together, "
+                        "and with half as many (1: one stream only; default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, change nothing")
     p.add_argument("--debug", action="store_true")
 
