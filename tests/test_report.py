@@ -223,3 +223,22 @@ def test_heldout_mal_json_records_its_provenance_and_the_report_prints_it(
     assert code == 0, err
     text = page.read_text()
     assert "## Held-out MAL of drafters" in text and f"| {first['mal']:.4f} | {first['blocks']} |" in text
+
+
+def test_lossless_files_show_the_prefill_dtype_and_the_drift_from_the_first_config(tmp_path):
+    run_ = {"alone": [], "c8": [], "errors": []}
+    data = {"command": "python scripts/dtype_lossless.py", "machine": MACHINE,
+            "date": "2026-12-06T01:00:00Z", "commit": "abc1234", "requests": 16,
+            "max_new_tokens": 32, "concurrency": 8, "configs": [
+                {"backend": "onnxruntime", "dtype": "float32", "target_alone_prefill_s": 5.1,
+                 "target_alone_decode_s": 12.5, "modes": {"target": run_}},
+                {"backend": "onnxruntime", "dtype": "float32", "prefill_dtype": "bfloat16",
+                 "target_alone_prefill_s": 2.3, "target_alone_decode_s": 12.4,
+                 "target_vs_first": {"config": "onnxruntime:float32",
+                                     "differ": [{"prompt": 3, "first_token": 9}]},
+                 "modes": {"target": run_, "sharpdraft": dict(run_, c8=[{"prompt": 1, "first_token": 2}])}}]}
+    (tmp_path / "lossless-dtype-x.json").write_text(json.dumps(data))
+    text = "\n".join(report.lossless_section(tmp_path))
+    assert "| onnxruntime, float32 | target | 0 | 0 | 5.10 / 12.50 | not recorded |" in text
+    assert ("| onnxruntime, float32, prefill bfloat16 | sharpdraft | 0 | 1 | 2.30 / 12.40 | "
+            "1 (vs onnxruntime:float32) |") in text

@@ -440,17 +440,29 @@ def lossless_section(folder: Path) -> list[str]:
         return []
     lines = ["## Greedy tokens against target-only per backend and dtype (scripts/dtype_lossless.py)", "",
              "Prompts whose greedy tokens differ from target-only one at a time in the same "
-             "backend and dtype, and target-only's prefill and decode seconds one at a time.", ""]
+             "backend and dtype (and prefill dtype), target-only's prefill and decode seconds "
+             "one at a time, and, where the file records it, how many prompts' target-only "
+             "tokens differ from the first configuration's (another target, not a loss).", ""]
     for name in names:
         data = load(folder, name)
         level = f"c{field(data, name, 'concurrency')}"
-        body = [[f"{r['backend']}, {r['dtype']}", mode, len(m["alone"]), len(m[level]),
-                 f"{r['target_alone_prefill_s']:.2f} / {r['target_alone_decode_s']:.2f}"]
+
+        def config(r):
+            prefill = r.get("prefill_dtype", "float32")
+            return f"{r['backend']}, {r['dtype']}" + (f", prefill {prefill}" if prefill != "float32" else "")
+
+        def drift(r):
+            vs = r.get("target_vs_first")
+            return NOT_RECORDED if vs is None else f"{len(vs['differ'])} (vs {vs['config']})"
+
+        body = [[config(r), mode, len(m["alone"]), len(m[level]),
+                 f"{r['target_alone_prefill_s']:.2f} / {r['target_alone_decode_s']:.2f}", drift(r)]
                 for r in field(data, name, "configs") for mode, m in r["modes"].items()]
         lines += [f"### `{name}` (code {data.get('commit', NOT_RECORDED)}; {data['requests']} prompts, "
                   f"{data['max_new_tokens']} tokens)", "", *provenance_lines(data, name, folder), "",
                   *table(["backend, dtype", "mode", "differ alone", f"differ at {level}",
-                          "target-only alone: prefill / decode s"], body), ""]
+                          "target-only alone: prefill / decode s",
+                          "target-only differs from the first config"], body), ""]
     return lines
 
 
