@@ -11,12 +11,13 @@ multiplies bfloat16 inputs by bfloat16 weights (float32 accumulation, widened ba
 float32): q/k/v in one multiply and gate/up in another, their weights packed once for
 oneDNN's kernels; attention reads bfloat16 queries, keys and values (softmax and sums in
 float32 inside SDPA's kernel); the residual stream, norms, rotary, the keys/values
-stored and the LM head stay float32. The prompt's keys/values land in the ONNX Runtime cache buffers
-where they lie (a torch view of the same memory), and the features the drafter reads
-come out as the graph's do. So the target an engine serves this way is the float32 model
-with a bfloat16 prompt pass: its tokens can differ from the all-float32 target's
-(measured: docs/serving.md), and speculative decoding is lossless against it, because
-every mode prefills a prompt the same way and decodes with the same float32 graphs.
+stored and the LM head stay float32. The prompt's keys/values land in the ONNX Runtime
+cache buffers where they lie (a torch view of the same memory), and the features the
+drafter reads come out as the graph's do. So the target an engine serves this way is
+the float32 model with a bfloat16 prompt pass: its tokens can differ from the
+all-float32 target's (measured: docs/engines.md), and speculative decoding is lossless
+against it, because every mode prefills a prompt the same way and decodes with the same
+float32 graphs.
 
 That last point needs the prefill of a prompt to give the same bits however it is cut
 into calls (alone, or in chunks between batch steps: runtime/serve/scheduler.py). A
@@ -46,7 +47,7 @@ from runtime.manifest import EngineError, Manifest
 from runtime.models.layers import KVCache
 from runtime.step_metadata import StepMetadata
 
-ROWS = 128  # rows of every matrix multiply, and the grid a prefill's blocks start on
+ROWS = 128  # the grid a prefill's blocks start on, and their most rows
 DTYPES = ("float32", "bfloat16")  # --prefill-dtype: the graphs' own, or this module's
 
 

@@ -1044,7 +1044,8 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
 class OnnxEngine:
     """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter.
     The onnxruntime backend's loader (runtime/backends/__init__.py: LOADERS): float32
-    graphs on the CPU, so `device` and `dtype` take those values only."""
+    graphs on the CPU, so `device` and `dtype` take those values only; `prefill_dtype`
+    bfloat16 prefills through runtime/backends/bf16_prefill.py instead of the graph."""
 
     can = modes.BACKENDS["onnxruntime"]
 
