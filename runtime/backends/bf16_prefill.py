@@ -31,8 +31,8 @@ handed the same shapes.
 Threads: build() converts the weights with torch on one thread. An OpenMP pool lives as
 long as its thread, and libgomp makes every pool stop spinning between parallel regions
 once the process holds more OpenMP threads than CPUs, so a pool left in the loading
-thread would slow every small op of the thread that serves (measured: elementwise ops of
-a prefill 3-5x slower on a second thread). Loading on one thread leaves no pool behind.
+thread would slow every small op of the thread that serves (a prefill took about twice
+as long on a second thread). Loading on one thread leaves no pool behind.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ class PrefillLayer:
         q = attn.shape_query(q[None], cos, sin)
         k, v = attn.shape_key_value(k[None], v[None], cos, sin)
         keys, values = cache.write(index, start, k, v)  # float32 in the cache
-        # attention in bfloat16 too (SDPA's CPU kernel: 2.5x float32's here), softmax and
-        # sums in float32 inside the kernel; a plain causal mask, as the target's op
-        # computes it without query scaling
+        # attention in bfloat16 too (SDPA's CPU kernel is more than twice as fast in it
+        # here), softmax and sums in float32 inside the kernel; a plain causal mask, as
+        # the target's op computes it without query scaling
         out = F.scaled_dot_product_attention(
             q.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16),
             attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != keys.shape[1])
