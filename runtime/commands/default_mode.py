@@ -9,10 +9,11 @@ lookup) is only worth defaulting to if it is faster here. Modes run interleaved 
 prefill, repeat after repeat, so a machine that slows down part-way slows every mode alike.
 
 Under load the answer can change (a drafter's edge narrows as the batch, not the
-drafter, fills the verify pass), so the modes that batch are also timed as a loaded
-batch (--loaded-batch rows of a shorter prompt decoding together, total tokens per second)
-and both are recorded (by_batch); the served default follows the batch a request joins
-(runtime/modes.py: measured_default)."""
+drafter, fills the verify pass), so the modes that batch are also timed as loaded
+batches (--loaded-batch rows, and half as many, each a window of the document (or one of
+one's own prompts) decoding together, total tokens per second) and all are recorded
+(by_batch); the served default follows the batch a request joins (runtime/modes.py:
+measured_default)."""
 
 from __future__ import annotations
 
