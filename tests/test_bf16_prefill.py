@@ -159,3 +159,15 @@ def test_chunks_off_the_grid_are_refused(bf16_engine, native_engine, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["error: --prefill-chunk 100 must be a multiple of 128 with "
                                  "--prefill-dtype bfloat16 (0: no chunking)"]
+
+
+def test_a_cpu_without_onednn_bfloat16_multiplies_with_plain_kernels(monkeypatch):
+    """Where oneDNN has no bfloat16 kernels (a CPU without AVX-512), the multiply is a plain
+    bfloat16 linear of the same weights: same shapes, other kernels."""
+    linears = [torch.nn.Linear(16, 8), torch.nn.Linear(16, 4, bias=False)]
+    packed = bf16_prefill.PackedLinear(linears)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    plain = bf16_prefill.PackedLinear(linears)
+    assert not plain.packed and plain.widths == [8, 4]
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    assert torch.allclose(plain(x).float(), packed(x).float(), atol=0.05, rtol=0.02)

@@ -66,7 +66,8 @@ class PackedLinear:
     """The linears `parts` side by side as one bfloat16 multiply: x [rows, in] bfloat16 ->
     [rows, sum of outs] bfloat16. The weight is packed once into oneDNN's layout for
     blocks of ROWS rows (torch's mkldnn linear, as inductor's CPU freezing packs it),
-    where this torch has those ops; else a plain bfloat16 linear."""
+    where this torch and CPU have them (oneDNN's bfloat16 kernels need AVX-512 or AMX);
+    else a plain bfloat16 linear (torch's own kernels, slower, the same rows per call)."""
 
     def __init__(self, parts: list[nn.Linear]):
         weight = torch.cat([p.weight.detach() for p in parts]).to(torch.bfloat16)
@@ -76,7 +77,9 @@ class PackedLinear:
              for b, p in zip(biases, parts)]).to(torch.bfloat16))
         self.widths = [p.out_features for p in parts]
         mkldnn = torch.ops.mkldnn
-        self.packed = hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+        self.packed = all(hasattr(mkldnn, op) for op in (
+            "_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+        ) and mkldnn._is_mkldnn_bf16_supported()
         self.weight = mkldnn._reorder_linear_weight(weight, ROWS) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
