@@ -14,7 +14,7 @@ from runtime.backends import bf16_prefill
 from runtime.backends.onnxruntime import BoundKVCache
 from runtime.engine import Engine
 from runtime.manifest import EngineError
-from runtime.models.target import ModelError, load_target
+from runtime.models.target import load_target
 from script_loader import load_script
 
 ROWS = bf16_prefill.ROWS
@@ -133,7 +133,7 @@ def test_every_mode_stays_lossless_alone_and_batched(native_engine, tmp_path, ca
 
 
 def test_other_backends_and_bad_values_are_refused_in_one_line(native_engine):
-    with pytest.raises(ModelError, match="--prefill-dtype is the onnxruntime backend's"):
+    with pytest.raises(EngineError, match="--prefill-dtype is the onnxruntime backend's"):
         Engine(native_engine, backend="torch", prefill_dtype="bfloat16")
     with pytest.raises(EngineError, match="--prefill-dtype 'float16' is not one of float32, bfloat16"):
         Engine(native_engine, prefill_dtype="float16")
@@ -171,3 +171,18 @@ def test_a_cpu_without_onednn_bfloat16_multiplies_with_plain_kernels(monkeypatch
     assert not plain.packed and plain.widths == [8, 4]
     x = torch.randn(5, 16).to(torch.bfloat16)
     assert torch.allclose(plain(x).float(), packed(x).float(), atol=0.05, rtol=0.02)
+
+
+def test_load_bound_runs_and_records_the_bfloat16_prefill(native_engine, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    text = tiny.stdlib_text()
+    prompts.write_text("".join(json.dumps({"text": text[i * 700:(i + 1) * 700]}) + "\n"
+                               for i in range(2)))
+    out = tmp_path / "bound.json"
+    assert load_script("load_bound").main([
+        "--engine-dir", str(native_engine), "--prompts-file", str(prompts), "--requests", "2",
+        "--max-new-tokens", "4", "--concurrency", "2", "--threads", "1", "--peers",
+        "--prefill-dtype", "bfloat16", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prefill_dtype"] == "bfloat16" and report["tokens_identical"]
+    assert report["c1"]["tokens"] == report["c2"]["tokens"] == 8

@@ -83,3 +83,15 @@ def test_backend_and_dtype_are_chosen_and_recorded(tiny_engine, tmp_path):
                           "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert (report["backend"], report["dtype"]) == ("torch", "float32") and report["tokens_identical"]
+    assert report["prefill_dtype"] == "float32"
+
+
+def test_a_prefill_dtype_the_backend_cannot_run_is_refused_in_one_line(tiny_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "x = 1"}) + "\n")
+    code = script().main(["--engine-dir", str(tiny_engine), "--prompts-file", str(prompts),
+                          "--prefill-dtype", "bfloat16", "--out", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("error: the torch backend prefills in the engine's dtype")
+    assert not (tmp_path / "b.json").exists()

@@ -49,3 +49,51 @@ def test_an_arm_whose_server_does_not_start_ends_the_ab_in_one_line(tmp_path, ca
     assert len(err) == 2 and err[1].startswith(f"error: the {REPO} server did not start")
     assert "see /tmp/" in err[1]
     assert not (tmp_path / "ab.json").exists()
+
+
+def test_arm_flags_reach_that_arms_server_and_its_in_process_check(tmp_path, monkeypatch):
+    """--arm-flags NAME=FLAGS: one checkout served two ways. The flags go to that arm's
+    serve and to loadtest's in-process reference (so it loads the engine as the server
+    does), and to no other arm."""
+    script = _script()
+    served, commands = {}, []
+
+    class Server:
+        grpc_port, metrics_port = 1, 2
+
+        def stop(self, grace):
+            pass
+
+    def start_server(code, engine_dir, repo, log, flags=()):
+        served[repo.name.split("-")[-2]] = list(flags)
+        return Server()
+
+    real_run = script.subprocess.run
+
+    def fake_run(command, **kwargs):
+        if "loadtest" not in command:  # git, for the arm's commit
+            return real_run(command, **kwargs)
+        commands.append(command)
+        levels = [{"concurrency": int(c), "tokens_per_second": 1.0}
+                  for c in command[command.index("--concurrency") + 1:command.index("--requests")]]
+        return type("Done", (), {"returncode": 0, "stdout": json.dumps(
+            {"levels": levels, "token_mismatches": 0}), "stderr": ""})()
+
+    monkeypatch.setattr(script, "start_server", start_server)
+    monkeypatch.setattr(script, "get", lambda url: "")
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "engine.json").write_text("{}")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    assert script.main(["--arm", f"plain={REPO}", "--arm", f"bf16={REPO}",
+                        "--arm-flags", "bf16=--prefill-dtype bfloat16", "--engine-dir", str(engine),
+                        "--prompts-file", str(prompts), "--rounds", "1",
+                        "--out", str(tmp_path / "ab.json")]) == 0
+    assert served == {"plain": [], "bf16": ["--prefill-dtype", "bfloat16"]}
+    checks = [c for c in commands if "--engine-dir" in c]
+    assert len(checks) == 2  # one in-process check per arm
+    assert "--prefill-dtype" not in checks[0] and checks[1][-2:] == ["--prefill-dtype", "bfloat16"]
+    assert json.loads((tmp_path / "ab.json").read_text())["arm_flags"] == {
+        "bf16": ["--prefill-dtype", "bfloat16"]}

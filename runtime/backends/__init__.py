@@ -377,6 +377,22 @@ def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
     return Drafting(style, shape, manifest.block_size - 1)
 
 
+def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs an engine's drafter reads (the target's `features`,
+    TargetModel's convention), from the drafter checkpoint's config: DFlash's
+    target_layer_ids, EAGLE-3's auxiliary layers; none for PARD and n-gram engines. The
+    torch loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
+    if manifest.drafter == "dflash":
+        from runtime.models.dflash import read_dflash_config
+
+        return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
+    if manifest.drafter == "eagle3":
+        from runtime.models.eagle3 import read_eagle3_config
+
+        return tuple(read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers))
+    return ()
+
+
 def _torch(engine_dir, manifest, drafting, **options) -> Loaded:
     from runtime.backends.pytorch import TorchLoaded
 

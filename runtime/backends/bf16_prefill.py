@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.backends import drafter_feature_layers
 from runtime.manifest import EngineError, Manifest
 from runtime.models.layers import KVCache
 from runtime.step_metadata import StepMetadata
@@ -120,21 +121,6 @@ class PrefillLayer:
         return h + self.down((F.silu(gate) * up).to(torch.bfloat16)).float()
 
 
-def feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
-    """The target layers whose outputs the engine's drafter reads (the target graph's
-    `features`), from the drafter checkpoint's config: DFlash's target_layer_ids,
-    EAGLE-3's auxiliary layers; none for PARD and n-gram engines."""
-    if manifest.drafter == "dflash":
-        from runtime.models.dflash import read_dflash_config
-
-        return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
-    if manifest.drafter == "eagle3":
-        from runtime.models.eagle3 import read_eagle3_config
-
-        return read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers)
-    return ()
-
-
 class Bf16Prefill:
     """The prefill of an OnnxTarget's cache (OnnxTarget.prefill_more calls it)."""
 
@@ -159,7 +145,7 @@ class Bf16Prefill:
                 model, _ = load_target(manifest.target_dir)
             except ModelError as exc:
                 raise EngineError(f"--prefill-dtype bfloat16: {exc}") from None
-            layers = feature_layers(manifest, model.config.num_layers)
+            layers = drafter_feature_layers(manifest, model.config.num_layers)
             if len(layers) * model.config.hidden_size != features_width:
                 raise EngineError(f"--prefill-dtype bfloat16: the drafter reads layers "
                                   f"{list(layers)} ({len(layers) * model.config.hidden_size} "
@@ -172,8 +158,7 @@ class Bf16Prefill:
         model, n = self.model, len(ids)
         meta = StepMetadata.of(cache, n)
         cos, sin = model.rotary(meta.positions(n, 1, None), torch.float32)
-        keys = meta.cached + n
-        allowed = torch.arange(keys) < meta.causal_visible(n, 1, None)[0, :, None]
+        allowed = torch.arange(meta.committed()) < meta.causal_visible(n, 1, None)[0, :, None]
         h = model.embed_tokens(torch.tensor(ids))
         states, last = {}, len(self.prefill_layers) - 1
         for i, layer in enumerate(self.prefill_layers):

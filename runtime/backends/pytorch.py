@@ -11,8 +11,9 @@ from pathlib import Path
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, Drafting
-from runtime.manifest import Manifest
+from runtime.backends import (BlockPrefill, ChainDraft, ChainPrefill, Drafting,
+                              drafter_feature_layers)
+from runtime.manifest import EngineError, Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context, row_group
@@ -483,7 +484,7 @@ def _load_dflash(manifest: Manifest, dtype, target):
 
     drafter = load_dflash(manifest.drafter_dir, dtype)
     drafter.config.check_target(target.config)
-    return drafter, drafter.config.target_layer_ids
+    return drafter
 
 
 def _load_pard(manifest: Manifest, dtype, target):
@@ -491,17 +492,17 @@ def _load_pard(manifest: Manifest, dtype, target):
 
     drafter = load_pard(manifest.drafter_dir, dtype)
     drafter.config.check_target(target.config)
-    return drafter, ()
+    return drafter
 
 
 def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the target as it loads
     from runtime.models.eagle3 import load_eagle3
 
-    drafter = load_eagle3(manifest.drafter_dir, dtype, target)
-    return drafter, drafter.config.feature_layers(target.config.num_layers)
+    return load_eagle3(manifest.drafter_dir, dtype, target)
 
 
-# drafter family -> its checkpoint loader: (drafter model, the target layers it reads)
+# drafter family -> its checkpoint loader (the target layers each reads:
+# runtime/backends/__init__.py, drafter_feature_layers)
 DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_eagle3}
 
 
@@ -527,21 +528,19 @@ class TorchLoaded:
         from runtime import compiled
 
         if prefill_dtype is not None:
-            raise ModelError(f"the torch backend prefills in the engine's dtype (--dtype), not "
-                             f"{prefill_dtype}; --prefill-dtype is the onnxruntime backend's")
-
+            raise EngineError(f"the torch backend prefills in the engine's dtype (--dtype), not "
+                              f"{prefill_dtype}; --prefill-dtype is the onnxruntime backend's")
         if steps is not None and steps not in compiled.STEPS:
             raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
         self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
         self.model, self.tokenizer = compiled.load_target(manifest.target_dir, self.device, self.dtype)
         torch_dtype = compiled.resolve_dtype(self.dtype)
-        self.drafter_model, feature_layers = None, ()
+        self.drafter_model = None
         if manifest.drafter in DRAFTER_LOADERS:
-            self.drafter_model, feature_layers = DRAFTER_LOADERS[manifest.drafter](
-                manifest, torch_dtype, self.model)
+            self.drafter_model = DRAFTER_LOADERS[manifest.drafter](manifest, torch_dtype, self.model)
             compiled.place(self.drafter_model, self.device)
-        self.feature_layers = tuple(feature_layers)
+        self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
         # the widths a single sequence's verify takes: a decode step, an n-gram verify
         # (ngram drafts + the bonus), a block verify
         ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
