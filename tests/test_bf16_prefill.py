@@ -150,7 +150,7 @@ def test_chunks_off_the_grid_are_refused(bf16_engine, native_engine, capsys):
     from runtime.cli import run
     from runtime.serve.scheduler import StepScheduler
 
-    with pytest.raises(ValueError, match="prefill_chunk 100 must be a multiple of 128"):
+    with pytest.raises(ValueError, match="--prefill-chunk 100 must be a multiple of 128"):
         StepScheduler(bf16_engine, prefill_chunk=100)
     StepScheduler(bf16_engine, prefill_chunk=2 * ROWS).close()  # on the grid, or 0 (off)
     StepScheduler(bf16_engine, prefill_chunk=0).close()
@@ -158,7 +158,8 @@ def test_chunks_off_the_grid_are_refused(bf16_engine, native_engine, capsys):
                               "bfloat16", "--prefill-chunk", "100", "--model-repository", "unused"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["error: --prefill-chunk 100 must be a multiple of 128 with "
-                                 "--prefill-dtype bfloat16 (0: no chunking)"]
+                                 "--prefill-dtype bfloat16 (0: no chunking; a prompt prefilled "
+                                 "in other chunks would round differently than alone)"]
 
 
 def test_a_cpu_without_onednn_bfloat16_multiplies_with_plain_kernels(monkeypatch):

@@ -52,6 +52,17 @@ ROWS = 128  # the grid a prefill's blocks start on, and their most rows
 DTYPES = ("float32", "bfloat16")  # --prefill-dtype: the graphs' own, or this module's
 
 
+def chunk_problem(prefill_chunk: int, grid: int | None) -> str | None:
+    """Why a served prefill_chunk (0: none) cannot go with a prefill on `grid` (None:
+    any chunk can), else None: the one check, made by `serve` before it writes the model
+    repository and by the scheduler that loads the engine (in process and in Triton)."""
+    if grid and prefill_chunk % grid:
+        return (f"--prefill-chunk {prefill_chunk} must be a multiple of {grid} with "
+                "--prefill-dtype bfloat16 (0: no chunking; a prompt prefilled in other "
+                "chunks would round differently than alone)")
+    return None
+
+
 @contextlib.contextmanager
 def one_thread():
     """torch ops on the calling thread without an OpenMP pool (see the module's notes)."""

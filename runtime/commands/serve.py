@@ -10,7 +10,7 @@ import sys
 import threading
 
 from runtime.backends import RUNNABLE_BACKENDS
-from runtime.backends.bf16_prefill import ROWS as PREFILL_ROWS
+from runtime.backends.bf16_prefill import ROWS as PREFILL_ROWS, chunk_problem
 from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
 from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
@@ -83,9 +83,9 @@ def run(args) -> int:
         raise UsageError(f"{args.engine_dir} is configuration for TensorRT-LLM; serve it with --backend trtllm")
     if args.llmapi_model:
         raise UsageError("--llmapi-model goes with --backend trtllm")
-    if placement.get("prefill_dtype") == "bfloat16" and args.prefill_chunk % PREFILL_ROWS:
-        raise UsageError(f"--prefill-chunk {args.prefill_chunk} must be a multiple of "
-                         f"{PREFILL_ROWS} with --prefill-dtype bfloat16 (0: no chunking)")
+    grid = PREFILL_ROWS if placement.get("prefill_dtype") == "bfloat16" else None
+    if problem := chunk_problem(args.prefill_chunk, grid):
+        raise UsageError(problem)
     limit = args.max_new_tokens_limit
     ports = server.Ports(args.http_port, args.grpc_port, args.metrics_port)
     try:

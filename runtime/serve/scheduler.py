@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Callable
 
+from runtime.backends.bf16_prefill import chunk_problem
 from runtime.decode import DraftKind, Request
 from runtime.modes import LOOKUP, Mode
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
@@ -87,11 +88,8 @@ class StepScheduler:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
             raise ValueError(f"max_batch must be >= 1, max_queue and prefill_chunk >= 0, got "
                              f"{max_batch}, {max_queue}, {prefill_chunk}")
-        grid = getattr(engine, "prefill_grid", None)
-        if grid and prefill_chunk % grid:
-            raise ValueError(f"prefill_chunk {prefill_chunk} must be a multiple of {grid} with "
-                             "--prefill-dtype bfloat16 (a prompt prefilled in other chunks "
-                             "would round differently than alone)")
+        if problem := chunk_problem(prefill_chunk, getattr(engine, "prefill_grid", None)):
+            raise ValueError(problem)
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefill_chunk = prefill_chunk
         self.on_turn = on_turn
