@@ -74,3 +74,17 @@ def test_gpu_check_without_cuda_exits_with_one_line(tmp_path):
     assert done.stdout == "" and done.stderr.startswith("error: no CUDA device")
     assert done.stderr.count("\n") == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_the_version_check_names_test_files_and_tests_that_exist():
+    """scripts/gpu_versions.sh runs named test files (and one named test) under the GPU
+    machine's library versions: a rename here would make it run nothing of that file."""
+    import re
+
+    text = (SCRIPT.parent / "gpu_versions.sh").read_text()
+    named = re.findall(r"tests/(test_\w+\.py)(?:::(\w+))?", text)
+    assert len(named) >= 10
+    for file, test in named:
+        path = SCRIPT.parent.parent / "tests" / file
+        assert path.is_file(), file
+        assert not test or f"def {test}(" in path.read_text(), test
