@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
 from runtime.models.target import DTYPES  # noqa: E402
 from runtime.modes import BACKENDS, Mode  # noqa: E402
+from runtime.openmp import in_own_thread  # noqa: E402
 
 
 def load_bound():
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
     for config in args.config:
         backend, dtype, prefill = split_config(config)
         try:
-            engine = Engine(args.engine_dir, backend=backend, dtype=dtype, prefill_dtype=prefill)
+            engine = in_own_thread(Engine, args.engine_dir, backend=backend, dtype=dtype,
+                                   prefill_dtype=prefill)  # no pool left on this thread
         except EngineError as exc:
             print(f"error: --config {config}: {exc}", file=sys.stderr)
             return 2
@@ -118,17 +120,17 @@ def main(argv=None) -> int:
             print(f"error: --modes {' '.join(unknown)}: not a mode of this engine", file=sys.stderr)
             return 2
         prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
-        # off the main thread, as load_bound runs them (its in_own_thread says why)
-        lb.in_own_thread(engine.generate, prompts[0], 4, Mode.TARGET, greedy)  # warm
-        one, reference = lb.in_own_thread(lb.one_at_a_time, engine, prompts, args.max_new_tokens,
-                                          Mode.TARGET, greedy)
+        # off the main thread, as load_bound runs them (runtime/openmp.py says why)
+        in_own_thread(engine.generate, prompts[0], 4, Mode.TARGET, greedy)  # warm
+        one, reference = in_own_thread(lb.one_at_a_time, engine, prompts, args.max_new_tokens,
+                                       Mode.TARGET, greedy)
         first = first or (config, reference)
         row = {"backend": backend, "dtype": dtype, "prefill_dtype": prefill or "float32",
                "target_alone_prefill_s": one["prefill_s"], "target_alone_decode_s": one["decode_s"],
                "target_vs_first": {"config": first[0], "differ": differences(first[1], reference)},
                "modes": {}}
         for mode in args.modes:
-            alone = reference if mode == Mode.TARGET else lb.in_own_thread(
+            alone = reference if mode == Mode.TARGET else in_own_thread(
                 lb.one_at_a_time, engine, prompts, args.max_new_tokens, mode, greedy)[1]
             many, batched = lb.concurrent(engine, prompts, args.max_new_tokens, args.concurrency,
                                           greedy, mode)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
 from runtime.models.target import DTYPES  # noqa: E402
 from runtime.modes import BACKENDS  # noqa: E402
+from runtime.openmp import in_own_thread  # noqa: E402
 
 
 def parse(argv):
@@ -80,19 +81,6 @@ def medians(runs: list[dict]) -> dict:
         else:
             merged[key] = round(statistics.median(values), 3)
     return merged
-
-
-def in_own_thread(fn, *args):
-    """fn(*args) on a thread that ends with it. The concurrent arm's scheduler thread must
-    be the one OpenMP pool of the process: libgomp stops every pool spinning once the
-    process holds more OpenMP threads than CPUs, and a pool lives as long as its thread
-    (runtime/backends/bf16_prefill.py), so torch work in the main thread would slow the
-    scheduler's."""
-    result = []
-    thread = threading.Thread(target=lambda: result.append(fn(*args)))
-    thread.start()
-    thread.join()
-    return result[0]
 
 
 def one_at_a_time(engine, prompts, new_tokens, mode, sampling) -> dict:
@@ -186,8 +174,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     try:
-        engine = Engine(args.engine_dir, backend=args.backend, dtype=args.dtype,
-                        prefill_dtype=args.prefill_dtype)
+        engine = in_own_thread(Engine, args.engine_dir, backend=args.backend, dtype=args.dtype,
+                               prefill_dtype=args.prefill_dtype)  # no pool left here
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -28,16 +28,11 @@ default, 128; others are refused) every block, the prompt's short last one inclu
 the same rows and the same row count as in an unchunked prefill, so every kernel is
 handed the same shapes.
 
-Threads: build() converts the weights with torch on one thread. An OpenMP pool lives as
-long as its thread, and libgomp makes every pool stop spinning between parallel regions
-once the process holds more OpenMP threads than CPUs, so a pool left in the loading
-thread would slow every small op of the thread that serves (a prefill took about twice
-as long on a second thread). Loading on one thread leaves no pool behind.
+Threads: build() converts the weights with torch on one thread (runtime/openmp.py: a pool
+left in the loading thread made a prefill on the serving thread take about twice as long).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +41,7 @@ from torch import nn
 from runtime.backends import drafter_feature_layers
 from runtime.manifest import EngineError, Manifest
 from runtime.models.layers import KVCache
+from runtime.openmp import one_thread
 from runtime.step_metadata import StepMetadata
 
 ROWS = 128  # the grid a prefill's blocks start on, and their most rows
@@ -61,17 +57,6 @@ def chunk_problem(prefill_chunk: int, grid: int | None) -> str | None:
                 "--prefill-dtype bfloat16 (0: no chunking; a prompt prefilled in other "
                 "chunks would round differently than alone)")
     return None
-
-
-@contextlib.contextmanager
-def one_thread():
-    """torch ops on the calling thread without an OpenMP pool (see the module's notes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class PackedLinear:

@@ -36,7 +36,6 @@ class TritonPythonModel:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // instances)
                               if threads == "auto" else int(threads))
 
-        from runtime.engine import Engine
         from runtime.serve import protocol
         from runtime.serve.scheduler import TURNS, Cancelled, Job, QueueFull, StepScheduler
         from runtime.streaming import TextStream
@@ -46,7 +45,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         placement = {k: params[k] for k in ("device", "dtype", "steps", "prefill_dtype")
                      if params.get(k)}
-        self.engine = Engine(engine_dir, backend=params.get("backend") or None, **placement)
+        self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, placement)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         max_batch = int(params.get("max_batch", "1"))
         self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])

@@ -172,6 +172,15 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     return request
 
 
+def load_engine(engine_dir: str, backend: str | None, placement: dict):
+    """The served engine, loaded on a thread that ends with the load (runtime/openmp.py),
+    so the scheduler's thread, which decodes, holds the process's one OpenMP pool."""
+    from runtime.engine import Engine
+    from runtime.openmp import in_own_thread
+
+    return in_own_thread(Engine, engine_dir, backend=backend, **placement)
+
+
 def encode_prompt(engine, request: Request) -> list[int]:
     ids = engine.encode(request.text)
     if not ids:
