@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from runtime.__main__ import main
+from runtime.cli import run
 from served import REPO, serve
 
 PROMPTS = ["def fib(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
@@ -219,10 +220,18 @@ def test_loadtest_mode_names_the_mode_of_every_request(served, tiny_engine, caps
     capsys.readouterr()
     code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
                  "--concurrency", "2", "--requests", "4", "--max-new-tokens", "8", "--mode",
-                 "frozen-hybrid", "--engine-dir", str(tiny_engine), "--json"])
+                 "frozen-hybrid", "--engine-dir", str(tiny_engine), "--backend", "torch", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["mode"] == "frozen-hybrid" and report["levels"][0]["ok"] == 4
     assert report["token_mismatches"] == 0  # against in-process frozen-hybrid decoding
+    # the in-process engine loads as the server's does (--backend, --prefill-dtype): one
+    # this engine cannot be is refused in one line, before any request is sent
+    code = run(main, ["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}", "--requests",
+                      "1", "--engine-dir", str(tiny_engine), "--backend", "onnxruntime", "--json"])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 1 and captured.out == "" and len(err) == 1
+    assert err[0].startswith("error: ") and "holds no ONNX graphs" in err[0]
     code = main(["loadtest", "--url", f"grpc://127.0.0.1:{served['grpc_port']}",
                  "--concurrency", "1", "--requests", "1", "--mode", "window", "--json"])
     report = json.loads(capsys.readouterr().out)  # the server refuses what the engine lacks

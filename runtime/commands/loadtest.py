@@ -28,6 +28,7 @@ PROMPTS = [
 
 
 def add_parser(sub):
+    from runtime.backends import RUNNABLE_BACKENDS
     from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES
 
     p = sub.add_parser("loadtest", help="load a served model: throughput, latency, MAL")
@@ -48,6 +49,9 @@ def add_parser(sub):
                         "single_turn form: prompts with newlines, scripts/aiperf_prompts.py); "
                         "default: built-in code prompts")
     p.add_argument("--engine-dir", help="also run the prompts in-process on this engine")
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
+                   help="the in-process engine's backend, as the server's (serve --backend); "
+                        "default: the one engine.json names")
     p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES,
                    help="the in-process engine's prefill, as the server's (serve --prefill-dtype)")
     p.add_argument("--threads", type=int,
@@ -284,15 +288,24 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
     return summary, outputs
 
 
-def run_in_process(args, prompts: list[str]) -> tuple[dict, dict]:
+def reference_engine(args):
+    """The in-process engine, loaded as the server's (--backend, --prefill-dtype) before
+    any request is sent, so an engine or mode it cannot be stops the run in one line."""
     import torch
 
     from runtime.engine import Engine
-    from runtime.sampling import Sampling
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.engine_dir, prefill_dtype=args.prefill_dtype)
+    engine = Engine(args.engine_dir, backend=args.backend, prefill_dtype=args.prefill_dtype)
+    if args.mode:
+        engine.check_mode(args.mode)
+    return engine
+
+
+def run_in_process(args, engine, prompts: list[str]) -> tuple[dict, dict]:
+    from runtime.sampling import Sampling
+
     # the mode the requests name, else what the server runs for a request that names none
     mode = engine.check_mode(args.mode) if args.mode else engine.default_mode
     latencies, mals, objects, outputs = [], [], [], {}
@@ -330,6 +343,7 @@ def run(args) -> int:
     finally:
         probe.close()
 
+    engine = reference_engine(args) if args.engine_dir else None
     report = {**provenance("loadtest"), "url": args.url, "model": model, "streaming": streaming,
               "mode": args.mode,
               "max_new_tokens": args.max_new_tokens, "requests": args.requests, "levels": []}
@@ -339,9 +353,9 @@ def run(args) -> int:
         served, served_outputs = run_server(args, prompts, model, concurrency, streaming)
         report["levels"].append({"concurrency": concurrency} | served)
         outputs.append(served_outputs)
-    if args.engine_dir:
+    if engine is not None:
         progress(f"the same {args.requests} prompts in-process, one at a time")
-        local, local_outputs = run_in_process(args, prompts)
+        local, local_outputs = run_in_process(args, engine, prompts)
         report["in_process"] = local
         if args.temperature == 0:  # greedy: the server must give the same tokens at every level
             report["token_mismatches"] = sum(o[i] != local_outputs[i] for o in outputs for i in o)
