@@ -164,7 +164,9 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
             continue
         progress(f"[5/5] measure: step costs with {backend}")
         costs[backend] = measure(Engine(out, backend=backend), progress=progress)
-    manifest.extra["step_costs"] = {b: c.to_dict() for b, c in costs.items()}
+    # where they were timed (Manifest.measured_on: a placement elsewhere reads none)
+    manifest.extra["step_costs"] = {b: c.to_dict() | manifest.build_placement(b)
+                                    for b, c in costs.items()}
     if pick_fastest:
         limit = manifest.extra["max_seq_len"]
         decode_ms = {b: round(decode_seconds(c, limit) * 1e3, 2) for b, c in costs.items()}

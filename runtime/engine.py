@@ -53,13 +53,21 @@ class Engine:
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
-        # Measured at build time for each backend; None (older or TensorRT engines): every
-        # step verifies the whole block.
-        costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
-        self.step_costs = StepCosts.from_dict(costs) if costs else None
         options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps),
                                      ("prefill_dtype", prefill_dtype)) if v is not None}
         self.loaded = loader(self.dir, self.manifest, drafting, **options)
+        # where and how the steps run: a record measured elsewhere does not apply here
+        loaded = self.loaded
+        self.placement = {"backend": self.backend,
+                          "device": str(getattr(loaded, "device", None) or "cpu").split(":")[0],
+                          "dtype": getattr(loaded, "dtype", None) or self.manifest.dtype,
+                          "steps": getattr(loaded, "steps", None)}  # None: not compiled
+        # Measured at build time for each backend (on the CPU, eager); None (older or
+        # TensorRT engines, or this engine placed elsewhere): every step verifies the
+        # whole block.
+        costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
+        costs = self.manifest.measured_on(costs and {"backend": self.backend, **costs}, self.placement)
+        self.step_costs = StepCosts.from_dict(costs) if costs else None
         self.tokenizer, self.target = self.loaded.tokenizer, self.loaded.target
         # a prefill that gives the same bits only when chunks are a multiple of this
         # (--prefill-dtype bfloat16); None: any chunking
@@ -138,15 +146,20 @@ class Engine:
     def default_mode(self) -> Mode:
         """What a served request runs when it names no mode (modes.default_mode: the
         fastest mode the build measured on this backend, else the table's rule)."""
-        return modes.default_mode(self.manifest.extra.get("default_mode"), self.backend,
+        return modes.default_mode(self._default_record(), self.backend,
                                   self.modes, self.style, self.scaling is not None)
 
     def default_mode_at(self, batch: int) -> Mode:
         """The served default for a request joining `batch` sequences decoding together
         (itself included): modes.default_mode over the batch sizes the build measured
         (extra.default_mode.by_batch)."""
-        return modes.default_mode(self.manifest.extra.get("default_mode"), self.backend,
+        return modes.default_mode(self._default_record(), self.backend,
                                   self.modes, self.style, self.scaling is not None, batch)
+
+    def _default_record(self) -> dict | None:
+        """extra.default_mode where it was measured as this engine runs (Engine.placement),
+        else None (the table's rule)."""
+        return self.manifest.measured_on(self.manifest.extra.get("default_mode"), self.placement)
 
     @property
     def family_preset(self) -> QueryScaling:

@@ -78,6 +78,10 @@ def dependency_record(directory: Path, names: list[str]) -> dict:
             "files": {name: _file_entry(directory / name) for name in sorted(names)}}
 
 
+# What a measured record must share with an engine as loaded to apply to it.
+PLACEMENT = ("backend", "device", "dtype", "steps")
+
+
 @dataclasses.dataclass
 class Manifest:
     drafter: str
@@ -98,6 +102,22 @@ class Manifest:
     @property
     def drafter_dir(self) -> Path | None:
         return resolve_path(self.drafter_checkpoint["path"]) if self.drafter_checkpoint else None
+
+    def build_placement(self, backend: str) -> dict:
+        """Where build_engine.py times an engine's steps and modes: `backend` on the CPU,
+        in engine.json's dtype, steps not compiled (steps None)."""
+        return {"backend": backend, "device": "cpu", "dtype": self.dtype, "steps": None}
+
+    def measured_on(self, record: dict | None, placement: dict) -> dict | None:
+        """`record` (step costs or the default mode, from engine.json) if it was measured
+        where `placement` runs (PLACEMENT: backend, device, dtype, steps; a field the record
+        lacks, as in engines built before it was kept, is the build's), else None: costs
+        timed on a CPU say nothing of a GPU, nor uncompiled steps of CUDA graphs."""
+        if not record:
+            return None
+        where = self.build_placement(record.get("backend", placement["backend"]))
+        where |= {k: record[k] for k in PLACEMENT if k in record}
+        return record if all(where[k] == placement[k] for k in PLACEMENT) else None
 
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)

@@ -150,7 +150,7 @@ def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeat
         if loaded:
             by_batch[str(size)] = {"mode": loaded_choice(loaded), "tokens_per_second": loaded,
                                    "context": round(statistics.median(map(len, size_rows)))}
-    return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, "backend": engine.backend,
+    return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, **engine.placement,
             "document": name, "context": round(statistics.median(map(len, prompts))),
             "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
             "rule": "fastest median greedy decode (prefill excluded) over the modes the engine "

@@ -89,6 +89,9 @@ def test_default_mode_measures_on_ones_own_prompts(engine_copy, tmp_path, capsys
     ({"mode": "hybrid", "backend": "torch"}, "hybrid"),
     ({"mode": "hybrid", "backend": "onnxruntime"}, "sharpdraft"),  # measured on another backend
     ({"mode": "window", "backend": "torch"}, "sharpdraft"),  # a mode this engine cannot run
+    ({"mode": "hybrid", "backend": "torch", "device": "cuda"}, "sharpdraft"),  # on a GPU
+    ({"mode": "hybrid", "backend": "torch", "dtype": "bfloat16"}, "sharpdraft"),  # another dtype
+    ({"mode": "hybrid", "backend": "torch", "steps": "inductor"}, "sharpdraft"),  # compiled steps
     (None, "sharpdraft"),  # built before the default was measured
 ])
 def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_copy, record, expected):
@@ -100,6 +103,11 @@ def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_
     # the OpenAI endpoint reads engine.json alone and names the same default
     manifest = read_manifest(engine_copy)
     assert openai_api.served_default(manifest, openai_api.served_modes(manifest)) == expected
+    # ... and, told how the engine is served, the default measured that way
+    if record and len(record) > 2:
+        served_as = {k: v for k, v in record.items() if k != "mode"}
+        assert openai_api.served_default(manifest, openai_api.served_modes(manifest),
+                                         manifest.build_placement("torch") | served_as) == "hybrid"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -59,6 +59,27 @@ def test_default_mode_records_one_stream_and_a_loaded_batch(engine_copy, capsys)
     assert engine.default_mode_at(3) == loaded["mode"] and engine.default_mode_at(1) == recorded["mode"]
 
 
+def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
+    """Step costs and the default mode hold where they were timed (the build: the CPU, the
+    engine's dtype, steps not compiled); the engine placed elsewhere (another dtype here,
+    as a GPU or compiled steps would be) reads neither (whole blocks, the table's rule),
+    and default-mode measured there records a default for that placement."""
+    _record(engine_copy, LOADED)  # recorded before placements were kept: the build's
+    as_built = Engine(engine_copy)
+    assert as_built.placement == {"backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}
+    assert as_built.step_costs is not None and as_built.default_mode_at(3) == "target"
+    elsewhere = Engine(engine_copy, dtype="bfloat16")
+    assert elsewhere.step_costs is None
+    assert elsewhere.default_mode_at(3) == elsewhere.default_mode == elsewhere.mode_for()
+    assert main(["default-mode", "--engine-dir", str(engine_copy), "--dtype", "bfloat16",
+                 "--context", "40", "--new-tokens", "4", "--repeats", "1", "--loaded-batch", "1"]) == 0
+    capsys.readouterr()
+    recorded = json.loads((engine_copy / "engine.json").read_text())["extra"]["default_mode"]
+    assert recorded["dtype"] == "bfloat16" and recorded["device"] == "cpu"
+    assert Engine(engine_copy, dtype="bfloat16").default_mode == recorded["mode"]
+    assert Engine(engine_copy).default_mode == as_built.mode_for()  # now the build's is elsewhere
+
+
 def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_copy):
     _record(engine_copy, LOADED)
     engine = Engine(engine_copy)

@@ -176,7 +176,8 @@ def test_fixed_step_costs_time_nothing_and_verify_whole_blocks(tiny_engine, tiny
     nothing, engine.json records fixed_costs, under which a drafter step verifies its whole
     block at any confidence; --backend auto, which picks by measured costs, refuses it."""
     manifest = json.loads((tiny_engine / "engine.json").read_text())
-    assert manifest["extra"]["step_costs"] == {"torch": fixed_costs(True).to_dict()}
+    assert manifest["extra"]["step_costs"] == {"torch": fixed_costs(True).to_dict() | {
+        "backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}}
     assert "default_mode" not in manifest["extra"]  # nor timed the modes: the rule's default
     assert choose_draft_count([0.01] * 7, 4000, Engine(tiny_engine).step_costs) == 7
 

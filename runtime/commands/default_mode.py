@@ -1,8 +1,10 @@
 """`python -m runtime default-mode`: the engine's default decoding mode, measured
 (runtime/measure.py: every mode the engine lists, timed on this machine) and recorded in
 engine.json (extra.default_mode): the mode served requests run when they name none.
-build_engine.py measures it after its step costs; this command records it on an engine
-built before, or re-measures it on another machine, without a rebuild.
+build_engine.py measures it after its step costs (on the CPU, steps not compiled); this
+command records it on an engine built before, or re-measures it on another machine or as
+the engine will be served (--backend, --device, --dtype, --steps), without a rebuild: the
+record applies only where it was measured (Manifest.measured_on).
 
 Decode speed, not MAL: a mode that accepts more but pays more per step (a window, n-gram
 lookup) is only worth defaulting to if it is faster here. Modes run interleaved from one
@@ -20,7 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.cli import UsageError, progress
+from runtime.backends import RUNNABLE_BACKENDS
+from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.measure import CONTEXT, LOADED_BATCH, NEW_TOKENS, REPEATS, measure, record
 
 
@@ -39,6 +42,9 @@ def add_parser(sub):
     p.add_argument("--loaded-batch", type=int, default=LOADED_BATCH,
                    help="also time the modes that batch with this many rows decoding together, "
                         "and with half as many (1: one stream only; default %(default)s)")
+    p.add_argument("--backend", choices=RUNNABLE_BACKENDS,
+                   help="measure with this backend (default: the one engine.json names)")
+    add_device_options(p)
     p.add_argument("--dry-run", action="store_true", help="measure and print, change nothing")
     p.add_argument("--debug", action="store_true")
 
@@ -61,7 +67,9 @@ def run(args) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
                 "loaded_batch": args.loaded_batch}
-    engine = Engine(args.engine_dir)
+    # the record holds where it was measured (Engine.placement): an engine served
+    # elsewhere (another backend, device, dtype or steps) runs the table's rule instead
+    engine = Engine(args.engine_dir, backend=args.backend, **device_options(args))
     if args.prompts_file:
         settings |= {"prompts": own_prompts(engine, Path(args.prompts_file)),
                      "source": args.prompts_file}

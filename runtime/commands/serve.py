@@ -229,7 +229,9 @@ def _run(args, out, models, ports, install, result) -> int:
 def _start_openai(args, models, ports, limit):
     from runtime.serve.openai_api import OpenAIServer, Settings
 
-    settings = Settings(args.engine_dir, models[0], models[1], f"127.0.0.1:{ports.grpc}", limit)
+    served_as = {k: getattr(args, k, None) for k in ("backend", "device", "dtype", "steps")}
+    settings = Settings(args.engine_dir, models[0], models[1], f"127.0.0.1:{ports.grpc}", limit,
+                        served_as)
     frontend = OpenAIServer(settings, args.openai_port)
     frontend.start()
     return frontend

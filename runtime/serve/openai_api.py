@@ -66,12 +66,16 @@ def served_modes(manifest) -> tuple[str, ...]:
                  and modes.refusal(m, drafting, manifest.backend, scaled, window) is None)
 
 
-def served_default(manifest, served: tuple[str, ...]) -> str:
-    """The mode a request that names none runs: the build's measured default where the
-    engine can run it, else the table's rule (modes.default_mode, as for Engine.default_mode)."""
+def served_default(manifest, served: tuple[str, ...], placement: dict | None = None) -> str:
+    """The mode a request that names none runs: the measured default where it was measured
+    as the engine is served (`placement`, default the build's; Manifest.measured_on) and
+    the engine can run it, else the table's rule (modes.default_mode, as for
+    Engine.default_mode)."""
     from runtime import modes
 
-    return str(modes.default_mode(manifest.extra.get("default_mode"), manifest.backend,
+    placement = placement or manifest.build_placement(manifest.backend)
+    record = manifest.measured_on(manifest.extra.get("default_mode"), placement)
+    return str(modes.default_mode(record, placement["backend"],
                                   [modes.Mode(m) for m in served],
                                   modes.FAMILIES.get(manifest.drafter),
                                   manifest.query_scaling is not None))
@@ -139,14 +143,17 @@ class Settings:
     `usage`, the chat template), the limit, the modes, and where Triton listens."""
 
     def __init__(self, engine_dir, model: str, stream_model: str, grpc_url: str,
-                 max_new_tokens_limit: int):
+                 max_new_tokens_limit: int, served_as: dict | None = None):
         from runtime.engine import load_tokenizer
         from runtime.manifest import read_manifest
 
         manifest = read_manifest(engine_dir, verify="skip")
         self.tokenizer = load_tokenizer(manifest.target_dir)
         self.modes = served_modes(manifest)
-        self.default_mode = served_default(manifest, self.modes)
+        # served_as: serve's --backend/--device/--dtype/--steps (None: the build's)
+        served_as = {k: v for k, v in (served_as or {}).items() if v is not None}
+        placement = manifest.build_placement(served_as.get("backend", manifest.backend)) | served_as
+        self.default_mode = served_default(manifest, self.modes, placement)
         self.model, self.stream_model, self.grpc_url = model, stream_model, grpc_url
         self.limit = max_new_tokens_limit
 
