@@ -62,7 +62,7 @@ class Engine:
                           "device": str(getattr(loaded, "device", None) or "cpu").split(":")[0],
                           "dtype": getattr(loaded, "dtype", None) or self.manifest.dtype,
                           "steps": getattr(loaded, "steps", None)}  # None: not compiled
-        # Measured at build time for each backend (on the CPU, eager); None (older or
+        # Measured at build time for each backend (the CPU, steps not compiled); None (older or
         # TensorRT engines, or this engine placed elsewhere): every step verifies the
         # whole block.
         costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
