@@ -157,9 +157,9 @@ class Engine:
                                   self.modes, self.style, self.scaling is not None, batch)
 
     def _default_record(self) -> dict | None:
-        """extra.default_mode where it was measured as this engine runs (Engine.placement),
-        else None (the table's rule)."""
-        return self.manifest.measured_on(self.manifest.extra.get("default_mode"), self.placement)
+        """The default-mode record measured as this engine runs (Engine.placement), else
+        None (the table's rule)."""
+        return self.manifest.default_record(self.placement)
 
     @property
     def family_preset(self) -> QueryScaling:

@@ -119,6 +119,29 @@ class Manifest:
         where |= {k: record[k] for k in PLACEMENT if k in record}
         return record if all(where[k] == placement[k] for k in PLACEMENT) else None
 
+    def default_record(self, placement: dict) -> dict | None:
+        """The default-mode record measured where `placement` runs: extra.default_mode
+        (the build's, or the last measured) or one of extra.default_modes (others kept by
+        `default-mode`); None: the table's rule."""
+        records = [self.extra.get("default_mode")] + self.extra.get("default_modes", [])
+        return next((r for r in records if self.measured_on(r, placement)), None)
+
+    def keep_default_record(self, record: dict) -> None:
+        """Record a measured default: as extra.default_mode, and the one it replaces, if
+        measured elsewhere, into extra.default_modes (one record per placement)."""
+        def where(r):
+            return self.build_placement(r.get("backend", self.backend)) | {
+                k: r[k] for k in PLACEMENT if k in r}
+
+        old = self.extra.get("default_mode")
+        kept = [r for r in [old] + self.extra.get("default_modes", [])
+                if r and where(r) != where(record)]
+        self.extra["default_mode"] = record
+        if kept:
+            self.extra["default_modes"] = kept
+        else:
+            self.extra.pop("default_modes", None)
+
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["query_scaling"] = self.query_scaling.to_dict() if self.query_scaling else None

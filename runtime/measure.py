@@ -167,7 +167,7 @@ def record(engine, progress=None, **settings) -> dict:
 
     engine = engine if isinstance(engine, Engine) else Engine(engine)
     result = measure(engine, progress=progress, **settings)
-    engine.manifest.extra["default_mode"] = result
+    engine.manifest.keep_default_record(result)
     engine.manifest.write(engine.dir)
     return result
 

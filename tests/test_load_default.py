@@ -63,7 +63,8 @@ def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
     """Step costs and the default mode hold where they were timed (the build: the CPU, the
     engine's dtype, steps not compiled); the engine placed elsewhere (another dtype here,
     as a GPU or compiled steps would be) reads neither (whole blocks, the table's rule),
-    and default-mode measured there records a default for that placement."""
+    and default-mode measured there records a default for that placement, beside the
+    build's."""
     _record(engine_copy, LOADED)  # recorded before placements were kept: the build's
     as_built = Engine(engine_copy)
     assert as_built.placement == {"backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}
@@ -74,10 +75,18 @@ def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
     assert main(["default-mode", "--engine-dir", str(engine_copy), "--dtype", "bfloat16",
                  "--context", "40", "--new-tokens", "4", "--repeats", "1", "--loaded-batch", "1"]) == 0
     capsys.readouterr()
-    recorded = json.loads((engine_copy / "engine.json").read_text())["extra"]["default_mode"]
+    extra = json.loads((engine_copy / "engine.json").read_text())["extra"]
+    recorded = extra["default_mode"]
     assert recorded["dtype"] == "bfloat16" and recorded["device"] == "cpu"
     assert Engine(engine_copy, dtype="bfloat16").default_mode == recorded["mode"]
-    assert Engine(engine_copy).default_mode == as_built.mode_for()  # now the build's is elsewhere
+    # one record per placement: the build's is kept beside it, and read where it applies
+    assert extra["default_modes"] == [LOADED]
+    assert Engine(engine_copy).default_mode_at(3) == "target"
+    assert main(["default-mode", "--engine-dir", str(engine_copy), "--context", "40",
+                 "--new-tokens", "4", "--repeats", "1", "--loaded-batch", "1"]) == 0
+    capsys.readouterr()
+    extra = json.loads((engine_copy / "engine.json").read_text())["extra"]
+    assert extra["default_mode"]["dtype"] == "float32" and extra["default_modes"] == [recorded]
 
 
 def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_copy):

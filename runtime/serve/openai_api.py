@@ -74,7 +74,7 @@ def served_default(manifest, served: tuple[str, ...], placement: dict | None = N
     from runtime import modes
 
     placement = placement or manifest.build_placement(manifest.backend)
-    record = manifest.measured_on(manifest.extra.get("default_mode"), placement)
+    record = manifest.default_record(placement)
     return str(modes.default_mode(record, placement["backend"],
                                   [modes.Mode(m) for m in served],
                                   modes.FAMILIES.get(manifest.drafter),
