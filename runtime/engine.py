@@ -66,7 +66,7 @@ class Engine:
         # TensorRT engines, or this engine placed elsewhere): every step verifies the
         # whole block.
         costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
-        costs = self.manifest.measured_on(costs and {"backend": self.backend, **costs}, self.placement)
+        costs = self.manifest.measured_on(costs, self.placement)
         self.step_costs = StepCosts.from_dict(costs) if costs else None
         self.tokenizer, self.target = self.loaded.tokenizer, self.loaded.target
         # a prefill that gives the same bits only when chunks are a multiple of this

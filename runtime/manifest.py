@@ -115,9 +115,14 @@ class Manifest:
         timed on a CPU say nothing of a GPU, nor uncompiled steps of CUDA graphs."""
         if not record:
             return None
-        where = self.build_placement(record.get("backend", placement["backend"]))
-        where |= {k: record[k] for k in PLACEMENT if k in record}
+        where = self.placement_of(record, placement["backend"])
         return record if all(where[k] == placement[k] for k in PLACEMENT) else None
+
+    def placement_of(self, record: dict, backend: str) -> dict:
+        """Where `record` was measured: its own PLACEMENT fields, the build's for those it
+        lacks (`backend` where it names none: step costs are kept per backend)."""
+        return self.build_placement(record.get("backend", backend)) | {
+            k: record[k] for k in PLACEMENT if k in record}
 
     def default_record(self, placement: dict) -> dict | None:
         """The default-mode record measured where `placement` runs: extra.default_mode
@@ -129,13 +134,10 @@ class Manifest:
     def keep_default_record(self, record: dict) -> None:
         """Record a measured default: as extra.default_mode, and the one it replaces, if
         measured elsewhere, into extra.default_modes (one record per placement)."""
-        def where(r):
-            return self.build_placement(r.get("backend", self.backend)) | {
-                k: r[k] for k in PLACEMENT if k in r}
-
+        where = self.placement_of(record, self.backend)
         old = self.extra.get("default_mode")
         kept = [r for r in [old] + self.extra.get("default_modes", [])
-                if r and where(r) != where(record)]
+                if r and self.placement_of(r, self.backend) != where]
         self.extra["default_mode"] = record
         if kept:
             self.extra["default_modes"] = kept
