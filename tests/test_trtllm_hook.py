@@ -22,7 +22,7 @@ from plugins.trtllm.kernels import WRAPPED
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 
-from tests.trtllm_package import Metadata, forget_tensorrt_llm, write_package  # noqa: E402
+from plugins.trtllm.standins import Metadata, forget_tensorrt_llm, write_package  # noqa: E402
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_install_imports_nothing_and_hooks_the_modules_when_they_load(standin):
     assert installed() and "tensorrt_llm" not in sys.modules  # nothing imported eagerly
     dflash = load(pins.DFLASH_MODULE)
     drafter = dflash.DFlashForCausalLM(dflash_attention_backend="VANILLA")
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     assert getattr(drafter._dflash_flash_attention, WRAPPED) is k.flash_attn_with_kvcache
 
@@ -263,7 +263,7 @@ def test_dflash_defined_in_modeling_speculative_gets_its_kernel_wrapped(standin,
         q = torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64)
         k_cache, v_cache = (torch.randn(1, 300, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         lens = torch.tensor([300], dtype=torch.int32)
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
 
         got = drafter.dflash_forward(q, k_cache, v_cache, lens)
         want = k.reference(k.flash_attn_with_kvcache, SCALING, q, k_cache, v_cache, cache_seqlens=lens)
@@ -398,7 +398,7 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
 
 
 def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_raised(standin, tmp_path, monkeypatch):
-    from tests import trtllm_standins
+    from plugins.trtllm import standins as trtllm_standins
 
     class Opaque:  # a compiled op whose signature inspect cannot read
         __signature__ = "not a signature"

@@ -10,8 +10,8 @@ import torch
 
 from plugins.scaling import QueryScaling
 from plugins.trtllm.rope import CALL, visible_counts, wrap_apply_rope, wrap_forward
-from tests.trtllm_package import Metadata
-from tests.trtllm_standins import no_host_sync
+from plugins.trtllm.standins import Metadata
+from plugins.trtllm.standins import no_host_sync
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 HEADS, KV_HEADS, DIM = 4, 2, 8

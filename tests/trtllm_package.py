@@ -41,6 +41,7 @@ import textwrap
 from pathlib import Path
 
 from plugins.trtllm import pins
+from plugins.trtllm.standins import Metadata  # noqa: F401  (tests import it from here too)
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +184,7 @@ FILES = {
     "tensorrt_llm/_torch/speculative/dflash_attention.py": """
         from dataclasses import dataclass
         from typing import Callable
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
 
         @dataclass(frozen=True)
         class DFlashTrtllmGenOps:
@@ -234,7 +235,7 @@ FILES = {
 
         def run_attention(drafter, skip=()):
             # every Attention layer's forward on one small batch, as a draft step does
-            from tests.trtllm_package import Metadata
+            from plugins.trtllm.standins import Metadata
 
             for i, layer in enumerate(m for m in drafter.modules() if isinstance(m, Attention)):
                 if i not in skip:
@@ -242,7 +243,7 @@ FILES = {
         """,
     "tensorrt_llm/_torch/models/modeling_dflash.py": """
         import torch
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
         from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops
 
         class DFlashForCausalLM(torch.nn.Module):
@@ -335,53 +336,7 @@ class DFlashForCausalLM(torch.nn.Module):
         cache = torch.zeros(1, 8, 2, 8)
         self.dflash_forward(torch.ones(1, 2, 4, 8), cache, cache.clone(), torch.tensor([7]))
 """
-FLASH_ATTN = {"flash_attn/__init__.py": "from tests.trtllm_standins import flash_attn_with_kvcache\n"}
-
-
-class Metadata:
-    """The AttentionMetadata fields the count reads (pins.METADATA), laid out as TensorRT-LLM
-    lays them out:
-    - `_torch/attention_backend/interface.py` @ 51ea5c96, `AttentionMetadata`: `seq_lens` is a
-      HOST tensor (the setter swaps in a new pinned CPU tensor each step, so a copy captured
-      in a CUDA graph reads a stale one) and `seq_lens_cuda` its device copy, updated in
-      place; `num_seqs` = seq_lens.shape[0] (a Python int);
-    - `_torch/attention_backend/trtllm.py`, `TrtllmAttentionMetadata`: `kv_lens_cuda` (cached +
-      new keys per sequence) on the device, edited in place by prepare() and the EAGLE-3 /
-      PARD workers;
-    - `_torch/modules/attention.py` @ 00547a25, `_adjust_position_ids_for_spec_dec`: context
-      requests first, then generation requests with spec_decoding_position_offsets (depths;
-      1-D for a dynamic tree).
-    `stale_host` fills the host seq_lens with values that are wrong for this step (as they are
-    inside a replayed graph); `device` is where the "_cuda" tensors live (CPU in CPU tests)."""
-
-    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False, stale_host=False,
-                 device="cpu"):
-        import torch
-
-        host = [max(1, n // 2 + 3) for n in seq_lens] if stale_host else list(seq_lens)
-        self.seq_lens = torch.tensor(host, dtype=torch.int32)  # host: may be stale
-        self.seq_lens_cuda = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-        self.num_contexts = num_contexts
-        self.num_tokens = int(sum(seq_lens))
-        self.num_ctx_tokens = int(sum(seq_lens[:num_contexts]))
-        self.spec_decoding_position_offsets = (None if offsets is None
-                                               else torch.tensor(offsets, dtype=torch.int32, device=device))
-        self.use_spec_decoding = use_spec
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @classmethod
-    def cuda_graph(cls, max_batch_size: int, max_draft_tokens: int, kv_lens, device="cpu"):
-        """interface.py @ 51ea5c96 `create_cuda_graph_metadata` (decoder, not encode_only):
-        seq_lens = ones(max_batch_size) * (1 + max_draft_tokens), num_contexts = 0; the real
-        requests fill the first slots, padded dummy requests the rest (kv_lens for every slot,
-        dummies included). Chain drafts: depths 0..max_draft_tokens per request."""
-        gen = 1 + max_draft_tokens
-        return cls([gen] * max_batch_size, kv_lens, num_contexts=0,
-                   offsets=[list(range(gen))] * max_batch_size, use_spec=True, device=device)
+FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import flash_attn_with_kvcache\n"}
 
 
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
@@ -397,7 +352,7 @@ def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] 
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return root  # its modules import `tests.trtllm_standins`: the checkout must be on sys.path
+    return root  # its modules import `plugins.trtllm.standins`: the checkout must be on sys.path
 
 
 def forget_tensorrt_llm():
