@@ -3,11 +3,13 @@
 TensorRT-LLM cannot be installed or imported on our machines, so each name below was read
 from its source (GitHub NVIDIA/TensorRT-LLM; the commit of the stored copy we read) or,
 for LLM-API field names, from the API reference generated from `llmapi/llm_args.py` for
-the pinned release. Our launchers refuse SharpDraft, in one line and before TensorRT-LLM
-builds anything, on a release outside MIN_VERSION..MAX_VERSION; inside TensorRT-LLM's own
-import the hook never raises: a version outside the range or a missing PATCH_POINT
-disables it and records why (plugins/trtllm/proof.py), which the launcher's proof check
-then reports. The configuration writers (runtime/trtllm.py) emit only LLM_API_FIELDS.
+the pinned release. Compatibility is judged by these names, not by a version ceiling: our
+launchers read the installed source files (plugins/trtllm/structure.py) and refuse, in one
+line naming what moved, a release that lacks one, accept a newer release that has them all
+(one line on stderr names it untested), and refuse releases older than MIN_VERSION. Inside
+TensorRT-LLM's own import the hook never raises: a missing PATCH_POINT disables it and
+records why (plugins/trtllm/proof.py), which the launcher's proof check then reports. The
+configuration writers (plugins/trtllm/config.py) emit only LLM_API_FIELDS.
 
 To support another release: read the same files at its tag, update the names and
 commits here, widen the range, and run `python -m plugins.trtllm check` on a machine
@@ -160,7 +162,7 @@ SOURCES = {
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
         "env={only TRTLLM*/TLLM* variables} + env_overrides) (older copies: no env=): so "
-        "TRTLLM_SHARPDRAFT_LAUNCH reaches the workers; workers run worker_main; their COMM_WORLD is "
+        "TRTLLM_SHARPDRAFT_PROOF reaches the workers (applied after site ran); workers run worker_main; their COMM_WORLD is "
         "the spawned world (_worker_identity_barrier), whose rank TensorRT-LLM's mpi_rank() reads"),
     "executor": Source(
         "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
@@ -324,7 +326,7 @@ SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 # the stock llmapi model.yaml (SOURCES["llmapi_yaml"]).
 # Parallel sizes: trtllm-serve's options (every alias seen across releases) and the LLM-API
 # fields (SOURCES["serve"], llm_args). TP and PP run the drafter in MPI workers, reached by
-# the autoloader; CP splits a sequence's keys across ranks, so a rank's kv_lens is not the
+# the .pth lazy hook; CP splits a sequence's keys across ranks, so a rank's kv_lens is not the
 # count a query sees: refused.
 PARALLEL_FLAGS = {"tp": ("--tp_size", "--tensor_parallel_size"),
                   "pp": ("--pp_size", "--pipeline_parallel_size"),
@@ -338,7 +340,7 @@ SPECULATIVE_FIELDS = {
     "dflash": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                "target_layer_ids", "attention_backend"),
     # use_dynamic_tree needs dynamic_tree_max_topK beside it (TensorRT-LLM rejects it alone;
-    # runtime.trtllm.check_fields enforces the pair).
+    # plugins.trtllm.config.check_fields enforces the pair).
     "eagle3": ("decoding_type", "max_draft_len", "speculative_model",
                "eagle3_layers_to_capture", "use_dynamic_tree", "dynamic_tree_max_topK"),
     "pard": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id"),
