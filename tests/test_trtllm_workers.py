@@ -291,8 +291,8 @@ def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path
 
 def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(venvs, engine, tmp_path):
     """A SharpDraft launch is live in this environment (its launcher holds the hook and its
-    proof directory); a stock LLM() of TensorRT-LLM's own on the stock checkpoint, and a
-    frozen run through our launcher, start meanwhile: their MPI workers build their drafters
+    proof directory); a stock LLM() of TensorRT-LLM's own on the stock checkpoint, a frozen
+    and a target-only run through our launcher start meanwhile: their MPI workers build their drafters
     unscaled (no startup line, no record anywhere), and the live launch is undisturbed."""
     import signal
 
@@ -324,12 +324,14 @@ def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(
         stock = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, "0"),
                                capture_output=True, text=True, timeout=240)
         frozen = generate(python, engine, standin, "--no-sharpdraft", single_process="0")
+        target = generate(python, engine, standin, "--target-only", single_process="0")
     finally:
         os.kill(launcher.pid, signal.SIGTERM)
         launcher.wait(timeout=60)
     assert stock.returncode == 0, stock.stderr
     assert frozen.returncode == 0 and json.loads(frozen.stdout)["sharpdraft_applied"] is None, frozen.stderr
-    for run_ in (stock, frozen):
+    assert target.returncode == 0 and json.loads(target.stdout)["mode"] == "target", target.stderr
+    for run_ in (stock, frozen, target):
         assert "layer(s) wrapped" not in run_.stderr  # no drafter of theirs was wrapped, in any process
     assert proof.read(proof_dir) == []  # and nothing reached the live launch's proof
 
