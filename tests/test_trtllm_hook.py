@@ -6,10 +6,7 @@ version or a missing name stops with one line naming both."""
 
 import json
 import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch
 from plugins.scaling import QueryScaling
 from plugins.trtllm import TrtllmHookError, disabled, drafter_scaling, install, installed, pins, proof, uninstall
 from plugins.trtllm import __main__ as trtllm_cli
-from plugins.trtllm import autoload, versions
+from plugins.trtllm import versions
 from plugins.trtllm.kernels import WRAPPED
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
@@ -117,6 +114,32 @@ def test_eagle3_and_pard_wrap_the_drafters_attention_instances_only(standin):
     out = layer(torch.tensor([[0, 200, 4000]]), qkv, Metadata([1, 1, 1], [1, 100, 4001], 3))
     assert out[0, 0] == 1.0 and out[2, 0] == pytest.approx(SCALING.cap) and (out[:, layer.q_size:] == 1).all()
     assert SCALING.beta(100) not in (1.0, SCALING.cap) and out[1, 0] == pytest.approx(SCALING.beta(100))
+
+
+def test_each_drafter_scales_with_its_own_config_and_a_stock_one_is_left_alone(standin, tmp_path):
+    """Two SharpDraft drafters built in one process from directories carrying different
+    parameters each apply their own; one built from a stock directory is not wrapped and
+    leaves no record."""
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install()
+        spec = load(pins.SPECULATIVE_MODULE)
+        other = QueryScaling(ref_keys=4096, top_k=8, slope=1.0, max_log_scale=0.5)
+        mine, theirs, stock = (spec.PARDForCausalLM(CONFIG), spec.PARDForCausalLM(draft_config(other)),
+                               spec.PARDForCausalLM(draft_config(None)))
+        assert drafter_scaling(mine) == SCALING and drafter_scaling(theirs) == other
+        assert drafter_scaling(stock) is None and not any("apply_rope" in vars(m) for m in stock.modules())
+        layer = lambda d: next(m for m in d.modules() if "apply_rope" in vars(m))  # noqa: E731
+        qkv = torch.ones(1, layer(mine).q_size + 16, dtype=torch.float64)
+        for drafter, scaling in ((mine, SCALING), (theirs, other)):
+            out = layer(drafter)(torch.tensor([[99]]), qkv, Metadata([1], [100], 1))
+            assert out[0, 0] == pytest.approx(scaling.beta(100))
+        assert sorted(r["scaling"]["ref_keys"] for r in proof.read(tmp_path) if r["kind"] == "wrapped") == [64, 4096]
+        uninstall()
+        assert drafter_scaling(mine) is None  # Python objects restored (a captured graph would keep its scale)
+    finally:
+        proof.set_directory(None)
 
 
 def one_line(exc) -> str:

@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.abc
+import os
 import re
 import sys
 import weakref
@@ -333,7 +334,7 @@ def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=No
     _state.instances.add(drafter)
     proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=len(units), units=units,
                  scaling=scaling.to_dict(), version=_state.version)
-    sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {__import__('os').getpid()}: "
+    sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {os.getpid()}: "
                      f"{type(drafter).__name__} ({family}), {len(units)} layer(s) wrapped, "
                      f"{scaling.describe()}\n")
 
