@@ -132,11 +132,11 @@ def uninstall() -> None:
 
 # --- the version guard --------------------------------------------------------------------
 
-def check_version(version: str | None) -> str:
+def check_version(version: str | None, warn: bool = True) -> str:
     """version if the hook may run on it: at least pins.MIN_VERSION (older releases lack
-    the drafters); newer than the tested range is allowed (one line on stderr says so):
-    whether it works is decided by the pinned names being present, not by its number.
-    TrtllmHookError (one line) otherwise."""
+    the drafters); newer than the tested range is allowed (with `warn`, one line on stderr
+    says so): whether it works is decided by the pinned names being present, not by its
+    number. TrtllmHookError (one line) otherwise."""
     if version is None:
         raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's hook "
                               "cannot tell which release it is in")
@@ -147,7 +147,7 @@ def check_version(version: str | None) -> str:
     if older:
         raise TrtllmHookError(f"TensorRT-LLM {version} is older than {pins.MIN_VERSION}, the first release "
                               "with the drafters SharpDraft's hook wraps")
-    if not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION) and _state.warned != version:
+    if warn and not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION) and _state.warned != version:
         _state.warned = version
         sys.stderr.write(f"sharpdraft: TensorRT-LLM {version} is newer than the releases the hook was "
                          f"tested on ({versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}): "
@@ -162,7 +162,9 @@ def _version() -> str:
             _state.version = str(module.__version__)
         except (ImportError, AttributeError):
             _state.version = None
-    return check_version(_state.version)
+    # a stock run on an untested release hears nothing from us; the line comes with the
+    # first SharpDraft drafter (prepare_drafter)
+    return check_version(_state.version, warn=False)
 
 
 def _missing(what: str) -> TrtllmHookError:
@@ -323,6 +325,8 @@ def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=No
     if family == "unknown":
         raise TrtllmHookError(f"{type(drafter).__name__} is a drafter class SharpDraft's hook does not "
                               f"know (TensorRT-LLM {_state.version or '?'}; pinned: plugins/trtllm/pins.py)")
+    if _state.version is not None:
+        check_version(_state.version)  # one line on stderr, once, when the release is untested
     _state.serial += 1
     prefix = f"{type(drafter).__name__}#{_state.serial}"
     if family == "dflash":
