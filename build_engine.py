@@ -308,11 +308,16 @@ def ngram_proposer(args) -> NGramProposer | None:
 
 def build_trtllm(args, overrides: dict, out: Path) -> int:
     """--backend trtllm: an engine directory of configuration (engine.json + llm_api.yaml)
-    for TensorRT-LLM's own speculative decoding; TensorRT-LLM is not needed to write it.
+    for TensorRT-LLM's own speculative decoding and, with --sharpdraft, the drafter
+    directory TensorRT-LLM loads (drafter/: the checkpoint's config.json plus SharpDraft's
+    parameters, the weights linked), which is what switches the hook on for that drafter
+    (plugins/trtllm/config.py). TensorRT-LLM is not needed to write it.
     Stages: load (configs only, no weights), check, write."""
     import json
 
-    from runtime import trtllm
+    from plugins.trtllm import config as trtllm
+    from plugins.trtllm import pins
+    from runtime.manifest import portable_path
     from runtime.models.target import checkpoint_files, ModelError
 
     if args.drafter not in checkpoints.DEFAULT_DRAFTERS and not args.drafter_checkpoint:
@@ -353,17 +358,25 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     partial.mkdir(parents=True)
     try:
         extra = {"max_seq_len": max_seq_len,
-                 "trtllm": {"version": trtllm.pins.PINNED, "speculative": settings,
+                 "trtllm": {"version": pins.PINNED, "speculative": settings,
                             "tensor_parallel_size": 1, "llm_api_config": trtllm.LLM_API_CONFIG}}
+        drafter_record = dependency_record(drafter_dir, drafter_files)
         if scaling:
             extra |= {"query_scaling_source": scaling_source, "family_preset": PRESETS[args.drafter].to_dict()}
+            # The drafter TensorRT-LLM loads carries the QueryScaling in its own config.json;
+            # frozen runs of this engine load the stock checkpoint (extra.trtllm.stock_drafter).
+            written = trtllm.write_drafter_dir(drafter_dir, partial / trtllm.DRAFTER_DIR, scaling, drafter_files)
+            drafter_record = dependency_record(written, drafter_files) | {
+                "path": portable_path(out.resolve() / trtllm.DRAFTER_DIR)}
+            extra["trtllm"]["stock_drafter"] = portable_path(drafter_dir)
         manifest = Manifest(drafter=args.drafter, backend="trtllm",
                             target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
-                            drafter_checkpoint=dependency_record(drafter_dir, drafter_files),
+                            drafter_checkpoint=drafter_record,
                             query_scaling=scaling, block_size=block_size, dtype="auto", extra=extra)
-        progress(f"[2/3] check: speculative_config fields against TensorRT-LLM {trtllm.pins.PINNED}")
+        progress(f"[2/3] check: speculative_config fields against TensorRT-LLM {pins.PINNED}")
         config_text = trtllm.llm_api_yaml(trtllm.llm_api_config(manifest), out)
-        progress(f"[3/3] write: {trtllm.LLM_API_CONFIG}, engine.json")
+        progress(f"[3/3] write: {trtllm.LLM_API_CONFIG}, engine.json"
+                 + (f", {trtllm.DRAFTER_DIR}/ (the SharpDraft drafter TensorRT-LLM loads)" if scaling else ""))
         (partial / trtllm.LLM_API_CONFIG).write_text(config_text)
         manifest.artifacts = engine_files(partial)
         manifest.write(partial)
@@ -373,7 +386,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     publish(partial, out, manifest)
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
             else "SharpDraft off (frozen drafter)")
-    print(f"engine written to {out} (backend trtllm, TensorRT-LLM {trtllm.pins.PINNED}; {beta})")
+    print(f"engine written to {out} (backend trtllm, TensorRT-LLM {pins.PINNED}; {beta})")
     print(f"next (on a GPU host with TensorRT-LLM): python -m runtime generate --engine-dir {out} "
           "--prompt 'def fib(n):' --max-new-tokens 64")
     return 0

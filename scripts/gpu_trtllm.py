@@ -115,7 +115,7 @@ def _replayed(name, wrap, standin, query, active, graphs, started, *, call, leng
     each output tuple)."""
     import torch
 
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     kernel, kept = recorder(standin, query)
     wrapped = wrap(kernel, active)
@@ -134,7 +134,7 @@ def case_flash_attn(device, graphs, active):
     import torch
 
     from plugins.trtllm.kernels import wrap_flash_attn_with_kvcache
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     started = time.time()
     g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def case_trtllm_gen_decode(device, graphs, active):
     import torch
 
     from plugins.trtllm.kernels import wrap_trtllm_gen_decode
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     started = time.time()
     g = torch.Generator().manual_seed(1)
@@ -195,7 +195,7 @@ def case_trtllm_gen_context(device, graphs, active):
     import torch
 
     from plugins.trtllm.kernels import wrap_trtllm_gen_context
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     started = time.time()
     g = torch.Generator().manual_seed(2)
@@ -222,7 +222,7 @@ def case_fa4(device, graphs, active):
     import torch
 
     from plugins.trtllm.kernels import wrap_fa4_fwd
-    from tests import trtllm_standins as k
+    from plugins.trtllm import standins as k
 
     started = time.time()
     g = torch.Generator().manual_seed(3)
@@ -251,7 +251,7 @@ def case_apply_rope(device, graphs, active):
     import torch
 
     from plugins.trtllm.rope import wrap_apply_rope, wrap_forward
-    from tests.trtllm_package import Metadata
+    from plugins.trtllm.standins import Metadata
 
     started = time.time()
     heads, dim, kv_size = 4, 16, 32

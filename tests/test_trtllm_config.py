@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import build_engine
-from plugins.trtllm import active_scaling, installed, pins, uninstall
+from plugins.trtllm import installed, pins, uninstall
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 
@@ -52,10 +52,13 @@ def test_dflash_trtllm_engine_holds_manifest_and_an_llm_api_config_of_pinned_fie
     assert config["backend"] == "pytorch"
     assert config["speculative_config"] == {
         "decoding_type": "DFlash", "max_draft_len": drafter["block_size"] - 1,
-        "speculative_model": str(tiny_drafter.resolve()),
+        "speculative_model": str((dflash_engine / "drafter").resolve()),  # the SharpDraft drafter directory
         "mask_token_id": drafter["dflash_config"]["mask_token_id"],
         "target_layer_ids": drafter["dflash_config"]["target_layer_ids"], "attention_backend": "VANILLA"}
     assert "llm_api.yaml" in manifest["artifacts"]
+    carried = json.loads((dflash_engine / "drafter" / "config.json").read_text())
+    assert carried == drafter | {"sharpdraft": manifest["query_scaling"]}  # the checkpoint's config + ours
+    assert Path(manifest["extra"]["trtllm"]["stock_drafter"]).resolve() == tiny_drafter.resolve()
 
 
 def fake_checkpoint(path: Path) -> Path:
@@ -74,7 +77,10 @@ def test_eagle3_and_pard_trtllm_engines_point_at_the_given_checkpoint(tmp_path, 
     config = yaml.safe_load((out / "llm_api.yaml").read_text())
     assert_pinned_fields(config)
     assert config["speculative_config"] == {"decoding_type": decoding_type, "max_draft_len": 5,
-                                            "speculative_model": str(ckpt.resolve())}
+                                            "speculative_model": str((out / "drafter").resolve())}
+    weights = out / "drafter" / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (ckpt / "model.safetensors").resolve()
+    assert "sharpdraft" not in json.loads((ckpt / "config.json").read_text())  # the checkpoint is untouched
     manifest = json.loads((out / "engine.json").read_text())
     preset = {"eagle3": 2048, "pard": 8192}[family]
     assert manifest["query_scaling"]["ref_keys"] == preset
@@ -198,8 +204,8 @@ def test_trtllm_serve_bad_options_are_refused_in_one_line(dflash_engine, capsys,
 
 
 def test_generate_refuses_inexact_configurations_before_tensorrt_llm(tmp_path, dflash_engine):
-    from runtime import trtllm
-    from runtime.cli import UsageError
+    from plugins.trtllm import launch as trtllm
+    from plugins.trtllm.launch import LaunchError as UsageError
 
     for config in ({"sparse_attention_config": {"algorithm": "rocket"}},
                    {"kv_cache_config": {"max_attention_window": [4096]}}, {"context_parallel_size": 2}):
@@ -217,7 +223,7 @@ def test_generate_refuses_inexact_configurations_before_tensorrt_llm(tmp_path, d
 
 
 def test_use_dynamic_tree_without_its_top_k_is_refused():
-    from runtime import trtllm
+    from plugins.trtllm import config as trtllm
 
     spec = {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "x"}
     with pytest.raises(trtllm.ConfigFieldError):
@@ -267,22 +273,22 @@ def test_serve_backend_trtllm_writes_the_llmapi_layout_whose_model_installs_the_
         stock_module = sys.modules["sharpdraft_llmapi_stock"]
         assert module.TritonPythonModel.__mro__[1] is stock_module.TritonPythonModel
         assert not installed()  # importing the model changes nothing; initialize() launches
+        assert sys.path == path_before  # nothing of ours on anyone's sys.path
         # No TensorRT-LLM here: SharpDraft's launch refuses in one line before the stock
         # initialize() would import it (tests/test_trtllm_workers.py drives both outcomes
         # against a stand-in TensorRT-LLM whose worker builds the drafter).
-        from runtime.cli import UsageError
-
-        with pytest.raises(UsageError) as exc:
+        with pytest.raises(ValueError) as exc:  # the private package's LaunchError
             module.TritonPythonModel().initialize({})
+        assert type(exc.value).__name__ == "LaunchError"
         assert "version" in str(exc.value) and "\n" not in str(exc.value)
         assert stock_module.CALLS == []
     finally:
         uninstall()
-        sys.modules.pop("sharpdraft_llmapi_stock", None)
+        for name in [n for n in sys.modules if n in ("sharpdraft_llmapi_stock", "helpers")
+                     or n.startswith("_sharpdraft_plugins")]:
+            sys.modules.pop(name)
         sys.path[:] = path_before
-        import os
-        os.environ.pop("SHARPDRAFT_TRTLLM", None)
-    assert not installed() and active_scaling() is None
+    assert not installed()
 
 
 def test_serve_backend_trtllm_without_the_stock_model_writes_core_tensors_and_refuses_start(

@@ -6,23 +6,22 @@ version or a missing name stops with one line naming both."""
 
 import json
 import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import TrtllmHookError, disabled, install, installed, pins, proof, uninstall
+from plugins.trtllm import TrtllmHookError, disabled, drafter_scaling, install, installed, pins, proof, uninstall
 from plugins.trtllm import __main__ as trtllm_cli
-from plugins.trtllm import autoload
+from plugins.trtllm import versions
 from plugins.trtllm.kernels import WRAPPED
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 
-from tests.trtllm_package import Metadata, forget_tensorrt_llm, write_package  # noqa: E402
+from tests.trtllm_package import Metadata, draft_config, forget_tensorrt_llm, write_package  # noqa: E402
+
+CONFIG = draft_config(SCALING)  # what a SharpDraft drafter directory's config.json gives the constructor
 
 
 @pytest.fixture
@@ -46,11 +45,11 @@ def load(name):
 
 def test_install_imports_nothing_and_hooks_the_modules_when_they_load(standin):
     write_package(standin)
-    install(SCALING)
+    install()
     assert installed() and "tensorrt_llm" not in sys.modules  # nothing imported eagerly
     dflash = load(pins.DFLASH_MODULE)
-    drafter = dflash.DFlashForCausalLM(dflash_attention_backend="VANILLA")
-    from tests import trtllm_standins as k
+    drafter = dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA")
+    from plugins.trtllm import standins as k
 
     assert getattr(drafter._dflash_flash_attention, WRAPPED) is k.flash_attn_with_kvcache
 
@@ -61,15 +60,15 @@ def test_install_twice_hooks_once_and_uninstall_restores_every_original(standin)
     spec = load(pins.SPECULATIVE_MODULE)
     originals = {cls: cls.__dict__["__init__"] for cls in
                  (dflash.DFlashForCausalLM, spec.Eagle3ForCausalLM, spec.PARDForCausalLM)}
-    install(SCALING)
-    install(SCALING)
+    install()
+    install()
     for cls, original in originals.items():
         assert cls.__init__ is not original and cls.__init__.__wrapped__ is original  # one layer
-    drafter = dflash.DFlashForCausalLM(dflash_attention_backend="TRTLLM")
+    drafter = dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="TRTLLM")
     ops = drafter._dflash_trtllm_gen_ops
     assert getattr(getattr(ops.batch_decode_with_kv_cache, WRAPPED), WRAPPED, None) is None
     assert getattr(ops.batch_context_with_kv_cache, WRAPPED) is not None
-    pard = spec.PARDForCausalLM()
+    pard = spec.PARDForCausalLM(CONFIG)
     uninstall()
     for cls, original in originals.items():
         assert cls.__init__ is original
@@ -85,7 +84,7 @@ def test_stand_in_modules_placed_in_sys_modules_are_patched(standin):
     module = types.ModuleType(pins.DFLASH_MODULE)
 
     class DFlashForCausalLM(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, draft_config):
             super().__init__()
             self.dflash_attention_backend = "FA4"
             self._dflash_fa4_fwd = lambda q, k, v, seqused_k=None, causal=False: (q, None)
@@ -95,15 +94,15 @@ def test_stand_in_modules_placed_in_sys_modules_are_patched(standin):
     version.__version__ = pins.PINNED
     sys.modules[pins.VERSION_MODULE] = version
     sys.modules[pins.DFLASH_MODULE] = module
-    install(SCALING)
-    assert getattr(DFlashForCausalLM()._dflash_fa4_fwd, WRAPPED) is not None
+    install()
+    assert getattr(DFlashForCausalLM(CONFIG)._dflash_fa4_fwd, WRAPPED) is not None
 
 
 def test_eagle3_and_pard_wrap_the_drafters_attention_instances_only(standin):
     write_package(standin)
-    install(SCALING)
+    install()
     spec = load(pins.SPECULATIVE_MODULE)
-    pard, eagle, target = spec.PARDForCausalLM(), spec.Eagle3ForCausalLM(), spec.Target()
+    pard, eagle, target = spec.PARDForCausalLM(CONFIG), spec.Eagle3ForCausalLM(CONFIG), spec.Target()
     attention = load("tensorrt_llm._torch.modules.attention").Attention
     for drafter in (pard, eagle):
         layers = [m for m in drafter.modules() if isinstance(m, attention)]
@@ -117,28 +116,54 @@ def test_eagle3_and_pard_wrap_the_drafters_attention_instances_only(standin):
     assert SCALING.beta(100) not in (1.0, SCALING.cap) and out[1, 0] == pytest.approx(SCALING.beta(100))
 
 
+def test_each_drafter_scales_with_its_own_config_and_a_stock_one_is_left_alone(standin, tmp_path):
+    """Two SharpDraft drafters built in one process from directories carrying different
+    parameters each apply their own; one built from a stock directory is not wrapped and
+    leaves no record."""
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    try:
+        install()
+        spec = load(pins.SPECULATIVE_MODULE)
+        other = QueryScaling(ref_keys=4096, top_k=8, slope=1.0, max_log_scale=0.5)
+        mine, theirs, stock = (spec.PARDForCausalLM(CONFIG), spec.PARDForCausalLM(draft_config(other)),
+                               spec.PARDForCausalLM(draft_config(None)))
+        assert drafter_scaling(mine) == SCALING and drafter_scaling(theirs) == other
+        assert drafter_scaling(stock) is None and not any("apply_rope" in vars(m) for m in stock.modules())
+        layer = lambda d: next(m for m in d.modules() if "apply_rope" in vars(m))  # noqa: E731
+        qkv = torch.ones(1, layer(mine).q_size + 16, dtype=torch.float64)
+        for drafter, scaling in ((mine, SCALING), (theirs, other)):
+            out = layer(drafter)(torch.tensor([[99]]), qkv, Metadata([1], [100], 1))
+            assert out[0, 0] == pytest.approx(scaling.beta(100))
+        assert sorted(r["scaling"]["ref_keys"] for r in proof.read(tmp_path) if r["kind"] == "wrapped") == [64, 4096]
+        uninstall()
+        assert drafter_scaling(mine) is None  # Python objects restored (a captured graph would keep its scale)
+    finally:
+        proof.set_directory(None)
+
+
 def one_line(exc) -> str:
     text = str(exc.value)
     assert "\n" not in text
     return text
 
 
-def test_an_unknown_version_disables_the_hook_without_breaking_the_import(standin, tmp_path, capsys):
+def test_an_older_version_disables_the_hook_without_breaking_the_import(standin, tmp_path, capsys):
     """Inside TensorRT-LLM's import the hook never raises: the module imports, nothing is
     patched, and the proof records why (our launchers refuse from there)."""
-    write_package(standin, version="9.9.9")
+    write_package(standin, version="1.2.1")
     proof.set_directory(tmp_path / "proof")
     try:
-        install(SCALING)
+        install()
         dflash = load(pins.DFLASH_MODULE)  # imports
-        drafter = dflash.DFlashForCausalLM(dflash_attention_backend="VANILLA")
+        drafter = dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA")
         assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is None  # not patched
-        assert "9.9.9" in disabled() and pins.MAX_VERSION in disabled()
+        assert "1.2.1" in disabled() and pins.MIN_VERSION in disabled()
         records = proof.read(tmp_path / "proof")
-        assert [r["kind"] for r in records] == ["disabled"] and "9.9.9" in records[0]["reason"]
+        assert [r["kind"] for r in records] == ["disabled"] and "1.2.1" in records[0]["reason"]
         with pytest.raises(proof.ProofError) as exc:
             proof.require(tmp_path / "proof", SCALING)
-        assert "9.9.9" in one_line(exc)
+        assert "1.2.1" in one_line(exc)
     finally:
         proof.set_directory(None)
     assert capsys.readouterr().err.count("\n") == 1
@@ -146,13 +171,18 @@ def test_an_unknown_version_disables_the_hook_without_breaking_the_import(standi
 
 @pytest.mark.parametrize("version,ok", [("1.4.0rc1", True), ("1.4.0rc1.post1", True), ("1.4.0rc2+cu130.git1", True),
                                         ("1.4.0rc4", True), ("1.4.0rc3.post2+local", True),
-                                        ("1.3.0rc27", False), ("1.4.0", False), ("1.4.0rc1.dev3", False),
-                                        ("1.4.0rc10", False), ("nightly", False)])
-def test_the_version_guard_compares_versions_not_strings(version, ok):
+                                        ("1.4.0", True), ("1.4.0rc10", True), ("2.0.0", True),
+                                        ("1.3.0rc27", False), ("1.4.0rc1.dev3", False), ("nightly", False)])
+def test_the_version_guard_compares_versions_not_strings(version, ok, capsys):
+    """A floor, not a ceiling: releases newer than the tested range pass the number check
+    (their names decide, on load) with one line naming them untested."""
     from plugins.trtllm.hook import check_version
 
     if ok:
         assert check_version(version) == version
+        err = capsys.readouterr().err
+        tested = versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION)
+        assert err.count("\n") == (0 if tested else 1) and (tested or "untested" in err and version in err)
     else:
         with pytest.raises(TrtllmHookError) as exc:
             check_version(version)
@@ -163,7 +193,7 @@ def test_a_missing_required_class_disables_the_hook_and_says_which(standin, tmp_
     write_package(standin, drop=("modeling_speculative.py", "PARDForCausalLM"))
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
+        install()
         load(pins.SPECULATIVE_MODULE)
         assert "modeling_speculative.PARDForCausalLM.__init__" in disabled()
         assert proof.read(tmp_path)[0]["kind"] == "disabled"
@@ -175,9 +205,9 @@ def test_a_drafter_without_its_kernel_is_refused_not_raised(standin, tmp_path):
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
+        install()
         dflash = load(pins.DFLASH_MODULE)
-        dflash.DFlashForCausalLM(dflash_attention_backend="FA5")  # builds: TensorRT-LLM is not broken
+        dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="FA5")  # builds: TensorRT-LLM is not broken
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "FA5" in record["reason"]
         with pytest.raises(proof.ProofError) as exc:
@@ -185,12 +215,6 @@ def test_a_drafter_without_its_kernel_is_refused_not_raised(standin, tmp_path):
         assert "FA5" in one_line(exc) and "DFlashForCausalLM" in one_line(exc)
     finally:
         proof.set_directory(None)
-
-
-def test_install_refuses_a_non_scaling():
-    with pytest.raises(TypeError):
-        install({"ref_keys": 2048})
-    assert not installed()
 
 
 def test_check_says_in_one_line_that_tensorrt_llm_is_not_importable_here(capsys):
@@ -211,27 +235,6 @@ def test_check_reports_found_names_on_an_installation(standin, capsys):
     assert all(p["found"] for p in report["patch_points"] if p["required"])
 
 
-def test_autoload_pth_installs_the_hook_only_when_the_variable_is_set(tmp_path, capsys):
-    site = tmp_path / "site"
-    site.mkdir()
-    assert trtllm_cli.main(["autoload", "install", "--site-packages", str(site)]) == 0
-    pth = site / autoload.PTH_NAME
-    assert pth.read_text().count("\n") == 1 and pth.read_text().startswith("import ")
-    probe = ("import site, sys; site.addsitedir(sys.argv[1]); "
-             "m = sys.modules.get('plugins.trtllm.hook'); print(bool(m and m.installed()))")
-    # the variable alone (the activation file is covered by tests/test_trtllm_workers.py)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    runs = {}
-    for label, extra in (("unset", {}), ("set", {autoload.ENV: autoload.env_value(SCALING)})):
-        done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=tmp_path, env=env | extra,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        runs[label] = done.stdout.strip()
-    assert runs == {"unset": "False", "set": "True"}
-    assert trtllm_cli.main(["autoload", "uninstall", "--site-packages", str(site)]) == 0
-    assert not pth.exists()
-
-
 def test_the_real_tensorrt_llm_has_every_pinned_name():
     try:
         import tensorrt_llm  # noqa: F401
@@ -247,7 +250,7 @@ def test_the_real_tensorrt_llm_has_every_pinned_name():
 def built(standin, tmp_path, **package):
     write_package(standin, **package)
     proof.set_directory(tmp_path / "proof")
-    install(SCALING)
+    install()
     return load(pins.SPECULATIVE_MODULE)
 
 
@@ -256,14 +259,14 @@ def test_dflash_defined_in_modeling_speculative_gets_its_kernel_wrapped(standin,
     importing flash_attn_with_kvcache at call time."""
     try:
         spec = built(standin, tmp_path, old_dflash=True)
-        drafter = spec.DFlashForCausalLM()
+        drafter = spec.DFlashForCausalLM(CONFIG)
         [record] = proof.read(tmp_path / "proof")
         assert record["kind"] == "wrapped" and record["drafter"] == "DFlashForCausalLM" and record["family"] == "dflash"
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64)
         k_cache, v_cache = (torch.randn(1, 300, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         lens = torch.tensor([300], dtype=torch.int32)
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
 
         got = drafter.dflash_forward(q, k_cache, v_cache, lens)
         want = k.reference(k.flash_attn_with_kvcache, SCALING, q, k_cache, v_cache, cache_seqlens=lens)
@@ -279,10 +282,10 @@ def test_dflash_defined_in_modeling_speculative_gets_its_kernel_wrapped(standin,
 def test_drafters_whose_count_or_query_path_we_cannot_handle_are_refused_when_built(standin, tmp_path, build):
     try:
         spec = built(standin, tmp_path)
-        make = {"eagle3_mla": lambda: spec.Eagle3ForCausalLM(kv_lora_rank=512),  # Eagle3DeepSeekV3
-                "mistral_large3": lambda: spec.MistralLarge3EagleForCausalLM(),
-                "pard_compressed": lambda: spec.PARDForCausalLM(sparse_attention_config={"algorithm": "rocket"}),
-                "eagle3_chunked": lambda: spec.Eagle3ForCausalLM(attention_chunk_size=8192)}[build]
+        make = {"eagle3_mla": lambda: spec.Eagle3ForCausalLM(CONFIG, kv_lora_rank=512),  # Eagle3DeepSeekV3
+                "mistral_large3": lambda: spec.MistralLarge3EagleForCausalLM(CONFIG),
+                "pard_compressed": lambda: spec.PARDForCausalLM(CONFIG, sparse_attention_config={"algorithm": "rocket"}),
+                "eagle3_chunked": lambda: spec.Eagle3ForCausalLM(CONFIG, attention_chunk_size=8192)}[build]
         make()  # TensorRT-LLM's build goes on: never an exception inside its constructor
         [record] = proof.read(tmp_path / "proof")
         assert record["kind"] == "refused"
@@ -300,11 +303,11 @@ def test_a_drafter_class_nobody_pinned_is_refused_not_run_unscaled(standin, tmp_
     write_package(standin)
     path = standin / "tensorrt_llm/_torch/models/modeling_speculative.py"
     path.write_text(path.read_text() + "\nclass Eagle4ForCausalLM(torch.nn.Module):\n"
-                    "    def __init__(self):\n        super().__init__()\n")
+                    "    def __init__(self, draft_config):\n        super().__init__()\n")
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
-        load(pins.SPECULATIVE_MODULE).Eagle4ForCausalLM()
+        install()
+        load(pins.SPECULATIVE_MODULE).Eagle4ForCausalLM(CONFIG)
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and record["drafter"] == "Eagle4ForCausalLM"
     finally:
@@ -314,8 +317,8 @@ def test_a_drafter_class_nobody_pinned_is_refused_not_run_unscaled(standin, tmp_
 def test_wrapped_drafters_leave_proof_the_launcher_accepts(standin, tmp_path):
     try:
         spec = built(standin, tmp_path)
-        spec.Eagle3ForCausalLM()
-        spec.PARDForCausalLM()
+        spec.Eagle3ForCausalLM(CONFIG)
+        spec.PARDForCausalLM(CONFIG)
         wrapped = proof.require(tmp_path / "proof", SCALING)
         assert sorted(r["drafter"] for r in wrapped) == ["Eagle3ForCausalLM", "PARDForCausalLM"]
         assert {r["layers"] for r in wrapped} == {1, 2} and {r["pid"] for r in wrapped} == {os.getpid()}
@@ -337,10 +340,10 @@ def test_a_layer_that_never_ran_scaled_is_refused_after_warm_up(standin, tmp_pat
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
+        install()
         spec = load(pins.SPECULATIVE_MODULE)
         attention = load("tensorrt_llm._torch.modules.attention")
-        pard = spec.PARDForCausalLM()
+        pard = spec.PARDForCausalLM(CONFIG)
         proof.require(tmp_path, SCALING)  # built and wrapped: construction alone passes
         attention.run_attention(pard, skip=(1,))
         with pytest.raises(proof.ProofError) as exc:
@@ -379,9 +382,9 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
+        install()
         spec = load(pins.SPECULATIVE_MODULE)
-        drafter = spec.Eagle3ForCausalLM(qk_norm="gate")  # builds: TensorRT-LLM is not broken
+        drafter = spec.Eagle3ForCausalLM(CONFIG, qk_norm="gate")  # builds: TensorRT-LLM is not broken
         assert not any("apply_rope" in vars(m) for m in drafter.modules())
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "QKNormRoPEAttention overrides preprocess_qkv" in record["reason"]
@@ -390,7 +393,7 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
         for path in tmp_path.glob("*.json"):
             path.unlink()
         # the audited case: the fused gate off, preprocess_qkv defers to Attention's
-        audited = spec.Eagle3ForCausalLM(qk_norm=True)
+        audited = spec.Eagle3ForCausalLM(CONFIG, qk_norm=True)
         assert any("apply_rope" in vars(m) for m in audited.modules())
         assert proof.require(tmp_path, SCALING)
     finally:
@@ -398,7 +401,7 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
 
 
 def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_raised(standin, tmp_path, monkeypatch):
-    from tests import trtllm_standins
+    from plugins.trtllm import standins as trtllm_standins
 
     class Opaque:  # a compiled op whose signature inspect cannot read
         __signature__ = "not a signature"
@@ -410,58 +413,13 @@ def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_rais
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
-        load(pins.DFLASH_MODULE).DFlashForCausalLM(dflash_attention_backend="VANILLA")
+        install()
+        load(pins.DFLASH_MODULE).DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA")
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "cannot read the signature" in record["reason"]
         assert "\n" not in record["reason"]
     finally:
         proof.set_directory(None)
-
-
-# --- activation: only a live launch, only its own -------------------------------------------
-
-def test_an_activation_counts_only_while_its_launcher_lives(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(autoload.ENV, raising=False)
-    monkeypatch.delenv(autoload.NONCE_ENV, raising=False)
-    site = tmp_path
-    mine = autoload.activate(site, SCALING, tmp_path / "proof")
-    folder = autoload.activation_path(site)
-    assert autoload._settings(folder)[0] == SCALING.to_dict()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = folder / "stale.json"
-    stale.write_text(json.dumps({"scaling": SCALING.to_dict(), "proof": "p", "launcher": dead.pid, "nonce": "x"}))
-    recycled = folder / "recycled.json"  # a live pid, another process incarnation
-    recycled.write_text(json.dumps({"scaling": SCALING.to_dict(), "proof": "p", "launcher": os.getpid(),
-                                    "started": "1", "nonce": "y"}))
-    assert [p for p, _ in autoload.live_launches(folder)] == [mine]
-    assert not stale.exists() and not recycled.exists()
-    assert capsys.readouterr().err.count("stale activation file") == 2
-    monkeypatch.setenv(autoload.NONCE_ENV, autoload.OFF)  # a frozen launch's worker
-    assert autoload._settings(folder) == (None, None)
-    autoload.deactivate(mine)
-    assert not folder.exists()
-
-
-def test_two_live_launches_on_one_host_each_keep_their_own_and_a_stray_process_takes_neither(
-        tmp_path, monkeypatch, capsys):
-    """Triton with instance count > 1, or every rank's initialize() under mpirun: a second
-    activate() must not fail; each launch's workers (with its nonce) take its own file."""
-    monkeypatch.delenv(autoload.ENV, raising=False)
-    other = QueryScaling(ref_keys=128, top_k=8, slope=1.0, max_log_scale=0.5)
-    first = autoload.activate(tmp_path, SCALING, tmp_path / "p1")
-    second = autoload.activate(tmp_path, other, tmp_path / "p2")
-    folder = autoload.activation_path(tmp_path)
-    monkeypatch.setenv(autoload.NONCE_ENV, second.stem)
-    assert autoload._settings(folder) == (other.to_dict(), str(tmp_path / "p2"))
-    monkeypatch.setenv(autoload.NONCE_ENV, first.stem)
-    assert autoload._settings(folder) == (SCALING.to_dict(), str(tmp_path / "p1"))
-    monkeypatch.delenv(autoload.NONCE_ENV)
-    assert autoload._settings(folder) == (None, None)
-    assert "2 SharpDraft launches are live" in capsys.readouterr().err
-    autoload.deactivate(first)
-    autoload.deactivate(second)
 
 
 def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path):
@@ -472,7 +430,7 @@ def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path)
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
-        install(SCALING)
+        install()
         spec = load(pins.SPECULATIVE_MODULE)
         mla_module = types.ModuleType("tensorrt_llm._torch.attention.mla")
 
@@ -482,7 +440,7 @@ def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path)
         mla_module.MLA = MLA
         sys.modules[mla_module.__name__] = mla_module
         spec.MLA = MLA  # the drafter's layers come from the newer module
-        spec.PARDForCausalLM(mla=True)
+        spec.PARDForCausalLM(CONFIG, mla=True)
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "MLA (latent) attention" in record["reason"], record
     finally:

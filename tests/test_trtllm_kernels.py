@@ -1,5 +1,5 @@
 """The DFlash kernel wrappers (plugins/trtllm/kernels.py), driven by torch stand-ins that
-follow each kernel's real signature and layout (tests/trtllm_standins.py): every row's
+follow each kernel's real signature and layout (plugins/trtllm/standins.py): every row's
 result equals the kernel's own attention with that row's logits multiplied by beta of the
 keys its mask leaves visible, for a batch whose sequences sit below the reference count,
 at it, at the cap and past it; with scaling off the call is untouched; and nothing reads a
@@ -12,8 +12,8 @@ import torch
 
 from plugins.scaling import QueryScaling
 from plugins.trtllm import kernels
-from tests import trtllm_standins as standins
-from tests.trtllm_standins import no_host_sync, reference
+from plugins.trtllm import standins
+from plugins.trtllm.standins import no_host_sync, reference
 
 # A small rule so that short sequences cover every regime: beta = 1 up to 64 keys, the cap
 # (e^0.5) from ~115.1 keys on.

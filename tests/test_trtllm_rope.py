@@ -10,8 +10,8 @@ import torch
 
 from plugins.scaling import QueryScaling
 from plugins.trtllm.rope import CALL, visible_counts, wrap_apply_rope, wrap_forward
-from tests.trtllm_package import Metadata
-from tests.trtllm_standins import no_host_sync
+from plugins.trtllm.standins import Metadata
+from plugins.trtllm.standins import no_host_sync
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -148,6 +148,19 @@ def test_a_mixed_batch_counts_context_rows_causally_and_generation_rows_by_depth
     meta = Metadata([3, 3, 3], [70, 90, 100], num_contexts=1, offsets=[[0, 1, 2], [0, 1, 1]], use_spec=True)
     counts = visible_counts(meta, rows=11, device="cpu")  # 2 rows of CUDA-graph padding
     assert counts.tolist() == [68, 69, 70, 88, 89, 90, 98, 99, 99, 1, 1]
+
+
+def test_a_dynamic_tree_in_a_mixed_batch_reads_depths_from_the_generation_slots():
+    """Dynamic-tree depths (1-D) live in slot storage whose leading num_contexts slots are
+    the context requests' (interface.py update_spec_dec_param, pins.SOURCES["spec_dec_slots"]):
+    one context request (2 new tokens over 50 keys), two tree requests of 3 nodes, 4 entries
+    per slot. The context slot holds values that are no depths of this batch."""
+    stride = 4
+    slots = [[7, 7, 7, 7], [0, 1, 1, 9], [0, 1, 2, 9]]  # context slot, then the two trees
+    meta = Metadata([2, 3, 3], [50, 90, 100], num_contexts=1, offsets=sum(slots, []), use_spec=True)
+    meta.position_offsets_stride = stride
+    counts = visible_counts(meta, rows=8, device="cpu")
+    assert counts.tolist() == [49, 50, 88, 89, 89, 98, 99, 100]
 
 
 def test_a_window_the_call_is_handed_caps_the_count_and_forward_hands_it_over():

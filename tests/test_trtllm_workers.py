@@ -2,8 +2,9 @@
 sees the proof — with real processes: a stand-in `tensorrt_llm` (tests/trtllm_package.py)
 that starts its workers as TensorRT-LLM does, through mpi4py's MPIPoolExecutor(max_workers,
 path=sys.path) over the MPI runtime `make setup` installs (requirements.txt), with no
-variable of ours in any environment: the hook arrives through the .pth autoloader reading
-the launch's activation file.
+variable of ours in any environment: the hook arrives through the .pth's lazy import hook
+and scales the drafter because its directory (the engine's drafter/) carries SharpDraft's
+parameters.
 
 Each test runs a fresh interpreter of a throwaway virtual environment layered on the
 project's (so the .pth written there touches nothing else): `python -m runtime generate`
@@ -27,6 +28,7 @@ import pytest
 
 import build_engine
 from plugins.trtllm import autoload, pins, proof
+from plugins.trtllm import config as trtllm_config
 from runtime.cli import run
 from tests.trtllm_package import CHECKOUT, write_package
 
@@ -107,10 +109,9 @@ def test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it
     assert applied["scaling"]["ref_keys"] == 64 and applied["drafters"] == ["DFlashForCausalLM"]
     # the proof came from another process than the launcher: the MPI worker it spawned
     assert len(applied["processes"]) == 1 and applied["processes"] != [done.pid]
-    assert not (site_of(venvs["autoload"]) / autoload.ACTIVATION_NAME).exists()  # the launch cleaned up
 
 
-def test_tensor_parallel_workers_each_report_and_the_activation_file_is_removed(venvs, engine, tmp_path):
+def test_tensor_parallel_workers_each_report(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     python = venvs["autoload"]
     probe = textwrap.dedent(f"""
@@ -118,8 +119,7 @@ def test_tensor_parallel_workers_each_report_and_the_activation_file_is_removed(
         from runtime import trtllm
         from runtime.manifest import read_manifest
         llm, launch = trtllm.build_llm(read_manifest({str(engine)!r}), tensor_parallel_size=2)
-        print(json.dumps({{"launcher": os.getpid(), "workers": llm.worker_pids, "applied": launch.require(),
-                          "activation": str(launch.activation)}}))
+        print(json.dumps({{"launcher": os.getpid(), "workers": llm.worker_pids, "applied": launch.require()}}))
         llm.shutdown(); launch.close()
         """)
     done = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, None),
@@ -128,7 +128,6 @@ def test_tensor_parallel_workers_each_report_and_the_activation_file_is_removed(
     out = json.loads(done.stdout)
     assert len(set(out["workers"])) == 2 and out["launcher"] not in out["workers"]
     assert sorted(out["applied"]["processes"]) == sorted(out["workers"])  # both ranks wrapped their drafter
-    assert not Path(out["activation"]).exists()
 
 
 def test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses(venvs, engine, tmp_path):
@@ -159,28 +158,20 @@ def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(
     done = subprocess.run([str(venvs["plain"]), "-c", probe], cwd=standin, env=environment(standin, None),
                           capture_output=True, text=True, timeout=240)
     err = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(err) == 1 and "autoload install" in err[0]
+    assert done.returncode == 1 and len(err) == 1 and "autoload install" in err[0]  # a LaunchError (ValueError)
 
 
-def test_a_mismatched_version_with_the_autoloader_active_imports_and_our_launcher_refuses(venvs, engine, tmp_path):
+def test_a_newer_release_with_the_pinned_names_runs_scaled_in_its_workers_with_one_untested_line(
+        venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg", version="1.5.0")
-    from plugins.scaling import QueryScaling
-
-    # a launch in progress (this test's process is its live launcher), as workers see it
-    activation = autoload.activate(site_of(venvs["autoload"]), QueryScaling(ref_keys=64), tmp_path / "p")
-    try:
-        imports = subprocess.run([str(venvs["autoload"]), "-c", "import tensorrt_llm._torch.models.modeling_dflash "
-                                  "as m; m.DFlashForCausalLM(); print('imported')"], cwd=standin,
-                                 env=environment(standin, None), capture_output=True, text=True, timeout=240)
-    finally:
-        autoload.deactivate(activation)
-    assert imports.returncode == 0 and imports.stdout.strip() == "imported", imports.stderr
-    assert "1.5.0" in imports.stderr  # the hook stood down, and said so
-    target = generate(venvs["autoload"], engine, standin, "--target-only", single_process="0")
-    assert target.returncode == 0 and json.loads(target.stdout)["mode"] == "target", target.stderr
-    refused = generate(venvs["autoload"], engine, standin, single_process="0")
+    done = generate(venvs["autoload"], engine, standin, single_process="0")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["sharpdraft_applied"]["drafters"] == ["DFlashForCausalLM"]
+    assert done.stderr.count("TensorRT-LLM 1.5.0 is untested") == 1  # the launcher's line
+    moved = write_package(tmp_path / "moved", version="1.5.0", drop=("modeling_dflash.py", "DFlashForCausalLM"))
+    refused = generate(venvs["autoload"], engine, moved, single_process="0")
     err = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and len(err) == 1 and "1.5.0" in err[0] and pins.MAX_VERSION in err[0]
+    assert refused.returncode == 1 and len(err) == 1 and "modeling_dflash.DFlashForCausalLM" in err[0], refused.stderr
 
 
 # --- Triton's llmapi model -------------------------------------------------------------------
@@ -298,60 +289,55 @@ def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path
 
 # --- a dead launch leaves nothing behind; every rank must prove it -------------------------
 
-def test_a_launcher_killed_with_sigkill_leaves_no_scaling_for_the_next_frozen_or_stock_run(venvs, engine, tmp_path):
-    """A launch is killed (SIGKILL: no cleanup) while its activation file is live; the
-    runs that follow in that environment (a frozen run through our launcher, and a stock
-    LLM() of TensorRT-LLM's own) must build their drafters unscaled in their MPI workers."""
+def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(venvs, engine, tmp_path):
+    """A SharpDraft launch is live in this environment (its launcher holds the hook and its
+    proof directory); a stock LLM() of TensorRT-LLM's own on the stock checkpoint, a frozen
+    and a target-only run through our launcher start meanwhile: their MPI workers build their drafters
+    unscaled (no startup line, no record anywhere), and the live launch is undisturbed."""
     import signal
+
+    from runtime.manifest import read_manifest
 
     standin = write_package(tmp_path / "pkg")
     python = venvs["autoload"]
-    folder = site_of(python) / autoload.ACTIVATION_NAME
+    stock_dir = trtllm_config.stock_drafter_dir(read_manifest(engine))
     hold = textwrap.dedent(f"""
-        import sys, time
+        import time
         from runtime import trtllm
         from runtime.manifest import read_manifest
         manifest = read_manifest({str(engine)!r})
         launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest), manifest.drafter,
                                manifest.drafter_dir)
-        print(launch.activation, launch.directory, flush=True)
+        print(launch.directory, flush=True)
         time.sleep(600)
         """)
     launcher = subprocess.Popen([str(python), "-c", hold], cwd=standin, env=environment(standin, None),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        activation, proof_dir = launcher.stdout.readline().split()
+        proof_dir = launcher.stdout.readline().strip()
+        probe = textwrap.dedent(f"""
+            import json
+            from tensorrt_llm import LLM
+            llm = LLM(model="m", speculative_config={{"decoding_type": "DFlash", "speculative_model": {str(stock_dir)!r}}})
+            print(json.dumps(llm.worker_pids)); llm.shutdown()
+            """)
+        stock = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, "0"),
+                               capture_output=True, text=True, timeout=240)
+        frozen = generate(python, engine, standin, "--no-sharpdraft", single_process="0")
+        target = generate(python, engine, standin, "--target-only", single_process="0")
     finally:
-        os.kill(launcher.pid, signal.SIGKILL)
+        os.kill(launcher.pid, signal.SIGTERM)
         launcher.wait(timeout=60)
-    assert Path(activation).is_file()  # the killed launch left its file behind
-    probe = textwrap.dedent(f"""
-        import json, os
-        from tensorrt_llm import LLM
-        llm = LLM(model="m", speculative_config={{"decoding_type": "DFlash"}})
-        print(json.dumps(llm.worker_pids)); llm.shutdown()
-        """)
-    stock = subprocess.run([str(python), "-c", probe], cwd=standin, env=environment(standin, "0"),
-                           capture_output=True, text=True, timeout=240)
     assert stock.returncode == 0, stock.stderr
-
-    def scaled():  # what a worker that took the dead launch's file would have written
-        return [r for r in proof.read(proof_dir) if r["kind"] in ("wrapped", "ran")]
-
-    assert scaled() == []
-    assert stock.stderr.count("stale activation file") == 1  # said in one line, and removed
-    assert not Path(activation).exists()
-    Path(activation).parent.mkdir(exist_ok=True)  # the file again, for the frozen run through our launcher
-    Path(activation).write_text(json.dumps({"scaling": {"ref_keys": 64}, "proof": proof_dir,
-                                            "launcher": launcher.pid, "started": "0", "nonce": "dead"}))
-    frozen = generate(python, engine, standin, "--no-sharpdraft", single_process="0")
     assert frozen.returncode == 0 and json.loads(frozen.stdout)["sharpdraft_applied"] is None, frozen.stderr
-    assert scaled() == []  # no worker of either run built or ran a scaled drafter
-    assert not any(folder.glob("*.json"))
+    assert target.returncode == 0 and json.loads(target.stdout)["mode"] == "target", target.stderr
+    for run_ in (stock, frozen, target):
+        assert "layer(s) wrapped" not in run_.stderr  # no drafter of theirs was wrapped, in any process
+    assert proof.read(proof_dir) == []  # and nothing reached the live launch's proof
 
 
 def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_rank(venvs, engine, tmp_path):
-    """TP=2 where rank 1 runs without the hook (a rank started before the activation, or
+    """TP=2 where rank 1 runs without the hook (a rank started without the autoloader, or
     elsewhere): one wrapped record is not enough, the launcher refuses naming rank 1."""
     standin = write_package(tmp_path / "pkg", unhooked_rank=1)
     probe = textwrap.dedent(f"""

@@ -41,6 +41,7 @@ import textwrap
 from pathlib import Path
 
 from plugins.trtllm import pins
+from plugins.trtllm.standins import Metadata  # noqa: F401  (tests import it from here too)
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +52,7 @@ FILES = {
     "tensorrt_llm/version.py": "__version__ = {version!r}\n",
     "tensorrt_llm/llmapi/__init__.py": "",
     "tensorrt_llm/llmapi/mpi_session.py": """
+        import os
         import sys
 
         from mpi4py.futures import MPIPoolExecutor
@@ -59,7 +61,10 @@ FILES = {
         class MpiPoolSession:
             def __init__(self, n_workers):
                 self.n_workers = n_workers
-                self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path)
+                # @00a1352a: only TRTLLM*/TLLM* variables reach the workers, applied there after
+                # site (and every .pth) has run
+                env = {k: v for k, v in os.environ.items() if k.startswith(("TRTLLM", "TLLM"))}
+                self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path, env=env)
 
             def submit(self, task, *args, **kwargs):
                 return [self.mpi_pool.submit(task, *args, **kwargs) for _ in range(self.n_workers)]
@@ -71,8 +76,19 @@ FILES = {
         import os
         import types
 
-        UNHOOKED_RANK = {unhooked_rank!r}  # a rank that started before the launch's activation
+        UNHOOKED_RANK = {unhooked_rank!r}  # a rank whose hook is gone (started without the autoloader)
         _DRAFTER = {{}}
+
+
+        def draft_config(speculative_model, attn_backend):
+            # SpecDecOneEngineForCausalLM: ModelConfig.from_pretrained(speculative_model,
+            # attn_backend=model_config.attn_backend, ...); load_pretrained_config reads the
+            # directory's config.json through transformers: unknown keys become attributes
+            import json
+
+            with open(os.path.join(speculative_model, "config.json")) as f:
+                pretrained = types.SimpleNamespace(**json.load(f))
+            return types.SimpleNamespace(pretrained_config=pretrained, attn_backend=attn_backend)
 
 
         def _rank(pool):
@@ -84,21 +100,27 @@ FILES = {
             return MPI.COMM_WORLD.Get_rank()
 
 
-        def worker_main(speculative_config, pool=False):
+        def worker_main(speculative_config, attn_backend="TRTLLM", pool=False):
             # executor/worker.py: the worker builds the model, the drafter with it
             import importlib
+            import sys
 
-            if _rank(pool) == UNHOOKED_RANK and "plugins.trtllm.hook" in __import__("sys").modules:
-                __import__("plugins.trtllm.hook").trtllm.hook.uninstall()
+            if _rank(pool) == UNHOOKED_RANK:  # as if this rank's environment had no autoloader
+                sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_sharpdraft_lazy", False)]
+                for name in ("plugins.trtllm.hook", "_sharpdraft_plugins.trtllm.hook"):
+                    if name in sys.modules:
+                        sys.modules[name].uninstall()
             decoding = (speculative_config or {{}}).get("decoding_type")
+            if decoding:
+                config = draft_config(speculative_config["speculative_model"], attn_backend)
             if decoding == "DFlash":
                 module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
-                _DRAFTER["model"] = module.DFlashForCausalLM(dflash_attention_backend=speculative_config.get(
+                _DRAFTER["model"] = module.build_dflash_draft(config, speculative_config.get(
                     "attention_backend", "VANILLA"))
             elif decoding in ("Eagle3", "PARD"):
                 module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
                 cls = module.Eagle3ForCausalLM if decoding == "Eagle3" else module.PARDForCausalLM
-                _DRAFTER["model"] = cls()
+                _DRAFTER["model"] = cls(config)
             return os.getpid()
 
 
@@ -113,18 +135,23 @@ FILES = {
 
         class LLM:
             def __init__(self, model, backend="pytorch", tensor_parallel_size=1, pipeline_parallel_size=1,
-                         speculative_config=None, max_seq_len=None, **kwargs):
+                         speculative_config=None, max_seq_len=None, attn_backend="TRTLLM",
+                         cuda_graph_config="CudaGraphConfig()", **kwargs):
                 world = int(tensor_parallel_size) * int(pipeline_parallel_size)
                 if world == 1 and os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") == "1":
-                    self.worker_pids = [worker_main(speculative_config)]
+                    self.worker_pids = [worker_main(speculative_config, attn_backend)]
                     self._session = None
                 else:
                     from .mpi_session import MpiPoolSession
 
                     self._session = MpiPoolSession(n_workers=world)
-                    futures = self._session.submit(worker_main, speculative_config, pool=True)
+                    futures = self._session.submit(worker_main, speculative_config, attn_backend, pool=True)
                     self.worker_pids = [f.result() for f in futures]
-                self._step()  # warm-up: PyTorchModelEngine.warmup runs forward passes before serving
+                if cuda_graph_config is not None:
+                    # warm-up: _run_cuda_graph_warmup captures generation steps, the drafter's
+                    # included; without CUDA graphs only _run_autotuner_warmup runs, context-only,
+                    # and DFlash / PARD draft only when num_gens > 0: no drafter step before a request
+                    self._step()
 
             def _step(self):
                 if self._session is None:
@@ -183,7 +210,7 @@ FILES = {
     "tensorrt_llm/_torch/speculative/dflash_attention.py": """
         from dataclasses import dataclass
         from typing import Callable
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
 
         @dataclass(frozen=True)
         class DFlashTrtllmGenOps:
@@ -234,7 +261,7 @@ FILES = {
 
         def run_attention(drafter, skip=()):
             # every Attention layer's forward on one small batch, as a draft step does
-            from tests.trtllm_package import Metadata
+            from plugins.trtllm.standins import Metadata
 
             for i, layer in enumerate(m for m in drafter.modules() if isinstance(m, Attention)):
                 if i not in skip:
@@ -242,12 +269,15 @@ FILES = {
         """,
     "tensorrt_llm/_torch/models/modeling_dflash.py": """
         import torch
-        from tests import trtllm_standins as k
+        from plugins.trtllm import standins as k
         from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops
 
         class DFlashForCausalLM(torch.nn.Module):
             def __init__(self, draft_config=None, *, dflash_attention_backend="VANILLA"):
                 super().__init__()
+                self.config = getattr(draft_config, "pretrained_config", None)
+                self.model = torch.nn.Module()
+                self.model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range({dflash_layers})])
                 self.dflash_attention_backend = dflash_attention_backend
                 if dflash_attention_backend == "VANILLA":
                     self._dflash_flash_attention = k.flash_attn_with_kvcache
@@ -256,7 +286,17 @@ FILES = {
                 elif dflash_attention_backend == "FA4":
                     self._dflash_fa4_fwd = k._flash_attn_fwd
 
+            def forward(self):
+                for _ in self.model.layers:  # the block decode: one kernel call per draft layer
+                    self.layer_step()
+
             def draft_step(self):
+                self.forward()
+
+            def _post_attention_gate(self, attn_output, *args):
+                return attn_output
+
+            def layer_step(self):
                 # dflash_forward's kernel call for one block of 2 queries over 5 + 2 keys
                 q = torch.ones(1, 2, 4, 8)
                 if self.dflash_attention_backend == "VANILLA":
@@ -271,6 +311,27 @@ FILES = {
                     self._dflash_trtllm_gen_ops.batch_decode_with_kv_cache(
                         q.reshape(2, 4, 8), (pages, pages.clone()), None, torch.zeros(1, 1, dtype=torch.int32),
                         torch.tensor([7], dtype=torch.int32), 8, q_len_per_req=2)
+
+        class DFlashLagunaForCausalLM(DFlashForCausalLM):
+            # modeling_dflash.py @ 7c7504c0: overrides __init__, _normalize_config, load_weights,
+            # project_target_hidden, _post_attention_gate -- outside the query path
+            @staticmethod
+            def _normalize_config(config):
+                return config
+
+            def __init__(self, draft_config, *, dflash_attention_backend="VANILLA"):
+                super().__init__(draft_config, dflash_attention_backend=dflash_attention_backend)
+                self._sliding_layers_causal = True
+
+            def _post_attention_gate(self, attn_output, *args):
+                return attn_output
+        {laguna_extra}
+
+        def build_dflash_draft(draft_config, attention_backend):
+            # _build_dflash_draft: the Laguna variant when an architecture name holds "Laguna"
+            arches = getattr(draft_config.pretrained_config, "architectures", None) or []
+            cls = DFlashLagunaForCausalLM if any("Laguna" in a for a in arches) else DFlashForCausalLM
+            return cls(draft_config, dflash_attention_backend=attention_backend)
         """,
     "tensorrt_llm/_torch/models/modeling_speculative.py": """
         import types
@@ -335,72 +396,42 @@ class DFlashForCausalLM(torch.nn.Module):
         cache = torch.zeros(1, 8, 2, 8)
         self.dflash_forward(torch.ones(1, 2, 4, 8), cache, cache.clone(), torch.tensor([7]))
 """
-FLASH_ATTN = {"flash_attn/__init__.py": "from tests.trtllm_standins import flash_attn_with_kvcache\n"}
-
-
-class Metadata:
-    """The AttentionMetadata fields the count reads (pins.METADATA), laid out as TensorRT-LLM
-    lays them out:
-    - `_torch/attention_backend/interface.py` @ 51ea5c96, `AttentionMetadata`: `seq_lens` is a
-      HOST tensor (the setter swaps in a new pinned CPU tensor each step, so a copy captured
-      in a CUDA graph reads a stale one) and `seq_lens_cuda` its device copy, updated in
-      place; `num_seqs` = seq_lens.shape[0] (a Python int);
-    - `_torch/attention_backend/trtllm.py`, `TrtllmAttentionMetadata`: `kv_lens_cuda` (cached +
-      new keys per sequence) on the device, edited in place by prepare() and the EAGLE-3 /
-      PARD workers;
-    - `_torch/modules/attention.py` @ 00547a25, `_adjust_position_ids_for_spec_dec`: context
-      requests first, then generation requests with spec_decoding_position_offsets (depths;
-      1-D for a dynamic tree).
-    `stale_host` fills the host seq_lens with values that are wrong for this step (as they are
-    inside a replayed graph); `device` is where the "_cuda" tensors live (CPU in CPU tests)."""
-
-    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False, stale_host=False,
-                 device="cpu"):
-        import torch
-
-        host = [max(1, n // 2 + 3) for n in seq_lens] if stale_host else list(seq_lens)
-        self.seq_lens = torch.tensor(host, dtype=torch.int32)  # host: may be stale
-        self.seq_lens_cuda = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-        self.num_contexts = num_contexts
-        self.num_tokens = int(sum(seq_lens))
-        self.num_ctx_tokens = int(sum(seq_lens[:num_contexts]))
-        self.spec_decoding_position_offsets = (None if offsets is None
-                                               else torch.tensor(offsets, dtype=torch.int32, device=device))
-        self.use_spec_decoding = use_spec
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @classmethod
-    def cuda_graph(cls, max_batch_size: int, max_draft_tokens: int, kv_lens, device="cpu"):
-        """interface.py @ 51ea5c96 `create_cuda_graph_metadata` (decoder, not encode_only):
-        seq_lens = ones(max_batch_size) * (1 + max_draft_tokens), num_contexts = 0; the real
-        requests fill the first slots, padded dummy requests the rest (kv_lens for every slot,
-        dummies included). Chain drafts: depths 0..max_draft_tokens per request."""
-        gen = 1 + max_draft_tokens
-        return cls([gen] * max_batch_size, kv_lens, num_contexts=0,
-                   offsets=[list(range(gen))] * max_batch_size, use_spec=True, device=device)
+FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import flash_attn_with_kvcache\n"}
 
 
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
-                  old_dflash: bool = False, unhooked_rank: int | None = None) -> Path:
+                  old_dflash: bool = False, unhooked_rank: int | None = None, dflash_layers: int = 2,
+                  laguna_extra: str = "") -> Path:
+    """The stand-in package under `root`. laguna_extra: a method source added to
+    DFlashLagunaForCausalLM (e.g. an override outside the audited ones)."""
     files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
     for rel, text in files.items():
         text = textwrap.dedent(text)
-        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py")):
+        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py", "modeling_dflash.py")):
             text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "",
-                               unhooked_rank=unhooked_rank)
+                               unhooked_rank=unhooked_rank, dflash_layers=dflash_layers,
+                               laguna_extra=textwrap.indent(textwrap.dedent(laguna_extra), "    "))
         if drop and rel.endswith(drop[0]):
             text = text.replace(drop[1], "_removed_" + drop[1])
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return root  # its modules import `tests.trtllm_standins`: the checkout must be on sys.path
+    return root  # its modules import `plugins.trtllm.standins`: the checkout must be on sys.path
 
 
 def forget_tensorrt_llm():
     for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")
                  or n == "flash_attn"]:
         del sys.modules[name]
+
+
+def draft_config(scaling=None, attn_backend: str = "TRTLLM", **pretrained):
+    """The ModelConfig a drafter constructor receives (SpecDecOneEngineForCausalLM:
+    ModelConfig.from_pretrained(speculative_model, attn_backend=...)): pretrained_config is
+    the drafter directory's config.json, SharpDraft's parameters under "sharpdraft" when
+    the directory is a SharpDraft one (scaling given)."""
+    import types
+
+    if scaling is not None:
+        pretrained[pins.SHARPDRAFT_KEY] = scaling.to_dict()
+    return types.SimpleNamespace(pretrained_config=types.SimpleNamespace(**pretrained), attn_backend=attn_backend)

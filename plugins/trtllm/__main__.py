@@ -1,7 +1,8 @@
 """`python -m plugins.trtllm check | autoload {install,uninstall,status}`
 
 check: what the hook would patch on this installation (or, where tensorrt_llm cannot be
-imported, the pinned plan and why). autoload: the env-gated .pth loader (autoload.py).
+imported, the pinned plan and why). autoload: the .pth that adds the lazy import hook
+(autoload.py) to every Python process of an environment.
 Results on stdout, one-line errors on stderr (exit 1; 2 for bad usage).
 """
 
@@ -40,10 +41,7 @@ def check() -> dict:
         version = getattr(sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE),
                           "__version__", None)
         report["version"] = version
-        try:
-            report["version_known"] = versions.in_range(str(version), pins.MIN_VERSION, pins.MAX_VERSION)
-        except ValueError:
-            report["version_known"] = False
+        report["version_known"] = versions.is_tested(str(version), pins.MIN_VERSION, pins.MAX_VERSION)
     for point in pins.PATCH_POINTS:
         entry = {"name": f"{point.module}.{point.attribute}", "role": point.role, "required": point.required,
                  "source": f"{pins.SOURCES[point.source].path} @ {pins.SOURCES[point.source].commit}"}
@@ -63,7 +61,7 @@ def describe(report: dict) -> str:
         lines.append(f"tensorrt_llm is not importable here ({report['reason']}): showing the plan only")
     else:
         known = ("in the tested range" if report["version_known"]
-                 else "OUTSIDE the tested range: our launchers refuse SharpDraft on it")
+                 else "outside the tested range: accepted only where every pinned name below is found")
         lines.append(f"tensorrt_llm {report['version']} ({known})")
     for entry in report["patch_points"]:
         state = "" if "found" not in entry else ("  [found]" if entry["found"] else
@@ -83,15 +81,15 @@ def site_packages() -> Path:
 def autoload_command(action: str, site: Path) -> str:
     path = site / autoload.PTH_NAME
     if action == "install":
-        path.write_text(autoload.pth_line(site))
-        return (f"wrote {path}: every Python process of this environment installs the hook while a "
-                f"launch's {autoload.ACTIVATION_NAME} is beside it (or {autoload.ENV} is set)")
+        path.write_text(autoload.pth_line())
+        return (f"wrote {path}: every Python process of this environment gets a lazy import hook that "
+                "loads SharpDraft's TensorRT-LLM hook when a drafter module is imported (it scales only "
+                "drafters whose config.json carries SharpDraft's parameters)")
     if action == "uninstall":
         existed = path.exists()
         path.unlink(missing_ok=True)
-        for stale in autoload.activation_path(site).glob("*.json"):
-            autoload.deactivate(stale)
-        return f"removed {path}" if existed else f"nothing to remove ({path} does not exist)"
+        return (f"removed {path} (engines already running keep their hook and captured CUDA graphs "
+                "until restarted)" if existed else f"nothing to remove ({path} does not exist)")
     return f"installed: {path}" if path.exists() else f"not installed ({path} does not exist)"
 
 
@@ -100,7 +98,7 @@ def main(argv) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="what the hook would patch on this installation")
     c.add_argument("--json", action="store_true")
-    a = sub.add_parser("autoload", help="the env-gated .pth loader that reaches worker processes")
+    a = sub.add_parser("autoload", help="the .pth lazy import hook that reaches worker processes")
     a.add_argument("action", choices=("install", "uninstall", "status"))
     a.add_argument("--site-packages", metavar="DIR", help="default: this interpreter's purelib")
     args = p.parse_args(argv)

@@ -1,28 +1,42 @@
-"""install(scaling) / uninstall(): SharpDraft switched on inside TensorRT-LLM's drafters.
+"""install() / uninstall(): SharpDraft inside TensorRT-LLM's drafters, keyed on the drafter.
 
-Nothing here imports TensorRT-LLM. `install` puts an import hook at the front of
-sys.meta_path that patches the modeling modules the moment they finish loading (and
-patches them at once if they are loaded already), because TensorRT-LLM is imported late
-on purpose (its Triton model defers the import until CUDA_VISIBLE_DEVICES is set) and
-because importing it needs a GPU driver.
+The switch is the drafter artifact, not the process: a drafter is scaled if and only if
+the config it is built from carries SharpDraft's parameters (`"sharpdraft": {QueryScaling}`
+in the drafter directory's config.json, written by `build_engine.py --backend trtllm
+--sharpdraft`), and then with exactly those parameters. TensorRT-LLM hands that config to
+the drafter's constructor: `ModelConfig.from_pretrained(speculative_model)` loads the
+directory's config.json through transformers (unknown keys become attributes of
+`pretrained_config`) and the registered builder calls `DFlashForCausalLM(draft_config, ...)`,
+`Eagle3ForCausalLM(draft_config, ...)`, `PARDForCausalLM(draft_config)`
+(pins.SOURCES["draft_config"], ["modeling_dflash"]). A stock drafter directory is never
+touched, whatever else runs on the host, and two drafters in one process each get their
+own parameters.
+
+Nothing here imports TensorRT-LLM. `install()` puts an import hook at the front of
+sys.meta_path that patches the drafter modules the moment they finish loading (and
+patches them at once if they are loaded already).
 
 What gets patched (names and sources: plugins/trtllm/pins.py, PATCH_POINTS):
 - `DFlashForCausalLM.__init__` (modeling_dflash, or modeling_speculative in the older
-  layout): once a DFlash drafter is built, the attention kernel it calls (VANILLA / TRTLLM
-  / FA4 on the instance; flash_attn_with_kvcache imported inside dflash_forward in the
-  older layout) is wrapped (plugins/trtllm/kernels.py).
-- `Eagle3ForCausalLM.__init__`, `PARDForCausalLM.__init__`: once built, `forward` and
-  `apply_rope` of every `Attention` instance inside the drafter are wrapped
-  (plugins/trtllm/rope.py). The target's attention, built from the same classes, is never
-  touched.
-- MLA drafters (Eagle3 with kv_lora_rank, i.e. Eagle3DeepSeekV3; MistralLarge3Eagle) and
-  any other drafter-named class of those modules are *refused* when built.
+  layout) and known subclasses (`DFlashLagunaForCausalLM`, wrapped when it overrides only
+  the audited methods, pins.DFLASH_AUDITED_OVERRIDES): the attention kernel the instance
+  holds (VANILLA / TRTLLM / FA4) is wrapped (plugins/trtllm/kernels.py).
+- `Eagle3ForCausalLM.__init__`, `PARDForCausalLM.__init__`: `forward` and `apply_rope` of
+  every `Attention` instance inside the drafter are wrapped (plugins/trtllm/rope.py), with
+  the TRTLLM attention backend only (pins.AUDITED_ATTN_BACKENDS; FLASHINFER's draft view
+  and the others are refused when the drafter is built, and by our launchers before).
+- MLA drafters and drafter-named classes nobody audited are refused when built.
 
-Every drafter built with the hook installed leaves a proof record (plugins/trtllm/proof.py):
-wrapped (class, layers, scaling, pid) or refused (why). Inside TensorRT-LLM's import and
-model construction the hook never raises: a version outside the tested range or a
-missing name disables it and records why; our launchers refuse in one line from there.
-`TrtllmHookError` remains for direct callers (`prepare_drafter`, `check_version`).
+Compatibility is judged by structure: a release newer than the tested range is accepted
+(one line on stderr names it untested) when every pinned name is present; a missing name
+disables the hook, in one line naming it. Inside TensorRT-LLM's import and model
+construction the hook never raises; refusals are recorded (plugins/trtllm/proof.py) and
+our launchers refuse from there.
+
+CUDA graphs: a captured graph keeps the beta constants (and the wrappers) it was captured
+with. `uninstall()` restores the Python objects, but a graph captured before it keeps
+scaling; changing a drafter's parameters means rebuilding the drafter directory and
+restarting the engine.
 """
 
 from __future__ import annotations
@@ -31,21 +45,24 @@ import dataclasses
 import functools
 import importlib
 import importlib.abc
+import os
 import re
 import sys
 import weakref
 
-from plugins.scaling import QueryScaling
-from plugins.trtllm import pins, proof, versions
-from plugins.trtllm.kernels import (wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
+from ..scaling import QueryScaling
+from . import pins, proof, versions
+from .kernels import (wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
                                     wrap_trtllm_gen_decode)
-from plugins.trtllm.rope import wrap_apply_rope, wrap_forward
+from .rope import wrap_apply_rope, wrap_forward
 
-__all__ = ["TrtllmHookError", "install", "uninstall", "installed", "active_scaling", "disabled",
-           "check_version"]
+__all__ = ["TrtllmHookError", "install", "uninstall", "installed", "disabled", "check_version",
+           "drafter_scaling", "HOOK_MARK"]
 
 ORIGINALS = "_sharpdraft_originals"  # instance attribute: what the hook replaced on it
 FAMILY = "_sharpdraft_family"  # marks a constructor the hook wrapped
+SCALING = "_sharpdraft_scaling"  # instance attribute: the QueryScaling its own config carries
+HOOK_MARK = "_sharpdraft_hook"  # on our import finder: the .pth's lazy loader stands aside
 
 
 class TrtllmHookError(ImportError):
@@ -56,21 +73,16 @@ class TrtllmHookError(ImportError):
 
 class _State:
     def __init__(self):
-        self.scaling: QueryScaling | None = None
         self.finder: _Finder | None = None
         self.classes: dict[tuple[str, str], tuple[type, object]] = {}  # -> (class, original __init__)
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self.version: str | None = None
         self.disabled: str | None = None  # why the hook stood down in this process
         self.serial = 0  # drafters wrapped in this process (names their proof units)
+        self.warned: str | None = None  # the untested release already named on stderr
 
 
 _state = _State()
-
-
-def active_scaling() -> QueryScaling | None:
-    """The scaling every wrapper applies now (None: the hook is off; wrappers pass through)."""
-    return _state.scaling
 
 
 def installed() -> bool:
@@ -82,13 +94,15 @@ def disabled() -> str | None:
     return _state.disabled
 
 
-def install(scaling: QueryScaling) -> None:
-    """Switch SharpDraft on for TensorRT-LLM drafters built from now on (idempotent;
-    calling again with another QueryScaling changes the scale the wrappers apply).
+def drafter_scaling(drafter) -> QueryScaling | None:
+    """The QueryScaling a wrapped drafter applies (None: not wrapped, or the hook is off)."""
+    return vars(drafter).get(SCALING) if installed() else None
+
+
+def install() -> None:
+    """Watch TensorRT-LLM's drafter modules (idempotent). Drafters built from now on whose
+    config carries SharpDraft's parameters are scaled with those; others are untouched.
     Never raises for the installation it finds: see `disabled()`."""
-    if not isinstance(scaling, QueryScaling):
-        raise TypeError(f"install() takes a QueryScaling, got {type(scaling).__name__}")
-    _state.scaling = scaling
     _state.disabled = None
     if _state.finder is None:
         _state.finder = _Finder()
@@ -100,8 +114,9 @@ def install(scaling: QueryScaling) -> None:
 
 
 def uninstall() -> None:
-    """Undo everything install did: the import hook, the patched constructors, and the
-    wrappers on drafter instances built meanwhile (idempotent)."""
+    """Undo what install did to Python objects: the import hook, the patched constructors,
+    the wrappers on drafter instances built meanwhile (idempotent). A CUDA graph captured
+    before this call keeps the scaled kernels it recorded: restart the engine to drop them."""
     if _state.finder is not None and _state.finder in sys.meta_path:
         sys.meta_path.remove(_state.finder)
     _state.finder = None
@@ -111,23 +126,32 @@ def uninstall() -> None:
     for instance in list(_state.instances):
         _restore(instance)
     _state.instances = weakref.WeakSet()
-    _state.scaling = None
     _state.version = None
     _state.disabled = None
 
 
 # --- the version guard --------------------------------------------------------------------
 
-def check_version(version: str | None) -> str:
-    """version if it is in the tested range; TrtllmHookError (one line) otherwise."""
-    rng = versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)
+def check_version(version: str | None, warn: bool = True) -> str:
+    """version if the hook may run on it: at least pins.MIN_VERSION (older releases lack
+    the drafters); newer than the tested range is allowed (with `warn`, one line on stderr
+    says so): whether it works is decided by the pinned names being present, not by its
+    number. TrtllmHookError (one line) otherwise."""
     if version is None:
         raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's hook "
-                              f"was checked against {rng} only")
-    if not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION):
-        raise TrtllmHookError(f"TensorRT-LLM {version} is outside the releases SharpDraft's hook was "
-                              f"checked against ({rng}); its names (DFlashForCausalLM.__init__, "
-                              "Attention.apply_rope, ...) are pinned in plugins/trtllm/pins.py")
+                              "cannot tell which release it is in")
+    try:
+        older = versions.parse(version) < versions.parse(pins.MIN_VERSION)
+    except ValueError:
+        raise TrtllmHookError(f"TensorRT-LLM's version {version!r} is not a version number") from None
+    if older:
+        raise TrtllmHookError(f"TensorRT-LLM {version} is older than {pins.MIN_VERSION}, the first release "
+                              "with the drafters SharpDraft's hook wraps")
+    if warn and not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION) and _state.warned != version:
+        _state.warned = version
+        sys.stderr.write(f"sharpdraft: TensorRT-LLM {version} is newer than the releases the hook was "
+                         f"tested on ({versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}): "
+                         "untested, accepted because every pinned name is present\n")
     return version
 
 
@@ -138,7 +162,9 @@ def _version() -> str:
             _state.version = str(module.__version__)
         except (ImportError, AttributeError):
             _state.version = None
-    return check_version(_state.version)
+    # a stock run on an untested release hears nothing from us; the line comes with the
+    # first SharpDraft drafter (prepare_drafter)
+    return check_version(_state.version, warn=False)
 
 
 def _missing(what: str) -> TrtllmHookError:
@@ -161,12 +187,8 @@ def _disable(reason: str) -> None:
     first = reason.splitlines()[0] if reason else "?"
     if _state.disabled is None:
         sys.stderr.write(f"sharpdraft: hook disabled in this process: {first}\n")
-        proof.record("disabled", drafter=None, reason=first, scaling=_scaling_dict())
+        proof.record("disabled", drafter=None, reason=first)
     _state.disabled = first
-
-
-def _scaling_dict():
-    return _state.scaling.to_dict() if _state.scaling is not None else None
 
 
 # --- patching on import -------------------------------------------------------------------
@@ -190,6 +212,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    _sharpdraft_hook = True  # HOOK_MARK: autoload's lazy finder sees the hook is already here
+
     def find_spec(self, fullname, path, target=None):
         if fullname not in pins.WATCHED:
             return None
@@ -239,21 +263,46 @@ def _patch_module(module) -> None:
         _state.classes[key] = (cls, original)
 
 
+def draft_config_of(args, kwargs):
+    """The ModelConfig a drafter constructor was called with: its first positional argument
+    or `draft_config=` / `model_config=` (pins.SOURCES["draft_config"], ["modeling_dflash"])."""
+    for name in pins.DRAFT_CONFIG_ARGUMENTS:
+        if name in kwargs:
+            return kwargs[name]
+    return args[0] if args else None
+
+
+def sharpdraft_parameters(draft_config) -> dict | None:
+    """The SharpDraft parameters the drafter's own config.json carries (its
+    `pretrained_config.sharpdraft`), or None for a stock drafter."""
+    pretrained = getattr(draft_config, pins.PRETRAINED_CONFIG, None)
+    value = getattr(pretrained, pins.SHARPDRAFT_KEY, None)
+    if value is None and isinstance(pretrained, dict):
+        value = pretrained.get(pins.SHARPDRAFT_KEY)
+    return value
+
+
 def _after_init(original, family: str):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         outer = type(self).__init__
-        if _state.scaling is None or (outer is not __init__ and hasattr(outer, FAMILY)):
-            return  # hook off, or a patched subclass's constructor (running around us) reports
+        if not installed() or (outer is not __init__ and hasattr(outer, FAMILY)):
+            return  # hook off, or a patched subclass's constructor (running around us) decides
+        draft_config = draft_config_of(args, kwargs)
+        parameters = sharpdraft_parameters(draft_config)
+        if parameters is None:
+            return  # a stock drafter: never scaled, leaves no record
         try:
-            prepare_drafter(self, family)
-        except (TrtllmHookError, TypeError, ValueError) as exc:  # never raise out of TensorRT-LLM's
-            # model construction: a kernel whose signature cannot be read, a name we cannot vouch for
+            scaling = QueryScaling.from_dict(dict(parameters))
+            prepare_drafter(self, family, scaling, draft_config)
+        except (TrtllmHookError, TypeError, ValueError, KeyError) as exc:
+            # never raise out of TensorRT-LLM's model construction: recorded, and our
+            # launchers refuse from the record
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             sys.stderr.write(f"sharpdraft: {type(self).__name__} runs WITHOUT SharpDraft: {reason}\n")
             proof.record("refused", drafter=type(self).__name__, family=family, reason=reason,
-                         scaling=_scaling_dict())
+                         scaling=parameters if isinstance(parameters, dict) else None)
 
     setattr(__init__, FAMILY, family)
     return __init__
@@ -261,82 +310,145 @@ def _after_init(original, family: str):
 
 # --- drafter instances --------------------------------------------------------------------
 
-def prepare_drafter(drafter, family: str) -> None:
-    """Wrap what this drafter instance calls (idempotent) and record the proof. Raises
-    TrtllmHookError (one line) where it cannot: a missing name, an MLA or unknown drafter,
-    a configuration whose key count cannot be derived exactly."""
+def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=None) -> None:
+    """Wrap what this drafter instance calls with `scaling` (idempotent), record one proof
+    'wrapped' record and write one startup line. Raises TrtllmHookError (one line) where it
+    cannot: a missing name, an MLA or unknown drafter, an unaudited attention backend or
+    subclass, a configuration whose key count cannot be derived exactly."""
     if ORIGINALS in vars(drafter):
         return
+    if not isinstance(scaling, QueryScaling):
+        raise TypeError(f"prepare_drafter takes a QueryScaling, got {type(scaling).__name__}")
     if family == "mla":
         raise TrtllmHookError(f"{type(drafter).__name__} uses MLA (latent) attention, whose query path "
-                              "SharpDraft does not wrap — run it without --sharpdraft")
+                              "SharpDraft does not wrap — build the drafter without --sharpdraft")
     if family == "unknown":
         raise TrtllmHookError(f"{type(drafter).__name__} is a drafter class SharpDraft's hook does not "
                               f"know (TensorRT-LLM {_state.version or '?'}; pinned: plugins/trtllm/pins.py)")
+    if _state.version is not None:
+        check_version(_state.version)  # one line on stderr, once, when the release is untested
     _state.serial += 1
     prefix = f"{type(drafter).__name__}#{_state.serial}"
     if family == "dflash":
-        originals, layers, units = _prepare_dflash(drafter, prefix)
+        originals, units = _prepare_dflash(drafter, prefix, scaling)
     else:
-        originals, layers, units = _prepare_attention(drafter, family, prefix)
+        originals, units = _prepare_attention(drafter, family, prefix, scaling, draft_config)
     vars(drafter)[ORIGINALS] = originals
+    vars(drafter)[SCALING] = scaling
     _state.instances.add(drafter)
-    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=layers, units=units,
-                 scaling=_scaling_dict(), version=_state.version)
+    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=len(units), units=units,
+                 scaling=scaling.to_dict(), version=_state.version)
+    sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {os.getpid()}: "
+                     f"{type(drafter).__name__} ({family}), {len(units)} layer(s) wrapped, "
+                     f"{scaling.describe()}\n")
 
 
-def _scaling_now():
-    return _state.scaling
+def _getter(scaling: QueryScaling):
+    """What a wrapper asks for its scale: this drafter's parameters while the hook is
+    installed, None (pass through) once it is uninstalled."""
+    return lambda: scaling if installed() else None
 
 
-def _prepare_dflash(drafter, prefix: str) -> tuple[dict, int, list[str]]:
-    """Wrap the DFlash drafter's kernel; its proof unit is the kernel (one per drafter: every
-    draft layer calls it)."""
+def _dflash_audit(drafter) -> None:
+    """A DFlash subclass is wrapped only when every method it overrides was read and found
+    outside the query path (pins.DFLASH_AUDITED_OVERRIDES: DFlashLagunaForCausalLM's gate,
+    feature norm and weight loading); refused otherwise."""
+    base = next((c for c in type(drafter).__mro__ if c.__name__ == pins.DFLASH_CLASS), None)
+    if base is None:
+        return
+    for cls in type(drafter).__mro__:
+        if cls is base:
+            break
+        extra = sorted(n for n, v in vars(cls).items() if callable(v) or isinstance(v, (staticmethod, classmethod))
+                       if n not in pins.DFLASH_AUDITED_OVERRIDES and not (n.startswith("__") and n != "__call__"))
+        if extra:
+            raise TrtllmHookError(f"{cls.__name__} overrides {', '.join(extra)} of {pins.DFLASH_CLASS}, which "
+                                  "may change the query path: not audited for SharpDraft — refused")
+
+
+class _LayerCounter:
+    """Which DFlash draft layer a kernel call belongs to: the block decode calls the kernel
+    once per draft layer, in order, within one drafter forward (modeling_dflash.py), so
+    the i-th call since the forward began is layer i. Host-side Python only: under CUDA
+    graphs it runs at capture, never at replay."""
+
+    def __init__(self, units: list[str]):
+        self.units = units
+        self.calls = 0
+
+    def reset(self):
+        self.calls = 0
+
+    def next_unit(self) -> str:
+        unit = self.units[self.calls % len(self.units)]
+        self.calls += 1
+        return unit
+
+
+def _counting_forward(forward, counter: _LayerCounter):
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        counter.reset()
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling) -> tuple[dict, list[str]]:
+    """Wrap the DFlash drafter's kernel; one proof unit per draft layer."""
     name = type(drafter).__name__
+    _dflash_audit(drafter)
     backend = getattr(drafter, pins.DFLASH_BACKEND_ATTRIBUTE, None)
-    layers = len(getattr(getattr(drafter, "model", None), "layers", None) or ())
+    layers = len(getattr(getattr(drafter, "model", None), "layers", None) or ()) or 1
+    units = [f"{prefix}.layers.{i}" for i in range(layers)]
+    counter = _LayerCounter(units)
+    get = _getter(scaling)
+    originals = {pins.DRAFTER_FORWARD: None}
     if backend is None:
         forward = getattr(drafter, pins.DFLASH_FORWARD, None)
         if forward is None:
             raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE} or {name}.{pins.DFLASH_FORWARD}")
-        unit = f"{prefix}.{pins.FLASH_ATTN_KERNEL}"
-        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, unit)  # older layout
-        return {pins.DFLASH_FORWARD: None}, layers, [unit]
-    attribute = pins.DFLASH_KERNELS.get(backend)
-    if attribute is None:
-        raise TrtllmHookError(f"TensorRT-LLM {_state.version or '?'}: DFlash attention_backend "
-                              f"{backend!r} has no SharpDraft wrapper (known: "
-                              f"{', '.join(pins.DFLASH_KERNELS)})")
-    kernel = vars(drafter).get(attribute)
-    if kernel is None:
-        raise _missing(f"{name}.{attribute} (the {backend} attention kernel)")
-    unit = f"{prefix}.{attribute}"
-    try:
-        wrapped = _wrap_dflash_kernel(backend, kernel, name, attribute, unit)
-    except TypeError as exc:  # a kernel whose signature cannot be read: refused, one line
-        raise TrtllmHookError(str(exc).splitlines()[0]) from None
-    setattr(drafter, attribute, wrapped)
-    return {attribute: kernel}, layers, [unit]
+        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, get, counter)  # older layout
+        originals[pins.DFLASH_FORWARD] = None
+    else:
+        attribute = pins.DFLASH_KERNELS.get(backend)
+        if attribute is None:
+            raise TrtllmHookError(f"TensorRT-LLM {_state.version or '?'}: DFlash attention_backend "
+                                  f"{backend!r} has no SharpDraft wrapper (known: "
+                                  f"{', '.join(pins.DFLASH_KERNELS)})")
+        kernel = vars(drafter).get(attribute)
+        if kernel is None:
+            raise _missing(f"{name}.{attribute} (the {backend} attention kernel)")
+        try:
+            wrapped = _wrap_dflash_kernel(backend, kernel, name, attribute, get, counter)
+        except TypeError as exc:  # a kernel whose signature cannot be read: refused, one line
+            raise TrtllmHookError(str(exc).splitlines()[0]) from None
+        setattr(drafter, attribute, wrapped)
+        originals[attribute] = kernel
+    forward = getattr(drafter, pins.DRAFTER_FORWARD, None)
+    if forward is not None:
+        vars(drafter)[pins.DRAFTER_FORWARD] = _counting_forward(forward, counter)
+    return originals, units
 
 
-def _wrap_dflash_kernel(backend, kernel, name, attribute, unit):
+def _wrap_dflash_kernel(backend, kernel, name, attribute, get, counter):
+    unit = counter.next_unit
     if backend == "VANILLA":
-        wrapped = wrap_flash_attn_with_kvcache(kernel, _scaling_now, unit)
+        wrapped = wrap_flash_attn_with_kvcache(kernel, get, unit)
     elif backend == "FA4":
-        wrapped = wrap_fa4_fwd(kernel, _scaling_now, unit)
+        wrapped = wrap_fa4_fwd(kernel, get, unit)
     else:  # TRTLLM: a frozen dataclass of flashinfer ops; wrap the two attention calls
         if not dataclasses.is_dataclass(kernel) or not all(
                 hasattr(kernel, field) for field in pins.TRTLLM_GEN_FIELDS):
             raise _missing(f"{name}.{attribute}.{' / '.join(pins.TRTLLM_GEN_FIELDS)}")
         wrapped = dataclasses.replace(kernel, **{
-            pins.TRTLLM_GEN_FIELDS[0]: wrap_trtllm_gen_decode(getattr(kernel, pins.TRTLLM_GEN_FIELDS[0]),
-                                                              _scaling_now, unit),
-            pins.TRTLLM_GEN_FIELDS[1]: wrap_trtllm_gen_context(getattr(kernel, pins.TRTLLM_GEN_FIELDS[1]),
-                                                               _scaling_now, unit)})
+            pins.TRTLLM_GEN_FIELDS[0]: wrap_trtllm_gen_decode(getattr(kernel, pins.TRTLLM_GEN_FIELDS[0]), get, unit),
+            pins.TRTLLM_GEN_FIELDS[1]: wrap_trtllm_gen_context(getattr(kernel, pins.TRTLLM_GEN_FIELDS[1]), get,
+                                                               unit)})
     return wrapped
 
 
-def _with_wrapped_flash_attn(dflash_forward, unit: str):
+def _with_wrapped_flash_attn(dflash_forward, get, counter):
     """The older DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
     call time: for the duration of this drafter's call, the module attribute it imports is
     our wrapper (the target never calls flash_attn directly; one model forward at a time)."""
@@ -348,8 +460,9 @@ def _with_wrapped_flash_attn(dflash_forward, unit: str):
         original = getattr(module, pins.FLASH_ATTN_KERNEL)
         if original not in cache:
             cache.clear()
-            cache[original] = wrap_flash_attn_with_kvcache(original, _scaling_now, unit)
+            cache[original] = wrap_flash_attn_with_kvcache(original, get, counter.next_unit)
         setattr(module, pins.FLASH_ATTN_KERNEL, cache[original])
+        counter.reset()
         try:
             return dflash_forward(*args, **kwargs)
         finally:
@@ -381,8 +494,14 @@ def _unaudited_override(layer, base):
     return None
 
 
-def _prepare_attention(drafter, family: str, prefix: str) -> tuple[dict, int, list[str]]:
+def _prepare_attention(drafter, family: str, prefix: str, scaling: QueryScaling,
+                       draft_config=None) -> tuple[dict, list[str]]:
     name = type(drafter).__name__
+    backend = getattr(draft_config, pins.ATTN_BACKEND_FIELD, None) or pins.AUDITED_ATTN_BACKENDS[0]
+    if str(backend).upper() not in pins.AUDITED_ATTN_BACKENDS:
+        raise TrtllmHookError(f"{name} runs on attn_backend {backend!r}: SharpDraft counts visible keys from "
+                              f"the {', '.join(pins.AUDITED_ATTN_BACKENDS)} backend's metadata only (FLASHINFER "
+                              "drafts on a separate draft view) — refused")
     cls = attention_class()
     mla = tuple({getattr(sys.modules.get(m), pins.MLA_CLASS, None) for m in pins.MLA_MODULES} - {None})
     if getattr(drafter, "_use_mla", False) or (mla and any(isinstance(m, mla) for m in drafter.modules())):
@@ -419,13 +538,14 @@ def _prepare_attention(drafter, family: str, prefix: str) -> tuple[dict, int, li
         # Instance attributes shadow the class's methods for this layer only.
         vars(layer)[pins.ATTENTION_FORWARD] = wrap_forward(getattr(layer, pins.ATTENTION_FORWARD), layer)
         vars(layer)[pins.ATTENTION_METHOD] = wrap_apply_rope(getattr(layer, pins.ATTENTION_METHOD),
-                                                             _scaling_now, int(layer.q_size), layer, unit)
+                                                             _getter(scaling), int(layer.q_size), layer, unit)
         _state.instances.add(layer)
         vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None, pins.ATTENTION_FORWARD: None}
-    return {}, len(layers), units
+    return {}, units
 
 
 def _restore(instance) -> None:
+    vars(instance).pop(SCALING, None)
     originals = vars(instance).pop(ORIGINALS, None)
     for attribute, original in (originals or {}).items():
         if original is None:

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from plugins.scaling import QueryScaling
-from plugins.trtllm import proof
+from ..scaling import QueryScaling
+from . import proof
 
 __all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode",
            "wrap_trtllm_gen_context", "wrap_fa4_fwd", "WRAPPED"]
@@ -35,8 +35,10 @@ WRAPPED = "__sharpdraft_wraps__"
 
 
 def _active(scaling) -> QueryScaling | None:
-    # A wrapper holds either a fixed QueryScaling or a getter (the hook's switch), so an
-    # uninstalled hook turns every wrapper it left behind into a plain pass-through.
+    # A wrapper holds either a fixed QueryScaling or a getter (the drafter's own parameters
+    # while the hook is installed), so an uninstalled hook turns every wrapper it left
+    # behind into a plain pass-through -- in Python: a CUDA graph captured through the
+    # wrapper keeps replaying the scaled kernels it recorded.
     return scaling() if callable(scaling) else scaling
 
 
@@ -112,8 +114,8 @@ def _wrap(kernel: Callable, scaling, name: str, rescale, unit: str | None = None
             return kernel(*args, **kwargs)
         bound = bind(args, kwargs)
         rescale(bound.arguments, active)
-        if unit is not None:
-            proof.ran(unit)  # host-side bookkeeping only (a dict; a file the first time)
+        if unit is not None:  # host-side bookkeeping only (a dict; a file the first time)
+            proof.ran(unit() if callable(unit) else unit)  # a callable: the layer this call serves
         return kernel(*bound.args, **bound.kwargs)
 
     setattr(wrapper, WRAPPED, kernel)

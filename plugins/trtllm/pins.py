@@ -3,11 +3,13 @@
 TensorRT-LLM cannot be installed or imported on our machines, so each name below was read
 from its source (GitHub NVIDIA/TensorRT-LLM; the commit of the stored copy we read) or,
 for LLM-API field names, from the API reference generated from `llmapi/llm_args.py` for
-the pinned release. Our launchers refuse SharpDraft, in one line and before TensorRT-LLM
-builds anything, on a release outside MIN_VERSION..MAX_VERSION; inside TensorRT-LLM's own
-import the hook never raises: a version outside the range or a missing PATCH_POINT
-disables it and records why (plugins/trtllm/proof.py), which the launcher's proof check
-then reports. The configuration writers (runtime/trtllm.py) emit only LLM_API_FIELDS.
+the pinned release. Compatibility is judged by these names, not by a version ceiling: our
+launchers read the installed source files (plugins/trtllm/structure.py) and refuse, in one
+line naming what moved, a release that lacks one, accept a newer release that has them all
+(one line on stderr names it untested), and refuse releases older than MIN_VERSION. Inside
+TensorRT-LLM's own import the hook never raises: a missing PATCH_POINT disables it and
+records why (plugins/trtllm/proof.py), which the launcher's proof check then reports. The
+configuration writers (plugins/trtllm/config.py) emit only LLM_API_FIELDS.
 
 To support another release: read the same files at its tag, update the names and
 commits here, widen the range, and run `python -m plugins.trtllm check` on a machine
@@ -37,7 +39,10 @@ import dataclasses
 # re-checks every name at install time instead of trusting this list blindly.
 PINNED = "1.4.0rc1"
 # The tested range, compared as versions (plugins/trtllm/versions.py): 1.4.0rc1.post1,
-# 1.4.0rc2+cu130 and 1.4.0rc4 are in it; 1.3.0rc27 and 1.4.0 are not.
+# 1.4.0rc2+cu130 and 1.4.0rc4 are in it; 1.3.0rc27 and 1.4.0 are not. Not a ceiling: a
+# newer release is accepted, with one line on stderr naming it untested, when every name
+# below is present (the hook checks the loaded modules; our launchers check the installed
+# source files first, plugins/trtllm/structure.py); older than MIN_VERSION is refused.
 MIN_VERSION = PINNED
 MAX_VERSION = "1.4.0rc4"
 VERSIONS = (MIN_VERSION, MAX_VERSION)  # the two ends, for messages
@@ -61,6 +66,42 @@ SOURCES = {
         "(+ _dflash_paged_append) by dflash_attention_backend; the others None); newer layout "
         "(imports ..attention.rotary_embedding); per-layer sliding windows (use_swa) are passed to "
         "the kernel as window_size. Same names in the earlier copy @ 009d8fa4"),
+    "modeling_dflash_laguna": Source(
+        "tensorrt_llm/_torch/models/modeling_dflash.py", "7c7504c08f1f4e389e0e4312ef947f72a87cbcfb",
+        "DFlashLagunaForCausalLM(DFlashForCausalLM) overrides only __init__ (sets "
+        "pretrained_config.architectures, _context_input_layernorm, _sliding_layers_causal -- the "
+        "latter reaches the kernel as its causal argument, which the wrapper reads), _normalize_config, "
+        "load_weights, project_target_hidden (target features) and _post_attention_gate (after "
+        "attention); _build_dflash_draft(model_config, draft_config, ...) registered for DFLASH picks "
+        "it when an architecture name holds 'Laguna', else DFlashForCausalLM(draft_config, "
+        "dflash_attention_backend=spec_config.attention_backend)"),
+    "draft_config": Source(
+        "tensorrt_llm/_torch/models/modeling_speculative.py",
+        "(stored copy of 80,662 characters with the registry-based get_draft_model; the store does "
+        "not show its commit)",
+        "SpecDecOneEngineForCausalLM.__init__: draft_config = ModelConfig.from_pretrained("
+        "spec_config.speculative_model, attn_backend=model_config.attn_backend, mapping=..., ...) "
+        "(external drafters: external_drafter_config_kwargs, the same attn_backend); get_draft_model "
+        "-> the mode's registered builder: Eagle3ForCausalLM(draft_config, num_hidden_layers), "
+        "PARDForCausalLM(draft_config), DFlash: modeling_dflash._build_dflash_draft"),
+    "model_config": Source(
+        "tensorrt_llm/_torch/pyexecutor/config_utils.py",
+        "(stored copy with load_pretrained_config and _CONFIG_REGISTRY {deepseek_v32, kimi_k2, "
+        "glm_moe_dsa, laguna}; the store does not show its commit)",
+        "load_pretrained_config(dir): transformers.PretrainedConfig.get_config_dict, then the "
+        "registered config class or transformers.AutoConfig.from_pretrained -- keys a config class "
+        "does not know become attributes of pretrained_config; an unknown model_type raises there"),
+    "attention_flashinfer": Source(
+        "tensorrt_llm/_torch/attention/backends/flashinfer.py", "9eabd2dfcf9bdf76301406e5f9461b6c1abd1951",
+        "FlashInferAttentionMetadata: the drafter runs on a draft-metadata view (_sync_draft_view) "
+        "whose lengths are _draft_kv_runtime_lens; kv_lens_cuda is aliased only for the separate-KV "
+        "view -- so the count the TRTLLM metadata gives is not the draft view's: refused"),
+    "spec_dec_slots": Source(
+        "tensorrt_llm/_torch/attention/backends/interface.py",
+        "(stored copy whose update_spec_dec_param takes num_contexts; the store does not show its commit)",
+        "update_spec_dec_param(..., num_contexts): 'num_contexts is the number of context (prefill) "
+        "requests in the mixed batch, occupying the leading rows of slot-storage buffers. Backends "
+        "that consume gen-only slots (e.g. dynamic tree) must skip these rows'"),
     "modeling_dflash_fa4": Source(
         "tensorrt_llm/_torch/models/modeling_dflash.py", "(stored copy with FA4; the store does not show its commit)",
         "FA4 path: fa4_fwd(Q_bshd, k_pages, v_pages, seqused_k=ctx+block, page_table, "
@@ -121,7 +162,7 @@ SOURCES = {
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
         "env={only TRTLLM*/TLLM* variables} + env_overrides) (older copies: no env=): so "
-        "TRTLLM_SHARPDRAFT_LAUNCH reaches the workers; workers run worker_main; their COMM_WORLD is "
+        "TRTLLM_SHARPDRAFT_PROOF reaches the workers (applied after site ran); workers run worker_main; their COMM_WORLD is "
         "the spawned world (_worker_identity_barrier), whose rank TensorRT-LLM's mpi_rank() reads"),
     "executor": Source(
         "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
@@ -189,6 +230,8 @@ PATCH_POINTS = (
     PatchPoint(SPECULATIVE_MODULE, "Eagle3ForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE,
                "eagle3"),
     PatchPoint(SPECULATIVE_MODULE, "PARDForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE, "pard"),
+    PatchPoint(DFLASH_MODULE, "DFlashLagunaForCausalLM.__init__", "modeling_dflash_laguna",
+               "wrapped like DFlash when it overrides only DFLASH_AUDITED_OVERRIDES", "dflash", required=False),
     PatchPoint(SPECULATIVE_MODULE, "DFlashForCausalLM.__init__", "modeling_speculative_dflash",
                "wrapped: dflash_forward's flash_attn_with_kvcache (older layout)", "dflash", required=False),
     PatchPoint(SPECULATIVE_MODULE, "MistralLarge3EagleForCausalLM.__init__", "modeling_speculative",
@@ -216,11 +259,30 @@ METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "seq_lens_cuda": 
             "num_contexts": "num_contexts",
             "num_seqs": "num_seqs", "num_tokens": "num_tokens", "num_ctx_tokens": "num_ctx_tokens",
             "use_spec": "use_spec_decoding",
-            "offsets": "spec_decoding_position_offsets"}
+            "offsets": "spec_decoding_position_offsets",
+            "stride": "position_offsets_stride"}  # entries per slot of a dynamic tree's 1-D offsets
 # Where a count cannot be derived exactly from those: refused, at launch or when built.
 CHUNK_ATTRIBUTE = "attention_chunk_size"  # Attention.__init__ (Llama-4 chunked attention)
 DRAFTER_MODEL_CONFIG = "model_config"
 SPARSE_ATTENTION = "sparse_attention_config"  # KV compression / sparse attention (RocketKV, DSA, ...)
+
+# The drafter's own config (SOURCES["draft_config"], ["model_config"]): the constructor's
+# first argument (or these keywords) is a ModelConfig whose pretrained_config is the drafter
+# directory's config.json; SharpDraft's parameters ride in it under SHARPDRAFT_KEY.
+DRAFT_CONFIG_ARGUMENTS = ("draft_config", "model_config")
+PRETRAINED_CONFIG = "pretrained_config"
+SHARPDRAFT_KEY = "sharpdraft"
+# ModelConfig.attn_backend: the generic Attention path (EAGLE-3, PARD) is audited on the
+# TRTLLM backend's metadata only; FLASHINFER drafts on its own draft view
+# (SOURCES["attention_flashinfer"]) and VANILLA / others were not read: refused.
+ATTN_BACKEND_FIELD = "attn_backend"
+AUDITED_ATTN_BACKENDS = ("TRTLLM",)
+DRAFTER_FORWARD = "forward"
+# DFlash subclasses: methods a subclass may override and still be wrapped
+# (SOURCES["modeling_dflash_laguna"]); any other override is refused when built.
+DFLASH_CLASS = "DFlashForCausalLM"
+DFLASH_AUDITED_OVERRIDES = ("__init__", "_normalize_config", "load_weights", "project_target_hidden",
+                            "_post_attention_gate")
 
 # Names read from instances at wrap time (they exist only once a model is built).
 DFLASH_BACKEND_ATTRIBUTE = "dflash_attention_backend"
@@ -264,7 +326,7 @@ SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 # the stock llmapi model.yaml (SOURCES["llmapi_yaml"]).
 # Parallel sizes: trtllm-serve's options (every alias seen across releases) and the LLM-API
 # fields (SOURCES["serve"], llm_args). TP and PP run the drafter in MPI workers, reached by
-# the autoloader; CP splits a sequence's keys across ranks, so a rank's kv_lens is not the
+# the .pth lazy hook; CP splits a sequence's keys across ranks, so a rank's kv_lens is not the
 # count a query sees: refused.
 PARALLEL_FLAGS = {"tp": ("--tp_size", "--tensor_parallel_size"),
                   "pp": ("--pp_size", "--pipeline_parallel_size"),
@@ -278,7 +340,7 @@ SPECULATIVE_FIELDS = {
     "dflash": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                "target_layer_ids", "attention_backend"),
     # use_dynamic_tree needs dynamic_tree_max_topK beside it (TensorRT-LLM rejects it alone;
-    # runtime.trtllm.check_fields enforces the pair).
+    # plugins.trtllm.config.check_fields enforces the pair).
     "eagle3": ("decoding_type", "max_draft_len", "speculative_model",
                "eagle3_layers_to_capture", "use_dynamic_tree", "dynamic_tree_max_topK"),
     "pard": ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id"),

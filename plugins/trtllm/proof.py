@@ -1,25 +1,35 @@
 """Proof that SharpDraft was applied where TensorRT-LLM runs the drafter.
 
 The launcher (our generate / trtllm-serve / the Triton llmapi model) cannot see inside
-TensorRT-LLM's worker processes, so every process that builds a drafter with the hook
-installed writes small JSON records into the launch's *proof directory*:
+TensorRT-LLM's worker processes, so every process that builds a SharpDraft drafter writes
+small JSON records into the launch's *proof directory*:
 
-- `wrapped` when a drafter is built: its class, the wrapped units (one per attention layer
-  for EAGLE-3 / PARD, one per kernel for DFlash), the QueryScaling, the pid and the MPI
-  rank (TensorRT-LLM's own `mpi_rank()`: COMM_WORLD's rank, the spawned world's for pool
-  workers) — or `refused` / `disabled` where the hook could not apply beta, and why;
-- `ran` the first time each wrapped unit scales a query (`ran(unit)`; every wrapper also
-  counts its calls per unit, `calls()`): construction is not application, and a path that
-  bypasses our wrappers leaves its layer without this record.
+- `wrapped` when a drafter built from a SharpDraft drafter directory is wrapped: its
+  class, one unit per draft layer, the QueryScaling its config carries, the pid and the
+  MPI rank (TensorRT-LLM's `mpi_rank()`: COMM_WORLD's rank) -- or `refused` / `disabled`
+  where the hook could not apply beta, and why;
+- `ran`, per layer and per process, the first time that layer's scaled kernel is traced
+  or called (`ran(unit)`; calls are counted per unit, `calls()`).
 
-Once TensorRT-LLM has built the model the launcher reads the directory (`require`) and
-refuses in one line unless every rank of the world (distinct pids) wrapped a drafter with
-the requested scaling and nothing was refused; after warm-up or the first request
-(`require(..., ran=True)`) also unless every wrapped unit of every process ran scaled.
+What `ran` proves, and what it cannot. Eagerly, it is written on the layer's first scaled
+call. Under CUDA graphs (on by default) Python runs only while a graph is captured: the
+record then says the layer's query went through our wrapper when the graph was
+recorded, with beta's constants of that moment -- placement before capture. Replays run
+no Python, so nothing here can observe them, count them, or see a graph captured through
+another path; the scaled-call counters stop at capture. A captured graph keeps its scale
+even after `uninstall()`.
 
-The proof directory reaches workers through the activation file (autoload.py), or
-SHARPDRAFT_TRTLLM_PROOF in the environment where it is inherited; the process that
-installed the hook itself (single-process executor) reports the same way.
+The launcher reads the directory (`require`): it refuses in one line unless every rank
+that built a drafter wrapped it with the engine's QueryScaling and nothing was refused
+(with pipeline parallelism only the ranks that hold the drafter build one); with `ran`,
+also unless every wrapped layer of every process ran scaled. With CUDA graphs the
+warm-up captures the drafter and `ran` holds once the LLM is built; without them
+(`cuda_graph_config: null`) the warm-up is context-only, so the proof of running comes
+with the drafter's first generation step (the first request), not before.
+
+The proof directory reaches workers in TRTLLM_SHARPDRAFT_PROOF, read when a record is
+written (a drafter is built long after the worker started, so the variable that
+MpiPoolSession forwards to its workers is there by then).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from pathlib import Path
 __all__ = ["ProofError", "PROOF_ENV", "set_directory", "directory", "record", "read", "require",
            "summary", "ran", "calls", "rank"]
 
-PROOF_ENV = "SHARPDRAFT_TRTLLM_PROOF"
+PROOF_ENV = "TRTLLM_SHARPDRAFT_PROOF"  # TRTLLM_-prefixed: MpiPoolSession forwards it to workers
 _state = {"directory": None, "count": 0}
 _calls: dict[str, int] = {}  # unit -> scaled calls in this process
 
@@ -115,11 +125,12 @@ def read(where) -> list[dict]:
     return entries
 
 
-def require(where, scaling, world: int = 1, ran: bool = False) -> list[dict]:
-    """The 'wrapped' records for this launch; ProofError (one line) unless each of the
-    world's ranks (distinct pids) wrapped a drafter with `scaling` and nothing was refused
-    or disabled; with `ran` (after warm-up or the first request), also unless every unit
-    each process wrapped has run scaled at least once."""
+def require(where, scaling, world: int = 1, ran: bool = False, pipeline: int = 1) -> list[dict]:
+    """The 'wrapped' records for this launch; ProofError (one line) unless each rank that
+    holds a drafter wrapped it with `scaling` and nothing was refused or disabled: every
+    rank of the world, or with `pipeline` > 1 stages at least one (the drafter runs in the
+    last stage's epilogue; ranks of the other stages build none); with `ran`, also unless
+    every layer each process wrapped has run scaled at least once."""
     entries = read(where)
     wrapped = [e for e in entries if e["kind"] == "wrapped"]
     bad = [e for e in entries if e["kind"] in ("refused", "disabled")]
@@ -131,8 +142,8 @@ def require(where, scaling, world: int = 1, ran: bool = False) -> list[dict]:
                          f"{first.get('reason', '?')}")
     if not wrapped:
         raise ProofError(f"{head}: no proof in {where} (the hook never ran where TensorRT-LLM built the "
-                         "drafter; install the autoloader: python -m plugins.trtllm autoload install — "
-                         "docs/trtllm.md)")
+                         "drafter, or the drafter directory carries no SharpDraft parameters; install "
+                         "the autoloader: python -m plugins.trtllm autoload install — docs/trtllm.md)")
     expected = scaling.to_dict()
     other = [e for e in wrapped if e.get("scaling") != expected]
     if other:
@@ -141,11 +152,11 @@ def require(where, scaling, world: int = 1, ran: bool = False) -> list[dict]:
     pids_by_rank: dict[int, set] = {}
     for e in wrapped:
         pids_by_rank.setdefault(int(e.get("rank", 0)), set()).add(e["pid"])
-    missing = [r for r in range(int(world)) if r not in pids_by_rank]
     seen = ", ".join(f"rank {r} pid {', '.join(map(str, sorted(p)))}" for r, p in sorted(pids_by_rank.items()))
+    missing = [] if int(pipeline) > 1 else [r for r in range(int(world)) if r not in pids_by_rank]
     if missing:
         raise ProofError(f"{head} of rank(s) {', '.join(map(str, missing))} of {world} (wrapped: {seen}); a rank "
-                         "started before this launch's activation, or without the autoloader, runs unscaled")
+                         "without the autoloader runs unscaled")
     owners: dict[int, int] = {}
     for r, pids in pids_by_rank.items():
         for pid in pids:
@@ -157,7 +168,7 @@ def require(where, scaling, world: int = 1, ran: bool = False) -> list[dict]:
         idle = [(e, u) for e in wrapped for u in e.get("units", ()) if (e["pid"], u) not in done]
         if idle:
             e, u = idle[0]
-            raise ProofError(f"SharpDraft wrapped {len(idle)} unit(s) that never ran scaled after warm-up "
+            raise ProofError(f"SharpDraft wrapped {len(idle)} layer(s) that never ran scaled "
                              f"(first: {u} in pid {e['pid']} rank {e.get('rank', 0)}): a path that bypasses "
                              "the wrappers runs that drafter unscaled")
     return wrapped

@@ -19,7 +19,9 @@ them out):
 - a generation request with speculative decoding: past = kv_len - gen_len keys plus the
   draft tokens the tree mask leaves visible, its ancestors and itself: depth + 1, with
   the depth TensorRT-LLM's own kernel uses (spec_decoding_position_offsets); a chain is
-  the tree whose depths are 0..gen_len-1;
+  the tree whose depths are 0..gen_len-1; a dynamic tree's depths (1-D, slot storage) are
+  read from slot num_contexts on, since context requests occupy the leading slots in a
+  mixed batch;
 - capped at attention_window_size when the call passes one;
 - rows of q past num_tokens get N = 1 (nothing in the metadata describes them).
 Configurations whose count these cannot give exactly (chunked attention, KV compression)
@@ -46,8 +48,8 @@ from typing import Callable
 
 import torch
 
-from plugins.trtllm import pins, proof
-from plugins.trtllm.kernels import WRAPPED, _active, scale_rows
+from . import pins, proof
+from .kernels import WRAPPED, _active, scale_rows
 
 __all__ = ["wrap_apply_rope", "wrap_forward", "visible_counts", "CALL"]
 
@@ -95,8 +97,17 @@ def visible_counts(metadata, rows: int, device, window: int | None = None) -> to
             raise MetadataError(f"attention metadata's {pins.METADATA['offsets']} is on {offsets.device}, "
                                 f"the query on {device}")
         gen_rows = num_tokens - int(_field(metadata, "num_ctx_tokens") or 0)
+        gen_len = gen_rows // num_gens
         if offsets.dim() == 2:  # [gens, >= gen_len]: one row of depths per request
-            offsets = offsets[:num_gens, :gen_rows // num_gens]
+            offsets = offsets[:num_gens, :gen_len]
+        else:
+            # A dynamic tree's depths sit in slot storage whose leading num_contexts slots
+            # belong to the batch's context requests (pins.SOURCES["spec_dec_slots"]): the
+            # generation rows start at slot num_contexts, each slot `stride` entries wide.
+            stride = _field(metadata, "stride")
+            stride = int(stride) if isinstance(stride, int) and stride >= gen_len else gen_len
+            slots = num_contexts + num_gens
+            offsets = offsets[:slots * stride].reshape(slots, stride)[num_contexts:, :gen_len]
         gen_offsets = offsets.reshape(-1)[:gen_rows].to(torch.int64)
         depth = torch.cat((j[:num_tokens - gen_rows], gen_offsets))
     n = kv[seq] - q_lens[seq] + depth + 1

@@ -1,184 +1,27 @@
-"""`python -m runtime trtllm-serve --engine-dir DIR [-- trtllm-serve options]`: TensorRT-LLM's
-OpenAI-compatible server for a trtllm engine, with SharpDraft applied where the drafter runs.
-
-It writes the engine's LLM-API arguments (speculative_config included, and the parallel
-sizes you pass) to a YAML file, and hands over to trtllm-serve's own entry point (console
-script `trtllm-serve` = tensorrt_llm.commands.serve:main) as `trtllm-serve MODEL --config
-FILE [options]`. With SharpDraft (runtime.trtllm.Launch, docs/trtllm.md):
-- before TensorRT-LLM builds anything: the version guard, the refusals of configurations
-  whose key count is not exact, and the hook's reach: one GPU keeps the executor in this
-  process (TLLM_WORKER_USE_SINGLE_PROCESS=1 unless you set it); tp/pp > 1 need the .pth
-  autoloader (`python -m plugins.trtllm autoload install`), which reads this launch's
-  activation file in every worker — no environment inheritance needed;
-- once trtllm-serve's launch_server has built the LLM, before it serves: the proof that a
-  drafter was wrapped where it runs, else one line and exit 1. The applied scaling is
-  printed (one JSON line on stderr, "sharpdraft_applied").
---dry-run prints the command, config and environment without TensorRT-LLM.
-"""
+"""`python -m runtime trtllm-serve --engine-dir DIR [-- trtllm-serve options]`: registered
+here, run by plugins/trtllm/serve.py (everything TensorRT-LLM lives in plugins/trtllm/);
+its refusals are usage errors of this command (one line, exit 2)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-import sys
-import tempfile
-from pathlib import Path
-
-from runtime.cli import UsageError, progress
-
 
 def add_parser(sub):
+    from plugins.trtllm.serve import add_arguments
+
     p = sub.add_parser("trtllm-serve", help="TensorRT-LLM's trtllm-serve for a trtllm engine, with "
                                             "SharpDraft's hook installed")
-    p.add_argument("--engine-dir", required=True)
-    p.add_argument("--no-sharpdraft", action="store_true", help="run the drafter frozen")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the trtllm-serve command, config and environment; run nothing")
-    p.add_argument("--debug", action="store_true")
-    p.add_argument("serve_args", nargs="*", metavar="-- OPTION",
-                   help="passed on to trtllm-serve (after --), e.g. -- --port 8000 --tp_size 2")
-
-
-def _positive_int(flag: str, value: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{flag} takes a positive integer, got {value!r}") from None
-    if number < 1:
-        raise UsageError(f"{flag} takes a positive integer, got {value!r}")
-    return number
-
-
-def parallel_sizes(serve_args: list[str]) -> dict:
-    """{tp|pp|cp: size} given on trtllm-serve's command line, every alias, `--flag N` or
-    `--flag=N`; a config file of the user's is refused (the engine's config is the one)."""
-    from plugins.trtllm import pins
-
-    aliases = {flag: key for key, flags in pins.PARALLEL_FLAGS.items() for flag in flags}
-    sizes, i = {}, 0
-    while i < len(serve_args):
-        arg = serve_args[i]
-        flag, eq, value = arg.partition("=")
-        if flag in pins.SERVE_CONFIG_FLAGS:
-            raise UsageError(f"{flag} is written by this command from the engine directory; pass "
-                             "trtllm-serve options, or use trtllm-serve directly (docs/trtllm.md)")
-        if flag in aliases:
-            if not eq:
-                if i + 1 >= len(serve_args):
-                    raise UsageError(f"{flag} needs a value")
-                value = serve_args[i + 1]
-                i += 1
-            sizes[aliases[flag]] = _positive_int(flag, value)
-        i += 1
-    return sizes
-
-
-def plan(engine_dir: Path, sharpdraft: bool, serve_args: list[str]) -> dict:
-    """What will run: trtllm-serve's argv (config path left to fill), config and environment."""
-    from plugins.trtllm import autoload, pins
-    from runtime import trtllm
-    from runtime.manifest import read_manifest
-
-    manifest = read_manifest(engine_dir)
-    if manifest.backend != "trtllm":
-        raise UsageError(f"{engine_dir} was built for backend {manifest.backend!r}; trtllm-serve runs "
-                         "engines built with build_engine.py --backend trtllm")
-    config = trtllm.llm_api_config(manifest)
-    # trtllm-serve lets the config file override its command line: the sizes asked for on
-    # the command line go into the file, or the file's tensor_parallel_size: 1 would win.
-    for key, size in parallel_sizes(serve_args).items():
-        config[pins.PARALLEL_FIELDS[key]] = size
-    model = config.pop("model")
-    scaling = manifest.query_scaling if sharpdraft else None
-    site = autoload.find_site()
-    sizes = trtllm.world_sizes(config)
-    world = sizes["tp"] * sizes["pp"] * sizes["cp"]
-    if scaling is not None:
-        trtllm.refuse_inexact(config, manifest.drafter, manifest.drafter_dir)
-        if world > 1 and site is None:
-            raise UsageError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
-                             "processes, which this process's hook does not reach — run `python -m "
-                             "plugins.trtllm autoload install` first (docs/trtllm.md)")
-    env = {}
-    if world == 1 and pins.SINGLE_PROCESS_ENV not in os.environ:
-        env[pins.SINGLE_PROCESS_ENV] = "1"
-    return {"argv": ["trtllm-serve", model, "--config", None, *serve_args], "config": config | {"model": model},
-            "env": env, "scaling": scaling, "autoload": site is not None, "world": world, "manifest": manifest}
-
-
-def autoload_installed() -> bool:
-    from plugins.trtllm import autoload
-
-    return autoload.find_site() is not None
-
-
-def checked_llm(llm_class, launch):
-    """trtllm-serve's LLM class, checked: once built, the proof, before anything serves."""
-    def build(*args, **kwargs):
-        llm = llm_class(*args, **kwargs)
-        try:
-            applied = launch.require()
-        except Exception:
-            llm.shutdown()
-            raise
-        sys.stderr.write(json.dumps({"sharpdraft_applied": applied}) + "\n")
-        return llm
-
-    return build
+    add_arguments(p)
 
 
 def run(args) -> int:
-    import importlib
+    from pathlib import Path
 
-    from plugins.trtllm import pins
-    from runtime import trtllm
+    from plugins.trtllm import serve
+    from plugins.trtllm.launch import LaunchError
+    from runtime.cli import UsageError, progress
+    from runtime.manifest import read_manifest
 
-    serve_args = [a for a in args.serve_args if a != "--"]
-    what = plan(Path(args.engine_dir), not args.no_sharpdraft, serve_args)
-    config = dict(what["config"])
-    config.pop("model")
-    if args.dry_run:
-        print(json.dumps({"command": shlex.join(a or "<config>" for a in what["argv"]), "env": what["env"],
-                          "config": config, "autoload_installed": what["autoload"], "world": what["world"],
-                          "sharpdraft": what["scaling"].to_dict() if what["scaling"] else None}))
-        return 0
-    trtllm.require_tensorrt_llm()
-    module_name, attribute = pins.SERVE_ENTRY
-    serve_module = importlib.import_module(module_name)
-    entry = getattr(serve_module, attribute, None)
-    if entry is None:
-        raise ImportError(f"TensorRT-LLM has no {module_name}.{attribute} (trtllm-serve's entry point)")
-    for key, value in what["env"].items():
-        os.environ.setdefault(key, value)
-    launch = None
-    if what["scaling"] is None:
-        trtllm.stand_down()  # frozen: no stale activation reaches its workers
-    else:
-        llm_module, llm_name = pins.SERVE_LLM
-        if not hasattr(serve_module, llm_name):  # without it the proof could not be checked: refuse
-            raise ImportError(f"TensorRT-LLM has no {llm_module}.{llm_name} (the LLM trtllm-serve builds), "
-                              "where SharpDraft checks its proof — run with --no-sharpdraft")
-        manifest = what["manifest"]
-        launch = trtllm.Launch(what["scaling"], what["config"], manifest.drafter, manifest.drafter_dir)
-        setattr(serve_module, llm_name, checked_llm(getattr(serve_module, llm_name), launch))
-    config_file = tempfile.NamedTemporaryFile("w", prefix="sharpdraft-trtllm-", suffix=".yaml", delete=False)
-    with config_file:
-        config_file.write(trtllm.to_yaml(config))
-    what["argv"][3] = config_file.name
-    progress(f"trtllm-serve {' '.join(what['argv'][1:])}"
-             + (f" (SharpDraft: ref_keys={what['scaling'].ref_keys})" if what["scaling"] else " (frozen)"))
-    sys.argv = what["argv"]
     try:
-        if hasattr(entry, "main"):  # a click command; our proof check's error propagates as is
-            import click
-
-            try:
-                return entry.main(args=what["argv"][1:], prog_name="trtllm-serve", standalone_mode=False) or 0
-            except click.ClickException as exc:  # its own usage errors, in its own words
-                exc.show()
-                return exc.exit_code
-        return entry() or 0
-    finally:
-        if launch is not None:
-            launch.close()
+        return serve.run(args, read_manifest(Path(args.engine_dir)), progress)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None

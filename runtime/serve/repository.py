@@ -138,7 +138,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
 # --- TensorRT-LLM (GPU hosts): the llmapi model with SharpDraft's hook -------------------
 
 TRTLLM_MODEL = "tensorrt_llm"  # the llmapi model's usual name in its repository
-TRTLLM_TEMPLATE = Path(__file__).with_name("trtllm_model.py")
+TRTLLM_TEMPLATE = REPO_ROOT / "plugins" / "trtllm" / "triton_model.py"  # copied as 1/model.py
 TRTLLM_SETTINGS = "sharpdraft.json"  # read by 1/model.py at import: scaling + checkout
 STOCK_DIR = "llmapi"  # 1/llmapi/{model.py,helpers.py}: TensorRT-LLM's own model, when copied in
 

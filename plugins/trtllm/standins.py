@@ -8,6 +8,9 @@ Setting REFERENCE["scaling"] makes every kernel multiply each row's logits by be
 number of keys its mask leaves visible (counted from the mask, with Python ints): the
 reference the SharpDraft wrappers must reproduce by scaling q alone. And `no_host_sync()`
 makes any read of a tensor's values on the host raise while the wrappers run.
+
+Shipped (not under tests/) because scripts/gpu_trtllm.py runs the same stand-ins on a GPU;
+nothing in the hook imports this module.
 """
 
 from __future__ import annotations
@@ -186,3 +189,49 @@ def reference(kernel, scaling, *args, **kwargs):
         return kernel(*args, **kwargs)
     finally:
         REFERENCE["scaling"] = None
+
+
+class Metadata:
+    """The AttentionMetadata fields the count reads (pins.METADATA), laid out as TensorRT-LLM
+    lays them out:
+    - `_torch/attention_backend/interface.py` @ 51ea5c96, `AttentionMetadata`: `seq_lens` is a
+      HOST tensor (the setter swaps in a new pinned CPU tensor each step, so a copy captured
+      in a CUDA graph reads a stale one) and `seq_lens_cuda` its device copy, updated in
+      place; `num_seqs` = seq_lens.shape[0] (a Python int);
+    - `_torch/attention_backend/trtllm.py`, `TrtllmAttentionMetadata`: `kv_lens_cuda` (cached +
+      new keys per sequence) on the device, edited in place by prepare() and the EAGLE-3 /
+      PARD workers;
+    - `_torch/modules/attention.py` @ 00547a25, `_adjust_position_ids_for_spec_dec`: context
+      requests first, then generation requests with spec_decoding_position_offsets (depths;
+      1-D for a dynamic tree).
+    `stale_host` fills the host seq_lens with values that are wrong for this step (as they are
+    inside a replayed graph); `device` is where the "_cuda" tensors live (CPU in CPU tests)."""
+
+    def __init__(self, seq_lens, kv_lens, num_contexts, offsets=None, use_spec=False, stale_host=False,
+                 device="cpu"):
+        import torch
+
+        host = [max(1, n // 2 + 3) for n in seq_lens] if stale_host else list(seq_lens)
+        self.seq_lens = torch.tensor(host, dtype=torch.int32)  # host: may be stale
+        self.seq_lens_cuda = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.kv_lens_cuda = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+        self.num_contexts = num_contexts
+        self.num_tokens = int(sum(seq_lens))
+        self.num_ctx_tokens = int(sum(seq_lens[:num_contexts]))
+        self.spec_decoding_position_offsets = (None if offsets is None
+                                               else torch.tensor(offsets, dtype=torch.int32, device=device))
+        self.use_spec_decoding = use_spec
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def cuda_graph(cls, max_batch_size: int, max_draft_tokens: int, kv_lens, device="cpu"):
+        """interface.py @ 51ea5c96 `create_cuda_graph_metadata` (decoder, not encode_only):
+        seq_lens = ones(max_batch_size) * (1 + max_draft_tokens), num_contexts = 0; the real
+        requests fill the first slots, padded dummy requests the rest (kv_lens for every slot,
+        dummies included). Chain drafts: depths 0..max_draft_tokens per request."""
+        gen = 1 + max_draft_tokens
+        return cls([gen] * max_batch_size, kv_lens, num_contexts=0,
+                   offsets=[list(range(gen))] * max_batch_size, use_spec=True, device=device)

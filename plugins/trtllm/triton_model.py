@@ -4,22 +4,24 @@ Copied into <repository>/<name>/1/model.py by `python -m runtime serve --backend
 TritonPythonModel below is the stock class with one change, around initialize():
 
 - before the stock initialize() imports TensorRT-LLM and builds `LLM(**model.yaml)`:
-  SharpDraft's launch (runtime.trtllm.Launch) — the version guard and the refusals in one
-  line, the hook in this (Triton stub) process, and, where the .pth autoloader is
-  installed, the activation file that reaches the LLM API's MPI worker, which builds the
-  drafter (stock LLM() spawns one even on one GPU unless TLLM_WORKER_USE_SINGLE_PROCESS
-  is set; this model sets it for one GPU unless you did);
+  SharpDraft's launch (plugins/trtllm/launch.py) -- the release and structure check, the
+  refusals in one line, the drafter directory's own SharpDraft parameters, the hook in this
+  (Triton stub) process. The LLM API's MPI worker, which builds the drafter, is reached by
+  the .pth lazy hook where it is installed (stock LLM() spawns one even on one GPU unless
+  TLLM_WORKER_USE_SINGLE_PROCESS is set; this model sets it for one GPU unless you did);
 - after it: the proof that a drafter was wrapped where it runs, else the model refuses to
-  load with one line ("SharpDraft was requested but no drafter was wrapped in the worker
-  processes: ..."). The applied scaling is logged and kept as `sharpdraft_applied`
+  load with one line. The applied scaling is logged and kept as `sharpdraft_applied`
   (written to sharpdraft_applied.json beside this file for clients and health checks).
 
-An engine built without --sharpdraft (frozen drafter) needs none of this. model.yaml
-beside this file is what the stock model passes to LLM(). The stock model is looked for
-in 1/llmapi/ (copied by --llmapi-model), then in $SHARPDRAFT_LLMAPI_MODEL (TensorRT-LLM's
-triton_backend/all_models/llmapi/tensorrt_llm or its 1/ folder).
+An engine built without --sharpdraft (frozen drafter) needs none of this: its model.yaml
+names the stock checkpoint, which no hook scales. Our code is loaded from the checkout
+under one private package name (nothing is put on sys.path); the stock model is looked
+for in 1/llmapi/ (copied by --llmapi-model), then in $SHARPDRAFT_LLMAPI_MODEL (TensorRT-LLM's
+triton_backend/all_models/llmapi/tensorrt_llm or its 1/ folder), and its `helpers` module
+is loaded from beside it.
 """
 
+import importlib
 import importlib.util
 import json
 import os
@@ -30,39 +32,45 @@ HERE = Path(__file__).resolve().parent
 STOCK_ENV = "SHARPDRAFT_LLMAPI_MODEL"
 SETTINGS = json.loads((HERE / "sharpdraft.json").read_text())
 APPLIED = "sharpdraft_applied.json"
+PRIVATE = "_sharpdraft_plugins"  # autoload.PRIVATE: the one name our code loads under here
 
 
-def _checkout():
-    root = str((HERE / SETTINGS["repo_root"]).resolve())
-    if root not in sys.path:
-        sys.path.append(root)  # appended: the server's own packages keep precedence
+def _load(name, path, package=False):
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[str(Path(path).parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plugins():
+    """This checkout's plugins/ package, loaded under PRIVATE."""
+    if PRIVATE not in sys.modules:
+        root = (HERE / SETTINGS["repo_root"]).resolve()
+        _load(PRIVATE, root / "plugins" / "__init__.py", package=True)
+    return importlib.import_module(PRIVATE + ".trtllm.launch")
 
 
 def _launch():
-    """runtime.trtllm.Launch for this model's engine, or None for a frozen engine."""
+    """The SharpDraft launch for this model's engine, or None for a frozen engine."""
     scaling = SETTINGS.get("query_scaling")
-    _checkout()
-    from runtime import trtllm
-
     if not scaling:  # an engine built without --sharpdraft: the drafter runs frozen
-        trtllm.stand_down()  # and no activation left by a dead launch reaches its workers
         return None
     import yaml
 
-    from plugins.scaling import QueryScaling
-    from runtime.manifest import read_manifest
-
+    launch = _plugins()
+    scaling_module = importlib.import_module(PRIVATE + ".scaling")
     config = yaml.safe_load((HERE / "model.yaml").read_text())
     config.pop("triton_config", None)
-    family = drafter_dir = None
-    engine_dir = SETTINGS.get("engine_dir")
-    if engine_dir and (Path(engine_dir) / "engine.json").is_file():
-        manifest = read_manifest(engine_dir)
-        family, drafter_dir = manifest.drafter, manifest.drafter_dir
-    launch = trtllm.Launch(QueryScaling.from_dict(scaling), config, family, drafter_dir)
-    for key, value in launch.env().items():
+    family = None
+    engine_json = Path(SETTINGS.get("engine_dir") or "") / "engine.json"
+    if engine_json.is_file():
+        family = json.loads(engine_json.read_text()).get("drafter")
+    result = launch.Launch(scaling_module.QueryScaling.from_dict(scaling), config, family)
+    for key, value in result.env().items():
         os.environ.setdefault(key, value)
-    return launch
+    return result
 
 
 def _stock_model():
@@ -74,12 +82,9 @@ def _stock_model():
     if path is None:
         raise ImportError(f"TensorRT-LLM's llmapi model.py was not found in {HERE / 'llmapi'} or "
                           f"${STOCK_ENV} — regenerate with --llmapi-model DIR or set {STOCK_ENV}")
-    sys.path.insert(0, str(path.parent))  # it imports `helpers` from beside itself
-    spec = importlib.util.spec_from_file_location("sharpdraft_llmapi_stock", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    if (path.parent / "helpers.py").is_file() and "helpers" not in sys.modules:
+        _load("helpers", path.parent / "helpers.py")  # it imports `helpers` from beside itself
+    return _load("sharpdraft_llmapi_stock", path)
 
 
 _stock = _stock_model()
