@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 RUNNING, PASSED, FAILED, NOT_RUN = "running", "passed", "failed", "not run"
+# set by section_main: only a section's own process exits on SIGTERM (not a test calling run())
+HANDLE_SIGTERM = False
 KILLED = "killed: SIGTERM (timeout)"
 
 
@@ -59,7 +61,8 @@ class SectionRecord:
                      "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      "command": command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
                      "device": device, "parts": {}}
-        signal.signal(signal.SIGTERM, self._terminated)
+        if HANDLE_SIGTERM:
+            signal.signal(signal.SIGTERM, self._terminated)
         self.save()
 
     def _terminated(self, signum, frame):
@@ -125,6 +128,8 @@ def section_main(section: str, run, argv=None, extra=None) -> int:
     if extra:
         extra(p)
     args = p.parse_args(argv)
+    global HANDLE_SIGTERM
+    HANDLE_SIGTERM = True
     if not args.out:
         print("error: no output folder: pass --out DIR or set OUT", file=sys.stderr)
         return 2
