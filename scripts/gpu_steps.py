@@ -152,18 +152,21 @@ def family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats,
     """Every (context, batch bucket) of one family in one mode, a row each, saved as it goes."""
     import torch
 
-    mode = ("cudagraph" if cuda else steps.backend) if compiled else "eager"
+    graph = ("cudagraph" if cuda else steps.backend) if compiled else "eager"
     for context in contexts:
         for batch in batches:
             try:
                 calls = family.rows(steps, batch, context, compiled)
             except Exception as exc:  # out of memory at this size, say: the row says why
-                rows.append({"family": name, "mode": mode, "context": context, "batch": batch,
+                rows.append({"family": name, "mode": f"{name} steps, {graph}, batch {batch}", "steps": graph,
+                             "context": context, "batch": batch,
                              "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"})
                 save()
                 continue
             for label, fn in calls:
-                row = {"family": name, "step": label, "mode": mode, "context": context, "batch": batch}
+                # mode: the row's label in `python -m runtime report`'s table
+                row = {"family": name, "step": label, "mode": f"{label}, {graph}, batch {batch}",
+                       "steps": graph, "context": context, "batch": batch}
                 try:
                     with torch.inference_mode():
                         fn()  # the graph made (and kernels warmed) before timing
@@ -173,7 +176,7 @@ def family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats,
                 except Exception as exc:  # a step that cannot be captured yet: the row says why
                     row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
                 rows.append(row)
-                log(f"{SECTION}: {label}, {mode}, batch {batch} at {context}: "
+                log(f"{SECTION}: {row['mode']} at {context}: "
                     + (row.get("error") or f"host {row['host_ms']} ms, GPU {row['gpu_ms']} ms"))
             del calls
             save()
@@ -197,7 +200,7 @@ def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
     modes = (False, True) if cuda else (False,)
     record = SectionRecord(out_dir, SECTION, smoke=smoke,
                            device=torch.cuda.get_device_name() if cuda else "cpu")
-    record.data.update(shape=shape, contexts=contexts, batch_buckets=batches, repeats=repeats)
+    record.data.update(shape=shape, contexts=contexts, batch_buckets=batches, repeats=repeats, rows=[])
     made = {}
 
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -217,17 +220,28 @@ def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
             # the feature layers a DFlash drafter of this shape reads (what the target step returns)
             layer_ids = made["dflash_shape"].config.target_layer_ids
             block = shape["block"]
-            rows = part.setdefault("rows", [])
+            rows = record.data["rows"]  # every family's, one table
+            before = len(rows)
             for compiled in modes:
                 steps = EngineSteps(target, layer_ids, (1, block + 1), "cudagraph" if compiled else "eager",
                                     drafter=drafter, context_bucket=block)
                 family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats, rows, record.save)
                 del steps
             del drafter
-            return not any("error" in r for r in rows)
+            part["rows"] = len(rows) - before
+            return not any("error" in r for r in rows[before:])
 
         record.part(f"family_{name}", measure)
+    record.data["goals"] = goals(record.data["rows"])
     return record.finish()
+
+
+def goals(rows: list[dict]) -> dict:
+    """The host-share goal (<= 0.1): host / GPU time of a batch-1 decode step replayed as a
+    CUDA graph, per context."""
+    return {f"host_share_decode_cudagraph_{r['context']}": r["host_share"] for r in rows
+            if r.get("step") == "target decode (1 token)" and r.get("steps") == "cudagraph"
+            and r.get("batch") == 1 and r.get("host_share") is not None}
 
 
 def main(argv=None) -> int:

@@ -127,7 +127,8 @@ def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(
     data = gpu_steps.run(tmp_path, smoke=True)
     assert data["status"] == "passed"
     saved = json.loads((tmp_path / "gpu_steps.json").read_text())
-    rows = [r for part in saved["parts"].values() for r in part.get("rows", [])]
+    rows = saved["rows"]
+    assert saved["parts"]["family_standin"]["rows"] == len(gpu_steps.SMOKE["contexts"]) * len(gpu_steps.SMOKE["batches"])
     contexts, batches = gpu_steps.SMOKE["contexts"], gpu_steps.SMOKE["batches"]
     for family, steps in (("target", 2), ("dflash", 1), ("standin", 1)):
         mine = [r for r in rows if r["family"] == family]
@@ -135,3 +136,6 @@ def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(
         assert {(r["context"], r["batch"]) for r in mine} == {(c, b) for c in contexts for b in batches}
         assert all(r["host_ms"] > 0 and "error" not in r for r in mine)
     assert [r["context"] for r in rows if r["family"] == "target"][0] == max(contexts)  # descending
+    row = {"step": "target decode (1 token)", "steps": "cudagraph", "batch": 1, "context": 32768,
+           "host_share": 0.05}
+    assert gpu_steps.goals([row, row | {"batch": 4}]) == {"host_share_decode_cudagraph_32768": 0.05}
