@@ -19,13 +19,17 @@ records its exit in DIR/gpu_check.json. Exit 1 when a section failed; without CU
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_check ...")
+
 import argparse
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path

@@ -36,12 +36,16 @@ than target-only; transformers' rows may fail (they say why).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_e2e ...")
+
 import functools
 import hashlib
 import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -22,13 +22,17 @@ Parts, each saved to OUT/gpu_kernel.json as it ends (correctness after every cas
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_kernel ...")
+
 import contextlib
 import importlib.util
 import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -19,8 +19,12 @@ the rehearsal run it without another edit.
 
 from __future__ import annotations
 
-import statistics
 import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_steps ...")
+
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable

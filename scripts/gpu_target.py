@@ -15,8 +15,12 @@ or converted.
 
 from __future__ import annotations
 
-import subprocess
 import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_target ...")
+
+import subprocess
 
 from scripts import gpu_travel
 from scripts.gpu_record import NotRun, SectionRecord, section_main
