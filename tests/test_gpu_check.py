@@ -155,3 +155,17 @@ def test_the_version_check_names_test_files_and_tests_that_exist():
         path = REPO / "tests" / file
         assert path.is_file(), file
         assert not test or f"def {test}(" in path.read_text(), test
+
+
+def test_the_rehearsal_names_the_first_broken_limit_and_exits_1(tmp_path, monkeypatch):
+    """A call whose command leaves nine files under $OUT (the tool returns eight) and no
+    summary: the rehearsal's last line names it, exit 1."""
+    fake = {"calls": [{"call": 1, "command": 'for i in 1 2 3 4 5 6 7 8 9; do echo {} > "$OUT/f$i.json"; done',
+                       "carry": [], "sections": [], "carry_bytes": 1, "timeout_s": 30}],
+            "estimate_s": 300, "problems": []}
+    monkeypatch.setattr(gpu_travel, "plan", lambda repo: fake)
+    lines = []
+    assert gpu_travel.rehearse(tmp_path, echo=lines.append) == 1
+    assert lines[-1] == ("rehearsal: 1 calls, estimated GPU machine time 300 s, files back 9, "
+                         "broken: call 1: 9 files (at most 8 come back)")
+    assert "broken: call 1 left no gpu_check.json" in lines
