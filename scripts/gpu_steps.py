@@ -152,19 +152,23 @@ def time_call(fn, cuda: bool, repeats: int) -> tuple[float, float | None]:
     return statistics.median(host), statistics.median(gpu) if gpu else None
 
 
-def family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats, rows, save):
-    """Every (context, batch bucket) of one family in one mode, a row each, saved as it goes."""
+def family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows, save):
+    """Every (context, batch bucket) of one family in one mode, a row each, saved as it goes.
+    The engine's steps are made afresh for each (context, batch): a captured graph keeps
+    its KV buffers alive, and the 32K, batch-4 buffers alone take ~39 GB."""
     import torch
 
-    graph = ("cudagraph" if cuda else steps.backend) if compiled else "eager"
+    graph = "cudagraph" if compiled and cuda else "eager"
     for context in contexts:
         for batch in batches:
+            steps = make_steps()
             try:
                 calls = family.rows(steps, batch, context, compiled)
             except Exception as exc:  # out of memory at this size, say: the row says why
                 rows.append({"family": name, "mode": f"{name} steps, {graph}, batch {batch}", "steps": graph,
                              "context": context, "batch": batch,
                              "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"})
+                del steps
                 save()
                 continue
             for label, fn in calls:
@@ -182,7 +186,7 @@ def family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats,
                 rows.append(row)
                 log(f"{SECTION}: {row['mode']} at {context}: "
                     + (row.get("error") or f"host {row['host_ms']} ms, GPU {row['gpu_ms']} ms"))
-            del calls
+            del calls, steps
             save()
             if cuda:
                 torch.cuda.empty_cache()
@@ -227,10 +231,12 @@ def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
             rows = record.data["rows"]  # every family's, one table
             before = len(rows)
             for compiled in modes:
-                steps = EngineSteps(target, layer_ids, (1, block + 1), "cudagraph" if compiled else "eager",
-                                    drafter=drafter, context_bucket=block)
-                family_rows(name, family, steps, compiled, contexts, batches, cuda, repeats, rows, record.save)
-                del steps
+                def make_steps(backend="cudagraph" if compiled else "eager"):
+                    return EngineSteps(target, layer_ids, (1, block + 1), backend, drafter=drafter,
+                                       context_bucket=block)
+
+                family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows,
+                            record.save)
             del drafter
             part["rows"] = len(rows) - before
             return not any("error" in r for r in rows[before:])
