@@ -19,7 +19,8 @@
 #   1. numpy 2.5.2, the machine's exact set: every test here that does not run the kernel
 #      under the interpreter (and the AOT compile for sm_90).
 #   2. numpy < 2.4 in the same venv: the interpreter's tests (the kernel, its bench, the
-#      rehearsal of the GPU run, whose gpu_kernel smoke runs the kernel interpreted).
+#      op's device paths, the rehearsal of the GPU run, whose gpu_kernel smoke runs the
+#      kernel interpreted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/sharpdraft-gpu-versions}
@@ -52,7 +53,7 @@ run_tests() {
 }
 versions
 # 1: the machine's exact set
-run_tests tests/test_compiled.py tests/test_capturable.py tests/test_attention.py \
+run_tests tests/test_compiled.py tests/test_capturable.py \
     tests/test_row_invariant.py tests/test_report_gpu.py tests/test_trtllm_kernels.py tests/test_cli.py \
     tests/test_gpu_e2e.py tests/test_gpu_travel.py tests/test_gpu_check.py \
     tests/test_tensorrt.py::test_aot_kernel_follows_tensorrt_launch_convention \
@@ -61,6 +62,6 @@ run_tests tests/test_compiled.py tests/test_capturable.py tests/test_attention.p
 # 2: the interpreter's tests, numpy below 2.4 (see above)
 "$PY" -m pip install --quiet 'numpy>=2.3,<2.4'
 versions
-run_tests tests/test_triton_kernel.py tests/test_bench_kernel.py \
+run_tests tests/test_triton_kernel.py tests/test_bench_kernel.py tests/test_attention.py \
     tests/test_gpu_check.py::test_rehearsal_runs_the_plans_calls_on_cpu_within_the_limits
 "$PY" -m pip install --quiet numpy==2.5.2  # the venv left as the machine has it

@@ -45,7 +45,6 @@ def test_our_rows_are_medians_of_three_timed_runs_checked_against_target_only(lo
         assert r["tok_s"] == sorted(r["runs_tok_s"])[1] and r["mal"] >= 1 and r["new_tokens"] == 8
         assert r["prompt_sha256"] == gpu_e2e.ids_digest(loaded["prompts"][r["context"]])
     assert all(r["lossless"] is True for r in rows if r["mode"] != "target")
-    assert any(r["mal"] > 1 for r in rows if r["mode"] != "target")  # drafts were accepted
 
 
 def test_a_missing_target_only_row_leaves_its_context_unchecked_and_a_differing_token_is_located(
