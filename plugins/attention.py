@@ -120,8 +120,10 @@ _library = None
 
 
 def register() -> None:
-    """Define the torch op `sharpdraft::attention` (idempotent). Called by
-    sharpdraft_attention on first use, so importing this module registers nothing.
+    """Define the torch op `sharpdraft::attention` (idempotent). Called once when this
+    module is imported, so the op exists before any compiled region can meet it: dynamo
+    refuses to trace `Library.__init__`, and a `torch.compile(fullgraph=True)` step that
+    was a process's first caller of a lazily registered op broke there.
 
     Defined through torch.library's Library, with the fake kernel and the autograd
     formula registered beside it: to torch.compile, torch.export and the ONNX exporter
@@ -168,7 +170,10 @@ def _backward(ctx, grad):
 
 def sharpdraft_attention(q, k, v, visible, scaling: QueryScaling | None = None, mask=None):
     """Attention over prefix-visible keys with SharpDraft's query scale (None: plain)."""
-    register()
     s = scaling or QueryScaling()
     return torch.ops.sharpdraft.attention(q, k, v, visible, mask, scaling is not None,
                                           s.ref_keys, s.top_k, s.slope, s.max_log_scale)
+
+
+# At import, not on first use: a compiled step may be the first caller (see register).
+register()

@@ -204,17 +204,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(out_dir, *, repeats: int = 50, smoke: bool = False, command: str | None = None) -> dict:
-    """Measure, write out_dir/bench_kernel.json and .png, return the report."""
+def run(out_dir, *, repeats: int = 50, smoke: bool = False, command: str | None = None,
+        shapes=None) -> dict:
+    """Measure, write out_dir/bench_kernel.json and .png, return the report. `shapes`:
+    (batch, q_len, kv_len) to measure instead of the full set (the GPU run's budget)."""
     import torch
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if smoke:
-        shapes, dtype, dims = SMOKE_SHAPES, (torch.float16 if cuda else torch.float32), (4, 2, 32)
+        shapes, dtype, dims = shapes or SMOKE_SHAPES, (torch.float16 if cuda else torch.float32), (4, 2, 32)
         repeats = min(repeats, 3)
     else:
-        shapes, dtype, dims = FULL_SHAPES, torch.bfloat16, (HEADS, KV_HEADS, HEAD_DIM)
+        shapes, dtype, dims = shapes or FULL_SHAPES, torch.bfloat16, (HEADS, KV_HEADS, HEAD_DIM)
     name = torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)"
     rows = measure(shapes, repeats, device, dtype, *dims)
     copy = round(copy_rate_gbps(device), 1) if cuda and not smoke else None

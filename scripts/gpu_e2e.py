@@ -1,70 +1,74 @@
 #!/usr/bin/env python3
-"""End-to-end decoding on a GPU (scripts/gpu_check.py's gpu_e2e section; run(out_dir) ->
-dict): the runtime's compiled torch path against HF transformers' own `generate` on the
-same GPU in the same run.
+"""GPU section `gpu_e2e`: decoding end to end on a GPU, the runtime's compiled torch path
+beside HF transformers' own `generate` on the same GPU in the same run.
 
-(a) The real default target (SmolLM2-135M-Instruct) and the shipped DFlash drafter: every
-    everyday mode (target-only, n-gram, frozen, SharpDraft, SharpDraft + n-gram, window +
-    n-gram) at 4K and 8K context, tok/s and MAL, beside transformers' `generate` (static
-    cache; prompt lookup for the n-gram peer).
-(b) A Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head dim 128, random
-    bf16 weights) with a DFlash-shaped drafter (5 layers, block 16): step costs only at
-    4K, 16K and 32K context (1-token step, 17-token verify, drafter block; host time, GPU
-    time, eager and CUDA-graph replay).
+The real default target (SmolLM2-135M-Instruct) and the shipped DFlash drafter: every
+everyday mode (target-only, n-gram, frozen, SharpDraft, SharpDraft + n-gram, window +
+n-gram) at 8K and 4K context (descending), tok/s and MAL, beside transformers' `generate`
+(one static cache, sized by the first and largest context, so it compiles once; prompt
+lookup for the n-gram peer). The Qwen3-8B-shaped step costs are section gpu_steps.
 
-    python scripts/gpu_e2e.py --out DIR [--target DIR] [--steps cudagraph|inductor]
+What makes a row a measurement:
+- tok_s is the median of at least 3 timed runs (after an untimed one that makes the
+  graphs); every run's figure is kept. Decode speed on both sides: the N - 1 tokens after
+  the prefill's first over the time after it (transformers: (N - 1) / (t(N) - t(1)),
+  each t a median of 3).
+- the prompt is tokenized once per context and the same ids are handed to both sides
+  (each row records their sha256).
+- transformers' rows record whether its static-cache step was compiled (its
+  `_compiled_call`, dynamo's graph count before and after) and its first call's time.
+- each drafting mode's greedy tokens are compared with target-only's at its context:
+  `lossless` is true, false (with `first_differing_index`) or "unchecked" where the
+  target-only row is missing -- never passed by default.
 
-The target of (a) is read from a transformers directory: --target, else
-engines/gpu/smollm2-135m-fp16 (scripts/convert_target.py writes it in fp16 shards of
---shard-mb, the first with the tokenizer and config: carried one per transfer, each beside
-the travelling tree within its limit), else the default GGUF where the `gguf` package
-imports; without any, (a) is "not run" with the reason (a missing shard is named).
+The target is read from a transformers directory: --target, else the one scripts/
+gpu_target.py converted (build.checkpoints.prepare_target, with the carried wheels on
+PYTHONPATH); without one the real-target part is "not run" with the reason. In smoke
+mode (SHARPDRAFT_SMOKE=1: the rehearsal, CPU) a tiny random pair (tests/tiny.py, loaded
+by path) runs every row through the same code at small contexts.
 
-Rows go to DIR/gpu_e2e.json (device, date, command; one row per measurement with mode,
-context, tok_s, mal; transformers' rows name it in their mode), rewritten after each part,
-so a run stopped at its limit keeps what it measured. tok_s is decode speed on both sides:
-the N - 1 tokens after the prefill's first over the time after it. Each drafting mode's row
-says whether its greedy tokens equal target-only's at that context (tokens_equal_target:
-lossless on the device); `goals` holds the issue's GPU goals as ratios of the rows
-(target-only / transformers' static cache, SharpDraft + n-gram / target-only, host / GPU
-time of a graph-replayed decode step). The section passes when something was measured and none of the
-runtime's rows failed, fell back to eager steps or differed from target-only; a part that
-raises is a note, and the next part runs. Without CUDA: one line `error: ...`, exit 1.
+    python -m scripts.gpu_e2e --out DIR [--target DIR] [--steps cudagraph|inductor]
+
+Rows go to DIR/gpu_e2e.json after every row (scripts/gpu_record.py). The section passes
+when none of the runtime's rows failed, fell back to eager steps or decoded other tokens
+than target-only; transformers' rows may fail (they say why).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import functools
-import json
-import os
 import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_e2e ...")
+
+import functools
+import hashlib
+import importlib.util
+import json
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
+from scripts.gpu_record import NotRun, SectionRecord, log, section_main
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-DEFAULT_TARGET_DIR = REPO / "engines" / "gpu" / "smollm2-135m-fp16"  # git-ignored: carried
+SECTION = "gpu_e2e"
+DEFAULT_TARGET_DIR = REPO / "engines" / "gpu" / "smollm2-135m-fp16"  # git-ignored: --target's default
 DRAFTER_DIR = REPO / "checkpoints" / "dflash-smollm2-135m"
-CONTEXTS_A = (4096, 8192)
-CONTEXTS_B = (4096, 16384, 32768)
+CONTEXTS = (8192, 4096)  # descending: transformers' static cache is sized once, by the first
 NEW_TOKENS = 128
+TIMED_RUNS = 3
 MODES = ("target", "ngram", "frozen", "sharpdraft", "hybrid", "window-hybrid")
-BUDGET_S = 230  # the section's share of one device run; rows past it are skipped, saying so
-# of BUDGET_S: the most (a)'s runtime rows take, and what (b) keeps whatever (a) took
-RESERVE = {"ours": 0.3, "step_costs": 0.35}
-QWEN3_8B = dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
-                head_dim=128, block=16, draft_layers=5)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+BUDGET_S = 250  # of the section's 300 s timeout: rows past it are skipped, saying so
+OURS_SHARE = 0.4  # of BUDGET_S, the most our rows take: transformers' compile needs the rest
+SMOKE = dict(contexts=(192, 128), new_tokens=12, budget_s=120)
+PEERS = {"transformers generate (static cache)": {"cache_implementation": "static"},
+         "transformers prompt lookup": {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3}}
 
 
 class Clock:
-    """The section's time budget: what is left, and a reason when it ran out."""
+    """A time budget: what is left."""
 
     def __init__(self, budget_s: float):
         self.end = time.perf_counter() + budget_s
@@ -74,6 +78,18 @@ class Clock:
 
     def out(self) -> bool:
         return self.left() <= 0
+
+
+def ids_digest(ids) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def first_difference(a, b) -> int | None:
+    """The first index where two token lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # -- (a) the real target, every mode, beside transformers --------------------------------
@@ -149,21 +165,12 @@ def make_drafter(drafter_model, target_model, scaling, window, shared):
     return shared.dflash(scaling, window)
 
 
-def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps, clock,
-             modes=MODES) -> list[dict]:
-    """Every mode at every context on the runtime's roles; the first run of each
-    (mode, context) warms the graphs up and is not timed."""
-    import torch
-
-    from build.checkpoints import calibrated_scaling
-    from plugins.scaling import PRESETS
-    from runtime.compiled import load_dflash, load_target
+def our_rows(model, drafter, scaling, device, prompts, new_tokens, steps, clock, rows, save,
+             modes=MODES):
+    """Every mode at every context on the runtime's roles: an untimed run (graphs made),
+    then TIMED_RUNS timed; rows appended (and saved) as they end."""
     from runtime.ngram import NGramProposer
 
-    model, tokenizer = load_target(target_dir, device, dtype)
-    drafter = load_dflash(drafter_dir, device, dtype)
-    drafter.config.check_target(model.config)
-    scaling = calibrated_scaling(drafter_dir) or PRESETS["dflash"]
     window = drafter.config.training_max_length or 512
     block = drafter.config.block_size
     buckets = (1, NGramProposer().num_draft_tokens + 1, block)
@@ -172,13 +179,13 @@ def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps
     target = make_target(model, layer_ids, shared)
     plain = None  # eager roles, where a step cannot run as a graph
     decoders = {}
-    rows = []
-    for context in contexts:
-        prompt = prompt_ids(tokenizer, min(context, target.context_limit) - new_tokens)
+    for context, prompt in prompts.items():
         want = None  # target-only's tokens at this context
         for mode in modes:
             if clock.out():
-                rows.append({"mode": mode, "context": context, "skipped": "section time budget spent"})
+                rows.append({"mode": mode, "context": context, "skipped": "section time budget spent",
+                             "lossless": "unchecked"})
+                save()
                 continue
             try:
                 row = decode_row(decoders, mode, prompt, new_tokens, device, steps,
@@ -195,17 +202,24 @@ def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps
             tokens = row.pop("tokens")
             if mode == "target":
                 want = tokens
-            elif want is not None:  # greedy: lossless means target-only's tokens
-                row["tokens_equal_target"] = tokens == want
+                row["tokens"] = tokens  # transformers' greedy tokens are compared with these
+            elif want is None:  # target-only did not run here: nothing to compare with
+                row["lossless"] = "unchecked"
+            else:  # greedy: lossless means target-only's tokens, token for token
+                at = first_difference(tokens, want)
+                row["lossless"] = at is None
+                if at is not None:
+                    row["first_differing_index"] = at
             rows.append({"context": context} | row)
-            log(f"gpu_e2e: {mode} at {context}: {row['tok_s']} tok/s, MAL {row['mal']}"
-                + ("" if row.get("tokens_equal_target", True) else ", tokens DIFFER from target-only"))
-    return rows
+            save()
+            log(f"gpu_e2e: {mode} at {context}: {row['tok_s']} tok/s (median of {len(row['runs_tok_s'])}), "
+                f"MAL {row['mal']}" + ("" if row.get("lossless", True) is True else
+                                       f", lossless {row.get('lossless')} at {row.get('first_differing_index')}"))
 
 
 def decode_row(decoders, mode, prompt, new_tokens, device, steps, make) -> dict:
-    """One timed run of `mode` after an untimed one of the same size (the same buffers,
-    so every graph it needs exists before timing)."""
+    """An untimed run of `mode` (the same buffers, so every graph it needs exists before
+    timing), then TIMED_RUNS timed runs: their median tok/s and each run's."""
     import torch
 
     from runtime.decode import Request
@@ -213,68 +227,88 @@ def decode_row(decoders, mode, prompt, new_tokens, device, steps, make) -> dict:
     key = (mode, steps)
     decoder = decoders.get(key) or decoders.setdefault(key, make())
     decoder.generate(Request(prompt, new_tokens))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    gen = decoder.generate(Request(prompt, new_tokens))
+    runs = []
+    for _ in range(TIMED_RUNS):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        runs.append(decoder.generate(Request(prompt, new_tokens)))
+    if any(r.tokens != runs[0].tokens for r in runs):
+        raise RuntimeError(f"{mode}: greedy runs of one prompt decoded different tokens")
+    gen = runs[0]
     # decode tok/s as transformers' rows count it: the first token is the prefill's, so
     # N - 1 tokens over the time after the prefill
-    return {"mode": mode, "prompt_tokens": len(prompt), "new_tokens": len(gen.tokens),
-            "tok_s": round((len(gen.tokens) - 1) / max(gen.decode_seconds, 1e-9), 2),
+    speeds = [round((len(r.tokens) - 1) / max(r.decode_seconds, 1e-9), 2) for r in runs]
+    return {"mode": mode, "prompt_tokens": len(prompt), "prompt_sha256": ids_digest(prompt),
+            "new_tokens": len(gen.tokens), "tok_s": statistics.median(speeds), "runs_tok_s": speeds,
             "mal": round(gen.mean_accepted_length, 4),
-            "prefill_s": round(gen.seconds["prefill"], 4), "steps": steps or "eager",
-            "tokens": gen.tokens}
+            "prefill_s": round(statistics.median(r.seconds["prefill"] for r in runs), 4),
+            "steps": steps or "eager", "tokens": gen.tokens}
 
 
-def transformers_rows(target_dir, device, dtype, contexts, new_tokens, clock) -> list[dict]:
-    """transformers' own generate on the same model: greedy with a static cache (compiled
-    by transformers itself where it does so), and prompt lookup (assisted generation; its
-    cache is what transformers allows there). Decode tok/s = (N - 1) / (t(N) - t(1)): the
-    prefill and first token taken out, as our rows take the prefill out."""
+def transformers_rows(model, tokenizer, device, prompts, new_tokens, clock, rows, save, ours=None):
+    """transformers' own generate on the same weights and the same prompt ids: greedy with
+    a static cache (compiled by transformers itself where it does so: on CUDA), and
+    prompt lookup. Decode tok/s = (N - 1) / (t(N) - t(1)), each t the median of
+    TIMED_RUNS calls after an untimed one; the first call's time (its compile) kept."""
     import torch
 
-    from runtime.models.target import load_hf_causal_lm
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        counters = None
 
-    model, tokenizer = load_hf_causal_lm(Path(target_dir), dtype)
-    model = model.to(device)
-    peers = {"transformers generate (static cache)": {"cache_implementation": "static"},
-             "transformers prompt lookup": {"prompt_lookup_num_tokens": 4,
-                                            "max_matching_ngram_size": 3}}
-    rows = []
-    for context in contexts:
-        prompt = prompt_ids(tokenizer, min(context, model.config.max_position_embeddings) - new_tokens)
+    def graphs() -> int | None:
+        return None if counters is None else int(counters["stats"].get("unique_graphs", 0))
+
+    for context, prompt in prompts.items():  # descending: the first sizes the static cache
         ids = torch.tensor([prompt], device=device)
-        for mode, kwargs in peers.items():
+        for mode, kwargs in PEERS.items():
             if clock.out():
                 rows.append({"mode": mode, "context": context, "skipped": "section time budget spent"})
+                save()
                 continue
 
             def timed(n):
                 torch.cuda.synchronize() if device.type == "cuda" else None
                 start = time.perf_counter()
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                     min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id,
-                                     **kwargs)
+                                     min_new_tokens=n, do_sample=False,
+                                     pad_token_id=tokenizer.eos_token_id, **kwargs)
                 torch.cuda.synchronize() if device.type == "cuda" else None
-                return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+                return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
+            row = {"mode": mode, "context": context, "prompt_tokens": len(prompt),
+                   "prompt_sha256": ids_digest(prompt), "transformers": __import__("transformers").__version__}
             try:
-                # warm-up of both calls: transformers compiles its static-cache step on the
-                # first, and a cache sized for another length may compile again
-                timed(new_tokens), timed(1)
-                first, _ = timed(1)
-                total, made = timed(new_tokens)
-                if made < 2 or total <= first:
-                    raise RuntimeError(f"{made} tokens in {total:.3f} s against {first:.3f} s for "
-                                       "one: no decode time to measure")
+                before = graphs()
+                first, tokens = timed(new_tokens)  # compiles the static-cache step, where it does
+                row.update(first_call_s=round(first, 3), compiled=hasattr(model, "_compiled_call"),
+                           dynamo_graphs_first_call=None if before is None else graphs() - before)
+                timed(1)  # warm: the one-token shape
+                settled = graphs()
+                ones = [timed(1)[0] for _ in range(TIMED_RUNS)]
+                alls = [timed(new_tokens) for _ in range(TIMED_RUNS)]
+                row["recompiled_while_timed"] = None if settled is None else graphs() != settled
+                t1, tn = statistics.median(ones), statistics.median(t for t, _ in alls)
+                made = len(alls[0][1])
+                if made < 2 or tn <= t1:
+                    raise RuntimeError(f"{made} tokens in {tn:.3f} s against {t1:.3f} s for one: "
+                                       "no decode time to measure")
+                row.update(new_tokens=made, tok_s=round((made - 1) / (tn - t1), 2),
+                           t1_runs_s=[round(t, 4) for t in ones], tn_runs_s=[round(t, 4) for t, _ in alls],
+                           mal=1.0 if "static" in mode else None)
+                want = (ours or {}).get(context)
+                if want is not None and "static" in mode:  # the same greedy tokens as ours?
+                    at = first_difference(alls[0][1], want)
+                    row["tokens_equal_ours"] = at is None
+                    if at is not None:
+                        row["first_differing_index"] = at
             except Exception as exc:  # a peer transformers refuses is a row saying why
-                rows.append({"mode": mode, "context": context, "error": str(exc).splitlines()[0][:200]})
-                continue
-            rows.append({"mode": mode, "context": context, "prompt_tokens": len(prompt),
-                         "new_tokens": made, "tok_s": round((made - 1) / max(total - first, 1e-9), 2),
-                         "mal": 1.0 if "static" in mode else None,
-                         "transformers": __import__("transformers").__version__})
-            log(f"gpu_e2e: {mode} at {context}: {rows[-1]['tok_s']} tok/s")
-    return rows
+                row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            rows.append(row)
+            save()
+            log(f"gpu_e2e: {mode} at {context}: " + (row.get("error") or f"{row['tok_s']} tok/s, "
+                f"first call {row['first_call_s']} s, compiled {row['compiled']}"))
 
 
 def find_target(target) -> tuple[Path | None, str | None]:
@@ -301,185 +335,105 @@ def find_target(target) -> tuple[Path | None, str | None]:
     return prepare_target(None, progress=log)[0], None
 
 
-# -- (b) Qwen3-8B-shaped step costs -------------------------------------------------------
+def load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-def qwen3_8b_shaped(device, dtype, shape=QWEN3_8B):
-    """A Qwen3-8B-shaped TargetModel and a DFlash-shaped drafter with random weights, made
-    on the device (8B parameters never touch the host)."""
+
+def tiny_pair(workdir: Path, context: int) -> tuple[Path, Path]:
+    """The smoke mode's target and DFlash drafter (tests/tiny.py: random weights, a small
+    trained tokenizer), written once into `workdir`."""
+    tiny = load_by_path("tiny", REPO / "tests" / "tiny.py")
+    target = tiny.make_target(workdir / "target", context=context)
+    return target, tiny.make_drafter(workdir / "drafter", target)
+
+
+def run(out_dir, smoke: bool = False, args=None) -> dict:
     import torch
 
-    from runtime.models.dflash import DFlashConfig, DFlashDrafter
-    from runtime.models.target import TargetConfig, TargetModel
+    cuda = torch.cuda.is_available() and not smoke
+    if not smoke and not cuda:
+        raise SystemExit("error: gpu_e2e needs a CUDA device; SHARPDRAFT_SMOKE=1 runs its CPU smoke mode")
+    device = torch.device("cuda" if cuda else "cpu")
+    steps = getattr(args, "steps", None) or "cudagraph" if cuda else None
+    contexts = SMOKE["contexts"] if smoke else CONTEXTS
+    new_tokens = SMOKE["new_tokens"] if smoke else getattr(args, "new_tokens", None) or NEW_TOKENS
+    budget = SMOKE["budget_s"] if smoke else getattr(args, "budget_s", None) or BUDGET_S
+    record = SectionRecord(out_dir, SECTION, smoke=smoke,
+                           device=torch.cuda.get_device_name() if cuda else "cpu")
+    record.data.update(steps=steps or "eager", contexts=contexts, new_tokens=new_tokens,
+                       timed_runs=TIMED_RUNS, rows=[],
+                       versions={"torch": torch.__version__,
+                                 "transformers": __import__("transformers").__version__})
+    rows = record.data["rows"]
+    clock = Clock(budget)
+    loaded = {}
+    workdir = tempfile.TemporaryDirectory(prefix="gpu-e2e-")
 
-    s = shape
-    config = TargetConfig("qwen3", s["vocab"], s["hidden"], s["intermediate"], s["layers"], s["heads"],
-                          s["kv_heads"], s["head_dim"], 1e-6, 1e6, 40960, False, True, False)
-    n = s["layers"]
-    ids = tuple(sorted({1 + round(i * (n - 4) / (s["draft_layers"] - 1)) for i in range(s["draft_layers"])}))
-    dconfig = DFlashConfig(s["hidden"], s["intermediate"], s["draft_layers"], s["heads"], s["kv_heads"],
-                           s["head_dim"], 1e-6, 1e6, s["vocab"], s["block"], s["vocab"] - 1, ids, n,
-                           max_position_embeddings=40960)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            target, drafter = TargetModel(config).eval(), DFlashDrafter(dconfig).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    return target, drafter
+    def target(part):
+        from runtime.compiled import load_dflash, load_target
 
+        if smoke:
+            target_dir, drafter_dir = tiny_pair(Path(workdir.name), max(contexts) + new_tokens)
+        else:
+            target_dir, why = find_target(getattr(args, "target", None))
+            if target_dir is None:
+                raise NotRun(why)
+            drafter_dir = DRAFTER_DIR
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model, tokenizer = load_target(target_dir, device, dtype)
+        drafter = load_dflash(drafter_dir, device, dtype)
+        drafter.config.check_target(model.config)
+        from build.checkpoints import calibrated_scaling
+        from plugins.scaling import PRESETS
 
-def time_call(fn, device, repeats: int) -> tuple[float, float]:
-    """Median host ms (the call's own time, the GPU idle before it) and median GPU ms
-    (events around it) of `fn()`."""
-    import statistics
+        scaling = calibrated_scaling(drafter_dir) or PRESETS["dflash"]
+        part.update(target=str(target_dir), drafter=str(drafter_dir), dtype=str(dtype))
+        limit = model.config.max_position_embeddings
+        # one tokenization per context: these very ids go to both sides
+        prompts = {c: prompt_ids(tokenizer, min(c, limit) - new_tokens) for c in contexts}
+        part["prompt_sha256"] = {c: ids_digest(p) for c, p in prompts.items()}
+        loaded.update(model=model, tokenizer=tokenizer, drafter=drafter, scaling=scaling, prompts=prompts,
+                      target_dir=target_dir, dtype=dtype)
 
-    import torch
+    def ours(part):
+        if not loaded:
+            raise NotRun("no target loaded")
+        our_rows(loaded["model"], loaded["drafter"], loaded["scaling"], device, loaded["prompts"],
+                 new_tokens, steps, Clock(min(clock.left(), OURS_SHARE * budget)), rows, record.save)
 
-    host, gpu = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        fn()
-        end.record()
-        host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize(device)
-        gpu.append(start.elapsed_time(end))
-    return statistics.median(host), statistics.median(gpu)
+    def peers(part):
+        if not loaded:
+            raise NotRun("no target loaded")
+        from runtime.models.target import load_hf_causal_lm
 
-
-def step_cost_rows(device, dtype, contexts, clock, repeats: int = 20, shape=QWEN3_8B,
-                   graphs=("eager", "cudagraph")) -> list[dict]:
-    """Each step at each context, the caches filled to `context` (their contents do not
-    change a step's cost) and rolled back after every call."""
-    import torch
-
-    from plugins.scaling import PRESETS
-
-    target_model, drafter_model = qwen3_8b_shaped(device, dtype, shape)
-    block = shape["block"]
-    feature_size = drafter_model.fc.in_features
-    rows = []
-    with torch.inference_mode():
-        for graph in graphs:
-            # context_bucket = block: the drafter step timed is one block after one block's context
-            shared = shared_steps(target_model, drafter_model.config.target_layer_ids, (1, block + 1),
-                                  None if graph == "eager" else graph, drafter_model, context_bucket=block)
-            target = make_target(target_model, drafter_model.config.target_layer_ids, shared)
-            drafter = make_drafter(drafter_model, target_model, PRESETS["dflash"], None, shared)
-            for context in contexts:
-                if clock.out():
-                    rows.append({"mode": f"steps ({graph})", "context": context,
-                                 "skipped": "section time budget spent"})
-                    continue
-                target.prefill([0], context + 2 * block)
-                target.cache.length = context
-                drafter.reset(context + 2 * block)
-                drafter.cache.length = context
-                features = torch.zeros((block, feature_size), dtype=dtype, device=device)
-
-                def verify(t):
-                    target.verify([1] * t)
-                    target.cache.length = context
-
-                def draft():
-                    drafter.draft(features, 1)
-                    drafter.cache.length = context
-
-                for name, fn in (("target decode (1 token)", lambda: verify(1)),
-                                 (f"target verify ({block + 1} tokens)", lambda: verify(block + 1)),
-                                 (f"drafter block ({block})", draft)):
-                    try:
-                        fn()  # graphs made (and kernels warmed) before timing
-                        host, gpu = time_call(fn, device, repeats)
-                    except Exception as exc:  # a step that cannot be captured yet: a row says why
-                        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                        rows.append({"mode": f"{name}, {graph}", "context": context, "error": why})
-                        log(f"gpu_e2e: {name}, {graph} at {context} failed: {why}")
-                        continue
-                    rows.append({"mode": f"{name}, {graph}", "context": context, "host_ms": round(host, 3),
-                                 "gpu_ms": round(gpu, 3), "host_share": round(host / max(gpu, 1e-9), 3),
-                                 "tok_s": None, "mal": None})
-                    log(f"gpu_e2e: {rows[-1]['mode']} at {context}: host {host:.3f} ms, GPU {gpu:.3f} ms")
-            del target, drafter, shared
+        del loaded["model"], loaded["drafter"]  # our roles' buffers given back first
+        if cuda:
             torch.cuda.empty_cache()
-    return rows
+        model, _ = load_hf_causal_lm(Path(loaded["target_dir"]), loaded["dtype"])
+        model = model.to(device)
+        want = {r["context"]: r["tokens"] for r in rows if r.get("mode") == "target" and "tokens" in r}
+        transformers_rows(model, loaded["tokenizer"], device, loaded["prompts"], new_tokens, clock, rows,
+                          record.save, ours=want)
 
-
-# -- the section ---------------------------------------------------------------------------
-
-def refusal() -> str | None:
-    import torch
-
-    return None if torch.cuda.is_available() else "gpu_e2e needs a CUDA device; torch sees none here"
-
-
-def run(out_dir, target=None, steps: str = "cudagraph", new_tokens: int = NEW_TOKENS,
-        budget_s: float = BUDGET_S, command: str | None = None, device: str = "cuda") -> dict:
-    """The section: (a) then (b), rows in out_dir/gpu_e2e.json, written again after each
-    part (a run stopped at its time limit still leaves what it measured); the report as a
-    dict with "status" passed / failed / not run (where not run, "reason") and "passed"
-    (scripts/gpu_check.py's verdict). A part that raises is a note saying why, and the
-    next part runs."""
-    import torch
-
-    report = {"section": "gpu_e2e", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "command": command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "steps": steps, "rows": []}
-    why = refusal() if device == "cuda" else None
-    if why:
-        return report | {"status": "not run", "passed": False, "reason": why, "device": "cpu"}
-    device = torch.device(device)
-    report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    report["versions"] = {"torch": torch.__version__}
-    notes = report["notes"] = {}
-
-    def save():
-        if out_dir:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "gpu_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
-
-    def part(name, measure):
-        try:
-            report["rows"] += measure()
-        except Exception as exc:  # this part's failure is a note; the next part still runs
-            notes[name] = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-            log(f"gpu_e2e: {name} failed: {notes[name]}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        save()
-
-    clock = Clock(budget_s)
-    try:  # the default GGUF's conversion can fail where its package is missing: (b) still runs
-        target_dir, why = find_target(target)
-    except Exception as exc:
-        target_dir, why = None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-    if target_dir is None:
-        notes["real_target"] = f"not run: {why}"
-    else:
-        # a clock each, started as its part starts: our rows stop at 30% of the budget, so
-        # they cannot starve transformers' (whose static-cache compile takes a while), and
-        # transformers' leave (b) its share
-        part("real_target", lambda: our_rows(target_dir, DRAFTER_DIR, device, torch.bfloat16, CONTEXTS_A,
-                                             new_tokens, steps, Clock(RESERVE["ours"] * budget_s)))
-        part("transformers", lambda: transformers_rows(
-            target_dir, device, torch.bfloat16, CONTEXTS_A, new_tokens,
-            Clock(clock.left() - RESERVE["step_costs"] * budget_s)))
-    part("qwen3_8b_shaped", lambda: step_cost_rows(device, torch.bfloat16, CONTEXTS_B, clock))
-    report["goals"] = goals(report["rows"])
-    report |= verdict(report["rows"], notes)
-    save()
-    return report
+    record.part("target", target)
+    record.part("ours", ours)
+    record.part("transformers", peers)
+    record.data["goals"] = goals(rows)
+    broken = verdict(rows)
+    if broken:
+        record.data["broken_rows"] = broken
+        record.data["parts"]["ours"]["status"] = "failed"
+    workdir.cleanup()
+    return record.finish()
 
 
 def goals(rows: list[dict]) -> dict:
     """The issue's GPU goals as ratios of this run's rows, where both rows were measured:
     target-only over transformers' static-cache generate (goal >= 1.0) and SharpDraft +
-    n-gram over target-only (goal > 1.0 at 8K), per context; host over GPU time of a
-    1-token step under CUDA graphs (goal <= 0.1), per context of (b)."""
+    n-gram over target-only (goal > 1.0 at 8K), per context."""
     def tok_s(mode, context):
         return next((r["tok_s"] for r in rows if r["mode"] == mode and r["context"] == context
                      and r.get("tok_s") and "fallback" not in r), None)
@@ -493,44 +447,26 @@ def goals(rows: list[dict]) -> dict:
             out[f"target_vs_transformers_static_{context}"] = round(target / peer, 3)
         if target and hybrid:
             out[f"hybrid_vs_target_{context}"] = round(hybrid / target, 3)
-        share = next((r["host_share"] for r in rows if r["context"] == context
-                      and r["mode"] == "target decode (1 token), cudagraph" and "host_share" in r), None)
-        if share is not None:
-            out[f"host_share_decode_cudagraph_{context}"] = share
     return out
 
 
-def verdict(rows: list[dict], notes: dict) -> dict:
-    """passed: something was measured, and none of the runtime's own rows failed, fell back
-    to eager steps or decoded other tokens than target-only (transformers' rows may fail:
-    they say why); a part that raised fails the section."""
-    ours = [r for r in rows if "transformers" not in r["mode"]]
-    measured = [r for r in rows if "skipped" not in r and "error" not in r]
-    broken = [r["mode"] for r in ours if "error" in r or "fallback" in r or r.get("tokens_equal_target") is False]
-    raised = [name for name, note in notes.items() if note.startswith("failed")]
-    passed = bool(measured) and not broken and not raised
-    return {"status": "passed" if passed else "failed", "passed": passed}
+def verdict(rows: list[dict]) -> list[str]:
+    """Our rows that fail the section: an error, a fall-back to eager steps, tokens other
+    than target-only's ("unchecked" is not a failure, and not a pass: it stays in the row)."""
+    return [f"{r['mode']} at {r['context']}" for r in rows if "transformers" not in r["mode"]
+            and ("error" in r or "fallback" in r or r.get("lossless") is False)]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_e2e.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", metavar="DIR", default=os.environ.get("OUT"))
-    p.add_argument("--target", metavar="DIR", help=f"transformers directory (default {DEFAULT_TARGET_DIR})")
-    p.add_argument("--steps", choices=("cudagraph", "inductor"), default="cudagraph",
-                   help="how the runtime's steps run: captured CUDA graphs (seconds to make) or "
-                        "torch.compile + CUDA graphs (minutes)")
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--budget-s", type=float, default=BUDGET_S)
-    args = p.parse_args(argv)
-    why = refusal()
-    if why:
-        print(f"error: {why}", file=sys.stderr)
-        return 1
-    report = run(args.out, args.target, args.steps, args.new_tokens, args.budget_s)
-    for row in report["rows"]:
-        print(json.dumps(row))
-    print(f"gpu_e2e: {report['status']}" + (f" ({report['notes']})" if report.get("notes") else ""))
-    return 0 if report["status"] == "passed" else 1
+    def extra(p):
+        p.add_argument("--target", metavar="DIR", help="transformers directory (default: the converted "
+                       "default target)")
+        p.add_argument("--steps", choices=("cudagraph", "inductor"), default=None,
+                       help="how the runtime's steps run on CUDA (default cudagraph)")
+        p.add_argument("--new-tokens", type=int, default=None)
+        p.add_argument("--budget-s", type=float, default=None)
+
+    return section_main(SECTION, run, argv, extra)
 
 
 if __name__ == "__main__":

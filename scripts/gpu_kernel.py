@@ -1,41 +1,51 @@
-"""gpu_check section `gpu_kernel`: the SharpDraft attention op and kernel on one GPU.
+"""GPU section `gpu_kernel`: the SharpDraft attention op and kernel on one GPU.
 
+Parts, each saved to OUT/gpu_kernel.json as it ends (correctness after every case):
 - correctness: every kernel variant (auto slices, single pass, 5 slices, single launch
-  auto and with 5 slices) and the registered op against the reference, fp32/fp16/bf16
-  (bf16 cannot be checked on CPU: the interpreter's tl.dot is wrong for it); the in-kernel
-  beta against plugins.scaling.
+  auto and with 5 slices; the exact-rows decode tile on the 4-row case) and the
+  registered op against the reference: bf16 on every case, fp32 and fp16 on one case
+  each (each dtype a fresh set of Triton compiles; the interpreter covers fp32/fp16 on
+  CPU); the in-kernel beta against plugins.scaling.
 - capture: the op captured once in a CUDA graph, the visible counts changed IN PLACE,
   replayed, compared with the reference at the new counts (beta must follow them).
-- host time: µs of CPU per eager op call (median of 200, after warm-up).
-- bench: plugins.bench_kernel (its JSON and plot land beside this section's).
-- tensorrt engine: where TensorRT builds, the tiny test pair built with the plugin form,
-  generate, tokens compared with the torch backend; elsewhere "not run" with the reason.
+- host_us_per_call: µs of CPU per eager op call (median of 200, after warm-up).
+- compiled_op: torch.compile(mode="reduce-overhead", fullgraph=True) over a step calling
+  the op (inductor, replayed as a CUDA graph), counts changed between calls, against eager.
+- bench: plugins.bench_kernel on six shapes (its JSON and plot land beside this file).
+- tensorrt_engine: where TensorRT builds, the tiny pair built with the plugin form;
+  elsewhere (the GPU machine has no TensorRT) "not run" with the reason.
 
-    python scripts/gpu_check.py --sections gpu_kernel     # or run(out_dir) from Python
-
-run(out_dir) returns the section's figures: graph_capture_passed, host_us_per_call,
-single_launch_vs_split and decode_vs_sdpa (one per measured shape), passed.
+    python -m scripts.gpu_kernel --out DIR            # scripts/gpu_check.py runs it
+    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_kernel --out DIR   # CPU: Triton's interpreter,
+                                                       # tiny cases, fp32/fp16, no graphs
 """
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_kernel ...")
+
 import contextlib
+import importlib.util
 import json
 import math
+import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.gpu_record import NotRun, SectionRecord, log, section_main
 
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "gpu_kernel"
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # bf16: ~2 ulp at |x| ~ 1
-DEVICE = "cuda"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+DEVICE = "cuda"  # "cpu" in smoke mode (run sets it)
+# dtype -> the cases it runs on: bf16 on every case; fp32 and fp16 on one each
+DTYPE_CASES = {"bfloat16": None, "float32": ("chain_causal_past_cap",), "float16": ("decode_gqa5_d80",)}
+BENCH_SHAPES = [(1, 16, 8192), (1, 16, 32768), (1, 1, 8192), (1, 1, 32768), (8, 1, 32768), (8, 16, 32768)]
 
 
 def case(seed, batch, heads, kv_heads, q_len, kv_len, head_dim, dtype):
@@ -63,6 +73,15 @@ def correctness_cases():
     ]
 
 
+def smoke_cases():
+    """Tiny cases for the Triton interpreter (CPU): the same kinds of visibility."""
+    from plugins.scaling import QueryScaling
+
+    small = QueryScaling(ref_keys=64, top_k=8)
+    return [("smoke_block", 1, 4, 2, 4, 100, 16, "block", small),
+            ("smoke_decode", 2, 4, 2, 1, 70, 16, "random", small)]
+
+
 def visible_for(kind, b, t, kv):
     import torch
 
@@ -77,7 +96,8 @@ KERNEL_VARIANTS = (("auto_splits", dict()), ("single_pass", dict(splits=1)), ("s
                    ("single_launch", dict(variant="single")), ("single_launch_5", dict(variant="single", splits=5)))
 
 
-def correctness(report: dict) -> bool:
+def correctness(report: dict, save, smoke: bool = False) -> bool:
+    """Every variant and the op against the reference, case by case (saved after each)."""
     import torch
 
     from plugins import triton_kernel
@@ -86,9 +106,14 @@ def correctness(report: dict) -> bool:
 
     ok = True
     rows = report.setdefault("correctness", [])
-    for dtype_name, tolerance in TOLERANCE.items():
-        dtype = getattr(torch, dtype_name)
-        for seed, (name, b, h, kvh, t, kv, d, kind, scaling) in enumerate(correctness_cases()):
+    cases = smoke_cases() if smoke else correctness_cases()
+    # the interpreter's tl.dot is wrong for bf16: on CPU fp32 and fp16 on the tiny cases
+    plan = ({"float32": None, "float16": ("smoke_decode",)} if smoke else DTYPE_CASES)
+    for dtype_name, only in plan.items():
+        dtype, tolerance = getattr(torch, dtype_name), TOLERANCE[dtype_name]
+        for seed, (name, b, h, kvh, t, kv, d, kind, scaling) in enumerate(cases):
+            if only is not None and name not in only:
+                continue
             q, k, v = case(seed, b, h, kvh, t, kv, d, dtype)
             visible = visible_for(kind, b, t, kv)
             want = reference_attention(q, k, v, visible, None, scaling).float()
@@ -108,16 +133,28 @@ def correctness(report: dict) -> bool:
             ok &= passed
             rows.append(dict(case=name, dtype=dtype_name, tolerance=tolerance, max_abs_error=errors,
                              passed=passed))
+            save()
             print(f"correctness {name:24s} {dtype_name:9s} "
                   + " ".join(f"{k}={e:.1e}" for k, e in errors.items()) + f" {'ok' if passed else 'FAIL'}",
                   flush=True)
+    return ok
+
+
+def beta(report: dict) -> bool:
+    """The kernel's in-kernel beta against plugins.scaling's, at counts across the regimes."""
+    import torch
+
+    from plugins import triton_kernel
+    from plugins.scaling import QueryScaling
+
+    ok = True
     counts = torch.tensor([1, 63, 64, 65, 2048, 2049, 16416, 51694, 10**6], device=DEVICE)
     for scaling in (QueryScaling(), QueryScaling(ref_keys=64, top_k=8)):
         got = triton_kernel.kernel_beta(counts, scaling).double().cpu()
         want = scaling.beta(counts.double().cpu())
         error = ((got - want).abs() / want).max().item()
         ok &= error <= 1e-6
-        report.setdefault("beta", []).append(dict(scaling=scaling.to_dict(), max_rel_error=error,
+        report.setdefault("rows", []).append(dict(scaling=scaling.to_dict(), max_rel_error=error,
                                                   passed=error <= 1e-6))
         print(f"beta in-kernel vs scaling.beta ref_keys={scaling.ref_keys}: max rel error {error:.2e}", flush=True)
     return ok
@@ -164,7 +201,7 @@ def capture(report: dict) -> bool:
         results[name] = dict(passed=all(c["passed"] for c in checks), replays=checks)
         print(f"capture {name}: " + " ".join(f"N={c['visible']} err={c['max_abs_error']:.1e}" for c in checks)
               + f" {'ok' if results[name]['passed'] else 'FAIL'}", flush=True)
-    report["capture"] = results
+    report.update(results)
     return all(r["passed"] for r in results.values())
 
 
@@ -195,12 +232,8 @@ def host_us_per_call(report: dict, calls: int = 200) -> dict:
         torch.cuda.synchronize()
         result[name] = round(statistics.median(times), 1)
     print("host us per eager call (median of 200): " + " ".join(f"{k}={t}" for k, t in result.items()), flush=True)
-    report["host_us_per_call"] = result
+    report["us"] = result
     return result
-
-
-class NotRun(Exception):
-    """A check cannot run here; the message (one line) says why."""
 
 
 def tensorrt_engine(report: dict, workdir: Path) -> bool:
@@ -212,8 +245,7 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
     why = build_engine.tensorrt_usable()
     if why is not None:
         raise NotRun(why)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import tiny
+    tiny = load_by_path("tiny", REPO / "tests" / "tiny.py")  # a test stand-in, by path
     from runtime.cli import run
     from runtime.__main__ import main as runtime_main
 
@@ -246,14 +278,14 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
     record = json.loads((engine / "engine.json").read_text())["extra"]["tensorrt"]
     passed = tokens["tensorrt"] == tokens["torch"]
     report["tensorrt_engine"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
-                              tokens=tokens)
+                                     tokens=tokens)
     print(f"tensorrt engine: TensorRT {record['version']} on {record['gpu']}, generate tokens "
           f"{'match' if passed else 'DIFFER FROM'} the torch backend's", flush=True)
     return passed
 
 
 def tensorrt_plugin(report: dict) -> bool:
-    """The plugin's engine path end to end where TensorRT builds here; elsewhere (the H200
+    """The plugin's engine path end to end where TensorRT builds here; elsewhere (the GPU
     machine has no TensorRT) "not run" with the reason, which does not fail the section."""
     try:
         with tempfile.TemporaryDirectory() as workdir:
@@ -266,21 +298,115 @@ def tensorrt_plugin(report: dict) -> bool:
     return passed
 
 
-def run(out_dir, repeats: int = 50) -> dict:
-    """The section: correctness, capture, host time, bench. Returns its figures."""
+def tensorrt_part(part: dict) -> bool:
+    """tensorrt_plugin as a part of the record: its figures in the part, "not run" kept."""
+    passed = tensorrt_plugin(part)
+    inner = part.pop("tensorrt_engine")
+    inner["result"] = inner.pop("status")
+    part.update(inner)
+    if inner["result"] == "not run":
+        raise NotRun(inner["reason"])
+    return passed
+
+
+def load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compiled_op(report: dict, smoke: bool = False) -> bool:
+    """torch.compile(mode="reduce-overhead", fullgraph=True) over a step that calls the op:
+    inductor with the op as one extern node, replayed as a CUDA graph (the op must be
+    capturable), the visible counts changed between calls; every call against eager. In
+    smoke mode (CPU) the aot_eager backend: the same graph, no inductor build."""
+    import torch
+
+    from plugins.attention import sharpdraft_attention
+    from plugins.scaling import QueryScaling
+
+    scaling = QueryScaling()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    heads, kv_heads, q_len, kv_len, dim = (4, 2, 4, 96, 16) if smoke else (32, 8, 16, 8192, 128)
+    q, k, v = case(5, 1, heads, kv_heads, q_len, kv_len, dim, dtype)
+    visible = torch.full((1, q_len), kv_len // 2, device=DEVICE)
+
+    def step(q, k, v, visible):
+        return sharpdraft_attention(q * 1.5, k, v, visible, scaling) + 1
+
+    options = dict(backend="aot_eager") if smoke else dict(mode="reduce-overhead")
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, **options)
+    report.update(mode=options, dtype=str(dtype), calls=[])
+    ok = True
+    for i, n in enumerate((kv_len // 2, kv_len // 2, kv_len - 3, kv_len)):
+        visible.fill_(n)
+        started = time.perf_counter()
+        got = compiled(q, k, v, visible)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        error = (got.float() - step(q, k, v, visible).float()).abs().max().item()
+        passed = error <= TOLERANCE[str(dtype).removeprefix("torch.")]
+        ok &= passed
+        report["calls"].append(dict(visible=n, seconds=round(seconds, 3), max_abs_error=error, passed=passed))
+        print(f"compiled op ({options}) call {i + 1} N={n}: {seconds:.2f} s, err {error:.1e}", flush=True)
+    return ok
+
+
+def bench(report: dict, out_dir, smoke: bool, repeats: int = 10) -> bool:
     from plugins import bench_kernel
 
-    report: dict = {}
-    started = time.perf_counter()
-    passed_correctness = correctness(report)
-    report["graph_capture_passed"] = capture(report)
-    host_us_per_call(report)
-    bench = bench_kernel.run(out_dir, repeats=repeats, command="scripts/gpu_check.py (section gpu_kernel)")
-    report.update(single_launch_vs_split=bench["single_launch_vs_split"], decode_vs_sdpa=bench["decode_vs_sdpa"],
-                  scaled_vs_unscaled=bench["scaled_vs_unscaled"], copy_rate_gbps=bench["copy_rate_gbps"],
-                  bench_file="bench_kernel.json")
-    report["correctness_passed"] = passed_correctness
-    tensorrt_ok = tensorrt_plugin(report)
-    report["passed"] = passed_correctness and report["graph_capture_passed"] and tensorrt_ok
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    return report
+    figures = bench_kernel.run(out_dir, repeats=repeats, smoke=smoke, shapes=None if smoke else BENCH_SHAPES,
+                               command="python -m scripts.gpu_kernel (part bench)")
+    report.update(single_launch_vs_split=figures["single_launch_vs_split"],
+                  decode_vs_sdpa=figures["decode_vs_sdpa"], scaled_vs_unscaled=figures["scaled_vs_unscaled"],
+                  copy_rate_gbps=figures["copy_rate_gbps"], bench_file="bench_kernel.json")
+    return True
+
+
+def cuda_only(fn, smoke: bool):
+    def measure(part):
+        if smoke:
+            raise NotRun("smoke mode: needs a CUDA device")
+        return fn(part)
+    return measure
+
+
+def run(out_dir, smoke: bool = False, args=None) -> dict:
+    """The section: each part in turn, the file saved after each (correctness: each case)."""
+    global DEVICE
+    if smoke:
+        DEVICE = "cpu"
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    import torch
+
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("error: gpu_kernel needs a CUDA device; SHARPDRAFT_SMOKE=1 runs its CPU smoke mode")
+    device = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (Triton interpreter)"
+    record = SectionRecord(out_dir, SECTION, smoke=smoke, device=device)
+    record.data["versions"] = {"torch": torch.__version__, "triton": _version("triton"),
+                               "python": sys.version.split()[0]}
+    record.part("correctness", lambda part: correctness(part, record.save, smoke))
+    record.part("beta", beta)
+    record.part("capture", cuda_only(capture, smoke))
+    record.part("host_us_per_call", cuda_only(host_us_per_call, smoke))
+    record.part("compiled_op", lambda part: compiled_op(part, smoke))
+    record.part("bench", lambda part: bench(part, out_dir, smoke))
+    record.part("tensorrt_engine", tensorrt_part)
+    return record.finish()
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def main(argv=None) -> int:
+    return section_main(SECTION, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,21 +18,20 @@ handed); each case also runs the wrapper eagerly over the stand-in's pure-torch 
 nothing here claims a run of TensorRT-LLM or of those libraries.
 
     run(out_dir) -> dict          # what scripts/gpu_check.py calls (section gpu_trtllm)
-    python scripts/gpu_trtllm.py OUT_DIR
+    python -m scripts.gpu_trtllm --out DIR    # what scripts/gpu_check.py runs
+    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_trtllm --out DIR   # CPU: every case eagerly
 
-Refuses in one line without a CUDA device. Runs in seconds on one GPU.
+OUT/gpu_trtllm.json is saved after every case (scripts/gpu_record.py), so a timeout or a
+crash keeps the cases that ran. Refuses in one line without a CUDA device (and not in
+smoke mode). Runs in seconds on one GPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SECTION = "gpu_trtllm"
 LIBRARIES = {"flash_attn_with_kvcache": "flash_attn", "trtllm_gen_decode": "flashinfer",
@@ -298,44 +297,66 @@ def case_apply_rope(device, graphs, active):
 CASES = (case_flash_attn, case_trtllm_gen_decode, case_trtllm_gen_context, case_fa4, case_apply_rope)
 
 
-def check(device: str = "cuda", graphs: bool = True) -> dict:
-    """Every case on `device`; graphs=False runs them eagerly (the CPU test of the plumbing)."""
+def check(device: str = "cuda", graphs: bool = True, cases: list | None = None, saved=None) -> dict:
+    """Every case on `device`; graphs=False runs them eagerly (the CPU test of the plumbing).
+    Each case's row is appended to `cases` as it ends and `saved()` called (the section
+    file, rewritten after every case)."""
     active = scaling()
-    cases = []
+    cases = [] if cases is None else cases
     for case in CASES:
         try:
-            cases.append(case(device, graphs, active))
+            entry = case(device, graphs, active)
         except Exception as exc:  # one failing case is reported, the others still run
             first = str(exc).splitlines()[0] if str(exc) else ""
-            cases.append({"case": case.__name__, "passed": False, "error": f"{type(exc).__name__}: {first}"})
-    for entry in cases:  # the eager stand-in check is part of passing
-        if entry.get("standin_max_abs_error", 0.0) > 1e-5:
+            entry = {"case": case.__name__, "passed": False, "error": f"{type(exc).__name__}: {first}"}
+        if entry.get("standin_max_abs_error", 0.0) > 1e-5:  # the eager stand-in check is part of passing
             entry["passed"] = False
+        cases.append(entry)
+        if saved:
+            saved()
     return {"section": SECTION, "graphs": graphs, "device": device, "cases": cases,
             "passed": all(c["passed"] for c in cases)}
 
 
-def run(out_dir) -> dict:
-    """The section: CUDA-graph capture and in-place replay of every wrapper; writes
-    OUT_DIR/gpu_trtllm.json and returns the report. NoCuda (one line) without a GPU."""
+def run(out_dir, smoke: bool = False, args=None) -> dict:
+    """The section: CUDA-graph capture and in-place replay of every wrapper (smoke: every
+    case eagerly on CPU); OUT_DIR/gpu_trtllm.json saved after every case; the record's
+    data returned. NoCuda (one line) without a GPU and not in smoke mode."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not smoke and not torch.cuda.is_available():
         raise NoCuda("gpu_trtllm needs a CUDA device (torch.cuda.is_available() is False): run it on the GPU "
                      "machine; tests/test_trtllm_gpu_section.py covers its plumbing on CPU")
-    started = time.time()
-    report = check("cuda", graphs=True) | {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    report["seconds"] = round(time.time() - started, 2)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{SECTION}.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    from scripts.gpu_record import SectionRecord
+
+    device = "cpu" if smoke else "cuda"
+    record = SectionRecord(out_dir, SECTION, smoke=smoke,
+                           device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    record.data.update(graphs=not smoke, torch=torch.__version__)
+
+    def cases(part):
+        rows = part.setdefault("cases", [])
+        check(device, graphs=not smoke, cases=rows, saved=record.save)
+        return all(c["passed"] for c in rows)
+
+    record.part("cases", cases)
+    data = record.finish()
+    data["cases"] = data["parts"]["cases"].get("cases", [])
+    return data
 
 
-def main(argv) -> int:
-    out = argv[0] if argv else "."
-    try:
-        report = run(out)
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):  # --out DIR [--smoke]: as gpu_check runs every section
+        from scripts.gpu_record import section_main
+
+        try:
+            return section_main(SECTION, run, argv)
+        except NoCuda as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    try:  # the older form: OUT_DIR
+        report = run(argv[0])
     except NoCuda as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -346,4 +367,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

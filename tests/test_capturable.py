@@ -88,3 +88,40 @@ def test_op_compiles_into_one_graph_with_its_fake_implementation():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     assert torch.allclose(compiled(q, k, v, visible), step(q, k, v, visible), atol=1e-6)
+
+
+FIRST_CALLER = r"""
+import torch
+from plugins import attention
+from plugins.scaling import QueryScaling
+
+g = torch.Generator().manual_seed(2)
+q, k, v = (torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g),
+           torch.randn(1, 2, 30, 16, generator=g))
+visible = torch.tensor([[30, 29, 28, 27, 26]])
+scaling = QueryScaling(ref_keys=64, top_k=8)
+
+def step(q, k, v, visible):
+    return attention.sharpdraft_attention(q * 2, k, v, visible, scaling) + 1
+
+# the compiled step is this process's FIRST caller of the op: nothing ran it eagerly before
+got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, visible)
+want = step(q, k, v, visible)
+assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+print("first compiled call matches eager")
+"""
+
+
+def test_a_fresh_processs_first_caller_of_the_op_compiles_in_one_graph():
+    # In a process of its own: in this one an earlier test has long since called the op.
+    # Registered lazily (on first call), dynamo met Library.__init__ inside the step and
+    # fullgraph=True refused it; registered at import, the step compiles and matches eager.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", FIRST_CALLER], cwd=repo, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "first compiled call matches eager" in done.stdout

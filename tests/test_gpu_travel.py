@@ -4,13 +4,11 @@ fit beside the tree and joined back byte for byte (the GPU machine's side, run h
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import gpu_travel  # noqa: E402
+from scripts import gpu_travel
 
 
 def git(repo, *args):
@@ -84,14 +82,12 @@ def test_wheels_split_to_fit_beside_the_tree_and_join_back_checked(repo, tmp_pat
     tree = sum(gpu_travel.travelling(repo).values())
     assert room == gpu_travel.LIMIT - tree  # .gpu/ is ignored: it never counts itself
     assert "/.gpu/" in (repo / ".git" / "info" / "exclude").read_text()
-    calls = gpu_travel.calls(manifest, room)
+    calls = [{"carry": carry} for carry in gpu_travel.loads(manifest, room)]
     big = len(payload["big-0.1-py3-none-any.whl"])
     assert len(manifest["files"][0]["parts"]) == -(-big // room) == 2  # 9.8 MiB, < 6 MiB a part
     assert len(calls) == 2  # the small wheel and the manifest ride along
     for call in calls:  # each call's tree + carried parts fits
         assert sum(gpu_travel.travelling(repo, call["carry"]).values()) <= gpu_travel.LIMIT
-    assert "gpu_travel.py unpack" in calls[-1]["command"]
-    assert all("unpack" not in c["command"] for c in calls[:-1])
     # the GPU machine's side: every part moved to one folder, joined, each sha256 checked
     device = tmp_path / "device" / "parts"
     device.mkdir(parents=True)
@@ -120,3 +116,30 @@ def test_unpack_before_the_first_part_arrived_says_so(tmp_path):
     (tmp_path / "parts").mkdir()
     with pytest.raises(gpu_travel.TravelError, match="no manifest.json"):
         gpu_travel.join(tmp_path / "parts", tmp_path / "wheels")
+
+
+def test_carried_parts_wait_in_the_travel_folder_and_gpu_target_joins_them(repo, tmp_path, monkeypatch):
+    """Each call copies the parts it carried to the travel folder (which outlives a call on
+    a warm machine); the last call's gpu_target joins them, every sha256 checked. With a
+    part gone (the machine went cold between calls) it is "not run", naming the part."""
+    from scripts import gpu_check, gpu_target
+
+    monkeypatch.setattr(gpu_travel, "LIMIT", 6 * 2**20)
+    monkeypatch.setattr(gpu_travel, "HEADROOM", 0)
+    payload = bytes(range(256)) * 40_000
+
+    def download(specs, into):
+        (into / "big-0.1-py3-none-any.whl").write_bytes(payload)
+
+    gpu_travel.pack(repo, ("big==0.1",), download)
+    travel = tmp_path / "travel"
+    monkeypatch.setenv("SHARPDRAFT_TRAVEL_DIR", str(travel))
+    assert sorted(gpu_check.stash_parts(repo)) == sorted(p.name for p in (repo / ".gpu" / "parts").iterdir())
+    data = gpu_target.run(tmp_path / "out", smoke=True)
+    assert data["parts"]["join_and_install"]["status"] == "passed"
+    assert (travel / "wheels" / "big-0.1-py3-none-any.whl").read_bytes() == payload
+    assert data["parts"]["convert"]["status"] == "not run"  # smoke: nothing installed or converted
+    next(travel.glob("parts/big-*.whl.1")).unlink()
+    data = gpu_target.run(tmp_path / "out", smoke=True)
+    assert data["status"] == "not run" and "carry every part" in data["parts"]["join_and_install"]["reason"]
+    assert json.loads((tmp_path / "out" / "gpu_target.json").read_text())["status"] == "not run"

@@ -141,4 +141,6 @@ print(changed, hasattr(torch.ops.sharpdraft, "attention"),
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[]", "False", "False"]
+    # the torch op is the one registration an import makes (plugins/attention.py, issue 55):
+    # a compiled step may be a process's first caller, and dynamo cannot trace its definition
+    assert done.stdout.split() == ["[]", "True", "False"]

@@ -1,0 +1,262 @@
+"""GPU section `gpu_steps`: what each compiled step costs on a Qwen3-8B-shaped target,
+per step family and batch bucket, eager and as a captured CUDA graph.
+
+A Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head dim 128, random bf16
+weights, made on the GPU) and each family's drafter; for every family, batch bucket and
+context (descending: the largest buffers first, while memory is free) the family's steps
+are called as the batched roles call them (runtime/compiled.py: one call per group, KV
+buffers of batch rows, lengths as device tensors), timed: median host ms (the call's own
+CPU time) and median GPU ms (CUDA events), and host / GPU, the share the GPU waits on
+Python. Rows go to OUT/gpu_steps.json after every family x mode (scripts/gpu_record.py).
+
+Families (STEP_FAMILIES) are entries of one table: a new family (PARD's chain step,
+EAGLE-3's) adds an entry -- its drafter and its rows -- and the plan, the section and
+the rehearsal run it without another edit.
+
+    python -m scripts.gpu_steps --out DIR                   # scripts/gpu_check.py runs it
+    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_steps --out DIR   # CPU: tiny shapes, eager
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: the imports need `-m`
+    sys.exit("error: run it from the repository root as: python -m scripts.gpu_steps ...")
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from scripts.gpu_record import SectionRecord, log, section_main
+
+SECTION = "gpu_steps"
+QWEN3_8B = dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
+                head_dim=128, block=16, draft_layers=5)
+TINY = dict(vocab=512, hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16,
+            block=4, draft_layers=2)
+CONTEXTS = (32768, 16384, 4096)  # descending
+BATCH_BUCKETS = (1, 4)
+SMOKE = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
+
+
+def qwen3_8b_shaped(device, dtype, shape=QWEN3_8B, target=None):
+    """A Qwen3-8B-shaped TargetModel (or `target`, given) and a DFlash-shaped drafter with
+    random weights, made on the device (8B parameters never touch the host)."""
+    import torch
+
+    from runtime.models.dflash import DFlashConfig, DFlashDrafter
+    from runtime.models.target import TargetConfig, TargetModel
+
+    s = shape
+    config = TargetConfig("qwen3", s["vocab"], s["hidden"], s["intermediate"], s["layers"], s["heads"],
+                          s["kv_heads"], s["head_dim"], 1e-6, 1e6, 40960, False, True, False)
+    n = s["layers"]
+    ids = tuple(sorted({1 + round(i * (n - 4) / (s["draft_layers"] - 1)) for i in range(s["draft_layers"])}))
+    dconfig = DFlashConfig(s["hidden"], s["intermediate"], s["draft_layers"], s["heads"], s["kv_heads"],
+                           s["head_dim"], 1e-6, 1e6, s["vocab"], s["block"], s["vocab"] - 1, ids, n,
+                           max_position_embeddings=40960)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            target = target if target is not None else TargetModel(config).eval()
+            drafter = DFlashDrafter(dconfig).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return target, drafter
+
+
+def capacity(needed: int) -> int:
+    """A step's KV buffer size, as the batched roles lease it (a power of two)."""
+    from runtime.step_metadata import capacity_bucket
+
+    return 1 << capacity_bucket(needed)
+
+
+# -- the families: what each one's steps are, called as its batched role calls them ----------
+
+@dataclass(frozen=True)
+class StepFamily:
+    """drafter: None (the target's steps alone) or make(target, shape, device, dtype) -> the
+    drafter model the family's EngineSteps holds (made once, on the device); rows(steps,
+    batch, context, compiled) -> [(row name, call)], every buffer the calls need made."""
+    drafter: Callable | None
+    rows: Callable
+
+
+def dflash_drafter(target, shape, device, dtype):
+    return qwen3_8b_shaped(device, dtype, shape, target=target)[1]
+
+
+def target_rows(steps, batch, context, compiled):
+    """The target's step at every width bucket (1: decode; the rest: verifies)."""
+    import torch
+
+    # the engine's own buffers (bound: per-layer views, static addresses), as a group leases them
+    cache = steps.target_buffers.take(capacity(context + steps.buckets[-1]), batch)
+    cache.lengths.fill_(context)
+    step = steps.target_step if compiled else steps.target_module
+    out = []
+    for width in steps.buckets:
+        ids = torch.zeros((batch, width), dtype=torch.long, device=steps.device)
+        out.append((f"target {'decode' if width == 1 else 'verify'} ({width} token{'s' * (width > 1)})",
+                    lambda ids=ids: step(ids, *cache.layers, cache.lengths)))
+    return out
+
+
+def dflash_rows(steps, batch, context, compiled):
+    """The DFlash drafter's block after `context` keys, one block of context features."""
+    import torch
+
+    from plugins.scaling import PRESETS
+
+    drafter, block = steps.drafter, steps.block_size
+    cache = steps.draft_buffers.take(capacity(context + steps.context_bucket + block), batch)
+    cache.lengths.fill_(context)
+    module, step = steps.draft_step(PRESETS["dflash"], None)
+    call = step if compiled else module
+    ids = torch.full((batch, block), drafter.config.mask_token_id, dtype=torch.long, device=steps.device)
+    features = torch.zeros((batch, steps.context_bucket, drafter.fc.in_features),
+                           dtype=drafter.fc.weight.dtype, device=steps.device)
+    lens = torch.full((batch,), block, dtype=torch.long, device=steps.device)
+    return [(f"dflash block ({block})", lambda: call(ids, features, *cache.layers, cache.lengths, lens))]
+
+
+# PARD (ChainStep) and EAGLE-3 add their entries here: how to make their drafter, their rows.
+STEP_FAMILIES: dict[str, StepFamily] = {
+    "target": StepFamily(None, target_rows),
+    "dflash": StepFamily(dflash_drafter, dflash_rows),
+}
+
+
+def time_call(fn, cuda: bool, repeats: int) -> tuple[float, float | None]:
+    """Median host ms (the call's own time, the GPU idle before it) and median GPU ms
+    (events around it; None off CUDA) of `fn()`."""
+    import torch
+
+    host, gpu = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end))
+    return statistics.median(host), statistics.median(gpu) if gpu else None
+
+
+def family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows, save):
+    """Every (context, batch bucket) of one family in one mode, a row each, saved as it goes.
+    The engine's steps are made afresh for each (context, batch): a captured graph keeps
+    its KV buffers alive, and the 32K, batch-4 buffers alone take ~39 GB."""
+    import torch
+
+    graph = "cudagraph" if compiled and cuda else "eager"
+    for context in contexts:
+        for batch in batches:
+            steps = make_steps()
+            try:
+                calls = family.rows(steps, batch, context, compiled)
+            except Exception as exc:  # out of memory at this size, say: the row says why
+                rows.append({"family": name, "mode": f"{name} steps, {graph}, batch {batch}", "steps": graph,
+                             "context": context, "batch": batch,
+                             "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"})
+                del steps
+                save()
+                continue
+            for label, fn in calls:
+                # mode: the row's label in `python -m runtime report`'s table
+                row = {"family": name, "step": label, "mode": f"{label}, {graph}, batch {batch}",
+                       "steps": graph, "context": context, "batch": batch}
+                try:
+                    with torch.inference_mode():
+                        fn()  # the graph made (and kernels warmed) before timing
+                        host, gpu = time_call(fn, cuda, repeats)
+                    row.update(host_ms=round(host, 3), gpu_ms=None if gpu is None else round(gpu, 3),
+                               host_share=None if not gpu else round(host / gpu, 3))
+                except Exception as exc:  # a step that cannot be captured yet: the row says why
+                    row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                rows.append(row)
+                log(f"{SECTION}: {row['mode']} at {context}: "
+                    + (row.get("error") or f"host {row['host_ms']} ms, GPU {row['gpu_ms']} ms"))
+            del calls, steps
+            save()
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
+    import torch
+
+    from runtime.compiled import EngineSteps
+
+    cuda = torch.cuda.is_available() and not smoke
+    if not smoke and not cuda:
+        raise SystemExit("error: gpu_steps needs a CUDA device; SHARPDRAFT_SMOKE=1 runs its CPU smoke mode")
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = TINY if smoke else QWEN3_8B
+    contexts, batches = (SMOKE["contexts"], SMOKE["batches"]) if smoke else (CONTEXTS, BATCH_BUCKETS)
+    repeats = SMOKE["repeats"] if smoke else 10
+    # on CPU only eager rows: a dynamo compile per shape would take the rehearsal minutes
+    modes = (False, True) if cuda else (False,)
+    record = SectionRecord(out_dir, SECTION, smoke=smoke,
+                           device=torch.cuda.get_device_name() if cuda else "cpu")
+    record.data.update(shape=shape, contexts=contexts, batch_buckets=batches, repeats=repeats, rows=[])
+    made = {}
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def models(part):
+        started = time.perf_counter()
+        made["target"], made["dflash_shape"] = qwen3_8b_shaped(device, dtype, shape)
+        part["seconds_to_make"] = round(time.perf_counter() - started, 1)
+
+    record.part("target", models)
+    for name, family in (families or STEP_FAMILIES).items():
+        def measure(part, name=name, family=family):
+            if "target" not in made:
+                raise RuntimeError("the target was not made")
+            target = made["target"]
+            drafter = family.drafter(target, shape, device, dtype) if family.drafter else None
+            # the feature layers a DFlash drafter of this shape reads (what the target step returns)
+            layer_ids = made["dflash_shape"].config.target_layer_ids
+            block = shape["block"]
+            rows = record.data["rows"]  # every family's, one table
+            before = len(rows)
+            for compiled in modes:
+                def make_steps(backend="cudagraph" if compiled else "eager"):
+                    return EngineSteps(target, layer_ids, (1, block + 1), backend, drafter=drafter,
+                                       context_bucket=block)
+
+                family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows,
+                            record.save)
+            del drafter
+            part["rows"] = len(rows) - before
+            return not any("error" in r for r in rows[before:])
+
+        record.part(f"family_{name}", measure)
+    record.data["goals"] = goals(record.data["rows"])
+    return record.finish()
+
+
+def goals(rows: list[dict]) -> dict:
+    """The host-share goal (<= 0.1): host / GPU time of a batch-1 decode step replayed as a
+    CUDA graph, per context."""
+    return {f"host_share_decode_cudagraph_{r['context']}": r["host_share"] for r in rows
+            if r.get("step") == "target decode (1 token)" and r.get("steps") == "cudagraph"
+            and r.get("batch") == 1 and r.get("host_share") is not None}
+
+
+def main(argv=None) -> int:
+    return section_main(SECTION, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The GPU sections gpu_e2e and gpu_steps on CPU (their rows' code on the tiny pair): what
+makes an end-to-end row a measurement (medians of 3 timed runs, one tokenization handed to
+both sides, transformers' compile status and first call, a missing target-only row marking
+its context unchecked, a differing token located), and the step-cost families' table."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts import gpu_e2e, gpu_steps
+
+REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_target, tiny_drafter):
+    from runtime.compiled import load_dflash, load_target
+
+    model, tokenizer = load_target(tiny_target, "cpu", "float32")
+    drafter = load_dflash(tiny_drafter, "cpu", "float32")
+    prompts = {72: gpu_e2e.prompt_ids(tokenizer, 64), 48: gpu_e2e.prompt_ids(tokenizer, 40)}
+    return dict(model=model, tokenizer=tokenizer, drafter=drafter, prompts=prompts, target_dir=tiny_target)
+
+
+def ours(loaded, modes=gpu_e2e.MODES, prompts=None):
+    from plugins.scaling import PRESETS
+
+    rows, saves = [], []
+    gpu_e2e.our_rows(loaded["model"], loaded["drafter"], PRESETS["dflash"], CPU, prompts or loaded["prompts"],
+                     8, None, gpu_e2e.Clock(600), rows, lambda: saves.append(len(rows)), modes=modes)
+    return rows, saves
+
+
+def test_our_rows_are_medians_of_three_timed_runs_checked_against_target_only(loaded):
+    rows, saves = ours(loaded)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 48) for m in gpu_e2e.MODES]
+    assert saves == list(range(1, len(rows) + 1))  # saved after every row
+    for r in rows:
+        assert len(r["runs_tok_s"]) == gpu_e2e.TIMED_RUNS >= 3
+        assert r["tok_s"] == sorted(r["runs_tok_s"])[1] and r["mal"] >= 1 and r["new_tokens"] == 8
+        assert r["prompt_sha256"] == gpu_e2e.ids_digest(loaded["prompts"][r["context"]])
+    assert all(r["lossless"] is True for r in rows if r["mode"] != "target")
+
+
+def test_a_missing_target_only_row_leaves_its_context_unchecked_and_a_differing_token_is_located(
+        loaded, monkeypatch):
+    rows, _ = ours(loaded, modes=("ngram",))
+    assert [r["lossless"] for r in rows] == ["unchecked", "unchecked"]  # never passed by default
+    real = gpu_e2e.decode_row
+
+    def off_at_5(decoders, mode, *args):
+        row = real(decoders, mode, *args)
+        if mode == "hybrid":
+            row["tokens"] = row["tokens"][:5] + [row["tokens"][5] + 1] + row["tokens"][6:]
+        return row
+
+    monkeypatch.setattr(gpu_e2e, "decode_row", off_at_5)
+    rows, _ = ours(loaded, modes=("target", "hybrid"), prompts={72: loaded["prompts"][72]})
+    assert rows[1]["lossless"] is False and rows[1]["first_differing_index"] == 5
+    assert gpu_e2e.verdict(rows) == ["hybrid at 72"]
+    assert gpu_e2e.first_difference([1, 2, 3], [1, 2]) == 2 and gpu_e2e.first_difference([1], [1]) is None
+
+
+def test_transformers_rows_get_the_same_prompt_ids_and_record_their_compile(loaded):
+    from runtime.models.target import load_hf_causal_lm
+
+    mine, _ = ours(loaded, modes=("target",))
+    model, _ = load_hf_causal_lm(Path(loaded["target_dir"]), torch.float32)
+    rows = []
+    want = {r["context"]: r["tokens"] for r in mine}
+    gpu_e2e.transformers_rows(model, loaded["tokenizer"], CPU, loaded["prompts"], 8, gpu_e2e.Clock(600),
+                              rows, lambda: None, ours=want)
+    assert [(r["mode"], r["context"]) for r in rows] == [(m, c) for c in (72, 48) for m in gpu_e2e.PEERS]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["prompt_sha256"] == gpu_e2e.ids_digest(loaded["prompts"][r["context"]])
+        assert len(r["t1_runs_s"]) == len(r["tn_runs_s"]) == gpu_e2e.TIMED_RUNS and r["tok_s"] > 0
+        assert r["compiled"] is False and r["first_call_s"] > 0  # on CPU transformers does not compile
+    # the same weights and ids, greedy in fp32: transformers decodes our target-only tokens
+    assert all(r["tokens_equal_ours"] for r in rows if "static" in r["mode"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+def test_gpu_sections_refuse_without_cuda_in_one_line(tmp_path):
+    for module in ("scripts.gpu_e2e", "scripts.gpu_steps"):
+        done = subprocess.run([sys.executable, "-m", module, "--out", str(tmp_path)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 1 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_goals_are_ratios_of_measured_rows():
+    rows = [{"mode": "target", "context": 8192, "tok_s": 400.0, "mal": 1.0},
+            {"mode": "hybrid", "context": 8192, "tok_s": 1000.0, "mal": 3.2},
+            {"mode": "transformers generate (static cache)", "context": 8192, "tok_s": 320.0},
+            {"mode": "target", "context": 4096, "tok_s": 420.0, "fallback": "cudagraph steps failed"},
+            {"mode": "transformers generate (static cache)", "context": 4096, "tok_s": 330.0}]
+    assert gpu_e2e.goals(rows) == {"target_vs_transformers_static_8192": 1.25, "hybrid_vs_target_8192": 2.5}
+
+
+def test_qwen3_8b_shape_is_qwen3_8b():
+    """Built on the meta device (no memory): Qwen3-8B's parameter count and DFlash's
+    default target layers for 36 layers and 5 draft layers."""
+    target, drafter = gpu_steps.qwen3_8b_shaped("meta", torch.bfloat16)
+    count = sum(p.numel() for p in target.parameters())
+    assert 8.1e9 < count < 8.3e9
+    assert drafter.config.target_layer_ids == (1, 9, 17, 25, 33)
+    assert drafter.config.block_size == 16 and len(drafter.layers) == 5
+
+
+def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(tmp_path, monkeypatch):
+    """gpu_steps in smoke mode: a row per family x step x context x batch bucket; a family
+    added to the table (as PARD's or EAGLE-3's will be) is measured with no other edit."""
+    def doubled(steps, batch, context, compiled):
+        x = torch.ones(batch, 8)
+        return [("stand-in step", lambda: x * 2)]
+
+    families = dict(gpu_steps.STEP_FAMILIES, standin=gpu_steps.StepFamily(None, doubled))
+    monkeypatch.setattr(gpu_steps, "STEP_FAMILIES", families)
+    data = gpu_steps.run(tmp_path, smoke=True)
+    assert data["status"] == "passed"
+    saved = json.loads((tmp_path / "gpu_steps.json").read_text())
+    rows = saved["rows"]
+    assert saved["parts"]["family_standin"]["rows"] == len(gpu_steps.SMOKE["contexts"]) * len(gpu_steps.SMOKE["batches"])
+    contexts, batches = gpu_steps.SMOKE["contexts"], gpu_steps.SMOKE["batches"]
+    for family, steps in (("target", 2), ("dflash", 1), ("standin", 1)):
+        mine = [r for r in rows if r["family"] == family]
+        assert len(mine) == steps * len(contexts) * len(batches), family
+        assert {(r["context"], r["batch"]) for r in mine} == {(c, b) for c in contexts for b in batches}
+        assert all(r["host_ms"] > 0 and "error" not in r for r in mine)
+    assert [r["context"] for r in rows if r["family"] == "target"][0] == max(contexts)  # descending
+    row = {"step": "target decode (1 token)", "steps": "cudagraph", "batch": 1, "context": 32768,
+           "host_share": 0.05}
+    assert gpu_steps.goals([row, row | {"batch": 4}]) == {"host_share_decode_cudagraph_32768": 0.05}
