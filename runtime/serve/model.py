@@ -47,6 +47,8 @@ class TritonPythonModel:
                      if params.get(k)}
         self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, placement)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
+        # prompts longer than this many bytes cannot fit the context: refused untokenized
+        self.prompt_bytes = protocol.prompt_byte_limit(self.engine.tokenizer, self.engine.context_limit)
         max_batch = int(params.get("max_batch", "1"))
         self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])
         self.turns = _Turns(args["model_name"], args["model_instance_name"], TURNS)
@@ -84,7 +86,7 @@ class TritonPythonModel:
         # parameters; parse() refuses them so a misspelt field is an error, not ignored.
         parameters = json.loads(request.parameters() or "{}")
         req = self.protocol.parse(self._arrays(request), self.limit, parameters)
-        ids = self.protocol.encode_prompt(self.engine, req)
+        ids = self.protocol.encode_prompt(self.engine, req, self.prompt_bytes)
         req.mode(self.engine)  # a mode this engine cannot run: refused before any work
         return req, ids
 
