@@ -6,9 +6,11 @@ closed. Slow (a server of its own, restarted once): the fast tier covers the sup
 rule and the key in process (test_serving_supervisor.py)."""
 
 import concurrent.futures
+import http.client
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -161,3 +163,74 @@ def test_a_killed_instance_fails_its_requests_retryably_and_the_model_comes_back
     assert saw_not_ready
     log = (guarded["work"] / "serve.stderr").read_text()
     assert log.count("died: restarting tritonserver") == 1 and log.count("tritonserver back") == 1, log
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory, long_target, long_drafter):
+    """A torch engine over the 4096-token tiny pair: prompts long enough that prefilling
+    three of them costs seconds."""
+    import build_engine
+
+    out = tmp_path_factory.mktemp("long-engine") / "long"
+    assert build_engine.main(["--drafter", "dflash", "--sharpdraft", "--target", str(long_target),
+                              "--drafter-checkpoint", str(long_drafter), "--ref-keys", "64", "--top-k", "8",
+                              "--backend", "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
+    return out
+
+
+def _turns(metrics_url: str, kinds) -> float:
+    """Scheduler turns of these kinds so far (sharpdraft_turn_seconds_count{kind})."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sharpdraft_turn_seconds_count{")
+               and any(f'kind="{kind}"' in line for kind in kinds))
+
+
+def _cancelled(metrics_url: str, stage: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sharpdraft_cancelled_requests_total{") and f'stage="{stage}"' in line)
+
+
+HUNG_UP = 4
+
+
+def test_clients_that_hang_up_during_prefill_cost_the_next_request_nothing(long_engine, tmp_path):
+    """Four streamed ~3,900-token prompts cut once their prefill is under way, then a
+    4-token request: it is answered within 5 s (their prefills stop between two chunks;
+    before, every chunk ran and the next request waited for them all: 14.2 s on 2 shared
+    cores, against 0.12 s now), and the metrics count the cancellations."""
+    from runtime.engine import Engine
+
+    engine = Engine(long_engine)
+    prompt = "x = [i * i for i in range(10)]\n"
+    prompt *= 3900 // len(engine.encode(prompt))
+    assert 3500 < len(engine.encode(prompt)) < 4000
+    port, = free_ports(1)
+    with serve(long_engine, tmp_path, "--instances", "1", "--max-batch", "4", "--prefill-chunk", "8",
+               "--openai-port", str(port)) as info:
+        model = info["models"][0]
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "stream": True}).encode()
+        openai_port = int(info["openai"].rsplit(":", 1)[1].split("/")[0])
+        clients = []
+        for _ in range(HUNG_UP):
+            conn = http.client.HTTPConnection("127.0.0.1", openai_port, timeout=30)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            clients.append(conn)
+        deadline = time.monotonic() + 30
+        while _turns(info["metrics"], ("prefill", "chunk")) < 10:  # the prefill is under way
+            assert time.monotonic() < deadline, "the prompts never started prefilling"
+            time.sleep(0.05)
+        for conn in clients:  # the clients hang up mid-prefill
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        start = time.monotonic()
+        reply = _client(info, "unused").completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+        answered = time.monotonic() - start
+        assert reply.model_extra["sharpdraft"]["token_ids"] == engine.generate(engine.encode(PROMPT), 4).tokens
+        print(f"the next request was answered in {answered:.2f} s")
+        assert answered < 5, f"the next request waited {answered:.1f} s"
+        stages = {stage: _cancelled(info["metrics"], stage) for stage in ("queue", "prefill", "decode")}
+        assert stages["prefill"] + stages["queue"] == HUNG_UP, stages
