@@ -132,3 +132,20 @@ def test_the_openai_endpoint_wants_the_key_and_says_when_it_is_not_ready(tiny_en
         assert code == 503 and h["Retry-After"] and body["error"]["code"] == "backend_unavailable"
     finally:
         frontend.stop()
+
+
+def test_tritons_http_body_is_capped_to_what_the_model_can_take_where_the_binary_can(tiny_engine, tmp_path):
+    """--http-max-input-size (newer tritonservers; 2.51, the wheel's, has none, and serve
+    says so): the longest prompt the context holds, JSON-escaped at worst, plus room."""
+    from runtime.commands.serve import _http_max_input
+    from runtime.engine import load_tokenizer
+    from runtime.manifest import read_manifest
+    from runtime.serve.protocol import longest_token_bytes
+
+    manifest = read_manifest(tiny_engine, verify="skip")
+    cap = _http_max_input(tiny_engine)
+    assert cap == 6 * 512 * longest_token_bytes(load_tokenizer(manifest.target_dir)) + 2**16
+    install = server.Installation(binary=tmp_path / "tritonserver", backends=tmp_path, kind="system")
+    srv = server.Server(tmp_path, ["m"], install=install, http_max_input=cap)
+    assert f"--http-max-input-size={cap}" in srv.command(tmp_path, frozenset({"--http-max-input-size"}))
+    assert not any(a.startswith("--http-max-input-size") for a in srv.command(tmp_path, frozenset()))

@@ -200,12 +200,16 @@ def _run(args, out, models, ports, install, result) -> int:
     # Installed before the server starts, so a signal during start-up stops it cleanly too.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log = open(args.server_log, "a", buffering=1) if args.server_log else None
-    srv = server.Server(out, models, ports, install, log=log, host=args.host, api_key=args.api_key)
+    srv = server.Server(out, models, ports, install, log=log, host=args.host, api_key=args.api_key,
+                        http_max_input=_http_max_input(args.engine_dir))
     frontend = None
     try:
         pid = srv.start()
         progress(f"tritonserver ({install.kind}: {install.binary}) pid {pid}, loading "
                  f"{', '.join(models)} …")
+        if srv.http_max_input and "--http-max-input-size" not in srv.accepts({}):
+            progress("this tritonserver has no --http-max-input-size (2.51 has not): its HTTP "
+                     "port reads bodies of any size; keep it behind the proxy (docs/serving.md)")
         if not srv.wait_ready(args.ready_timeout, cancel=stop):
             progress("stopping before the server was ready")
             return 130
@@ -244,6 +248,21 @@ def _run(args, out, models, ports, install, result) -> int:
             log.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _http_max_input(engine_dir) -> int | None:
+    """The biggest HTTP body Triton need read for this engine: a prompt the context can
+    hold (protocol.prompt_byte_limit), each byte JSON-escaped at worst (\\u00XX: 6
+    bytes), plus room for the other fields. None where the context is not recorded."""
+    from runtime.engine import load_tokenizer
+    from runtime.manifest import read_manifest
+    from runtime.serve.protocol import context_bound, prompt_byte_limit
+
+    manifest = read_manifest(engine_dir, verify="skip")
+    context = context_bound(manifest)
+    if context is None:
+        return None
+    return 6 * prompt_byte_limit(load_tokenizer(manifest.target_dir), context) + 2**16
 
 
 def _start_openai(args, models, srv, limit):

@@ -219,8 +219,10 @@ class Server:
 
     def __init__(self, repository: str | Path, models: list[str], ports: Ports = Ports(),
                  install: Installation | None = None, log=None, exit_timeout: int = 30,
-                 host: str = HOST, api_key: str | None = None):
+                 host: str = HOST, api_key: str | None = None, http_max_input: int | None = None):
         ports.check()
+        self.http_max_input = http_max_input  # bytes; None: Triton's own default
+        self._accepted: frozenset | None = None
         self.bind = host
         self.HOST = loopback_for(host)  # what our own probes and the endpoints we print use
         self.api_key = api_key
@@ -244,8 +246,11 @@ class Server:
                 "models": self.models,
                 "generate": [f"{self.http_url}/v2/models/{m}/generate" for m in self.models]}
 
-    def command(self, backends: Path) -> list[str]:
-        return [str(self.install.binary), f"--model-repository={self.repository}",
+    def command(self, backends: Path, accepted: frozenset = frozenset()) -> list[str]:
+        """The server's argv; `accepted`: the optional flags this binary takes (accepts)."""
+        size = ([f"--http-max-input-size={self.http_max_input}"]
+                if self.http_max_input and "--http-max-input-size" in accepted else [])
+        return [str(self.install.binary), f"--model-repository={self.repository}", *size,
                 f"--backend-directory={backends}",
                 f"--http-address={self.bind}", f"--http-port={self.ports.http}",
                 f"--grpc-address={self.bind}", f"--grpc-port={self.ports.grpc}",
@@ -259,12 +264,25 @@ class Server:
         self.workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
         backends, env = prepare_workspace(self.install, self.workspace)
         self.process = subprocess.Popen(
-            self.command(backends), env=env, stdin=subprocess.DEVNULL,
+            self.command(backends, self.accepts(env)), env=env, stdin=subprocess.DEVNULL,
             stdout=self.log or sys.stderr, stderr=subprocess.STDOUT,
             # Its own session: a terminal's Ctrl-C reaches only us, and we stop the server
             # exactly once; PDEATHSIG stops it should we be killed outright.
             start_new_session=True, preexec_fn=_die_with_parent)
         return self.process.pid
+
+    def accepts(self, env: dict) -> frozenset:
+        """Which of the flags newer tritonservers added this one takes (its --help says):
+        --http-max-input-size came after 2.51, the wheel's."""
+        if self._accepted is None:
+            try:
+                out = subprocess.run([str(self.install.binary), "--help"], env=env, capture_output=True,
+                                     text=True, timeout=60)
+                help_text = out.stdout + out.stderr
+            except (OSError, subprocess.TimeoutExpired):
+                help_text = ""
+            self._accepted = frozenset(f for f in ("--http-max-input-size",) if f in help_text)
+        return self._accepted
 
     def _ok(self, path: str) -> bool:
         try:
