@@ -432,3 +432,16 @@ def test_a_15_mb_prompt_is_refused_at_once_and_the_endpoint_stays_responsive(end
         urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=big), timeout=30)
     assert "bytes" in json.loads(triton_refused.value.read())["error"]
     assert time.perf_counter() - start < 5
+
+
+def test_chat_messages_are_checked_against_their_schema(endpoint):
+    """Roles and content forms (pydantic, as vLLM and SGLang): the first problem is a 400
+    naming where it is, without echoing the input."""
+    for messages, where in (([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                             "messages[0].content[0].type"),
+                            ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1].content"),
+                            ([], "messages")):
+        code, _, body = _raw(endpoint, "/chat/completions", json.dumps(
+            {"model": endpoint["models"][0], "max_tokens": 2, "messages": messages}).encode())
+        assert code == 400 and body["error"]["param"] == where, body

@@ -26,6 +26,7 @@ response carries `X-Content-Type-Options: nosniff`, every 503 a `Retry-After`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import sys
@@ -77,6 +78,45 @@ def quote(value) -> str:
     except ValueError:  # an integer past Python's digit limit
         return "an integer too long to show"
     return text if len(text) <= QUOTE else text[:QUOTE - 3] + "..."
+
+
+@functools.cache  # built once, on the first chat request
+def _message_schema():
+    """The chat messages' schema (pydantic, as vLLM and SGLang check theirs): a role of
+    ROLES, text content as a string or text parts; other message keys (`name`, ...) pass."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, StrictStr, TypeAdapter
+
+    class TextPart(BaseModel):
+        type: Literal["text"]
+        text: StrictStr
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal[ROLES]
+        content: StrictStr | list[TextPart]
+
+    return TypeAdapter(list[Message])
+
+
+def chat_messages(messages) -> list[dict]:
+    """`messages` checked against the schema, as [{"role", "content": text}]; the first
+    problem a 400 naming where it is, quoting nothing of the input."""
+    from pydantic import ValidationError
+
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    try:
+        checked = _message_schema().validate_python(messages)
+    except ValidationError as exc:
+        # the deepest problem: for content that is neither form, the part that is wrong
+        first = max(exc.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
+        loc = [part for part in first["loc"] if part not in ("str", "list[TextPart]")]
+        where = f"messages[{loc[0]}]" + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in loc[1:])
+        raise ApiError(400, f"{where}: {first['msg'][:200]}", param=where[:QUOTE]) from None
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str)
+             else "".join(part.text for part in m.content)} for m in checked]
 
 
 def decode_body(raw: bytes, content_type: str, charset: str | None):
@@ -308,25 +348,7 @@ class Api:
         request = self._common(body, {"model", "messages", "max_tokens", "max_completion_tokens",
                                       "temperature", "top_p", "seed", "stop", "n", "stream",
                                       "sharpdraft"}, default_max=self.s.limit)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        plain = []
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ApiError(400, f"messages[{i}]: only text content parts are served",
-                                   param=f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
-                raise ApiError(400, f"messages[{i}] must have a string 'role' and text 'content'",
-                               param=f"messages[{i}]")
-            if m["role"] not in ROLES:
-                raise ApiError(400, f"messages[{i}]: role {quote(m['role'])} is not one of "
-                                    f"{', '.join(ROLES)}", param=f"messages[{i}].role")
-            plain.append({"role": m["role"], "content": content})
+        plain = chat_messages(body.get("messages"))
         self._check_size(sum(len(m["content"].encode("utf-8")) for m in plain))
         if not getattr(self.s.tokenizer, "chat_template", None):
             raise ApiError(400, f"model {self.s.model!r} has no chat template; use /v1/completions",
