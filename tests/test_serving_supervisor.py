@@ -31,7 +31,7 @@ class FakeServer:
     def stubs(self):
         return dict(self.alive)
 
-    def _ok(self, path):
+    def model_ready(self, model):
         return True
 
     def kill(self):
@@ -71,7 +71,7 @@ def test_a_dead_instance_restarts_the_server_and_one_that_keeps_dying_is_given_u
 
 def test_a_model_that_stays_not_ready_is_brought_back_but_one_slow_probe_is_not():
     srv, lines, ready = FakeServer(), [], {"now": True}
-    srv._ok = lambda path: ready["now"]
+    srv.model_ready = lambda model: ready["now"]
     watch = server.Supervisor(srv, 60, lines.append)
     results = []
     for now in [False, True] + [False] * server.Supervisor.NOT_READY_POLLS:
@@ -149,3 +149,13 @@ def test_tritons_http_body_is_capped_to_what_the_model_can_take_where_the_binary
     srv = server.Server(tmp_path, ["m"], install=install, http_max_input=cap)
     assert f"--http-max-input-size={cap}" in srv.command(tmp_path, frozenset({"--http-max-input-size"}))
     assert not any(a.startswith("--http-max-input-size") for a in srv.command(tmp_path, frozenset()))
+
+
+def test_host_binds_every_port_and_our_probes_use_the_loopback(tmp_path):
+    install = server.Installation(binary=tmp_path / "tritonserver", backends=tmp_path, kind="system")
+    srv = server.Server(tmp_path, ["m"], install=install, host="0.0.0.0")
+    argv = srv.command(tmp_path)
+    for flag in ("http", "grpc", "metrics"):
+        assert f"--{flag}-address=0.0.0.0" in argv
+    assert srv.http_url.startswith("http://127.0.0.1:")
+    assert "--http-address=127.0.0.1" in server.Server(tmp_path, ["m"], install=install).command(tmp_path)

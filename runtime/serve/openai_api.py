@@ -36,12 +36,13 @@ import uuid
 
 import numpy as np
 
+from runtime.serve.protocol import QUOTE, quote
+
 # The scheduler's QueueFull text (runtime/serve/scheduler.py): a gRPC stream response
 # carries only a message, no status code, so the refusal is recognised by it.
 QUEUE_FULL_MARK = "requests are already waiting"
 INTERNAL_MARK = "internal error (id"  # protocol.internal_error's reply
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
-QUOTE = 60  # the most characters of a client's input an error message quotes
 RETRY_AFTER = "2"  # seconds, on every 503: a full queue, or a model coming back
 # What the model's errors say when its instance is gone (the Python backend's stub died):
 # the server's fault, and retryable once serve has brought the model back.
@@ -68,16 +69,6 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
-
-
-def quote(value) -> str:
-    """A client's value for an error message, cut to QUOTE characters: an error never
-    echoes a megabyte back."""
-    try:
-        text = repr(value)
-    except ValueError:  # an integer past Python's digit limit
-        return "an integer too long to show"
-    return text if len(text) <= QUOTE else text[:QUOTE - 3] + "..."
 
 
 @functools.cache  # built once, on the first chat request

@@ -59,6 +59,19 @@ class RequestError(ValueError):
     """A request the model refuses; the message goes back to the client as is."""
 
 
+QUOTE = 60  # the most characters of a client's input an error message quotes
+
+
+def quote(value) -> str:
+    """A client's value for an error message, cut to QUOTE characters: an error never
+    echoes a megabyte back."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit
+        return "an integer too long to show"
+    return text if len(text) <= QUOTE else text[:QUOTE - 3] + "..."
+
+
 def internal_error(exc: BaseException) -> tuple[str, str]:
     """(reply, log entry) for an unexpected failure: the client gets a short message with
     an id to quote; the server log gets the same id with the exception and traceback."""
@@ -135,7 +148,7 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     request's parameters, of which this model takes none."""
     unknown = sorted(set(arrays) - {t.name for t in INPUTS}) + sorted(parameters or {})
     if unknown:  # Triton itself refuses unknown tensors; unknown parameters reach us
-        raise RequestError(f"unknown field(s) {', '.join(repr(u) for u in unknown)}; this model "
+        raise RequestError(f"unknown field(s) {', '.join(quote(u) for u in unknown[:4])}; this model "
                            f"takes {', '.join(t.name for t in INPUTS)}")
     specs = {t.name: t for t in INPUTS}
 
@@ -164,8 +177,8 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
                                "sharpdraft false)")
         try:
             modes.parse(mode)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
+        except ValueError:
+            raise RequestError(f"no decoding mode {quote(mode)} (modes: {', '.join(modes.Mode)})") from None
     request = Request(text=raw, max_new_tokens=max_new,
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),

@@ -291,9 +291,11 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
+    def model_ready(self, model: str) -> bool:
+        return self._ok(f"/v2/models/{model}/ready")
+
     def ready(self) -> bool:
-        return self._ok("/v2/health/ready") and all(self._ok(f"/v2/models/{m}/ready")
-                                                    for m in self.models)
+        return self._ok("/v2/health/ready") and all(self.model_ready(m) for m in self.models)
 
     def wait_ready(self, timeout: float = 300.0, cancel=None) -> bool:
         """True once the server and every model are ready; False if `cancel` (an Event)
@@ -417,7 +419,7 @@ class Supervisor:
         for pid, model in self.known.items():
             if pid not in alive:
                 return f"model {model}'s instance (stub pid {pid}) died"
-        down = [m for m in self.srv.models if not self.srv._ok(f"/v2/models/{m}/ready")]
+        down = [m for m in self.srv.models if not self.srv.model_ready(m)]
         self.not_ready = self.not_ready + 1 if down else 0
         if self.not_ready >= self.NOT_READY_POLLS:
             return f"model {down[0]} is not ready"
