@@ -162,7 +162,9 @@ def test_a_killed_instance_fails_its_requests_retryably_and_the_model_comes_back
     assert reply.model_extra["sharpdraft"]["token_ids"] == ref.tokens[:8]
     assert saw_not_ready
     log = (guarded["work"] / "serve.stderr").read_text()
-    assert log.count("died: restarting tritonserver") == 1 and log.count("tritonserver back") == 1, log
+    # one line when it went (the stub, or tritonserver itself where the stub's death
+    # brought it down), one when it is back
+    assert log.count(": restarting tritonserver") == 1 and log.count("tritonserver back") == 1, log
 
 
 @pytest.fixture(scope="module")

@@ -348,8 +348,13 @@ class Server:
     def kill(self) -> None:
         """SIGKILL to the server and its stubs (its process group), at once: for a restart,
         where Triton's own shutdown would wait out exit_timeout on the dead stub's requests."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process is not None:
+            # the whole group even where the server has exited (crashed): its other stubs
+            # outlive it otherwise
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.process.wait()
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
@@ -369,6 +374,10 @@ class Server:
                     os.killpg(self.process.pid, signal.SIGKILL)
                     self.process.wait()
             code = self.process.returncode
+            try:  # a server that crashed leaves its stubs running in its group
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
             self.workspace = None
