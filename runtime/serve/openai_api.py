@@ -110,15 +110,20 @@ def chat_messages(messages) -> list[dict]:
              else "".join(part.text for part in m.content)} for m in checked]
 
 
-def decode_body(raw: bytes, content_type: str, charset: str | None):
-    """The request body as JSON: 415 unless it says it is JSON, 400 for anything that is
-    not UTF-8 JSON a Python program can hold (a bad charset, invalid bytes, a lone
-    surrogate escape, a number past the digit limit, nesting past the recursion limit)."""
+def check_media_type(content_type: str, charset: str | None) -> None:
+    """Before the body is read: 415 unless it says it is JSON (a browser's cross-site
+    form post cannot), 400 for a charset other than UTF-8."""
     if content_type != "application/json":
         raise ApiError(415, f"the body must be JSON sent as Content-Type: application/json, got "
                             f"{quote(content_type)}", code="unsupported_media_type")
     if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
         raise ApiError(400, f"the body's charset must be utf-8, got {quote(charset)}")
+
+
+def decode_body(raw: bytes):
+    """The request body as JSON: 400 for anything that is not UTF-8 JSON a Python program
+    can hold (invalid bytes, a lone surrogate escape, a number past the digit limit,
+    nesting past the recursion limit)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -226,8 +231,9 @@ def _number(body, name, low, high, default, integer=False, low_open=False):
 
 
 class Settings:
-    """What every request needs: the served names, the tokenizer (prompt tokens for
-    `usage`, the chat template), the limit, the modes, and where Triton listens."""
+    """What every request needs: the served names, the tokenizer (the chat template, the
+    longest token for the prompts' byte bound), the limit, the modes, the API key, and
+    where Triton listens."""
 
     def __init__(self, engine_dir, model: str, stream_model: str, grpc_url: str,
                  max_new_tokens_limit: int, served_as: dict | None = None, api_key: str | None = None):
@@ -324,10 +330,10 @@ class Api:
                                 f"({self.s.context} tokens, at most {self.s.prompt_bytes} bytes) can hold",
                            param="prompt", code="context_length_exceeded")
 
-    def parse(self, raw: bytes, content_type: str, charset: str | None, chat: bool):
+    def parse(self, raw: bytes, chat: bool):
         """The body to (prompt, request fields); run off the event loop, so a big body or
         a slow chat template never holds up other clients."""
-        body = decode_body(raw, content_type, charset)
+        body = decode_body(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         prompt, r = (self.parse_chat if chat else self.parse_completion)(body)
@@ -454,8 +460,9 @@ class Api:
         from aiohttp import web
 
         try:
+            check_media_type(http.content_type, http.charset)
             raw = await http.read()
-            prompt, r = await asyncio.to_thread(self.parse, raw, http.content_type, http.charset, chat)
+            prompt, r = await asyncio.to_thread(self.parse, raw, chat)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
