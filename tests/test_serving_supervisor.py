@@ -91,15 +91,22 @@ def test_tritons_admin_apis_are_always_restricted_and_inference_only_with_a_key(
     assert f"--grpc-restricted-protocol=inference,model-repository:authorization=Bearer {'k' * 12}" in keyed
 
 
-def test_serve_refuses_a_key_triton_cannot_carry(tiny_engine, tmp_path, capsys):
+def test_serve_refuses_a_key_triton_cannot_carry(tiny_engine, tmp_path, capsys, monkeypatch):
     from runtime.__main__ import main
     from runtime.cli import run
 
+    serve = ["serve", "--engine-dir", str(tiny_engine), "--model-repository", str(tmp_path / "r")]
     for key in ("short", "has space inside", "a:b=c,d-long-enough"):
-        code = run(main, ["serve", "--engine-dir", str(tiny_engine), "--model-repository", str(tmp_path / "r"),
-                     "--start", "--api-key", key])
+        code = run(main, serve + ["--start", "--api-key", key])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: --api-key") and err.count("\n") == 1
+    monkeypatch.setenv("SHARPDRAFT_API_KEY", "short")  # the key from the environment, checked alike
+    assert run(main, serve + ["--start"]) == 2
+    assert capsys.readouterr().err.startswith("error: --api-key (or $SHARPDRAFT_API_KEY)")
+    monkeypatch.delenv("SHARPDRAFT_API_KEY")
+    for flags in (["--host", "0.0.0.0"], ["--api-key", "long-enough-key"]):  # a server's options
+        assert run(main, serve + flags) == 2
+        assert "add --start" in capsys.readouterr().err
 
 
 def _get(url, headers=None):

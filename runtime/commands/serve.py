@@ -101,12 +101,14 @@ def run(args) -> int:
         ports.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    args.api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if (args.host != "127.0.0.1" or args.api_key is not None) and not args.start:
+        raise UsageError("--host and --api-key are for the server: add --start")
+    # the environment's key only where a server starts (writing a repository needs none)
+    if args.start and args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
     if args.api_key is not None and not _token(args.api_key):
         raise UsageError(f"--api-key (or ${API_KEY_ENV}) must be 8 to 256 printable ASCII characters "
                          "with no space, ',', ':' or '=' (Triton's restricted-API options carry it)")
-    if (args.host != "127.0.0.1" or args.api_key) and not args.start:
-        raise UsageError("--host and --api-key are for the server: add --start")
     if args.openai_port is not None:
         if not args.start:
             raise UsageError("--openai-port serves next to a running tritonserver: add --start")
