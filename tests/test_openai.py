@@ -7,6 +7,7 @@ model beside it, which batches through the same scheduler."""
 import concurrent.futures
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -339,3 +340,108 @@ def test_the_ttft_script_times_every_path_against_this_server(endpoint, tiny_eng
     for name, seconds in result["ttft_s"].items():
         assert len(seconds) == 3 and all(0 < s < 60 for s in seconds)
         assert abs(result["median_s"][name] - statistics.median(seconds)) < 1e-3
+
+
+# --- a hostile client: every malformed input a 4xx, big prompts refused before work ----
+
+def _raw(endpoint, path, data: bytes, content_type="application/json", method="POST", timeout=30):
+    """(status, headers, parsed body) of one raw HTTP request to the endpoint."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    request = urllib.request.Request(endpoint["openai"] + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read())
+
+
+def _body(endpoint, **fields) -> bytes:
+    return json.dumps({"model": endpoint["models"][0], "prompt": PROMPTS[0], "max_tokens": 4} | fields).encode()
+
+
+MALFORMED = [  # (name, path, raw body or a function of the endpoint, content type, status)
+    ("max_tokens of 5000 digits", "/completions",
+     lambda e: _body(e)[:-1] + b', "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400),
+    ("lone surrogate in a prompt", "/completions",
+     lambda e: _body(e, prompt="x").replace(b'"x"', b'"a\\ud800b"'), "application/json", 400),
+    ("lone surrogate in chat content", "/chat/completions",
+     lambda e: json.dumps({"model": e["models"][0], "max_tokens": 4, "messages": [
+         {"role": "user", "content": "x"}]}).encode().replace(b'"x"', b'"\\ud800"'), "application/json", 400),
+    ("a bogus charset", "/completions", lambda e: _body(e), "application/json; charset=x-bogus", 400),
+    ("JSON nested 100,000 deep", "/completions", lambda e: b"[" * 100_000 + b"]" * 100_000,
+     "application/json", 400),
+    ("an unknown chat role", "/chat/completions",
+     lambda e: json.dumps({"model": e["models"][0], "max_tokens": 4, "messages": [
+         {"role": "wizard", "content": "hi"}]}).encode(), "application/json", 400),
+    ("a text/plain body", "/completions", lambda e: _body(e), "text/plain", 415),
+    ("no content type", "/completions", lambda e: _body(e), None, 415),
+]
+
+
+@pytest.mark.parametrize("path, make, content_type, status", [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_malformed_input_gets_a_4xx_never_a_500(endpoint, path, make, content_type, status):
+    """The five inputs that got 500 (a ValueError, TypeErrors, a LookupError, a
+    RecursionError), an unknown chat role that was accepted, and non-JSON bodies: each
+    an OpenAI-shaped 4xx with one line, and nosniff on it."""
+    code, headers, body = _raw(endpoint, path, make(endpoint), content_type)
+    assert code == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and "\n" not in body["error"]["message"]
+    assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_errors_quote_input_cut_short_and_every_response_says_nosniff(endpoint):
+    huge = "m" * 2**20  # a 1 MiB model name
+    code, headers, body = _raw(endpoint, "/completions", _body(endpoint, model=huge))
+    assert code == 404 and len(body["error"]["message"]) < 200
+    code, headers, body = _raw(endpoint, "/completions", _body(endpoint, temperature="hot" * 100_000))
+    assert code == 400 and len(body["error"]["message"]) < 200
+    code, headers, body = _raw(endpoint, "/models", None, None, method="GET")
+    assert code == 200 and headers["X-Content-Type-Options"] == "nosniff"
+    request = urllib.request.Request(endpoint["openai"] + "/completions", data=_body(endpoint, stream=True),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:  # a stream's headers too
+        assert response.headers["X-Content-Type-Options"] == "nosniff"
+        assert response.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_a_15_mb_prompt_is_refused_at_once_and_the_endpoint_stays_responsive(endpoint):
+    """Refused by its bytes before any tokenizer sees it (it was tokenized on the event
+    loop for 33 s, and /v1/models waited 18 s meanwhile); the Triton model refuses it by
+    its bytes too."""
+    body = _body(endpoint, prompt="x = 1; " * (15_000_000 // 7))  # under the 16 MiB body cap
+    listed = []
+
+    def list_models():
+        start = time.perf_counter()
+        _raw(endpoint, "/models", None, None, method="GET")
+        listed.append(time.perf_counter() - start)
+
+    lister = threading.Thread(target=list_models)
+    start = time.perf_counter()
+    lister.start()
+    code, _, reply = _raw(endpoint, "/completions", body)
+    refused = time.perf_counter() - start
+    lister.join(30)
+    assert code == 400 and "bytes" in reply["error"]["message"]
+    assert reply["error"]["code"] == "context_length_exceeded"
+    assert refused < 2 and listed and listed[0] < 2, (refused, listed)
+    big = json.dumps({"prompt": "x = 1; " * (2_000_000 // 7), "max_new_tokens": 2}).encode()
+    start = time.perf_counter()
+    with pytest.raises(urllib.error.HTTPError) as triton_refused:
+        urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=big), timeout=30)
+    assert "bytes" in json.loads(triton_refused.value.read())["error"]
+    assert time.perf_counter() - start < 5
+
+
+def test_chat_messages_are_checked_against_their_schema(endpoint):
+    """Roles and content forms (pydantic, as vLLM and SGLang): the first problem is a 400
+    naming where it is, without echoing the input."""
+    for messages, where in (([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                             "messages[0].content[0].type"),
+                            ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1].content"),
+                            ([], "messages")):
+        code, _, body = _raw(endpoint, "/chat/completions", json.dumps(
+            {"model": endpoint["models"][0], "max_tokens": 2, "messages": messages}).encode())
+        assert code == 400 and body["error"]["param"] == where, body

@@ -165,3 +165,71 @@ def test_every_mode_runs_beside_the_others(engine):
     for outcome, (ids, n, mode) in zip(outcomes, jobs):
         assert outcome.error is None
         assert outcome.gen.tokens == engine.generate(ids, n, mode).tokens
+
+
+def test_a_decoder_that_fails_to_build_is_the_requests_error_not_a_fallback(engine):
+    """Whether a mode batches is the modes table's to say (modes.batch_refusal): a batch
+    decoder that fails to build fails its request, it does not silently serve the mode
+    one request at a time."""
+    scheduler = StepScheduler(engine, max_batch=2)
+    broken, after = Outcome(), Outcome()
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(engine, "batch_decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
+                RuntimeError("no decoder today")))
+            scheduler.submit(broken.job(prompts([9])[0], 4))
+            assert broken.finished.wait(60)
+        scheduler.submit(after.job(prompts([9])[0], 4))  # the next request builds it again
+        assert after.finished.wait(60)
+    finally:
+        scheduler.close()
+    assert isinstance(broken.error, RuntimeError) and broken.gen is None
+    assert after.error is None and after.gen.tokens == engine.generate(prompts([9])[0], 4).tokens
+
+
+def test_a_hung_up_client_costs_no_more_prefill_chunks_nor_its_queue_place(engine):
+    """Cancellation at every stage: a job whose client goes mid-prefill stops between two
+    chunks; one that goes while it waits never prefills; each ends in Cancelled(stage)
+    and the next request is served."""
+    gone = threading.Event()
+    prefills = []
+
+    def on_turn(kind, seconds):
+        if kind in ("prefill", "chunk"):  # a chunk of the long prompt (nothing else runs)
+            prefills.append(kind)
+            if len(prefills) == 3:
+                gone.set()  # the client hangs up during the third chunk
+
+    scheduler = StepScheduler(engine, max_batch=1, max_queue=4, prefill_chunk=8, on_turn=on_turn)
+    long_, waiting, after = Outcome(), Outcome(), Outcome()
+    long_job = long_.job(prompts([400])[0], 8)
+    long_job.cancelled = gone.is_set
+    waiting_job = waiting.job(prompts([300])[0], 8)
+    waiting_job.cancelled = lambda: True  # went before its turn
+    try:
+        scheduler.submit(long_job)
+        scheduler.submit(waiting_job)
+        scheduler.submit(after.job(prompts([5])[0], 4))  # shorter than a chunk: one turn
+        assert all(o.finished.wait(60) for o in (long_, waiting, after))
+    finally:
+        scheduler.close()
+    assert isinstance(long_.error, Cancelled) and long_.error.stage == "prefill"
+    assert len(prefills) == 3 + 1  # 3 of the long prompt's 50 chunks, then the short one's
+    assert isinstance(waiting.error, Cancelled) and waiting.error.stage == "queue"
+    assert after.error is None and after.gen.tokens == engine.generate(prompts([5])[0], 4).tokens
+
+
+def test_a_full_queue_drops_its_hung_up_clients_before_refusing(engine):
+    scheduler = StepScheduler(engine, max_batch=1, max_queue=1)
+    first, gone, newcomer = Outcome(), Outcome(), Outcome()
+    try:
+        scheduler.submit(first.job([1, 2], 48))
+        gone_job = gone.job([1, 2], 4)
+        scheduler.submit(gone_job)
+        gone_job.cancelled = lambda: True
+        scheduler.submit(newcomer.job([1, 2], 4))  # refused before: the queue held one
+        assert all(o.finished.wait(60) for o in (first, gone, newcomer))
+    finally:
+        scheduler.close()
+    assert isinstance(gone.error, Cancelled) and gone.error.stage == "queue"
+    assert first.error is None and newcomer.error is None

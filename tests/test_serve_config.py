@@ -54,7 +54,7 @@ def test_config_declares_the_issue_contract(tiny_engine):
         "top_p": "TYPE_FP32", "seed": "TYPE_INT64", "sharpdraft": "TYPE_BOOL", "mode": "TYPE_STRING",
         "text": "TYPE_STRING", "token_ids": "TYPE_INT64", "mean_accepted_length": "TYPE_FP32",
         "verify_steps": "TYPE_INT32", "beta": "TYPE_FP32", "finish_reason": "TYPE_STRING",
-        "speculation": "TYPE_STRING"}
+        "speculation": "TYPE_STRING", "prompt_tokens": "TYPE_INT32"}
     optional = {k for k, v in declared.items() if v[2]}
     assert optional == {"temperature", "top_p", "seed", "sharpdraft", "mode"}
     assert declared["token_ids"][1] == "-1"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -14,6 +15,8 @@ from runtime.backends.bf16_prefill import ROWS as PREFILL_ROWS, chunk_problem
 from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
 from runtime.serve.repository import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
+
+API_KEY_ENV = "SHARPDRAFT_API_KEY"
 
 
 def add_parser(sub):
@@ -47,13 +50,19 @@ def add_parser(sub):
     p.add_argument("--llmapi-model", metavar="DIR",
                    help="trtllm: TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm, copied "
                         "in (else 1/model.py finds it through $SHARPDRAFT_LLMAPI_MODEL)")
-    p.add_argument("--start", action="store_true", help="run tritonserver on 127.0.0.1")
+    p.add_argument("--start", action="store_true", help="run tritonserver on --host")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="address every port binds to (default %(default)s: this host only; "
+                        "0.0.0.0: every interface -- put a TLS proxy in front, docs/serving.md)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"require `Authorization: Bearer KEY` on the OpenAI endpoint and on "
+                        f"Triton's HTTP/gRPC inference (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--openai-port", type=int, metavar="PORT",
                    help="also serve the OpenAI API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models) on 127.0.0.1:PORT in front of the streaming model (implies "
+                        "/v1/models, /health) on --host:PORT in front of the streaming model (implies "
                         "--streaming; needs --start)")
     p.add_argument("--tritonserver", metavar="PATH",
                    help="server binary (default: tritonserver on PATH, else the nvidia-pytriton "
@@ -92,6 +101,14 @@ def run(args) -> int:
         ports.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if (args.host != "127.0.0.1" or args.api_key is not None) and not args.start:
+        raise UsageError("--host and --api-key are for the server: add --start")
+    # the environment's key only where a server starts (writing a repository needs none)
+    if args.start and args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not _token(args.api_key):
+        raise UsageError(f"--api-key (or ${API_KEY_ENV}) must be 8 to 256 printable ASCII characters "
+                         "with no space, ',', ':' or '=' (Triton's restricted-API options carry it)")
     if args.openai_port is not None:
         if not args.start:
             raise UsageError("--openai-port serves next to a running tritonserver: add --start")
@@ -130,6 +147,10 @@ def run(args) -> int:
                   f"--model-repository {out} --start")
         return 0
     return _run(args, out, models, ports, install, result)
+
+
+def _token(key: str) -> bool:
+    return 8 <= len(key) <= 256 and all(33 <= ord(c) < 127 and c not in ",:=" for c in key)
 
 
 def _engine_backend(engine_dir) -> str | None:
@@ -181,19 +202,23 @@ def _run(args, out, models, ports, install, result) -> int:
     # Installed before the server starts, so a signal during start-up stops it cleanly too.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log = open(args.server_log, "a", buffering=1) if args.server_log else None
-    srv = server.Server(out, models, ports, install, log=log)
+    srv = server.Server(out, models, ports, install, log=log, host=args.host, api_key=args.api_key,
+                        http_max_input=_http_max_input(args.engine_dir))
     frontend = None
     try:
         pid = srv.start()
         progress(f"tritonserver ({install.kind}: {install.binary}) pid {pid}, loading "
                  f"{', '.join(models)} …")
+        if srv.http_max_input and "--http-max-input-size" not in srv.accepts({}):
+            progress("this tritonserver has no --http-max-input-size (2.51 has not): its HTTP "
+                     "port reads bodies of any size; keep it behind the proxy (docs/serving.md)")
         if not srv.wait_ready(args.ready_timeout, cancel=stop):
             progress("stopping before the server was ready")
             return 130
         endpoints = srv.endpoints() | {"pid": pid} | result
         if args.openai_port is not None:
             try:
-                frontend = _start_openai(args, models, ports, result["max_new_tokens_limit"])
+                frontend = _start_openai(args, models, srv, result["max_new_tokens_limit"])
             except RuntimeError as exc:
                 raise server.ServerError(str(exc)) from None
             endpoints["openai"] = frontend.url
@@ -204,11 +229,12 @@ def _run(args, out, models, ports, install, result) -> int:
             if frontend is not None:
                 print(f"  OpenAI API: {frontend.url}  (model {models[0]!r})", flush=True)
         progress("Ctrl-C or SIGTERM stops the server")
+        watch = server.Supervisor(srv, args.ready_timeout, progress,
+                                  on_down=frontend.ready.clear if frontend else None,
+                                  on_up=frontend.ready.set if frontend else None, cancel=stop)
         while not stop.is_set():
-            if srv.process.poll() is not None:
-                raise server.ServerError(f"tritonserver exited on its own with code "
-                                         f"{srv.process.returncode}{srv.log_hint()}")
-            stop.wait(0.5)
+            watch.check()  # a dead model instance: the server restarts, its requests fail
+            stop.wait(watch.POLL_S)
         progress("stopping tritonserver …")
         return 0
     except server.ServerError as exc:
@@ -226,12 +252,28 @@ def _run(args, out, models, ports, install, result) -> int:
             signal.signal(s, handler)
 
 
-def _start_openai(args, models, ports, limit):
+def _http_max_input(engine_dir) -> int | None:
+    """The biggest HTTP body Triton need read for this engine: a prompt the context can
+    hold (protocol.prompt_byte_limit), each byte JSON-escaped at worst (\\u00XX: 6
+    bytes), plus room for the other fields. None where the context is not recorded."""
+    from runtime.engine import load_tokenizer
+    from runtime.manifest import read_manifest
+    from runtime.serve.protocol import context_bound, prompt_byte_limit
+
+    manifest = read_manifest(engine_dir, verify="skip")
+    context = context_bound(manifest)
+    if context is None:
+        return None
+    return 6 * prompt_byte_limit(load_tokenizer(manifest.target_dir), context) + 2**16
+
+
+def _start_openai(args, models, srv, limit):
     from runtime.serve.openai_api import OpenAIServer, Settings
 
     served_as = {k: getattr(args, k, None) for k in ("backend", "device", "dtype", "steps")}
-    settings = Settings(args.engine_dir, models[0], models[1], f"127.0.0.1:{ports.grpc}", limit,
-                        served_as)
-    frontend = OpenAIServer(settings, args.openai_port)
+    host = f"[{srv.HOST}]" if ":" in srv.HOST else srv.HOST
+    settings = Settings(args.engine_dir, models[0], models[1], f"{host}:{srv.ports.grpc}", limit,
+                        served_as, api_key=args.api_key)
+    frontend = OpenAIServer(settings, args.openai_port, args.host)
     frontend.start()
     return frontend

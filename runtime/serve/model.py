@@ -37,7 +37,7 @@ class TritonPythonModel:
                               if threads == "auto" else int(threads))
 
         from runtime.serve import protocol
-        from runtime.serve.scheduler import TURNS, Cancelled, Job, QueueFull, StepScheduler
+        from runtime.serve.scheduler import CANCEL_STAGES, TURNS, Cancelled, Job, QueueFull, StepScheduler
         from runtime.streaming import TextStream
 
         self.protocol, self.TextStream = protocol, TextStream
@@ -47,9 +47,13 @@ class TritonPythonModel:
                      if params.get(k)}
         self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, placement)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
+        # prompts longer than this many bytes cannot fit the context: refused untokenized
+        self.prompt_bytes = protocol.prompt_byte_limit(self.engine.tokenizer, self.engine.context_limit)
         max_batch = int(params.get("max_batch", "1"))
         self.batch_peak = _BatchPeak(args["model_name"], args["model_instance_name"])
         self.turns = _Turns(args["model_name"], args["model_instance_name"], TURNS)
+        self.cancellations = _Cancellations(args["model_name"], args["model_instance_name"],
+                                            CANCEL_STAGES)
         self.scheduler = StepScheduler(self.engine, max_batch, int(params.get("max_queue", "64")),
                                        int(params.get("prefill_chunk", "0")), self.turns.observe)
         from runtime import metrics, modes
@@ -82,7 +86,7 @@ class TritonPythonModel:
         # parameters; parse() refuses them so a misspelt field is an error, not ignored.
         parameters = json.loads(request.parameters() or "{}")
         req = self.protocol.parse(self._arrays(request), self.limit, parameters)
-        ids = self.protocol.encode_prompt(self.engine, req)
+        ids = self.protocol.encode_prompt(self.engine, req, self.prompt_bytes)
         req.mode(self.engine)  # a mode this engine cannot run: refused before any work
         return req, ids
 
@@ -112,7 +116,7 @@ class TritonPythonModel:
             # scheduler sets job.mode at admission)
             named = req.asked_mode is not None or req.sharpdraft is not None
             job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
-                           req.sampling(), None, None, None)
+                           req.sampling(), None, None, None, request.is_cancelled)
             job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
             self.scheduler.submit(job)
         except Exception as exc:
@@ -130,7 +134,7 @@ class TritonPythonModel:
         def on_tokens(new):
             self.batch_peak.observe(self.scheduler.running)
             if request.is_cancelled():
-                raise self.Cancelled()
+                raise self.Cancelled("decode")
             if self.decoupled:
                 arrays = {"text": self.protocol.text_array(text.push(new)),
                           "token_ids": self.protocol.ids_array(new)}
@@ -147,6 +151,8 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
+            if isinstance(exc, self.Cancelled):
+                self.cancellations.observe(exc.stage)
             if isinstance(exc, self.Cancelled) and self.decoupled:
                 sender.send(flags=final)  # the stream just ends: its client has gone
                 return
@@ -180,6 +186,23 @@ class _BatchPeak:
         if rows > self.peak:
             self.peak = rows
             self.gauge.set(rows)
+
+
+class _Cancellations:
+    """Requests whose clients went away, per stage they left at (scheduler.CANCEL_STAGES:
+    queue, prefill, decode): the counter sharpdraft_cancelled_requests_total{stage}."""
+
+    def __init__(self, model: str, instance: str, stages):
+        # the family must outlive its metrics (see _BatchPeak)
+        self.family = pb_utils.MetricFamily(name="sharpdraft_cancelled_requests_total",
+                                            kind=pb_utils.MetricFamily.COUNTER,
+                                            description="requests dropped because their client "
+                                                        "had gone, by the stage they left at")
+        self.counters = {stage: self.family.Metric(labels={"model": model, "instance": instance,
+                                                           "stage": stage}) for stage in stages}
+
+    def observe(self, stage: str) -> None:
+        self.counters[stage].increment(1)
 
 
 class _Turns:

@@ -13,11 +13,21 @@ limit, never clamped), `temperature` (OpenAI's default 1.0), `top_p`, `seed`, `s
 only. SharpDraft's own settings travel as `"sharpdraft": {"mode": NAME}`, which other
 clients never send; responses carry a `sharpdraft` object (token ids, mode statistics)
 that OpenAI clients ignore.
+
+A hostile client gets a 4xx, never a 500 or a stall: a JSON body only (415 otherwise),
+UTF-8 only, parsed off the event loop with every malformed kind (invalid Unicode, numbers
+past Python's digit limit, nesting past its recursion limit) a 400; a prompt longer in
+bytes than the context can hold is refused before anything tokenizes it (the model
+tokenizes each prompt once and reports the count for `usage`); errors quote input cut
+short. With an API key, every /v1 route wants `Authorization: Bearer KEY` (401). Every
+response carries `X-Content-Type-Options: nosniff`, every 503 a `Retry-After`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
 import sys
 import threading
@@ -26,11 +36,19 @@ import uuid
 
 import numpy as np
 
+from runtime.serve.protocol import QUOTE, quote
+
 # The scheduler's QueueFull text (runtime/serve/scheduler.py): a gRPC stream response
 # carries only a message, no status code, so the refusal is recognised by it.
 QUEUE_FULL_MARK = "requests are already waiting"
 INTERNAL_MARK = "internal error (id"  # protocol.internal_error's reply
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
+RETRY_AFTER = "2"  # seconds, on every 503: a full queue, or a model coming back
+# What the model's errors say when its instance is gone (the Python backend's stub died):
+# the server's fault, and retryable once serve has brought the model back.
+UNHEALTHY_MARKS = ("is not healthy", "Stub process", "failed to connect", "Socket closed")
+# Chat roles the OpenAI API defines; the chat template decides what it accepts of them.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields OpenAI clients send with neutral values (LangChain and the `openai` package fill
 # some in); anything else unknown is refused by name, so a misspelt field is not ignored.
@@ -51,6 +69,80 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+@functools.cache  # built once, on the first chat request
+def _message_schema():
+    """The chat messages' schema (pydantic, as vLLM and SGLang check theirs): a role of
+    ROLES, text content as a string or text parts; other message keys (`name`, ...) pass."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, StrictStr, TypeAdapter
+
+    class TextPart(BaseModel):
+        type: Literal["text"]
+        text: StrictStr
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal[ROLES]
+        content: StrictStr | list[TextPart]
+
+    return TypeAdapter(list[Message])
+
+
+def chat_messages(messages) -> list[dict]:
+    """`messages` checked against the schema, as [{"role", "content": text}]; the first
+    problem a 400 naming where it is, quoting nothing of the input."""
+    from pydantic import ValidationError
+
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    try:
+        checked = _message_schema().validate_python(messages)
+    except ValidationError as exc:
+        # the deepest problem: for content that is neither form, the part that is wrong
+        first = max(exc.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
+        loc = [part for part in first["loc"] if part not in ("str", "list[TextPart]")]
+        where = f"messages[{loc[0]}]" + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in loc[1:])
+        raise ApiError(400, f"{where}: {first['msg'][:200]}", param=where[:QUOTE]) from None
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str)
+             else "".join(part.text for part in m.content)} for m in checked]
+
+
+def check_media_type(content_type: str, charset: str | None) -> None:
+    """Before the body is read: 415 unless it says it is JSON (a browser's cross-site
+    form post cannot), 400 for a charset other than UTF-8."""
+    if content_type != "application/json":
+        raise ApiError(415, f"the body must be JSON sent as Content-Type: application/json, got "
+                            f"{quote(content_type)}", code="unsupported_media_type")
+    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise ApiError(400, f"the body's charset must be utf-8, got {quote(charset)}")
+
+
+def decode_body(raw: bytes):
+    """The request body as JSON: 400 for anything that is not UTF-8 JSON a Python program
+    can hold (invalid bytes, a lone surrogate escape, a number past the digit limit,
+    nesting past the recursion limit)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    except ValueError:  # int("9" * 5000): past Python's limit on digits
+        raise ApiError(400, "the body holds a number with too many digits") from None
+    try:  # a lone surrogate (\ud800) decodes to a str no encoder or tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"the body holds invalid Unicode ({exc.reason})") from None
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON too deeply") from None
+    return body
 
 
 def served_modes(manifest) -> tuple[str, ...]:
@@ -87,7 +179,7 @@ def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
     if mode is None:
         return {}
     if not isinstance(mode, str) or mode not in served:
-        raise ApiError(400, f"mode {mode!r} is not served by this engine; served modes: "
+        raise ApiError(400, f"mode {quote(mode)} is not served by this engine; served modes: "
                             f"{', '.join(served)}", param="sharpdraft.mode", code="unsupported_mode")
     return {"mode": mode}
 
@@ -131,19 +223,20 @@ def _number(body, name, low, high, default, integer=False, low_open=False):
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got "
-                            f"{json.dumps(value)[:40]}", param=name)
+                            f"{quote(value)}", param=name)
     if not (low < value if low_open else low <= value) or (high is not None and value > high):
         bound = f"{'>' if low_open else '>='} {low}" + ("" if high is None else f" and <= {high}")
-        raise ApiError(400, f"'{name}' must be {bound}, got {value}", param=name)
+        raise ApiError(400, f"'{name}' must be {bound}, got {quote(value)}", param=name)
     return value
 
 
 class Settings:
-    """What every request needs: the served names, the tokenizer (prompt tokens for
-    `usage`, the chat template), the limit, the modes, and where Triton listens."""
+    """What every request needs: the served names, the tokenizer (the chat template, the
+    longest token for the prompts' byte bound), the limit, the modes, the API key, and
+    where Triton listens."""
 
     def __init__(self, engine_dir, model: str, stream_model: str, grpc_url: str,
-                 max_new_tokens_limit: int, served_as: dict | None = None):
+                 max_new_tokens_limit: int, served_as: dict | None = None, api_key: str | None = None):
         from runtime.engine import load_tokenizer
         from runtime.manifest import read_manifest
 
@@ -156,6 +249,14 @@ class Settings:
         self.default_mode = served_default(manifest, self.modes, placement)
         self.model, self.stream_model, self.grpc_url = model, stream_model, grpc_url
         self.limit = max_new_tokens_limit
+        from runtime.serve.protocol import context_bound, prompt_byte_limit
+
+        self.context = context_bound(manifest)
+        self.prompt_bytes = None if self.context is None else prompt_byte_limit(self.tokenizer, self.context)
+        self.api_key = api_key  # None: open; else every /v1 route wants it as a Bearer token
+        # Triton's gRPC restricted protocols read the header KEY as `triton-grpc-protocol-KEY`
+        self.triton_headers = ({} if api_key is None else
+                               {"triton-grpc-protocol-authorization": f"Bearer {api_key}"})
 
 
 class Api:
@@ -167,14 +268,15 @@ class Api:
     def _common(self, body: dict, allowed: set, default_max: int) -> dict:
         unknown = sorted(k for k in body if k not in allowed and k not in NEUTRAL)
         if unknown:
-            raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}", param=unknown[0])
+            named = ", ".join(map(quote, unknown[:4])) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+            raise ApiError(400, f"unknown field(s) {named}", param=unknown[0][:QUOTE])
         for key, neutral in NEUTRAL.items():
             if neutral is not None and body.get(key) not in neutral:
                 raise ApiError(400, f"'{key}' is not supported by this server", param=key)
         model = body.get("model")
         if model != self.s.model:
             raise ApiError(404 if isinstance(model, str) else 400,
-                           f"model {model!r} is not served here; served: {self.s.model!r}",
+                           f"model {quote(model)} is not served here; served: {self.s.model!r}",
                            param="model", code="model_not_found")
         n = _number(body, "n", 1, None, 1, integer=True)
         if n != 1:
@@ -182,7 +284,7 @@ class Api:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, None, default_max, integer=True)
         if max_tokens > self.s.limit:
-            raise ApiError(400, f"'max_tokens' {max_tokens} exceeds this server's limit of {self.s.limit}",
+            raise ApiError(400, f"'max_tokens' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
                            param="max_tokens")
         temperature = _number(body, "temperature", 0, 2, 1.0)
         top_p = _number(body, "top_p", 0, 1, 1.0, low_open=True)
@@ -217,28 +319,34 @@ class Api:
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be one string (token-id and batched prompts are not served)",
                            param="prompt")
+        self._check_size(len(prompt.encode("utf-8")))
         return prompt, request
+
+    def _check_size(self, size: int) -> None:
+        """Refuse a prompt by its bytes alone where no tokenization could fit it in the
+        context (protocol.prompt_byte_limit); the model counts its tokens exactly."""
+        if self.s.prompt_bytes is not None and size > self.s.prompt_bytes:
+            raise ApiError(400, f"the prompt is {size} bytes, more than the target's context "
+                                f"({self.s.context} tokens, at most {self.s.prompt_bytes} bytes) can hold",
+                           param="prompt", code="context_length_exceeded")
+
+    def parse(self, raw: bytes, chat: bool):
+        """The body to (prompt, request fields); run off the event loop, so a big body or
+        a slow chat template never holds up other clients."""
+        body = decode_body(raw)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        prompt, r = (self.parse_chat if chat else self.parse_completion)(body)
+        if not prompt.strip():
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return prompt, r
 
     def parse_chat(self, body: dict) -> tuple[str, dict]:
         request = self._common(body, {"model", "messages", "max_tokens", "max_completion_tokens",
                                       "temperature", "top_p", "seed", "stop", "n", "stream",
                                       "sharpdraft"}, default_max=self.s.limit)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        plain = []
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ApiError(400, f"messages[{i}]: only text content parts are served",
-                                   param=f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
-                raise ApiError(400, f"messages[{i}] must have a string 'role' and text 'content'",
-                               param=f"messages[{i}]")
-            plain.append({"role": m["role"], "content": content})
+        plain = chat_messages(body.get("messages"))
+        self._check_size(sum(len(m["content"].encode("utf-8")) for m in plain))
         if not getattr(self.s.tokenizer, "chat_template", None):
             raise ApiError(400, f"model {self.s.model!r} has no chat template; use /v1/completions",
                            param="messages")
@@ -286,7 +394,7 @@ class Api:
         # half-close, not cancelled: otherwise Triton 2.51 never releases the request (the
         # model cannot unload and shutdown waits out exit_timeout; the tests check it).
         client = grpcaio.InferenceServerClient(self.s.grpc_url)
-        call = client.stream_infer(requests())
+        call = client.stream_infer(requests(), headers=self.s.triton_headers)
         complete = False  # Triton sent the request's last response (or its error)
         try:
             async for result, error in call:
@@ -303,8 +411,9 @@ class Api:
                 if response.parameters["triton_final_response"].bool_param:
                     stats = {k: float(result.as_numpy(k).reshape(-1)[0])
                              for k in ("mean_accepted_length", "beta") if result.as_numpy(k) is not None}
-                    if result.as_numpy("verify_steps") is not None:
-                        stats["verify_steps"] = int(result.as_numpy("verify_steps").reshape(-1)[0])
+                    for name in ("verify_steps", "prompt_tokens"):
+                        if result.as_numpy(name) is not None:
+                            stats[name] = int(result.as_numpy(name).reshape(-1)[0])
                     speculation = result.as_numpy("speculation")
                     if speculation is not None:  # the mode that ran and its speculation
                         stats |= json.loads(bytes(speculation.reshape(-1)[0]))
@@ -315,8 +424,10 @@ class Api:
                     return
         except ApiError:
             raise
-        except Exception as exc:  # the gRPC stream itself failed: Triton down, not ready
-            raise ApiError(503, f"the Triton model is unavailable: {str(exc).splitlines()[0][:200]}",
+        except Exception as exc:  # the gRPC stream itself failed: Triton down, restarting
+            details = getattr(exc, "details", None)  # grpc.aio's AioRpcError: its one line
+            line = (details() if callable(details) else None) or str(exc).splitlines()[0]
+            raise ApiError(503, f"the Triton model is unavailable: {line[:200]}",
                            "server_error", code="backend_unavailable") from None
         finally:
             if complete:  # end the stream the ordinary way: half-close, let Triton finish it
@@ -349,16 +460,9 @@ class Api:
         from aiohttp import web
 
         try:
-            try:
-                body = await http.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the body is not valid JSON ({exc.__class__.__name__})") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body must be a JSON object")
-            prompt, r = (self.parse_chat if chat else self.parse_completion)(body)
-            if not prompt.strip():
-                raise ApiError(400, "the prompt is empty", param="prompt")
-            prompt_tokens = len(self.s.tokenizer(prompt, add_special_tokens=False).input_ids)
+            check_media_type(http.content_type, http.charset)
+            raw = await http.read()
+            prompt, r = await asyncio.to_thread(self.parse, raw, chat)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -367,7 +471,7 @@ class Api:
         stops = StopMatcher(r["stop"])
         run = self.generate(prompt, r)
         if r["stream"]:
-            return await self._stream(http, chat, head, run, stops, prompt_tokens, r)
+            return await self._stream(http, chat, head, run, stops, r)
         text, ids, reason, stats = [], [], "length", {}
         try:
             async for kind, value, extra in run:
@@ -389,10 +493,10 @@ class Api:
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
         head["object"] = "chat.completion" if chat else "text_completion"
-        return web.json_response(head | {"choices": [choice], "usage": _usage(prompt_tokens, len(ids)),
+        return web.json_response(head | {"choices": [choice], "usage": _usage(stats, len(ids)),
                                          "sharpdraft": _extension(r, ids, stats)})
 
-    async def _stream(self, http, chat, head, run, stops, prompt_tokens, r):
+    async def _stream(self, http, chat, head, run, stops, r):
         from aiohttp import web
 
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
@@ -434,7 +538,7 @@ class Api:
                 last["usage"] = None
             await _send(response, last | {"sharpdraft": _extension(r, ids, stats)})
             if r["include_usage"]:
-                await _send(response, head | {"choices": [], "usage": _usage(prompt_tokens, len(ids))})
+                await _send(response, head | {"choices": [], "usage": _usage(stats, len(ids))})
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:
             if response is None:
@@ -454,13 +558,14 @@ async def _drain(call) -> None:
         pass
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(stats: dict, completion_tokens: int) -> dict:
+    prompt_tokens = stats.get("prompt_tokens", 0)  # as the model counted them
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _extension(r: dict, ids: list[int], stats: dict) -> dict:
-    return {"mode": r["mode"], "token_ids": ids} | stats
+    return {"mode": r["mode"], "token_ids": ids} | {k: v for k, v in stats.items() if k != "prompt_tokens"}
 
 
 async def _send(response, payload: dict) -> None:
@@ -475,6 +580,9 @@ def _backend_error(message: str) -> ApiError:
         line = line.split("] ", 1)[-1]
     if QUEUE_FULL_MARK in line:
         return ApiError(503, f"the server is at capacity: {line}", "server_error", code="queue_full")
+    if any(mark in line for mark in UNHEALTHY_MARKS):  # the model's instance is gone
+        return ApiError(503, f"the model is recovering: {line[:200]}", "server_error",
+                        code="backend_unavailable")
     if INTERNAL_MARK in line:
         return ApiError(500, line, "server_error", code="internal_error")
     return ApiError(400, line)
@@ -486,13 +594,18 @@ class OpenAIServer:
 
     def __init__(self, settings: Settings, port: int, host: str = "127.0.0.1"):
         self.settings, self.host, self.port = settings, host, port
+        # cleared by serve while the Triton model is being brought back: GET /health says
+        # 503 then (requests meanwhile fail as Triton does: 503, retryable)
+        self.ready = threading.Event()
+        self.ready.set()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="openai-endpoint", daemon=True)
         self.runner = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
 
     async def _start(self):
         from aiohttp import web
@@ -502,12 +615,24 @@ class OpenAIServer:
         app.router.add_get("/v1/models", api.models)
         app.router.add_post("/v1/completions", api.completions)
         app.router.add_post("/v1/chat/completions", api.chat)
+        app.router.add_get("/health", self._health)
         app.middlewares.append(_error_middleware())
+        if self.settings.api_key is not None:
+            app.middlewares.append(_key_middleware(self.settings.api_key))
+        app.on_response_prepare.append(_safe_headers)
         # handler_cancellation: a client that disconnects cancels its handler, whose
         # `finally` cancels the Triton request (else a non-streaming one runs to the end).
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, self.port).start()
+
+    async def _health(self, request):
+        from aiohttp import web
+
+        if self.ready.is_set():
+            return web.json_response({"status": "ready"})
+        return web.json_response(ApiError(503, "the model is being brought back", "server_error",
+                                          code="backend_unavailable").body(), status=503)
 
     def start(self) -> None:
         self.thread.start()
@@ -527,6 +652,33 @@ class OpenAIServer:
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+
+async def _safe_headers(request, response) -> None:
+    """On every response, streamed or not, errors too: no content sniffing by browsers,
+    and a 503 always says when to retry."""
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    if response.status == 503:
+        response.headers.setdefault("Retry-After", RETRY_AFTER)
+
+
+def _key_middleware(key: str):
+    """`Authorization: Bearer KEY` on every /v1 route (as vLLM's --api-key); 401 otherwise.
+    /health stays open for a load balancer's probes."""
+    from aiohttp import web
+
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def check(request, handler):
+        if request.path.startswith("/v1") and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected):
+            return web.json_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                              code="invalid_api_key").body(), status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
 
 
 def _error_middleware():

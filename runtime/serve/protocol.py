@@ -49,11 +49,27 @@ OUTPUTS = (
     Tensor("finish_reason", "TYPE_STRING", np.object_),  # "stop" or "length"
     # JSON: the mode that ran and what its speculation did (Generation.speculation)
     Tensor("speculation", "TYPE_STRING", np.object_),
+    # the prompt's tokens as the model counted them (the OpenAI endpoint's `usage` reads
+    # it, so a prompt is tokenized once, in the model)
+    Tensor("prompt_tokens", "TYPE_INT32", np.int32),
 )
 
 
 class RequestError(ValueError):
     """A request the model refuses; the message goes back to the client as is."""
+
+
+QUOTE = 60  # the most characters of a client's input an error message quotes
+
+
+def quote(value) -> str:
+    """A client's value for an error message, cut to QUOTE characters: an error never
+    echoes a megabyte back."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit
+        return "an integer too long to show"
+    return text if len(text) <= QUOTE else text[:QUOTE - 3] + "..."
 
 
 def internal_error(exc: BaseException) -> tuple[str, str]:
@@ -132,7 +148,7 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     request's parameters, of which this model takes none."""
     unknown = sorted(set(arrays) - {t.name for t in INPUTS}) + sorted(parameters or {})
     if unknown:  # Triton itself refuses unknown tensors; unknown parameters reach us
-        raise RequestError(f"unknown field(s) {', '.join(repr(u) for u in unknown)}; this model "
+        raise RequestError(f"unknown field(s) {', '.join(quote(u) for u in unknown[:4])}; this model "
                            f"takes {', '.join(t.name for t in INPUTS)}")
     specs = {t.name: t for t in INPUTS}
 
@@ -161,8 +177,8 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
                                "sharpdraft false)")
         try:
             modes.parse(mode)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
+        except ValueError:
+            raise RequestError(f"no decoding mode {quote(mode)} (modes: {', '.join(modes.Mode)})") from None
     request = Request(text=raw, max_new_tokens=max_new,
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),
@@ -181,7 +197,43 @@ def load_engine(engine_dir: str, backend: str | None, placement: dict):
     return in_own_thread(Engine, engine_dir, backend=backend, **placement)
 
 
-def encode_prompt(engine, request: Request) -> list[int]:
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text that one token covers: its vocabulary's
+    longest entry as UTF-8 (byte-level BPE writes each byte as one character of at most
+    two UTF-8 bytes, SentencePiece a space as three, so the bound errs on the long side)."""
+    return max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()), default=1)
+
+
+def prompt_byte_limit(tokenizer, context_limit: int) -> int:
+    """The most UTF-8 bytes a prompt that fits `context_limit` tokens can have: every
+    token covers at most longest_token_bytes, so a longer prompt is refused by its length
+    alone, before a tokenizer spends seconds on megabytes that cannot fit."""
+    return context_limit * longest_token_bytes(tokenizer)
+
+
+def context_bound(manifest) -> int | None:
+    """The target's context as engine.json and the target's config.json say, without
+    loading it (the engine may hold less: Engine.context_limit); None if neither says."""
+    import json as json_
+    from pathlib import Path
+
+    limits = [int(manifest.extra["max_seq_len"])] if manifest.extra.get("max_seq_len") else []
+    config = Path(manifest.target_dir) / "config.json"
+    if config.is_file():
+        positions = json_.loads(config.read_text()).get("max_position_embeddings")
+        if positions:
+            limits.append(int(positions))
+    return min(limits) if limits else None
+
+
+def encode_prompt(engine, request: Request, byte_limit: int | None = None) -> list[int]:
+    """The prompt's ids, refused first by its length in bytes (`byte_limit`, default
+    prompt_byte_limit of the engine: the model computes it once), then in tokens."""
+    limit = byte_limit or prompt_byte_limit(engine.tokenizer, engine.context_limit)
+    size = len(request.text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise RequestError(f"prompt is {size} bytes, more than {engine.context_limit} tokens can "
+                           f"hold ({limit} bytes); the target's context holds {engine.context_limit}")
     ids = engine.encode(request.text)
     if not ids:
         raise RequestError("prompt encodes to no tokens")
@@ -211,6 +263,7 @@ def outputs(text: str, token_ids: list[int], gen, finish: str, mode) -> dict:
         "beta": np.array([beta], dtype=np.float32),
         "finish_reason": text_array(finish),
         "speculation": text_array(json.dumps(gen.speculation(mode), separators=(",", ":"))),
+        "prompt_tokens": np.array([gen.prompt_tokens], dtype=np.int32),
     }
 
 

@@ -5,7 +5,15 @@ and leave when done, cancelled or failed -- alone, the others run on.
 One thread owns the engine and runs the loop; the Triton model (model.py) only submits
 jobs and sends what the callbacks hand it. Pure Python, so it is tested without a server.
 Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
-batch (tensorrt) requests run one at a time on the same thread.
+batch (the modes table says which: modes.batch_refusal, tensorrt) requests run one at a
+time on the same thread. A decoder that fails to build is that request's error, never a
+silent fallback to one at a time.
+
+A job whose client has gone (Job.cancelled) costs nothing more at any stage: it is dropped
+from the queue when it reaches the head (or when a full queue is swept before refusing a
+newcomer), between two chunks of its prefill, and from the batch at its next commit
+(on_tokens raises Cancelled). Each ends in on_error(Cancelled(stage)), so the model counts
+cancellations per stage (CANCEL_STAGES).
 
 Chunked prefill (prefill_chunk tokens, 0: off): a joining prompt prefills at most
 prefill_chunk tokens between two steps of the running rows (Decoder.join: the target's
@@ -43,7 +51,7 @@ from typing import Callable
 
 from runtime.backends.bf16_prefill import chunk_problem
 from runtime.decode import DraftKind, Request
-from runtime.modes import LOOKUP, Mode
+from runtime.modes import LOOKUP, Mode, batch_refusal
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
 
@@ -57,8 +65,17 @@ class QueueFull(RuntimeError):
     """More requests waiting than the configured queue holds; the client may retry."""
 
 
+# Where a cancelled job left: waiting in the queue, between chunks of its prefill, or the
+# running batch (at a commit: on_tokens raised Cancelled).
+CANCEL_STAGES = ("queue", "prefill", "decode")
+
+
 class Cancelled(Exception):
-    """The client went away; the sequence leaves the batch."""
+    """The client went away; the sequence leaves the batch. `stage`: CANCEL_STAGES."""
+
+    def __init__(self, stage: str = "decode"):
+        super().__init__(f"the request was cancelled ({stage})")
+        self.stage = stage
 
 
 @dataclasses.dataclass
@@ -70,6 +87,9 @@ class Job:
     on_tokens: Callable[[list[int]], None]  # raise Cancelled to leave the batch
     on_done: Callable[[object], None]  # the finished Generation
     on_error: Callable[[BaseException], None]
+    # whether the client has gone (Triton: request.is_cancelled); asked before work starts
+    # on the job and between chunks of its prefill
+    cancelled: Callable[[], bool] = lambda: False
 
 
 @dataclasses.dataclass
@@ -110,10 +130,19 @@ class StepScheduler:
             # arrive together at an idle server could refuse each other, before the
             # scheduler thread has taken the first into the batch).
             if len(self.waiting) >= self.max_queue + self._free_rows():
+                self._sweep()  # hung-up clients hold no place in a full queue
+            if len(self.waiting) >= self.max_queue + self._free_rows():
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue "
                                 f"{self.max_queue}); retry later")
             self.waiting.append(job)
             self.wake.notify()
+
+    def _sweep(self) -> None:
+        """Drop the waiting jobs whose clients have gone (called with self.wake held)."""
+        gone = [job for job in self.waiting if _gone(job)]
+        for job in gone:
+            self.waiting.remove(job)
+            job.on_error(Cancelled("queue"))
 
     def close(self) -> None:
         with self.wake:
@@ -133,11 +162,14 @@ class StepScheduler:
         return sum(len(d.active) for d in self.decoders.values() if d is not None)
 
     def _decoder(self, mode: str):
+        """The mode's batch decoder, or None where the modes table says the engine's
+        backend cannot batch (then requests run one at a time). A decoder that fails to
+        build raises: that request's error, and the next request of the mode tries again."""
         if mode not in self.decoders:
-            try:
-                self.decoders[mode] = self.engine.batch_decoder(mode)
-            except Exception:  # this mode or backend runs one request at a time
+            if batch_refusal(self.engine.backend) is not None:
                 self.decoders[mode] = None
+            else:
+                self.decoders[mode] = self.engine.batch_decoder(mode)
         return self.decoders[mode]
 
     def _loop(self) -> None:
@@ -163,6 +195,9 @@ class StepScheduler:
                     self._step(decoder)
 
     def _admit(self, job: Job, load: int = 1) -> None:
+        if _gone(job):  # hung up while it waited: no prefill, no row
+            job.on_error(Cancelled("queue"))
+            return
         try:
             if job.mode is None:
                 job.mode = self._default_batch() or self.engine.default_mode_at(load)
@@ -190,6 +225,11 @@ class StepScheduler:
             if budget is None and self.prefill_chunk and self.running:
                 budget = self.prefill_chunk  # a prompt just joined: it is running now
             head = self.joining[0]
+            if _gone(head.job):  # hung up mid-prefill: its remaining chunks never run
+                self.joining.popleft()
+                head.steps.close()  # the target's single-sequence role restarts at the next join
+                head.job.on_error(Cancelled("prefill"))
+                continue
             cost = min(head.left, self.prefill_chunk or head.left)
             last_part = budget is not None and not cost  # a chunked join's: a turn alone
             if budget is not None and (cost > budget or last_part and budget < self.prefill_chunk):
@@ -260,3 +300,12 @@ class StepScheduler:
             job.on_error(seq.failure)
         else:
             job.on_done(seq.gen)
+
+
+def _gone(job: Job) -> bool:
+    """Whether the job's client has gone; a check that itself fails counts as not gone
+    (the job then runs, and its commit's on_tokens reports what is wrong)."""
+    try:
+        return bool(job.cancelled())
+    except Exception:
+        return False

@@ -1,6 +1,9 @@
 """Finding and running `tritonserver` for a generated model repository: bound to
-127.0.0.1, ready when every model is, stopped with SIGTERM (SIGKILL after a grace
-period). On CPU machines the server is the one inside the nvidia-pytriton wheel that
+127.0.0.1 (or `host`), ready when every model is, stopped with SIGTERM (SIGKILL after a
+grace period), watched for dead model instances (stubs) and restarted whole when one
+dies (Supervisor). Triton's admin endpoints (logging, model repository, shared memory,
+trace) are always behind a header only this process knows; with an API key, inference
+and the model repository API too, behind `authorization: Bearer KEY`. On CPU machines the server is the one inside the nvidia-pytriton wheel that
 `make setup` installs into .cache/pytriton; on GPU hosts, a system tritonserver.
 
 The Python backend's stub is an embedded interpreter started in isolated mode: it
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -181,14 +185,48 @@ class Ports:
             raise ValueError(f"the HTTP, gRPC and metrics ports must differ, got {values}")
 
 
+# Triton's writable admin APIs, which no client of ours needs: restricted always (Triton
+# has no switch to turn them off), behind a header whose value is a secret this process
+# makes and never shows. The model repository API lists the models (`loadtest` finds them
+# there) and cannot load or unload any in the default model control mode: behind the API
+# key with inference when there is one, else open like inference.
+ADMIN_APIS = ("logging", "shared-memory", "trace")
+KEYED_APIS = ("inference", "model-repository")
+ADMIN_HEADER = "sharpdraft-admin"
+STUB = "triton_python_backend_stub"
+
+
+def restricted_api_flags(api_key: str | None, admin_token: str) -> list[str]:
+    """tritonserver's --http-restricted-api / --grpc-restricted-protocol arguments:
+    `APIS:KEY=VALUE`, one group per header (an API may sit in one group only). A gRPC
+    client sends the header KEY as `triton-grpc-protocol-KEY`."""
+    groups = [(",".join(ADMIN_APIS), f"{ADMIN_HEADER}={admin_token}")]
+    if api_key is not None:
+        groups.append((",".join(KEYED_APIS), f"authorization=Bearer {api_key}"))
+    return [f"--{flag}={apis}:{header}" for apis, header in groups
+            for flag in ("http-restricted-api", "grpc-restricted-protocol")]
+
+
+def loopback_for(host: str) -> str:
+    """Where this process reaches a server bound to `host` (a wildcard: the loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 class Server:
-    """One tritonserver process serving `repository` on 127.0.0.1."""
+    """One tritonserver process serving `repository` on 127.0.0.1 (or `host`)."""
 
     HOST = "127.0.0.1"
 
     def __init__(self, repository: str | Path, models: list[str], ports: Ports = Ports(),
-                 install: Installation | None = None, log=None, exit_timeout: int = 30):
+                 install: Installation | None = None, log=None, exit_timeout: int = 30,
+                 host: str = HOST, api_key: str | None = None, http_max_input: int | None = None):
         ports.check()
+        self.http_max_input = http_max_input  # bytes; None: Triton's own default
+        self._accepted: frozenset | None = None
+        self.bind = host
+        self.HOST = loopback_for(host)  # what our own probes and the endpoints we print use
+        self.api_key = api_key
+        self.admin_token = secrets.token_urlsafe(24)
         self.repository = Path(repository).resolve()
         self.models, self.ports = list(models), ports
         self.install = install or find_tritonserver()
@@ -199,7 +237,8 @@ class Server:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.HOST}:{self.ports.http}"
+        host = f"[{self.HOST}]" if ":" in self.HOST else self.HOST
+        return f"http://{host}:{self.ports.http}"
 
     def endpoints(self) -> dict:
         return {"http": self.http_url, "grpc": f"{self.HOST}:{self.ports.grpc}",
@@ -207,26 +246,43 @@ class Server:
                 "models": self.models,
                 "generate": [f"{self.http_url}/v2/models/{m}/generate" for m in self.models]}
 
-    def command(self, backends: Path) -> list[str]:
-        return [str(self.install.binary), f"--model-repository={self.repository}",
+    def command(self, backends: Path, accepted: frozenset = frozenset()) -> list[str]:
+        """The server's argv; `accepted`: the optional flags this binary takes (accepts)."""
+        size = ([f"--http-max-input-size={self.http_max_input}"]
+                if self.http_max_input and "--http-max-input-size" in accepted else [])
+        return [str(self.install.binary), f"--model-repository={self.repository}", *size,
                 f"--backend-directory={backends}",
-                f"--http-address={self.HOST}", f"--http-port={self.ports.http}",
-                f"--grpc-address={self.HOST}", f"--grpc-port={self.ports.grpc}",
-                f"--metrics-address={self.HOST}", f"--metrics-port={self.ports.metrics}",
+                f"--http-address={self.bind}", f"--http-port={self.ports.http}",
+                f"--grpc-address={self.bind}", f"--grpc-port={self.ports.grpc}",
+                f"--metrics-address={self.bind}", f"--metrics-port={self.ports.metrics}",
                 "--exit-on-error=true", "--strict-readiness=true",
-                f"--exit-timeout-secs={self.exit_timeout}"]
+                f"--exit-timeout-secs={self.exit_timeout}",
+                *restricted_api_flags(self.api_key, self.admin_token)]
 
     def start(self) -> int:
         _remove_orphaned_workspaces()
         self.workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
         backends, env = prepare_workspace(self.install, self.workspace)
         self.process = subprocess.Popen(
-            self.command(backends), env=env, stdin=subprocess.DEVNULL,
+            self.command(backends, self.accepts(env)), env=env, stdin=subprocess.DEVNULL,
             stdout=self.log or sys.stderr, stderr=subprocess.STDOUT,
             # Its own session: a terminal's Ctrl-C reaches only us, and we stop the server
             # exactly once; PDEATHSIG stops it should we be killed outright.
             start_new_session=True, preexec_fn=_die_with_parent)
         return self.process.pid
+
+    def accepts(self, env: dict) -> frozenset:
+        """Which of the flags newer tritonservers added this one takes (its --help says):
+        --http-max-input-size came after 2.51, the wheel's."""
+        if self._accepted is None:
+            try:
+                out = subprocess.run([str(self.install.binary), "--help"], env=env, capture_output=True,
+                                     text=True, timeout=60)
+                help_text = out.stdout + out.stderr
+            except (OSError, subprocess.TimeoutExpired):
+                help_text = ""
+            self._accepted = frozenset(f for f in ("--http-max-input-size",) if f in help_text)
+        return self._accepted
 
     def _ok(self, path: str) -> bool:
         try:
@@ -235,9 +291,11 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
+    def model_ready(self, model: str) -> bool:
+        return self._ok(f"/v2/models/{model}/ready")
+
     def ready(self) -> bool:
-        return self._ok("/v2/health/ready") and all(self._ok(f"/v2/models/{m}/ready")
-                                                    for m in self.models)
+        return self._ok("/v2/health/ready") and all(self.model_ready(m) for m in self.models)
 
     def wait_ready(self, timeout: float = 300.0, cancel=None) -> bool:
         """True once the server and every model are ready; False if `cancel` (an Event)
@@ -265,6 +323,43 @@ class Server:
             return f" — {errors[-1][:300]}" if errors else f" — see {name}"
         return " — see its log above"
 
+    def stubs(self) -> dict[int, str]:
+        """pid -> model name of the Python-backend stubs (one per model instance) this
+        server runs; a zombie counts as gone."""
+        found = {}
+        if self.process is None:
+            return found
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if fields[0] == "Z" or int(fields[1]) != self.process.pid:
+                    continue
+                argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if not argv or not argv[0].endswith(STUB.encode()):
+                continue
+            # the stub's first argument is the model's file: <repository>/<model>/1/model.py
+            path = argv[1].decode(errors="replace") if len(argv) > 1 else ""
+            model = next((m for m in self.models if f"/{m}/" in path), path)
+            found[int(stat.parent.name)] = model
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its stubs (its process group), at once: for a restart,
+        where Triton's own shutdown would wait out exit_timeout on the dead stub's requests."""
+        if self.process is not None:
+            # the whole group even where the server has exited (crashed): its other stubs
+            # outlive it otherwise
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        if self.workspace is not None:
+            shutil.rmtree(self.workspace, ignore_errors=True)
+            self.workspace = None
+
     def stop(self) -> int | None:
         """SIGTERM (Triton finishes in-flight requests, unloads the models, stops the
         stubs), SIGKILL to the whole process group after the grace period."""
@@ -279,6 +374,10 @@ class Server:
                     os.killpg(self.process.pid, signal.SIGKILL)
                     self.process.wait()
             code = self.process.returncode
+            try:  # a server that crashed leaves its stubs running in its group
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
             self.workspace = None
@@ -290,6 +389,74 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class Supervisor:
+    """Keeps a ready Server's models serving. A model instance whose stub dies stays dead
+    in Triton (its Python backend never restarts a stub; its readiness still says 200;
+    its requests hang), so the supervisor watches the stubs' processes and each model's
+    readiness; when one dies (or tritonserver itself exits) it kills the server at once
+    (every in-flight request then fails at its client: a retryable error, not a hang)
+    and starts it again, one log line each. `restarts` within `window` seconds and no
+    more: a model that keeps dying is given up on, loudly (ServerError)."""
+
+    POLL_S = 0.5
+    NOT_READY_POLLS = 6  # readiness can be slow to answer under load: ~3 s of no's, not one
+
+    def __init__(self, srv: Server, ready_timeout: float, log, on_down=None, on_up=None,
+                 restarts: int = 3, window: float = 600.0, cancel=None):
+        self.srv, self.ready_timeout, self.log, self.cancel = srv, ready_timeout, log, cancel
+        self.on_down, self.on_up = on_down or (lambda: None), on_up or (lambda: None)
+        self.restarts, self.window = restarts, window
+        self.history: list[float] = []
+        self.not_ready = 0
+        self.known = self._baseline()
+
+    def _baseline(self) -> dict[int, str]:
+        stubs = self.srv.stubs()
+        if not stubs:
+            self.log("cannot see the model instances' processes (not the Python backend's "
+                     "stubs?): watching readiness only")
+        return stubs
+
+    def _failure(self) -> str | None:
+        """What has died, in words, or None while all is well."""
+        code = self.srv.process.poll()
+        if code is not None:
+            return f"tritonserver (pid {self.srv.process.pid}) exited with code {code}"
+        alive = self.srv.stubs()
+        for pid, model in self.known.items():
+            if pid not in alive:
+                return f"model {model}'s instance (stub pid {pid}) died"
+        down = [m for m in self.srv.models if not self.srv.model_ready(m)]
+        self.not_ready = self.not_ready + 1 if down else 0
+        if self.not_ready >= self.NOT_READY_POLLS:
+            return f"model {down[0]} is not ready"
+        return None
+
+    def check(self) -> bool:
+        """One look; brings the server back if something died. False when all was well."""
+        what = self._failure()
+        if what is None:
+            return False
+        now = time.monotonic()
+        self.history = [t for t in self.history if now - t < self.window] + [now]
+        if len(self.history) > self.restarts:
+            raise ServerError(f"{what}; it died {len(self.history)} times in "
+                              f"{self.window:.0f} s — giving up{self.srv.log_hint()}")
+        self.log(f"{what}: restarting tritonserver (restart {len(self.history)} of at most "
+                 f"{self.restarts} in {self.window:.0f} s); in-flight requests fail, retryable")
+        self.on_down()
+        start = time.monotonic()
+        self.srv.kill()
+        pid = self.srv.start()
+        if not self.srv.wait_ready(self.ready_timeout, self.cancel):
+            return True  # stopped while it came back
+        self.known, self.not_ready = self._baseline(), 0
+        self.log(f"tritonserver back (pid {pid}): {', '.join(self.srv.models)} ready after "
+                 f"{time.monotonic() - start:.1f} s")
+        self.on_up()
+        return True
 
 
 def describe(endpoints: dict) -> str:
