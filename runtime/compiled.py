@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
+from runtime.backends import DEVICES, STEPS, TORCH_DTYPES  # noqa: F401 -- resolved here
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchPARD,
                                       TorchTarget, scatter_rows)
 from runtime.backends.chain import ChainDraft
@@ -38,12 +39,9 @@ from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
 
-DEVICES = ("cpu", "cuda")
-# compile_step's backends: TorchLoaded's `steps`, the commands' --steps
-STEPS = ("eager", "inductor", "cudagraph")
-# float64: the exactness tests' dtype (tests/test_loaders.py); the command line offers the rest
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+# the names live in the registry (runtime/backends/__init__.py), which the command line
+# reads without importing torch; here, what they resolve to
+DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
 
 
 # -- device and dtype: what a torch loader calls ------------------------------------------
@@ -630,7 +628,7 @@ class CompiledBatchTarget(TorchBatchTarget):
     -- then copies into its slot; no step shape depends on how it was chunked."""
 
     # TorchBatchTarget packs trees over its own cache groups, not these slotted buffers:
-    # trees verify one CompiledTarget per row (runtime/decoders.py)
+    # trees verify one CompiledTarget per row (runtime/assembly.py)
     packs_trees = False
 
     def __init__(self, steps: EngineSteps):

@@ -3,7 +3,7 @@ backend engine.json names or an override, on a device and in a dtype): tokenizer
 and drafters, the decoding modes of runtime/modes.py's table this engine can run
 (Engine.modes; the table says what each mode needs and why one is refused), and
 `generate`. Every mode runs the one decode loop (runtime/decode.py), put together by
-runtime/decoders.py from the mode and this engine's roles: DFlash drafts blocks (which
+runtime/assembly.py from the mode and this engine's roles: DFlash drafts blocks (which
 n-gram lookup can assist), PARD chains, EAGLE-3 trees or, built with top_k 1, chains.
 Nothing here compares backend or family names: the registry and the table answer."""
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from plugins.scaling import PRESETS, QueryScaling
-from runtime import decoders, modes
-from runtime.backends import LOADERS, RUNNABLE_BACKENDS, drafting_of, load_tokenizer  # noqa: F401
+from runtime import assembly, modes
+from runtime.backends import LOADERS, RUNNABLE_BACKENDS
+from runtime.backends.roles import drafting_of, load_tokenizer  # noqa: F401
 from runtime.decode import Decoder, Request
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
 from runtime.metrics import Generation
@@ -55,6 +56,10 @@ class Engine:
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
         options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps),
                                      ("prefill_dtype", prefill_dtype)) if v is not None}
+        for option, value in options.items():  # each backend takes the options it declares
+            why = loader.refusal(self.backend, option, value)
+            if why:
+                raise EngineError(f"{self.dir}: {why}")
         self.loaded = loader(self.dir, self.manifest, drafting, **options)
         # where and how the steps run: a record measured elsewhere does not apply here
         loaded = self.loaded
@@ -221,8 +226,8 @@ class Engine:
         self._check_swap()
         return self.loaded.drafter(scaling)
 
-    def roles(self) -> decoders.Roles:
-        """What this engine's decoders are built from (runtime/decoders.py)."""
+    def roles(self) -> assembly.Roles:
+        """What this engine's decoders are built from (runtime/assembly.py)."""
         fused = self.can.batch
 
         def new_target():
@@ -235,7 +240,7 @@ class Engine:
             target.context_limit = self.context_limit
             return target
 
-        return decoders.Roles(
+        return assembly.Roles(
             self.style, new_target, self.context_limit, drafter=self.drafter_for,
             batch_target=batch_target if fused else None,
             batch_drafter=self.batch_drafter_for if fused else None,
@@ -244,14 +249,14 @@ class Engine:
             lookup_drafts=self.ngram_settings["num_draft_tokens"])
 
     def decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True, target=None) -> Decoder:
-        """The decode loop (runtime/decode.py) running `mode`, built by runtime/decoders.py.
+        """The decode loop (runtime/decode.py) running `mode`, built by runtime/assembly.py.
         With `target` (the engine's own, or a PrefillOnce over it): a batch of one on it.
         Without: a batch requests join and leave. `adaptive`: drafter steps verify as many
         drafts as the measured step costs make worthwhile."""
         mode = self.check_mode(mode)
         if target is None and self.batch_refusal(mode):
             raise EngineError(f"{self.dir}: {self.batch_refusal(mode)}")
-        return decoders.decoder(self.roles(), mode, target,
+        return assembly.decoder(self.roles(), mode, target,
                                 self.step_costs if adaptive else None)
 
     def batch_decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True) -> Decoder:

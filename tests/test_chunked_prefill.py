@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import decoders
+from runtime import assembly
 from runtime.backends.onnxruntime import HostKVCache
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                       TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
@@ -317,11 +317,11 @@ def _eagle3_chain_pair():
 def _eagle3_tree_pair():
     target, drafter = eagle_pair(7, 40)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    roles = decoders.Roles("tree", None, target.config.max_position_embeddings,
+    roles = assembly.Roles("tree", None, target.config.max_position_embeddings,
                            drafter=lambda mode: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
                            batch_target=lambda: TorchBatchTarget(target, layers),
                            tree_shape=TreeShape(2, 3, 6))
-    return decoders.decoder(roles, Mode.FROZEN), target, drafter
+    return assembly.decoder(roles, Mode.FROZEN), target, drafter
 
 
 @pytest.mark.parametrize("pair", [_block_pair, _pard_pair, _eagle3_chain_pair, _eagle3_tree_pair],

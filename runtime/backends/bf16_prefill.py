@@ -38,14 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.backends import drafter_feature_layers
+from runtime.backends import PREFILL_DTYPES
+from runtime.backends.roles import drafter_feature_layers
 from runtime.manifest import EngineError, Manifest
 from runtime.models.layers import KVCache
 from runtime.openmp import one_thread
 from runtime.step_metadata import StepMetadata
 
 ROWS = 128  # the grid a prefill's blocks start on, and their most rows
-DTYPES = ("float32", "bfloat16")  # --prefill-dtype: the graphs' own, or this module's
+DTYPES = PREFILL_DTYPES  # --prefill-dtype: the graphs' own, or this module's
 
 
 def chunk_problem(prefill_chunk: int, grid: int | None) -> str | None:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from runtime import modes
-from runtime.backends import BlockPrefill, ChainDraft, ChainPrefill, load_tokenizer
+from runtime.backends.roles import BlockPrefill, ChainDraft, ChainPrefill, load_tokenizer
 from runtime.backends import bf16_prefill
 from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
@@ -1049,12 +1049,9 @@ class OnnxEngine:
 
     can = modes.BACKENDS["onnxruntime"]
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None,
-                 device: str = "cpu", dtype: str | None = None, steps: str | None = None,
+    def __init__(self, engine_dir: Path, manifest: Manifest, drafting=None,
+                 threads: int | None = None, device: str = "cpu", dtype: str | None = None,
                  prefill_dtype: str | None = None):
-        if steps is not None:
-            raise EngineError(f"{engine_dir}: the onnxruntime backend runs exported graphs, "
-                              f"not compiled torch steps ({steps}) — pass --backend torch")
         if str(device) != "cpu" or dtype not in (None, "float32"):
             raise EngineError(f"{engine_dir}: the onnxruntime backend runs float32 graphs on the "
                               f"cpu, not {dtype or 'float32'} on {device} — pass --backend torch")

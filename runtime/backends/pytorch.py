@@ -11,9 +11,9 @@ from pathlib import Path
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import (BlockPrefill, ChainDraft, ChainPrefill, Drafting,
+from runtime.backends.roles import (BlockPrefill, ChainDraft, ChainPrefill, Drafting,
                               drafter_feature_layers)
-from runtime.manifest import EngineError, Manifest
+from runtime.manifest import Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context, row_group
@@ -523,13 +523,9 @@ class TorchLoaded:
     can = modes.BACKENDS["torch"]
 
     def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
-                 device: str = "cpu", dtype: str | None = None, steps: str | None = None,
-                 prefill_dtype: str | None = None):
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
         from runtime import compiled
 
-        if prefill_dtype is not None:
-            raise EngineError(f"the torch backend prefills in the engine's dtype (--dtype), not "
-                              f"{prefill_dtype}; --prefill-dtype is the onnxruntime backend's")
         if steps is not None and steps not in compiled.STEPS:
             raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
@@ -604,7 +600,7 @@ DRAFTERS = {
 }
 
 # drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);
-# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/decoders.py)
+# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/assembly.py)
 BATCH_DRAFTERS = {
     "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
     "pard": lambda loaded, scaling, window: TorchBatchPARD(
