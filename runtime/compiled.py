@@ -33,6 +33,7 @@ from runtime.backends import DEVICES, STEPS, TORCH_DTYPES  # noqa: F401 -- resol
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchPARD,
                                       TorchTarget, scatter_rows)
 from runtime.backends.chain import ChainDraft
+from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
@@ -521,102 +522,7 @@ class CompiledPARD(TorchPARD):
         return ChainDraft.propose(logits[0, first:t].clone(), visible[0, first:t].clone(), sampler)
 
 
-# -- batched: CacheGroups' rows in fixed-shape buffers ----------------------------------------
-
-def slots_for(rows: int) -> int:
-    """Buffer rows for a group of `rows` sequences: the next power of two (few shapes, few
-    graphs; idle slots run as padding)."""
-    return 1 << max(rows - 1, 0).bit_length()
-
-
-class SlotGroup:
-    """One capacity bucket's sequences in leased buffers: `cache` (its lengths [slots] on
-    the device), `members` the batch rows in it, `slots` each one's buffer row, `lengths`
-    every buffer row's length on the host (so no step reads one back; an idle slot's
-    outputs are never read)."""
-
-    def __init__(self, bucket: int, cache: KVCache, lease):
-        self.bucket, self.cache, self.lease = bucket, cache, lease
-        self.members: list[int] = []
-        self.slots: list[int] = []
-        self.lengths = [0] * cache.k.shape[1]
-
-    def sync(self) -> None:
-        """The host lengths to the device (a copy in, never a read back)."""
-        self.cache.lengths.copy_(torch.tensor(self.lengths, dtype=torch.long))
-
-
-class SlotGroups:
-    """CacheGroups' contract (runtime/backends/pytorch.py: join, drop, rollback; rows
-    grouped by capacity bucket, one pass per group) over fixed shapes, so a group's step
-    is one compiled graph: a group's buffers hold a power of two of keys (a sequence's
-    capacity + `room`, rounded up: the single-sequence roles' static_capacity, so a group
-    of one shares their graphs) and of slots (slots_for), leased from the engine's pool. A sequence joins
-    into a free slot (one copy: its own keys) and leaves its slot idle; the group moves to
-    other buffers only when it outgrows its slots or drops to a quarter of them."""
-
-    def __init__(self, pool: BufferPool, room: int = 0):
-        self.pool, self.room = pool, room
-        self.groups: list[SlotGroup] = []
-        self.rows = 0
-
-    def _lease(self, bucket: int, slots: int):
-        return self.pool.lease(self, 1 << bucket, slots)
-
-    @torch.inference_mode()
-    def join(self, single: KVCache) -> None:
-        bucket = capacity_bucket(single.capacity + self.room)
-        group = next((g for g in self.groups if g.bucket == bucket), None)
-        if group is None:
-            group = SlotGroup(bucket, *self._lease(bucket, 1))
-            self.groups.append(group)
-        elif len(group.members) == len(group.lengths):
-            self._move(group, 2 * len(group.lengths))
-        slot = next(i for i in range(len(group.lengths)) if i not in group.slots)
-        n = single.length
-        group.cache.k[:, slot, :, :n] = single.k[:, 0, :, :n]
-        group.cache.v[:, slot, :, :n] = single.v[:, 0, :, :n]
-        group.lengths[slot] = n
-        group.sync()
-        group.members.append(self.rows)
-        group.slots.append(slot)
-        self.rows += 1
-
-    @torch.inference_mode()
-    def drop(self, row: int) -> None:
-        group = next(g for g in self.groups if row in g.members)
-        at = group.members.index(row)
-        group.members.pop(at)
-        group.lengths[group.slots.pop(at)] = 0
-        if not group.members:
-            group.lease()
-            self.groups.remove(group)
-        elif len(group.members) <= len(group.lengths) // 4:
-            self._move(group, slots_for(len(group.members)))
-        for g in self.groups:  # the rows after it move up one
-            g.members[:] = [r - (r > row) for r in g.members]
-        self.rows -= 1
-
-    def _move(self, group: SlotGroup, slots: int) -> None:
-        """The group's sequences into `slots` new buffer rows, in their order; the old
-        buffers back to the pool."""
-        cache, lease = self._lease(group.bucket, slots)
-        cache.k[:, :len(group.slots)] = group.cache.k[:, group.slots]
-        cache.v[:, :len(group.slots)] = group.cache.v[:, group.slots]
-        lengths = [group.lengths[s] for s in group.slots]
-        group.lease()
-        group.cache, group.lease = cache, lease
-        group.slots = list(range(len(lengths)))
-        group.lengths = lengths + [0] * (slots - len(lengths))
-        group.sync()
-
-    @torch.inference_mode()
-    def rollback(self, lengths: list[int]) -> None:
-        for group in self.groups:
-            for r, slot in zip(group.members, group.slots):
-                group.lengths[slot] = lengths[r]
-            group.sync()
-
+# -- batched: rows in fixed-shape buffers (runtime/backends/slots.py: FixedSlots) --------
 
 class CompiledBatchTarget(TorchBatchTarget):
     """TorchBatchTarget whose verify runs the engine's compiled target step, one call per
@@ -634,7 +540,7 @@ class CompiledBatchTarget(TorchBatchTarget):
     def __init__(self, steps: EngineSteps):
         super().__init__(steps.model, steps.feature_layers)
         self.steps, self.step = steps, steps.target_step
-        self.caches = SlotGroups(steps.target_buffers)
+        self.caches = FixedSlots(steps.target_buffers)
 
     @torch.inference_mode()
     def verify(self, rows: list[list[int]]):
@@ -671,7 +577,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
         self.steps, self.context_bucket = steps, steps.context_bucket
         self.module, self.step = steps.draft_step(scaling, None)
         # room: a padded context's rows past a sequence's budget (its cache holds the block's)
-        self.caches = SlotGroups(steps.draft_buffers, room=self.context_bucket)
+        self.caches = FixedSlots(steps.draft_buffers, room=self.context_bucket)
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):

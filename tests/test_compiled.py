@@ -384,17 +384,18 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
 
 
 def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
-    """SlotGroups (the batched compiled roles' caches) against the single-sequence caches
+    """FixedSlots (the batched compiled roles' caches) against the single-sequence caches
     that joined: each remaining row's keys and length in its slot, slots a power of two,
     growing and shrinking; an emptied group's buffers back to the pool and reused."""
-    from runtime.compiled import BufferPool, SlotGroups
+    from runtime.backends.slots import FixedSlots
+    from runtime.compiled import BufferPool
     from runtime.models.layers import KVCache
 
     def make(capacity, slots):
         return KVCache(2, slots or 1, 1, capacity, 3, torch.float64, per_sequence=slots is not None)
 
     pool = BufferPool(make)
-    groups = SlotGroups(pool)
+    groups = FixedSlots(pool)
     singles = []
     for i, n in enumerate([5, 9, 3, 7, 6]):
         single = KVCache(2, 1, 1, 30, 3, torch.float64)

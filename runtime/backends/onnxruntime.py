@@ -43,6 +43,7 @@ from runtime import modes
 from runtime.backends.roles import BlockPrefill, ChainDraft, ChainPrefill, load_tokenizer
 from runtime.backends import bf16_prefill
 from runtime.backends.rows import RowChainDrafters
+from runtime.backends.slots import Group, Slots
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from plugins.onnx import onnxruntime_session_options
 from plugins.scaling import QueryScaling
@@ -153,10 +154,10 @@ class BoundKVCache:
         self.capacity, self.length = capacity, 0
 
     @classmethod
-    def row_of(cls, group: "RowGroup", slot: int) -> "BoundKVCache":
+    def row_of(cls, group, slot: int) -> "BoundKVCache":
         """A one-sequence cache that is buffer row `slot` of `group` (a view, no copy),
         empty: a sequence prefilled into it joins the group without a copy
-        (BoundRows._reserve)."""
+        (BoundSlots.reserve)."""
         cache = cls.__new__(cls)
         cache._hold(group.cache.k[:, slot:slot + 1], group.cache.v[:, slot:slot + 1],
                     group.cache.capacity)
@@ -645,171 +646,171 @@ class OnnxBatchEagle3(ChainPrefill, HostRows):
         return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
 
-# Buffer rows of a new RowGroup: serve's default --max-batch, so a batch of up to 8 rows in
+# Buffer rows of a new group: serve's default --max-batch, so a batch of up to 8 rows in
 # one bucket never moves its rows into a bigger buffer (a regrowth copies every row's keys:
 # at 4,096 tokens, 4 rows' worth in the turn that joined the fifth). Spare rows cost no
 # memory until written.
 FIRST_SLOTS = 8
 
 
-class RowGroup:
-    """Rows of a batch in one BoundKVCache with room for more rows (`slots`): `members`
-    are their rows in the batch's order, member i in buffer row i; the first
-    len(members) buffer rows are what the session's binding holds. A row joins into
-    the next free buffer row and leaves by the last one moving into its place: one
-    copy of one row's committed keys each. (Rebuilding the batch's buffer at every
-    join and leave, as before, took 46 s of bench --batch 8's 320 at 512 / 4,096
-    tokens, beside 84 s of steps.) Spare rows cost no memory until written: a
-    cache_buffer maps its pages as they are written."""
+class BoundSlots(Slots):
+    """The slot manager (runtime/backends/slots.py) over BoundKVCaches bound to `session`
+    (and `tree_session`, a graph that also reads the groups' buffers: target-tree.onnx):
+    a group's cache has room for more rows than it holds, member i in buffer row i, and
+    the first len(members) buffer rows are what the session's binding holds. A row joins
+    into the next free buffer row -- prefilled there in place (reserve: joining copies
+    nothing) or copied in -- and leaves by the last member moving into its place: one
+    copy of one row's committed keys each. (Rebuilding the batch's buffer at every join
+    and leave, as before, took 46 s of bench --batch 8's 320 at 512 / 4,096 tokens,
+    beside 84 s of steps.) Spare rows cost no memory until written: a cache_buffer maps
+    its pages as they are written. `length_of(row)`: a batch row's committed length."""
 
-    def __init__(self, session, single, capacity: int, slots: int, tree_session=None):
-        self.session, self.layers, self.tree_session = session, single.layers, tree_session
-        self.cache = BoundKVCache(capacity, single.layers, single.kv_heads, single.head_dim,
-                                  batch=slots)
-        self.bucket = row_group(capacity)
-        self.members: list[int] = []
-        self.binding = self.tree_binding = None
+    def __init__(self, session, single, length_of, tree_session=None):
+        super().__init__()
+        self.session, self.single, self.tree_session = session, single, tree_session
+        self.length_of = length_of
 
-    def fits(self, capacity: int) -> bool:
-        return len(self.members) < self.cache.k.shape[1] and capacity <= self.cache.capacity
+    def _new(self, capacity: int, slots: int) -> Group:
+        single = self.single
+        return Group(row_group(capacity), BoundKVCache(capacity, single.layers, single.kv_heads,
+                                                      single.head_dim, batch=slots))
 
-    def put(self, row: int, k: np.ndarray, v: np.ndarray, length: int) -> None:
-        """Member `row`'s committed keys/values ([layers, kv_heads, >= length, head_dim])
-        into the next free buffer row."""
-        at = len(self.members)
-        self.cache.k[:, at, :, :length] = k[:, :, :length]
-        self.cache.v[:, at, :, :length] = v[:, :, :length]
-        self.members.append(row)
-        self._bind()
-
-    def attach(self, row: int, slot: int, length: int) -> None:
-        """Member `row`, prefilled in place in buffer row `slot` (BoundKVCache.row_of),
-        joins: it is the next free buffer row already, unless members left while it
-        prefilled (then it moves down, into rows touched before)."""
-        at = len(self.members)
-        if slot != at:
-            self.cache.k[:, at, :, :length] = self.cache.k[:, slot, :, :length]
-            self.cache.v[:, at, :, :length] = self.cache.v[:, slot, :, :length]
-        self.members.append(row)
-        self._bind()
-
-    def take(self, row: int, length_of_last: int) -> None:
-        """Member `row` leaves; the last member (`length_of_last` committed) moves into
-        its buffer row."""
-        at, last = self.members.index(row), len(self.members) - 1
-        if at != last:
-            n = length_of_last
-            self.cache.k[:, at, :, :n] = self.cache.k[:, last, :, :n]
-            self.cache.v[:, at, :, :n] = self.cache.v[:, last, :, :n]
-            self.members[at] = self.members[last]
-        self.members.pop()
-        self._bind()
-
-    def _bind(self) -> None:
-        """Bind the members' buffer rows (a contiguous view of each layer: no copy), to
-        the step graph and, where the group has one, the tree graph."""
-        import onnxruntime
-
-        wrap, n = onnxruntime.OrtValue.ortvalue_from_numpy, len(self.members)
-        values = [(f"cache_{name}_{i}", wrap(buffer[i, :n])) for name, buffer in
-                  (("keys", self.cache.k), ("values", self.cache.v)) for i in range(self.layers)]
-        self.binding = self.session.io_binding()
-        self.tree_binding = self.tree_session.io_binding() if self.tree_session else None
-        for binding in filter(None, (self.binding, self.tree_binding)):
-            for name, value in values:
-                binding.bind_ortvalue_input(name, value)
-
-    def check_room(self, ends) -> None:
-        """Refuse a pass whose rows would write up to `ends` past the buffer."""
-        end = int(max(ends))
-        if end > self.cache.capacity:
-            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
-                             f"{end}")
-
-    def store(self, lengths: list[int], keys: np.ndarray, values: np.ndarray,
-              counts: list[int]) -> None:
-        """A pass's new keys/values [layers, g, kv_heads, t, head_dim]: the first
-        counts[i] of the group's row i at its committed length lengths[i]."""
-        for i, (start, c) in enumerate(zip(lengths, counts)):
-            self.cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
-            self.cache.v[:, i, :, start:start + c] = values[:, i, :, :c]
-
-
-class BoundRows:
-    """A batch's rows in BoundKVCaches bound to `session`, one per capacity bucket
-    (RowGroup, row_group), `lengths` committed per row in the batch's order. A
-    step runs one pass per group, so each row reads a buffer near its own capacity
-    rather than the batch's largest. A sequence joins as the last row (its one-sequence
-    cache copied into its bucket's group) and leaves from any row; the steps between
-    read the buffers in place. Subclasses set `single` (its layers, kv_heads and
-    head_dim), `session` and `groups` (empty)."""
-
-    groups: list[RowGroup]
-    lengths: list[int]
-    tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
-
-    def _group_for(self, capacity: int) -> RowGroup:
+    def group_for(self, capacity: int) -> Group:
         """The group a row of `capacity` joins, with a free buffer row that holds it: its
         bucket's group, remade larger if full or too short (a larger buffer, or twice the
         rows; the members copied in), or a new group -- which joins self.groups only with
         its first row (a step must not meet an empty group)."""
-        bucket = row_group(capacity)
-        at = next((at for at, g in enumerate(self.groups) if g.bucket == bucket), None)
-        if at is None:
-            return RowGroup(self.session, self.single, capacity, slots=FIRST_SLOTS,
-                            tree_session=self.tree_session)
-        old = self.groups[at]
-        if not old.fits(capacity):
-            slots = old.cache.k.shape[1]
-            self.groups[at] = RowGroup(self.session, self.single, max(old.cache.capacity, capacity),
-                                       slots=2 * slots if len(old.members) == slots else slots,
-                                       tree_session=self.tree_session)
-            for i, r in enumerate(old.members):
-                self.groups[at].put(r, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r])
-        return self.groups[at]
+        old = self.find(row_group(capacity))
+        if old is None:
+            return self._new(capacity, FIRST_SLOTS)
+        slots = old.cache.k.shape[1]
+        if len(old.members) < slots and capacity <= old.cache.capacity:
+            return old
+        group = self._new(max(old.cache.capacity, capacity),
+                          2 * slots if len(old.members) == slots else slots)
+        for i, r in enumerate(old.members):
+            self._put(group, old.cache.k[:, i], old.cache.v[:, i], self.length_of(r), i)
+        group.members, group.slots = list(old.members), list(old.slots)
+        self._bind(group)
+        self.groups[self.groups.index(old)] = group
+        return group
 
-    def _reserve(self, capacity: int) -> BoundKVCache:
+    def reserve(self, capacity: int) -> BoundKVCache:
         """The cache a sequence about to join prefills into: the next free row of its
         group's buffer (BoundKVCache.row_of), so that joining copies nothing. A
         4,096-token row is about 190 MB of keys and values; copied in at the join, into
         a buffer row never touched before, it took up to 1.4 s of one turn on our VM
         (results/chunked-prefill-ab-128-base-pages.json), every running stream waiting."""
-        group = self._group_for(capacity)
+        group = self.group_for(capacity)
         return BoundKVCache.row_of(group, len(group.members))
 
-    def _join(self, new: BoundKVCache) -> None:
+    def join(self, new: BoundKVCache) -> None:
         """`new` becomes the batch's last row: a cache reserved in a group's buffer
-        (_reserve) is that buffer row already; any other is copied in."""
+        (reserve) is that buffer row already, unless members left while it prefilled
+        (then it moves down, into rows touched before); any other is copied in."""
         group = getattr(new, "group", None)
+        at = None if group is None else len(group.members)
         if group is None:
-            group = self._group_for(new.capacity)
-            group.put(len(self.lengths), new.k[:, 0], new.v[:, 0], new.length)
-        else:
-            group.attach(len(self.lengths), new.slot, new.length)
-        if group not in self.groups:  # new, or its last member left while this row prefilled
-            self.groups.append(group)
+            group = self.group_for(new.capacity)
+            at = len(group.members)
+            self._put(group, new.k[:, 0], new.v[:, 0], new.length, at)
+        elif new.slot != at:
+            n = new.length
+            group.cache.k[:, at, :, :n] = group.cache.k[:, new.slot, :, :n]
+            group.cache.v[:, at, :, :n] = group.cache.v[:, new.slot, :, :n]
+        self._admit(group, at)
+        self._bind(group)
+
+    @staticmethod
+    def _put(group: Group, k: np.ndarray, v: np.ndarray, length: int, at: int) -> None:
+        """Committed keys/values ([layers, kv_heads, >= length, head_dim]) into buffer row
+        `at`."""
+        group.cache.k[:, at, :, :length] = k[:, :, :length]
+        group.cache.v[:, at, :, :length] = v[:, :, :length]
+
+    def _leave(self, group: Group, at: int) -> None:
+        """Member `at` leaves; the last member moves into its buffer row."""
+        last = len(group.members) - 1
+        if at != last:
+            n = self.length_of(group.members[last])
+            group.cache.k[:, at, :, :n] = group.cache.k[:, last, :, :n]
+            group.cache.v[:, at, :, :n] = group.cache.v[:, last, :, :n]
+            group.members[at] = group.members[last]
+        group.members.pop()
+        group.slots.pop()
+        self._bind(group)
+
+    def _bind(self, group: Group) -> None:
+        """Bind the members' buffer rows (a contiguous view of each layer: no copy), to
+        the step graph and, where there is one, the tree graph."""
+        import onnxruntime
+
+        wrap, n = onnxruntime.OrtValue.ortvalue_from_numpy, len(group.members)
+        values = [(f"cache_{name}_{i}", wrap(buffer[i, :n])) for name, buffer in
+                  (("keys", group.cache.k), ("values", group.cache.v))
+                  for i in range(self.single.layers)]
+        group.binding = self.session.io_binding()
+        group.tree_binding = self.tree_session.io_binding() if self.tree_session else None
+        for binding in filter(None, (group.binding, group.tree_binding)):
+            for name, value in values:
+                binding.bind_ortvalue_input(name, value)
+
+
+def check_room(group: Group, ends) -> None:
+    """Refuse a pass whose rows would write up to `ends` past the group's buffer."""
+    end = int(max(ends))
+    if end > group.cache.capacity:
+        raise ValueError(f"KV cache holds {group.cache.capacity} tokens; asked to write up to "
+                         f"{end}")
+
+
+def store(group: Group, lengths: list[int], keys: np.ndarray, values: np.ndarray,
+          counts: list[int]) -> None:
+    """A pass's new keys/values [layers, g, kv_heads, t, head_dim]: the first counts[i] of
+    the group's row i at its committed length lengths[i]."""
+    for i, (start, c) in enumerate(zip(lengths, counts)):
+        group.cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
+        group.cache.v[:, i, :, start:start + c] = values[:, i, :, :c]
+
+
+class BoundRows:
+    """A batch's rows in BoundKVCaches bound to `session`, grouped by capacity bucket
+    (`slots`: BoundSlots), `lengths` committed per row in the batch's order. A step runs
+    one pass per group, so each row reads a buffer near its own capacity rather than the
+    batch's largest; the steps between joins and leaves read the buffers in place.
+    Subclasses set `single` (its layers, kv_heads and head_dim), `session`, `lengths`
+    (empty) and call _slots()."""
+
+    lengths: list[int]
+    tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
+
+    def _slots(self) -> None:
+        self.slots = BoundSlots(self.session, self.single, lambda r: self.lengths[r],
+                                self.tree_session)
+
+    @property
+    def groups(self) -> list[Group]:
+        return self.slots.groups
+
+    def _reserve(self, capacity: int) -> BoundKVCache:
+        return self.slots.reserve(capacity)
+
+    def _join(self, new: BoundKVCache) -> None:
+        self.slots.join(new)
         self.lengths.append(new.length)
 
-    def _group_lengths(self, group: RowGroup) -> list[int]:
+    def _group_lengths(self, group: Group) -> list[int]:
         return [self.lengths[r] for r in group.members]
 
     def remove(self, row: int) -> None:
-        at = next(at for at, group in enumerate(self.groups) if row in group.members)
-        group = self.groups[at]
-        if len(group.members) == 1:
-            group.members.clear()  # a row reserved in its buffer may bring it back (_join)
-            del self.groups[at]
-        else:
-            group.take(row, self.lengths[group.members[-1]])
-        for group in self.groups:  # the rows after it move up one
-            group.members = [r - (r > row) for r in group.members]
+        self.slots.drop(row)
         del self.lengths[row]
 
 
 class OnnxBatchTarget(BoundRows):
     """target-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_len
     [g]. A sequence is prefilled alone (OnnxTarget.prefill) into the buffer row it
-    will hold (BoundRows._reserve), then joins without a copy. An EAGLE-3
+    will hold (BoundSlots.reserve), then joins without a copy. An EAGLE-3
     engine's target-tree.onnx (`tree_session`) verifies every row's draft tree in one
     pass per group over the same buffers (packs_trees: its graph takes a batch)."""
 
@@ -818,8 +819,8 @@ class OnnxBatchTarget(BoundRows):
                                  prefiller=prefiller)
         self.session, self.context_limit = session, context_limit
         self.tree_session = tree_session
-        self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
+        self._slots()
 
     @property
     def packs_trees(self) -> bool:
@@ -847,12 +848,12 @@ class OnnxBatchTarget(BoundRows):
         for group in self.groups:
             ids = np.asarray(padded([rows[r] for r in group.members]), dtype=np.int64)
             meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
-            group.check_room(meta.committed().tolist())
+            check_room(group, meta.committed().tolist())
             feeds = {"ids": ids, "logit_positions": np.arange(meta.new, dtype=np.int64),
                      "past_len": meta.cached.numpy()}
             out_logits, out_features, keys, values = run_bound(
                 self.session, group.binding, feeds, OnnxTarget.STEP_OUTPUTS)
-            group.store(meta.cached.tolist(), keys, values, [meta.new] * len(group.members))
+            store(group, meta.cached.tolist(), keys, values, [meta.new] * len(group.members))
             if logits is None:
                 logits = np.zeros((len(rows), width) + out_logits.shape[2:], np.float32)
                 features = np.zeros((len(rows), width) + out_features.shape[2:], np.float32)
@@ -873,12 +874,12 @@ class OnnxBatchTarget(BoundRows):
             ids, mask, depths = pack(part)
             meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
             rows = meta.tree_rows(mask, depths)
-            group.check_room((meta.cached + torch.tensor([len(t) for t in part])).tolist())
+            check_room(group, (meta.cached + torch.tensor([len(t) for t in part])).tolist())
             feeds = {"ids": ids.numpy(), "positions": rows.positions.numpy(),
                      "tree_mask": mask.numpy(), "past_len": meta.cached.numpy()}
             logits, features, keys, values = run_bound(self.tree_session, group.tree_binding,
                                                        feeds, OnnxTarget.STEP_OUTPUTS)
-            group.store(meta.cached.tolist(), keys, values, [len(t) for t in part])
+            store(group, meta.cached.tolist(), keys, values, [len(t) for t in part])
             for i, (r, tree) in enumerate(zip(group.members, part)):
                 out[r] = (torch.from_numpy(logits[i, :len(tree)]),
                           torch.from_numpy(features[i, :len(tree)]))
@@ -968,7 +969,7 @@ class BoundDFlash:
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
         self.cache: BoundKVCache | None = None
         self.window_feed = window_feed(session, window)
-        self.reserve = reserve  # capacity -> the cache to read a prompt into (BoundRows._reserve)
+        self.reserve = reserve  # capacity -> the cache to read a prompt into (BoundSlots.reserve)
 
     def reset(self, capacity: int) -> None:
         self.cache = (self.reserve(capacity) if self.reserve is not None else
@@ -1001,7 +1002,7 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
     `window` of its own context keys from its own past_lens + context_lens
     (StepMetadata.block_window), so the window modes draft in one pass too. Like the
     target's, a prompt is read straight into the buffer row it joins as
-    (BoundRows._reserve)."""
+    (BoundSlots.reserve)."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
@@ -1010,8 +1011,8 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
                                   reserve=self._reserve)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
-        self.groups: list[RowGroup] = []
         self.lengths: list[int] = []
+        self._slots()
 
     def _join_row(self) -> None:
         self._join(self.single.cache)
@@ -1023,7 +1024,7 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
         for group in self.groups:
             context, context_lens = padded_context([contexts[r] for r in group.members])
             meta = StepMetadata(torch.tensor(self._group_lengths(group)), context_lens)
-            group.check_room(meta.committed().tolist())
+            check_room(group, meta.committed().tolist())
             block = np.asarray([[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1)
                                 for r in group.members], dtype=np.int64)
             feeds = {"block_ids": block,
@@ -1031,7 +1032,7 @@ class BoundBatchDFlash(BlockPrefill, BoundRows):
                      "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
             out, keys, values = run_bound(self.session, group.binding,
                                           feeds | self.single.window_feed, BoundDFlash.STEP_OUTPUTS)
-            group.store(meta.cached.tolist(), keys, values, context_lens.tolist())
+            store(group, meta.cached.tolist(), keys, values, context_lens.tolist())
             if logits is None:
                 logits = np.zeros((len(contexts),) + out.shape[1:], np.float32)
             logits[group.members] = out

@@ -16,7 +16,8 @@ from runtime.backends.roles import (BlockPrefill, ChainDraft, ChainPrefill, Draf
 from runtime.manifest import Manifest
 from runtime.ngram import NGramProposer
 from runtime.sampling import log_softmax
-from runtime.step_metadata import padded, padded_context, row_group
+from runtime.backends.slots import TorchSlots
+from runtime.step_metadata import padded, padded_context
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
@@ -140,46 +141,6 @@ class TorchPARD:
                                   visible[0, first:], sampler)
 
 
-class CacheGroups:
-    """A batch's rows in per-sequence KVCaches, one per capacity bucket (row_group):
-    a step runs one pass per group, so a row attends over its group's longest length, not
-    the batch's. `members` of each group: its rows in the batch's order, one cache row
-    each, in the same order. A sequence joins as the last row (copied into its bucket's
-    cache) and leaves from any row (its group's other rows copied)."""
-
-    def __init__(self, new_cache):
-        self.new_cache = new_cache  # () -> an empty per-sequence KVCache
-        self.groups: list[tuple[int, object, list[int]]] = []  # (bucket, cache, members)
-        self.rows = 0
-
-    def join(self, single) -> None:
-        bucket = row_group(single.capacity)
-        group = next((g for g in self.groups if g[0] == bucket), None)
-        if group is None:
-            group = (bucket, self.new_cache(), [])
-            self.groups.append(group)
-        group[1].join(single)
-        group[2].append(self.rows)
-        self.rows += 1
-
-    def drop(self, row: int) -> None:
-        at = next(at for at, (_, _, members) in enumerate(self.groups) if row in members)
-        _, cache, members = self.groups[at]
-        if len(members) == 1:
-            del self.groups[at]
-        else:
-            cache.drop(members.index(row))
-            members.remove(row)
-        for _, _, members in self.groups:  # the rows after it move up one
-            members[:] = [r - (r > row) for r in members]
-        self.rows -= 1
-
-    def rollback(self, lengths: list[int]) -> None:
-        for _, cache, members in self.groups:
-            cache.lengths = torch.tensor([lengths[r] for r in members], dtype=torch.long,
-                                         device=cache.k.device)
-
-
 def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
                  width: int) -> torch.Tensor:
     """part [g, t, ...] into rows `members` of out [batch, width, ...] (made on the first
@@ -191,7 +152,7 @@ def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int
 
 
 class TorchBatchTarget:
-    """The target over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; verify and verify_trees run one pass per group."""
 
     packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
@@ -200,7 +161,7 @@ class TorchBatchTarget:
         self.single = TorchTarget(model, feature_layers)
         self.model, self.feature_layers = model, self.single.feature_layers
         self.context_limit = self.single.context_limit
-        self.caches = CacheGroups(lambda: model.new_cache(1, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
 
     def add(self, ids: list[int], capacity: int):
         result = self.single.prefill(ids, capacity)
@@ -217,7 +178,7 @@ class TorchBatchTarget:
         """One pass per group, its rows padded to its widest; the outputs padded to the
         batch's widest row."""
         width, logits, features = max(len(r) for r in rows), None, None
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
                                device=cache.k.device)
             part_logits, part_features = self.model(ids, cache, self.feature_layers)
@@ -233,7 +194,7 @@ class TorchBatchTarget:
         sequence's length + depth; the nodes' keys stay scratch until keep_paths.
         Returns (logits [n_i, vocab], features [n_i, F] or None) per row."""
         out = [None] * len(trees)
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
             cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # as TorchTarget.verify_tree
             logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
@@ -245,7 +206,7 @@ class TorchBatchTarget:
     @torch.inference_mode()  # the caches were made under inference mode
     def keep_paths(self, paths: list[list[int]]) -> None:
         """Commit each row's accepted path (node indices, root first) of its verified tree."""
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             cache.keep_each([paths[r] for r in members])
 
     def rollback(self, lengths: list[int]) -> None:
@@ -256,7 +217,7 @@ class TorchBatchTarget:
 
 
 class TorchBatchDFlash(BlockPrefill):
-    """The drafter over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
     gives every row its own range in the one pass). A sequence reads its prompt's
@@ -270,7 +231,7 @@ class TorchBatchDFlash(BlockPrefill):
         self.vocab = self.single.vocab
         self.embed_tokens = target.embed_tokens
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     def _join_row(self) -> None:
         self.caches.join(self.single.cache)
@@ -280,7 +241,7 @@ class TorchBatchDFlash(BlockPrefill):
         """One pass per group, its rows' contexts padded to its longest (an empty context,
         [0, F], adds nothing to its row's cache)."""
         logits, visible = None, None
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             context, lengths = padded_context([contexts[r] for r in members])
             block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
             ids = torch.tensor(block, dtype=torch.long, device=context.device)
@@ -306,7 +267,7 @@ def _chain_room(max_drafts: int) -> int:
 
 
 class ChainRows(ChainPrefill):
-    """ChainPrefill over CacheGroups: the single-sequence drafter (`single`) reads the
+    """ChainPrefill over TorchSlots: the single-sequence drafter (`single`) reads the
     prompt into a cache of its own, with the chain's room past the capacity, which then
     joins the groups (`caches`)."""
 
@@ -319,7 +280,7 @@ class ChainRows(ChainPrefill):
 
 
 class TorchBatchPARD(ChainRows):
-    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (CacheGroups), each
+    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
     own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
@@ -333,13 +294,13 @@ class TorchBatchPARD(ChainRows):
         self.single = TorchPARD(drafter, vocab_size, max_drafts, scaling)
         self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
         self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
         drafts = [None] * len(ids)
         device = self.drafter.embed_tokens.weight.device
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
             rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
@@ -432,7 +393,7 @@ class TorchEagle3:
 
 class TorchBatchEagle3(ChainRows):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
-    (CacheGroups), each row at its own length. Per group, one pass ingests every row's
+    (TorchSlots), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
     entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
@@ -444,13 +405,13 @@ class TorchBatchEagle3(ChainRows):
         self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
         self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
         self.vocab = self.single.vocab
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
               samplers: list):
         drafts = [None] * len(ids)
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
             context, counts = padded_context([features[r] for r in members])
