@@ -30,11 +30,13 @@ from torch import nn
 
 from plugins.scaling import QueryScaling
 from runtime.backends import DEVICES, STEPS, TORCH_DTYPES  # noqa: F401 -- resolved here
-from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchTarget, TorchDFlash, TorchPARD,
-                                      TorchTarget, scatter_rows)
+from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+                                      TorchBatchTarget, TorchDFlash, TorchPARD, TorchTarget,
+                                      scatter_rows)
 from runtime.backends.chain import ChainDraft
 from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.eagle3 import Eagle3Drafter
 from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
@@ -180,6 +182,24 @@ class ChainStep(nn.Module):
         return self.drafter.logits(hidden, self.vocab_size), visible
 
 
+class Eagle3Step(nn.Module):
+    """The EAGLE-3 drafter's causal rows (token ids [b, t] and the state each reads: the
+    target's features [b, t, F], projected here (`ingest`: a step's newly committed
+    entries), or a chain link's own state [b, t, H]) after `cached` [b] entries:
+    draft-vocabulary logits [b, t, V], the state each row hands on [b, t, H] and each
+    row's visible-key count [b, t]."""
+
+    STATIC = (2, 3)  # k, v
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest: bool):
+        super().__init__()
+        self.drafter, self.scaling, self.ingest = drafter, scaling, ingest
+
+    def forward(self, ids, state, k, v, cached):
+        hidden = self.drafter.project(state) if self.ingest else state
+        return self.drafter(ids, hidden, StaticView(k, v, cached), self.scaling)
+
+
 def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
     """backend "inductor": torch.compile(fullgraph=True), one graph per input shape
     (dynamic=False: a new bucket is a new graph, a new length is not), replayed as CUDA
@@ -318,8 +338,10 @@ class EngineSteps:
             lambda capacity, slots: model.new_cache(capacity) if slots is None
             else model.new_cache(capacity, batch=slots, per_sequence=True))
         self.drafter, self._drafts, self._staging = drafter, {}, {}
-        if isinstance(drafter, PARDDrafter):
-            self.chain_buffers = BufferPool(lambda capacity, slots: drafter.new_cache(capacity))
+        if isinstance(drafter, (PARDDrafter, Eagle3Drafter)):  # chain drafters
+            self.chain_buffers = BufferPool(
+                lambda capacity, slots: drafter.new_cache(capacity) if slots is None
+                else drafter.new_cache(capacity, batch=slots, per_sequence=True))
         if isinstance(drafter, DFlashDrafter):
             self.head = DraftHead.for_drafter(drafter, model.lm_head)
             block = self.block_size = drafter.config.block_size
@@ -344,6 +366,15 @@ class EngineSteps:
         key = ("chain", scaling)
         if key not in self._drafts:
             module = ChainStep(self.drafter, scaling, self.model.config.vocab_size)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def eagle3_step(self, scaling: QueryScaling | None, ingest: bool):
+        """The EAGLE-3 drafter's step under `scaling`, ingesting target features or
+        running a chain link: (the module, its compiled step)."""
+        key = ("eagle3", scaling, ingest)
+        if key not in self._drafts:
+            module = Eagle3Step(self.drafter, scaling, ingest)
             self._drafts[key] = module, compile_step(module, self.device, self.backend)
         return self._drafts[key]
 
@@ -376,6 +407,12 @@ class EngineSteps:
 
     def pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledPARD":
         return CompiledPARD(self, scaling, max_drafts)
+
+    def batch_pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchPARD":
+        return CompiledBatchPARD(self, scaling, max_drafts)
+
+    def batch_eagle3(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchEagle3":
+        return CompiledBatchEagle3(self, scaling, max_drafts)
 
 
 class CompiledTarget(TorchTarget):
@@ -611,3 +648,128 @@ class CompiledBatchDFlash(TorchBatchDFlash):
                 group.lengths[slot] += lens[slot]
             group.sync()
         return logits, visible
+
+
+def chain_widths(max_drafts: int) -> tuple[int, ...]:
+    """The width buckets of a chain drafter's step (CompiledPARD's): a row that accepted
+    little (max_drafts), or every draft and the bonus read with k drafted (2 x max_drafts)."""
+    return tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
+
+
+def slot_rows(group, rows: dict[int, list[int]], width: int) -> list[list[int]]:
+    """Each member's row of ids in its slot, padded at its end to `width`; idle slots
+    all padding (their outputs are never read)."""
+    out = [[0] * width for _ in group.lengths]
+    for r, slot in zip(group.members, group.slots):
+        out[slot][:len(rows[r])] = rows[r]
+    return out
+
+
+class CompiledBatchPARD(TorchBatchPARD):
+    """TorchBatchPARD whose draft runs the engine's compiled chain step, one call per
+    group (FixedSlots: a graph per slot count, width and capacity bucket): every slot's
+    row [unread tokens, the newest, pard x (k - 1)] padded at its end to the width bucket
+    that holds the group's widest (chain_widths; wider runs the step eagerly). The pard
+    rows' keys and the padding's lie past each row's committed tokens, as scratch."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
+        self.steps = steps
+        self.module, self.step = steps.chain_step(scaling)
+        self.widths = chain_widths(max_drafts)
+        self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1])
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+        drafts = [None] * len(ids)
+        for group in self.caches.groups:
+            if not any(ks[r] for r in group.members):
+                continue
+            rows = {r: list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in group.members}
+            t = max(len(row) for row in rows.values())
+            width, step = bucket_for(t, self.widths), self.step
+            if width is None or max(group.lengths) + width > group.cache.capacity:
+                width, step = t, self.module
+            x = self.steps.staging("pard.ids", (len(group.lengths), width))
+            x.copy_(torch.tensor(slot_rows(group, rows, width)))
+            logits, visible = step(x, *group.cache.layers, group.cache.lengths)
+            for r, slot in zip(group.members, group.slots):
+                if ks[r]:
+                    end = len(rows[r])
+                    first = end - ks[r]  # the newest real token's row, then the pard rows
+                    # clone: a CUDA graph's outputs are overwritten by its next replay
+                    drafts[r] = ChainDraft.propose(logits[slot, first:end].clone(),
+                                                   visible[slot, first:end].clone(), samplers[r])
+                group.lengths[slot] += len(ids[r])  # the real tokens' keys; the rest scratch
+            group.sync()
+        return drafts
+
+
+class CompiledBatchEagle3(TorchBatchEagle3):
+    """TorchBatchEagle3 whose passes run the engine's compiled EAGLE-3 steps, per group
+    (FixedSlots): one ingest of every slot's newly committed entries, padded at its end to
+    the width bucket that holds the group's longest (1, or every draft and the bonus:
+    max_drafts + 1; longer runs eagerly), then one link step [slots, 1] per chain link.
+    The links are scratch past each row's committed entries, as the eager drafter leaves
+    them; the host lengths go back to the committed ones after the chain."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, scaling, max_drafts)
+        self.steps = steps
+        self.ingest_module, self.ingest = steps.eagle3_step(scaling, ingest=True)
+        self.link_module, self.link = steps.eagle3_step(scaling, ingest=False)
+        self.widths = (1, max_drafts + 1)
+        self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1] + max_drafts)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        drafts = [None] * len(ids)
+        staging = self.steps.staging
+        for group in self.caches.groups:
+            if not any(ks[r] for r in group.members):
+                continue
+            slots, at = len(group.lengths), group.slots
+            counts = {r: len(features[r]) for r in group.members}
+            c = max(counts.values())
+            width, step = bucket_for(c, self.widths), self.ingest
+            if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
+                width, step = c, self.ingest_module
+            following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
+            x = staging("eagle3.ids", (slots, width))
+            x.copy_(torch.tensor(slot_rows(group, following, width)))
+            context = staging("eagle3.context", (slots, width, features[0].shape[-1]),
+                              features[0].dtype)
+            context.zero_()
+            for r, slot in zip(group.members, at):
+                context[slot, :counts[r]] = features[r]
+            logits, hidden, visible = step(x, context, *group.cache.layers, group.cache.lengths)
+            last = torch.tensor([counts[r] - 1 for r in group.members])  # each row's newest entry
+            committed = list(group.lengths)
+            for r, slot in zip(group.members, at):
+                committed[slot] += counts[r]
+            group.lengths = list(committed)
+            group.sync()
+
+            def link(tokens, hidden, i):
+                x = staging("eagle3.link", (slots, 1))
+                x.zero_()
+                x[at, 0] = torch.tensor(tokens, dtype=torch.long, device=x.device)
+                state = staging("eagle3.state", (slots, 1, hidden.shape[-1]), hidden.dtype)
+                state.zero_()
+                state[at, 0] = hidden
+                out, new, n = self.link(x, state, *group.cache.layers, group.cache.lengths)
+                for slot in at:  # the next link reads this one's key
+                    group.lengths[slot] += 1
+                group.sync()
+                return out[at, -1], new[at, -1], n[at, -1]
+
+            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
+                                         link, [ks[r] for r in group.members],
+                                         [samplers[r] for r in group.members],
+                                         self.vocab.target_logits)
+            group.lengths = committed  # the links are scratch
+            group.sync()
+            for r, draft in zip(group.members, grown):
+                drafts[r] = draft
+        return drafts

@@ -474,12 +474,14 @@ class TorchLoaded:
 
     `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
     (runtime/compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
-    an n-gram verify (ngram drafts + 1) and a block verify (block_size), and the DFlash
-    block and the PARD chain: the targets are CompiledTarget / CompiledBatchTarget, DFlash
-    drafters CompiledDFlash / CompiledBatchDFlash, PARD drafters CompiledPARD, all over
-    this engine's one EngineSteps (`shared`: its compiled steps, graphs and KV buffer
-    pool), so a request after the first compiles and captures nothing. EAGLE-3 drafters
-    stay eager (a chain link per host-sampled token; trees under per-step masks)."""
+    an n-gram verify (ngram drafts + 1) and a block verify (block_size), the DFlash
+    block, the PARD chain and EAGLE-3's chain passes: the targets are CompiledTarget /
+    CompiledBatchTarget, DFlash drafters CompiledDFlash / CompiledBatchDFlash, PARD
+    drafters CompiledPARD / CompiledBatchPARD, EAGLE-3 chains over a batch
+    CompiledBatchEagle3, all over this engine's one EngineSteps (`shared`: its compiled
+    steps, graphs and KV buffer pool; a graph per batch bucket and width bucket), so a
+    request after the first compiles and captures nothing. EAGLE-3 trees stay eager (per-
+    step masks)."""
 
     can = modes.BACKENDS["torch"]
 
@@ -545,6 +547,20 @@ class TorchLoaded:
             return self.shared.batch_dflash(scaling)
         return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
 
+    def batch_pard(self, scaling: QueryScaling | None) -> TorchBatchPARD:
+        """PARD chains for every row in one pass: compiled with `steps`, else eager."""
+        if self.shared is not None:
+            return self.shared.batch_pard(scaling, self.drafting.max_drafts)
+        return TorchBatchPARD(self.drafter_model, self.model.config.vocab_size,
+                              self.drafting.max_drafts, scaling)
+
+    def batch_eagle3(self, scaling: QueryScaling | None) -> TorchBatchEagle3:
+        """EAGLE-3 chains (top_k 1) for every row, one pass per link: compiled with
+        `steps`, else eager."""
+        if self.shared is not None:
+            return self.shared.batch_eagle3(scaling, max(self.drafting.max_drafts, 1))
+        return TorchBatchEagle3(self.drafter_model, scaling, max(self.drafting.max_drafts, 1))
+
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
         step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
@@ -564,9 +580,7 @@ DRAFTERS = {
 # EAGLE-3's is its chain's (its trees draft one row at a time, runtime/assembly.py)
 BATCH_DRAFTERS = {
     "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
-    "pard": lambda loaded, scaling, window: TorchBatchPARD(
-        loaded.drafter_model, loaded.model.config.vocab_size, loaded.drafting.max_drafts, scaling),
-    "eagle3": lambda loaded, scaling, window: TorchBatchEagle3(loaded.drafter_model, scaling,
-                                                               max(loaded.drafting.max_drafts, 1)),
+    "pard": lambda loaded, scaling, window: loaded.batch_pard(scaling),
+    "eagle3": lambda loaded, scaling, window: loaded.batch_eagle3(scaling),
 }
 assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"
