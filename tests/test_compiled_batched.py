@@ -1,4 +1,4 @@
-"""Compiled steps for every drafter family, batched (runtime/compiled.py): the torch
+"""Compiled steps for every drafter family, batched (runtime/backends/pytorch/compiled.py): the torch
 target, DFlash blocks, PARD chains and EAGLE-3 chains run fixed-shape steps per (slot
 bucket, width bucket) -- CompiledBatchTarget, CompiledBatchDFlash, CompiledBatchPARD,
 CompiledBatchEagle3 over FixedSlots -- and decode the eager engine's tokens for every mode
@@ -112,7 +112,7 @@ def test_cuda_graphs_per_bucket_decode_the_eager_tokens(engines, family):
 def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines, monkeypatch):
     """The PARD and EAGLE-3 batched drafters call their compiled steps (not the eager
     module) with slot counts 1, 2 and 4 as rows join: a graph per batch bucket."""
-    from runtime import compiled
+    from runtime.backends.pytorch import compiled
 
     calls, real = [], compiled.compile_step
 

@@ -69,7 +69,7 @@ def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
     CompiledDFlash where TorchTarget / TorchDFlash were; greedy tokens stay the eager
     engine's, target-only and speculative."""
     from runtime.backends.pytorch import TorchTarget
-    from runtime.compiled import CompiledDFlash, CompiledTarget
+    from runtime.backends.pytorch.compiled import CompiledDFlash, CompiledTarget
 
     eager, compiled = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
     assert type(eager.target) is TorchTarget and eager.loaded.steps is None

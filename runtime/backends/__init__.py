@@ -29,7 +29,7 @@ RUNNABLE_BACKENDS = tuple(name for name, can in modes.BACKENDS.items() if not ca
 
 # the torch backend's choices (runtime/backends/pytorch/placement.py resolves them)
 DEVICES = ("cpu", "cuda")
-# its compiled steps' compilers (runtime/compiled.py: compile_step)
+# its compiled steps' compilers (runtime/backends/pytorch/compiled.py: compile_step)
 STEPS = ("eager", "inductor", "cudagraph")
 # its weight and cache dtypes; float64: the exactness tests' (tests/test_loaders.py), not
 # offered on the command line
@@ -70,7 +70,7 @@ class Loader:
 # opened with it.
 LOADERS: dict[str, Loader] = {
     "torch": Loader(
-        "runtime.backends.pytorch", "TorchLoaded", ("device", "dtype", "steps"),
+        "runtime.backends.pytorch.loader", "TorchLoaded", ("device", "dtype", "steps"),
         {"prefill_dtype": "the torch backend prefills in the engine's dtype (--dtype), not "
                           "{value}; --prefill-dtype is the onnxruntime backend's"}),
     "onnxruntime": Loader(

@@ -123,7 +123,7 @@ class FixedSlots(Slots):
     """Compiled torch: fixed shapes, so a group's step is one compiled graph. A group's
     buffers hold a power of two of keys (a sequence's capacity + `room`, rounded up: the
     single-sequence roles' static_capacity, so a group of one shares their graphs) and of
-    slots (slots_for), leased from the engine's `pool` (runtime/compiled.py: BufferPool).
+    slots (slots_for), leased from the engine's `pool` (runtime/backends/pytorch/compiled.py: BufferPool).
     A sequence joins into a free slot (one copy: its own keys) and leaves its slot idle;
     the group moves to other buffers only when it outgrows its slots or drops to a
     quarter of them."""

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from plugins.scaling import QueryScaling
-from runtime.backends import DEVICES, STEPS, TORCH_DTYPES  # noqa: F401 -- resolved here
-from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
+from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                       TorchBatchTarget, TorchDFlash, TorchPARD, TorchTarget,
                                       scatter_rows)
 from runtime.backends.chain import ChainDraft
@@ -42,62 +42,6 @@ from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
 
-# the names live in the registry (runtime/backends/__init__.py), which the command line
-# reads without importing torch; here, what they resolve to
-DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
-
-
-# -- device and dtype: what a torch loader calls ------------------------------------------
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """'cpu' / 'cuda' / 'cuda:N' as a torch.device, or a one-line ModelError."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ModelError(f"device {name!r} is not one of {', '.join(DEVICES)}") from None
-    if device.type not in DEVICES:
-        raise ModelError(f"device {name!r} is not one of {', '.join(DEVICES)}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError("device cuda asked for, but torch sees no CUDA device here — "
-                         "pass --device cpu")
-    return device
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        if name not in DTYPES.values():
-            raise ModelError(f"dtype {name} is not one of {', '.join(DTYPES)}")
-        return name
-    if name not in DTYPES:
-        raise ModelError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def place(model: nn.Module, device, dtype=None) -> nn.Module:
-    """A loaded model moved onto `device` (in `dtype` when given), in eval mode."""
-    device = resolve_device(device)
-    return model.to(device=device, dtype=None if dtype is None else resolve_dtype(dtype)).eval()
-
-
-def load_target(target_dir, device="cpu", dtype="float32"):
-    """Our TargetModel on `device` in `dtype` and its tokenizer (runtime/models/target.py
-    loads; this places). Its static caches are made per request by CompiledTarget."""
-    from runtime.models.target import load_target as load
-
-    from plugins.row_invariant import REDUCED, make_row_invariant
-
-    dtype = resolve_dtype(dtype)
-    device = resolve_device(device)
-    model, tokenizer = load(target_dir, dtype)
-    if dtype in REDUCED:  # lossless in bfloat16/float16 too: plugins/row_invariant.py
-        make_row_invariant(model)
-    return place(model, device), tokenizer
-
-
-def load_dflash(drafter_dir, device="cpu", dtype="float32") -> DFlashDrafter:
-    from runtime.models.dflash import load_dflash as load
-
-    return place(load(drafter_dir, resolve_dtype(dtype)), resolve_device(device))
 
 
 # -- the compiled steps -------------------------------------------------------------------
