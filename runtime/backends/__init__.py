@@ -74,7 +74,7 @@ LOADERS: dict[str, Loader] = {
         {"prefill_dtype": "the torch backend prefills in the engine's dtype (--dtype), not "
                           "{value}; --prefill-dtype is the onnxruntime backend's"}),
     "onnxruntime": Loader(
-        "runtime.backends.onnxruntime", "OnnxEngine", ("device", "dtype", "prefill_dtype", "threads"),
+        "runtime.backends.onnxruntime.loader", "OnnxEngine", ("device", "dtype", "prefill_dtype", "threads"),
         {"steps": "the onnxruntime backend runs exported graphs, not compiled torch steps "
                   "({value}) — pass --backend torch"}),
     "tensorrt": Loader(
