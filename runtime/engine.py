@@ -19,10 +19,10 @@ from pathlib import Path
 from plugins.scaling import PRESETS, QueryScaling
 from runtime import assembly, modes
 from runtime.assembly import DraftSetting
-from runtime.backends import LOADERS, RUNNABLE_BACKENDS
+from runtime.backends import LOADERS, OPTIONS, RUNNABLE_BACKENDS
 from runtime.backends.roles import drafting_of, load_tokenizer  # noqa: F401
 from runtime.decode import Decoder, Request
-from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
+from runtime.manifest import DRAFTERS, PLACEMENT, EngineError, Manifest, read_manifest
 from runtime.metrics import Generation
 from runtime.modes import Mode
 from runtime.ngram import NGramProposer
@@ -66,8 +66,8 @@ class Engine:
         # Every engine can draft by n-gram lookup (the bench's drafter-free peer); an
         # ngram engine records its own settings.
         self.ngram_settings = self.manifest.extra.get("ngram") or NGramProposer().settings()
-        options = {k: v for k, v in (("device", device), ("dtype", dtype), ("steps", steps),
-                                     ("prefill_dtype", prefill_dtype)) if v is not None}
+        options = {k: v for k, v in zip(OPTIONS, (device, dtype, steps, prefill_dtype))
+                   if v is not None}
         for option, value in options.items():  # each backend takes the options it declares
             why = loader.refusal(self.backend, option, value)
             if why:
@@ -76,10 +76,11 @@ class Engine:
         # where and how the steps run (manifest.PLACEMENT's keys): a record measured
         # elsewhere does not apply here
         loaded = self.loaded
-        self.placement = {"backend": self.backend,
-                          "device": str(getattr(loaded, "device", None) or "cpu").split(":")[0],
-                          "dtype": getattr(loaded, "dtype", None) or self.manifest.dtype,
-                          "steps": getattr(loaded, "steps", None)}  # None: not compiled
+        where = {"backend": self.backend,
+                 "device": str(getattr(loaded, "device", None) or "cpu").split(":")[0],
+                 "dtype": getattr(loaded, "dtype", None) or self.manifest.dtype,
+                 "steps": getattr(loaded, "steps", None)}  # None: not compiled
+        self.placement = {k: where[k] for k in PLACEMENT}
         # Measured at build time for each backend (the CPU, steps not compiled); None (older or
         # TensorRT engines, or this engine placed elsewhere): every step verifies the
         # whole block.

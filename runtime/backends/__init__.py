@@ -34,6 +34,11 @@ STEPS = ("eager", "inductor", "cudagraph")
 # its weight and cache dtypes; float64: the exactness tests' (tests/test_loaders.py), not
 # offered on the command line
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The options an engine is opened with, the one key set every caller passes (Engine's
+# keywords, serve's and the commands' --device / --dtype / --steps / --prefill-dtype):
+# each loader declares which of them it takes (LOADERS). Where a record was measured is
+# another set, runtime/manifest.py PLACEMENT (backend, device, dtype, steps).
+OPTIONS = ("device", "dtype", "steps", "prefill_dtype")
 # the onnxruntime backend's prefill dtypes (runtime/backends/bf16_prefill.py): the graphs'
 # own, or bfloat16 multiplies
 PREFILL_DTYPES = ("float32", "bfloat16")
@@ -85,6 +90,8 @@ LOADERS: dict[str, Loader] = {
                           "is the onnxruntime backend's"}),
 }
 assert set(LOADERS) == set(RUNNABLE_BACKENDS), "every runnable backend of the table has a loader"
+assert all(set(OPTIONS) <= set(loader.options) | set(loader.refusals)
+           for loader in LOADERS.values()), "each loader takes, or says why it refuses, every option"
 
 # the names the roles module holds, importable from here as before (imported on first use,
 # so that reading the registry imports no torch)
