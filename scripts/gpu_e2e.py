@@ -124,10 +124,10 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
 
 
 def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_bucket=None):
-    """The run's compiled steps (runtime/backends/pytorch/compiled.py: EngineSteps), made once and shared
+    """The run's compiled steps (runtime/compiled.py: EngineSteps), made once and shared
     by every mode and context as a loaded engine's are (graphs captured once, KV buffers
     leased and given back); None: eager roles."""
-    from runtime.backends.pytorch.compiled import EngineSteps
+    from runtime.compiled import EngineSteps
 
     if steps is None:
         return None
@@ -157,7 +157,7 @@ def our_rows(target_dir, drafter_dir, device, dtype, contexts, new_tokens, steps
 
     from build.checkpoints import calibrated_scaling
     from plugins.scaling import PRESETS
-    from runtime.backends.pytorch.placement import load_dflash, load_target
+    from runtime.compiled import load_dflash, load_target
     from runtime.ngram import NGramProposer
 
     model, tokenizer = load_target(target_dir, device, dtype)
