@@ -29,10 +29,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_device_options(p) -> None:
     """--device, --dtype, --steps: where and how the torch backend runs an engine
-    (runtime/compiled.py); --prefill-dtype: the onnxruntime backend's prefill
+    (runtime/backends: the registry's choices); --prefill-dtype: the onnxruntime backend's prefill
     (runtime/backends/bf16_prefill.py). Engine passes them to the backend's loader."""
-    from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES
-    from runtime.compiled import DEVICES, DTYPES, STEPS
+    from runtime.backends import DEVICES, PREFILL_DTYPES, STEPS, TORCH_DTYPES as DTYPES
 
     p.add_argument("--device", choices=DEVICES,
                    help="torch backend: run target and drafter on this device (default cpu)")

@@ -94,6 +94,9 @@ class Manifest:
     artifacts: dict = dataclasses.field(default_factory=dict)  # files inside the engine dir
     extra: dict = dataclasses.field(default_factory=dict)  # calibration, export details ...
     format_version: int = FORMAT_VERSION
+    # the directory it was read from (read_manifest), so the one spec can be handed down
+    # in its place; not written to engine.json
+    dir: Path | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def target_dir(self) -> Path:
@@ -146,6 +149,7 @@ class Manifest:
 
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
+        del data["dir"]
         data["query_scaling"] = self.query_scaling.to_dict() if self.query_scaling else None
         data["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         return data
@@ -181,7 +185,7 @@ def read_manifest(engine_dir: Path, verify: str = "quick") -> Manifest:
             drafter_checkpoint=data["drafter_checkpoint"],
             query_scaling=QueryScaling.from_dict(scaling) if scaling else None,
             block_size=int(data["block_size"]), dtype=data.get("dtype", "float32"),
-            artifacts=data.get("artifacts", {}), extra=data.get("extra", {}))
+            artifacts=data.get("artifacts", {}), extra=data.get("extra", {}), dir=engine_dir)
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{path} is malformed ({exc}) — rebuild the engine") from None
     if verify != "skip":

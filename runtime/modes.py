@@ -97,7 +97,7 @@ def parse(name: str) -> Mode:
         raise ValueError(f"no decoding mode {name!r} (modes: {', '.join(Mode)})") from None
 
 
-# How each drafter family drafts (the proposer runtime/decoders.py gives it); an ngram
+# How each drafter family drafts (the proposer runtime/assembly.py gives it); an ngram
 # engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
 FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
 # The drafting style a draft window and n-gram assist are written for (DFlash blocks).

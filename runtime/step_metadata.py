@@ -155,7 +155,7 @@ def _check_lengths(**lengths) -> None:
 
 def capacity_bucket(capacity: int) -> int:
     """log2 of the power of two a capacity rounds up to: the compiled steps' static
-    capacities (runtime/compiled.py) and, from SHARED_CAPACITY up, the batched backends'
+    capacities (runtime/backends/pytorch/compiled.py) and, from SHARED_CAPACITY up, the batched backends'
     groups (row_group)."""
     return max(capacity - 1, 0).bit_length()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does the compiled torch path (runtime/compiled.py, inductor on CPU) decode faster than
+"""Does the compiled torch path (runtime/backends/pytorch/compiled.py, inductor on CPU) decode faster than
 the eager torch roles and ONNX Runtime's? Median milliseconds of the target's 1-token
 decode step and of a block-wide verify step, after a prompt of --context tokens, the
 three backends alternating step by step so machine load hits them alike.
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from build.checkpoints import prepare_target
     from runtime.backends.pytorch import TorchTarget
-    from runtime.compiled import EngineSteps
+    from runtime.backends.pytorch.compiled import EngineSteps
     from runtime.models.target import ModelError, load_target
 
     try:

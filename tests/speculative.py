@@ -1,11 +1,11 @@
 """Decoding on bare backend roles (a target and a drafter object in hand, no engine
-directory), for tests: each helper describes its roles to runtime/decoders.py, the factory
+directory), for tests: each helper describes its roles to runtime/assembly.py, the factory
 Engine builds every decoder with, so tests run the production shape (its proposers, its
 slack rule)."""
 
 from __future__ import annotations
 
-from runtime import decoders
+from runtime import assembly
 from runtime.decode import Decoder, OnTokens, Request
 from runtime.metrics import Generation
 from runtime.modes import Mode
@@ -15,19 +15,19 @@ from runtime.step_costs import StepCosts
 from runtime.tree import TreeShape
 
 
-def roles(target, style=None, drafter=None, lookup=None, tree_shape=None) -> decoders.Roles:
+def roles(target, style=None, drafter=None, lookup=None, tree_shape=None) -> assembly.Roles:
     """Single-sequence roles over `target` (and one `drafter`, of `style`)."""
-    return decoders.Roles(style, lambda: target, target.context_limit,
+    return assembly.Roles(style, lambda: target, target.context_limit,
                           drafter=(lambda mode: drafter) if drafter is not None else None,
                           lookup=(lambda: lookup) if lookup is not None else NGramProposer,
                           tree_shape=tree_shape)
 
 
-def decode_one(roles_: decoders.Roles, mode: Mode, target, prompt: list[int], max_new_tokens: int,
+def decode_one(roles_: assembly.Roles, mode: Mode, target, prompt: list[int], max_new_tokens: int,
                sampler: Sampler, stop_ids=frozenset(), on_tokens: OnTokens = None,
                costs: StepCosts | None = None) -> Generation:
     """One sequence on `target` (a batch of one)."""
-    decoder = decoders.decoder(roles_, mode, target, costs)
+    decoder = assembly.decoder(roles_, mode, target, costs)
     return decoder.generate(Request(prompt, max_new_tokens, stop_ids=stop_ids,
                                     on_tokens=on_tokens, sampler=sampler))
 
@@ -67,12 +67,12 @@ def generate_ngram(target, proposer: NGramProposer, prompt, max_new_tokens, samp
 def batch_decoder(target, drafter=None, costs: StepCosts | None = None) -> Decoder:
     """Target-only (no drafter) or DFlash blocks over batched roles (BatchTarget,
     BatchBlockDrafter); requests join with add() and step together."""
-    batched = decoders.Roles(
+    batched = assembly.Roles(
         "block" if drafter is not None else None, None, target.context_limit,
         batch_target=lambda: target,
         batch_drafter=(lambda mode: drafter) if drafter is not None else None,
         block_size=drafter.block_size if drafter is not None else 1)
-    return decoders.decoder(batched, Mode.FROZEN if drafter is not None else Mode.TARGET,
+    return assembly.decoder(batched, Mode.FROZEN if drafter is not None else Mode.TARGET,
                             costs=costs)
 
 
@@ -84,10 +84,10 @@ def generate_batch(target, drafter, requests: list[Request], costs: StepCosts | 
 def chain_batch_decoder(target, drafter, costs: StepCosts | None = None) -> Decoder:
     """Chains over batched roles (BatchTarget, BatchChainDrafter); requests join with
     add() and step together."""
-    batched = decoders.Roles("chain", None, target.context_limit, batch_target=lambda: target,
+    batched = assembly.Roles("chain", None, target.context_limit, batch_target=lambda: target,
                              batch_drafter=lambda mode: drafter,
                              block_size=drafter.max_drafts + 1)
-    return decoders.decoder(batched, Mode.FROZEN, costs=costs)
+    return assembly.decoder(batched, Mode.FROZEN, costs=costs)
 
 
 # the ONNX Runtime sessions a batch drafter runs (EAGLE-3's: its step and tree graphs)

@@ -122,16 +122,16 @@ def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(nat
 
 def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(native_ort_engine,
                                                                                monkeypatch):
-    """A prompt prefills straight into the buffer row it will hold (BoundRows._reserve):
+    """A prompt prefills straight into the buffer row it will hold (BoundSlots.reserve):
     joining copies no keys; a row that left while a prompt prefilled in parts moves the
     joining row down one buffer row, a group emptied meanwhile comes back; every row
     verifies as alone."""
-    from runtime.backends.onnxruntime import RowGroup
+    from runtime.backends.onnxruntime import BoundSlots
 
     engine = native_ort_engine
     batch = engine.loaded.batch_target()
-    puts, put = [], RowGroup.put
-    monkeypatch.setattr(RowGroup, "put", lambda self, *a: puts.append(a[0]) or put(self, *a))
+    puts, put = [], BoundSlots._put
+    monkeypatch.setattr(BoundSlots, "_put", staticmethod(lambda *a: puts.append(a[0]) or put(*a)))
     prompts = [[4 + i] * (22 - i) for i in range(3)]  # the first sets the buffer's capacity
     for p in prompts:
         batch.add(p, len(p) + 5)
@@ -160,11 +160,11 @@ def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(
 def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine, monkeypatch):
     """Two drafter rows in two groups, each read straight into its buffer row (no copy
     at the join); one step with one row's context empty equals each alone."""
-    from runtime.backends.onnxruntime import RowGroup
+    from runtime.backends.onnxruntime import BoundSlots
 
     engine = native_ort_engine
-    puts, put = [], RowGroup.put
-    monkeypatch.setattr(RowGroup, "put", lambda self, *a: puts.append(a[0]) or put(self, *a))
+    puts, put = [], BoundSlots._put
+    monkeypatch.setattr(BoundSlots, "_put", staticmethod(lambda *a: puts.append(a[0]) or put(*a)))
     batch = engine.loaded.batch_drafter(engine.scaling)
     single = BoundDFlash(batch.session, batch.block_size, batch.mask_token_id, batch.scaling,
                          batch.vocab)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import decoders
+from runtime import assembly
 from runtime.backends.onnxruntime import HostKVCache
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                       TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
@@ -251,6 +251,12 @@ def test_a_drafter_read_in_parts_holds_the_cache_of_one_piece(fused, window):
                                         1e-12)
 
 
+def setting_of(engine, mode) -> tuple:
+    """The (scaling, window) a mode's drafter runs under (Engine.setting)."""
+    setting = engine.setting(mode)
+    return setting.scaling, setting.window
+
+
 def _engine_features(engine, n: int):
     """The engine target's features of a prompt of n tokens, and the prompt."""
     prompt = prompts([n])[0]
@@ -266,8 +272,8 @@ def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine, f
     1 + 31 + 32 + 6 leave the cache of one piece (float32: within 1e-5)."""
     prompt, features = _engine_features(engine, 72)
     for mode in [Mode.SHARPDRAFT] + ([Mode.WINDOW] if Mode.WINDOW in engine.modes else []):
-        make = ((lambda: engine.batch_drafter_for(mode)) if fused else
-                (lambda: RowBlockDrafters(lambda: engine.drafter_for(mode))))
+        make = ((lambda: engine.loaded.batch_drafter(*setting_of(engine, mode))) if fused else
+                (lambda: RowBlockDrafters(lambda: engine.loaded.drafter(*setting_of(engine, mode)))))
         assert_parts_leave_one_pieces_cache(make, features[:70], features[70:], prompt[69], 90,
                                             [1, 31, 32, 6], 1e-5)
 
@@ -275,9 +281,9 @@ def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine, f
 def test_a_host_cache_drafter_read_in_parts_holds_the_cache_of_one_piece(ort_engine):
     """ONNX Runtime's drafter.onnx over a HostKVCache (OnnxBatchDFlash / OnnxDFlash: the
     plugin-form engine), likewise."""
-    assert type(ort_engine.batch_drafter_for(Mode.SHARPDRAFT)).__name__ == "OnnxBatchDFlash"
+    assert type(ort_engine.loaded.batch_drafter(*setting_of(ort_engine, Mode.SHARPDRAFT))).__name__ == "OnnxBatchDFlash"
     prompt, features = _engine_features(ort_engine, 72)
-    assert_parts_leave_one_pieces_cache(lambda: ort_engine.batch_drafter_for(Mode.SHARPDRAFT),
+    assert_parts_leave_one_pieces_cache(lambda: ort_engine.loaded.batch_drafter(*setting_of(ort_engine, Mode.SHARPDRAFT)),
                                         features[:70], features[70:], prompt[69], 90,
                                         [1, 31, 32, 6], 1e-5)
 
@@ -317,11 +323,11 @@ def _eagle3_chain_pair():
 def _eagle3_tree_pair():
     target, drafter = eagle_pair(7, 40)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    roles = decoders.Roles("tree", None, target.config.max_position_embeddings,
+    roles = assembly.Roles("tree", None, target.config.max_position_embeddings,
                            drafter=lambda mode: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
                            batch_target=lambda: TorchBatchTarget(target, layers),
                            tree_shape=TreeShape(2, 3, 6))
-    return decoders.decoder(roles, Mode.FROZEN), target, drafter
+    return assembly.decoder(roles, Mode.FROZEN), target, drafter
 
 
 @pytest.mark.parametrize("pair", [_block_pair, _pard_pair, _eagle3_chain_pair, _eagle3_tree_pair],

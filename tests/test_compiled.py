@@ -1,4 +1,4 @@
-"""The compiled fixed-shape steps (runtime/compiled.py): the same tokens as the eager
+"""The compiled fixed-shape steps (runtime/backends/pytorch/compiled.py): the same tokens as the eager
 torch roles, one graph with no break, no recompile when only a length changes, device and
 dtype refusals in one line. The fast tier compiles with dynamo's eager backend (the graph
 capture is what breaks or recompiles; seconds); inductor's code runs in the slow tier
@@ -14,8 +14,9 @@ from plugins.scaling import QueryScaling
 from runtime import proposers
 from runtime.backends.rows import RowBlockDrafters, RowTargets
 from runtime.backends.pytorch import TorchDFlash, TorchTarget
-from runtime.compiled import (CompiledDFlash, CompiledTarget, StaticView, TargetStep, layers,
-                              resolve_device, resolve_dtype, static_capacity)
+from runtime.backends.pytorch.compiled import (CompiledDFlash, CompiledTarget, StaticView,
+                                               TargetStep, layers, static_capacity)
+from runtime.backends.pytorch.placement import resolve_device, resolve_dtype
 from runtime.decode import Decoder, Request
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
 from runtime.models.target import ModelError
@@ -203,7 +204,7 @@ def engine_prompts(engine, lengths, seed=3):
 def recorded_steps(monkeypatch):
     """compile_step counting the steps made and the CUDA-graph keys its steps are called
     with (CapturedStep captures once per key: a key not seen before is a capture)."""
-    from runtime import compiled
+    from runtime.backends.pytorch import compiled
 
     made, keys, real = [], set(), compiled.compile_step
 
@@ -232,7 +233,7 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
     key (the same buffer addresses and shapes: no capture) and no KV buffer."""
     from torch._dynamo.utils import counters
 
-    from runtime.compiled import CompiledBatchDFlash, CompiledBatchTarget
+    from runtime.backends.pytorch.compiled import CompiledBatchDFlash, CompiledBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
 
@@ -267,17 +268,18 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
 
 
 def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
-    """SlotGroups (the batched compiled roles' caches) against the single-sequence caches
+    """FixedSlots (the batched compiled roles' caches) against the single-sequence caches
     that joined: each remaining row's keys and length in its slot, slots a power of two,
     growing and shrinking; an emptied group's buffers back to the pool and reused."""
-    from runtime.compiled import BufferPool, SlotGroups
+    from runtime.backends.slots import FixedSlots
+    from runtime.backends.pytorch.compiled import BufferPool
     from runtime.models.layers import KVCache
 
     def make(capacity, slots):
         return KVCache(2, slots or 1, 1, capacity, 3, torch.float64, per_sequence=slots is not None)
 
     pool = BufferPool(make)
-    groups = SlotGroups(pool)
+    groups = FixedSlots(pool)
     singles = []
     for i, n in enumerate([5, 9, 3, 7, 6]):
         single = KVCache(2, 1, 1, 30, 3, torch.float64)
@@ -332,7 +334,7 @@ def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine,
     buffer."""
     from torch._dynamo.utils import counters
 
-    from runtime.compiled import CompiledPARD
+    from runtime.backends.pytorch.compiled import CompiledPARD
     from runtime.engine import Engine
 
     made, keys = recorded_steps(monkeypatch)

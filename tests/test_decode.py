@@ -128,19 +128,19 @@ def test_a_tree_style_refuses_sampling_for_that_request_alone():
 
 
 def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
-    """A batched tree decoder as runtime/decoders.py builds it, three rows whose
+    """A batched tree decoder as runtime/assembly.py builds it, three rows whose
     capacities share a bucket (capacity_bucket): a step's verify is one call of the
     target model, not one per row, and the rows still decode target-only's tokens."""
-    from runtime import decoders
+    from runtime import assembly
     from runtime.modes import Mode
 
     target, drafter = eagle_pair(3, 12)
     layers = drafter.config.feature_layers(target.config.num_layers)
     limit = target.config.max_position_embeddings
-    roles = decoders.Roles("tree", lambda: TorchTarget(target, layers), limit,
+    roles = assembly.Roles("tree", lambda: TorchTarget(target, layers), limit,
                            drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
                            batch_target=lambda: TorchBatchTarget(target, layers), tree_shape=SHAPE)
-    decoder = decoders.decoder(roles, Mode.FROZEN)
+    decoder = assembly.decoder(roles, Mode.FROZEN)
     requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]
     seqs = [decoder.add(r) for r in requests]
     calls, forward = [], target.forward
@@ -160,7 +160,7 @@ def test_a_batch_target_that_cannot_pack_trees_verifies_them_row_by_row():
     the engine still loads and decodes, never fails or differs."""
     from types import SimpleNamespace
 
-    from runtime import decoders
+    from runtime import assembly
     from runtime.backends.onnxruntime import OnnxBatchTarget
     from runtime.modes import Mode
 
@@ -179,10 +179,10 @@ def test_a_batch_target_that_cannot_pack_trees_verifies_them_row_by_row():
 
     target, drafter = eagle_pair(4, 12)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    roles = decoders.Roles("tree", lambda: TorchTarget(target, layers), 64,
+    roles = assembly.Roles("tree", lambda: TorchTarget(target, layers), 64,
                            drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
                            batch_target=lambda: Unpacked(target, layers), tree_shape=SHAPE)
-    decoder = decoders.decoder(roles, Mode.FROZEN)
+    decoder = assembly.decoder(roles, Mode.FROZEN)
     assert isinstance(decoder.target, RowTargets)
     got = decoder.run([Request([1, 2, 3], 5), Request([4], 5)])
     for prompt, seq in zip([[1, 2, 3], [4]], got):

@@ -116,7 +116,7 @@ def test_engine_compares_no_backend_family_or_style_names():
     from runtime import modes
 
     names = set(modes.BACKENDS) | set(modes.FAMILIES) | {s for s in modes.FAMILIES.values() if s}
-    for path in (REPO / "runtime" / "engine.py", REPO / "runtime" / "decoders.py"):
+    for path in (REPO / "runtime" / "engine.py", REPO / "runtime" / "assembly.py"):
         compared = []
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):

@@ -69,7 +69,7 @@ def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
     CompiledDFlash where TorchTarget / TorchDFlash were; greedy tokens stay the eager
     engine's, target-only and speculative."""
     from runtime.backends.pytorch import TorchTarget
-    from runtime.compiled import CompiledDFlash, CompiledTarget
+    from runtime.backends.pytorch.compiled import CompiledDFlash, CompiledTarget
 
     eager, compiled = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
     assert type(eager.target) is TorchTarget and eager.loaded.steps is None
@@ -95,13 +95,30 @@ def test_the_torch_loader_refuses_unknown_steps_in_one_line(tiny_engine):
     assert "\n" not in str(info.value)
 
 
-def test_the_other_loaders_refuse_compiled_torch_steps_in_one_line(tmp_path):
-    from runtime.backends.onnxruntime import OnnxEngine
-    from runtime.backends.tensorrt_plans import TensorRTEngine
+def test_each_loader_takes_only_the_options_it_declares(tiny_engine):
+    """No shared **options a loader must refuse: the registry declares each backend's,
+    Engine refuses any other in one line before the loader runs (with the reason the
+    registry records), and a loader called directly is never handed a foreign one."""
+    for backend, says in (("onnxruntime", "the onnxruntime backend runs exported graphs"),
+                          ("tensorrt", "the tensorrt backend runs built plans")):
+        why = LOADERS[backend].refusal(backend, "steps", "eager")
+        assert says in why and "--backend torch" in why and "\n" not in why
+        with pytest.raises(TypeError, match="takes no option 'steps'"):
+            LOADERS[backend](tiny_engine, None, None, steps="eager")
+    assert LOADERS["torch"].refusal("torch", "steps", "eager") is None
+    with pytest.raises(EngineError) as info:
+        Engine(tiny_engine, prefill_dtype="bfloat16")  # torch's engine; the option is ORT's
+    assert "--prefill-dtype is the onnxruntime backend's" in str(info.value)
+    assert "\n" not in str(info.value)
 
-    for loader, says in ((OnnxEngine, "the onnxruntime backend runs exported graphs"),
-                         (TensorRTEngine, "the tensorrt backend runs built plans")):
-        with pytest.raises(EngineError) as info:
-            loader(tmp_path, None, steps="eager")
-        assert says in str(info.value) and "--backend torch" in str(info.value)
-        assert "\n" not in str(info.value)
+
+def test_the_registry_is_read_without_importing_torch():
+    """runtime/cli.py reads the backends' choices from the registry: no torch imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import runtime.backends as b; "
+            "assert b.STEPS and b.DEVICES and b.TORCH_DTYPES and b.PREFILL_DTYPES; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -38,14 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.backends import drafter_feature_layers
+from runtime.backends import PREFILL_DTYPES
+from runtime.backends.roles import drafter_feature_layers
 from runtime.manifest import EngineError, Manifest
 from runtime.models.layers import KVCache
 from runtime.openmp import one_thread
 from runtime.step_metadata import StepMetadata
 
 ROWS = 128  # the grid a prefill's blocks start on, and their most rows
-DTYPES = ("float32", "bfloat16")  # --prefill-dtype: the graphs' own, or this module's
+# the registry's --prefill-dtype choices, under the name commands and scripts import today
+DTYPES = PREFILL_DTYPES
 
 
 def chunk_problem(prefill_chunk: int, grid: int | None) -> str | None:
@@ -189,6 +191,6 @@ class Bf16Prefill:
 
 
 def check_dtype(name: str | None) -> str:
-    if name not in (None,) + DTYPES:
-        raise EngineError(f"--prefill-dtype {name!r} is not one of {', '.join(DTYPES)}")
+    if name not in (None,) + PREFILL_DTYPES:
+        raise EngineError(f"--prefill-dtype {name!r} is not one of {', '.join(PREFILL_DTYPES)}")
     return name or "float32"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.backends import ChainPrefill
+from runtime.backends.roles import ChainPrefill
 from runtime.step_metadata import padded_context
 
 

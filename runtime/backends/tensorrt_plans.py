@@ -32,7 +32,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import load_tokenizer
+from runtime.backends.roles import load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
 from runtime.sampling import DraftVocab
@@ -359,20 +359,13 @@ class TensorRTEngine:
 
     can = modes.BACKENDS["tensorrt"]
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, device: str | None = None,
-                 dtype: str | None = None, steps: str | None = None,
-                 prefill_dtype: str | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, drafting=None,
+                 device: str | None = None, dtype: str | None = None):
         """The tensorrt backend's loader (runtime/backends/__init__.py: LOADERS): plans run
         on the GPU gpu() finds, in the dtype they were built for (`device` / `dtype` may
-        only name those; `steps`, compiled torch steps, is the torch backend's)."""
+        only name those)."""
         from plugins.tensorrt import import_tensorrt, register_plugin
 
-        if steps is not None:
-            raise EngineError(f"{engine_dir}: the tensorrt backend runs built plans, not compiled "
-                              f"torch steps ({steps}) — pass --backend torch")
-        if prefill_dtype is not None:
-            raise EngineError(f"{engine_dir}: the tensorrt backend prefills in its plans' "
-                              "dtype; --prefill-dtype is the onnxruntime backend's")
 
         record = manifest.extra.get("tensorrt")
         if not record or not record.get("plans"):

@@ -73,7 +73,7 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, extra, bar) -> dic
         for _, ids in docs:
             cont = greedy_continuation(engine.target, ids[:length], new_tokens + extra)
             for setting in results:
-                drafter = engine.drafter_with_scaling(setting)
+                drafter = engine.drafter(scaling=setting)
                 results[setting][length] += committed_per_anchor(drafter, cont, drafting, shape)
                 bar.update(1)
     return results
@@ -163,7 +163,7 @@ def run(args) -> int:
     trained = training_max_length(engine)
     short = args.short or (trained - bs - 8 if trained else 448)
     lengths = sorted(set(args.lengths))
-    extra = max_drafts(engine.drafter_with_scaling(None), engine.style, engine.tree_shape)
+    extra = max_drafts(engine.drafter(scaling=None), engine.style, engine.tree_shape)
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if short < 2 or lengths[0] < 2 or lengths[-1] + args.new_tokens + extra > engine.context_limit:

@@ -111,8 +111,7 @@ def run(args) -> int:
             raise UsageError(f"--{', --'.join(options)}: for our backends; a trtllm engine runs "
                              "in TensorRT-LLM, which places it itself")
         return run_trtllm(args, manifest, text)
-    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick",
-                    **options)
+    engine = Engine(manifest, backend=args.backend, **options)  # the spec read above
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "

@@ -25,21 +25,34 @@ from runtime.step_costs import StepCosts
 from runtime.tree import TreeShape
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftSetting:
+    """A mode's drafting configuration, resolved once where the mode enters (Engine.decoder)
+    and passed down: the drafter's `scaling` (None: frozen), its draft `window` (DFlash;
+    None: the whole context), whether n-gram lookup assists its blocks, and whether its
+    rows draft `fused` in one batched call (modes.drafts_fused) or one call per row."""
+
+    scaling: object = None
+    window: int | None = None
+    ngram_assist: bool = False
+    fused: bool = True
+
+
 @dataclasses.dataclass
 class Roles:
     """What decoders are built from. `style`: how the drafter model drafts (modes.FAMILIES:
     "block", "chain", "tree"; None: no drafter model). Roles are made on demand, one per
     row where a row needs its own: `new_target()` a single-sequence target with its own
-    cache; `drafter(mode)` the per-row drafter a drafter mode runs; `batch_target()` /
-    `batch_drafter(mode)` the fused batch roles (None, or a batch_drafter returning None
-    for a mode: rows run one by one); `lookup()` an n-gram proposer."""
+    cache; `drafter(setting)` the per-row drafter under a DraftSetting; `batch_target()` /
+    `batch_drafter(setting)` the fused batch roles (None, or a batch_drafter returning None
+    for a setting: rows run one by one); `lookup()` an n-gram proposer."""
 
     style: str | None
     new_target: Callable[[], object]
     context_limit: int
-    drafter: Callable[[Mode], object] | None = None
+    drafter: Callable[[DraftSetting], object] | None = None
     batch_target: Callable[[], object] | None = None
-    batch_drafter: Callable[[Mode], object] | None = None
+    batch_drafter: Callable[[DraftSetting], object] | None = None
     lookup: Callable[[], NGramProposer] = NGramProposer
     tree_shape: TreeShape | None = None
     block_size: int = 1  # tokens one verify row of the drafter holds (bonus + drafts)
@@ -52,34 +65,39 @@ class Roles:
         return max(self.block_size, self.lookup_drafts + 1)
 
 
-def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
-    """How the rows of a `mode` decoder draft."""
+def proposer(roles: Roles, mode: Mode, setting: DraftSetting, batched: bool) -> proposers.Proposer:
+    """How the rows of a `mode` decoder draft, under its drafting `setting`."""
     if not mode.uses_drafter_model:
         return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
-    drafter = lambda: roles.drafter(mode)  # noqa: E731 -- one per row
-    lookup = roles.lookup if mode.ngram_assist else None
-    fused = batched and roles.batch_drafter is not None
-    return DRAFTER_PROPOSERS[roles.style](roles, mode, drafter, lookup, fused)
+    drafter = lambda: roles.drafter(setting)  # noqa: E731 -- one per row
+    lookup = roles.lookup if setting.ngram_assist else None
+    fused = batched and roles.batch_drafter is not None and setting.fused
+    return DRAFTER_PROPOSERS[roles.style](roles, setting, drafter, lookup, fused)
 
 
 # One proposer per drafting style: the only place the style chooses code. A batched
 # drafter (a window or a preset too: modes.drafts_fused) where the roles give one for
 # the mode, else one per row.
 DRAFTER_PROPOSERS = {
-    "tree": lambda roles, mode, drafter, lookup, fused: proposers.Tree(drafter, roles.tree_shape),
-    "chain": lambda roles, mode, drafter, lookup, fused: proposers.Chain(
-        (roles.batch_drafter(mode) if fused else None) or RowChainDrafters(drafter)),
-    "block": lambda roles, mode, drafter, lookup, fused: proposers.Block(
-        (roles.batch_drafter(mode) if fused else None) or RowBlockDrafters(drafter), lookup),
+    "tree": lambda roles, setting, drafter, lookup, fused: proposers.Tree(drafter, roles.tree_shape),
+    "chain": lambda roles, setting, drafter, lookup, fused: proposers.Chain(
+        (roles.batch_drafter(setting) if fused else None) or RowChainDrafters(drafter)),
+    "block": lambda roles, setting, drafter, lookup, fused: proposers.Block(
+        (roles.batch_drafter(setting) if fused else None) or RowBlockDrafters(drafter), lookup),
 }
 
 
-def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None) -> Decoder:
-    """The decode loop running `mode` on `roles`: with `target`, a batch of one on it;
-    without, a batch requests join and leave. `costs`: the measured step costs that shape
-    drafter steps (None: every step verifies every draft)."""
+def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None,
+            setting: DraftSetting | None = None) -> Decoder:
+    """The decode loop running `mode` on `roles`, its drafters under `setting` (the
+    mode's, resolved by the caller; default: no scaling, no window, n-gram assist as the
+    mode says): with `target`, a batch of one on it; without, a batch requests join and
+    leave. `costs`: the measured step costs that shape drafter steps (None: every step
+    verifies every draft)."""
     batched = target is None
-    chosen = proposer(roles, mode, batched)
+    if setting is None:
+        setting = DraftSetting(ngram_assist=mode.ngram_assist)
+    chosen = proposer(roles, mode, setting, batched)
     policy = policy_for(costs if mode.uses_drafter_model else None)
     rows = roles.batch_target() if batched and roles.batch_target is not None else None
     if rows is None or (chosen.drafts_trees and not getattr(rows, "packs_trees", False)):

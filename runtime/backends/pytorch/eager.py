@@ -1,26 +1,22 @@
-"""The torch backend: our TargetModel and the drafters (DFlash, PARD, EAGLE-3) run eagerly,
-on the loader's device (cpu, cuda) in its dtype. TorchLoaded is its loader
-(runtime/backends/__init__.py: LOADERS["torch"]). Named pytorch.py, not torch.py, so that
-`import torch` inside this package means torch."""
+"""The torch backend's roles run eagerly: our TargetModel and the drafters (DFlash, PARD,
+EAGLE-3), alone and over a batch (TorchSlots: runtime/backends/slots.py), on the loader's
+device (cpu, cuda) in its dtype. Their compiled forms: compiled.py; the loader:
+loader.py."""
 
 from __future__ import annotations
 
 import torch
 
-from pathlib import Path
-
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends import (BlockPrefill, ChainDraft, ChainPrefill, Drafting,
-                              drafter_feature_layers)
-from runtime.manifest import EngineError, Manifest
-from runtime.ngram import NGramProposer
-from runtime.sampling import log_softmax
-from runtime.step_metadata import padded, padded_context, row_group
+from runtime.backends.roles import BlockPrefill, ChainDraft, ChainPrefill
+from runtime.backends.slots import TorchSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
-from runtime.models.target import ModelError, TargetModel
+from runtime.models.target import TargetModel
+from runtime.sampling import log_softmax
+from runtime.step_metadata import padded, padded_context
 from runtime.tree import DraftTree, TreeShape, grow_tree, pack
 
 
@@ -140,46 +136,6 @@ class TorchPARD:
                                   visible[0, first:], sampler)
 
 
-class CacheGroups:
-    """A batch's rows in per-sequence KVCaches, one per capacity bucket (row_group):
-    a step runs one pass per group, so a row attends over its group's longest length, not
-    the batch's. `members` of each group: its rows in the batch's order, one cache row
-    each, in the same order. A sequence joins as the last row (copied into its bucket's
-    cache) and leaves from any row (its group's other rows copied)."""
-
-    def __init__(self, new_cache):
-        self.new_cache = new_cache  # () -> an empty per-sequence KVCache
-        self.groups: list[tuple[int, object, list[int]]] = []  # (bucket, cache, members)
-        self.rows = 0
-
-    def join(self, single) -> None:
-        bucket = row_group(single.capacity)
-        group = next((g for g in self.groups if g[0] == bucket), None)
-        if group is None:
-            group = (bucket, self.new_cache(), [])
-            self.groups.append(group)
-        group[1].join(single)
-        group[2].append(self.rows)
-        self.rows += 1
-
-    def drop(self, row: int) -> None:
-        at = next(at for at, (_, _, members) in enumerate(self.groups) if row in members)
-        _, cache, members = self.groups[at]
-        if len(members) == 1:
-            del self.groups[at]
-        else:
-            cache.drop(members.index(row))
-            members.remove(row)
-        for _, _, members in self.groups:  # the rows after it move up one
-            members[:] = [r - (r > row) for r in members]
-        self.rows -= 1
-
-    def rollback(self, lengths: list[int]) -> None:
-        for _, cache, members in self.groups:
-            cache.lengths = torch.tensor([lengths[r] for r in members], dtype=torch.long,
-                                         device=cache.k.device)
-
-
 def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
                  width: int) -> torch.Tensor:
     """part [g, t, ...] into rows `members` of out [batch, width, ...] (made on the first
@@ -191,7 +147,7 @@ def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int
 
 
 class TorchBatchTarget:
-    """The target over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; verify and verify_trees run one pass per group."""
 
     packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
@@ -200,7 +156,7 @@ class TorchBatchTarget:
         self.single = TorchTarget(model, feature_layers)
         self.model, self.feature_layers = model, self.single.feature_layers
         self.context_limit = self.single.context_limit
-        self.caches = CacheGroups(lambda: model.new_cache(1, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
 
     def add(self, ids: list[int], capacity: int):
         result = self.single.prefill(ids, capacity)
@@ -217,7 +173,7 @@ class TorchBatchTarget:
         """One pass per group, its rows padded to its widest; the outputs padded to the
         batch's widest row."""
         width, logits, features = max(len(r) for r in rows), None, None
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
                                device=cache.k.device)
             part_logits, part_features = self.model(ids, cache, self.feature_layers)
@@ -233,7 +189,7 @@ class TorchBatchTarget:
         sequence's length + depth; the nodes' keys stay scratch until keep_paths.
         Returns (logits [n_i, vocab], features [n_i, F] or None) per row."""
         out = [None] * len(trees)
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
             cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # as TorchTarget.verify_tree
             logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
@@ -245,7 +201,7 @@ class TorchBatchTarget:
     @torch.inference_mode()  # the caches were made under inference mode
     def keep_paths(self, paths: list[list[int]]) -> None:
         """Commit each row's accepted path (node indices, root first) of its verified tree."""
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             cache.keep_each([paths[r] for r in members])
 
     def rollback(self, lengths: list[int]) -> None:
@@ -256,7 +212,7 @@ class TorchBatchTarget:
 
 
 class TorchBatchDFlash(BlockPrefill):
-    """The drafter over a batch: per-sequence KVCaches (CacheGroups), each row at its own
+    """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
     gives every row its own range in the one pass). A sequence reads its prompt's
@@ -270,7 +226,7 @@ class TorchBatchDFlash(BlockPrefill):
         self.vocab = self.single.vocab
         self.embed_tokens = target.embed_tokens
         self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     def _join_row(self) -> None:
         self.caches.join(self.single.cache)
@@ -280,7 +236,7 @@ class TorchBatchDFlash(BlockPrefill):
         """One pass per group, its rows' contexts padded to its longest (an empty context,
         [0, F], adds nothing to its row's cache)."""
         logits, visible = None, None
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             context, lengths = padded_context([contexts[r] for r in members])
             block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
             ids = torch.tensor(block, dtype=torch.long, device=context.device)
@@ -306,7 +262,7 @@ def _chain_room(max_drafts: int) -> int:
 
 
 class ChainRows(ChainPrefill):
-    """ChainPrefill over CacheGroups: the single-sequence drafter (`single`) reads the
+    """ChainPrefill over TorchSlots: the single-sequence drafter (`single`) reads the
     prompt into a cache of its own, with the chain's room past the capacity, which then
     joins the groups (`caches`)."""
 
@@ -319,7 +275,7 @@ class ChainRows(ChainPrefill):
 
 
 class TorchBatchPARD(ChainRows):
-    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (CacheGroups), each
+    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
     own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
@@ -333,13 +289,13 @@ class TorchBatchPARD(ChainRows):
         self.single = TorchPARD(drafter, vocab_size, max_drafts, scaling)
         self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
         self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
         drafts = [None] * len(ids)
         device = self.drafter.embed_tokens.weight.device
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
             rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
@@ -432,7 +388,7 @@ class TorchEagle3:
 
 class TorchBatchEagle3(ChainRows):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
-    (CacheGroups), each row at its own length. Per group, one pass ingests every row's
+    (TorchSlots), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
     entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
@@ -444,13 +400,13 @@ class TorchBatchEagle3(ChainRows):
         self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
         self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
         self.vocab = self.single.vocab
-        self.caches = CacheGroups(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
               samplers: list):
         drafts = [None] * len(ids)
-        for _, cache, members in self.caches.groups:
+        for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
             context, counts = padded_context([features[r] for r in members])
@@ -477,139 +433,3 @@ class TorchBatchEagle3(ChainRows):
 
     def remove(self, row: int) -> None:
         self.caches.drop(row)
-
-
-def _load_dflash(manifest: Manifest, dtype, target):
-    from runtime.models.dflash import load_dflash
-
-    drafter = load_dflash(manifest.drafter_dir, dtype)
-    drafter.config.check_target(target.config)
-    return drafter
-
-
-def _load_pard(manifest: Manifest, dtype, target):
-    from runtime.models.pard import load_pard
-
-    drafter = load_pard(manifest.drafter_dir, dtype)
-    drafter.config.check_target(target.config)
-    return drafter
-
-
-def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the target as it loads
-    from runtime.models.eagle3 import load_eagle3
-
-    return load_eagle3(manifest.drafter_dir, dtype, target)
-
-
-# drafter family -> its checkpoint loader (the target layers each reads:
-# runtime/backends/__init__.py, drafter_feature_layers)
-DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_eagle3}
-
-
-class TorchLoaded:
-    """An engine directory on the torch backend: the target and drafter models from their
-    checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records;
-    runtime/compiled.py loads and places them).
-
-    `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
-    (runtime/compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
-    an n-gram verify (ngram drafts + 1) and a block verify (block_size), and the DFlash
-    block and the PARD chain: the targets are CompiledTarget / CompiledBatchTarget, DFlash
-    drafters CompiledDFlash / CompiledBatchDFlash, PARD drafters CompiledPARD, all over
-    this engine's one EngineSteps (`shared`: its compiled steps, graphs and KV buffer
-    pool), so a request after the first compiles and captures nothing. EAGLE-3 drafters
-    stay eager (a chain link per host-sampled token; trees under per-step masks)."""
-
-    can = modes.BACKENDS["torch"]
-
-    def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
-                 device: str = "cpu", dtype: str | None = None, steps: str | None = None,
-                 prefill_dtype: str | None = None):
-        from runtime import compiled
-
-        if prefill_dtype is not None:
-            raise EngineError(f"the torch backend prefills in the engine's dtype (--dtype), not "
-                              f"{prefill_dtype}; --prefill-dtype is the onnxruntime backend's")
-        if steps is not None and steps not in compiled.STEPS:
-            raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
-        self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
-        self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
-        self.model, self.tokenizer = compiled.load_target(manifest.target_dir, self.device, self.dtype)
-        torch_dtype = compiled.resolve_dtype(self.dtype)
-        self.drafter_model = None
-        if manifest.drafter in DRAFTER_LOADERS:
-            self.drafter_model = DRAFTER_LOADERS[manifest.drafter](manifest, torch_dtype, self.model)
-            compiled.place(self.drafter_model, self.device)
-        self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
-        # the widths a single sequence's verify takes: a decode step, an n-gram verify
-        # (ngram drafts + the bonus), a block verify
-        ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
-        self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
-        self.shared = None if steps is None else compiled.EngineSteps(
-            self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
-        self.target = self.new_target()
-
-    def new_target(self) -> TorchTarget:
-        if self.shared is not None:
-            return self.shared.target()
-        return TorchTarget(self.model, self.feature_layers)
-
-    def batch_target(self) -> TorchBatchTarget:
-        if self.shared is not None:
-            return self.shared.batch_target()
-        return TorchBatchTarget(self.model, self.feature_layers)
-
-    def has_window(self) -> bool:
-        return True
-
-    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
-        """A DFlash drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.dflash(scaling, window)
-        return TorchDFlash(self.drafter_model, self.model, scaling, window)
-
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        if window is not None:
-            return self.dflash(scaling, window)
-        return DRAFTERS[self.family](self, scaling)
-
-    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
-        """A PARD chain drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.pard(scaling, self.drafting.max_drafts)
-        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
-                         scaling)
-
-    def batch_dflash(self, scaling: QueryScaling | None, window: int | None = None
-                     ) -> TorchBatchDFlash:
-        """One batched DFlash pass for every row, under any scaling and draft window:
-        compiled with `steps` (whole context), eager under a window."""
-        if self.shared is not None and window is None:
-            return self.shared.batch_dflash(scaling)
-        return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
-
-    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
-        step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
-        return BATCH_DRAFTERS[self.family](self, scaling, window)
-
-
-# drafter family -> its per-row drafter on this backend
-DRAFTERS = {
-    "dflash": lambda loaded, scaling: loaded.dflash(scaling),
-    "pard": lambda loaded, scaling: loaded.pard(scaling),
-    "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
-                                                  loaded.drafting.tree_shape,
-                                                  max(loaded.drafting.max_drafts, 1)),
-}
-
-# drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);
-# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/decoders.py)
-BATCH_DRAFTERS = {
-    "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
-    "pard": lambda loaded, scaling, window: TorchBatchPARD(
-        loaded.drafter_model, loaded.model.config.vocab_size, loaded.drafting.max_drafts, scaling),
-    "eagle3": lambda loaded, scaling, window: TorchBatchEagle3(loaded.drafter_model, scaling,
-                                                               max(loaded.drafting.max_drafts, 1)),
-}
-assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"

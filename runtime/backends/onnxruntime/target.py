@@ -1,0 +1,224 @@
+"""The target's graphs: target-kv.onnx over a BoundKVCache for one sequence (OnnxTarget:
+prefill in host chunks, verify, a tree in one target-tree.onnx pass) and over a batch
+(OnnxBatchTarget: the rows in BoundSlots, one pass per group)."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from runtime import modes
+from runtime.manifest import EngineError
+from runtime.step_metadata import StepMetadata, padded
+from runtime.tree import pack
+from runtime.backends.onnxruntime.buffers import (BoundKVCache, HOST_PREFILL_CHUNK, buffer_dims,
+                                                  keep_rows, run_bound)
+from runtime.backends.onnxruntime.bound_rows import BoundRows, check_room, store
+
+class OnnxTarget:
+    """target-kv.onnx run through one IO binding per BoundKVCache; an EAGLE-3 engine's
+    target-tree.onnx (tree_session) verifies draft trees over the same buffers through
+    a second binding."""
+
+    STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
+
+    def __init__(self, session, context_limit: int, tree_session=None, reserve=None,
+                 prefiller=None):
+        self.session, self.tree_session = session, tree_session
+        self.context_limit = context_limit
+        # --prefill-dtype bfloat16: prefills run through runtime/backends/bf16_prefill.py
+        self.prefiller = prefiller
+        self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
+        self.cache: BoundKVCache | None = None
+        self.binding = self.tree_binding = None
+        self.reserve = reserve  # capacity -> the cache to prefill into (a batch's: BoundRows._reserve)
+
+    def _new_cache(self, capacity: int) -> None:
+        self.cache = (self.reserve(capacity) if self.reserve is not None else
+                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
+        self.binding = self.cache.bind(self.session)
+        if self.tree_session is not None:
+            self.tree_binding = self.cache.bind(self.tree_session)
+
+    def _bind(self, keys, values) -> None:
+        for i in range(self.layers):
+            self.binding.bind_ortvalue_input(f"cache_keys_{i}", keys[i])
+            self.binding.bind_ortvalue_input(f"cache_values_{i}", values[i])
+
+    def _step(self, ids: list[int], logit_positions):
+        cache, binding = self.cache, self.binding
+        start, t = cache.length, len(ids)
+        if start + t > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
+                             f"{start + t}")
+        feeds = {"ids": np.asarray([ids], dtype=np.int64),
+                 "logit_positions": np.asarray(logit_positions, dtype=np.int64),
+                 "past_len": np.asarray([start], dtype=np.int64)}
+        logits, features, keys, values = run_bound(self.session, binding, feeds, self.STEP_OUTPUTS)
+        cache.k[:, :, :, start:start + t] = keys  # [layers, batch, kv_heads, t, head_dim]
+        cache.v[:, :, :, start:start + t] = values
+        cache.length = start + t
+        return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
+
+    def prefill(self, ids: list[int], capacity: int):
+        """In HOST_PREFILL_CHUNK-token steps, each over a compact copy of the prefix
+        committed so far rather than the whole buffer: a step's scores are [chunk, prefix +
+        chunk] per head, so a long prefill costs causal attention (the masked capacity
+        would roughly double it) at the price of copying the prefix once per chunk."""
+        self._new_cache(capacity)
+        return self.prefill_more(ids)
+
+    def prefill_more(self, ids: list[int]):
+        """Continue a prefill from the cached length (prefill's loop; chunked prefill
+        calls it per chunk): the last token's logits and every new token's features."""
+        import onnxruntime
+
+        if self.prefiller is not None:
+            return self.prefiller(self.cache, ids)
+        cache, wrap = self.cache, onnxruntime.OrtValue.ortvalue_from_numpy
+        features, done = [], cache.length
+        for begin in range(0, len(ids), HOST_PREFILL_CHUNK):
+            held = max(done + begin, 1)  # a buffer needs a position; past_len 0 masks it
+            prefix = [[wrap(np.ascontiguousarray(buffer[i, :, :, :held]))
+                       for i in range(self.layers)] for buffer in (cache.k, cache.v)]
+            self._bind(*prefix)
+            chunk = ids[begin:begin + HOST_PREFILL_CHUNK]
+            logits, chunk_features = self._step(chunk, [len(chunk) - 1])
+            features.append(chunk_features)
+        self._bind(cache.k_values, cache.v_values)
+        return logits[-1], torch.cat(features) if len(features) > 1 else features[0]
+
+    def verify(self, ids: list[int]):
+        return self._step(ids, range(len(ids)))
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def verify_tree(self, tree):
+        """Every node of a DraftTree (runtime/tree.py) in one pass of target-tree.onnx,
+        each row seeing the committed tokens and its ancestors at committed + depth; the
+        nodes' keys land past the committed length as scratch until keep_path."""
+        if self.tree_session is None:
+            raise EngineError("this engine has no target-tree.onnx (not an EAGLE-3 engine) — "
+                              "rebuild it with build_engine.py --drafter eagle3")
+        cache, start, n = self.cache, self.cache.length, len(tree)
+        if start + n > cache.capacity:  # a tree near the end of the budget: grow, as torch does
+            self.restore(self.snapshot(), start + n)
+            cache = self.cache
+        feeds = {"ids": np.asarray([tree.tokens], dtype=np.int64),
+                 "positions": np.asarray([tree.depths], dtype=np.int64) + start,
+                 "tree_mask": tree.ancestor_mask().numpy()[None],
+                 "past_len": np.asarray([start], dtype=np.int64)}
+        logits, features, keys, values = run_bound(self.tree_session, self.tree_binding, feeds,
+                                                   self.STEP_OUTPUTS)
+        cache.k[:, :, :, start:start + n] = keys
+        cache.v[:, :, :, start:start + n] = values
+        return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """Commit a verified tree's accepted path (node indices, root first)."""
+        keep_rows((self.cache.k, self.cache.v), self.cache.length, nodes)
+        self.cache.length += len(nodes)
+
+    def snapshot(self):
+        n = self.cache.length
+        return n, self.cache.k[:, :, :, :n].copy(), self.cache.v[:, :, :, :n].copy()
+
+    def restore(self, snap, capacity: int) -> None:
+        n, k, v = snap
+        self._new_cache(capacity)
+        self.cache.k[:, :, :, :n] = k
+        self.cache.v[:, :, :, :n] = v
+        self.cache.length = n
+
+class OnnxBatchTarget(BoundRows):
+    """target-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_len
+    [g]. A sequence is prefilled alone (OnnxTarget.prefill) into the buffer row it
+    will hold (BoundSlots.reserve), then joins without a copy. An EAGLE-3
+    engine's target-tree.onnx (`tree_session`) verifies every row's draft tree in one
+    pass per group over the same buffers (packs_trees: its graph takes a batch)."""
+
+    def __init__(self, session, context_limit: int, tree_session=None, prefiller=None):
+        self.single = OnnxTarget(session, context_limit, reserve=self._reserve,
+                                 prefiller=prefiller)
+        self.session, self.context_limit = session, context_limit
+        self.tree_session = tree_session
+        self.lengths: list[int] = []
+        self._slots()
+
+    @property
+    def packs_trees(self) -> bool:
+        """Whether verify_trees can run: a tree graph whose batch dimension is free (a
+        graph fixed to one sequence leaves the decoder verifying trees row by row)."""
+        if self.tree_session is None or not modes.BACKENDS["onnxruntime"].packed_trees:
+            return False
+        batch = next(i.shape[0] for i in self.tree_session.get_inputs() if i.name == "ids")
+        return not isinstance(batch, int) or batch > 1
+
+    def add(self, ids: list[int], capacity: int):
+        result = self.single.prefill(ids, capacity)
+        self._join(self.single.cache)
+        return result
+
+    def join_prefilled(self) -> None:
+        """Make the sequence prefilled on `single` (prefill, prefill_more) the last row:
+        add() in two halves, so a prompt can prefill in chunks between batch steps."""
+        self._join(self.single.cache)
+
+    def verify(self, rows: list[list[int]]):
+        """One pass per group, its rows padded to its widest; the outputs padded to the
+        batch's widest row (a padding position's outputs are never read)."""
+        width, logits, features = max(len(r) for r in rows), None, None
+        for group in self.groups:
+            ids = np.asarray(padded([rows[r] for r in group.members]), dtype=np.int64)
+            meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
+            check_room(group, meta.committed().tolist())
+            feeds = {"ids": ids, "logit_positions": np.arange(meta.new, dtype=np.int64),
+                     "past_len": meta.cached.numpy()}
+            out_logits, out_features, keys, values = run_bound(
+                self.session, group.binding, feeds, OnnxTarget.STEP_OUTPUTS)
+            store(group, meta.cached.tolist(), keys, values, [meta.new] * len(group.members))
+            if logits is None:
+                logits = np.zeros((len(rows), width) + out_logits.shape[2:], np.float32)
+                features = np.zeros((len(rows), width) + out_features.shape[2:], np.float32)
+            logits[group.members, :meta.new] = out_logits
+            features[group.members, :meta.new] = out_features
+            for r, n in zip(group.members, meta.committed().tolist()):
+                self.lengths[r] = n
+        return torch.from_numpy(logits), torch.from_numpy(features)
+
+    def verify_trees(self, trees: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row's draft tree (runtime/tree.py: pack) in one target-tree.onnx pass per
+        group: each node sees its own row's committed keys and its ancestors, at that
+        row's length + depth; the nodes' keys land past each row's committed length as
+        scratch until keep_paths. (logits [n_i, vocab], features [n_i, F]) per row."""
+        out = [None] * len(trees)
+        for group in self.groups:
+            part = [trees[r] for r in group.members]
+            ids, mask, depths = pack(part)
+            meta = StepMetadata(torch.tensor(self._group_lengths(group)), ids.shape[1])
+            rows = meta.tree_rows(mask, depths)
+            check_room(group, (meta.cached + torch.tensor([len(t) for t in part])).tolist())
+            feeds = {"ids": ids.numpy(), "positions": rows.positions.numpy(),
+                     "tree_mask": mask.numpy(), "past_len": meta.cached.numpy()}
+            logits, features, keys, values = run_bound(self.tree_session, group.tree_binding,
+                                                       feeds, OnnxTarget.STEP_OUTPUTS)
+            store(group, meta.cached.tolist(), keys, values, [len(t) for t in part])
+            for i, (r, tree) in enumerate(zip(group.members, part)):
+                out[r] = (torch.from_numpy(logits[i, :len(tree)]),
+                          torch.from_numpy(features[i, :len(tree)]))
+        return out
+
+
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """Commit each row's accepted path (node indices, root first) of its verified tree."""
+        for group in self.groups:
+            for i, r in enumerate(group.members):
+                keep_rows((group.cache.k[:, i], group.cache.v[:, i]), self.lengths[r], paths[r])
+                self.lengths[r] += len(paths[r])
+
+    def rollback(self, lengths: list[int]) -> None:
+        if any(not 0 <= n <= have for n, have in zip(lengths, self.lengths)):
+            raise ValueError(f"cannot roll back caches of {self.lengths} tokens to {lengths}")
+        self.lengths = list(lengths)

@@ -1,0 +1,719 @@
+"""Compiled fixed-shape steps for the torch backend, in gpt-fast's manner: KV buffers
+preallocated on the model's device, one `torch.compile(fullgraph=True)` graph per step
+shape (target decode, verify per draft-length bucket, the DFlash drafter's block), on
+CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
+
+Lengths enter a step as device tensors ([batch] int64), never as Python ints, so one graph
+serves every position: only the shapes (batch, bucket width, buffer capacity) pick a
+graph. The models' own forwards run unchanged over `StaticView`, a KVCache whose write is
+a scatter at per-sequence positions (no host read) and whose attention spans the whole
+buffer, bounded per row by the visible counts of runtime/step_metadata.py; attention goes
+through `sharpdraft::attention` as everywhere else (on CUDA the op must be capturable: no
+host read of the counts inside it). CompiledTarget and CompiledDFlash are drop-in
+TorchTarget / TorchDFlash roles over the same KVCache, so a step the buckets do not cover
+(a prompt, a long catch-up context) runs eagerly on the very same buffers;
+CompiledBatchTarget and CompiledBatchDFlash are the batched roles' (TorchBatchTarget,
+TorchBatchDFlash), a graph per batch-size, width and capacity bucket.
+
+What a request does not own belongs to the loaded engine (EngineSteps, held by
+TorchLoaded): the compiled step functions (their CUDA graphs), the staging tensors a step
+reads, and a pool of KV buffers that roles lease for a request and give back, so the
+engine's second request, on any role it hands out, compiles and captures nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from plugins.scaling import QueryScaling
+from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
+from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+                                      TorchBatchTarget, TorchDFlash, TorchPARD, TorchTarget,
+                                      scatter_rows)
+from runtime.backends.chain import ChainDraft
+from runtime.backends.slots import FixedSlots
+from runtime.models.dflash import DFlashDrafter, DraftHead
+from runtime.models.eagle3 import Eagle3Drafter
+from runtime.models.pard import PARDDrafter
+from runtime.models.layers import KVCache
+from runtime.models.target import ModelError, TargetModel
+from runtime.step_metadata import StepMetadata, capacity_bucket
+
+
+
+# -- the compiled steps -------------------------------------------------------------------
+
+class StaticView(KVCache):
+    """A step's view of preallocated buffers: k, v one [batch, kv_heads, capacity, d]
+    tensor per layer (views of a KVCache's, KVCache.layers), `lengths` [batch] the cached
+    tokens of each sequence, a device tensor. A write puts the step's keys at lengths + i
+    (past the committed length they are scratch, as in KVCache) and hands back the whole
+    layer buffer: the visible counts bound each row, so the attended shape never depends
+    on a length. One tensor per layer, written by index_put_: inductor then writes in
+    place (a scatter into a view of one all-layer tensor copied the whole cache per layer
+    on CPU, 3x a step's time)."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], lengths: torch.Tensor):
+        # no KVCache.__init__: the buffers exist; nothing here allocates
+        self.k, self.v, self.lengths = k, v, lengths
+        self.capacity, self.length = k[0].shape[2], 0
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        at = start[:, None] + torch.arange(k.shape[2], device=k.device)
+        self.k[layer][rows, :, at] = k.transpose(1, 2)  # [b, t] x heads: [b, t, heads, d]
+        self.v[layer][rows, :, at] = v.transpose(1, 2)
+        return self.k[layer], self.v[layer]
+
+
+def layers(cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A KVCache's buffers as one view per layer (what StaticView writes in place)."""
+    # select, not unbind: unbind's views may not be written in place outside inference mode
+    return [cache.k[i] for i in range(cache.k.shape[0])], [cache.v[i] for i in range(cache.v.shape[0])]
+
+
+class TargetStep(nn.Module):
+    """The target over `ids` [b, t] after `cached` [b] tokens: logits [b, t, vocab] and
+    the drafter's features [b, t, F] (None without feature layers)."""
+
+    STATIC = (1, 2)  # k, v: the KV buffers (a tensor per layer), written in place
+
+    def __init__(self, model: TargetModel, feature_layers=()):
+        super().__init__()
+        self.model, self.feature_layers = model, tuple(feature_layers)
+
+    def forward(self, ids, k, v, cached):
+        h, features = self.model.final_hidden(ids, StaticView(k, v, cached), self.feature_layers)
+        return self.model.lm_head(h), features
+
+
+class DraftStep(nn.Module):
+    """The DFlash drafter's block after `cached` [b] keys and `context` [b, c, F] features
+    of which the first context_lens [b] are real: logits of the block's draft rows
+    [b, block - 1, columns] over the drafter's head."""
+
+    STATIC = (2, 3)  # k, v
+
+    def __init__(self, drafter: DFlashDrafter, embed: nn.Embedding, head: DraftHead,
+                 scaling: QueryScaling | None, window: int | None):
+        super().__init__()
+        self.drafter, self.embed, self.head = drafter, embed, head
+        self.scaling, self.window = scaling, window
+
+    def forward(self, block_ids, context, k, v, cached, context_lens):
+        hidden, _ = self.drafter(self.embed(block_ids), context, StaticView(k, v, cached),
+                                 self.scaling, context_lens=context_lens, window=self.window)
+        return self.head(hidden[:, 1:])
+
+
+class ChainStep(nn.Module):
+    """The PARD drafter over `ids` [b, t] (the unread tokens, the newest, pard tokens,
+    then padding: past every real row, so causally unseen) after `cached` [b] keys:
+    logits over the target's `vocab_size` ids [b, t, vocab] and each row's visible-key
+    count [b, t]."""
+
+    STATIC = (1, 2)  # k, v
+
+    def __init__(self, drafter: PARDDrafter, scaling: QueryScaling | None, vocab_size: int):
+        super().__init__()
+        self.drafter, self.scaling, self.vocab_size = drafter, scaling, vocab_size
+
+    def forward(self, ids, k, v, cached):
+        hidden, visible = self.drafter(ids, StaticView(k, v, cached), self.scaling)
+        return self.drafter.logits(hidden, self.vocab_size), visible
+
+
+class Eagle3Step(nn.Module):
+    """The EAGLE-3 drafter's causal rows (token ids [b, t] and the state each reads: the
+    target's features [b, t, F], projected here (`ingest`: a step's newly committed
+    entries), or a chain link's own state [b, t, H]) after `cached` [b] entries:
+    draft-vocabulary logits [b, t, V], the state each row hands on [b, t, H] and each
+    row's visible-key count [b, t]."""
+
+    STATIC = (2, 3)  # k, v
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest: bool):
+        super().__init__()
+        self.drafter, self.scaling, self.ingest = drafter, scaling, ingest
+
+    def forward(self, ids, state, k, v, cached):
+        hidden = self.drafter.project(state) if self.ingest else state
+        return self.drafter(ids, hidden, StaticView(k, v, cached), self.scaling)
+
+
+def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
+    """backend "inductor": torch.compile(fullgraph=True), one graph per input shape
+    (dynamic=False: a new bucket is a new graph, a new length is not), replayed as CUDA
+    graphs on CUDA (mode="reduce-overhead"); "eager": dynamo alone (the graph-break and
+    recompile checks, in seconds); "cudagraph": no compiler, the eager step captured as
+    a CUDA graph per shape (CapturedStep: seconds to make, where inductor takes minutes)."""
+    from plugins.attention import register
+
+    register()  # the op must exist before dynamo meets it (or a capture runs it)
+    if backend == "cudagraph":
+        if device.type != "cuda":
+            raise ModelError("CUDA graphs need a CUDA device — use backend inductor on CPU")
+        return CapturedStep(module)
+    # one graph per (batch bucket, width bucket, capacity bucket): more than dynamo's
+    # default 8 entries per code object, all of them expected
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 256)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    return torch.compile(module, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+class CapturedStep:
+    """A step module's eager forward captured as one CUDA graph per input shapes and KV
+    buffer addresses (the module's STATIC arguments: read and written in place, never
+    copied); the other inputs are copied into the graph's own before each replay, and the
+    outputs are the graph's (overwritten by its next replay: callers clone)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.static = module, set(module.STATIC)
+        self.graphs = {}
+
+    def __call__(self, *args):
+        key = capture_key(self.static, args)
+        if key not in self.graphs:
+            inputs = [a if i in self.static else a.clone() for i, a in enumerate(args)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (lazy inits, autotune)
+                self.module(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self.module(*inputs)
+            self.graphs[key] = (graph, inputs, outputs)
+        graph, inputs, outputs = self.graphs[key]
+        for i, a in enumerate(args):
+            if i not in self.static:
+                inputs[i].copy_(a, non_blocking=True)
+        graph.replay()
+        return outputs
+
+
+def capture_key(static, args) -> tuple:
+    """What picks a step's CUDA graph (CapturedStep): the addresses of its STATIC
+    arguments (the KV buffers, read and written in place) and the shapes and dtypes of
+    the rest (copied in). A call with a key not seen before captures a graph."""
+    return tuple(tuple(t.data_ptr() for t in a) if i in static else (tuple(a.shape), a.dtype)
+                 for i, a in enumerate(args))
+
+
+def static_capacity(needed: int, limit: int) -> int:
+    """Buffer capacity for `needed` tokens: the next power of two (the batched backends'
+    capacity_bucket), but no more than `limit` when that covers the need, so a request at
+    the model's full context does not attend over twice its keys. Few capacities, few
+    graphs: the capacity is part of a step's shape."""
+    bucket = 1 << capacity_bucket(needed)
+    return needed if needed > limit else min(bucket, limit)
+
+
+def bucket_for(width: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `width` rows, or None (run it eagerly)."""
+    return next((b for b in buckets if b >= width), None)
+
+
+def bind(cache: KVCache) -> KVCache:
+    """A cache's per-layer views for the steps (StaticView); on CUDA its buffers marked as
+    static addresses, so compiled CUDA graphs read them in place."""
+    cache.layers = layers(cache)
+    if cache.k.is_cuda:
+        for t in cache.layers[0] + cache.layers[1]:
+            torch._dynamo.mark_static_address(t)
+    return cache
+
+
+class BufferPool:
+    """KV buffers by shape, leased for a request and given back after it. A CUDA graph
+    reads fixed addresses: the engine's next request finds buffers its steps have
+    captured already (their stale keys lie past its lengths, unread), and memory does not
+    grow with the requests served. make(capacity, slots): a KVCache of `capacity` keys,
+    one sequence (slots None) or `slots` rows at their own lengths."""
+
+    def __init__(self, make):
+        self.make, self.free, self.made = make, {}, 0
+
+    def take(self, capacity: int, slots: int | None = None) -> KVCache:
+        free = self.free.get((capacity, slots))
+        if free:
+            cache = free.pop()
+        else:
+            with torch.inference_mode(False):  # see EngineSteps.staging
+                cache = bind(self.make(capacity, slots))
+            self.made += 1
+        cache.length = 0
+        if cache.lengths is not None:
+            cache.lengths.zero_()
+        return cache
+
+    def give(self, cache: KVCache) -> None:
+        slots = None if cache.lengths is None else cache.k.shape[1]
+        self.free.setdefault((cache.capacity, slots), []).append(cache)
+
+    def lease(self, owner, capacity: int, slots: int | None = None):
+        """Buffers for `owner` and the lease that gives them back: call it (the owner's
+        next request), or it runs when the owner is gone (a row that left the batch)."""
+        cache = self.take(capacity, slots)
+        return cache, weakref.finalize(owner, self.give, cache)
+
+
+class EngineSteps:
+    """The compiled steps of one loaded engine (TorchLoaded with `steps`), shared by every
+    role it hands out, request after request: one target step (every width, batch and
+    capacity bucket a graph of it), one DFlash block step per (scaling, window), the
+    staging tensors they read, and pools of KV buffers roles lease per request. Each
+    graph is made by the first request that needs its shape; no later one compiles or
+    captures it again."""
+
+    def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,), backend: str = "inductor",
+                 drafter: DFlashDrafter | None = None, context_bucket: int | None = None):
+        self.model, self.feature_layers = model, tuple(feature_layers)
+        self.buckets, self.backend = tuple(sorted(set(buckets))), backend
+        self.device = model.embed_tokens.weight.device
+        self.target_module = TargetStep(model, self.feature_layers)  # eager: shapes no bucket covers
+        self.target_step = compile_step(self.target_module, self.device, backend)
+        self.target_buffers = BufferPool(
+            lambda capacity, slots: model.new_cache(capacity) if slots is None
+            else model.new_cache(capacity, batch=slots, per_sequence=True))
+        self.drafter, self._drafts, self._staging = drafter, {}, {}
+        if isinstance(drafter, (PARDDrafter, Eagle3Drafter)):  # chain drafters
+            self.chain_buffers = BufferPool(
+                lambda capacity, slots: drafter.new_cache(capacity) if slots is None
+                else drafter.new_cache(capacity, batch=slots, per_sequence=True))
+        if isinstance(drafter, DFlashDrafter):
+            self.head = DraftHead.for_drafter(drafter, model.lm_head)
+            block = self.block_size = drafter.config.block_size
+            # a step's context: the tokens one verify committed (a block's, or a lookup's)
+            self.context_bucket = context_bucket or max(block, self.buckets[-1])
+            # drafter.new_cache adds the block's scratch; a pool's capacity is the whole
+            self.draft_buffers = BufferPool(
+                lambda capacity, slots: drafter.new_cache(capacity - block) if slots is None
+                else drafter.new_cache(capacity - block, batch=slots, per_sequence=True))
+
+    def draft_step(self, scaling: QueryScaling | None, window: int | None):
+        """The drafter's block step under `scaling` and `window`: (the module, which runs
+        eagerly where no graph fits, and its compiled step)."""
+        key = (scaling, window)
+        if key not in self._drafts:
+            module = DraftStep(self.drafter, self.model.embed_tokens, self.head, scaling, window)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def chain_step(self, scaling: QueryScaling | None):
+        """The PARD drafter's step under `scaling`: (the module, its compiled step)."""
+        key = ("chain", scaling)
+        if key not in self._drafts:
+            module = ChainStep(self.drafter, scaling, self.model.config.vocab_size)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def eagle3_step(self, scaling: QueryScaling | None, ingest: bool):
+        """The EAGLE-3 drafter's step under `scaling`, ingesting target features or
+        running a chain link: (the module, its compiled step)."""
+        key = ("eagle3", scaling, ingest)
+        if key not in self._drafts:
+            module = Eagle3Step(self.drafter, scaling, ingest)
+            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+        return self._drafts[key]
+
+    def staging(self, name: str, shape: tuple, dtype=torch.long, fill=0) -> torch.Tensor:
+        """A step input the roles fill before each call: one tensor per engine and shape (a
+        step runs at a time, its outputs cloned), so a CUDA graph sees one address. Step
+        inputs and KV buffers are made outside inference mode whoever asks first: dynamo
+        guards on the difference, and a graph made for one kind would not serve the other
+        (the batched roles' groups of one share the single-sequence roles' graphs)."""
+        key = (name, tuple(shape), dtype)
+        if key not in self._staging:
+            with torch.inference_mode(False):
+                t = self._staging[key] = torch.full(shape, fill, dtype=dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch._dynamo.mark_static_address(t)
+        return self._staging[key]
+
+    # the roles, as TorchLoaded hands them out
+    def target(self) -> "CompiledTarget":
+        return CompiledTarget(self.model, self.feature_layers, steps=self)
+
+    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> "CompiledDFlash":
+        return CompiledDFlash(self.drafter, self.model, scaling, window, steps=self)
+
+    def batch_target(self) -> "CompiledBatchTarget":
+        return CompiledBatchTarget(self)
+
+    def batch_dflash(self, scaling: QueryScaling | None) -> "CompiledBatchDFlash":
+        return CompiledBatchDFlash(self, scaling)
+
+    def pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledPARD":
+        return CompiledPARD(self, scaling, max_drafts)
+
+    def batch_pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchPARD":
+        return CompiledBatchPARD(self, scaling, max_drafts)
+
+    def batch_eagle3(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchEagle3":
+        return CompiledBatchEagle3(self, scaling, max_drafts)
+
+
+class CompiledTarget(TorchTarget):
+    """TorchTarget whose verify runs a compiled step per width bucket (1: a decode step;
+    the draft-length buckets: a verify), rows past the real ones padded (their keys are
+    scratch past the committed length, their logits unread). `steps`: the engine's
+    (EngineSteps); without, its own."""
+
+    def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,),
+                 backend: str = "inductor", steps: EngineSteps | None = None):
+        super().__init__(model, feature_layers)
+        self.steps = steps or EngineSteps(model, self.feature_layers, buckets, backend)
+        self.device, self.buckets = self.steps.device, self.steps.buckets
+        self.step = self.steps.target_step
+        self.cached = self.steps.staging("target.cached", (1,))
+        self.lease = None
+
+    def _lease(self, capacity: int) -> KVCache:
+        """This request's buffers; the last request's go back to the engine's pool."""
+        if self.lease is not None:
+            self.lease()
+        slack = self.buckets[-1]  # a padded verify writes up to the widest bucket's rows
+        self.cache, self.lease = self.steps.target_buffers.lease(
+            self, static_capacity(capacity + slack, self.context_limit + slack))
+        return self.cache
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], capacity: int):
+        self._lease(capacity)
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
+                                      last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    @torch.inference_mode()
+    def verify(self, ids: list[int]):
+        t, n = len(ids), self.cache.length
+        width = bucket_for(t, self.buckets)
+        if width is None or n + width > self.cache.capacity:
+            return super().verify(ids)
+        self.cached.fill_(n)
+        x = self.steps.staging("target.ids", (1, width))
+        x.copy_(torch.tensor([list(ids) + [0] * (width - t)]))
+        logits, features = self.step(x, *self.cache.layers, self.cached)
+        self.cache.length = n + t
+        # clone: a CUDA graph's outputs are overwritten by its next replay
+        return logits[0, :t].clone(), None if features is None else features[0, :t].clone()
+
+    def verify_tree(self, tree):
+        result = super().verify_tree(tree)  # may grow the cache (KVCache.reserve): new buffers
+        bind(self.cache)
+        return result
+
+    @torch.inference_mode()
+    def restore(self, snap, capacity: int) -> None:
+        n, k, v = snap
+        self._lease(capacity)
+        self.cache.k[:, :, :, :n] = k
+        self.cache.v[:, :, :, :n] = v
+        self.cache.length = n
+
+
+class CompiledDFlash(TorchDFlash):
+    """TorchDFlash whose steps run one compiled graph: the block after a context of at
+    most `context_bucket` feature rows (a step's accepted tokens; padded, context_lens
+    says how many are real). A longer context (the prompt's) runs eagerly on the same
+    cache. `steps`: the engine's (EngineSteps); without, its own."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
+                 window: int | None = None, context_bucket: int | None = None,
+                 backend: str = "inductor", steps: EngineSteps | None = None):
+        super().__init__(drafter, target, scaling, window)
+        self.steps = steps or EngineSteps(target, backend=backend, drafter=drafter,
+                                          context_bucket=context_bucket or self.block_size)
+        self.device, self.context_bucket = self.steps.device, self.steps.context_bucket
+        _, self.step = self.steps.draft_step(scaling, window)
+        staging = self.steps.staging
+        self.block = staging("dflash.block", (1, self.block_size), fill=self.mask_token_id)
+        self.cached = staging("dflash.cached", (1,))
+        self.context_lens = staging("dflash.context_lens", (1,))
+        self.context = staging("dflash.context", (1, self.context_bucket, self.feature_size),
+                               drafter.fc.weight.dtype)
+        self.lease = None
+
+    def reset(self, capacity: int) -> None:
+        if self.lease is not None:
+            self.lease()  # the last request's buffers back to the engine's pool
+        # room: the padded context's rows, then the block's, past the committed keys
+        limit = self.drafter.config.max_position_embeddings
+        needed = capacity + self.context_bucket + self.block_size
+        self.cache, self.lease = self.steps.draft_buffers.lease(
+            self, static_capacity(needed, limit + self.context_bucket + self.block_size))
+
+    @torch.inference_mode()
+    def draft(self, context: torch.Tensor, bonus: int):
+        c, n = context.shape[0], self.cache.length
+        if c > self.context_bucket or n + self.context_bucket + self.block_size > self.cache.capacity:
+            return super().draft(context, bonus)
+        self.context.zero_()
+        self.context[0, :c] = context
+        self.block[0, 0] = bonus
+        self.cached.fill_(n)
+        self.context_lens.fill_(c)
+        logits = self.step(self.block, self.context, *self.cache.layers, self.cached,
+                           self.context_lens)
+        self.cache.length = n + c
+        return logits[0].clone(), StepMetadata(n, c).block_keys(self.block_size)
+
+
+class CompiledPARD(TorchPARD):
+    """TorchPARD whose draft runs the engine's compiled chain step: the row [unread
+    tokens, the newest, pard x (k - 1)] padded at its end to a width bucket (max_drafts:
+    a step that accepted little; 2 x max_drafts: every draft and the bonus read, k drafted);
+    a wider row, and the prompt's read, run eagerly on the same cache."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
+        self.steps = steps
+        _, self.step = steps.chain_step(scaling)
+        self.widths = tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
+        self.cached = steps.staging("pard.cached", (1,))
+        self.lease = None
+
+    def reset(self, capacity: int) -> None:
+        if self.lease is not None:
+            self.lease()  # the last request's buffers back to the engine's pool
+        room = self.widths[-1]  # a padded row's keys sit past the committed ones as scratch
+        limit = self.drafter.config.layers.max_position_embeddings
+        self.cache, self.lease = self.steps.chain_buffers.lease(
+            self, static_capacity(capacity + room, limit + room))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        n, t = self.cache.length, len(row)
+        width = bucket_for(t, self.widths)
+        if width is None or n + width > self.cache.capacity:
+            return super().draft(ids, features, k, sampler)
+        x = self.steps.staging("pard.ids", (1, width))
+        x.copy_(torch.tensor([row + [0] * (width - t)]))
+        self.cached.fill_(n)
+        logits, visible = self.step(x, *self.cache.layers, self.cached)
+        self.cache.length = n + len(ids)  # the real tokens' keys; the pard rows' are scratch
+        first = t - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(logits[0, first:t].clone(), visible[0, first:t].clone(), sampler)
+
+
+# -- batched: rows in fixed-shape buffers (runtime/backends/slots.py: FixedSlots) --------
+
+class CompiledBatchTarget(TorchBatchTarget):
+    """TorchBatchTarget whose verify runs the engine's compiled target step, one call per
+    group: every slot's row padded to the width bucket that holds the group's widest
+    (CompiledTarget's buckets; wider runs the step eagerly). A joining prompt prefills as
+    TorchBatchTarget's does, whole (add) or in chunks between the batch's steps (single's
+    prefill / prefill_more, then join_prefilled: Decoder.join), eagerly on `single` -- a
+    prefill is compute-bound, and a graph per chunk length would compile one per prompt
+    -- then copies into its slot; no step shape depends on how it was chunked."""
+
+    # TorchBatchTarget packs trees over its own cache groups, not these slotted buffers:
+    # trees verify one CompiledTarget per row (runtime/assembly.py)
+    packs_trees = False
+
+    def __init__(self, steps: EngineSteps):
+        super().__init__(steps.model, steps.feature_layers)
+        self.steps, self.step = steps, steps.target_step
+        self.caches = FixedSlots(steps.target_buffers)
+
+    @torch.inference_mode()
+    def verify(self, rows: list[list[int]]):
+        width, logits, features = max(len(r) for r in rows), None, None
+        for group in self.caches.groups:
+            t = max(len(rows[r]) for r in group.members)
+            bucket, step = bucket_for(t, self.steps.buckets), self.step
+            if bucket is None or max(group.lengths) + bucket > group.cache.capacity:
+                bucket, step = t, self.steps.target_module
+            ids = [[0] * bucket for _ in group.lengths]
+            for r, slot in zip(group.members, group.slots):
+                ids[slot][:len(rows[r])] = rows[r]
+            x = self.steps.staging("target.ids", (len(ids), bucket))
+            x.copy_(torch.tensor(ids))
+            part_logits, part_features = step(x, *group.cache.layers, group.cache.lengths)
+            # indexing copies: a CUDA graph's outputs are overwritten by its next replay
+            logits = scatter_rows(logits, part_logits[group.slots, :t], group.members, len(rows), width)
+            if part_features is not None:
+                features = scatter_rows(features, part_features[group.slots, :t], group.members,
+                                        len(rows), width)
+            for slot in group.slots:  # as the eager pass: every row past its group's widest
+                group.lengths[slot] += t
+            group.sync()
+        return logits, features
+
+
+class CompiledBatchDFlash(TorchBatchDFlash):
+    """TorchBatchDFlash whose draft runs the engine's compiled block step, one call per
+    group: every slot's context padded to the engine's context bucket (a longer one runs
+    the step eagerly), context_lens saying how many rows are real."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None):
+        super().__init__(steps.drafter, steps.model, scaling)
+        self.steps, self.context_bucket = steps, steps.context_bucket
+        self.module, self.step = steps.draft_step(scaling, None)
+        # room: a padded context's rows past a sequence's budget (its cache holds the block's)
+        self.caches = FixedSlots(steps.draft_buffers, room=self.context_bucket)
+
+    @torch.inference_mode()
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        logits = None
+        visible = torch.zeros(len(contexts), dtype=torch.long)
+        for group in self.caches.groups:
+            c = max(len(contexts[r]) for r in group.members)
+            width, step = self.context_bucket, self.step
+            if c > width:
+                width, step = c, self.module
+            slots, staging = len(group.lengths), self.steps.staging
+            # the single-sequence role's staging where the shapes meet (a group of one)
+            context = staging("dflash.context", (slots, width, self.single.feature_size),
+                              contexts[0].dtype)
+            context.zero_()
+            lens, block = [0] * slots, [[self.mask_token_id] * self.block_size for _ in range(slots)]
+            for r, slot in zip(group.members, group.slots):
+                context[slot, :len(contexts[r])] = contexts[r]
+                lens[slot], block[slot][0] = len(contexts[r]), bonuses[r]
+            ids = staging("dflash.block", (slots, self.block_size), fill=self.mask_token_id)
+            ids.copy_(torch.tensor(block))
+            context_lens = staging("dflash.context_lens", (slots,))
+            context_lens.copy_(torch.tensor(lens))
+            part = step(ids, context, *group.cache.layers, group.cache.lengths, context_lens)
+            logits = scatter_rows(logits, part[group.slots], group.members, len(contexts),
+                                  self.block_size - 1)
+            meta = StepMetadata(torch.tensor(group.lengths), torch.tensor(lens))
+            keys = meta.block_keys(self.block_size)
+            visible[group.members] = keys[group.slots]
+            for slot in group.slots:
+                group.lengths[slot] += lens[slot]
+            group.sync()
+        return logits, visible
+
+
+def chain_widths(max_drafts: int) -> tuple[int, ...]:
+    """The width buckets of a chain drafter's step (CompiledPARD's): a row that accepted
+    little (max_drafts), or every draft and the bonus read with k drafted (2 x max_drafts)."""
+    return tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
+
+
+def slot_rows(group, rows: dict[int, list[int]], width: int) -> list[list[int]]:
+    """Each member's row of ids in its slot, padded at its end to `width`; idle slots
+    all padding (their outputs are never read)."""
+    out = [[0] * width for _ in group.lengths]
+    for r, slot in zip(group.members, group.slots):
+        out[slot][:len(rows[r])] = rows[r]
+    return out
+
+
+class CompiledBatchPARD(TorchBatchPARD):
+    """TorchBatchPARD whose draft runs the engine's compiled chain step, one call per
+    group (FixedSlots: a graph per slot count, width and capacity bucket): every slot's
+    row [unread tokens, the newest, pard x (k - 1)] padded at its end to the width bucket
+    that holds the group's widest (chain_widths; wider runs the step eagerly). The pard
+    rows' keys and the padding's lie past each row's committed tokens, as scratch."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
+        self.steps = steps
+        self.module, self.step = steps.chain_step(scaling)
+        self.widths = chain_widths(max_drafts)
+        self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1])
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+        drafts = [None] * len(ids)
+        for group in self.caches.groups:
+            if not any(ks[r] for r in group.members):
+                continue
+            rows = {r: list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in group.members}
+            t = max(len(row) for row in rows.values())
+            width, step = bucket_for(t, self.widths), self.step
+            if width is None or max(group.lengths) + width > group.cache.capacity:
+                width, step = t, self.module
+            x = self.steps.staging("pard.ids", (len(group.lengths), width))
+            x.copy_(torch.tensor(slot_rows(group, rows, width)))
+            logits, visible = step(x, *group.cache.layers, group.cache.lengths)
+            for r, slot in zip(group.members, group.slots):
+                if ks[r]:
+                    end = len(rows[r])
+                    first = end - ks[r]  # the newest real token's row, then the pard rows
+                    # clone: a CUDA graph's outputs are overwritten by its next replay
+                    drafts[r] = ChainDraft.propose(logits[slot, first:end].clone(),
+                                                   visible[slot, first:end].clone(), samplers[r])
+                group.lengths[slot] += len(ids[r])  # the real tokens' keys; the rest scratch
+            group.sync()
+        return drafts
+
+
+class CompiledBatchEagle3(TorchBatchEagle3):
+    """TorchBatchEagle3 whose passes run the engine's compiled EAGLE-3 steps, per group
+    (FixedSlots): one ingest of every slot's newly committed entries, padded at its end to
+    the width bucket that holds the group's longest (1, or every draft and the bonus:
+    max_drafts + 1; longer runs eagerly), then one link step [slots, 1] per chain link.
+    The links are scratch past each row's committed entries, as the eager drafter leaves
+    them; the host lengths go back to the committed ones after the chain."""
+
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
+        super().__init__(steps.drafter, scaling, max_drafts)
+        self.steps = steps
+        self.ingest_module, self.ingest = steps.eagle3_step(scaling, ingest=True)
+        self.link_module, self.link = steps.eagle3_step(scaling, ingest=False)
+        self.widths = (1, max_drafts + 1)
+        self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1] + max_drafts)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        drafts = [None] * len(ids)
+        staging = self.steps.staging
+        for group in self.caches.groups:
+            if not any(ks[r] for r in group.members):
+                continue
+            slots, at = len(group.lengths), group.slots
+            counts = {r: len(features[r]) for r in group.members}
+            c = max(counts.values())
+            width, step = bucket_for(c, self.widths), self.ingest
+            if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
+                width, step = c, self.ingest_module
+            following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
+            x = staging("eagle3.ids", (slots, width))
+            x.copy_(torch.tensor(slot_rows(group, following, width)))
+            context = staging("eagle3.context", (slots, width, features[0].shape[-1]),
+                              features[0].dtype)
+            context.zero_()
+            for r, slot in zip(group.members, at):
+                context[slot, :counts[r]] = features[r]
+            logits, hidden, visible = step(x, context, *group.cache.layers, group.cache.lengths)
+            last = torch.tensor([counts[r] - 1 for r in group.members])  # each row's newest entry
+            committed = list(group.lengths)
+            for r, slot in zip(group.members, at):
+                committed[slot] += counts[r]
+            group.lengths = list(committed)
+            group.sync()
+
+            def link(tokens, hidden, i):
+                x = staging("eagle3.link", (slots, 1))
+                x.zero_()
+                x[at, 0] = torch.tensor(tokens, dtype=torch.long, device=x.device)
+                state = staging("eagle3.state", (slots, 1, hidden.shape[-1]), hidden.dtype)
+                state.zero_()
+                state[at, 0] = hidden
+                out, new, n = self.link(x, state, *group.cache.layers, group.cache.lengths)
+                for slot in at:  # the next link reads this one's key
+                    group.lengths[slot] += 1
+                group.sync()
+                return out[at, -1], new[at, -1], n[at, -1]
+
+            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
+                                         link, [ks[r] for r in group.members],
+                                         [samplers[r] for r in group.members],
+                                         self.vocab.target_logits)
+            group.lengths = committed  # the links are scratch
+            group.sync()
+            for r, draft in zip(group.members, grown):
+                drafts[r] = draft
+        return drafts

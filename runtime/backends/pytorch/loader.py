@@ -1,0 +1,163 @@
+"""The torch backend's loader (runtime/backends/__init__.py: LOADERS["torch"]): an engine
+directory's target and drafter checkpoints on a device in a dtype (placement.py), its
+roles eager (eager.py) or compiled (compiled.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plugins.scaling import QueryScaling
+from runtime import modes
+from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
+                                            TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
+                                            TorchTarget)
+from runtime.backends.roles import Drafting, drafter_feature_layers
+from runtime.manifest import Manifest
+from runtime.models.target import ModelError
+from runtime.ngram import NGramProposer
+
+
+def _load_dflash(manifest: Manifest, dtype, target):
+    from runtime.models.dflash import load_dflash
+
+    drafter = load_dflash(manifest.drafter_dir, dtype)
+    drafter.config.check_target(target.config)
+    return drafter
+
+
+def _load_pard(manifest: Manifest, dtype, target):
+    from runtime.models.pard import load_pard
+
+    drafter = load_pard(manifest.drafter_dir, dtype)
+    drafter.config.check_target(target.config)
+    return drafter
+
+
+def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the target as it loads
+    from runtime.models.eagle3 import load_eagle3
+
+    return load_eagle3(manifest.drafter_dir, dtype, target)
+
+
+# drafter family -> its checkpoint loader (the target layers each reads:
+# runtime/backends/__init__.py, drafter_feature_layers)
+DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_eagle3}
+
+
+class TorchLoaded:
+    """An engine directory on the torch backend: the target and drafter models from their
+    checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records;
+    placement.py loads and places them).
+
+    `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
+    (compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
+    an n-gram verify (ngram drafts + 1) and a block verify (block_size), the DFlash
+    block, the PARD chain and EAGLE-3's chain passes: the targets are CompiledTarget /
+    CompiledBatchTarget, DFlash drafters CompiledDFlash / CompiledBatchDFlash, PARD
+    drafters CompiledPARD / CompiledBatchPARD, EAGLE-3 chains over a batch
+    CompiledBatchEagle3, all over this engine's one EngineSteps (`shared`: its compiled
+    steps, graphs and KV buffer pool; a graph per batch bucket and width bucket), so a
+    request after the first compiles and captures nothing. EAGLE-3 trees stay eager (per-
+    step masks)."""
+
+    can = modes.BACKENDS["torch"]
+
+    def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
+                 device: str = "cpu", dtype: str | None = None, steps: str | None = None):
+        from runtime.backends.pytorch import compiled, placement
+
+        if steps is not None and steps not in compiled.STEPS:
+            raise ModelError(f"steps {steps!r} is not one of {', '.join(compiled.STEPS)}")
+        self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
+        self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
+        self.model, self.tokenizer = placement.load_target(manifest.target_dir, self.device, self.dtype)
+        torch_dtype = placement.resolve_dtype(self.dtype)
+        self.drafter_model = None
+        if manifest.drafter in DRAFTER_LOADERS:
+            self.drafter_model = DRAFTER_LOADERS[manifest.drafter](manifest, torch_dtype, self.model)
+            placement.place(self.drafter_model, self.device)
+        self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
+        # the widths a single sequence's verify takes: a decode step, an n-gram verify
+        # (ngram drafts + the bonus), a block verify
+        ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
+        self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
+        self.shared = None if steps is None else compiled.EngineSteps(
+            self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
+        self.target = self.new_target()
+
+    def new_target(self) -> TorchTarget:
+        if self.shared is not None:
+            return self.shared.target()
+        return TorchTarget(self.model, self.feature_layers)
+
+    def batch_target(self) -> TorchBatchTarget:
+        if self.shared is not None:
+            return self.shared.batch_target()
+        return TorchBatchTarget(self.model, self.feature_layers)
+
+    def has_window(self) -> bool:
+        return True
+
+    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
+        """A DFlash drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.dflash(scaling, window)
+        return TorchDFlash(self.drafter_model, self.model, scaling, window)
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        if window is not None:
+            return self.dflash(scaling, window)
+        return DRAFTERS[self.family](self, scaling)
+
+    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
+        """A PARD chain drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.pard(scaling, self.drafting.max_drafts)
+        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
+                         scaling)
+
+    def batch_dflash(self, scaling: QueryScaling | None, window: int | None = None
+                     ) -> TorchBatchDFlash:
+        """One batched DFlash pass for every row, under any scaling and draft window:
+        compiled with `steps` (whole context), eager under a window."""
+        if self.shared is not None and window is None:
+            return self.shared.batch_dflash(scaling)
+        return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
+
+    def batch_pard(self, scaling: QueryScaling | None) -> TorchBatchPARD:
+        """PARD chains for every row in one pass: compiled with `steps`, else eager."""
+        if self.shared is not None:
+            return self.shared.batch_pard(scaling, self.drafting.max_drafts)
+        return TorchBatchPARD(self.drafter_model, self.model.config.vocab_size,
+                              self.drafting.max_drafts, scaling)
+
+    def batch_eagle3(self, scaling: QueryScaling | None) -> TorchBatchEagle3:
+        """EAGLE-3 chains (top_k 1) for every row, one pass per link: compiled with
+        `steps`, else eager."""
+        if self.shared is not None:
+            return self.shared.batch_eagle3(scaling, max(self.drafting.max_drafts, 1))
+        return TorchBatchEagle3(self.drafter_model, scaling, max(self.drafting.max_drafts, 1))
+
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
+        step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
+        return BATCH_DRAFTERS[self.family](self, scaling, window)
+
+
+# drafter family -> its per-row drafter on this backend
+DRAFTERS = {
+    "dflash": lambda loaded, scaling: loaded.dflash(scaling),
+    "pard": lambda loaded, scaling: loaded.pard(scaling),
+    "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
+                                                  loaded.drafting.tree_shape,
+                                                  max(loaded.drafting.max_drafts, 1)),
+}
+
+# drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);
+# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/assembly.py)
+BATCH_DRAFTERS = {
+    "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
+    "pard": lambda loaded, scaling, window: loaded.batch_pard(scaling),
+    "eagle3": lambda loaded, scaling, window: loaded.batch_eagle3(scaling),
+}
+assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"

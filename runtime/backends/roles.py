@@ -1,0 +1,384 @@
+"""The roles every backend hands out (a loader of runtime/backends/__init__.py: LOADERS
+opens an engine directory and returns a Loaded), and how a joining sequence prefills
+them in parts.
+
+The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
+these roles:
+
+  Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
+           verify(ids)            -> (logits [t, vocab], features [t, F])
+           rollback(length)       -- keep the first `length` tokens of the KV cache
+           snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
+           verify_tree(tree)      -> (logits [n, vocab], features [n, F]) -- a DraftTree's
+                                     nodes in one pass, their keys scratch past the committed
+                                     ones (the target makes room for them; torch and
+                                     onnxruntime backends, EAGLE-3 engines)
+           keep_path(nodes)       -- commit the accepted path's keys (node indices, root first)
+  Tree drafter (EAGLE-3):
+           reset(capacity)
+           draft_tree(context [c, F], following [c], shape) -> (DraftTree, visible keys N)
+                                  -- following: the token after each context row
+           scaling
+  Block drafter (DFlash):
+           reset(capacity)
+           draft(context [c, F], bonus) -> (logits [block - 1, columns], visible keys N)
+           vocab                  -- the target ids of the logits' columns (a DraftVocab:
+                                     the drafter's draft vocabulary), or None (all of them)
+           scaling                -- the QueryScaling it applies, or None (frozen)
+  Chain drafter (PARD; EAGLE-3 with top_k = 1):
+           reset(capacity)
+           draft(ids, features, k, sampler) -> ChainDraft(tokens [k], probs [k, vocab] or
+                  None (greedy), logits [k, vocab], visible [k]: N of each draft row)
+                  -- ids: tokens committed since the last call (the prompt and the first
+                  token at the first call), ending with the newest, which the target has
+                  not run yet; features: the target's features of the tokens just before
+                  the last len(features) ids ([t, F] or None: a drafter that reads none,
+                  like PARD, ignores them). Commits exactly `ids` to the drafter's cache:
+                  whatever it writes while drafting lies past that length, as scratch.
+                  Drafts come from `sampler` (Sampler.propose), so sampling stays lossless:
+                  a drafter that drafts token by token draws each from its own q.
+           max_drafts             -- the most drafts one call makes (K)
+           scaling
+
+The loop runs over a batch of sequences at different lengths, one row each; a sequence
+joins as the last row and leaves from any row, between steps. Batched roles (torch and
+ONNX Runtime run them fused, modes.BACKENDS[...].batched_drafters says which drafters and
+.packed_trees whether trees verify in one packed pass; RowTargets / RowBlockDrafters /
+RowChainDrafters (rows.py) make them of single-sequence roles, one per row -- how trees
+a batch target cannot pack, a batch of one and drafters without a batched form run):
+
+  BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
+                verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
+                rollback(lengths)   -- each sequence's committed length
+                remove(row)
+                verify_trees(trees) -> [(logits [n, vocab], features [n, F])] per row: every
+                                    row's DraftTree packed in one pass (runtime/tree.py:
+                                    pack), each node seeing its own row's committed keys
+                                    and its ancestors at that row's length + depth
+                keep_paths(paths)   -- commit each row's accepted path (node indices)
+                packs_trees         -- whether verify_trees runs packed (modes.BACKENDS
+                                    packed_trees; an ONNX tree graph fixed to one sequence
+                                    does not): else the decoder verifies trees on RowTargets
+  BatchBlockDrafter:
+                add(capacity, context [c, F], last) -> the features its first draft() must
+                                    pass (what it left unread); last: the prompt's last token
+                prefill(capacity, context, last); prefill_more(context, last);
+                join_prefilled() -> as add's      -- add in parts, like the target's
+                                    prefill / prefill_more / join_prefilled: chunked
+                                    prefill feeds it each chunk's features right after
+                                    the target's chunk; the parts leave the cache one
+                                    piece leaves (BlockPrefill)
+                draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
+                fused               -- one call for the whole batch (default): it runs every
+                                    step for every row; False (RowBlockDrafters): a row
+                                    that sits the step out passes an empty context
+                remove(row); scaling; vocab (as BlockDrafter's)
+  BatchChainDrafter (PARD; EAGLE-3 with top_k = 1):
+                add(capacity, ids, features) -- a new row's prefill: reset(capacity), then
+                                    read(ids, features) unless ids is empty
+                draft(rows of ids, rows of features, ks, samplers) -> [ChainDraft or None]
+                                    -- per row as ChainDrafter.draft (None where its k = 0),
+                                    fused: one drafter pass per chain step for every row
+                                    (PARD: one pass; EAGLE-3: one ingesting the rows' new
+                                    entries, then one per link), each row at its own cache
+                                    length, so its own N and beta; row r's drafts drawn by
+                                    samplers[r] from its own q, one draw per position
+                fused               -- True: one call drafts the whole batch; False
+                                    (RowChainDrafters): one drafter per row
+                remove(row); max_drafts; scaling
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from plugins.scaling import QueryScaling
+from runtime import modes
+from runtime.manifest import EngineError, Manifest
+from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
+from runtime.sampling import DraftVocab
+from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below return it
+from runtime.tree import TreeShape
+
+
+class Target(Protocol):
+    context_limit: int
+
+    def prefill(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def snapshot(self): ...
+
+    def restore(self, snapshot, capacity: int) -> None: ...
+
+
+class PrefillOnce:
+    """A target whose prefill of one prompt is computed once and then replayed, so that
+    several decoding runs (target-only, frozen, SharpDraft) start from the SAME prefill."""
+
+    def __init__(self, target: Target, prompt: list[int], capacity: int):
+        self.target, self.prompt, self.capacity = target, list(prompt), capacity
+        self.context_limit = target.context_limit
+        self.result = target.prefill(self.prompt, capacity)
+        self.saved = target.snapshot()
+
+    def prefill(self, ids: list[int], capacity: int):
+        if list(ids) != self.prompt or capacity > self.capacity:
+            raise ValueError("PrefillOnce replays only the prompt and capacity it was built for")
+        self.target.restore(self.saved, self.capacity)
+        return self.result
+
+    def verify(self, ids):
+        return self.target.verify(ids)
+
+    def rollback(self, length: int) -> None:
+        self.target.rollback(length)
+
+    def verify_tree(self, tree):
+        return self.target.verify_tree(tree)
+
+    def keep_path(self, nodes: list[int]) -> None:
+        self.target.keep_path(nodes)
+
+
+class BlockDrafter(Protocol):
+    block_size: int
+    scaling: QueryScaling | None
+    vocab: DraftVocab | None
+
+    def reset(self, capacity: int) -> None: ...
+
+    def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
+
+
+class ChainDrafter(Protocol):
+    max_drafts: int
+    scaling: QueryScaling | None
+
+    def reset(self, capacity: int) -> None: ...
+
+    def read(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """Store the cache entries of committed tokens without drafting (the prompt,
+        during prefill); `features` as draft() takes them."""
+
+    def draft(self, ids: list[int], features: torch.Tensor | None, k: int, sampler) -> ChainDraft: ...
+
+
+class TreeDrafter(Protocol):
+    scaling: QueryScaling | None
+
+    def reset(self, capacity: int) -> None: ...
+
+    def read(self, ids: list[int], features: torch.Tensor) -> None:
+        """As ChainDrafter.read: feature row i paired with token ids[-len(features) + i]."""
+
+    def draft_tree(self, context: torch.Tensor, following: list[int], shape) -> tuple[object, int]: ...
+
+
+class BatchTarget(Protocol):
+    context_limit: int
+
+    def add(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def verify(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollback(self, lengths: list[int]) -> None: ...
+
+    def remove(self, row: int) -> None: ...
+
+
+class BatchBlockDrafter(Protocol):
+    block_size: int
+    scaling: QueryScaling | None
+    vocab: DraftVocab | None
+
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        """Ingest a new row's prompt features (`last`: the prompt's last token); returns
+        the features its first draft() must pass (what it left unread)."""
+
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        """add's first part: a new sequence's drafter reads the prompt's first features."""
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        """The next part of the prompt's features, after those read so far."""
+
+    def join_prefilled(self) -> torch.Tensor:
+        """The sequence read in parts becomes the last row; returns what add returns."""
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def remove(self, row: int) -> None: ...
+
+
+class BlockPrefill:
+    """How a fused BatchBlockDrafter prefills a joining sequence: its single-sequence
+    drafter (`single`, a BlockDrafter) reads the prompt's features, then the row joins
+    the batch (`_join_row`). In parts, like the target's prefill / prefill_more /
+    join_prefilled, so that a prompt prefilling in chunks (Decoder.join) has the drafter
+    read each chunk's features right after the target's chunk, and the join's last part
+    holds no drafter pass over the whole prompt. A DFlash context key depends only on its
+    token's features and position, each part's keys land at the committed length, and
+    the block drafted after each part is scratch (its bonus: the prompt's last token), so
+    the parts leave the cache one piece leaves (to rounding: a part's projections are
+    matmuls of another shape). add() is all three at once."""
+
+    room = 0  # cache room the single drafter needs past a sequence's capacity
+
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        self.prefill(capacity, context, last)
+        return self.join_prefilled()
+
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        self.single.reset(capacity + self.room)
+        # what the row's first draft() passes: nothing (a fused drafter reads every row's
+        # new features every step, so it holds none back)
+        self.unread = context[:0]
+        self.prefill_more(context, last)
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        self.single.draft(context, last)  # the block is scratch: only the context stays
+
+    def join_prefilled(self) -> torch.Tensor:
+        self._join_row()
+        return self.unread
+
+    def _join_row(self) -> None:
+        """Copy the single drafter's cache in as the batch's last row."""
+        raise NotImplementedError
+
+
+class BatchChainDrafter(Protocol):
+    max_drafts: int
+    scaling: QueryScaling | None
+    fused: bool
+
+    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None: ...
+
+    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        """add's first part: a new sequence's drafter reads the prompt's first tokens."""
+
+    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """The next tokens of the prompt (ChainDrafter.read's pairing), after those read."""
+
+    def join_prefilled(self) -> None:
+        """The sequence read in parts becomes the last row."""
+
+    def draft(self, ids: list[list[int]], features: list, ks: list[int],
+              samplers: list) -> list[ChainDraft | None]: ...
+
+    def remove(self, row: int) -> None: ...
+
+
+class ChainPrefill:
+    """How a BatchChainDrafter prefills a joining sequence, in parts like BlockPrefill: a
+    single-sequence chain drafter (what `_reset(capacity)` readies and returns) reads the
+    prompt's tokens part by part (ChainDrafter.read: each entry written at the committed
+    length, from its token, its features and its position), then the row joins
+    (`_join_row`). So a prompt prefilling in chunks (Decoder.join) has the drafter read
+    each chunk right after the target's, and the join's last part holds no drafter pass
+    over the whole prompt; the parts leave the cache one read leaves (to rounding: a
+    part's projections are matmuls of another shape). add() is all three at once."""
+
+    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        self.prefill(capacity, ids, features)
+        self.join_prefilled()
+
+    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
+        self.reading = self._reset(capacity)
+        self.prefill_more(ids, features)
+
+    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
+        if ids:
+            self.reading.read(ids, features)
+
+    def join_prefilled(self) -> None:
+        self._join_row()
+        self.reading = None
+
+    def _reset(self, capacity: int):
+        """A single-sequence chain drafter with room for a row of `capacity`, empty."""
+        raise NotImplementedError
+
+    def _join_row(self) -> None:
+        """The drafter that read the prompt (`self.reading`) becomes the batch's last row."""
+        raise NotImplementedError
+
+
+class Loaded(Protocol):
+    """What a loader hands back for one engine directory (the roles above, made on
+    demand). `can`: what this backend runs (modes.BACKENDS); `device` / `dtype`: where
+    and in which precision its roles run."""
+
+    can: modes.Backend
+    target: Target  # the engine's own single-sequence target
+    tokenizer: object
+    device: str
+    dtype: str
+
+    def new_target(self) -> Target:
+        """Another single-sequence target (its own cache) over the same weights."""
+
+    def batch_target(self) -> BatchTarget: ...
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        """The per-row drafter (block, chain or tree) under `scaling` (None: frozen); with
+        a `window`, its block rows see only the last `window` context keys (DFlash)."""
+
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
+                      ) -> BatchBlockDrafter | BatchChainDrafter:
+        """The drafter over a batch under `scaling`: blocks (DFlash) or chains (PARD,
+        EAGLE-3 with top_k 1) for the whole batch in one call; with a `window`, each DFlash
+        row under its own draft window (the per-row drafter's, fused)."""
+
+    def has_window(self) -> bool:
+        """Whether its DFlash drafter can draft under a draft window."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """How an engine's drafter model drafts: its style (modes.FAMILIES: "block", "chain",
+    "tree"; None: an n-gram engine), the tree it was built for (EAGLE-3) and the most
+    drafts one chain call makes."""
+
+    style: str | None
+    tree_shape: TreeShape | None
+    max_drafts: int
+
+
+def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
+    """The drafting an engine was built for: its family's style, and a tree family built
+    with one child per node (top_k 1) drafts chains."""
+    style, shape = modes.FAMILIES[manifest.drafter], None
+    if style == "tree":
+        try:
+            shape = TreeShape(**manifest.extra["eagle3"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{engine_dir}: engine.json has no valid extra.eagle3 tree shape "
+                              f"({exc}) — rebuild the engine") from None
+        if shape.top_k == 1:  # one child per node: a chain
+            style = "chain"
+    # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
+    return Drafting(style, shape, manifest.block_size - 1)
+
+
+def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs an engine's drafter reads (the target's `features`,
+    TargetModel's convention), from the drafter checkpoint's config: DFlash's
+    target_layer_ids, EAGLE-3's auxiliary layers; none for PARD and n-gram engines. The
+    torch loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
+    if manifest.drafter == "dflash":
+        from runtime.models.dflash import read_dflash_config
+
+        return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
+    if manifest.drafter == "eagle3":
+        from runtime.models.eagle3 import read_eagle3_config
+
+        return tuple(read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers))
+    return ()

@@ -1,0 +1,138 @@
+"""Compiled steps for every drafter family, batched (runtime/backends/pytorch/compiled.py): the torch
+target, DFlash blocks, PARD chains and EAGLE-3 chains run fixed-shape steps per (slot
+bucket, width bucket) -- CompiledBatchTarget, CompiledBatchDFlash, CompiledBatchPARD,
+CompiledBatchEagle3 over FixedSlots -- and decode the eager engine's tokens for every mode
+the engine runs, greedy and seeded sampling, alone (a batch of one) and as a batch of
+four requests joining and leaving. The fast tier compiles with dynamo alone
+(steps="eager"); inductor (CPU) is the slow variant, CUDA graphs per bucket the GPU one."""
+
+import pytest
+import torch
+
+import tiny
+from runtime.decode import Request
+from runtime.engine import Engine
+from runtime.sampling import Sampler, Sampling
+
+NEW_TOKENS = 12
+SAMPLINGS = {"greedy": {}, "seeded": dict(temperature=0.8, top_p=0.95, seed=7)}
+BUDGETS = (6, 12, 9, 12)  # rows leave at different steps, from the middle of the batch
+JOIN_AT = [0, 0, 1, 3]  # a group grows from one slot to two, then four
+
+
+def build(args) -> None:
+    import build_engine
+
+    assert build_engine.main(args + ["--step-costs", "fixed"]) == 0
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_target, tiny_engine) -> dict:
+    """One torch engine per drafter family over the tiny target: DFlash (the session's),
+    PARD, EAGLE-3 chains (top_k 1)."""
+    root = tmp_path_factory.mktemp("compiled-batched")
+    pard = tiny.make_pard(root / "pard", tiny_target)
+    eagle3 = tiny.make_eagle3(root / "eagle3", tiny_target, draft_vocab=200)
+    scaling = ["--sharpdraft", "--ref-keys", "64", "--top-k", "8", "--backend", "torch"]
+    build(["--drafter", "pard", *scaling, "--target", str(tiny_target), "--drafter-checkpoint",
+           str(pard), "--num-draft-tokens", "3", "--output", str(root / "pard-engine")])
+    build(["--drafter", "eagle3", *scaling, "--target", str(tiny_target), "--drafter-checkpoint",
+           str(eagle3), "--tree-top-k", "1", "--num-draft-tokens", "3",
+           "--output", str(root / "eagle3-engine")])
+    return {"dflash": tiny_engine, "pard": root / "pard-engine", "eagle3": root / "eagle3-engine"}
+
+
+def prompts(engine, lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def outcome(gen) -> tuple:
+    """The tokens and what the drafts did each step (greedy tokens alone would hide a
+    wrong draft: verification keeps them lossless whatever is drafted)."""
+    return gen.tokens, gen.committed_per_step, gen.visible_per_step
+
+
+def decode(engine, mode, how, alone, batched):
+    """(a batch of one's outcome, each of the four batched requests' outcomes)."""
+    one = engine.generate(alone, NEW_TOKENS, mode=mode, stop=False, adaptive=False,
+                          sampling=Sampling(**SAMPLINGS[how]))
+    requests = [Request(p, n, sampler=Sampler(Sampling(**SAMPLINGS[how])))
+                for p, n in zip(batched, BUDGETS)]
+    seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=JOIN_AT)
+    assert all(s.error is None for s in seqs)
+    return outcome(one), [outcome(s.gen) for s in seqs]
+
+
+BATCH_ROLES = {"dflash": "CompiledBatchDFlash", "pard": "CompiledBatchPARD",
+               "eagle3": "CompiledBatchEagle3"}
+
+
+def check_family(engines, family, steps, device="cpu"):
+    eager = Engine(engines[family], device=device)
+    compiled = Engine(engines[family], device=device, steps=steps)
+    drafter = compiled.loaded.batch_drafter(compiled.scaling)
+    assert type(drafter).__name__ == BATCH_ROLES[family]
+    assert type(compiled.loaded.batch_target()).__name__ == "CompiledBatchTarget"
+    alone, *batched = prompts(eager, [40, 70, 30, 90, 50])
+    ran = 0
+    for mode in compiled.modes:
+        for how in SAMPLINGS:
+            if compiled.batch_refusal(mode):
+                continue
+            try:
+                want = decode(eager, mode, how, alone, batched)
+            except ValueError:  # a mode that refuses to sample (a tree) refuses on both
+                with pytest.raises(ValueError):
+                    decode(compiled, mode, how, alone, batched)
+                continue
+            assert decode(compiled, mode, how, alone, batched) == want, (family, mode, how)
+            ran += 1
+    assert ran >= 4  # target-only and at least one drafter mode, greedy and seeded
+
+
+@pytest.mark.parametrize("family", ["dflash", "pard", "eagle3"])
+def test_compiled_batched_steps_decode_the_eager_tokens(engines, family):
+    check_family(engines, family, "eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["dflash", "pard", "eagle3"])
+def test_inductor_batched_steps_decode_the_eager_tokens(engines, family):
+    check_family(engines, family, "inductor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["dflash", "pard", "eagle3"])
+def test_cuda_graphs_per_bucket_decode_the_eager_tokens(engines, family):
+    check_family(engines, family, "cudagraph", device="cuda")
+
+
+def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines, monkeypatch):
+    """The PARD and EAGLE-3 batched drafters call their compiled steps (not the eager
+    module) with slot counts 1, 2 and 4 as rows join: a graph per batch bucket."""
+    from runtime.backends.pytorch import compiled
+
+    calls, real = [], compiled.compile_step
+
+    def recording(module, device, backend="inductor"):
+        step = real(module, device, backend)
+
+        def call(*args):
+            calls.append((type(module).__name__, getattr(module, "ingest", None),
+                          tuple(args[0].shape)))
+            return step(*args)
+        return call
+
+    monkeypatch.setattr(compiled, "compile_step", recording)
+    for family, module in (("pard", "ChainStep"), ("eagle3", "Eagle3Step")):
+        engine = Engine(engines[family], steps="eager")
+        batched = prompts(engine, [70, 30, 90, 50])
+        requests = [Request(p, n) for p, n in zip(batched, BUDGETS)]
+        engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=JOIN_AT)
+        slots = {shape[0] for name, _, shape in calls if name == module}
+        assert slots == {1, 2, 4}, (family, calls)
+        if family == "eagle3":  # the ingest and the links, both compiled
+            assert {ingest for name, ingest, _ in calls if name == module} == {True, False}
+        calls.clear()
