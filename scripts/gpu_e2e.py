@@ -140,10 +140,10 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
 
 
 def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_bucket=None):
-    """The run's compiled steps (runtime/compiled.py: EngineSteps), made once and shared
+    """The run's compiled steps (runtime/backends/pytorch/compiled.py: EngineSteps), made once and shared
     by every mode and context as a loaded engine's are (graphs captured once, KV buffers
     leased and given back); None: eager roles."""
-    from runtime.compiled import EngineSteps
+    from runtime.backends.pytorch.compiled import EngineSteps
 
     if steps is None:
         return None
@@ -373,7 +373,7 @@ def run(out_dir, smoke: bool = False, args=None) -> dict:
     workdir = tempfile.TemporaryDirectory(prefix="gpu-e2e-")
 
     def target(part):
-        from runtime.compiled import load_dflash, load_target
+        from runtime.backends.pytorch.placement import load_dflash, load_target
 
         if smoke:
             target_dir, drafter_dir = tiny_pair(Path(workdir.name), max(contexts) + new_tokens)

@@ -4,7 +4,7 @@ per step family and batch bucket, eager and as a captured CUDA graph.
 A Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head dim 128, random bf16
 weights, made on the GPU) and each family's drafter; for every family, batch bucket and
 context (descending: the largest buffers first, while memory is free) the family's steps
-are called as the batched roles call them (runtime/compiled.py: one call per group, KV
+are called as the batched roles call them (runtime/backends/pytorch/compiled.py: one call per group, KV
 buffers of batch rows, lengths as device tensors), timed: median host ms (the call's own
 CPU time) and median GPU ms (CUDA events), and host / GPU, the share the GPU waits on
 Python. Rows go to OUT/gpu_steps.json after every family x mode (scripts/gpu_record.py).
@@ -195,7 +195,7 @@ def family_rows(name, family, make_steps, compiled, contexts, batches, cuda, rep
 def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
     import torch
 
-    from runtime.compiled import EngineSteps
+    from runtime.backends.pytorch.compiled import EngineSteps
 
     cuda = torch.cuda.is_available() and not smoke
     if not smoke and not cuda:

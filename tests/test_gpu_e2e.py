@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def loaded(tiny_target, tiny_drafter):
-    from runtime.compiled import load_dflash, load_target
+    from runtime.backends.pytorch.placement import load_dflash, load_target
 
     model, tokenizer = load_target(tiny_target, "cpu", "float32")
     drafter = load_dflash(tiny_drafter, "cpu", "float32")
