@@ -20,7 +20,6 @@ import dataclasses
 
 import torch
 
-from runtime.backends import Target
 from runtime.sampling import Sampler, greedy_choice
 from runtime.tree import TreeShape
 
@@ -40,7 +39,7 @@ class Continuation:
         return self.prompt_features[-1:] if j == 0 else self.features[j - 1:j]
 
 
-def greedy_continuation(target: Target, prompt: list[int], n: int) -> Continuation:
+def greedy_continuation(target, prompt: list[int], n: int) -> Continuation:
     """n greedy tokens after `prompt`, decoded one per pass as target-only decoding does."""
     logits, prompt_features = target.prefill(prompt, len(prompt) + n)
     tokens, features = [int(greedy_choice(logits))], []

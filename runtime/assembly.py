@@ -4,9 +4,9 @@
 (and so the server and the commands); tests that hold bare roles (a model in hand, no
 engine directory) build theirs here too, so they run the production shape.
 
-Single sequence (a `target` given: the engine's own, or a PrefillOnce over it): a batch of
-one on it. Batched: the backend's fused batch target and batch drafter (blocks, chains)
-where it has them, else one target / drafter per row; trees verify packed in the batch
+Drafters are the backend's fused batch drafter (blocks, chains) wherever it has one, else
+one per row. A `target` given (the engine's own, or a PrefillOnce over it): a batch of one
+on it. Without: the backend's batch target where it has one, else one target per row; trees verify packed in the batch
 target's pass, each row under its own mask, where it `packs_trees` (else one target per
 row); a padded verify row or a tree writes scratch keys past its own budget, so every
 cache gets `slack` tokens of room past it."""
@@ -65,13 +65,14 @@ class Roles:
         return max(self.block_size, self.lookup_drafts + 1)
 
 
-def proposer(roles: Roles, mode: Mode, setting: DraftSetting, batched: bool) -> proposers.Proposer:
-    """How the rows of a `mode` decoder draft, under its drafting `setting`."""
+def proposer(roles: Roles, mode: Mode, setting: DraftSetting) -> proposers.Proposer:
+    """How the rows of a `mode` decoder draft, under its drafting `setting`: on the batch
+    drafter wherever the roles give one (a run on one given target too: a batch of one)."""
     if not mode.uses_drafter_model:
         return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
     drafter = lambda: roles.drafter(setting)  # noqa: E731 -- one per row
     lookup = roles.lookup if setting.ngram_assist else None
-    fused = batched and roles.batch_drafter is not None and setting.fused
+    fused = roles.batch_drafter is not None and setting.fused
     return DRAFTER_PROPOSERS[roles.style](roles, setting, drafter, lookup, fused)
 
 
@@ -97,7 +98,7 @@ def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = Non
     batched = target is None
     if setting is None:
         setting = DraftSetting(ngram_assist=mode.ngram_assist)
-    chosen = proposer(roles, mode, setting, batched)
+    chosen = proposer(roles, mode, setting)
     policy = policy_for(costs if mode.uses_drafter_model else None)
     rows = roles.batch_target() if batched and roles.batch_target is not None else None
     if rows is None or (chosen.drafts_trees and not getattr(rows, "packs_trees", False)):

@@ -227,7 +227,10 @@ class Engine:
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = Mode.SHARPDRAFT,
                  sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None,
                  adaptive: bool = True) -> Generation:
-        return run_mode(self, self.target, mode, prompt, max_new_tokens, Sampler(sampling),
+        # a request alone is a batch of one on the batch roles, where the backend batches
+        # (tokens, step counts and beta as on its single-sequence roles: scripts/compare_outputs.py)
+        target = None if self.can.batch else self.target
+        return run_mode(self, target, mode, prompt, max_new_tokens, Sampler(sampling),
                         self.stop_ids if stop else frozenset(), on_tokens, adaptive)
 
 
@@ -246,6 +249,7 @@ def check_drafter(engine: Engine, window: int | None = None, swap: bool = False)
 def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_tokens: int,
              sampler: Sampler, stop_ids=frozenset(), on_tokens=None,
              adaptive: bool = True) -> Generation:
-    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it)."""
+    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it),
+    or without one (None) as a batch of one on the engine's batch roles."""
     return engine.decoder(mode, adaptive, target).generate(
         Request(prompt, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, sampler=sampler))

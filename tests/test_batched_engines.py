@@ -1,5 +1,6 @@
 """Both CPU backends run batches in every mode, token-identical to each other and to each request's
-own single-sequence `Engine.generate`, with requests joining and leaving mid-run."""
+own `Engine.generate` (a batch of one, which runs as the single-sequence roles do), with
+requests joining and leaving mid-run."""
 
 import pytest
 import torch
@@ -64,6 +65,29 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
         alone = runs[-1].generate(request.prompt, request.max_new_tokens, mode, adaptive=False)
         target = torch_engine.generate(request.prompt, request.max_new_tokens, "target")
         assert tokens == alone.tokens == target.tokens
+
+
+@pytest.mark.parametrize("engine", ["torch_engine", "ort_engine"])
+def test_a_request_alone_runs_as_a_batch_of_one_exactly_as_on_the_single_sequence_roles(
+        engine, request):
+    """Engine.generate runs a request alone as a batch of one on the batch roles (one row:
+    every call the shapes the single-sequence roles' were, so the same floats): tokens,
+    committed and visible keys per step and every step's beta equal a run on the engine's
+    own single-sequence target and per-row drafters, greedy and seeded sampling, in each
+    proposer path's mode."""
+    from runtime.engine import run_mode
+    from runtime.sampling import Sampler
+
+    engine = request.getfixturevalue(engine)
+    prompt = prompts(engine, [37])[0]
+    for mode in ("target", "ngram", "sharpdraft", "hybrid"):
+        for sampling in (Sampling(), Sampling(0.8, 0.95, seed=7)):
+            alone = engine.generate(prompt, 16, mode, sampling, stop=False)
+            single = run_mode(engine, engine.target, parse(mode), prompt, 16, Sampler(sampling))
+            assert alone.tokens == single.tokens, (mode, sampling)
+            assert alone.committed_per_step == single.committed_per_step
+            assert alone.visible_per_step == single.visible_per_step
+            assert alone.beta_per_step == single.beta_per_step
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine):

@@ -95,7 +95,7 @@ assert all(set(OPTIONS) <= set(loader.options) | set(loader.refusals)
 
 # the names the roles module holds, importable from here as before (imported on first use,
 # so that reading the registry imports no torch)
-_ROLES = ("Target", "PrefillOnce", "BlockDrafter", "ChainDrafter", "TreeDrafter", "BatchTarget",
+_ROLES = ("PrefillOnce", "TreeDrafter", "BatchTarget",
           "BatchBlockDrafter", "BlockPrefill", "BatchChainDrafter", "ChainPrefill", "Loaded",
           "Drafting", "drafting_of", "drafter_feature_layers", "load_tokenizer", "ChainDraft")
 

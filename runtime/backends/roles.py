@@ -3,7 +3,9 @@ opens an engine directory and returns a Loaded), and how a joining sequence pref
 them in parts.
 
 The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
-these roles:
+these roles. The batch roles below are the interface (Protocol classes); a role alone
+(one sequence: what a batch role's joining row prefills on, and what rows.py runs one per
+row) is written here only:
 
   Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
            verify(ids)            -> (logits [t, vocab], features [t, F])
@@ -27,6 +29,9 @@ these roles:
            scaling                -- the QueryScaling it applies, or None (frozen)
   Chain drafter (PARD; EAGLE-3 with top_k = 1):
            reset(capacity)
+           read(ids, features)    -- store the cache entries of committed tokens without
+                                     drafting (the prompt, during prefill); `features` as
+                                     draft() takes them (tree drafters read so too)
            draft(ids, features, k, sampler) -> ChainDraft(tokens [k], probs [k, vocab] or
                   None (greedy), logits [k, vocab], visible [k]: N of each draft row)
                   -- ids: tokens committed since the last call (the prompt and the first
@@ -105,25 +110,11 @@ from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below r
 from runtime.tree import TreeShape
 
 
-class Target(Protocol):
-    context_limit: int
-
-    def prefill(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def rollback(self, length: int) -> None: ...
-
-    def snapshot(self): ...
-
-    def restore(self, snapshot, capacity: int) -> None: ...
-
-
 class PrefillOnce:
     """A target whose prefill of one prompt is computed once and then replayed, so that
     several decoding runs (target-only, frozen, SharpDraft) start from the SAME prefill."""
 
-    def __init__(self, target: Target, prompt: list[int], capacity: int):
+    def __init__(self, target, prompt: list[int], capacity: int):
         self.target, self.prompt, self.capacity = target, list(prompt), capacity
         self.context_limit = target.context_limit
         self.result = target.prefill(self.prompt, capacity)
@@ -146,29 +137,6 @@ class PrefillOnce:
 
     def keep_path(self, nodes: list[int]) -> None:
         self.target.keep_path(nodes)
-
-
-class BlockDrafter(Protocol):
-    block_size: int
-    scaling: QueryScaling | None
-    vocab: DraftVocab | None
-
-    def reset(self, capacity: int) -> None: ...
-
-    def draft(self, context: torch.Tensor, bonus: int) -> tuple[torch.Tensor, int]: ...
-
-
-class ChainDrafter(Protocol):
-    max_drafts: int
-    scaling: QueryScaling | None
-
-    def reset(self, capacity: int) -> None: ...
-
-    def read(self, ids: list[int], features: torch.Tensor | None) -> None:
-        """Store the cache entries of committed tokens without drafting (the prompt,
-        during prefill); `features` as draft() takes them."""
-
-    def draft(self, ids: list[int], features: torch.Tensor | None, k: int, sampler) -> ChainDraft: ...
 
 
 class TreeDrafter(Protocol):
@@ -317,12 +285,12 @@ class Loaded(Protocol):
     and in which precision its roles run."""
 
     can: modes.Backend
-    target: Target  # the engine's own single-sequence target
+    target: object  # the engine's own target, alone (the docstring's Target)
     tokenizer: object
     device: str
     dtype: str
 
-    def new_target(self) -> Target:
+    def new_target(self):
         """Another single-sequence target (its own cache) over the same weights."""
 
     def batch_target(self) -> BatchTarget: ...

@@ -261,28 +261,29 @@ def _chain_room(max_drafts: int) -> int:
     return 2 * max_drafts + 1
 
 
-class ChainRows(ChainPrefill):
-    """ChainPrefill over TorchSlots: the single-sequence drafter (`single`) reads the
-    prompt into a cache of its own, with the chain's room past the capacity, which then
-    joins the groups (`caches`)."""
-
-    def _reset(self, capacity: int):
-        self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-        return self.single
-
-    def _join_row(self) -> None:
-        self.caches.join(self.single.cache)
+# How the torch chain drafters (TorchBatchPARD, TorchBatchEagle3) prefill a joining row
+# (ChainPrefill's two parts): the single-sequence drafter (`single`) reads the prompt into
+# a cache of its own, with the chain's room past the capacity, which then joins the groups
+# (`caches`).
+def _chain_reset(self, capacity: int):
+    self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
+    return self.single
 
 
-class TorchBatchPARD(ChainRows):
+def _chain_join(self) -> None:
+    self.caches.join(self.single.cache)
+
+
+class TorchBatchPARD(ChainPrefill):
     """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
     own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
-    sequence reads its prompt alone (TorchPARD, whole or in parts: ChainRows), then
-    joins."""
+    sequence reads its prompt alone (TorchPARD, whole or in parts: _chain_reset and
+    _chain_join), then joins."""
 
     fused = True
+    _reset, _join_row = _chain_reset, _chain_join
 
     def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
                  scaling: QueryScaling | None):
@@ -386,15 +387,16 @@ class TorchEagle3:
         return draft
 
 
-class TorchBatchEagle3(ChainRows):
+class TorchBatchEagle3(ChainPrefill):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
     (TorchSlots), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
     entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
-    (TorchEagle3, whole or in parts: ChainRows), then joins."""
+    (TorchEagle3, whole or in parts: _chain_reset / _chain_join), then joins."""
 
     fused = True
+    _reset, _join_row = _chain_reset, _chain_join
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
         self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
