@@ -22,7 +22,7 @@ from runtime.assembly import DraftSetting
 from runtime.backends import LOADERS, OPTIONS, RUNNABLE_BACKENDS
 from runtime.backends.roles import drafting_of, load_tokenizer  # noqa: F401
 from runtime.decode import Decoder, Request
-from runtime.manifest import DRAFTERS, PLACEMENT, EngineError, Manifest, read_manifest
+from runtime.manifest import DRAFTERS, PLACEMENT, EngineError, Manifest, open_spec
 from runtime.metrics import Generation
 from runtime.modes import Mode
 from runtime.ngram import NGramProposer
@@ -41,11 +41,8 @@ class Engine:
     def __init__(self, engine: str | Path | Manifest, verify: str = "quick", backend: str | None = None,
                  device: str | None = None, dtype: str | None = None, steps: str | None = None,
                  prefill_dtype: str | None = None):
-        if isinstance(engine, Manifest):
-            self.manifest, self.dir = engine, Path(engine.dir)
-        else:
-            self.dir = Path(engine)
-            self.manifest = read_manifest(self.dir, verify=verify)
+        self.manifest = open_spec(engine, verify)
+        self.dir = Path(self.manifest.dir)
         if self.manifest.drafter not in DRAFTERS:
             raise EngineError(f"{self.dir}: drafter {self.manifest.drafter!r} is not supported "
                               "by this runtime yet")

@@ -161,7 +161,19 @@ class Manifest:
         return path
 
 
+def open_spec(engine: str | Path | Manifest, verify: str = "quick") -> Manifest:
+    """THE way in to an engine's spec: a Manifest (read before, by whoever opened it first)
+    handed back as it is; a directory's engine.json read and checked (read_manifest:
+    `verify` quick, full or skip). Each process opens the spec once, where it enters -- a
+    command, Engine, a serving process -- and hands the Manifest down; read_manifest has
+    no other caller (tests/test_engine_spec.py counts them)."""
+    if isinstance(engine, Manifest):
+        return engine
+    return read_manifest(Path(engine), verify)
+
+
 def read_manifest(engine_dir: Path, verify: str = "quick") -> Manifest:
+    """engine.json parsed and checked (open_spec is the way in)."""
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if verify not in VERIFY_MODES:

@@ -275,7 +275,9 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
             report["tensorrt_engine"] = {"passed": False, "error": f"generate --backend {backend} failed"}
             return False
         tokens[backend] = json.loads(out.read_text())["tokens"]
-    record = json.loads((engine / "engine.json").read_text())["extra"]["tensorrt"]
+    from runtime.manifest import open_spec
+
+    record = open_spec(engine, verify="skip").extra["tensorrt"]
     passed = tokens["tensorrt"] == tokens["torch"]
     report["tensorrt_engine"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
                                      tokens=tokens)

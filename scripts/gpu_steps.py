@@ -2,16 +2,24 @@
 per step family and batch bucket, eager and as a captured CUDA graph.
 
 A Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head dim 128, random bf16
-weights, made on the GPU) and each family's drafter; for every family, batch bucket and
+weights, made on the GPU) and each family's drafter for it, as published for Qwen3-8B:
+DFlash (5 layers at the target's width), PARD (Qwen3-0.6B's shape: 28 layers, hidden
+1024, 16/8 heads, tied head), EAGLE-3 (one layer at the target's width, a 32K draft
+vocabulary); for every family, batch bucket and
 context (descending: the largest buffers first, while memory is free) the family's steps
 are called as the batched roles call them (runtime/backends/pytorch/compiled.py: one call per group, KV
 buffers of batch rows, lengths as device tensors), timed: median host ms (the call's own
 CPU time) and median GPU ms (CUDA events), and host / GPU, the share the GPU waits on
 Python. Rows go to OUT/gpu_steps.json after every family x mode (scripts/gpu_record.py).
 
-Families (STEP_FAMILIES) are entries of one table: a new family (PARD's chain step,
-EAGLE-3's) adds an entry -- its drafter and its rows -- and the plan, the section and
-the rehearsal run it without another edit.
+Families (STEP_FAMILIES) are entries of one table -- the target's steps, DFlash's block,
+PARD's chain step, EAGLE-3's ingest and chain link, as CompiledBatchTarget,
+CompiledBatchDFlash, CompiledBatchPARD and CompiledBatchEagle3 call them -- each measured
+in its own sub-part: a family that fails (its drafter, a step that cannot be captured)
+leaves every other family's rows. A new family adds an entry, its drafter and its rows;
+the plan, the section and the rehearsal run it without another edit. The chain families
+draft as many tokens as DFlash's block holds (the target's verify bucket - 1), so every
+family's rows meet the same verify width.
 
     python -m scripts.gpu_steps --out DIR                   # scripts/gpu_check.py runs it
     SHARPDRAFT_SMOKE=1 python -m scripts.gpu_steps --out DIR   # CPU: tiny shapes, eager
@@ -32,11 +40,17 @@ from typing import Callable
 from scripts.gpu_record import SectionRecord, log, section_main
 
 SECTION = "gpu_steps"
+# pard: the PARD drafter's own shape (PARD-Qwen3-0.6B's); draft_vocab: EAGLE-3's (Qwen3-8B
+# EAGLE-3 drafters draft over 32,000 ids)
 QWEN3_8B = dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
-                head_dim=128, block=16, draft_layers=5)
+                head_dim=128, block=16, draft_layers=5, draft_vocab=32000,
+                pard=dict(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128))
 TINY = dict(vocab=512, hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16,
-            block=4, draft_layers=2)
-CONTEXTS = (32768, 16384, 4096)  # descending
+            block=4, draft_layers=2, draft_vocab=128,
+            pard=dict(hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16))
+# descending; 32K and 4K only (16K went when PARD and EAGLE-3 joined: four families' rows
+# at three contexts did not fit the plan's 600 s, see gpu_travel.BUDGET)
+CONTEXTS = (32768, 4096)
 BATCH_BUCKETS = (1, 4)
 SMOKE = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
 
@@ -44,8 +58,6 @@ SMOKE = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
 def qwen3_8b_shaped(device, dtype, shape=QWEN3_8B, target=None):
     """A Qwen3-8B-shaped TargetModel (or `target`, given) and a DFlash-shaped drafter with
     random weights, made on the device (8B parameters never touch the host)."""
-    import torch
-
     from runtime.models.dflash import DFlashConfig, DFlashDrafter
     from runtime.models.target import TargetConfig, TargetModel
 
@@ -57,15 +69,22 @@ def qwen3_8b_shaped(device, dtype, shape=QWEN3_8B, target=None):
     dconfig = DFlashConfig(s["hidden"], s["intermediate"], s["draft_layers"], s["heads"], s["kv_heads"],
                            s["head_dim"], 1e-6, 1e6, s["vocab"], s["block"], s["vocab"] - 1, ids, n,
                            max_position_embeddings=40960)
+    target = target if target is not None else made_on(device, dtype, lambda: TargetModel(config))
+    return target, made_on(device, dtype, lambda: DFlashDrafter(dconfig))
+
+
+def made_on(device, dtype, make):
+    """make() with `device` and `dtype` the defaults: random weights made where they are
+    used (8B parameters never touch the host), in eval mode."""
+    import torch
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            target = target if target is not None else TargetModel(config).eval()
-            drafter = DFlashDrafter(dconfig).eval()
+            return make().eval()
     finally:
         torch.set_default_dtype(previous)
-    return target, drafter
 
 
 def capacity(needed: int) -> int:
@@ -88,6 +107,31 @@ class StepFamily:
 
 def dflash_drafter(target, shape, device, dtype):
     return qwen3_8b_shaped(device, dtype, shape, target=target)[1]
+
+
+def pard_drafter(target, shape, device, dtype):
+    """A PARD drafter of shape["pard"] over the target's vocabulary (a Qwen3 decoder, tied
+    head), its pard token the vocabulary's last id."""
+    from runtime.models.pard import PARDConfig, PARDDrafter
+    from runtime.models.target import TargetConfig
+
+    p, t = shape["pard"], target.config
+    config = TargetConfig("qwen3", t.vocab_size, p["hidden"], p["intermediate"], p["layers"], p["heads"],
+                          p["kv_heads"], p["head_dim"], 1e-6, 1e6, t.max_position_embeddings, False, True,
+                          True)
+    return made_on(device, dtype, lambda: PARDDrafter(PARDConfig(config, t.vocab_size - 1)))
+
+
+def eagle3_drafter(target, shape, device, dtype):
+    """An EAGLE-3 drafter at the target's width, reading its default three layers, over a
+    draft vocabulary of shape["draft_vocab"] ids."""
+    from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    t = target.config
+    config = Eagle3Config(t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads, t.head_dim,
+                          1e-6, 1e6, t.vocab_size, shape["draft_vocab"], t.hidden_size,
+                          max_position_embeddings=t.max_position_embeddings)
+    return made_on(device, dtype, lambda: Eagle3Drafter(config))
 
 
 def target_rows(steps, batch, context, compiled):
@@ -124,10 +168,62 @@ def dflash_rows(steps, batch, context, compiled):
     return [(f"dflash block ({block})", lambda: call(ids, features, *cache.layers, cache.lengths, lens))]
 
 
-# PARD (ChainStep) and EAGLE-3 add their entries here: how to make their drafter, their rows.
+def chain_drafts(steps) -> int:
+    """A chain family's draft length: the target's verify bucket - 1 (DFlash's block)."""
+    return steps.buckets[-1] - 1
+
+
+def pard_rows(steps, batch, context, compiled):
+    """PARD's chain step at both width buckets (CompiledBatchPARD's chain_widths: a step
+    that accepted little, and every draft and the bonus read with k drafted) after
+    `context` keys."""
+    import torch
+
+    from plugins.scaling import PRESETS
+    from runtime.backends.pytorch.compiled import chain_widths
+
+    widths = chain_widths(chain_drafts(steps))
+    cache = steps.chain_buffers.take(capacity(context + widths[-1]), batch)
+    cache.lengths.fill_(context)
+    module, step = steps.chain_step(PRESETS["pard"])
+    call = step if compiled else module
+    out = []
+    for width in widths:
+        ids = torch.full((batch, width), steps.drafter.config.pard_token, dtype=torch.long, device=steps.device)
+        out.append((f"pard chain ({width} tokens)", lambda ids=ids: call(ids, *cache.layers, cache.lengths)))
+    return out
+
+
+def eagle3_rows(steps, batch, context, compiled):
+    """EAGLE-3's two steps after `context` entries, as CompiledBatchEagle3 calls them: the
+    ingest of a step's committed entries (every draft and the bonus: k + 1 rows of target
+    features, projected) and one chain link (a token and the state it reads)."""
+    import torch
+
+    from plugins.scaling import PRESETS
+
+    drafter, k = steps.drafter, chain_drafts(steps)
+    c, dtype = drafter.config, drafter.fc.weight.dtype
+    # room as CompiledBatchEagle3's slots: the widest ingest, then the chain's links
+    cache = steps.chain_buffers.take(capacity(context + (k + 1) + k), batch)
+    cache.lengths.fill_(context)
+    ingest_module, ingest = steps.eagle3_step(PRESETS["eagle3"], ingest=True)
+    link_module, link = steps.eagle3_step(PRESETS["eagle3"], ingest=False)
+    ingest, link = (ingest, link) if compiled else (ingest_module, link_module)
+    ids = torch.zeros((batch, k + 1), dtype=torch.long, device=steps.device)
+    features = torch.zeros((batch, k + 1, c.num_aux * c.target_hidden_size), dtype=dtype, device=steps.device)
+    token = torch.zeros((batch, 1), dtype=torch.long, device=steps.device)
+    state = torch.zeros((batch, 1, c.hidden_size), dtype=dtype, device=steps.device)
+    return [(f"eagle3 ingest ({k + 1} entries)", lambda: ingest(ids, features, *cache.layers, cache.lengths)),
+            ("eagle3 chain link (1 token)", lambda: link(token, state, *cache.layers, cache.lengths))]
+
+
+# in the order they run: a family new to the GPU after those the plan has run before
 STEP_FAMILIES: dict[str, StepFamily] = {
     "target": StepFamily(None, target_rows),
     "dflash": StepFamily(dflash_drafter, dflash_rows),
+    "pard": StepFamily(pard_drafter, pard_rows),
+    "eagle3": StepFamily(eagle3_drafter, eagle3_rows),
 }
 
 

@@ -250,7 +250,7 @@ def unpack(parts_dir: Path | None = None, site: Path | None = None, install: boo
 SECTIONS = {
     "gpu_kernel": ("scripts.gpu_kernel", 240),  # the op and kernel: correctness, capture, bench
     "gpu_trtllm": ("scripts.gpu_trtllm", 60),   # TensorRT-LLM's kernel wrappers under graphs
-    "gpu_steps": ("scripts.gpu_steps", 150),    # Qwen3-8B-shaped step costs per batch bucket
+    "gpu_steps": ("scripts.gpu_steps", 180),    # Qwen3-8B-shaped step costs per batch bucket
     "gpu_target": ("scripts.gpu_target", 90),   # parts joined, wheels installed, GGUF converted
     "gpu_e2e": ("scripts.gpu_e2e", 300),        # the real target end to end, beside transformers
 }
@@ -271,7 +271,11 @@ BUDGET = {
     "gpu_kernel": 115,     # ~35 cold Triton compiles (bf16 x 6 cases, fp32 and fp16 x 1), capture,
                            # host time, one reduce-overhead compile, the bench (10 repeats)
     "gpu_trtllm": 15,      # five wrapper cases, captured and replayed (seconds on the H200)
-    "gpu_steps": 45,       # an 8B-shaped model made on the GPU, graphs per family x batch bucket
+    "gpu_steps": 60,       # four families (target, DFlash, PARD, EAGLE-3): ~8 s making 8B + 2.6B
+                           # random weights on the GPU, ~12 cold op compiles (~24 s: each family
+                           # its widths and scaling preset), 56 rows (2 contexts x 2 batch
+                           # buckets x eager/graph x each family's steps) at ~0.5 s; 16K context
+                           # dropped to fit (three contexts: ~75 s, the plan over 600 s)
     "gpu_target": 35,      # join + pip install + GGUF -> transformers (outside gpu_e2e's clock)
     "gpu_e2e": 150,        # ours: 6 modes x 2 contexts x 4 runs; transformers: 1 static compile
 }

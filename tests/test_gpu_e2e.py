@@ -114,25 +114,76 @@ def test_qwen3_8b_shape_is_qwen3_8b():
     assert drafter.config.block_size == 16 and len(drafter.layers) == 5
 
 
+def test_drafters_for_qwen3_8b_have_the_published_shapes():
+    """On the meta device: PARD as PARD-Qwen3-0.6B (0.6B parameters, tied head), EAGLE-3
+    one layer at the target's width over a 32K draft vocabulary, reading three layers."""
+    target, _ = gpu_steps.qwen3_8b_shaped("meta", torch.bfloat16)
+    pard = gpu_steps.pard_drafter(target, gpu_steps.QWEN3_8B, "meta", torch.bfloat16)
+    assert 0.59e9 < sum(p.numel() for p in pard.parameters()) < 0.60e9
+    assert len(pard.layers) == 28 and pard.lm_head.weight is pard.embed_tokens.weight
+    eagle3 = gpu_steps.eagle3_drafter(target, gpu_steps.QWEN3_8B, "meta", torch.bfloat16)
+    assert eagle3.lm_head.out_features == 32000 and eagle3.fc.in_features == 3 * 4096
+    assert pard.embed_tokens.weight.dtype == eagle3.fc.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["target", "dflash", "pard", "eagle3"])
+def test_step_rows_call_the_compiled_steps_the_batched_roles_call(family):
+    """Each family's rows, compiled (dynamo over the same step modules the batched roles
+    compile; CUDA graphs on the GPU) and eager, give the same outputs at batch 2 on the
+    tiny shapes: the rows hand the compiled steps the arguments they take."""
+    from runtime.backends.pytorch.compiled import EngineSteps
+
+    shape = gpu_steps.TINY
+    torch.manual_seed(0)
+    target, dflash = gpu_steps.qwen3_8b_shaped("cpu", torch.float32, shape)
+    make = gpu_steps.STEP_FAMILIES[family].drafter
+    drafter = make(target, shape, "cpu", torch.float32) if make else None
+    outputs = []
+    for compiled in (False, True):
+        steps = EngineSteps(target, dflash.config.target_layer_ids, (1, shape["block"] + 1), "eager",
+                            drafter=drafter, context_bucket=shape["block"])
+        with torch.inference_mode():
+            calls = gpu_steps.STEP_FAMILIES[family].rows(steps, 2, 32, compiled)
+            outputs.append([[t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+                            for out in (fn() for _, fn in calls)])
+    assert len(outputs[0]) == len(outputs[1]) >= 1
+    for eager, compiled in zip(*outputs):
+        assert len(eager) == len(compiled) >= 1
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a)
+
+
 def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(tmp_path, monkeypatch):
-    """gpu_steps in smoke mode: a row per family x step x context x batch bucket; a family
-    added to the table (as PARD's or EAGLE-3's will be) is measured with no other edit."""
+    """gpu_steps in smoke mode: a row per family x step x context x batch bucket, DFlash,
+    PARD and EAGLE-3 beside the target; a family added to the table is measured with no
+    other edit, and a family that fails leaves every other family's rows."""
     def doubled(steps, batch, context, compiled):
         x = torch.ones(batch, 8)
         return [("stand-in step", lambda: x * 2)]
 
-    families = dict(gpu_steps.STEP_FAMILIES, standin=gpu_steps.StepFamily(None, doubled))
+    def broken(target, shape, device, dtype):
+        raise RuntimeError("no drafter today")
+
+    families = dict(gpu_steps.STEP_FAMILIES)
+    families = {"target": families.pop("target"), "broken": gpu_steps.StepFamily(broken, doubled),
+                **families, "standin": gpu_steps.StepFamily(None, doubled)}
     monkeypatch.setattr(gpu_steps, "STEP_FAMILIES", families)
     data = gpu_steps.run(tmp_path, smoke=True)
-    assert data["status"] == "passed"
+    assert data["status"] == "failed"  # the broken family's part, and that alone
     saved = json.loads((tmp_path / "gpu_steps.json").read_text())
+    assert {n: p["status"] for n, p in saved["parts"].items() if p["status"] != "passed"} == {"family_broken": "failed"}
     rows = saved["rows"]
     assert saved["parts"]["family_standin"]["rows"] == len(gpu_steps.SMOKE["contexts"]) * len(gpu_steps.SMOKE["batches"])
     contexts, batches = gpu_steps.SMOKE["contexts"], gpu_steps.SMOKE["batches"]
-    for family, steps in (("target", 2), ("dflash", 1), ("standin", 1)):
+    steps = {"target": ("target decode (1 token)", "target verify (5 tokens)"), "dflash": ("dflash block (4)",),
+             "pard": ("pard chain (4 tokens)", "pard chain (8 tokens)"),
+             "eagle3": ("eagle3 ingest (5 entries)", "eagle3 chain link (1 token)"), "standin": ("stand-in step",)}
+    assert {r["family"] for r in rows} == set(steps)
+    for family, names in steps.items():
         mine = [r for r in rows if r["family"] == family]
-        assert len(mine) == steps * len(contexts) * len(batches), family
-        assert {(r["context"], r["batch"]) for r in mine} == {(c, b) for c in contexts for b in batches}
+        assert len(mine) == len(names) * len(contexts) * len(batches), family
+        assert {(r["step"], r["context"], r["batch"]) for r in mine} == {
+            (n, c, b) for n in names for c in contexts for b in batches}, family
         assert all(r["host_ms"] > 0 and "error" not in r for r in mine)
     assert [r["context"] for r in rows if r["family"] == "target"][0] == max(contexts)  # descending
     row = {"step": "target decode (1 token)", "steps": "cudagraph", "batch": 1, "context": 32768,

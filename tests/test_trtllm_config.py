@@ -282,6 +282,13 @@ def test_serve_backend_trtllm_writes_the_llmapi_layout_whose_model_installs_the_
         assert type(exc.value).__name__ == "LaunchError"
         assert "version" in str(exc.value) and "\n" not in str(exc.value)
         assert stock_module.CALLS == []
+        # the drafter family comes from serve's spec in sharpdraft.json (the model process
+        # reads no engine.json); a repository without it is refused in one line
+        assert json.loads((model / "1" / "sharpdraft.json").read_text())["drafter"] == "dflash"
+        module.SETTINGS.pop("drafter")
+        with pytest.raises(ValueError, match="names no drafter family — regenerate") as exc:
+            module.TritonPythonModel().initialize({})
+        assert "\n" not in str(exc.value) and stock_module.CALLS == []
     finally:
         uninstall()
         for name in [n for n in sys.modules if n in ("sharpdraft_llmapi_stock", "helpers")

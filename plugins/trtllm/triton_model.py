@@ -63,11 +63,12 @@ def _launch():
     scaling_module = importlib.import_module(PRIVATE + ".scaling")
     config = yaml.safe_load((HERE / "model.yaml").read_text())
     config.pop("triton_config", None)
-    family = None
-    engine_json = Path(SETTINGS.get("engine_dir") or "") / "engine.json"
-    if engine_json.is_file():
-        family = json.loads(engine_json.read_text()).get("drafter")
-    result = launch.Launch(scaling_module.QueryScaling.from_dict(scaling), config, family)
+    # the drafter family, as serve read it from the spec (this process reads no engine.json);
+    # a repository written before serve handed it down says so
+    if "drafter" not in SETTINGS:
+        raise launch.LaunchError(f"{HERE / 'sharpdraft.json'} names no drafter family — regenerate the "
+                                 "repository with `python -m runtime serve --backend trtllm`")
+    result = launch.Launch(scaling_module.QueryScaling.from_dict(scaling), config, SETTINGS["drafter"])
     for key, value in result.env().items():
         os.environ.setdefault(key, value)
     return result

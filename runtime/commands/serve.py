@@ -78,21 +78,25 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
+    from runtime.manifest import open_spec
     from runtime.serve import repository, server
 
-    built_for = _engine_backend(args.engine_dir)
-    placement = device_options(args)
+    # engine.json read once, here: the repository writers, the HTTP body bound and the
+    # OpenAI endpoint get this spec; each Triton model process opens it once, in Engine
+    spec = open_spec(args.engine_dir, verify="full" if args.verify else "quick")
+    built_for = spec.backend
+    options = device_options(args)  # the loader's options: runtime.backends.OPTIONS' keys
     if (args.backend or built_for) == "trtllm":
-        if placement:
-            raise UsageError(f"--{', --'.join(k.replace('_', '-') for k in placement)}: for our "
+        if options:
+            raise UsageError(f"--{', --'.join(k.replace('_', '-') for k in options)}: for our "
                              "backends; TensorRT-LLM places "
                              "a trtllm engine itself")
-        return _write_trtllm(args)
+        return _write_trtllm(args, spec)
     if built_for == "trtllm":
         raise UsageError(f"{args.engine_dir} is configuration for TensorRT-LLM; serve it with --backend trtllm")
     if args.llmapi_model:
         raise UsageError("--llmapi-model goes with --backend trtllm")
-    grid = PREFILL_ROWS if placement.get("prefill_dtype") == "bfloat16" else None
+    grid = PREFILL_ROWS if options.get("prefill_dtype") == "bfloat16" else None
     if problem := chunk_problem(args.prefill_chunk, grid):
         raise UsageError(problem)
     limit = args.max_new_tokens_limit
@@ -124,14 +128,13 @@ def run(args) -> int:
             sys.stderr.write(f"error: {exc}\n")
             return 1
     try:
-        models = repository.write_repository(args.engine_dir, args.model_repository,
+        models = repository.write_repository(spec, args.model_repository,
                                              args.model_name, args.instances, args.streaming,
                                              limit, args.threads,
-                                             verify="full" if args.verify else "quick",
                                              backend=args.backend, max_batch=args.max_batch,
                                              max_queue=args.max_queue,
                                              prefill_chunk=args.prefill_chunk,
-                                             placement=placement)
+                                             options=options)
     except ValueError as exc:
         if type(exc) is ValueError:  # our own argument checks; EngineError keeps its exit code
             raise UsageError(str(exc)) from None
@@ -146,22 +149,14 @@ def run(args) -> int:
             print(f"next: python -m runtime serve --engine-dir {args.engine_dir} "
                   f"--model-repository {out} --start")
         return 0
-    return _run(args, out, models, ports, install, result)
+    return _run(args, spec, out, models, ports, install, result)
 
 
 def _token(key: str) -> bool:
     return 8 <= len(key) <= 256 and all(33 <= ord(c) < 127 and c not in ",:=" for c in key)
 
 
-def _engine_backend(engine_dir) -> str | None:
-    from pathlib import Path
-
-    from runtime.manifest import read_manifest
-
-    return read_manifest(Path(engine_dir), verify="skip").backend
-
-
-def _write_trtllm(args) -> int:
+def _write_trtllm(args, spec) -> int:
     """--backend trtllm: TensorRT-LLM's llmapi model layout, written here; it runs on a GPU
     host's tritonserver (a TensorRT-LLM container), not on this one."""
     from runtime.serve import repository
@@ -170,9 +165,8 @@ def _write_trtllm(args) -> int:
         raise UsageError("--backend trtllm writes the repository only: start tritonserver where "
                          "TensorRT-LLM runs (docs/trtllm.md)")
     try:
-        models = repository.write_trtllm_repository(args.engine_dir, args.model_repository, args.model_name,
-                                                    args.llmapi_model, args.streaming,
-                                                    verify="full" if args.verify else "quick")
+        models = repository.write_trtllm_repository(spec, args.model_repository, args.model_name,
+                                                    args.llmapi_model, args.streaming)
     except ValueError as exc:
         if type(exc) is ValueError:
             raise UsageError(str(exc)) from None
@@ -191,7 +185,7 @@ def _write_trtllm(args) -> int:
     return 0
 
 
-def _run(args, out, models, ports, install, result) -> int:
+def _run(args, spec, out, models, ports, install, result) -> int:
     from runtime.serve import server
 
     stop = threading.Event()
@@ -203,7 +197,7 @@ def _run(args, out, models, ports, install, result) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log = open(args.server_log, "a", buffering=1) if args.server_log else None
     srv = server.Server(out, models, ports, install, log=log, host=args.host, api_key=args.api_key,
-                        http_max_input=_http_max_input(args.engine_dir))
+                        http_max_input=_http_max_input(spec))
     frontend = None
     try:
         pid = srv.start()
@@ -218,7 +212,7 @@ def _run(args, out, models, ports, install, result) -> int:
         endpoints = srv.endpoints() | {"pid": pid} | result
         if args.openai_port is not None:
             try:
-                frontend = _start_openai(args, models, srv, result["max_new_tokens_limit"])
+                frontend = _start_openai(args, spec, models, srv, result["max_new_tokens_limit"])
             except RuntimeError as exc:
                 raise server.ServerError(str(exc)) from None
             endpoints["openai"] = frontend.url
@@ -252,27 +246,30 @@ def _run(args, out, models, ports, install, result) -> int:
             signal.signal(s, handler)
 
 
-def _http_max_input(engine_dir) -> int | None:
-    """The biggest HTTP body Triton need read for this engine: a prompt the context can
-    hold (protocol.prompt_byte_limit), each byte JSON-escaped at worst (\\u00XX: 6
-    bytes), plus room for the other fields. None where the context is not recorded."""
+def _http_max_input(engine) -> int | None:
+    """The biggest HTTP body Triton need read for this engine (its spec, or its directory:
+    open_spec): a prompt the context can hold (protocol.prompt_byte_limit), each byte
+    JSON-escaped at worst (\\u00XX: 6 bytes), plus room for the other fields. None where
+    the context is not recorded."""
     from runtime.engine import load_tokenizer
-    from runtime.manifest import read_manifest
+    from runtime.manifest import open_spec
     from runtime.serve.protocol import context_bound, prompt_byte_limit
 
-    manifest = read_manifest(engine_dir, verify="skip")
+    manifest = open_spec(engine, verify="skip")
     context = context_bound(manifest)
     if context is None:
         return None
     return 6 * prompt_byte_limit(load_tokenizer(manifest.target_dir), context) + 2**16
 
 
-def _start_openai(args, models, srv, limit):
+def _start_openai(args, spec, models, srv, limit):
+    from runtime.manifest import PLACEMENT
     from runtime.serve.openai_api import OpenAIServer, Settings
 
-    served_as = {k: getattr(args, k, None) for k in ("backend", "device", "dtype", "steps")}
+    # where the engine is served (Engine.placement's keys), for the measured default mode
+    served_as = {k: getattr(args, k, None) for k in PLACEMENT}
     host = f"[{srv.HOST}]" if ":" in srv.HOST else srv.HOST
-    settings = Settings(args.engine_dir, models[0], models[1], f"{host}:{srv.ports.grpc}", limit,
+    settings = Settings(spec, models[0], models[1], f"{host}:{srv.ports.grpc}", limit,
                         served_as, api_key=args.api_key)
     frontend = OpenAIServer(settings, args.openai_port, args.host)
     frontend.start()

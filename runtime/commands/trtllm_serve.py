@@ -19,9 +19,9 @@ def run(args) -> int:
     from plugins.trtllm import serve
     from plugins.trtllm.launch import LaunchError
     from runtime.cli import UsageError, progress
-    from runtime.manifest import read_manifest
+    from runtime.manifest import open_spec
 
-    try:
-        return serve.run(args, read_manifest(Path(args.engine_dir)), progress)
+    try:  # the spec opened once, here, and handed to the launcher
+        return serve.run(args, open_spec(Path(args.engine_dir)), progress)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None

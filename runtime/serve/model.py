@@ -43,9 +43,11 @@ class TritonPythonModel:
         self.protocol, self.TextStream = protocol, TextStream
         self.limit = int(params["max_new_tokens_limit"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        placement = {k: params[k] for k in ("device", "dtype", "steps", "prefill_dtype")
-                     if params.get(k)}
-        self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, placement)
+        from runtime.backends import OPTIONS
+
+        options = {k: params[k] for k in OPTIONS if params.get(k)}  # the loader's, as serve wrote them
+        # engine.json opened once in this process: by Engine (runtime.manifest.open_spec)
+        self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, options)
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         # prompts longer than this many bytes cannot fit the context: refused untokenized
         self.prompt_bytes = protocol.prompt_byte_limit(self.engine.tokenizer, self.engine.context_limit)

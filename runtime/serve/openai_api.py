@@ -235,12 +235,13 @@ class Settings:
     longest token for the prompts' byte bound), the limit, the modes, the API key, and
     where Triton listens."""
 
-    def __init__(self, engine_dir, model: str, stream_model: str, grpc_url: str,
+    def __init__(self, engine, model: str, stream_model: str, grpc_url: str,
                  max_new_tokens_limit: int, served_as: dict | None = None, api_key: str | None = None):
+        """engine: the spec serve opened (runtime.manifest.open_spec), or its directory."""
         from runtime.engine import load_tokenizer
-        from runtime.manifest import read_manifest
+        from runtime.manifest import open_spec
 
-        manifest = read_manifest(engine_dir, verify="skip")
+        manifest = open_spec(engine, verify="skip")
         self.tokenizer = load_tokenizer(manifest.target_dir)
         self.modes = served_modes(manifest)
         # served_as: serve's --backend/--device/--dtype/--steps (None: the build's)

@@ -188,13 +188,14 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     return request
 
 
-def load_engine(engine_dir: str, backend: str | None, placement: dict):
+def load_engine(engine_dir: str, backend: str | None, options: dict):
     """The served engine, loaded on a thread that ends with the load (runtime/openmp.py),
-    so the scheduler's thread, which decodes, holds the process's one OpenMP pool."""
+    so the scheduler's thread, which decodes, holds the process's one OpenMP pool.
+    `options`: the loader's (runtime.backends.OPTIONS: device, dtype, steps, prefill_dtype)."""
     from runtime.engine import Engine
     from runtime.openmp import in_own_thread
 
-    return in_own_thread(Engine, engine_dir, backend=backend, **placement)
+    return in_own_thread(Engine, engine_dir, backend=backend, **options)
 
 
 def longest_token_bytes(tokenizer) -> int:

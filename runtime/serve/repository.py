@@ -12,7 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
-from runtime.manifest import read_manifest
+from runtime.manifest import Manifest, open_spec
 from runtime.serve import protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ DEFAULT_PREFILL_CHUNK = 128
 def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, streaming: bool,
                  max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, placement: dict | None = None) -> str:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, options: dict | None = None) -> str:
     # Paths relative to the model's own directory (model.py resolves them against the
     # model_repository path Triton hands it), so a copied or moved checkout still serves.
     def relative(path: Path) -> str:
@@ -71,7 +71,7 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
               "prefill_chunk": str(prefill_chunk)}
     if backend:  # else the backend engine.json names
         params["backend"] = backend
-    params.update(placement or {})  # device / dtype / steps: Engine's, for the loader
+    params.update(options or {})  # the loader's options (runtime.backends.OPTIONS), for Engine
     text = [f'# Written by `python -m runtime serve`; regenerate rather than edit.\n'
             f'name: "{name}"\nbackend: "python"\n'
             # Triton hands execute() single requests; the model batches them itself, in
@@ -90,29 +90,30 @@ def config_pbtxt(name: str, model_dir: Path, engine_dir: Path, instances: int, s
 def write_model(out: Path, name: str, engine_dir: Path, instances: int, streaming: bool,
                 max_new_tokens_limit: int, threads: str = "auto", backend: str | None = None,
                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, placement: dict | None = None) -> Path:
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, options: dict | None = None) -> Path:
     model_dir = out / name
     if model_dir.exists():  # a previous run's model of the same name: replace it whole
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(
         config_pbtxt(name, model_dir, engine_dir, instances, streaming, max_new_tokens_limit, threads,
-                     backend, max_batch, max_queue, prefill_chunk, placement))
+                     backend, max_batch, max_queue, prefill_chunk, options))
     shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     return model_dir
 
 
-def write_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
+def write_repository(engine: str | Path | Manifest, out: str | Path, name: str | None = None,
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
                      threads: str = "auto", verify: str = "quick", backend: str | None = None,
                      max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                     placement: dict | None = None) -> list[str]:
-    """Write the model(s) for `engine_dir` into the repository `out`; returns their names.
-    `placement`: Engine's device / dtype / steps (the commands' --device, --dtype, --steps)."""
-    engine_dir = Path(engine_dir)
-    read_manifest(engine_dir, verify)  # refuse a missing or stale engine now, not at server start
+                     options: dict | None = None) -> list[str]:
+    """Write the model(s) for `engine` (its spec, or its directory: runtime.manifest.open_spec)
+    into the repository `out`; returns their names. `options`: the loader's
+    (runtime.backends.OPTIONS: the commands' --device, --dtype, --steps, --prefill-dtype)."""
+    # a missing or stale engine refused now, not at server start
+    engine_dir = Path(open_spec(engine, verify).dir)
     if instances < 1:
         raise ValueError(f"--instances must be >= 1, got {instances}")
     if max_new_tokens_limit < 1:
@@ -131,7 +132,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, name: str | None =
     names = [name] + ([name + STREAM_SUFFIX] if streaming else [])
     for n in names:
         write_model(out, n, engine_dir, instances, n != name, max_new_tokens_limit, threads, backend,
-                    max_batch, max_queue, prefill_chunk, placement)
+                    max_batch, max_queue, prefill_chunk, options)
     return names
 
 
@@ -179,18 +180,20 @@ def trtllm_config_pbtxt(name: str, llmapi_model: Path | None) -> str:
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n")
 
 
-def write_trtllm_repository(engine_dir: str | Path, out: str | Path, name: str | None = None,
+def write_trtllm_repository(engine: str | Path | Manifest, out: str | Path, name: str | None = None,
                             llmapi_model: str | Path | None = None, streaming: bool = False,
                             verify: str = "quick") -> list[str]:
     """<out>/<name>/{config.pbtxt, 1/model.py, 1/model.yaml, 1/sharpdraft.json}: TensorRT-LLM's
     llmapi Triton model layout. 1/model.py installs SharpDraft's hook, then defers to the
     stock llmapi model (copied into 1/llmapi/ from `llmapi_model`, TensorRT-LLM's
     triton_backend/all_models/llmapi/tensorrt_llm, or found at run time through
-    $SHARPDRAFT_LLMAPI_MODEL). model.yaml holds the engine's LLM() arguments."""
+    $SHARPDRAFT_LLMAPI_MODEL). model.yaml holds the engine's LLM() arguments; sharpdraft.json
+    what 1/model.py needs of the spec (the scaling, the drafter family), so that process
+    reads no engine.json. `engine`: its spec, or its directory (runtime.manifest.open_spec)."""
     from runtime import trtllm
 
-    engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir, verify)
+    manifest = open_spec(engine, verify)
+    engine_dir = Path(manifest.dir)
     if manifest.backend != "trtllm":
         raise ValueError(f"{engine_dir} was built for backend {manifest.backend!r}; --backend trtllm "
                          "serves engines built with build_engine.py --backend trtllm")
@@ -213,6 +216,7 @@ def write_trtllm_repository(engine_dir: str | Path, out: str | Path, name: str |
         "engine_dir": str(engine_dir.resolve()),
         "repo_root": os.path.relpath(REPO_ROOT, version.resolve()),
         "query_scaling": manifest.query_scaling.to_dict() if manifest.query_scaling else None,
+        "drafter": manifest.drafter,
     }, indent=2) + "\n")
     shutil.copyfile(TRTLLM_TEMPLATE, version / "model.py")
     if stock is not None:
