@@ -25,7 +25,7 @@ from plugins.scaling import PRESETS, QueryScaling
 from runtime.backends import BACKENDS
 from runtime import modes
 from runtime.cli import Parser, UsageError, progress, run
-from runtime.models.target import DTYPES
+from runtime.placement import DTYPES
 from runtime.ngram import NGramProposer
 from runtime.tree import TreeShape
 from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
