@@ -2,7 +2,7 @@
 tokenizer) from the longest evaluation-split stdlib files, one per file in turn and
 further into the file each round, written as AIPerf's single_turn JSONL ({"text": ...}).
 
-    python scripts/aiperf_prompts.py --engine-dir engines/dflash-sharpdraft --tokens 512 \
+    python -m scripts.aiperf_prompts --engine-dir engines/dflash-sharpdraft --tokens 512 \
         --count 8 --out /tmp/prompts-512.jsonl
 
 Decoding a window and encoding it again can move a boundary token, so each prompt is
@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.corpus import long_documents  # noqa: E402
-from runtime.engine import load_tokenizer  # noqa: E402
-from runtime.manifest import read_manifest  # noqa: E402
+from runtime.corpus import long_documents
+from runtime.engine import load_tokenizer
+from runtime.manifest import read_manifest
 
 
 def main(argv=None) -> int:

@@ -350,7 +350,7 @@ def backends_section(folder: Path) -> list[str]:
     name = "backends.json"
     data = load(folder, name)
     args = field(data, name, "args")
-    command = ("python scripts/bench_backends.py " + " ".join(f"--engine {e}" for e in args["engine"])
+    command = ("python -m scripts.bench_backends " + " ".join(f"--engine {e}" for e in args["engine"])
                + f" --contexts {' '.join(map(str, args['contexts']))} --modes {' '.join(args['modes'])}"
                + f" --new-tokens {args['new_tokens']} --repeats {args['repeats']}")
     body = [[r["context"], r["mode"], r["engine"], f"{r['tok_s_median']:.2f}",
