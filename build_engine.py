@@ -83,6 +83,14 @@ def parse(argv):
                         "block (a free drafter, a verify pass that costs the same at any "
                         "width), for builds that must not depend on this machine's speed, "
                         "such as the tests'; not with --backend auto")
+    p.add_argument("--default-mode", choices=("measure", "rule"), default="measure",
+                   help="measure (default): after the step costs, decode every mode the engine "
+                        "runs, one stream and batches of 4 and 8, and record the fastest as "
+                        "the mode requests that name none run (minutes on a CPU); rule: no "
+                        "such timing, they run the modes table's rule (SharpDraft where built "
+                        "with it; `python -m runtime default-mode` measures it later) -- what "
+                        "make demo builds, since the demo times every mode itself. "
+                        "--step-costs fixed implies rule")
     p.add_argument("--output", metavar="DIR")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
@@ -473,7 +481,7 @@ def main(argv) -> int:
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto",
                       fixed=args.step_costs == "fixed")
-        if args.step_costs == "measure":
+        if args.step_costs == "measure" and args.default_mode == "measure":
             measure_default_mode(out)
     backend = manifest.backend
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else
