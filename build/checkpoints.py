@@ -94,7 +94,7 @@ CALIBRATION_FILE = "sharpdraft.json"
 
 
 def calibrated_scaling(drafter_dir: Path) -> QueryScaling | None:
-    """The query scaling `python -m runtime calibrate --write-checkpoint` chose for this
+    """The query scaling `python -m build.calibrate --write-checkpoint` chose for this
     drafter, if it did: the honest default for a drafter whose training length differs
     from the one the paper's preset was tuned for."""
     path = Path(drafter_dir) / CALIBRATION_FILE

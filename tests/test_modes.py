@@ -7,6 +7,7 @@ import json
 import pytest
 
 from runtime import modes
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
@@ -190,6 +191,6 @@ def test_calibrate_refuses_an_engine_without_the_sharpdraft_mode_saying_why(tiny
     assert build_engine.main(["--drafter", "ngram", "--target", str(tiny_target), "--backend",
                               "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
     capsys.readouterr()
-    assert run(main, ["calibrate", "--engine-dir", str(out)]) == 2
+    assert run(calibrate_main, ["--engine-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nothing to calibrate" in err and "n-gram engine" in err
