@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 
+from runtime.commands.styles import STYLES
 from runtime.modes import SCALED as SCALED_MODES, Mode
 
 # the drafter frozen, and under each QueryScaling: (color, label) from the modes table
-MODES = {m: (m.color, m.label) for m in (Mode.FROZEN, *SCALED_MODES)}
+MODES = {m: (STYLES[m].color, STYLES[m].label) for m in (Mode.FROZEN, *SCALED_MODES)}
 RATIOS = SCALED_MODES
 
 

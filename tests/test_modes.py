@@ -165,11 +165,15 @@ def test_preset_runs_through_run_mode_on_torch(tiny_engine, capsys):
 
 def test_bench_rows_and_styles_come_from_the_table():
     from runtime.commands import bench
+    from runtime.commands.styles import STYLES
 
     drafting = [m for m in Mode if m != Mode.TARGET]
+    assert list(STYLES) == list(Mode)  # every mode drawn, in the table's order
     assert list(bench.STYLE) == drafting
-    assert bench.STYLE[Mode.FROZEN_HYBRID] == (Mode.FROZEN_HYBRID.color, Mode.FROZEN_HYBRID.label)
+    assert bench.STYLE[Mode.FROZEN_HYBRID] == STYLES[Mode.FROZEN_HYBRID][:2]
     assert len({color for color, _ in bench.STYLE.values()}) == len(drafting)  # tell lines apart
+    assert len({s.label for s in STYLES.values()}) == len({s.word for s in STYLES.values()}) == len(Mode)
+    assert not hasattr(Mode.FROZEN, "color")  # presentation lives with the commands that draw
     assert bench.SCALED_MODES == modes.SCALED
 
 
