@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 from build import checkpoints
-from runtime.manifest import (DRAFTERS, TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
+from runtime.manifest import (TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
                               engine_files, verify_files)
 from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
-from runtime.backends import BACKENDS
 from runtime import modes
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.placement import DTYPES
@@ -34,7 +33,7 @@ from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
+    p.add_argument("--drafter", choices=(*sorted(modes.FAMILIES), *TRTLLM_ONLY_DRAFTERS), default="dflash",
                    help="eagle3: the torch and onnxruntime backends (or --backend trtllm: "
                         "configuration for TensorRT-LLM)")
     p.add_argument("--sharpdraft", action="store_true",
@@ -58,7 +57,7 @@ def parse(argv):
     p.add_argument("--slope", type=float)
     p.add_argument("--max-log-scale", type=float)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+    p.add_argument("--backend", choices=("auto", *modes.BACKENDS), default="auto",
                    help="auto: tensorrt where it works, else the faster of torch and "
                         "onnxruntime, measured on this machine at build time; trtllm: "
                         "configuration for TensorRT-LLM's own speculative decoding (docs/trtllm.md)")
