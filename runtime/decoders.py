@@ -55,7 +55,7 @@ class Roles:
 def proposer(roles: Roles, mode: Mode, batched: bool) -> proposers.Proposer:
     """How the rows of a `mode` decoder draft."""
     if not mode.uses_drafter_model:
-        return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
+        return proposers.Lookup(roles.lookup) if mode.draft_source == modes.LOOKUP else proposers.NoDrafts()
     drafter = lambda: roles.drafter(mode)  # noqa: E731 -- one per row
     lookup = roles.lookup if mode.ngram_assist else None
     fused = batched and roles.batch_drafter is not None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from enum import StrEnum
 
-# What proposes drafts.
+# What proposes drafts (Mode.draft_source): none, the engine's drafter model, n-gram lookup.
+# ("drafter" alone is the object that drafts; what kind of checkpoint it is, its family: FAMILIES.)
 NO_DRAFTER, MODEL, LOOKUP = "none", "model", "ngram lookup"
 # How the drafter model attends to the context: unscaled over every key; unscaled over
 # the last `draft_window` keys (its training length); scaled by beta (a QueryScaling).
@@ -28,7 +29,7 @@ CALIBRATED, FAMILY_PRESET = "calibrated", "family preset"
 class Mode(StrEnum):
     """A decoding mode; its value is the name users type (`generate --mode NAME`)."""
 
-    # name, drafter, attention, scaling, n-gram assist, study (how results show a mode:
+    # name, draft source, attention, scaling, n-gram assist, study (how results show a mode:
     # runtime/commands/styles.py)
     TARGET = ("target", NO_DRAFTER, None, None, False, False)
     NGRAM = ("ngram", LOOKUP, None, None, False, False)
@@ -40,10 +41,10 @@ class Mode(StrEnum):
     FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False)
     WINDOW_HYBRID = ("window-hybrid", MODEL, WINDOWED, None, True, False)
 
-    def __new__(cls, name, drafter, attention, scaling, ngram_assist, study):
+    def __new__(cls, name, draft_source, attention, scaling, ngram_assist, study):
         mode = str.__new__(cls, name)
         mode._value_ = name
-        mode.drafter, mode.attention, mode.scaling = drafter, attention, scaling
+        mode.draft_source, mode.attention, mode.scaling = draft_source, attention, scaling
         mode.ngram_assist = ngram_assist
         # A comparison run only when asked (bench --modes preset): not an engine's
         # everyday mode, so not in Engine.modes, demo or serving.
@@ -53,7 +54,7 @@ class Mode(StrEnum):
     # -- predicates: what a mode needs of the engine -----------------------------------
     @property
     def uses_drafter_model(self) -> bool:
-        return self.drafter == MODEL
+        return self.draft_source == MODEL
 
     @property
     def scaled(self) -> bool:
@@ -73,14 +74,14 @@ class Mode(StrEnum):
 SCALED = tuple(m for m in Mode if m.scaled and not m.ngram_assist)
 
 
-def find(drafter: str, attention: str | None = None, ngram_assist: bool = False,
+def find(draft_source: str, attention: str | None = None, ngram_assist: bool = False,
          scaling: str | None = None) -> Mode | None:
     """The mode with these parts, or None (the table has no such combination)."""
     if attention == BETA and scaling is None:
         scaling = CALIBRATED
     for mode in Mode:
-        if (mode.drafter, mode.attention, mode.scaling, mode.ngram_assist) == (
-                drafter, attention, scaling, ngram_assist):
+        if (mode.draft_source, mode.attention, mode.scaling, mode.ngram_assist) == (
+                draft_source, attention, scaling, ngram_assist):
             return mode
     return None
 
@@ -164,10 +165,10 @@ def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
     (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
     QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
     can = BACKENDS[backend]
-    if can.own_loop and (mode.drafter == LOOKUP or mode.ngram_assist or mode.needs_window
+    if can.own_loop and (mode.draft_source == LOOKUP or mode.ngram_assist or mode.needs_window
                          or mode.swaps_scaling):
         return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
-    if mode.drafter == NO_DRAFTER or mode.drafter == LOOKUP:
+    if mode.draft_source in (NO_DRAFTER, LOOKUP):
         return None
     if style is None:
         return "it needs a drafter model and this is an n-gram engine"

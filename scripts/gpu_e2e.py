@@ -111,9 +111,9 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
     from runtime.ngram import NGramProposer
 
     m = modes.parse(mode)
-    if m.drafter == modes.NO_DRAFTER:
+    if m.draft_source == modes.NO_DRAFTER:
         proposer = proposers.NoDrafts()
-    elif m.drafter == modes.LOOKUP:
+    elif m.draft_source == modes.LOOKUP:
         proposer = proposers.Lookup(NGramProposer)
     else:
         drafter = make_drafter(drafter_model, target_model, scaling if m.scaled else None,

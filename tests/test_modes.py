@@ -39,7 +39,7 @@ def test_the_table_allows_exactly_these_modes(drafting, backend, scaled, window,
 def test_each_mode_is_one_distinct_combination_of_its_parts():
     assert len({m.value for m in Mode}) == len(Mode)
     for mode in Mode:
-        assert modes.find(mode.drafter, mode.attention, mode.ngram_assist, mode.scaling) is mode
+        assert modes.find(mode.draft_source, mode.attention, mode.ngram_assist, mode.scaling) is mode
     # the alias flags compose: the frozen drafter's attention swapped for the window
     assert modes.find(modes.MODEL, modes.WINDOWED, ngram_assist=True) is Mode.WINDOW_HYBRID
     assert modes.find(modes.LOOKUP, ngram_assist=True) is None  # lookup assisting lookup: none
