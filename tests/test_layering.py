@@ -160,6 +160,27 @@ def test_the_document_states_the_order_the_test_checks():
     assert "tests/test_layering.py" in text
 
 
+def test_the_command_line_offers_device_choices_without_loading_the_torch_backend():
+    """runtime/cli.py reads --device/--dtype/--steps/--prefill-dtype from names
+    (runtime/placement.py): building the commands' parsers imports no torch backend
+    (it imported runtime.compiled, and with it runtime.backends.pytorch, before)."""
+    probe = """
+import sys
+from runtime.__main__ import main
+for command in ("generate", "bench", "serve", "loadtest"):
+    try:
+        main([command, "--help"])
+    except SystemExit:
+        pass
+print(sorted(m for m in sys.modules if m.startswith(
+    ("runtime.compiled", "runtime.backends.pytorch", "runtime.backends.torch"))))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_engine_compares_no_backend_family_or_style_names():
     """Engine and the decoder factory look backends up in the loaders' registry and ask
     the table's predicates: no `== "torch"` / `!= "tree"` ladders (a new backend or device
