@@ -18,14 +18,13 @@ import sys
 from pathlib import Path
 
 from build import checkpoints
-from runtime.manifest import (DRAFTERS, TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
+from runtime.manifest import (TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
                               engine_files, verify_files)
 from plugins.onnx import ATTENTION_FORMS
 from plugins.scaling import PRESETS, QueryScaling
-from runtime.backends import BACKENDS
 from runtime import modes
 from runtime.cli import Parser, UsageError, progress, run
-from runtime.models.target import DTYPES
+from runtime.placement import DTYPES
 from runtime.ngram import NGramProposer
 from runtime.tree import TreeShape
 from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
@@ -34,7 +33,7 @@ from plugins.trtllm.pins import DFLASH_ATTENTION_BACKENDS as TRTLLM_ATTENTION
 
 def parse(argv):
     p = Parser(prog="build_engine.py", description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", choices=DRAFTERS + TRTLLM_ONLY_DRAFTERS, default="dflash",
+    p.add_argument("--drafter", choices=(*sorted(modes.FAMILIES), *TRTLLM_ONLY_DRAFTERS), default="dflash",
                    help="eagle3: the torch and onnxruntime backends (or --backend trtllm: "
                         "configuration for TensorRT-LLM)")
     p.add_argument("--sharpdraft", action="store_true",
@@ -58,7 +57,7 @@ def parse(argv):
     p.add_argument("--slope", type=float)
     p.add_argument("--max-log-scale", type=float)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+    p.add_argument("--backend", choices=("auto", *modes.BACKENDS), default="auto",
                    help="auto: tensorrt where it works, else the faster of torch and "
                         "onnxruntime, measured on this machine at build time; trtllm: "
                         "configuration for TensorRT-LLM's own speculative decoding (docs/trtllm.md)")
@@ -83,6 +82,14 @@ def parse(argv):
                         "block (a free drafter, a verify pass that costs the same at any "
                         "width), for builds that must not depend on this machine's speed, "
                         "such as the tests'; not with --backend auto")
+    p.add_argument("--default-mode", choices=("measure", "rule"), default="measure",
+                   help="measure (default): after the step costs, decode every mode the engine "
+                        "runs, one stream and batches of 4 and 8, and record the fastest as "
+                        "the mode requests that name none run (minutes on a CPU); rule: no "
+                        "such timing, they run the modes table's rule (SharpDraft where built "
+                        "with it; `python -m runtime default-mode` measures it later) -- what "
+                        "make demo builds, since the demo times every mode itself. "
+                        "--step-costs fixed implies rule")
     p.add_argument("--output", metavar="DIR")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
@@ -486,7 +493,7 @@ def main(argv) -> int:
     if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto",
                       fixed=args.step_costs == "fixed")
-        if args.step_costs == "measure":
+        if args.step_costs == "measure" and args.default_mode == "measure":
             measure_default_mode(out)
     backend = manifest.backend
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling else

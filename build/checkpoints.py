@@ -26,8 +26,8 @@ DEFAULT_DRAFTERS = {"dflash": REPO / "checkpoints" / "dflash-smollm2-135m",
                     "eagle3": REPO / "checkpoints" / "eagle3-smollm2-135m",
                     "pard": REPO / "checkpoints" / "pard-smollm2-135m"}
 # The recipe that trains each default drafter (named when its checkpoint is missing).
-RECIPES = {"dflash": "build/train_drafter.py", "eagle3": "build/train_eagle3.py",
-           "pard": "build/train_pard.py"}
+RECIPES = {"dflash": "build.train_drafter", "eagle3": "build.train_eagle3",
+           "pard": "build.train_pard"}
 
 
 def default_target_gguf() -> Path:
@@ -85,7 +85,7 @@ def drafter_checkpoint(kind: str, spec: str | Path | None) -> Path:
     if path is None:
         raise ModelError(f"no default {kind} checkpoint — pass --drafter-checkpoint DIR")
     if not path.is_dir():
-        hint = f" — train it with `python {RECIPES[kind]}`" if not spec and kind in RECIPES else ""
+        hint = f" — train it with `python -m {RECIPES[kind]}`" if not spec and kind in RECIPES else ""
         raise ModelError(f"drafter checkpoint {path} does not exist{hint}")
     return path.resolve()
 
@@ -94,7 +94,7 @@ CALIBRATION_FILE = "sharpdraft.json"
 
 
 def calibrated_scaling(drafter_dir: Path) -> QueryScaling | None:
-    """The query scaling `python -m runtime calibrate --write-checkpoint` chose for this
+    """The query scaling `python -m build.calibrate --write-checkpoint` chose for this
     drafter, if it did: the honest default for a drafter whose training length differs
     from the one the paper's preset was tuned for."""
     path = Path(drafter_dir) / CALIBRATION_FILE

@@ -95,6 +95,7 @@ def loss_summary(history: list[float]) -> tuple[list[float], float | None]:
     return every_tenth, last100
 
 
-def command_line(script: str) -> str:
-    """The command that made a checkpoint, for its card."""
-    return f"python build/{script} " + " ".join(sys.argv[1:])
+def command_line(module: str) -> str:
+    """The command that made a checkpoint, for its card (`module`: build/'s recipe, e.g.
+    train_drafter)."""
+    return f"python -m build.{module} " + " ".join(sys.argv[1:])

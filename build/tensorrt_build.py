@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 from plugins import plugin_spec
 from plugins.tensorrt import TensorRTUnavailable, import_tensorrt, register_plugin
-from runtime.models.target import DTYPES
+from runtime.placement import DTYPES
 
 
 Shape = Sequence[int]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Train our DFlash drafter for the default target (SmolLM2-135M-Instruct) on CPU.
 
-    python build/train_drafter.py            # ~40 min on 2 cores; resumable
-    python build/train_drafter.py --init checkpoint --init-checkpoint checkpoints/dflash-smollm2-135m \
+    python -m build.train_drafter            # ~40 min on 2 cores; resumable
+    python -m build.train_drafter --init checkpoint --init-checkpoint checkpoints/dflash-smollm2-135m \
         --tokens 1572864 --work .cache/train-dflash-warm     # continue the shipped drafter on more data
 
 1. Sequences: CPython stdlib sources of the *train* split (runtime/corpus.py), cut into
@@ -28,25 +28,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from build import checkpoints, recipe  # noqa: E402
-from runtime import corpus  # noqa: E402
-from runtime.cli import Parser, UsageError, progress, run  # noqa: E402
-from runtime.models.dflash import (DFlashConfig, DFlashDrafter, DraftHead, load_dflash,  # noqa: E402
+from build import checkpoints, recipe
+from runtime import corpus
+from runtime.cli import Parser, UsageError, progress, run
+from runtime.models.dflash import (DFlashConfig, DFlashDrafter, DraftHead, load_dflash,
                                    read_dflash_config, save_dflash)
-from runtime.models.target import load_target, sha256_file  # noqa: E402
-from runtime.sampling import target_ids  # noqa: E402
+from runtime.models.target import load_target, sha256_file
+from runtime.sampling import target_ids
 
 TOP = 32  # target candidates kept per position
 
 
 def parse(argv):
-    p = Parser(prog="build/train_drafter.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m build.train_drafter", description=__doc__.splitlines()[0])
     recipe.add_target_and_out(p, "dflash")
     p.add_argument("--work", default=".cache/train-dflash", help="cache + resumable state")
     p.add_argument("--tokens", type=int, default=393_216, help="training tokens to cache")
@@ -507,7 +505,7 @@ def write_card(out: Path, args, config, source, windows_used, history, metrics, 
             "loss_every_tenth": losses, "final_loss_last100": last100,
             "held_out": metrics, "wall_seconds_this_run": round(seconds), "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
-    command = recipe.command_line("train_drafter.py")
+    command = recipe.command_line("train_drafter")
     continued = ("" if args.data == "text" else
                  f"; each window this run cached is the first {args.prompt_len} tokens of a text "
                  f"window, then the target's own greedy continuation (`--data continuations`)")

@@ -2,7 +2,7 @@
 """Train an EAGLE-3 drafter for the default target (SmolLM2-135M-Instruct) on CPU, from
 the target states build/train_drafter.py already cached.
 
-    python build/train_eagle3.py --cache .cache/train-dflash     # resumable (state in --work)
+    python -m build.train_eagle3 --cache .cache/train-dflash     # resumable (state in --work)
 
 1. Data: train_drafter.py's shards -- 512-token windows of the stdlib *train* split, the
    target's hidden states at layers [1, 7, 14, 20, 27] (outputs, TargetModel's
@@ -29,20 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from build import checkpoints, recipe  # noqa: E402
-from plugins.attention import sharpdraft_attention  # noqa: E402
-from runtime.cli import Parser, progress, run  # noqa: E402
-from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3  # noqa: E402
-from runtime.models.target import load_target  # noqa: E402
+from build import checkpoints, recipe
+from plugins.attention import sharpdraft_attention
+from runtime.cli import Parser, progress, run
+from runtime.models.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3
+from runtime.models.target import load_target
 
 
 def parse(argv):
-    p = Parser(prog="build/train_eagle3.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m build.train_eagle3", description=__doc__.splitlines()[0])
     recipe.add_target_and_out(p, "eagle3")
     p.add_argument("--cache", default=".cache/train-dflash",
                    help="train_drafter.py's cached target states (shard-*.pt, held-out.pt, meta.json)")
@@ -71,7 +69,7 @@ def read_cache(cache: Path, source: dict, max_windows: int | None):
     """The shards, checked against the target they were cached for."""
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
-        raise ValueError(f"{cache} has no meta.json — run build/train_drafter.py first (it caches the states)")
+        raise ValueError(f"{cache} has no meta.json — run python -m build.train_drafter first (it caches the states)")
     meta = json.loads(meta_path.read_text())
     cached = str(meta.get("target"))
     # A GGUF's digest, or a directory build/checkpoints.py converted it into (named for it)
@@ -81,7 +79,7 @@ def read_cache(cache: Path, source: dict, max_windows: int | None):
         raise ValueError(f"{cache} caches states of another target ({cached[:16]}…); pass its --target")
     shards = sorted(cache.glob("shard-*.pt"))
     if not shards or not (cache / "held-out.pt").is_file():
-        raise ValueError(f"{cache} has no shard-*.pt or held-out.pt — run build/train_drafter.py first")
+        raise ValueError(f"{cache} has no shard-*.pt or held-out.pt — run python -m build.train_drafter first")
     parts = [torch.load(p) for p in shards]
     train = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     if max_windows:
@@ -309,7 +307,7 @@ def write_card(out: Path, args, config, source, windows, history, metrics, secon
             "final_loss_last100": last, "held_out": metrics, "wall_seconds_this_run": round(seconds),
             "bytes": size}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
-    command = recipe.command_line("train_eagle3.py")
+    command = recipe.command_line("train_eagle3")
     held = metrics["held_out_calibration_split"]
     (out / "README.md").write_text(f"""# EAGLE-3 drafter for SmolLM2-135M-Instruct (trained here, on CPU)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train our PARD drafter for the default target (SmolLM2-135M-Instruct) on CPU.
 
-    python build/train_pard.py --cache .cache/train-dflash      # resumable; --steps to size it
+    python -m build.train_pard --cache .cache/train-dflash      # resumable; --steps to size it
 
 PARD (AMD-AGI/PARD) is a small causal LM that drafts K tokens in one pass: the tokens to
 feed, then K-1 copies of a mask token (`pard_token`); the last K rows' logits are the
@@ -38,19 +38,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from build import checkpoints, recipe  # noqa: E402
-from runtime.cli import Parser, UsageError, progress, run  # noqa: E402
-from runtime.models.pard import PARDConfig, PARDDrafter, save_pard  # noqa: E402
-from runtime.models.target import load_target  # noqa: E402
+from build import checkpoints, recipe
+from runtime.cli import Parser, UsageError, progress, run
+from runtime.models.pard import PARDConfig, PARDDrafter, save_pard
+from runtime.models.target import load_target
 
 
 def parse(argv):
-    p = Parser(prog="build/train_pard.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m build.train_pard", description=__doc__.splitlines()[0])
     recipe.add_target_and_out(p, "pard")
     p.add_argument("--cache", default=".cache/train-dflash",
                    help="the DFlash recipe's work dir: shard-*.pt and held-out.pt")
@@ -81,7 +79,7 @@ def load_cache(cache: Path) -> tuple[dict, dict, list[str]]:
     shards = sorted(cache.glob("shard-*.pt"))
     held_out = cache / "held-out.pt"
     if not shards or not held_out.is_file():
-        raise UsageError(f"{cache} holds no shard-*.pt and held-out.pt — run build/train_drafter.py "
+        raise UsageError(f"{cache} holds no shard-*.pt and held-out.pt — run python -m build.train_drafter "
                          "(it caches them under its --work) or pass --cache DIR")
 
     def read(paths):
@@ -286,7 +284,7 @@ def write_card(out: Path, args, config, source, cache, shard_names, windows, seq
                evaluations, metrics, seconds, steps_done):
     losses, last100 = recipe.loss_summary(history)
     size = (out / "model.safetensors").stat().st_size
-    command = recipe.command_line("train_pard.py")
+    command = recipe.command_line("train_pard")
     held = metrics["held_out_calibration_split"]
     card = {"target": source, "data": {"cache": str(cache), "shards": shard_names, "windows": windows,
                                        "tokens": windows * seq_len, "split": "train (runtime/corpus.py)",

@@ -144,7 +144,7 @@ class QueryScaling:
 
 # The paper's primary DFlash settings; PARD uses a longer reference count. EAGLE-3's
 # count is not given by the paper (it asks to re-validate per drafter): 2048 is its
-# usual training length, and `python -m runtime calibrate` is the way to set it.
+# usual training length, and `python -m build.calibrate` is the way to set it.
 PRESETS: dict[str, QueryScaling] = {
     "dflash": QueryScaling(ref_keys=2048),
     "pard": QueryScaling(ref_keys=8192),

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from runtime.commands import (bench, calibrate, default_mode, demo, diagnose, generate, loadtest, overhead,
-                              report, serve, trtllm_serve)
+from runtime.commands import (bench, default_mode, demo, diagnose, generate, loadtest, overhead, report,
+                              serve, trtllm_serve)
 from runtime.cli import Parser, run
 
-COMMANDS = {"generate": generate, "bench": bench, "calibrate": calibrate,
-            "default-mode": default_mode, "diagnose": diagnose,
+COMMANDS = {"generate": generate, "bench": bench, "default-mode": default_mode, "diagnose": diagnose,
             "demo": demo, "overhead": overhead, "serve": serve, "loadtest": loadtest,
             "trtllm-serve": trtllm_serve, "report": report}
 

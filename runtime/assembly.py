@@ -69,7 +69,7 @@ def proposer(roles: Roles, mode: Mode, setting: DraftSetting) -> proposers.Propo
     """How the rows of a `mode` decoder draft, under its drafting `setting`: on the batch
     drafter wherever the roles give one (a run on one given target too: a batch of one)."""
     if not mode.uses_drafter_model:
-        return proposers.Lookup(roles.lookup) if mode.drafter == modes.LOOKUP else proposers.NoDrafts()
+        return proposers.Lookup(roles.lookup) if mode.draft_source == modes.LOOKUP else proposers.NoDrafts()
     drafter = lambda: roles.drafter(setting)  # noqa: E731 -- one per row
     lookup = roles.lookup if setting.ngram_assist else None
     fused = roles.batch_drafter is not None and setting.fused

@@ -28,14 +28,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_device_options(p) -> None:
-    """--device, --dtype, --steps: where and how the torch backend runs an engine
-    (runtime/backends: the registry's choices); --prefill-dtype: the onnxruntime backend's prefill
-    (runtime/backends/bf16_prefill.py). Engine passes them to the backend's loader."""
-    from runtime.backends import DEVICES, PREFILL_DTYPES, STEPS, TORCH_DTYPES as DTYPES
+    """--device, --dtype, --steps: where and how the torch backend runs an engine;
+    --prefill-dtype: the onnxruntime backend's prefill. The choices are names
+    (runtime/placement.py), so a command's parser loads no backend; Engine passes the
+    values to the backend's loader."""
+    from runtime.placement import DEVICES, DTYPES, PREFILL_DTYPES, STEPS
 
     p.add_argument("--device", choices=DEVICES,
                    help="torch backend: run target and drafter on this device (default cpu)")
-    p.add_argument("--dtype", choices=[d for d in DTYPES if d != "float64"],
+    p.add_argument("--dtype", choices=DTYPES,
                    help="torch backend: weights and KV caches in this dtype (default: engine.json's)")
     p.add_argument("--steps", choices=STEPS,
                    help="torch backend: compiled fixed-shape decode, verify and DFlash steps "

@@ -2,8 +2,9 @@
 engine's model, n-gram lookup), how the drafter attends (frozen, a draft window, or beta
 with the calibrated or the family-preset QueryScaling) and whether n-gram lookup assists
 it -- plus what each drafter family drafts and what each backend can run. The engine,
-build_engine.py's refusals, the CLI flags, bench's rows and plots and the serving
-protocol read this table; nothing else spells a mode's name. Pure Python (no torch), so
+build_engine.py's refusals, the CLI flags, bench's rows and the serving protocol read
+this table; nothing else spells a mode's name. How results draw and label a mode is
+presentation, kept with the commands that draw (runtime/commands/styles.py). Pure Python (no torch), so
 the build and the served model's protocol import it cheaply.
 
 The anchor is TensorRT-LLM's SpeculativeDecodingMode: one enum, its rules as predicates.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from enum import StrEnum
 
-# What proposes drafts.
+# What proposes drafts (Mode.draft_source): none, the engine's drafter model, n-gram lookup.
+# ("drafter" alone is the object that drafts; what kind of checkpoint it is, its family: FAMILIES.)
 NO_DRAFTER, MODEL, LOOKUP = "none", "model", "ngram lookup"
 # How the drafter model attends to the context: unscaled over every key; unscaled over
 # the last `draft_window` keys (its training length); scaled by beta (a QueryScaling).
@@ -27,29 +29,23 @@ CALIBRATED, FAMILY_PRESET = "calibrated", "family preset"
 class Mode(StrEnum):
     """A decoding mode; its value is the name users type (`generate --mode NAME`)."""
 
-    # name, drafter, attention, scaling, n-gram assist, study, plot color, plot label,
-    # the word a results table heads its column with
-    TARGET = ("target", NO_DRAFTER, None, None, False, False, "black", "target-only", "target-only")
-    NGRAM = ("ngram", LOOKUP, None, None, False, False, "tab:green", "n-gram lookup", "n-gram")
-    FROZEN = ("frozen", MODEL, UNSCALED, None, False, False, "tab:gray", "frozen drafter", "frozen")
-    WINDOW = ("window", MODEL, WINDOWED, None, False, False, "tab:brown", "frozen, draft window",
-              "window")
-    PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True, "tab:orange",
-              "SharpDraft, family preset", "preset")
-    SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False, "tab:blue", "SharpDraft",
-                  "SharpDraft")
-    HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False, "tab:purple", "SharpDraft + n-gram",
-              "SharpDraft + n-gram")
-    FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False, "tab:olive",
-                     "frozen + n-gram", "frozen + n-gram")
-    WINDOW_HYBRID = ("window-hybrid", MODEL, WINDOWED, None, True, False, "tab:pink",
-                     "draft window + n-gram", "window + n-gram")
+    # name, draft source, attention, scaling, n-gram assist, study (how results show a mode:
+    # runtime/commands/styles.py)
+    TARGET = ("target", NO_DRAFTER, None, None, False, False)
+    NGRAM = ("ngram", LOOKUP, None, None, False, False)
+    FROZEN = ("frozen", MODEL, UNSCALED, None, False, False)
+    WINDOW = ("window", MODEL, WINDOWED, None, False, False)
+    PRESET = ("preset", MODEL, BETA, FAMILY_PRESET, False, True)
+    SHARPDRAFT = ("sharpdraft", MODEL, BETA, CALIBRATED, False, False)
+    HYBRID = ("hybrid", MODEL, BETA, CALIBRATED, True, False)
+    FROZEN_HYBRID = ("frozen-hybrid", MODEL, UNSCALED, None, True, False)
+    WINDOW_HYBRID = ("window-hybrid", MODEL, WINDOWED, None, True, False)
 
-    def __new__(cls, name, drafter, attention, scaling, ngram_assist, study, color, label, word):
+    def __new__(cls, name, draft_source, attention, scaling, ngram_assist, study):
         mode = str.__new__(cls, name)
         mode._value_ = name
-        mode.drafter, mode.attention, mode.scaling = drafter, attention, scaling
-        mode.ngram_assist, mode.color, mode.label, mode.word = ngram_assist, color, label, word
+        mode.draft_source, mode.attention, mode.scaling = draft_source, attention, scaling
+        mode.ngram_assist = ngram_assist
         # A comparison run only when asked (bench --modes preset): not an engine's
         # everyday mode, so not in Engine.modes, demo or serving.
         mode.study = study
@@ -58,7 +54,7 @@ class Mode(StrEnum):
     # -- predicates: what a mode needs of the engine -----------------------------------
     @property
     def uses_drafter_model(self) -> bool:
-        return self.drafter == MODEL
+        return self.draft_source == MODEL
 
     @property
     def scaled(self) -> bool:
@@ -78,14 +74,14 @@ class Mode(StrEnum):
 SCALED = tuple(m for m in Mode if m.scaled and not m.ngram_assist)
 
 
-def find(drafter: str, attention: str | None = None, ngram_assist: bool = False,
+def find(draft_source: str, attention: str | None = None, ngram_assist: bool = False,
          scaling: str | None = None) -> Mode | None:
     """The mode with these parts, or None (the table has no such combination)."""
     if attention == BETA and scaling is None:
         scaling = CALIBRATED
     for mode in Mode:
-        if (mode.drafter, mode.attention, mode.scaling, mode.ngram_assist) == (
-                drafter, attention, scaling, ngram_assist):
+        if (mode.draft_source, mode.attention, mode.scaling, mode.ngram_assist) == (
+                draft_source, attention, scaling, ngram_assist):
             return mode
     return None
 
@@ -169,10 +165,10 @@ def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
     (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
     QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
     can = BACKENDS[backend]
-    if can.own_loop and (mode.drafter == LOOKUP or mode.ngram_assist or mode.needs_window
+    if can.own_loop and (mode.draft_source == LOOKUP or mode.ngram_assist or mode.needs_window
                          or mode.swaps_scaling):
         return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
-    if mode.drafter == NO_DRAFTER or mode.drafter == LOOKUP:
+    if mode.draft_source in (NO_DRAFTER, LOOKUP):
         return None
     if style is None:
         return "it needs a drafter model and this is an n-gram engine"

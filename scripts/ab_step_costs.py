@@ -6,7 +6,7 @@ then target-only and each mode under each table, interleaved (the order alternat
 repeat); every run must be token-identical to target-only. Prints, per context, mode
 and table, the median speed-up over target-only of the same round and the mean MAL.
 
-    python scripts/ab_step_costs.py --engine-dir engines/dflash-sharpdraft \
+    python -m scripts.ab_step_costs --engine-dir engines/dflash-sharpdraft \
         --costs-from old-engine.json --lengths 512 4096 7680
 """
 
@@ -18,9 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.modes import Mode  # noqa: E402
+from runtime.modes import Mode
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 tokenizer) from the longest evaluation-split stdlib files, one per file in turn and
 further into the file each round, written as AIPerf's single_turn JSONL ({"text": ...}).
 
-    python scripts/aiperf_prompts.py --engine-dir engines/dflash-sharpdraft --tokens 512 \
+    python -m scripts.aiperf_prompts --engine-dir engines/dflash-sharpdraft --tokens 512 \
         --count 8 --out /tmp/prompts-512.jsonl
 
 Decoding a window and encoding it again can move a boundary token, so each prompt is
@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.corpus import long_documents  # noqa: E402
-from runtime.engine import load_tokenizer  # noqa: E402
-from runtime.manifest import read_manifest  # noqa: E402
+from runtime.corpus import long_documents
+from runtime.engine import load_tokenizer
+from runtime.manifest import open_spec
 
 
 def main(argv=None) -> int:
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    tokenizer = load_tokenizer(read_manifest(Path(args.engine_dir)).target_dir)
+    tokenizer = load_tokenizer(open_spec(Path(args.engine_dir)).target_dir)
     docs = [tokenizer(path.read_text(), add_special_tokens=False).input_ids
             for path in long_documents("eval", 4 * args.tokens)[:args.count]]
     docs = [ids for ids in docs if len(ids) >= args.tokens]

@@ -78,7 +78,7 @@ for mode in $MODES; do
   for isl in $ISL; do
     if [ -n "$EVAL_ENGINE" ]; then
       prompts="$OUT/prompts-$isl.jsonl"
-      [ -f "$prompts" ] || "$ROOT/.venv/bin/python" "$ROOT/scripts/aiperf_prompts.py" \
+      [ -f "$prompts" ] || PYTHONPATH="$ROOT" "$ROOT/.venv/bin/python" -m scripts.aiperf_prompts \
         --engine-dir "$EVAL_ENGINE" --tokens "$isl" --count "$REQUESTS" --out "$prompts"
       inputs=(--input-file "$prompts" --custom-dataset-type single_turn)
     elif [ -n "$INPUT_FILE" ]; then

@@ -3,7 +3,7 @@
 context (runtime.backends.PrefillOnce), then greedy runs interleaved across engines,
 median tok/s (prefill excluded) of --repeats runs each.
 
-    python scripts/bench_backends.py --engine torch=engines/torch \
+    python -m scripts.bench_backends --engine torch=engines/torch \
         --engine ort=engines/ort --contexts 512 4096 7680 --modes target
 
 An engine is NAME=DIR, or NAME=DIR@BACKEND to run an engine directory on another
@@ -19,11 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.commands.provenance import provenance  # noqa: E402
-from runtime.engine import run_mode  # noqa: E402
-from runtime.modes import Mode  # noqa: E402
+from runtime.commands.provenance import provenance
+from runtime.engine import run_mode
+from runtime.modes import Mode
 
 
 def main(argv=None) -> int:
@@ -81,7 +80,7 @@ def main(argv=None) -> int:
                       f"{row['tok_s_median']:6.2f} tok/s  runs {row['tok_s_runs']}  "
                       f"same tokens: {row['same_tokens_as_first']}", flush=True)
     if args.json:
-        line = shlex.join(["python", "scripts/bench_backends.py", *(sys.argv[1:] if argv is None else argv)])
+        line = shlex.join(["python", "-m", "scripts.bench_backends", *(sys.argv[1:] if argv is None else argv)])
         Path(args.json).write_text(json.dumps({**provenance("bench_backends", line), "args": vars(args),
                                                "rows": rows}, indent=2) + "\n")
     return 0

@@ -23,6 +23,6 @@ for F in ${FAMILIES:-pard eagle3 dflash}; do
   mv "$OUT.tmp" "$OUT"
 done
 for F in dflash pard eagle3; do [ -f results/families-$F.json ] || exit 0; done
-$PY scripts/plot_families.py results/families-{dflash,pard,eagle3}.json --plot results/families.png \
+$PY -m scripts.plot_families results/families-{dflash,pard,eagle3}.json --plot results/families.png \
     > results/families.md
 cat results/families.md

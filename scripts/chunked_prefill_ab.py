@@ -28,7 +28,7 @@ features) and one decode step at the concurrency, and the join's last part on it
 (the rows join, the first token): the same turns on an otherwise idle process, which run
 faster than in the loaded server. Run it on an idle machine:
 
-    python scripts/chunked_prefill_ab.py --engine-dir engines/dflash-sharpdraft \
+    python -m scripts.chunked_prefill_ab --engine-dir engines/dflash-sharpdraft \
         --mode sharpdraft --tokens 4096 --concurrency 4 --requests 8 --max-new-tokens 64 \
         --chunk 256 --bound --out results/chunked-prefill-ab.json
 
@@ -50,11 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from runtime.serve.repository import DEFAULT_PREFILL_CHUNK  # noqa: E402
+from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
 
 def start_server(args, chunk: int, work: Path):
@@ -257,14 +253,14 @@ def main(argv=None) -> int:
         if args.prompts_file:
             path = Path(args.prompts_file)
         else:
-            import aiperf_prompts
+            from scripts import aiperf_prompts
 
             path = work / "prompts.jsonl"
             if aiperf_prompts.main(["--engine-dir", args.engine_dir, "--tokens", str(args.tokens),
                                     "--count", str(args.requests), "--out", str(path)]):
                 return 1
         prompts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-        report = {"command": "python scripts/chunked_prefill_ab.py " + " ".join(
+        report = {"command": "python -m scripts.chunked_prefill_ab " + " ".join(
                       argv if argv is not None else sys.argv[1:]),
                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "commit": code_commit(),

@@ -1,14 +1,14 @@
 """Every decoding mode's tokens on tiny engines, to a JSON file: run it on two commits and
 compare the files (`cmp` or `diff`) to show a refactor left outputs unchanged.
 
-The engines are built by build_engine.py itself over tests/tiny.py's seeded checkpoints
-(DFlash on torch and on onnxruntime with a draft window, PARD, EAGLE-3 trees and chains,
-n-gram), with fixed step costs so that no timing reaches a decision. For each engine, each
+The engines are built by build_engine.py itself over scripts/tiny_checkpoints.py's seeded
+checkpoints (DFlash on torch and on onnxruntime with a draft window, PARD, EAGLE-3 trees
+and chains, n-gram), with fixed step costs so that no timing reaches a decision. For each engine, each
 mode it runs (the preset study mode too) decodes one prompt greedily and with seeded
 sampling, alone and, where the backend batches, as a batch of two requests. A mode that
 refuses (a tree asked to sample) records its one-line refusal instead of tokens.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_outputs.py --output /tmp/new.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m scripts.compare_outputs --output /tmp/new.json
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
@@ -43,7 +39,7 @@ def build(argv: list[str]) -> None:
 
 def engines(root: Path) -> dict[str, Path]:
     """The engines compared, built under `root`."""
-    import tiny
+    from scripts import tiny_checkpoints as tiny
 
     target = tiny.make_target(root / "target")
     long_target = tiny.make_target(root / "long-target", context=4096)

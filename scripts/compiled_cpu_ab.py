@@ -4,7 +4,7 @@ the eager torch roles and ONNX Runtime's? Median milliseconds of the target's 1-
 decode step and of a block-wide verify step, after a prompt of --context tokens, the
 three backends alternating step by step so machine load hits them alike.
 
-    python scripts/compiled_cpu_ab.py --target DIR [--engine-dir ORT_ENGINE] [--context 1024]
+    python -m scripts.compiled_cpu_ab --target DIR [--engine-dir ORT_ENGINE] [--context 1024]
 
 --engine-dir: an onnxruntime engine over the same target (build_engine.py --backend
 onnxruntime); without it the ONNX Runtime column is left out. One JSON object on stdout,
@@ -22,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="compiled_cpu_ab.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.compiled_cpu_ab", description=__doc__.splitlines()[0])
     p.add_argument("--target", metavar="DIR", help="transformers directory (default: the default target)")
     p.add_argument("--engine-dir", metavar="DIR", help="an onnxruntime engine over the same target")
     p.add_argument("--context", type=int, default=1024)
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
                 role.verify([1] * width)
                 times[name, width].append((time.perf_counter() - start) * 1e3)
                 role.rollback(args.context)
-    result = {"command": " ".join(["scripts/compiled_cpu_ab.py"] + (argv or sys.argv[1:])),
+    result = {"command": " ".join(["python -m scripts.compiled_cpu_ab"] + (argv or sys.argv[1:])),
               "load_average": os.getloadavg(), "threads": torch.get_num_threads(),
               "context": args.context,
               "median_ms": {f"{name}, {w} token(s)": round(statistics.median(v), 2)

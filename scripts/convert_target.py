@@ -3,8 +3,8 @@
 one per transfer to a machine without the `gguf` package (the GPU machine: one transfer
 holds 64 MiB; the GGUF alone is 98 MB).
 
-    python scripts/convert_target.py --out engines/gpu/smollm2-135m-fp16   # default target
-    python scripts/convert_target.py --target DIR_OR_GGUF --out DIR --dtype float16 --shard-mb 60
+    python -m scripts.convert_target --out engines/gpu/smollm2-135m-fp16   # default target
+    python -m scripts.convert_target --target DIR_OR_GGUF --out DIR --dtype float16 --shard-mb 60
 
 Writes config.json, the tokenizer, model-0000N-of-0000M.safetensors shards (each at most
 --shard-mb) and their index, then prints one line per shard with its size (the default
@@ -19,13 +19,11 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-DTYPES = ("float16", "bfloat16", "float32")
+from runtime.placement import DTYPES
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="convert_target.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.convert_target", description=__doc__.splitlines()[0])
     p.add_argument("--target", metavar="PATH", help="transformers directory or .gguf (default: "
                    "the default target, SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--out", required=True, metavar="DIR")

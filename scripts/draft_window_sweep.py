@@ -6,7 +6,7 @@ every way drafts at every one of them (runtime/acceptance.py). A window W lets a
 rows see the block and the last W context keys only (runtime/models/layers.py:
 window_mask); the window mode runs the frozen drafter under the engine's recorded window.
 
-    python scripts/draft_window_sweep.py --engine-dir engines/sd-torch --windows 384 512 768 1024 \
+    python -m scripts.draft_window_sweep --engine-dir engines/sd-torch --windows 384 512 768 1024 \
         --lengths 4096 7680 --json results/draft-window-sweep.json
 
 Torch backend (the drafter's window is a runtime argument there). Prints one line per
@@ -22,16 +22,15 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.acceptance import committed_per_anchor, greedy_continuation  # noqa: E402
-from runtime.backends.pytorch import TorchDFlash  # noqa: E402
-from runtime.cli import UsageError  # noqa: E402
-from runtime.commands.documents import default_documents, tokenized  # noqa: E402
-from runtime.commands.provenance import provenance  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.manifest import EngineError  # noqa: E402
-from runtime.modes import Mode  # noqa: E402
+from runtime.acceptance import committed_per_anchor, greedy_continuation
+from runtime.backends.pytorch import TorchDFlash
+from runtime.cli import UsageError
+from runtime.commands.documents import default_documents, tokenized
+from runtime.commands.provenance import provenance
+from runtime.engine import Engine
+from runtime.manifest import EngineError
+from runtime.modes import Mode
 
 
 def main(argv=None) -> int:
@@ -81,7 +80,7 @@ def main(argv=None) -> int:
     for way, per in means.items():
         print(f"{way:>24}: " + "  ".join(f"{n}: {m:.3f}" for n, m in per.items()))
     if args.json:
-        line = shlex.join(["python", "scripts/draft_window_sweep.py",
+        line = shlex.join(["python", "-m", "scripts.draft_window_sweep",
                            *(sys.argv[1:] if argv is None else argv)])
         Path(args.json).write_text(json.dumps({
             **provenance("draft_window_sweep", line), "engine": args.engine_dir, "documents": [name for name, _ in docs],

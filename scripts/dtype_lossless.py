@@ -4,7 +4,7 @@ flight through the serving scheduler (scripts/load_bound.py's two ways, chunked 
 as served), each compared token for token with target-only one at a time in that same
 configuration. One process, configurations run one after another.
 
-    python scripts/dtype_lossless.py --engine-dir engines/dflash-sharpdraft \\
+    python -m scripts.dtype_lossless --engine-dir engines/dflash-sharpdraft \\
         --prompts-file results/loadtest-mixed/prompts.jsonl \\
         --config onnxruntime:float32 torch:float32 torch:bfloat16 \\
         --out results/lossless-dtype.json
@@ -24,27 +24,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
-from runtime.models.target import DTYPES  # noqa: E402
-from runtime.modes import BACKENDS, Mode  # noqa: E402
-from runtime.openmp import in_own_thread  # noqa: E402
+from runtime.placement import DTYPES, PREFILL_DTYPES
+from runtime.modes import BACKENDS, Mode
+from runtime.openmp import in_own_thread
 
 
 def load_bound():
-    spec = importlib.util.spec_from_file_location("load_bound", ROOT / "scripts" / "load_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts import load_bound
+
+    return load_bound
 
 
 def differences(reference: list[list[int]], outputs: list[list[int]]) -> list[dict]:
@@ -145,7 +139,7 @@ def main(argv=None) -> int:
     lossless = all(not any(m["alone"] or m[f"c{args.concurrency}"] or m["errors"]
                            for m in r["modes"].values()) for r in results)
     report = {
-        "command": "python scripts/dtype_lossless.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m scripts.dtype_lossless " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": code_commit(),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),

@@ -24,8 +24,8 @@ What makes a row a measurement:
 The target is read from a transformers directory: --target, else the one scripts/
 gpu_target.py converted (build.checkpoints.prepare_target, with the carried wheels on
 PYTHONPATH); without one the real-target part is "not run" with the reason. In smoke
-mode (SHARPDRAFT_SMOKE=1: the rehearsal, CPU) a tiny random pair (tests/tiny.py, loaded
-by path) runs every row through the same code at small contexts.
+mode (SHARPDRAFT_SMOKE=1: the rehearsal, CPU) a tiny random pair (scripts/tiny_checkpoints.py)
+runs every row through the same code at small contexts.
 
     python -m scripts.gpu_e2e --out DIR [--target DIR] [--steps cudagraph|inductor]
 
@@ -43,7 +43,6 @@ if __name__ == "__main__" and not __package__:  # run as a file: the imports nee
 
 import functools
 import hashlib
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -127,9 +126,9 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
     from runtime.ngram import NGramProposer
 
     m = modes.parse(mode)
-    if m.drafter == modes.NO_DRAFTER:
+    if m.draft_source == modes.NO_DRAFTER:
         proposer = proposers.NoDrafts()
-    elif m.drafter == modes.LOOKUP:
+    elif m.draft_source == modes.LOOKUP:
         proposer = proposers.Lookup(NGramProposer)
     else:
         drafter = make_drafter(drafter_model, target_model, scaling if m.scaled else None,
@@ -335,17 +334,11 @@ def find_target(target) -> tuple[Path | None, str | None]:
     return prepare_target(None, progress=log)[0], None
 
 
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def tiny_pair(workdir: Path, context: int) -> tuple[Path, Path]:
-    """The smoke mode's target and DFlash drafter (tests/tiny.py: random weights, a small
+    """The smoke mode's target and DFlash drafter (scripts/tiny_checkpoints.py: random weights, a small
     trained tokenizer), written once into `workdir`."""
-    tiny = load_by_path("tiny", REPO / "tests" / "tiny.py")
+    from scripts import tiny_checkpoints as tiny
     target = tiny.make_target(workdir / "target", context=context)
     return target, tiny.make_drafter(workdir / "drafter", target)
 

@@ -28,7 +28,6 @@ if __name__ == "__main__" and not __package__:  # run as a file: the imports nee
     sys.exit("error: run it from the repository root as: python -m scripts.gpu_kernel ...")
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -245,7 +244,7 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
     why = build_engine.tensorrt_usable()
     if why is not None:
         raise NotRun(why)
-    tiny = load_by_path("tiny", REPO / "tests" / "tiny.py")  # a test stand-in, by path
+    from scripts import tiny_checkpoints as tiny
     from runtime.cli import run
     from runtime.__main__ import main as runtime_main
 
@@ -310,12 +309,6 @@ def tensorrt_part(part: dict) -> bool:
         raise NotRun(inner["reason"])
     return passed
 
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def compiled_op(report: dict, smoke: bool = False) -> bool:

@@ -4,7 +4,7 @@ paired (same blocks for each drafter). train_drafter.py's evaluate draws 16 rand
 blocks per window (256 blocks: a standard error of ~0.05 MAL, as large as the gains
 being compared); every anchor of the 16 windows is 8,064 blocks.
 
-    python scripts/heldout_mal.py checkpoints/dflash-smollm2-135m .cache/drafter-v8 \
+    python -m scripts.heldout_mal checkpoints/dflash-smollm2-135m .cache/drafter-v8 \
         --held-out .cache/train-dflash-cont/held-out.pt --anchors-from 192
 
 (held-out.pt: the held-out shard a train_drafter.py work dir caches, from the calibration
@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from build.train_drafter import _Head, load_shards, target_at  # noqa: E402
-from runtime.commands.provenance import provenance  # noqa: E402
-from runtime.models.dflash import DraftHead, load_dflash  # noqa: E402
-from runtime.models.target import load_target  # noqa: E402
-from runtime.sampling import target_ids  # noqa: E402
+from build.train_drafter import _Head, load_shards, target_at
+from runtime.commands.provenance import provenance
+from runtime.models.dflash import DraftHead, load_dflash
+from runtime.models.target import load_target
+from runtime.sampling import target_ids
 
 CHUNK = 64  # anchors per forward pass: bounds the block-attention memory
 
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         scores.append(score)
         print(line)
     if args.json:
-        line = shlex.join(["python", "scripts/heldout_mal.py", *(sys.argv[1:] if argv is None else argv)])
+        line = shlex.join(["python", "-m", "scripts.heldout_mal", *(sys.argv[1:] if argv is None else argv)])
         Path(args.json).write_text(json.dumps(
             {**provenance("heldout_mal", line), "held_out": str(args.held_out),
              "anchors_from": args.anchors_from, "drafters": scores}, indent=2) + "\n")

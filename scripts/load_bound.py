@@ -3,7 +3,7 @@ process: the serving scheduler itself (runtime/serve/scheduler.py, the default m
 chunked prefill as served) without Triton, so the split between prefill and decode steps
 is read directly rather than inferred from TTFT.
 
-    python scripts/load_bound.py --engine-dir engines/dflash-sharpdraft \
+    python -m scripts.load_bound --engine-dir engines/dflash-sharpdraft \
         --prompts-file results/loadtest-mixed/prompts.jsonl --max-new-tokens 32 \
         --out results/loadtest-mixed/bound.json
 
@@ -32,12 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES  # noqa: E402
-from runtime.models.target import DTYPES  # noqa: E402
-from runtime.modes import BACKENDS  # noqa: E402
-from runtime.openmp import in_own_thread  # noqa: E402
+from runtime.placement import DTYPES, PREFILL_DTYPES
+from runtime.modes import BACKENDS
+from runtime.openmp import in_own_thread
 
 
 def parse(argv):
@@ -219,7 +217,7 @@ def main(argv=None) -> int:
     peers = {peer: {"c1": medians(runs[peer][0]), f"c{n}": medians(runs[peer][1]),
                     "throughput_ratio": median_ratio(*runs[peer])} for peer in args.peers}
     report = {
-        "command": "python scripts/load_bound.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m scripts.load_bound " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": code_commit(),
         "machine": {"cpus": len(os.sched_getaffinity(0)), "torch_threads": args.threads,

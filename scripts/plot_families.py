@@ -2,7 +2,7 @@
 frozen vs family preset vs calibrated SharpDraft, from one `bench --modes frozen preset
 sharpdraft --json` file per family (scripts/bench_families.sh runs them).
 
-    python scripts/plot_families.py results/families-{dflash,pard,eagle3}.json \
+    python -m scripts.plot_families results/families-{dflash,pard,eagle3}.json \
         --plot results/families.png > results/families.md
 
 Prints a markdown table (MAL per mode, and each scaled mode's per-document MAL ratio over
@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.modes import SCALED as SCALED_MODES, Mode  # noqa: E402
+from runtime.commands.styles import STYLES
+from runtime.modes import SCALED as SCALED_MODES, Mode
 
 # the drafter frozen, and under each QueryScaling: (color, label) from the modes table
-MODES = {m: (m.color, m.label) for m in (Mode.FROZEN, *SCALED_MODES)}
+MODES = {m: (STYLES[m].color, STYLES[m].label) for m in (Mode.FROZEN, *SCALED_MODES)}
 RATIOS = SCALED_MODES
 
 

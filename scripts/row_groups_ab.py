@@ -5,7 +5,7 @@ every capacity in its own power-of-two group, and capacities up to a shared size
 lengths, each with room for --new-tokens; per grouping and step width (a decode step, a
 verify of several tokens), the median over --repeats interleaved steps.
 
-    python scripts/row_groups_ab.py --engine-dir engines/dflash-sharpdraft \\
+    python -m scripts.row_groups_ab --engine-dir engines/dflash-sharpdraft \\
         --lengths 100 200 300 400 100 200 300 400 --shared 256 1024 \\
         --out results/row-groups.json
 
@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None) -> int:
@@ -98,7 +97,7 @@ def _main(argv: list[str]) -> int:
              "step_ms_median": round(1000 * statistics.median(times[s, w]), 2),
              "step_ms": [round(1000 * t, 2) for t in times[s, w]]}
             for w in args.widths for s in args.shared]
-    record = {"command": "python scripts/row_groups_ab.py " + " ".join(argv),
+    record = {"command": "python -m scripts.row_groups_ab " + " ".join(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": code_commit(),
               "machine": f"{platform.machine()}, {args.threads} threads",

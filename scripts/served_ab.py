@@ -6,7 +6,7 @@ every figure. The Triton model's turn times (runtime/serve/scheduler.py: TURNS) 
 scraped around the default's last level, so a change can be read as prefill against
 decode steps. One JSON: every run whole, and per arm the medians over its rounds.
 
-    python scripts/served_ab.py --arm before=/work/fresh --arm after=. \\
+    python -m scripts.served_ab --arm before=/work/fresh --arm after=. \\
         --engine-dir engines/dflash-sharpdraft --prompts-file results/loadtest-mixed/prompts.jsonl \\
         --rounds 3 --out results/loadtest-mixed/served-ab.json
 
@@ -27,10 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from runtime.cli import UsageError, code_commit, run  # noqa: E402
+from runtime.cli import UsageError, code_commit, run
 
 PEERS = ("target", "ngram")
 
@@ -161,7 +158,7 @@ def main(argv) -> int:
             print(f"round {round_}: {name} ({code})", file=sys.stderr, flush=True)
             rounds.append(one_arm(name, code, args, round_))
             Path(args.out).write_text(json.dumps({"partial": True, "rounds": rounds}, indent=1))
-    result = {"command": "python scripts/served_ab.py " + " ".join(argv), "arm_flags": args.flags,
+    result = {"command": "python -m scripts.served_ab " + " ".join(argv), "arm_flags": args.flags,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": os.cpu_count()}, "engine_dir": args.engine_dir,
               "concurrency": args.concurrency, "requests": args.requests,

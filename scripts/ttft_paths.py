@@ -6,7 +6,7 @@ Start the server first (`python -m runtime serve --streaming --start --openai-po
 and run this on an idle machine: a served TTFT well above the in-process one is the
 serving path's cost, or the client's.
 
-    python scripts/ttft_paths.py --openai-url http://127.0.0.1:9000/v1 \\
+    python -m scripts.ttft_paths --openai-url http://127.0.0.1:9000/v1 \\
         --grpc-url grpc://127.0.0.1:8001 --engine-dir engines/dflash-sharpdraft \\
         --prompts-file results/aiperf-default-vs-target/prompts-512.jsonl --requests 8 \\
         --out results/ttft-paths.json
@@ -22,9 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.cli import UsageError, code_commit, progress, run  # noqa: E402
+from runtime.cli import UsageError, code_commit, progress, run
 
 
 def openai_ttft(url: str, prompts: list[str], new_tokens: int) -> list[float]:
@@ -94,7 +93,7 @@ def main(argv) -> int:
     progress(f"ttft: in process, {len(prompts)} prompts after one untimed")
     mode, seconds = in_process_ttft(args.engine_dir, warm)
     paths["in_process"] = seconds[1:]
-    result = {"command": "python scripts/ttft_paths.py " + " ".join(argv),
+    result = {"command": "python -m scripts.ttft_paths " + " ".join(argv),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": code_commit(),
               "machine": {"cpus": os.cpu_count()}, "in_process_mode": mode,
               "requests": args.requests, "new_tokens": args.new_tokens,

@@ -228,7 +228,7 @@ def test_row_groups_ab_times_both_groupings_and_finds_the_same_logits(native_eng
         assert groups[256, width]["group_capacities"] == [14, 304, 1104]
         assert groups[1024, width]["group_capacities"] == [304, 1104]
         assert all(len(groups[s, width]["step_ms"]) == 2 for s in (256, 1024))
-    assert record["command"].startswith("python scripts/row_groups_ab.py --engine-dir")
+    assert record["command"].startswith("python -m scripts.row_groups_ab --engine-dir")
     assert record["commit"] == code_commit()
     capsys.readouterr()
     assert row_groups_ab.main(["--engine-dir", str(tmp_path / "no-engine"), "--out",

@@ -45,7 +45,7 @@ def test_a_directory_without_weights_or_gguf_is_refused(tmp_path):
 
 def test_missing_drafter_checkpoint_names_the_recipe(tmp_path, monkeypatch):
     monkeypatch.setitem(checkpoints.DEFAULT_DRAFTERS, "dflash", tmp_path / "nope")
-    with pytest.raises(ModelError, match="train it with `python build/train_drafter.py`"):
+    with pytest.raises(ModelError, match="train it with `python -m build.train_drafter`"):
         checkpoints.drafter_checkpoint("dflash", None)
 
 

@@ -11,6 +11,7 @@ import build_engine
 import speculative
 import tiny
 from plugins.scaling import QueryScaling
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 from runtime.decode import Request
@@ -151,7 +152,7 @@ def test_calibrate_scores_tree_and_chain_engines(tree_engine, chain_engine, tmp_
     doc.write_text(tiny.stdlib_text(30_000))
     for engine in (tree_engine, chain_engine):
         out = tmp_path / f"{engine.name}.json"
-        code = run(runtime_main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
+        code = run(calibrate_main, ["--engine-dir", str(engine), "--ref-keys", "32", "128",
                                   "--slopes", "2", "--lengths", "150", "--short", "40",
                                   "--new-tokens", "6", "--docs", str(doc), "--dry-run",
                                   "--json", str(out)])

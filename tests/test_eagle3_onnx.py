@@ -287,7 +287,7 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
 
 def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
     from plugins.scaling import QueryScaling
-    from runtime.commands.calibrate import apply
+    from build.calibrate import apply
 
     engine_dir = tmp_path / "engine"
     shutil.copytree(tree_engine, engine_dir)

@@ -13,6 +13,7 @@ import pytest
 
 import build_engine
 from runtime import manifest as manifest_module
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 from runtime.engine import Engine
@@ -46,7 +47,7 @@ def test_calibrating_a_checkpoint_keeps_its_engines_usable(tiny_target, tiny_dra
     engine = build(tiny_target, drafter, tmp_path / "engine")
     doc = tmp_path / "doc.txt"
     doc.write_text((REPO / "runtime" / "engine.py").read_text() * 20)
-    code = run(runtime_main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
+    code = run(calibrate_main, ["--engine-dir", str(engine), "--ref-keys", "32", "128",
                               "--slopes", "2", "--lengths", "150", "--short", "40",
                               "--new-tokens", "4", "--docs", str(doc), "--write-checkpoint"])
     assert code == 0, capsys.readouterr().err

@@ -81,11 +81,6 @@ def test_a_swapped_scaling_is_the_drafters_keyword(tiny_engine):
     assert engine.drafter(scaled=False).scaling is None
 
 
-# The lead's edits (H57d's report): these call read_manifest until they open the spec
-# through open_spec; once they do, this set empties (the test below fails until it does).
-AWAITING_OPEN_SPEC = {"runtime/commands/demo.py", "runtime/commands/generate.py", "scripts/aiperf_prompts.py"}
-
-
 def shipped_calls(name: str) -> dict[str, int]:
     """Shipped file -> how many calls to `name` (a bare name or an attribute) it makes."""
     from test_layering import shipped
@@ -106,10 +101,8 @@ def test_engine_json_is_read_in_one_function_from_at_most_two_places():
     in for Engine, the commands and the serving processes; no shipped file opens
     engine.json itself (a name it spells is only asked whether an engine is there)."""
     calls = shipped_calls("read_manifest")
-    assert set(calls) - AWAITING_OPEN_SPEC == {"runtime/manifest.py"}, calls
+    assert set(calls) == {"runtime/manifest.py"}, calls
     assert calls["runtime/manifest.py"] == 1
-    assert AWAITING_OPEN_SPEC <= set(calls), "the lead's edits are in: empty AWAITING_OPEN_SPEC"
-    assert sum(n for f, n in calls.items() if f not in AWAITING_OPEN_SPEC) <= 2
     from test_layering import shipped
 
     spelled = {str(p.relative_to(REPO)) for p in shipped()

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import tiny
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main
 from runtime.cli import run
 
@@ -167,7 +168,7 @@ def test_calibrate_writes_the_choice_and_keeps_the_preset(tiny_target, tiny_draf
                               str(drafter), "--ref-keys", "64", "--top-k", "8",
                               "--attention", "plugin",  # the plugin fields must follow the choice
                               "--output", str(engine)]) == 0
-    code = run(main, ["calibrate", "--engine-dir", str(engine), "--ref-keys", "32", "128",
+    code = run(calibrate_main, ["--engine-dir", str(engine), "--ref-keys", "32", "128",
                       "--slopes", "2", "5", "--max-log-scales", "0.5", "1.0", "--lengths", "150",
                       "300", "--short", "40", "--new-tokens", "8", "--docs", str(doc),
                       "--write-checkpoint"])
@@ -230,7 +231,7 @@ def test_calibrate_refuses_what_it_cannot_score_in_one_line(tiny_engine, doc, ca
     # 9 anchors they fit: the limit counts the last anchor's drafts, not more)
     for new_tokens, length, message in (("0", "150", "--new-tokens must be >= 1"),
                                         ("10", "500", "must fit the target's 512")):
-        code = run(main, ["calibrate", "--engine-dir", str(tiny_engine), "--ref-keys", "32",
+        code = run(calibrate_main, ["--engine-dir", str(tiny_engine), "--ref-keys", "32",
                           "--short", "40", "--docs", str(doc), "--dry-run",
                           "--new-tokens", new_tokens, "--lengths", length])
         err = capsys.readouterr().err.strip().splitlines()
@@ -243,7 +244,7 @@ def test_calibrate_counts_near_equal_long_mals_as_tied_and_keeps_the_gentlest():
     then the larger slope; a clear winner still wins, and a setting that loses the short
     context is never chosen however well it does long."""
     from plugins.scaling import QueryScaling
-    from runtime.commands.calibrate import choose
+    from build.calibrate import choose
 
     def gen(mal):  # 100 anchors committing `mal` tokens each on average
         return [round(mal * 100) - 99] + [1] * 99

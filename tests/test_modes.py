@@ -7,6 +7,7 @@ import json
 import pytest
 
 from runtime import modes
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
@@ -38,7 +39,7 @@ def test_the_table_allows_exactly_these_modes(drafting, backend, scaled, window,
 def test_each_mode_is_one_distinct_combination_of_its_parts():
     assert len({m.value for m in Mode}) == len(Mode)
     for mode in Mode:
-        assert modes.find(mode.drafter, mode.attention, mode.ngram_assist, mode.scaling) is mode
+        assert modes.find(mode.draft_source, mode.attention, mode.ngram_assist, mode.scaling) is mode
     # the alias flags compose: the frozen drafter's attention swapped for the window
     assert modes.find(modes.MODEL, modes.WINDOWED, ngram_assist=True) is Mode.WINDOW_HYBRID
     assert modes.find(modes.LOOKUP, ngram_assist=True) is None  # lookup assisting lookup: none
@@ -164,11 +165,15 @@ def test_preset_runs_through_run_mode_on_torch(tiny_engine, capsys):
 
 def test_bench_rows_and_styles_come_from_the_table():
     from runtime.commands import bench
+    from runtime.commands.styles import STYLES
 
     drafting = [m for m in Mode if m != Mode.TARGET]
+    assert list(STYLES) == list(Mode)  # every mode drawn, in the table's order
     assert list(bench.STYLE) == drafting
-    assert bench.STYLE[Mode.FROZEN_HYBRID] == (Mode.FROZEN_HYBRID.color, Mode.FROZEN_HYBRID.label)
+    assert bench.STYLE[Mode.FROZEN_HYBRID] == STYLES[Mode.FROZEN_HYBRID][:2]
     assert len({color for color, _ in bench.STYLE.values()}) == len(drafting)  # tell lines apart
+    assert len({s.label for s in STYLES.values()}) == len({s.word for s in STYLES.values()}) == len(Mode)
+    assert not hasattr(Mode.FROZEN, "color")  # presentation lives with the commands that draw
     assert bench.SCALED_MODES == modes.SCALED
 
 
@@ -190,6 +195,6 @@ def test_calibrate_refuses_an_engine_without_the_sharpdraft_mode_saying_why(tiny
     assert build_engine.main(["--drafter", "ngram", "--target", str(tiny_target), "--backend",
                               "torch", "--step-costs", "fixed", "--output", str(out)]) == 0
     capsys.readouterr()
-    assert run(main, ["calibrate", "--engine-dir", str(out)]) == 2
+    assert run(calibrate_main, ["--engine-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nothing to calibrate" in err and "n-gram engine" in err

@@ -397,7 +397,7 @@ def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native
     """calibrate re-exports drafter-kv.onnx with the chosen values, not only drafter.onnx:
     the in-place drafter then drafts what torch's drafter drafts with them."""
     from plugins.scaling import QueryScaling
-    from runtime.commands import calibrate
+    from build import calibrate
 
     engine_dir = tmp_path / "engine"
     shutil.copytree(native_engine, engine_dir)

@@ -10,6 +10,7 @@ import torch
 
 import tiny
 import speculative
+from build.calibrate import main as calibrate_main
 from runtime.__main__ import main as runtime_main
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import OnnxPARD, open_session
@@ -189,7 +190,7 @@ def test_bench_diagnose_and_calibrate_run_on_a_pard_engine(pard_torch_engine, do
     assert rows[0]["frozen"] == rows[0]["sharpdraft"]  # beta = 1 at 8 keys
     assert all(s > f for f, s in zip(rows[-1]["frozen"], rows[-1]["sharpdraft"]))
 
-    code = run(runtime_main, ["calibrate", "--engine-dir", str(pard_torch_engine), "--ref-keys", "32", "128",
+    code = run(calibrate_main, ["--engine-dir", str(pard_torch_engine), "--ref-keys", "32", "128",
                               "--slopes", "2", "--lengths", "150", "--short", "40", "--new-tokens", "6",
                               "--docs", str(doc), "--dry-run", "--json", str(tmp_path / "c.json")])
     assert code == 0, capsys.readouterr().err

@@ -108,7 +108,7 @@ def test_report_writes_every_table_with_its_provenance(results, tmp_path, capsys
     diagnose = text[text.index("diagnose-calibrated.json"):text.index("## Calibration")]
     assert "- command: not recorded" in diagnose and "- date: not recorded" in diagnose
     # backends.json records its arguments, not its command line: rebuilt and said so
-    assert "scripts/bench_backends.py --engine torch=e@torch --contexts 512" in text
+    assert "python -m scripts.bench_backends --engine torch=e@torch --contexts 512" in text
     assert "does not record the command line" in text
 
 
@@ -213,7 +213,7 @@ def test_heldout_mal_json_records_its_provenance_and_the_report_prints_it(
     assert script.main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     record = json.loads(out.read_text())
-    assert record["command"] == "python scripts/heldout_mal.py " + " ".join(argv)
+    assert record["command"] == "python -m scripts.heldout_mal " + " ".join(argv)
     assert record["machine"]["cpus"] >= 1 and record["date"].endswith("Z")
     first, second = record["drafters"]
     assert f"teacher-forced MAL {first['mal']:.4f} over {first['blocks']} blocks" in printed[0]

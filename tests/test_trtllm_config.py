@@ -98,7 +98,7 @@ def test_eagle3_without_a_checkpoint_is_refused_in_one_line(tmp_path, tiny_targe
                  "--output", str(tmp_path / "x")) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     lines = [line for line in lines if line.startswith("error: ")]
-    assert len(lines) == 2 and all("build/train_eagle3.py" in line for line in lines)
+    assert len(lines) == 2 and all("python -m build.train_eagle3" in line for line in lines)
 
 
 def test_generate_on_a_trtllm_engine_says_in_one_line_what_is_missing(dflash_engine, capsys):

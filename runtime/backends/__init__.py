@@ -21,27 +21,23 @@ import dataclasses
 import importlib
 
 from runtime import modes
+from runtime.placement import DEVICES, DTYPES, PREFILL_DTYPES, STEPS  # noqa: F401 -- the backends' names
 
 # what an engine can be built for, and what this runtime runs (tensorrt: on a GPU; trtllm
 # engines run in TensorRT-LLM's own loop): runtime/modes.py says what each can run
 BACKENDS = tuple(modes.BACKENDS)
 RUNNABLE_BACKENDS = tuple(name for name, can in modes.BACKENDS.items() if not can.own_loop)
 
-# the torch backend's choices (runtime/backends/pytorch/placement.py resolves them)
-DEVICES = ("cpu", "cuda")
-# its compiled steps' compilers (runtime/backends/pytorch/compiled.py: compile_step)
-STEPS = ("eager", "inductor", "cudagraph")
-# its weight and cache dtypes; float64: the exactness tests' (tests/test_loaders.py), not
-# offered on the command line
-TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# the choices' names live in runtime/placement.py (the command lines read them there);
+# the torch backend resolves DEVICES and TORCH_DTYPES (runtime/backends/pytorch/placement.py),
+# its compiled steps take STEPS (pytorch/compiled.py: compile_step). float64: the exactness
+# tests' dtype (tests/test_loaders.py), not offered on the command line.
+TORCH_DTYPES = (*DTYPES, "float64")
 # The options an engine is opened with, the one key set every caller passes (Engine's
 # keywords, serve's and the commands' --device / --dtype / --steps / --prefill-dtype):
 # each loader declares which of them it takes (LOADERS). Where a record was measured is
 # another set, runtime/manifest.py PLACEMENT (backend, device, dtype, steps).
 OPTIONS = ("device", "dtype", "steps", "prefill_dtype")
-# the onnxruntime backend's prefill dtypes (runtime/backends/bf16_prefill.py): the graphs'
-# own, or bfloat16 multiplies
-PREFILL_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)

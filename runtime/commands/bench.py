@@ -26,6 +26,7 @@ from pathlib import Path
 from runtime.backends import RUNNABLE_BACKENDS
 from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.commands.provenance import provenance
+from runtime.commands.styles import STYLES
 from runtime.measure import decode_from_one_prefill  # noqa: F401 -- bench's runs
 from runtime.metrics import paired_ratio_ci, pooled_mean_accepted_length, pooled_tokens_per_second
 from runtime.modes import SCALED, Mode
@@ -170,7 +171,7 @@ def summarize(context: int, runs: list[dict], greedy: bool = True) -> dict:
 
 
 # the drafting modes' plot colors and legend labels, in the table's order
-STYLE = {m: (m.color, m.label) for m in Mode if m != Mode.TARGET}
+STYLE = {m: (STYLES[m].color, STYLES[m].label) for m in Mode if m != Mode.TARGET}
 
 
 def plot(result: dict, path: str) -> None:

@@ -1,35 +1,37 @@
-"""`python -m runtime demo` (what `make demo` runs): build the SharpDraft engine on the
-default pair -- SmolLM2-135M-Instruct and the DFlash drafter shipped in checkpoints/ --
-if it is not built yet, then continue a long evaluation document from ~4K tokens of
-context six ways (target-only, n-gram lookup, frozen drafter, the frozen drafter under
-its draft window, SharpDraft, SharpDraft assisted by n-gram lookup) from the same
-prefill, each several times interleaved, and print the medians."""
+"""`python -m runtime demo` (what `make demo` runs, after building the engine it opens):
+continue a long evaluation document from ~4K tokens of context in every mode the default
+SharpDraft engine runs -- SmolLM2-135M-Instruct with the DFlash drafter shipped in
+checkpoints/: target-only, n-gram lookup, frozen drafter, the frozen drafter under its draft
+window, SharpDraft, and the drafter modes assisted by n-gram lookup -- from the same
+prefill, each several times interleaved, and print the medians. The engine is built by
+build_engine.py (the Makefile's demo target: `--backend torch --default-mode rule`, no
+graphs to export and no default mode to time, since the demo times every mode itself);
+a command of the runtime never runs the builder (docs/layering.md)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from runtime.cli import progress
+from runtime.cli import UsageError, progress
 
 ENGINE = Path("engines") / "dflash-sharpdraft"
+BUILD = "build_engine.py --drafter dflash --sharpdraft"
 
 
 def add_parser(sub):
-    p = sub.add_parser("demo", help="build the default SharpDraft engine if needed and compare "
-                                    "target-only / n-gram / frozen / window / SharpDraft / hybrid on a "
-                                    "long document")
+    p = sub.add_parser("demo", help="compare target-only / n-gram / frozen / window / SharpDraft / "
+                                    "hybrid on a long document with the default SharpDraft engine "
+                                    "(make demo builds it first)")
     p.add_argument("--engine-dir", default=str(ENGINE))
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode (median)")
-    p.add_argument("--rebuild", action="store_true")
     p.add_argument("--debug", action="store_true")
 
 
 def run(args) -> int:
-    import build_engine
-    from runtime.manifest import EngineError, read_manifest
+    from runtime.manifest import MANIFEST, EngineError, open_spec
     from runtime.commands.bench import STYLE, first_difference, summarize
     from runtime.measure import decode_from_one_prefill
     from runtime.commands.documents import default_documents, tokenized
@@ -38,16 +40,14 @@ def run(args) -> int:
     from runtime.step_metadata import StepMetadata
 
     engine_dir = Path(args.engine_dir)
-    try:
-        stale = args.rebuild or read_manifest(engine_dir).query_scaling is None
-    except EngineError:
-        stale = True
-    if stale:
-        progress(f"demo: building {engine_dir} (target + shipped drafter, SharpDraft on)")
-        code = build_engine.main(["--drafter", "dflash", "--sharpdraft", "--output", str(engine_dir)])
-        if code:
-            return code
-    engine = Engine(engine_dir)
+    if not (engine_dir / MANIFEST).is_file():
+        raise EngineError(f"{engine_dir} has no {MANIFEST} — run make demo (it builds one), or "
+                          f"python {BUILD} --output {engine_dir}")
+    spec = open_spec(engine_dir)
+    if spec.query_scaling is None:
+        raise UsageError(f"{engine_dir} was built without --sharpdraft: the demo compares "
+                         f"SharpDraft — rebuild it with python {BUILD} --output {engine_dir}")
+    engine = Engine(spec)
     doc = default_documents("eval", 1)[0]
     (name, ids), = tokenized(engine.encode, [doc], args.context)
     modes = engine.modes

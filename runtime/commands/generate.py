@@ -94,7 +94,7 @@ def alias_flags(args) -> list[str]:
 
 def run(args) -> int:
     from runtime.engine import Engine
-    from runtime.manifest import read_manifest
+    from runtime.manifest import open_spec
     from runtime.sampling import Sampling
 
     text = read_prompt(args)
@@ -105,7 +105,7 @@ def run(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     options = device_options(args)
-    manifest = read_manifest(Path(args.engine_dir), verify="full" if args.verify else "quick")
+    manifest = open_spec(Path(args.engine_dir), verify="full" if args.verify else "quick")
     if manifest.backend == "trtllm":
         if options:
             raise UsageError(f"--{', --'.join(options)}: for our backends; a trtllm engine runs "

@@ -29,7 +29,7 @@ PROMPTS = [
 
 def add_parser(sub):
     from runtime.backends import RUNNABLE_BACKENDS
-    from runtime.backends.bf16_prefill import DTYPES as PREFILL_DTYPES
+    from runtime.placement import PREFILL_DTYPES
 
     p = sub.add_parser("loadtest", help="load a served model: throughput, latency, MAL")
     p.add_argument("--url", required=True,

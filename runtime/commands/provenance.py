@@ -34,6 +34,6 @@ def command_line(command: str) -> str:
 
 def provenance(command: str, line: str | None = None) -> dict:
     """command: a `python -m runtime` command's name; or pass the whole command `line`
-    (scripts: `shlex.join(["python", "scripts/x.py", *argv])`)."""
+    (scripts: `shlex.join(["python", "-m", "scripts.x", *argv])`)."""
     return {"command": line or command_line(command), "machine": machine(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

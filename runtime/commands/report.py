@@ -16,12 +16,13 @@ import json
 from pathlib import Path
 
 from runtime.cli import progress
+from runtime.commands.styles import STYLES
 from runtime.modes import SCALED, Mode
 
 REPO = Path(__file__).resolve().parents[2]
 
 # bench's modes, in the order and the words the tables use (runtime/modes.py)
-MODE_NAMES = {m: m.word for m in Mode}
+MODE_NAMES = {m: STYLES[m].word for m in Mode}
 NOT_RECORDED = "not recorded"
 # Results kept only as text: named in the page, not parsed.
 TEXT_ONLY = {
@@ -253,7 +254,7 @@ def calibrate_section(folder: Path) -> list[str]:
         body = []
         for row in grid:
             s = row["query_scaling"]
-            body.append([(Mode.FROZEN.word if s is None else f"{s['ref_keys']} / {s['slope']} / e^{s['max_log_scale']}")
+            body.append([(STYLES[Mode.FROZEN].word if s is None else f"{s['ref_keys']} / {s['slope']} / e^{s['max_log_scale']}")
                          + (" (chosen)" if s is not None and s == chosen else ""),
                          f"{row['mal_short']:.3f}", f"{row['mal_long']:.3f}",
                          *(f"{row['mal_by_length'][n]:.3f}" for n in longs),
@@ -350,7 +351,7 @@ def backends_section(folder: Path) -> list[str]:
     name = "backends.json"
     data = load(folder, name)
     args = field(data, name, "args")
-    command = ("python scripts/bench_backends.py " + " ".join(f"--engine {e}" for e in args["engine"])
+    command = ("python -m scripts.bench_backends " + " ".join(f"--engine {e}" for e in args["engine"])
                + f" --contexts {' '.join(map(str, args['contexts']))} --modes {' '.join(args['modes'])}"
                + f" --new-tokens {args['new_tokens']} --repeats {args['repeats']}")
     body = [[r["context"], r["mode"], r["engine"], f"{r['tok_s_median']:.2f}",

@@ -23,7 +23,6 @@ from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNo
 from runtime.step_metadata import StepMetadata
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-DTYPES = ("float32", "bfloat16", "float16")  # weight dtypes engines are built in
 
 
 class ModelError(ValueError):

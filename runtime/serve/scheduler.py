@@ -274,7 +274,7 @@ class StepScheduler:
         if at.uses_drafter_model:
             return frozenset()
         drafter = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED})
-        return drafter if at.drafter == LOOKUP else drafter | {DraftKind.ONE_HOT}
+        return drafter if at.draft_source == LOOKUP else drafter | {DraftKind.ONE_HOT}
 
     def _step(self, decoder) -> None:
         batch, start = list(decoder.active), time.perf_counter()

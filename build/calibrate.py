@@ -1,4 +1,4 @@
-"""`python -m runtime calibrate`: choose ref_keys and slope (and the cap) for THIS drafter.
+"""`python -m build.calibrate`: choose ref_keys and slope (and the cap) for THIS drafter.
 
 The paper's DFlash preset (ref_keys 2048) was tuned for a drafter trained on 3,072-token
 sequences and asks to be re-validated per drafter. This sweeps ref_keys x slope on the
@@ -20,24 +20,30 @@ drafter generation's gain).
 
 The choice becomes the engine's query scaling; the scaling it replaces and the whole grid
 stay recorded in engine.json (extra.calibration); --write-checkpoint also saves it beside
-the drafter (sharpdraft.json), which engines read at build time only.
+the drafter (sharpdraft.json), which engines read at build time only. An engine whose
+drafter graphs were exported with the old scaling gets them exported again: calibrating
+rewrites an engine, so it is a build step and sits in build/ (docs/layering.md).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import shlex
 import sys
 from pathlib import Path
 
-from runtime.cli import UsageError, progress
+from build.checkpoints import CALIBRATION_FILE
+from runtime.cli import Parser, UsageError, progress, run
 from runtime.commands.provenance import provenance
 from runtime.modes import Mode
 
+PROG = "python -m build.calibrate"
 
-def add_parser(sub):
-    p = sub.add_parser("calibrate", help="sweep ref_keys x slope on the calibration split and "
-                                         "write the best into the engine")
+
+def parse(argv):
+    p = Parser(prog=PROG, description="sweep ref_keys x slope on the calibration split and "
+                                      "write the best into the engine")
     p.add_argument("--engine-dir", required=True)
     p.add_argument("--ref-keys", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--slopes", type=float, nargs="+", default=[2.5, 5.0, 10.0])
@@ -60,6 +66,7 @@ def add_parser(sub):
                         "default that build_engine.py --sharpdraft then uses for this drafter")
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--debug", action="store_true")
+    return p.parse_args(argv)
 
 
 def sweep(engine, docs, lengths, short, settings, new_tokens, extra, bar) -> dict:
@@ -118,7 +125,7 @@ def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
     manifest.extra["calibration"] = record
     onnx = manifest.extra.get("onnx")
     if onnx and "drafter" in onnx["graphs"]:
-        from build import export
+        from build import export  # torch and ONNX exporters: only engines with graphs need them
         from plugins.plugin_spec import plugin_fields
 
         progress("calibrate: re-exporting the SharpDraft drafter graphs with the chosen values")
@@ -139,7 +146,7 @@ def apply(engine_dir: Path, engine, chosen, record: dict) -> None:
     manifest.write(engine_dir)
 
 
-def run(args) -> int:
+def main(argv) -> int:
     from tqdm import tqdm
 
     from plugins.scaling import QueryScaling
@@ -148,6 +155,7 @@ def run(args) -> int:
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
 
+    args = parse(argv)
     engine_dir = Path(args.engine_dir)
     engine = Engine(engine_dir, backend="torch")  # try settings without recompiling graphs
     why = engine.refusal(Mode.SHARPDRAFT)  # calibration picks that mode's QueryScaling
@@ -191,7 +199,7 @@ def run(args) -> int:
               "short_context": short, "long_contexts": lengths, "new_tokens": args.new_tokens,
               "documents": [n for n, _ in docs], "split": "calibration" if not args.docs else "user",
               Mode.FROZEN: frozen, "grid": table[1:],
-              **provenance("calibrate")}
+              **provenance("calibrate", shlex.join(["python", "-m", "build.calibrate", *argv]))}
     print(f"{'ref_keys':>8} {'slope':>6} {'cap':>5} {'MAL short':>9} {'MAL long':>9}  keeps short")
     print(f"{Mode.FROZEN:>8} {'':>6} {'':>5} {frozen['mal_short']:>9.3f} {frozen['mal_long']:>9.3f}")
     for row in table[1:]:
@@ -210,10 +218,12 @@ def run(args) -> int:
         progress(f"calibrate: {engine_dir}/engine.json now uses {chosen.describe()} (the "
                  "previous values kept under extra.calibration)")
         if args.write_checkpoint:
-            from build.checkpoints import CALIBRATION_FILE
-
             path = engine.manifest.drafter_dir / CALIBRATION_FILE
             path.write_text(json.dumps({"query_scaling": chosen.to_dict(), "calibration": record},
                                        indent=2) + "\n")
             progress(f"calibrate: wrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, sys.argv[1:]))
