@@ -93,5 +93,5 @@ def test_a_prefill_dtype_the_backend_cannot_run_is_refused_in_one_line(tiny_engi
                           "--prefill-dtype", "bfloat16", "--out", str(tmp_path / "b.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("error: the torch backend prefills in the engine's dtype")
+    assert err[0].startswith(f"error: {tiny_engine}: the torch backend prefills in the engine's dtype")
     assert not (tmp_path / "b.json").exists()
