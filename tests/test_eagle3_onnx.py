@@ -348,7 +348,7 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
     """Three rows at different lengths (capacities in one bucket), trees of different
     sizes: one target-tree.onnx run gives each node the logits and features of the row's
     own verify_tree (fp32), and after keep_paths each row's next verify equals its own."""
-    import runtime.backends.onnxruntime as ort
+    import runtime.backends.onnxruntime.target as ort  # where the batch target runs its sessions
     from runtime.tree import DraftTree
 
     engine = Engine(tree_engine)

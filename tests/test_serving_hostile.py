@@ -146,7 +146,13 @@ def test_a_killed_instance_fails_its_requests_retryably_and_the_model_comes_back
     assert "unavailable" in str(streamed_error.value).lower()
     assert isinstance(plain, openai.APIStatusError) and plain.status_code == 503, plain
     assert plain.response.headers["Retry-After"] and plain.body["code"] == "backend_unavailable"
-    assert isinstance(direct, InferenceServerException), direct
+    # the gRPC request went to the plain model, whose stub was not killed: the restart
+    # either cuts it (an error response, never INVALID_ARGUMENT, a client fault) or it finished
+    # first, whole and with the target's tokens -- never a hang (both waited <= 30 s above)
+    if isinstance(direct, InferenceServerException):
+        assert "INVALID_ARGUMENT" not in str(direct.status()), direct
+    else:
+        assert direct.as_numpy("token_ids").tolist() == ref.tokens, "a request that finished was cut short"
     saw_not_ready, reply = False, None
     while time.monotonic() - killed < 60:
         if _status(guarded["openai"][:-len("/v1")] + "/health") == 503:
