@@ -197,28 +197,38 @@ class BlockPrefill:
     the parts leave the cache one piece leaves (to rounding: a part's projections are
     matmuls of another shape). add() is all three at once."""
 
-    room = 0  # cache room the single drafter needs past a sequence's capacity
+    room = 0  # cache room the joining sequence needs past its capacity
 
     def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
         self.prefill(capacity, context, last)
         return self.join_prefilled()
 
     def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
-        self.single.reset(capacity + self.room)
+        self._reset_joining(capacity + self.room)
         # what the row's first draft() passes: nothing (a fused drafter reads every row's
         # new features every step, so it holds none back)
         self.unread = context[:0]
         self.prefill_more(context, last)
 
     def prefill_more(self, context: torch.Tensor, last: int) -> None:
-        self.single.draft(context, last)  # the block is scratch: only the context stays
+        self._read_joining(context, last)  # the block is scratch: only the context stays
 
     def join_prefilled(self) -> torch.Tensor:
         self._join_row()
         return self.unread
 
+    # The joining sequence's hooks. Transitional defaults run it on a single-sequence
+    # drafter (`single`); a backend's batch drafter overrides them with its own cache.
+    def _reset_joining(self, capacity: int) -> None:
+        """An empty cache of `capacity` keys for the joining sequence."""
+        self.single.reset(capacity)
+
+    def _read_joining(self, context: torch.Tensor, last: int) -> None:
+        """The joining sequence's next context features into its cache, at its length."""
+        self.single.draft(context, last)
+
     def _join_row(self) -> None:
-        """Copy the single drafter's cache in as the batch's last row."""
+        """The joining sequence's cache in as the batch's last row."""
         raise NotImplementedError
 
 
@@ -259,23 +269,33 @@ class ChainPrefill:
         self.join_prefilled()
 
     def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
-        self.reading = self._reset(capacity)
+        self._reset_joining(capacity)
         self.prefill_more(ids, features)
 
     def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
         if ids:
-            self.reading.read(ids, features)
+            self._read_joining(ids, features)
 
     def join_prefilled(self) -> None:
         self._join_row()
         self.reading = None
+
+    # The joining sequence's hooks. Transitional defaults read it on the single-sequence
+    # chain drafter `_reset` returns; a backend's batch drafter overrides them.
+    def _reset_joining(self, capacity: int) -> None:
+        """An empty cache with room for a row of `capacity` for the joining sequence."""
+        self.reading = self._reset(capacity)
+
+    def _read_joining(self, ids: list[int], features: torch.Tensor | None) -> None:
+        """ChainDrafter.read's pairing, into the joining sequence's cache at its length."""
+        self.reading.read(ids, features)
 
     def _reset(self, capacity: int):
         """A single-sequence chain drafter with room for a row of `capacity`, empty."""
         raise NotImplementedError
 
     def _join_row(self) -> None:
-        """The drafter that read the prompt (`self.reading`) becomes the batch's last row."""
+        """The joining sequence's cache becomes the batch's last row."""
         raise NotImplementedError
 
 
