@@ -75,10 +75,11 @@ def sweep(engine, docs, lengths, short, settings, new_tokens, extra, bar) -> dic
     from runtime.acceptance import committed_per_anchor, greedy_continuation
 
     drafting, shape = engine.style, engine.tree_shape
+    target = engine.loaded.batch_target()
     results = {s: {n: [] for n in [short, *lengths]} for s in [None, *settings]}
     for length in [short, *lengths]:
         for _, ids in docs:
-            cont = greedy_continuation(engine.target, ids[:length], new_tokens + extra)
+            cont = greedy_continuation(target, ids[:length], new_tokens + extra)
             for setting in results:
                 drafter = engine.drafter(scaling=setting)
                 results[setting][length] += committed_per_anchor(drafter, cont, drafting, shape)

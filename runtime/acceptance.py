@@ -40,13 +40,15 @@ class Continuation:
 
 
 def greedy_continuation(target, prompt: list[int], n: int) -> Continuation:
-    """n greedy tokens after `prompt`, decoded one per pass as target-only decoding does."""
-    logits, prompt_features = target.prefill(prompt, len(prompt) + n)
+    """n greedy tokens after `prompt`, decoded one per pass as target-only decoding does,
+    on a batch target (a batch of one, left empty again)."""
+    logits, prompt_features = target.add(prompt, len(prompt) + n)
     tokens, features = [int(greedy_choice(logits))], []
     while len(tokens) < n:
-        logits, f = target.verify(tokens[-1:])
-        features.append(f)
-        tokens.append(int(greedy_choice(logits[-1])))
+        logits, f = target.verify([tokens[-1:]])
+        features.append(None if f is None else f[0])
+        tokens.append(int(greedy_choice(logits[0, -1])))
+    target.remove(0)
     have = [f for f in features if f is not None]
     return Continuation(list(prompt), prompt_features, tokens, torch.cat(have) if have else None)
 
@@ -71,9 +73,10 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
     if len(prompt) < 2:
         raise ValueError("teacher-forced acceptance needs a prompt of 2+ tokens")
     sampler = Sampler()  # greedy
-    drafter.reset(len(prompt) + len(g))
+    capacity = len(prompt) + len(g)
     out = []
-    if drafting == "tree":
+    if drafting == "tree":  # a tree drafter: one row's
+        drafter.reset(capacity)
         drafter.read(prompt[1:], pf[:-1])  # the drafter's prefill, as proposers.Tree runs it
         for j in anchors:
             tree, _ = drafter.draft_tree(cont.row_before(j), [g[j]], tree_shape)
@@ -83,18 +86,23 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
             choice = [g[j + depth + 1] if j + depth + 1 < len(g) else -1 for depth in tree.depths]
             out.append(len(tree.greedy_path(choice)[0]))
         return out
+    # a batch drafter's one row, prefilled as proposers.Chain / Block prefill it
     if drafting == "chain":
-        drafter.read(prompt, None if pf is None else pf[:-1])  # as proposers.Chain's prefill
-    else:  # the block drafter's prefill, as backends.rows.RowBlockDrafters runs it
-        drafter.draft(pf[:-1], prompt[-1])
+        drafter.add(capacity, prompt, None if pf is None else pf[:-1])
+    else:
+        held = drafter.add(capacity, pf[:-1], prompt[-1])
     for j in anchors:
         if drafting == "chain":
-            drafts = drafter.draft([g[j]], cont.row_before(j), d, sampler).tokens
+            drafts = drafter.draft([[g[j]]], [cont.row_before(j)], [d], [sampler])[0].tokens
         else:
-            logits, _ = drafter.draft(cont.row_before(j), g[j])
-            drafts, _ = sampler.propose(logits, drafter.vocab)
+            context = cont.row_before(j)
+            if j == 0:  # what its prefill held back for the first draft (none, fused)
+                context = torch.cat([held, context])
+            logits, _ = drafter.draft([context], [g[j]])
+            drafts, _ = sampler.propose(logits[0], drafter.vocab)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == g[j + 1 + accepted]:
             accepted += 1
         out.append(accepted + 1)
+    drafter.remove(0)
     return out

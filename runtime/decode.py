@@ -199,8 +199,8 @@ class Decoder:
         join, the first token) is what must happen once. Returns the Sequence. Without
         `chunk`, or on a target that cannot continue a prefill (one without
         join_prefilled), the whole prompt in one go. One chunked join at a time per
-        decoder: the prompt prefills on the target's and drafter's single-sequence roles
-        until its rows join."""
+        decoder: the prompt prefills held aside by the target and the drafter (their
+        prefill / prefill_more) until its rows join."""
         prompt = request.prompt
         budget = check_budget(self.target.context_limit, prompt, request.max_new_tokens)
         sampler = request.sampler or Sampler(request.sampling)
@@ -210,7 +210,6 @@ class Decoder:
         capacity = len(prompt) + budget + self.slack
         chunked = bool(chunk) and len(prompt) > chunk and hasattr(self.target, "join_prefilled")
         if chunked:  # the prompt prefills outside the batch's rows, then joins them
-            single = self.target.single
             for begin in range(0, len(prompt), chunk):
                 if begin:
                     yield
@@ -218,10 +217,10 @@ class Decoder:
                     part = prompt[begin:begin + chunk]
                     seq.prefilled = begin + len(part)
                     if begin:
-                        logits, features = single.prefill_more(part)
+                        logits, features = self.target.prefill_more(part)
                         self.proposer.prefill_more(seq, features)
                     else:
-                        logits, features = single.prefill(part, capacity)
+                        logits, features = self.target.prefill(part, capacity)
                         self.proposer.prefill(seq, features)
             yield
         with seq.gen.timed("prefill"):

@@ -84,7 +84,7 @@ class Engine:
         costs = self.manifest.extra.get("step_costs", {}).get(self.backend)
         costs = self.manifest.measured_on(costs, self.placement)
         self.step_costs = StepCosts.from_dict(costs) if costs else None
-        self.tokenizer, self.target = self.loaded.tokenizer, self.loaded.target
+        self.tokenizer = self.loaded.tokenizer
         # the torch backend's models (None on backends that run graphs or plans)
         self.model = getattr(self.loaded, "model", None)
         self.drafter_model = getattr(self.loaded, "drafter_model", None)
@@ -93,9 +93,7 @@ class Engine:
         self.prefill_grid = getattr(self.loaded, "prefill_grid", None)
         # Engines built with --max-seq-len serve no longer sequences, whichever backend runs.
         limit = self.manifest.extra.get("max_seq_len")
-        if limit:
-            self.target.context_limit = min(self.target.context_limit, int(limit))
-        self.context_limit = self.target.context_limit
+        self.context_limit = min(self.loaded.context_limit, int(limit or self.loaded.context_limit))
         self.stop_ids = frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         # The window modes' draft window: the DFlash drafter's training length, recorded at
@@ -158,13 +156,11 @@ class Engine:
     def setting(self, mode: Mode) -> DraftSetting:
         """`mode`'s drafting configuration, resolved once here and passed down: the family
         preset's scaling, the window unscaled, or the engine's scaling / none; n-gram
-        assist as the mode says; fused where the table batches its drafter
-        (modes.drafts_fused). A drafter mode on an engine without a drafter model, a
+        assist as the mode says. A drafter mode on an engine without a drafter model, a
         window on a drafter that takes none or a swapped scaling on a backend that
         compiles its scaling in is refused in one line."""
-        fused = modes.drafts_fused(mode, self.manifest.drafter, self.backend)
         if not mode.uses_drafter_model:
-            return DraftSetting(None, None, mode.ngram_assist, fused)
+            return DraftSetting(None, None, mode.ngram_assist)
         if mode.swaps_scaling:
             check_drafter(self, swap=True)
             scaling, window = self.family_preset, None
@@ -174,46 +170,50 @@ class Engine:
         else:
             check_drafter(self)
             scaling, window = (self.scaling if mode.scaled else None), None
-        return DraftSetting(scaling, window, mode.ngram_assist, fused)
+        return DraftSetting(scaling, window, mode.ngram_assist)
 
     def drafter(self, scaled: bool = True, window: int | None = None, *, scaling=...):
-        """The per-row drafter role with the engine's query scaling, or unscaled (frozen);
-        with a `window`, its block rows see only the last `window` context keys (DFlash).
-        `scaling`: any other QueryScaling (calibration, diagnostics), on backends that
-        swap scalings at run time only (a compiled drafter graph has its scaling built in)."""
-        if scaling is not ...:
+        """The drafter role, for one row or a batch (calibration, diagnostics, step
+        costs): the batch drafter of blocks or chains, or a tree engine's tree drafter for
+        one row; with the engine's query scaling, or unscaled (frozen); with a `window`,
+        its block rows see only the last `window` context keys (DFlash). `scaling`: any
+        other QueryScaling, on backends that swap scalings at run time only (a compiled
+        drafter graph has its scaling built in)."""
+        if scaling is ...:
+            check_drafter(self, window=window)
+            scaling = self.scaling if scaled else None
+        else:
             check_drafter(self, swap=True)
-            return self.loaded.drafter(scaling)
-        check_drafter(self, window=window)
-        return self.loaded.drafter(self.scaling if scaled else None, window)
+        if self.style == "tree":
+            return self.loaded.tree_drafter(scaling)
+        return self.loaded.batch_drafter(scaling, window)
 
     def decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True, target=None) -> Decoder:
         """The decode loop (runtime/decode.py) running `mode`, built by runtime/assembly.py
-        from this engine's roles and the mode's DraftSetting. With `target` (the engine's
-        own, or a PrefillOnce over it): a batch of one on it. Without (batch_decoder): a
-        batch requests join and leave (in-flight batching). `adaptive`: drafter steps
-        verify as many drafts as the measured step costs make worthwhile."""
+        from this engine's roles and the mode's DraftSetting, on its batch target, which
+        any number of requests join and leave (in-flight batching; one at a time where
+        the backend does not batch: batch_refusal), or on `target` (a PrefillOnce over
+        one). `adaptive`: drafter steps verify as many drafts as the measured step costs
+        make worthwhile."""
         mode = self.check_mode(mode)
-        if target is None and self.batch_refusal(mode):
-            raise EngineError(f"{self.dir}: {self.batch_refusal(mode)}")
         setting = self.setting(mode)
-        loaded, limit, fused = self.loaded, self.context_limit, self.can.batch
+        loaded, limit = self.loaded, self.context_limit
 
         def limited(target):
             target.context_limit = limit
             return target
 
         roles = assembly.Roles(
-            self.style, lambda: limited(loaded.new_target()), limit,
-            drafter=lambda s: loaded.drafter(s.scaling, s.window),
-            batch_target=(lambda: limited(loaded.batch_target())) if fused else None,
-            batch_drafter=(lambda s: loaded.batch_drafter(s.scaling, s.window)) if fused else None,
+            self.style, lambda: limited(loaded.batch_target()), limit,
+            batch_drafter=lambda s: loaded.batch_drafter(s.scaling, s.window),
+            tree_drafter=lambda s: loaded.tree_drafter(s.scaling),
             lookup=lambda: NGramProposer.from_settings(self.ngram_settings),
             tree_shape=self.tree_shape, block_size=self.manifest.block_size,
             lookup_drafts=self.ngram_settings["num_draft_tokens"])
-        return assembly.decoder(roles, mode, target, self.step_costs if adaptive else None, setting)
+        return assembly.decoder(roles, mode, None if target is None else limited(target),
+                                self.step_costs if adaptive else None, setting)
 
-    batch_decoder = decoder  # without a target: a decoder any number of requests join
+    batch_decoder = decoder  # a decoder any number of requests join
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -224,10 +224,8 @@ class Engine:
     def generate(self, prompt: list[int], max_new_tokens: int, mode: str = Mode.SHARPDRAFT,
                  sampling: Sampling = Sampling(), stop: bool = True, on_tokens=None,
                  adaptive: bool = True) -> Generation:
-        # a request alone is a batch of one on the batch roles, where the backend batches
-        # (tokens, step counts and beta as on its single-sequence roles: scripts/compare_outputs.py)
-        target = None if self.can.batch else self.target
-        return run_mode(self, target, mode, prompt, max_new_tokens, Sampler(sampling),
+        # a request alone is a batch of one on the batch roles
+        return run_mode(self, None, mode, prompt, max_new_tokens, Sampler(sampling),
                         self.stop_ids if stop else frozenset(), on_tokens, adaptive)
 
 
@@ -246,7 +244,7 @@ def check_drafter(engine: Engine, window: int | None = None, swap: bool = False)
 def run_mode(engine: Engine, target, mode: str, prompt: list[int], max_new_tokens: int,
              sampler: Sampler, stop_ids=frozenset(), on_tokens=None,
              adaptive: bool = True) -> Generation:
-    """One decoding run of `mode` on `target` (the engine's own, or a PrefillOnce over it),
-    or without one (None) as a batch of one on the engine's batch roles."""
+    """One decoding run of `mode` on `target` (a PrefillOnce over a batch target of the
+    engine's), or without one (None) as a batch of one on the engine's batch roles."""
     return engine.decoder(mode, adaptive, target).generate(
         Request(prompt, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, sampler=sampler))

@@ -182,7 +182,7 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     from runtime.sampling import Sampler, Sampling
 
     sampling = sampling or Sampling()
-    once = PrefillOnce(engine.target, prompt, len(prompt) + new_tokens)
+    once = PrefillOnce(engine.loaded.batch_target(), prompt, len(prompt))
     # calibration may keep the preset: then the preset runs are the SharpDraft runs
     same = (Mode.PRESET in modes and Mode.SHARPDRAFT in modes
             and engine.family_preset == engine.scaling)

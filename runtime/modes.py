@@ -199,17 +199,6 @@ def batch_refusal(backend: str) -> str | None:
     return None
 
 
-def drafts_fused(mode: Mode, family: str | None, backend: str) -> bool:
-    """Whether a batch's drafter of `mode` runs as one pass per step (per chain link) for
-    every row on `backend` (else one call per row, runtime/backends/rows.py): a drafter
-    family the backend batches, in every drafter mode it runs -- the window modes (DFlash
-    blocks: each row its own window) and the preset (chains too: the batched drafter
-    under the family's QueryScaling, each row its own N and beta) included."""
-    can = BACKENDS[backend]
-    return (mode.uses_drafter_model and can.batch and not can.own_loop
-            and family in can.batched_drafters)
-
-
 def family_refusal(family: str, backend: str) -> str | None:
     """Why a drafter family cannot run on `backend` at all (its own drafting style is not
     among what the backend drafts), or None."""

@@ -226,23 +226,25 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     limit = engine.context_limit - width - 1
     contexts = sorted({min(c, limit) for c in contexts})
     rows, times, draft_rows, draft_times = [], [], [], []
+    target = engine.loaded.batch_target()  # a batch of one, as a request alone runs
     for context in contexts:
         ids = torch.randint(0, vocab, (context + width,), generator=gen).tolist()
-        _, features = engine.target.prefill(ids[:context], context + width)
+        _, features = target.add(ids[:context], context + width)
         for n in sizes:
             def verify(n=n):
-                engine.target.verify(ids[context:context + n])
-                engine.target.rollback(context)
+                target.verify([ids[context:context + n]])
+                target.rollback([context])
             verify()  # warm-up: first calls at a new shape pay one-off costs
             rows.append((1.0, n, context, n * context))
             times.append(_fastest_seconds(verify, repeats))
         if engine.has_drafter_model:
             def target_pass():  # what runs between two drafter steps in decoding
-                engine.target.verify(ids[context:context + DRAFTER_AFTER_VERIFY])
-                engine.target.rollback(context)
+                target.verify([ids[context:context + DRAFTER_AFTER_VERIFY]])
+                target.rollback([context])
             draft_rows.append((1.0, context))
             draft_times.append(_fastest_seconds(_drafter_step(engine, ids, features, context,
                                                               repeats), repeats, target_pass))
+        target.remove(0)
         if progress:
             progress(f"      step costs at {context} tokens: verify "
                      + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(sizes, times[-len(sizes):]))
@@ -256,10 +258,11 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
 
 
 def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
-    """A drafter step with ~context tokens in the drafter's cache, its cache filled and
-    one warm-up step run: a block step (DRAFTER_ROWS context features + bonus), a chain
-    step (one new token, the engine's draft count) or a tree step (one new token, the
-    whole tree)."""
+    """A drafter step with ~context tokens in the drafter's cache (a batch of one; a tree
+    drafter's one row), its cache filled and one warm-up step run: a block step
+    (DRAFTER_ROWS context features + bonus), a chain step (one new token, the engine's
+    draft count) or a tree step (one new token, the whole tree). Each step commits its
+    new rows, so the cache grows by a few tokens over the repeats."""
     from runtime.sampling import Sampler
 
     drafter = engine.drafter(scaled=False)
@@ -272,20 +275,21 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
             drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
     elif engine.style == "chain":
         k, sampler = engine.max_drafts, Sampler()
-        drafter.reset(context + repeats + 2)
-        drafter.draft(ids[:context], features, k, sampler)  # fill its cache to context tokens
+        drafter.add(context + repeats + 2, [], None)
+        drafter.draft([ids[:context]], [features], [k], [sampler])  # fill its row to context tokens
         # the newest token's features (a drafter that reads features reads one row per token)
         newest = None if features is None else features[-1:]
 
         def step():
-            drafter.draft(ids[context:context + 1], newest, k, sampler)
+            drafter.draft([ids[context:context + 1]], [newest], [k], [sampler])
     else:
         rows = DRAFTER_ROWS
-        drafter.reset(context + rows * (repeats + 2))
-        drafter.draft(features[:-rows], ids[0])  # fill its cache to ~context tokens
+        held = drafter.add(context + rows * (repeats + 2), features[:-rows], ids[0])
+        # the first step reads what its prefill held back (a drafter run one row at a time)
+        drafter.draft([torch.cat([held, features[-rows:]])], [ids[1]])
 
         def step():
-            drafter.draft(features[-rows:], ids[1])
+            drafter.draft([features[-rows:]], [ids[1]])
     step()  # warm-up
     return step
 

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         prompt = ids[:context]
         onces = {}
         for name, engine in engines.items():
-            onces[name] = PrefillOnce(engine.target, prompt, len(prompt) + args.new_tokens)
+            onces[name] = PrefillOnce(engine.loaded.batch_target(), prompt, len(prompt))
         for mode in args.modes:
             speeds = {name: [] for name in engines}
             tokens = {}

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import torch
 
     from build.checkpoints import prepare_target
-    from runtime.backends.pytorch import TorchTarget
+    from runtime.backends.pytorch import TorchBatchTarget
     from runtime.backends.pytorch.compiled import EngineSteps
     from runtime.models.target import ModelError, load_target
 
@@ -51,28 +51,30 @@ def main(argv=None) -> int:
         return 1
     prompt = [(17 * i + 5) % model.config.vocab_size for i in range(args.context)]
     capacity = args.context + 4 * args.steps * (args.width + 1) + args.width
-    # the compiled role as a loaded engine hands it out: over the engine's shared steps
+    # the compiled role as a loaded engine hands it out: over the engine's shared steps;
+    # each a batch target holding one sequence, as a request alone runs
     steps = EngineSteps(model, buckets=(1, args.width), backend=args.compiler)
-    roles = {"torch eager": TorchTarget(model), f"torch compiled ({args.compiler})": steps.target()}
+    roles = {"torch eager": TorchBatchTarget(model),
+             f"torch compiled ({args.compiler})": steps.batch_target()}
     if args.engine_dir:
         from runtime.engine import Engine
 
-        roles["onnxruntime"] = Engine(args.engine_dir, backend="onnxruntime").target
+        roles["onnxruntime"] = Engine(args.engine_dir, backend="onnxruntime").loaded.batch_target()
     for name, role in roles.items():
         start = time.perf_counter()
-        role.prefill(prompt, capacity)
+        role.add(prompt, capacity)
         for width in (1, args.width):  # compiles (or warms up) each step shape
-            role.verify([1] * width)
-            role.rollback(args.context)
+            role.verify([[1] * width])
+            role.rollback([args.context])
         print(f"{name}: prefill and warm-up {time.perf_counter() - start:.1f} s", file=sys.stderr)
     times = {(name, w): [] for name in roles for w in (1, args.width)}
     for _ in range(args.steps):
         for width in (1, args.width):
             for name, role in roles.items():
                 start = time.perf_counter()
-                role.verify([1] * width)
+                role.verify([[1] * width])
                 times[name, width].append((time.perf_counter() - start) * 1e3)
-                role.rollback(args.context)
+                role.rollback([args.context])
     result = {"command": " ".join(["python -m scripts.compiled_cpu_ab"] + (argv or sys.argv[1:])),
               "load_average": os.getloadavg(), "threads": torch.get_num_threads(),
               "context": args.context,

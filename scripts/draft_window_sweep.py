@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 from runtime.acceptance import committed_per_anchor, greedy_continuation
-from runtime.backends.pytorch import TorchDFlash
+from runtime.backends.pytorch import TorchBatchDFlash
 from runtime.cli import UsageError
 from runtime.commands.documents import default_documents, tokenized
 from runtime.commands.provenance import provenance
@@ -67,10 +67,10 @@ def main(argv=None) -> int:
     extra = engine.manifest.block_size - 1  # the drafts the last anchor's step checks
     for n in args.lengths:
         for name, ids in docs:
-            cont = greedy_continuation(engine.target, ids[:n], args.new_tokens + extra)
+            cont = greedy_continuation(engine.loaded.batch_target(), ids[:n], args.new_tokens + extra)
             line = {}
             for way, (scaling, window) in ways.items():
-                drafter = TorchDFlash(engine.drafter_model, engine.model, scaling, window)
+                drafter = TorchBatchDFlash(engine.drafter_model, engine.model, scaling, window)
                 got = committed_per_anchor(drafter, cont, "block")
                 counts[way][n] += got
                 line[way] = round(statistics.fmean(got), 3)

@@ -117,25 +117,20 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 
 
 def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window, shared):
-    """The decode loop (runtime/decode.py) for `mode` over the compiled roles: the
+    """The decode loop (runtime/decode.py) for `mode` over the compiled batch roles, put
+    together as an engine's are (runtime/assembly.py), a batch of one per request: the
     proposer the engine would pick (runtime/modes.py's table), every drafter step
     verifying its whole block (no measured step costs for this GPU)."""
-    from runtime import modes, proposers
-    from runtime.backends.rows import RowBlockDrafters, RowTargets
-    from runtime.decode import Decoder
-    from runtime.ngram import NGramProposer
+    from runtime import assembly, modes
 
     m = modes.parse(mode)
-    if m.draft_source == modes.NO_DRAFTER:
-        proposer = proposers.NoDrafts()
-    elif m.draft_source == modes.LOOKUP:
-        proposer = proposers.Lookup(NGramProposer)
-    else:
-        drafter = make_drafter(drafter_model, target_model, scaling if m.scaled else None,
-                               window if m.needs_window else None, shared)
-        proposer = proposers.Block(RowBlockDrafters(lambda: drafter),
-                                   NGramProposer if m.ngram_assist else None)
-    return Decoder(RowTargets(lambda: target, target.context_limit), proposer)
+    roles = assembly.Roles(
+        "block", lambda: target, target.context_limit,
+        batch_drafter=lambda s: make_drafter(drafter_model, target_model, s.scaling, s.window, shared),
+        block_size=drafter_model.config.block_size)
+    setting = assembly.DraftSetting(scaling if m.scaled else None,
+                                    window if m.needs_window else None, m.ngram_assist)
+    return assembly.decoder(roles, m, setting=setting)
 
 
 def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_bucket=None):
@@ -151,17 +146,19 @@ def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_b
 
 
 def make_target(model, feature_layers, shared):
-    from runtime.backends.pytorch import TorchTarget
+    from runtime.backends.pytorch import TorchBatchTarget
 
-    return TorchTarget(model, feature_layers) if shared is None else shared.target()
+    return TorchBatchTarget(model, feature_layers) if shared is None else shared.batch_target()
 
 
 def make_drafter(drafter_model, target_model, scaling, window, shared):
-    from runtime.backends.pytorch import TorchDFlash
+    """The batch DFlash drafter, as the torch loader makes it: compiled, or eager under a
+    draft window (a compiled block step spans the whole context)."""
+    from runtime.backends.pytorch import TorchBatchDFlash
 
-    if shared is None:
-        return TorchDFlash(drafter_model, target_model, scaling, window)
-    return shared.dflash(scaling, window)
+    if shared is None or window is not None:
+        return TorchBatchDFlash(drafter_model, target_model, scaling, window)
+    return shared.batch_dflash(scaling)
 
 
 def our_rows(model, drafter, scaling, device, prompts, new_tokens, steps, clock, rows, save,

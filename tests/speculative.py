@@ -1,7 +1,7 @@
-"""Decoding on bare backend roles (a target and a drafter object in hand, no engine
+"""Decoding on bare backend roles (a batch target and a drafter object in hand, no engine
 directory), for tests: each helper describes its roles to runtime/assembly.py, the factory
 Engine builds every decoder with, so tests run the production shape (its proposers, its
-slack rule)."""
+slack rule). A drafter is a batch drafter (blocks, chains) or a tree drafter (trees)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ from runtime.tree import TreeShape
 
 
 def roles(target, style=None, drafter=None, lookup=None, tree_shape=None) -> assembly.Roles:
-    """Single-sequence roles over `target` (and one `drafter`, of `style`)."""
+    """Roles over a batch `target` (and one `drafter`, of `style`)."""
+    block_size = 1
+    if style == "block":
+        block_size = drafter.block_size
+    elif style == "chain":
+        block_size = drafter.max_drafts + 1
     return assembly.Roles(style, lambda: target, target.context_limit,
-                          drafter=(lambda mode: drafter) if drafter is not None else None,
+                          batch_drafter=(lambda s: drafter) if style in ("block", "chain") else None,
+                          tree_drafter=(lambda s: drafter) if style == "tree" else None,
                           lookup=(lambda: lookup) if lookup is not None else NGramProposer,
-                          tree_shape=tree_shape)
+                          tree_shape=tree_shape, block_size=block_size)
 
 
 def decode_one(roles_: assembly.Roles, mode: Mode, target, prompt: list[int], max_new_tokens: int,
@@ -67,11 +73,7 @@ def generate_ngram(target, proposer: NGramProposer, prompt, max_new_tokens, samp
 def batch_decoder(target, drafter=None, costs: StepCosts | None = None) -> Decoder:
     """Target-only (no drafter) or DFlash blocks over batched roles (BatchTarget,
     BatchBlockDrafter); requests join with add() and step together."""
-    batched = assembly.Roles(
-        "block" if drafter is not None else None, None, target.context_limit,
-        batch_target=lambda: target,
-        batch_drafter=(lambda mode: drafter) if drafter is not None else None,
-        block_size=drafter.block_size if drafter is not None else 1)
+    batched = roles(target, "block" if drafter is not None else None, drafter)
     return assembly.decoder(batched, Mode.FROZEN if drafter is not None else Mode.TARGET,
                             costs=costs)
 
@@ -84,10 +86,7 @@ def generate_batch(target, drafter, requests: list[Request], costs: StepCosts | 
 def chain_batch_decoder(target, drafter, costs: StepCosts | None = None) -> Decoder:
     """Chains over batched roles (BatchTarget, BatchChainDrafter); requests join with
     add() and step together."""
-    batched = assembly.Roles("chain", None, target.context_limit, batch_target=lambda: target,
-                             batch_drafter=lambda mode: drafter,
-                             block_size=drafter.max_drafts + 1)
-    return assembly.decoder(batched, Mode.FROZEN, costs=costs)
+    return assembly.decoder(roles(target, "chain", drafter), Mode.FROZEN, costs=costs)
 
 
 # the ONNX Runtime sessions a batch drafter runs (EAGLE-3's: its step and tree graphs)

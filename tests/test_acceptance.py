@@ -10,7 +10,7 @@ from tiers import examples
 import tiny
 from plugins.scaling import QueryScaling
 from runtime.acceptance import committed_per_anchor, greedy_continuation, max_drafts
-from runtime.backends.pytorch import TorchPARD
+from runtime.backends.pytorch import TorchBatchPARD, TorchBatchTarget
 from runtime.sampling import Sampler
 from speculative import generate_block, generate_chain, generate_tree
 from runtime.tree import TreeShape
@@ -28,7 +28,7 @@ def pair(style, seed, vocab, size):
     if style == "chain":
         target = tiny.float64_target(seed, vocab)
         drafter = tiny.pard_from_target(target, vocab - 1) if seed % 3 else tiny.float64_pard(seed + 1, vocab)
-        return test_speculative.TorchTarget(target), TorchPARD(drafter, vocab, size, scaling), generate_chain, None
+        return TorchBatchTarget(target), TorchBatchPARD(drafter, vocab, size, scaling), generate_chain, None
     shape = TreeShape(3, size, 10)
     t, d = test_eagle3.runners(*test_eagle3.eagle_pair(seed % 5000, vocab), scaling, shape)
     return t, d, (lambda *a: generate_tree(*a, shape)), shape

@@ -15,7 +15,7 @@ from tiers import examples
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention, visible_counts
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
 from runtime.models.eagle3 import DraftVocabulary, load_eagle3, save_eagle3
 from runtime.models.target import ModelError
 from runtime.sampling import Sampler, Sampling
@@ -35,7 +35,7 @@ def eagle_pair(seed, vocab, draft_vocab=None, eagle31=False, sharpness=3.0):
 
 def runners(target, drafter, scaling=None, shape=TreeShape(4, 4, 12)):
     layers = drafter.config.feature_layers(target.config.num_layers)
-    return TorchTarget(target, layers), TorchEagle3(drafter, scaling, shape)
+    return TorchBatchTarget(target, layers), TorchEagle3(drafter, scaling, shape)
 
 
 # --- the architecture, against an independent plain-torch reading of cnets.py -----
@@ -173,16 +173,26 @@ def test_caches_after_tree_steps_equal_caches_built_from_scratch(seed):
     target, drafter = eagle_pair(seed, vocab=8, draft_vocab=6)
     shape = TreeShape(3, 4, 14)
     t, d = runners(target, drafter, QueryScaling(ref_keys=10, top_k=2, slope=2.0), shape)
+    left = []  # the row's cache as the finished sequence leaves the batch
+    leave = t.remove
+
+    def remove(row):
+        cache = t.caches.groups[0].cache
+        left.append((int(cache.lengths[0]), cache.k.clone(), cache.v.clone()))
+        leave(row)
+
+    t.remove = remove
     prompt = [1, 5, 2, 7, 3]
     gen = generate_tree(t, d, prompt, 30, Sampler(), shape)
     assert gen.mean_accepted_length > 1.0
     committed = prompt + gen.tokens[:-1]  # the last token is not in any cache yet
-    n = t.cache.length
+    (n, k, v), = left
     assert n == len(committed)
-    scratch = TorchTarget(target, t.feature_layers)
-    _, features = scratch.prefill(committed, n + 4)
-    torch.testing.assert_close(t.cache.k[..., :n, :], scratch.cache.k[..., :n, :], atol=1e-9, rtol=0)
-    torch.testing.assert_close(t.cache.v[..., :n, :], scratch.cache.v[..., :n, :], atol=1e-9, rtol=0)
+    scratch = TorchBatchTarget(target, t.feature_layers)
+    _, features = scratch.add(committed, n + 4)
+    ref = scratch.caches.groups[0].cache
+    torch.testing.assert_close(k[..., :n, :], ref.k[..., :n, :], atol=1e-9, rtol=0)
+    torch.testing.assert_close(v[..., :n, :], ref.v[..., :n, :], atol=1e-9, rtol=0)
     m = d.cache.length  # the drafter last ingested what was committed before its last tree
     assert len(prompt) <= m < n
     fresh = TorchEagle3(drafter, d.scaling, shape)

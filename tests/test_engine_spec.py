@@ -35,8 +35,8 @@ def test_an_engine_opened_with_its_spec_reads_no_engine_json(tiny_engine, monkey
 
 def test_each_mode_resolves_to_its_draft_setting(tiny_engine):
     engine = Engine(tiny_engine)
-    assert engine.setting(Mode.SHARPDRAFT) == DraftSetting(engine.scaling, None, False, True)
-    assert engine.setting(Mode.FROZEN) == DraftSetting(None, None, False, True)
+    assert engine.setting(Mode.SHARPDRAFT) == DraftSetting(engine.scaling, None, False)
+    assert engine.setting(Mode.FROZEN) == DraftSetting(None, None, False)
     assert engine.setting(Mode.PRESET).scaling == engine.family_preset != engine.scaling
     assert engine.setting(Mode.TARGET).scaling is None
     for mode in engine.modes:

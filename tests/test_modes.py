@@ -74,28 +74,6 @@ def test_batching_follows_the_table():
     assert {name for name, can in modes.BACKENDS.items() if can.packed_trees} == {"torch", "onnxruntime"}
 
 
-def test_every_drafter_mode_drafts_in_one_batched_pass_where_the_backend_batches():
-    """A draft window (a per-row visible range) and the preset (another QueryScaling) keep
-    no mode's batch drafter per row: the table fuses every DFlash mode on torch and
-    onnxruntime, none on tensorrt (one sequence) or trtllm (its own loop), and every
-    chain mode each backend runs."""
-    for backend in ("torch", "onnxruntime"):
-        fused = {m for m in Mode if modes.drafts_fused(m, "dflash", backend)}
-        assert fused == {m for m in Mode if m.uses_drafter_model}
-        assert {Mode.WINDOW, Mode.WINDOW_HYBRID, Mode.PRESET} <= fused
-    assert not any(modes.drafts_fused(m, "dflash", b) for m in Mode for b in ("tensorrt", "trtllm"))
-    assert not any(modes.drafts_fused(m, None, "torch") for m in Mode)
-    # chains batch in every mode they run, the preset too (torch's batched chain drafters
-    # take any QueryScaling), PARD's and EAGLE-3's on both backends (ONNX Runtime's graphs
-    # take each row's committed length, past_lens)
-    for family in ("pard", "eagle3"):
-        for backend in ("torch", "onnxruntime"):
-            chains = {m for m in Mode if modes.drafts_fused(m, family, backend)
-                      and modes.refusal(m, "chain", backend, True, False) is None}
-            assert chains == {Mode.FROZEN, Mode.SHARPDRAFT} | (
-                {Mode.PRESET} if backend == "torch" else set()), (family, backend)
-
-
 def test_the_backend_registries_are_the_table():
     from plugins.onnx import ATTENTION_FORMS
     from runtime.backends import BACKENDS, RUNNABLE_BACKENDS

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples, law_runs
 
 from runtime.backends import PrefillOnce
-from runtime.backends.pytorch import TorchTarget
+from runtime import assembly
+from runtime.backends.pytorch import TorchBatchTarget
 from runtime.ngram import NGramProposer
 from runtime.sampling import Sampler, Sampling
 from speculative import generate_ngram, generate_target_only
@@ -96,25 +97,30 @@ def test_settings_round_trip():
 
 
 class CheckedTarget:
-    """A target that records each verify pass and refuses a write past the capacity the
-    loop asked for at prefill: drafting past the budget would show up here."""
+    """A batch target of one row that records each verify pass and refuses a write past
+    the budget the loop asked for at its join (its capacity less the roles' slack, the
+    room a padded batch row may write): drafting past the budget would show up here."""
 
     def __init__(self, target):
         self.target, self.context_limit, self.passes = target, target.context_limit, []
+        self.slack = assembly.Roles(None, None, 0).slack  # speculative.roles' (no drafter)
 
-    def prefill(self, ids, capacity):
-        self.length, self.capacity = len(ids), capacity
-        return self.target.prefill(ids, capacity)
+    def add(self, ids, capacity):
+        self.length, self.capacity = len(ids), capacity - self.slack
+        return self.target.add(ids, capacity)
 
-    def verify(self, ids):
-        assert self.length + len(ids) <= self.capacity, "a verify pass past the budget"
-        self.passes.append(len(ids))
-        self.length += len(ids)
-        return self.target.verify(ids)
+    def verify(self, rows):
+        assert self.length + len(rows[0]) <= self.capacity, "a verify pass past the budget"
+        self.passes.append(len(rows[0]))
+        self.length += len(rows[0])
+        return self.target.verify(rows)
 
-    def rollback(self, length):
-        self.length = length
-        self.target.rollback(length)
+    def rollback(self, lengths):
+        self.length = lengths[0]
+        self.target.rollback(lengths)
+
+    def remove(self, row):
+        self.target.remove(row)
 
 
 def repetitive_prompt(seed, vocab, length):
@@ -130,7 +136,7 @@ def repetitive_prompt(seed, vocab, length):
        shape=ngram_shapes, stop=st.booleans())
 def test_greedy_ngram_equals_target_only(seed, vocab, repetitive, prompt_len, max_new,
                                          shape, stop):
-    t = CheckedTarget(TorchTarget(float64_target(seed, vocab)))
+    t = CheckedTarget(TorchBatchTarget(float64_target(seed, vocab)))
     g = torch.Generator().manual_seed(seed)
     prompt = (repetitive_prompt(seed, vocab, prompt_len) if repetitive
               else torch.randint(0, vocab, (prompt_len,), generator=g).tolist())
@@ -149,7 +155,7 @@ def test_the_ngram_lossless_check_exercises_acceptance():
     """Guard for the property test above: on repetitive prompts, drafts do get accepted."""
     mals = []
     for seed in range(6):
-        t = TorchTarget(float64_target(seed, vocab=6))
+        t = TorchBatchTarget(float64_target(seed, vocab=6))
         gen = generate_ngram(t, NGramProposer(3, 1, 4), repetitive_prompt(seed, 6, 16), 40,
                              Sampler())
         mals.append(gen.mean_accepted_length)
@@ -162,7 +168,7 @@ def test_no_drafts_is_a_plain_decode_step():
         def propose(self, tokens):
             return []
 
-    t = CheckedTarget(TorchTarget(float64_target(5, vocab=40)))
+    t = CheckedTarget(TorchBatchTarget(float64_target(5, vocab=40)))
     prompt = list(range(1, 5))
     got = generate_ngram(t, NothingFound(), prompt, 8, Sampler())
     assert got.tokens == generate_target_only(t, prompt, 8, Sampler()).tokens
@@ -202,7 +208,7 @@ def test_ngram_sampling_preserves_the_target_distribution():
     expected = exact_first_tokens(model, prompt, sampler, vocab).flatten() * draws
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     first_step = Counter()
-    once = PrefillOnce(TorchTarget(model), prompt, len(prompt) + 4)  # deterministic prefill
+    once = PrefillOnce(TorchBatchTarget(model), prompt, len(prompt) + 4)  # deterministic prefill
     for _ in range(draws):
         gen = generate_ngram(once, proposer, prompt, 4, sampler)
         t1, t2, t3 = gen.tokens[:3]

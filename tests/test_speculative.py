@@ -12,7 +12,7 @@ from tiers import examples, law_runs
 
 from plugins.scaling import QueryScaling
 from runtime.backends import PrefillOnce
-from runtime.backends.pytorch import TorchDFlash, TorchTarget
+from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
 from runtime.models.target import TargetConfig, TargetModel
 from runtime.ngram import NGramProposer
@@ -45,8 +45,8 @@ def tiny_pair(seed: int, vocab: int, block: int, layers: int = 2, context: int =
 
 
 def runners(target, drafter, scaling, window=None):
-    return (TorchTarget(target, drafter.config.target_layer_ids),
-            TorchDFlash(drafter, target, scaling, window))
+    return (TorchBatchTarget(target, drafter.config.target_layer_ids),
+            TorchBatchDFlash(drafter, target, scaling, window))
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -169,10 +169,9 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     t, d = runners(target, drafter, scaling)
     gen = generate_block(t, d, list(range(1, 8)), 30, Sampler())
     layers = drafter.config.num_layers
-    # the drafter's prefill pass (the prompt's rows but the last, its block scratch), then
-    # one pass a step
+    # the drafter's prefill pass (the prompt's rows, its block scratch), then one pass a step
     assert len(handed) == layers * (gen.verify_steps + 1)
-    assert handed[0][0].unique().tolist() == [6 + 4]
+    assert handed[0][0].unique().tolist() == [7 + 4]
     committed = 7
     for step, (visible, b, c) in enumerate(zip(gen.visible_per_step, gen.beta_per_step,
                                                gen.committed_per_step)):
@@ -218,15 +217,18 @@ class CountingTarget:
     def __init__(self, target):
         self.target, self.context_limit, self.passes = target, target.context_limit, []
 
-    def prefill(self, ids, capacity):
-        return self.target.prefill(ids, capacity)
+    def add(self, ids, capacity):
+        return self.target.add(ids, capacity)
 
-    def verify(self, ids):
-        self.passes.append(len(ids))
-        return self.target.verify(ids)
+    def verify(self, rows):
+        self.passes.append(len(rows[0]))
+        return self.target.verify(rows)
 
-    def rollback(self, length):
-        self.target.rollback(length)
+    def rollback(self, lengths):
+        self.target.rollback(lengths)
+
+    def remove(self, row):
+        self.target.remove(row)
 
 
 @pytest.mark.slow  # the block loop's law: test_speculative_sampling_preserves_the_target_distribution

@@ -3,56 +3,28 @@ opens an engine directory and returns a Loaded), and how a joining sequence pref
 them in parts.
 
 The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
-these roles. The batch roles below are the interface (Protocol classes); a role alone
-(one sequence: what a batch role's joining row prefills on, and what rows.py runs one per
-row) is written here only:
+these roles, and every backend implements them over a batch: one request is a batch of
+one. The loop runs over a batch of sequences at different lengths, one row each; a
+sequence joins as the last row and leaves from any row, between steps. The batch roles
+are the interface (the Protocol classes below); one role works row by row:
 
-  Target:  prefill(ids, capacity) -> (last logits [vocab], features [t, F])
-           verify(ids)            -> (logits [t, vocab], features [t, F])
-           rollback(length)       -- keep the first `length` tokens of the KV cache
-           snapshot() / restore(snapshot, capacity) -- the cache, to replay a prefill
-           verify_tree(tree)      -> (logits [n, vocab], features [n, F]) -- a DraftTree's
-                                     nodes in one pass, their keys scratch past the committed
-                                     ones (the target makes room for them; torch and
-                                     onnxruntime backends, EAGLE-3 engines)
-           keep_path(nodes)       -- commit the accepted path's keys (node indices, root first)
-  Tree drafter (EAGLE-3):
+  Tree drafter (EAGLE-3 trees: one per row, runtime/proposers.py Tree):
            reset(capacity)
+           read(ids, features)    -- store the cache entries of committed tokens without
+                                     drafting (the prompt, during prefill): feature row i
+                                     paired with token ids[-len(features) + i]
            draft_tree(context [c, F], following [c], shape) -> (DraftTree, visible keys N)
                                   -- following: the token after each context row
            scaling
-  Block drafter (DFlash):
-           reset(capacity)
-           draft(context [c, F], bonus) -> (logits [block - 1, columns], visible keys N)
-           vocab                  -- the target ids of the logits' columns (a DraftVocab:
-                                     the drafter's draft vocabulary), or None (all of them)
-           scaling                -- the QueryScaling it applies, or None (frozen)
-  Chain drafter (PARD; EAGLE-3 with top_k = 1):
-           reset(capacity)
-           read(ids, features)    -- store the cache entries of committed tokens without
-                                     drafting (the prompt, during prefill); `features` as
-                                     draft() takes them (tree drafters read so too)
-           draft(ids, features, k, sampler) -> ChainDraft(tokens [k], probs [k, vocab] or
-                  None (greedy), logits [k, vocab], visible [k]: N of each draft row)
-                  -- ids: tokens committed since the last call (the prompt and the first
-                  token at the first call), ending with the newest, which the target has
-                  not run yet; features: the target's features of the tokens just before
-                  the last len(features) ids ([t, F] or None: a drafter that reads none,
-                  like PARD, ignores them). Commits exactly `ids` to the drafter's cache:
-                  whatever it writes while drafting lies past that length, as scratch.
-                  Drafts come from `sampler` (Sampler.propose), so sampling stays lossless:
-                  a drafter that drafts token by token draws each from its own q.
-           max_drafts             -- the most drafts one call makes (K)
-           scaling
 
-The loop runs over a batch of sequences at different lengths, one row each; a sequence
-joins as the last row and leaves from any row, between steps. Batched roles (torch and
-ONNX Runtime run them fused, modes.BACKENDS[...].batched_drafters says which drafters and
-.packed_trees whether trees verify in one packed pass; RowTargets / RowBlockDrafters /
-RowChainDrafters (rows.py) make them of single-sequence roles, one per row -- how trees
-a batch target cannot pack, a batch of one and drafters without a batched form run):
-
-  BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- its prefill
+  BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- a new row's
+                                    prefill: prefill + join_prefilled
+                prefill(ids, capacity); prefill_more(ids) -> as add's -- a joining
+                                    sequence's prompt in parts (chunked prefill), held
+                                    aside until join_prefilled() makes it the last row
+                snapshot() / restore(snapshot, capacity) -- a copy of the held sequence,
+                                    and that copy held again in a cache of `capacity`
+                                    (PrefillOnce: several runs from one prefill)
                 verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
                 rollback(lengths)   -- each sequence's committed length
                 remove(row)
@@ -61,9 +33,6 @@ a batch target cannot pack, a batch of one and drafters without a batched form r
                                     pack), each node seeing its own row's committed keys
                                     and its ancestors at that row's length + depth
                 keep_paths(paths)   -- commit each row's accepted path (node indices)
-                packs_trees         -- whether verify_trees runs packed (modes.BACKENDS
-                                    packed_trees; an ONNX tree graph fixed to one sequence
-                                    does not): else the decoder verifies trees on RowTargets
   BatchBlockDrafter:
                 add(capacity, context [c, F], last) -> the features its first draft() must
                                     pass (what it left unread); last: the prompt's last token
@@ -74,23 +43,40 @@ a batch target cannot pack, a batch of one and drafters without a batched form r
                                     the target's chunk; the parts leave the cache one
                                     piece leaves (BlockPrefill)
                 draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
-                fused               -- one call for the whole batch (default): it runs every
-                                    step for every row; False (RowBlockDrafters): a row
-                                    that sits the step out passes an empty context
-                remove(row); scaling; vocab (as BlockDrafter's)
+                                 -- context: each row's target features committed since
+                                    its last call (an empty one, [0, F], adds nothing);
+                                    bonus: its newest token, which the target has not run
+                                    yet; the block's keys are scratch, only the context
+                                    stays in the row's cache
+                remove(row); block_size
+                vocab               -- the target ids of the logits' columns (a DraftVocab:
+                                    the drafter's draft vocabulary), or None (all of them)
+                scaling             -- the QueryScaling it applies, or None (frozen)
   BatchChainDrafter (PARD; EAGLE-3 with top_k = 1):
-                add(capacity, ids, features) -- a new row's prefill: reset(capacity), then
-                                    read(ids, features) unless ids is empty
+                add(capacity, ids, features) -- a new row's prefill: its cache holds the
+                                    entries of the committed tokens `ids` (each from its
+                                    token, the features draft() pairs with it, and its
+                                    position), without drafting
+                prefill / prefill_more / join_prefilled -- add in parts (ChainPrefill)
                 draft(rows of ids, rows of features, ks, samplers) -> [ChainDraft or None]
-                                    -- per row as ChainDrafter.draft (None where its k = 0),
-                                    fused: one drafter pass per chain step for every row
-                                    (PARD: one pass; EAGLE-3: one ingesting the rows' new
-                                    entries, then one per link), each row at its own cache
-                                    length, so its own N and beta; row r's drafts drawn by
-                                    samplers[r] from its own q, one draw per position
-                fused               -- True: one call drafts the whole batch; False
-                                    (RowChainDrafters): one drafter per row
-                remove(row); max_drafts; scaling
+                                 -- per row: ids, the tokens committed since its last call
+                                    (the prompt and the first token at the first call),
+                                    ending with the newest, which the target has not run
+                                    yet; features, the target's features of the tokens just
+                                    before its last len(features) ids ([t, F], or None for
+                                    a drafter that reads none, like PARD); k drafts (None
+                                    where k = 0): ChainDraft(tokens [k], probs [k, vocab]
+                                    or None (greedy), logits [k, vocab], visible [k]: N of
+                                    each draft row). A row commits exactly its ids; what a
+                                    call writes while drafting lies past that, as scratch.
+                                    One drafter pass per chain step for every row (PARD:
+                                    one pass; EAGLE-3: one ingesting the rows' new entries,
+                                    then one per link), each row at its own cache length,
+                                    so its own N and beta; row r's drafts drawn by
+                                    samplers[r] (Sampler.propose) from its own q, one draw
+                                    per position, so sampling stays lossless
+                remove(row); scaling
+                max_drafts          -- the most drafts one call makes for a row (K)
 """
 
 from __future__ import annotations
@@ -111,32 +97,38 @@ from runtime.tree import TreeShape
 
 
 class PrefillOnce:
-    """A target whose prefill of one prompt is computed once and then replayed, so that
-    several decoding runs (target-only, frozen, SharpDraft) start from the SAME prefill."""
+    """A batch target, one row at a time, whose prefill of one prompt is computed once and
+    then replayed (snapshot / restore, in the cache each run asks for), so that several
+    decoding runs (target-only, frozen, SharpDraft) start from the SAME prefill."""
 
-    def __init__(self, target, prompt: list[int], capacity: int):
-        self.target, self.prompt, self.capacity = target, list(prompt), capacity
+    def __init__(self, target, prompt: list[int], capacity: int | None = None):
+        self.target, self.prompt = target, list(prompt)
         self.context_limit = target.context_limit
-        self.result = target.prefill(self.prompt, capacity)
+        self.packs_trees = getattr(target, "packs_trees", False)
+        self.result = target.prefill(self.prompt, capacity or len(self.prompt))
         self.saved = target.snapshot()
 
-    def prefill(self, ids: list[int], capacity: int):
-        if list(ids) != self.prompt or capacity > self.capacity:
-            raise ValueError("PrefillOnce replays only the prompt and capacity it was built for")
-        self.target.restore(self.saved, self.capacity)
+    def add(self, ids: list[int], capacity: int):
+        if list(ids) != self.prompt:
+            raise ValueError("PrefillOnce replays only the prompt it was built for")
+        self.target.restore(self.saved, capacity)
+        self.target.join_prefilled()
         return self.result
 
-    def verify(self, ids):
-        return self.target.verify(ids)
+    def verify(self, rows):
+        return self.target.verify(rows)
 
-    def rollback(self, length: int) -> None:
-        self.target.rollback(length)
+    def rollback(self, lengths: list[int]) -> None:
+        self.target.rollback(lengths)
 
-    def verify_tree(self, tree):
-        return self.target.verify_tree(tree)
+    def remove(self, row: int) -> None:
+        self.target.remove(row)
 
-    def keep_path(self, nodes: list[int]) -> None:
-        self.target.keep_path(nodes)
+    def verify_trees(self, trees):
+        return self.target.verify_trees(trees)
+
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        self.target.keep_paths(paths)
 
 
 class TreeDrafter(Protocol):
@@ -145,7 +137,8 @@ class TreeDrafter(Protocol):
     def reset(self, capacity: int) -> None: ...
 
     def read(self, ids: list[int], features: torch.Tensor) -> None:
-        """As ChainDrafter.read: feature row i paired with token ids[-len(features) + i]."""
+        """The committed `ids`' entries, feature row i paired with token
+        ids[-len(features) + i]; nothing drafted."""
 
     def draft_tree(self, context: torch.Tensor, following: list[int], shape) -> tuple[object, int]: ...
 
@@ -154,6 +147,21 @@ class BatchTarget(Protocol):
     context_limit: int
 
     def add(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def prefill(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """add's first part: a joining sequence's first prompt tokens, held aside."""
+
+    def prefill_more(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held sequence's next prompt tokens."""
+
+    def join_prefilled(self) -> None:
+        """The held sequence becomes the batch's last row."""
+
+    def snapshot(self) -> object:
+        """A copy of the held sequence, independent of every later step."""
+
+    def restore(self, snapshot: object, capacity: int) -> None:
+        """The snapshot's sequence held again, in a cache of `capacity` tokens."""
 
     def verify(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -302,28 +310,25 @@ class ChainPrefill:
 class Loaded(Protocol):
     """What a loader hands back for one engine directory (the roles above, made on
     demand). `can`: what this backend runs (modes.BACKENDS); `device` / `dtype`: where
-    and in which precision its roles run."""
+    and in which precision its roles run; `context_limit`: the longest sequence its
+    target takes."""
 
     can: modes.Backend
-    target: object  # the engine's own target, alone (the docstring's Target)
     tokenizer: object
     device: str
     dtype: str
-
-    def new_target(self):
-        """Another single-sequence target (its own cache) over the same weights."""
+    context_limit: int
 
     def batch_target(self) -> BatchTarget: ...
 
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        """The per-row drafter (block, chain or tree) under `scaling` (None: frozen); with
-        a `window`, its block rows see only the last `window` context keys (DFlash)."""
-
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
                       ) -> BatchBlockDrafter | BatchChainDrafter:
-        """The drafter over a batch under `scaling`: blocks (DFlash) or chains (PARD,
-        EAGLE-3 with top_k 1) for the whole batch in one call; with a `window`, each DFlash
-        row under its own draft window (the per-row drafter's, fused)."""
+        """The drafter over a batch under `scaling` (None: frozen): blocks (DFlash) or
+        chains (PARD, EAGLE-3 with top_k 1) for the whole batch in one call; with a
+        `window`, each DFlash row sees only the last `window` of its context keys."""
+
+    def tree_drafter(self, scaling: QueryScaling | None) -> TreeDrafter:
+        """An EAGLE-3 tree drafter for one row under `scaling`."""
 
     def has_window(self) -> bool:
         """Whether its DFlash drafter can draft under a draft window."""

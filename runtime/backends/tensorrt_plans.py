@@ -1,6 +1,6 @@
 """The tensorrt backend: an engine's TensorRT plans (build/tensorrt_build.py builds them from the
 ONNX graphs the onnxruntime backend runs) executed through TensorRT's Python runtime, behind
-the same Target / BlockDrafter roles as the torch and onnxruntime backends.
+the same batch roles as the torch and onnxruntime backends, one sequence at a time.
 
 One execution context per plan, tensors bound by name (set_input_shape /
 set_tensor_address) and run with execute_async_v3 on one CUDA stream. The KV caches are
@@ -217,9 +217,11 @@ class DeviceKVCache:
 
 
 class TensorRTTarget:
-    """target-kv.plan over a DeviceKVCache; prefill in PREFILL_CHUNK-token steps over
-    compact copies of the committed prefix, as OnnxTarget does (a step costs its bound
-    capacity, and the same binding order gives the same arithmetic as ONNX Runtime's)."""
+    """target-kv.plan over a DeviceKVCache, as a batch target of at most one row (the
+    plans are built for one sequence: modes.batch_refusal keeps a server to one request at
+    a time); prefill in PREFILL_CHUNK-token steps over compact copies of the committed
+    prefix, as OnnxTarget does (a step costs its bound capacity, and the same binding
+    order gives the same arithmetic as ONNX Runtime's)."""
 
     def __init__(self, plan: Plan, dtype: torch.dtype, context_limit: int):
         self.plan, self.dtype, self.context_limit = plan, dtype, context_limit
@@ -228,8 +230,12 @@ class TensorRTTarget:
         # The most cache positions the plan's profile admits.
         self.max_capacity = plan.limit("cache_keys_0", 2)
         self.cache: DeviceKVCache | None = None
+        self.rows = 0  # 0 or 1: the sequence in `cache` has joined
 
     def _new_cache(self, capacity: int) -> None:
+        if self.rows:
+            raise EngineError(f"{self.plan.name}: a TensorRT target holds one sequence (its plans "
+                              "are built for batch 1)")
         if capacity > self.max_capacity:
             raise EngineError(f"{self.plan.name}: a cache of {capacity} tokens is past the plan's "
                               f"profile ({self.max_capacity}) — rebuild the engine with "
@@ -261,11 +267,19 @@ class TensorRTTarget:
         cache.length = start + t
         return out["logits"][0], out["features"][0]
 
+    def add(self, ids: list[int], capacity: int):
+        result = self.prefill(ids, capacity)
+        self.join_prefilled()
+        return result
+
     def prefill(self, ids: list[int], capacity: int):
         self._new_cache(capacity)
+        return self.prefill_more(ids)
+
+    def prefill_more(self, ids: list[int]):
         cache, features = self.cache, []
         for begin in range(0, len(ids), PREFILL_CHUNK):
-            held = max(begin, 1)  # a buffer needs a position; past_len 0 masks it
+            held = max(cache.length, 1)  # a buffer needs a position; past_len 0 masks it
             with self.plan.device.on_stream():
                 keys = [aligned(cache.k[i, :, :, :held]) for i in range(self.layers)]
                 values = [aligned(cache.v[i, :, :, :held]) for i in range(self.layers)]
@@ -274,11 +288,18 @@ class TensorRTTarget:
             features.append(chunk_features)
         return logits[-1], torch.cat(features) if len(features) > 1 else features[0]
 
-    def verify(self, ids: list[int]):
-        return self._step(ids, range(len(ids)))
+    def join_prefilled(self) -> None:
+        self.rows = 1
 
-    def rollback(self, length: int) -> None:
-        self.cache.rollback(length)
+    def verify(self, rows: list[list[int]]):
+        logits, features = self._step(rows[0], range(len(rows[0])))
+        return logits[None], features[None]
+
+    def rollback(self, lengths: list[int]) -> None:
+        self.cache.rollback(lengths[0])
+
+    def remove(self, row: int) -> None:
+        self.rows, self.cache = 0, None
 
     def snapshot(self):
         n, device = self.cache.length, self.plan.device
@@ -300,7 +321,12 @@ class TensorRTDFlash:
     """A drafter plan over a sequence-major cache [capacity, layers, batch, kv_heads,
     head_dim] on the device: the committed prefix is bound as past_keys/past_values (a
     contiguous view, no copy) and the rows after it as present_keys/present_values, which
-    the plan writes in place."""
+    the plan writes in place. A batch block drafter of at most one row (as the target).
+    It drafts only the steps its row drafts in (`fused` False: runtime/proposers.py Block),
+    so a context is never empty: its prefill holds the prompt's last feature row back for
+    the first draft."""
+
+    fused = False
 
     def __init__(self, plan: Plan, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, dtype: torch.dtype, vocab: DraftVocab | None = None):
@@ -310,9 +336,38 @@ class TensorRTDFlash:
         self.dims = (low[1], low[3], low[4])  # layers, kv_heads, head_dim
         self.max_capacity = plan.limit("past_keys", 0)
         self.cache = None
-        self.length = 0
+        self.length, self.rows = 0, 0
+
+    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
+        self.prefill(capacity, context, last)
+        return self.join_prefilled()
+
+    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+        self.reset(capacity)
+        self.held = context[:0]
+        self.prefill_more(context, last)
+
+    def prefill_more(self, context: torch.Tensor, last: int) -> None:
+        context = torch.cat([self.held, context])
+        if len(context) > 1:  # all but the last row now; the block drafted is scratch
+            self._draft(context[:-1], last)
+        self.held = context[-1:]
+
+    def join_prefilled(self) -> torch.Tensor:
+        self.rows = 1
+        return self.held
+
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        logits, visible = self._draft(contexts[0], bonuses[0])
+        return logits[None], torch.tensor([visible], dtype=torch.long)
+
+    def remove(self, row: int) -> None:
+        self.rows, self.cache = 0, None
 
     def reset(self, capacity: int) -> None:
+        if self.rows:
+            raise EngineError(f"{self.plan.name}: a TensorRT drafter holds one sequence (its "
+                              "plans are built for batch 1)")
         if capacity > self.max_capacity:
             raise EngineError(f"{self.plan.name}: a drafter cache of {capacity} tokens is past the "
                               f"plan's profile ({self.max_capacity}) — rebuild the engine with "
@@ -325,7 +380,7 @@ class TensorRTDFlash:
                           aligned_empty(shape, self.dtype, device.torch).zero_())
         self.length = 0
 
-    def draft(self, context: torch.Tensor, bonus: int):
+    def _draft(self, context: torch.Tensor, bonus: int):
         keys, values = self.cache
         device, start, c = self.plan.device, self.length, context.shape[0]
         if start + c > keys.shape[0]:
@@ -405,25 +460,20 @@ class TensorRTEngine:
         self.vocab = read_draft_vocab(engine_dir, manifest.extra["onnx"])
         if self.vocab is not None:  # the sampler indexes it with the plan's (device) argmax
             self.vocab = dataclasses.replace(self.vocab, ids=self.vocab.ids.to(self.device.torch))
-        self.target = TensorRTTarget(self.plans["target_kv"], self.dtype,
-                                     int(manifest.extra["max_seq_len"]))
+        self.context_limit = int(manifest.extra["max_seq_len"])
         self.dir = Path(engine_dir)
         self.tokenizer = load_tokenizer(manifest.target_dir)
 
-    def new_target(self):
-        raise EngineError(f"{self.dir}: tensorrt engines hold one target")
-
-    def batch_target(self):
-        raise EngineError(f"{self.dir}: tensorrt engines hold one target")
-
-    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        raise EngineError(f"{self.dir}: tensorrt engines hold one drafter")
+    def batch_target(self) -> TensorRTTarget:
+        """The target plan, one sequence at a time (a request's own KV cache)."""
+        return TensorRTTarget(self.plans["target_kv"], self.dtype, self.context_limit)
 
     def has_window(self) -> bool:
         return False
 
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None) -> TensorRTDFlash:
-        """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one."""
+    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None) -> TensorRTDFlash:
+        """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one,
+        one sequence at a time."""
         if window is not None:
             raise EngineError(f"{self.dir}: TensorRT plans take no draft window (the plugin "
                               "has no such field) — pass --backend onnxruntime")
@@ -432,3 +482,6 @@ class TensorRTEngine:
                                   self.scaling, self.dtype, self.vocab)
         return TensorRTDFlash(self.plans["drafter_frozen"], self.block_size, self.mask_token_id,
                               None, self.dtype, self.vocab)
+
+    def tree_drafter(self, scaling: QueryScaling | None):
+        raise EngineError(f"{self.dir}: TensorRT plans draft DFlash blocks only")

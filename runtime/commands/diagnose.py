@@ -52,7 +52,7 @@ def measure(engine, ids: list[int], lengths: list[int], top_k: int) -> dict:
     for one document."""
     model, drafter = engine.model, engine.drafter_model
     bs = drafter.config.block_size
-    _, features = engine.target.prefill(ids[:max(lengths)], max(lengths))
+    _, features = engine.loaded.batch_target().add(ids[:max(lengths)], max(lengths))
     out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}, "visible": {}}
     for length in lengths:
         block = torch.tensor([[ids[length]] + [drafter.config.mask_token_id] * (bs - 1)])

@@ -71,6 +71,7 @@ class TorchLoaded:
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
         self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
         self.model, self.tokenizer = placement.load_target(manifest.target_dir, self.device, self.dtype)
+        self.context_limit = self.model.config.max_position_embeddings
         torch_dtype = placement.resolve_dtype(self.dtype)
         self.drafter_model = None
         if manifest.drafter in DRAFTER_LOADERS:
