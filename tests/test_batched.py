@@ -107,11 +107,10 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
 @pytest.mark.parametrize("window", [None, 10])
 def test_batched_drafter_call_equals_separate_single_sequence_calls(window):
     """Logits of each row of one batched drafter step (torch op) equal that sequence's own
-    single-sequence step, at three different cached lengths and context lengths; under a
-    draft window of 10 the first row sees all its context and the others only their own
-    last 10 keys, each row's N (what the per-row drafter reports) unchanged."""
+    step alone (a batch of one), at three different cached lengths and context lengths;
+    under a draft window of 10 the first row sees all its context and the others only
+    their own last 10 keys, each row's N (what it reports alone) unchanged."""
     target, drafter = tiny_pair(5, vocab=40, block=4)
-    t, d = runners(target, drafter, SCALING, window)
     _, batch = batched(target, drafter, SCALING, window)
     g = torch.Generator().manual_seed(0)
     features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
@@ -120,9 +119,10 @@ def test_batched_drafter_call_equals_separate_single_sequence_calls(window):
             for c in (1, 4, 2)]
     want = []
     for f, new, bonus in zip(features, news, (5, 6, 7)):
-        d.reset(64)
-        d.draft(f, 0)
-        want.append(d.draft(new, bonus))
+        _, alone = batched(target, drafter, SCALING, window)
+        alone.add(64, f, 0)
+        logits, visible = alone.draft([new], [bonus])
+        want.append((logits[0], int(visible[0])))
         batch.add(64, f, 0)
     logits, visible = batch.draft(news, [5, 6, 7])
     assert visible.tolist() == [w[1] for w in want] == [3 + 1 + 4, 17 + 4 + 4, 40 + 2 + 4]

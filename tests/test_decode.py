@@ -11,9 +11,8 @@ from tiers import examples
 
 import tiny
 from plugins.scaling import QueryScaling
-from runtime.backends.rows import RowBlockDrafters, RowTargets
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                    TorchBatchTarget, TorchDFlash, TorchEagle3, TorchTarget)
+                                    TorchBatchTarget, TorchEagle3)
 from runtime.decode import Decoder, Request, policy_for
 from runtime.ngram import NGramProposer
 from runtime.proposers import Block, Chain, Lookup, NoDrafts, Tree
@@ -27,39 +26,45 @@ from test_ngram import repetitive_prompt
 from test_speculative import tiny_pair
 
 SCALING = QueryScaling(ref_keys=12, top_k=4, slope=2.0)
-STYLES = ["target", "ngram", "block", "hybrid", "block-rows", "pard", "eagle3-chain", "eagle3-tree"]
+STYLES = ["target", "ngram", "block", "hybrid", "window-hybrid", "pard", "eagle3-chain", "eagle3-tree"]
 SHAPE = TreeShape(3, 3, 10)
 COSTS = StepCosts((1.0, 0.5, 0.0, 0.0), (0.2, 0.0))
 
 
+def alone(model, layers=()):
+    """A batch target for a sequence decoded alone (a batch of one)."""
+    target = TorchBatchTarget(model, layers)
+    target.context_limit = model.config.max_position_embeddings
+    return target
+
+
 def setup(style: str, seed: int, vocab: int):
-    """(single-sequence target maker, batch target, proposer maker, slack) of a style on
-    tiny float64 models: the batch target is the fused one (trees packed in its pass);
-    block and chain styles get the batched drafter (block-rows: a drafter per row), trees
-    one drafter per row."""
-    if style in ("target", "ngram", "block", "hybrid", "block-rows"):
+    """(maker of a target for a sequence alone, batch target, proposer maker, slack) of a
+    style on tiny float64 models: the batch target is the fused one (trees packed in its
+    pass); block and chain styles get the batched drafter (window-hybrid: each row under
+    its own draft window), trees one drafter per row."""
+    if style in ("target", "ngram", "block", "hybrid", "window-hybrid"):
         target, drafter = tiny_pair(seed, vocab, 4)
         layers = drafter.config.target_layer_ids
-        single = lambda: TorchTarget(target, layers)  # noqa: E731
+        single = lambda: alone(target, layers)  # noqa: E731
         ngram = lambda: NGramProposer(3, 1, 3)  # noqa: E731
         make = {"target": lambda: NoDrafts(), "ngram": lambda: Lookup(ngram),
                 "block": lambda: Block(TorchBatchDFlash(drafter, target, SCALING)),
                 "hybrid": lambda: Block(TorchBatchDFlash(drafter, target, SCALING), ngram),
-                "block-rows": lambda: Block(RowBlockDrafters(lambda: TorchDFlash(drafter, target, SCALING, 6)),
-                                            ngram)}[style]
+                "window-hybrid": lambda: Block(TorchBatchDFlash(drafter, target, None, 6), ngram)}[style]
         batch = TorchBatchTarget(target, layers)
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4
     if style == "pard":
         target, drafter = tiny.float64_target(seed, vocab), tiny.float64_pard(seed + 1, vocab)
-        single = lambda: TorchTarget(target)  # noqa: E731
+        single = lambda: alone(target)  # noqa: E731
         make = lambda: Chain(TorchBatchPARD(drafter, vocab, 3, SCALING))  # noqa: E731
         batch = TorchBatchTarget(target)
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4
     target, drafter = eagle_pair(seed, vocab)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    single = lambda: TorchTarget(target, layers)  # noqa: E731
+    single = lambda: alone(target, layers)  # noqa: E731
     if style == "eagle3-chain":
         make = lambda: Chain(TorchBatchEagle3(drafter, SCALING, 3))  # noqa: E731
         batch = TorchBatchTarget(target, layers)
@@ -111,11 +116,10 @@ def test_seeded_sampling_is_the_same_batched_and_alone(style):
                 for i, q in enumerate(requests_from(shapes, vocab, 5))]
     got = Decoder(batch, make(), policy_for(COSTS), slack).run(requests, join_at=[0, 1, 0])
     for request, seq in zip(requests, got):
-        one = single()
-        alone = Decoder(RowTargets(lambda: one, one.context_limit), make(), policy_for(COSTS)).generate(
+        one = Decoder(single(), make(), policy_for(COSTS), slack).generate(
             Request(request.prompt, request.max_new_tokens, stop_ids=request.stop_ids,
                     sampler=Sampler(request.sampling)))
-        assert seq.gen.tokens == alone.tokens, style
+        assert seq.gen.tokens == one.tokens, style
 
 
 def test_a_tree_style_refuses_sampling_for_that_request_alone():
@@ -137,9 +141,9 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
     target, drafter = eagle_pair(3, 12)
     layers = drafter.config.feature_layers(target.config.num_layers)
     limit = target.config.max_position_embeddings
-    roles = assembly.Roles("tree", lambda: TorchTarget(target, layers), limit,
-                           drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
-                           batch_target=lambda: TorchBatchTarget(target, layers), tree_shape=SHAPE)
+    roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers), limit,
+                           tree_drafter=lambda setting: TorchEagle3(drafter, SCALING, SHAPE),
+                           tree_shape=SHAPE)
     decoder = assembly.decoder(roles, Mode.FROZEN)
     requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]
     seqs = [decoder.add(r) for r in requests]
@@ -150,41 +154,5 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
     while decoder.active:
         decoder.step()
     for request, seq in zip(requests, seqs):
-        assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), request.prompt,
+        assert seq.gen.tokens == generate_target_only(alone(target, layers), request.prompt,
                                                       6, Sampler()).tokens
-
-
-def test_a_batch_target_that_cannot_pack_trees_verifies_them_row_by_row():
-    """An ONNX engine whose tree graph is fixed to one sequence (or absent) does not
-    claim packs_trees, and the decoder then verifies each row's tree on its own target:
-    the engine still loads and decodes, never fails or differs."""
-    from types import SimpleNamespace
-
-    from runtime import assembly
-    from runtime.backends.onnxruntime import OnnxBatchTarget
-    from runtime.modes import Mode
-
-    def graph(batch):
-        names = [("ids", [batch, "q_len"]), ("cache_keys_0", ["batch", 2, "capacity", 4]),
-                 ("cache_values_0", ["batch", 2, "capacity", 4])]
-        return SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n, shape=s) for n, s in names])
-
-    step = graph("batch")
-    assert OnnxBatchTarget(step, 64, graph("batch")).packs_trees
-    assert not OnnxBatchTarget(step, 64, graph(1)).packs_trees
-    assert not OnnxBatchTarget(step, 64).packs_trees
-
-    class Unpacked(TorchBatchTarget):
-        packs_trees = False
-
-    target, drafter = eagle_pair(4, 12)
-    layers = drafter.config.feature_layers(target.config.num_layers)
-    roles = assembly.Roles("tree", lambda: TorchTarget(target, layers), 64,
-                           drafter=lambda mode: TorchEagle3(drafter, SCALING, SHAPE),
-                           batch_target=lambda: Unpacked(target, layers), tree_shape=SHAPE)
-    decoder = assembly.decoder(roles, Mode.FROZEN)
-    assert isinstance(decoder.target, RowTargets)
-    got = decoder.run([Request([1, 2, 3], 5), Request([4], 5)])
-    for prompt, seq in zip([[1, 2, 3], [4]], got):
-        assert seq.gen.tokens == generate_target_only(TorchTarget(target, layers), prompt, 5,
-                                                      Sampler()).tokens

@@ -11,7 +11,7 @@ from tiers import examples, law_runs
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget, TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget
 from runtime.decode import Request
 from runtime.sampling import Sampler, Sampling
 from speculative import (assert_batched_as_alone, chain_batch_decoder, generate_chain,
@@ -24,7 +24,7 @@ from test_eagle3 import eagle_pair
 
 def chain_runners(target, drafter, scaling, k):
     layers = drafter.config.feature_layers(target.config.num_layers)
-    return TorchTarget(target, layers), TorchEagle3(drafter, scaling, max_drafts=k)
+    return TorchBatchTarget(target, layers), TorchBatchEagle3(drafter, scaling, k)
 
 
 def batched(target, drafter, scaling, k, costs=None):
@@ -97,16 +97,16 @@ def test_chain_rows_are_causal_and_report_their_own_visible_keys(monkeypatch):
     monkeypatch.setattr(eagle3, "sharpdraft_attention", recording)
     target, drafter = eagle_pair(3, vocab=12)
     scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
-    d = TorchEagle3(drafter, scaling, max_drafts=4)
-    d.reset(30)
+    d = TorchBatchEagle3(drafter, scaling, 4)
+    d.add(30, [], None)  # a row with nothing read yet
     c = 7
     features = torch.randn(c, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    draft = d.draft(list(range(c + 1)), features, 4, Sampler())
+    draft, = d.draft([list(range(c + 1))], [features], [4], [Sampler()])
     assert [h[1] for h in handed] == [None] * 4 and all(h[2] is scaling for h in handed)
     assert handed[0][0][0].tolist() == list(range(1, c + 1))
     assert [int(h[0][0, 0]) for h in handed[1:]] == [c + 1, c + 2, c + 3]
     assert draft.visible.tolist() == [c, c + 1, c + 2, c + 3]
-    assert d.cache.length == c  # the chain's rows are scratch
+    assert d.caches.groups[0].cache.lengths.tolist() == [c]  # the chain's rows are scratch
     assert len(draft.tokens) == 4 and draft.probs is None and draft.logits.shape == (4, 12)
 
 

@@ -140,7 +140,7 @@ def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
 
     engine = Engine(tree_engine)
     prompt = engine.encode("class Node:\n    def __init__(self")
-    once = PrefillOnce(engine.target, prompt, len(prompt) + 16)
+    once = PrefillOnce(engine.loaded.batch_target(), prompt)
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
     got = run_mode(engine, once, engine.mode_for(), prompt, 16, Sampler())
     assert got.tokens == want and got.verify_steps < 16

@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from build import train_eagle3
-from runtime.backends.pytorch import TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
 from runtime.models.eagle3 import load_eagle3
 from runtime.models.target import load_target
 from runtime.sampling import Sampler
@@ -60,7 +60,7 @@ def test_training_smoke_writes_a_loadable_lossless_checkpoint_and_resumes(tmp_pa
     drafter = load_eagle3(out, torch.float32, model)  # embed_tokens left out: the target's
     assert torch.equal(drafter.embed_tokens.weight, model.embed_tokens.weight)
     shape = TreeShape(3, 3, 8)
-    t = TorchTarget(model, drafter.config.feature_layers(model.config.num_layers))
+    t = TorchBatchTarget(model, drafter.config.feature_layers(model.config.num_layers))
     prompt = [5, 9, 14, 3, 7]
     want = generate_target_only(t, prompt, 12, Sampler()).tokens
     assert generate_tree(t, TorchEagle3(drafter, None, shape), prompt, 12, Sampler(), shape).tokens == want

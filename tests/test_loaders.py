@@ -65,20 +65,21 @@ def test_a_family_the_backend_cannot_draft_is_refused_before_loading(tiny_engine
 
 
 def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
-    """steps="eager" (dynamo alone: the fast tier's compiler) puts CompiledTarget /
-    CompiledDFlash where TorchTarget / TorchDFlash were; greedy tokens stay the eager
-    engine's, target-only and speculative."""
-    from runtime.backends.pytorch import TorchTarget
-    from runtime.backends.pytorch.compiled import CompiledDFlash, CompiledTarget
+    """steps="eager" (dynamo alone: the fast tier's compiler) puts CompiledBatchTarget /
+    CompiledBatchDFlash where TorchBatchTarget / TorchBatchDFlash were (a draft window
+    stays eager: a compiled block step spans the whole context); greedy tokens stay the
+    eager engine's, target-only and speculative."""
+    from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
+    from runtime.backends.pytorch.compiled import CompiledBatchDFlash, CompiledBatchTarget
 
     eager, compiled = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
-    assert type(eager.target) is TorchTarget and eager.loaded.steps is None
-    assert isinstance(compiled.target, CompiledTarget)
-    assert isinstance(compiled.loaded.new_target(), CompiledTarget)
-    assert compiled.target.buckets == tuple(sorted({1, compiled.ngram_settings["num_draft_tokens"] + 1,
-                                                    compiled.manifest.block_size}))
-    assert isinstance(compiled.loaded.drafter(compiled.scaling), CompiledDFlash)
-    assert isinstance(compiled.loaded.drafter(compiled.scaling, window=8), CompiledDFlash)
+    assert type(eager.loaded.batch_target()) is TorchBatchTarget and eager.loaded.steps is None
+    target = compiled.loaded.batch_target()
+    assert isinstance(target, CompiledBatchTarget)
+    assert target.steps.buckets == tuple(sorted({1, compiled.ngram_settings["num_draft_tokens"] + 1,
+                                                 compiled.manifest.block_size}))
+    assert isinstance(compiled.loaded.batch_drafter(compiled.scaling), CompiledBatchDFlash)
+    assert type(compiled.loaded.batch_drafter(compiled.scaling, window=8)) is TorchBatchDFlash
     prompt = eager.encode("def fibonacci(n):\n    ")
     want = eager.generate(prompt, 24, mode="target", stop=False).tokens
     assert compiled.generate(prompt, 24, mode="target", stop=False).tokens == want

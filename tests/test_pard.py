@@ -15,7 +15,7 @@ import tiny
 from exact_law import assert_batched_chains_keep_the_law
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import TorchBatchPARD, TorchBatchTarget, TorchPARD, TorchTarget
+from runtime.backends.pytorch import TorchBatchPARD, TorchBatchTarget
 from runtime.decode import Request
 from runtime.models.pard import load_pard, read_pard_config
 from runtime.models.target import ModelError, load_target
@@ -31,7 +31,7 @@ def tiny_pard(tmp_path_factory, tiny_target):
 
 
 def runners(target, drafter, max_drafts, scaling):
-    return TorchTarget(target), TorchPARD(drafter, target.config.vocab_size, max_drafts, scaling)
+    return TorchBatchTarget(target), TorchBatchPARD(drafter, target.config.vocab_size, max_drafts, scaling)
 
 
 def batched(target, drafter, max_drafts, scaling, costs=None):

@@ -140,16 +140,17 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
 
     engine = Engine(tiny_engine)
     drafter_type = type(engine.drafter(scaled=False))
+    target_type = type(engine.loaded.batch_target())
     log, timing = [], []
-    real_verify, real_draft = type(engine.target).verify, drafter_type.draft
+    real_verify, real_draft = target_type.verify, drafter_type.draft
 
-    def verify(self, ids):
-        log.append(("verify", len(ids), bool(timing)))
-        return real_verify(self, ids)
+    def verify(self, rows):
+        log.append(("verify", len(rows[0]), bool(timing)))
+        return real_verify(self, rows)
 
-    def draft(self, context, bonus):
-        log.append(("draft", context.shape[0], bool(timing)))
-        return real_draft(self, context, bonus)
+    def draft(self, contexts, bonuses):
+        log.append(("draft", contexts[0].shape[0], bool(timing)))
+        return real_draft(self, contexts, bonuses)
 
     real_clock = time.perf_counter
 
@@ -157,7 +158,7 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
         timing.append(1) if not timing else timing.clear()
         return real_clock()
 
-    monkeypatch.setattr(type(engine.target), "verify", verify)
+    monkeypatch.setattr(target_type, "verify", verify)
     monkeypatch.setattr(drafter_type, "draft", draft)
     monkeypatch.setattr(step_costs, "time", types.SimpleNamespace(perf_counter=clock))
     costs = step_costs.measure(engine, contexts=(24,), sizes=(1, 2), repeats=3)

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from tiers import examples
 
 from plugins.attention import visible_counts
-from runtime.backends.pytorch import TorchBatchTarget, TorchTarget
+from runtime.backends.pytorch import TorchBatchTarget
 from runtime.models.layers import KVCache
 from runtime.sampling import Sampler
 from speculative import generate_target_only
@@ -175,11 +175,21 @@ def test_keep_moves_the_accepted_rows_into_place():
         cache.keep([1, 1])
 
 
+def one(model, layers, prompt, capacity):
+    """A batch target holding one sequence, `prompt` prefilled; and the prefill's output."""
+    target = TorchBatchTarget(model, layers)
+    return target, target.add(prompt, capacity)
+
+
+def row_cache(target):
+    """(committed length, KV cache) of a one-sequence batch target's row."""
+    cache = target.caches.groups[0].cache
+    return int(cache.lengths[0]), cache
+
+
 def fresh(target_model, ids, layers):
     """A target whose cache was built by one causal prefill over `ids`."""
-    t = TorchTarget(target_model, layers)
-    t.prefill(ids, len(ids) + 4)
-    return t
+    return one(target_model, layers, ids, len(ids) + 4)[0]
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -189,17 +199,15 @@ def test_one_tree_pass_equals_causal_passes_along_every_path(seed, size, prompt_
     layers = (0, 2)
     prompt = torch.randint(0, 7, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     tree = random_tree(seed, size, 7)
-    target = TorchTarget(model, layers)
-    target.prefill(prompt, prompt_len + size)
-    logits, features = target.verify_tree(tree)
-    assert target.cache.length == prompt_len  # the tree's keys are scratch
+    target, _ = one(model, layers, prompt, prompt_len + size)
+    (logits, features), = target.verify_trees([tree])
+    assert row_cache(target)[0] == prompt_len  # the tree's keys are scratch
     for i in range(size):
         path = [tree.tokens[j] for j in reversed(ancestors(tree.parents, i))]
-        alone = TorchTarget(model, layers)
-        alone.prefill(prompt, prompt_len + size)
-        want_logits, want_features = alone.verify(path)
-        torch.testing.assert_close(logits[i], want_logits[-1], atol=1e-9, rtol=0)
-        torch.testing.assert_close(features[i], want_features[-1], atol=1e-9, rtol=0)
+        alone, _ = one(model, layers, prompt, prompt_len + size)
+        want_logits, want_features = alone.verify([path])
+        torch.testing.assert_close(logits[i], want_logits[0, -1], atol=1e-9, rtol=0)
+        torch.testing.assert_close(features[i], want_features[0, -1], atol=1e-9, rtol=0)
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -210,7 +218,7 @@ def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_s
     vocab = 5
     model = float64_target(seed % 1000, vocab=vocab, layers=3)
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
-    greedy = generate_target_only(TorchTarget(model), prompt, size + 1, Sampler()).tokens
+    greedy = generate_target_only(TorchBatchTarget(model), prompt, size + 1, Sampler()).tokens
     # the greedy continuation as a chain below the root, then distractor children hung
     # on random nodes (never a second child with a sibling's token, nor the target's
     # next token under the chain's end: the path is then exactly the chain)
@@ -224,20 +232,19 @@ def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_s
             tokens.append(token)
             parents.append(parent)
     tree = DraftTree(tuple(tokens), tuple(parents))
-    target = TorchTarget(model, (1,))
-    logits, _ = target.prefill(prompt, prompt_len + len(tree) + 4)
+    target, (logits, _) = one(model, (1,), prompt, prompt_len + len(tree) + 4)
     assert int(logits.argmax()) == greedy[0]
-    out, _ = target.verify_tree(tree)
+    (out, _), = target.verify_trees([tree])
     path, following = tree.greedy_path(out.argmax(-1).tolist())
     accepted = [tree.tokens[i] for i in path]
     assert path == list(range(size)) and accepted + [following] == greedy
-    target.keep_path(path)
-    n = target.cache.length
+    target.keep_paths([path])
+    n, cache = row_cache(target)
     assert n == prompt_len + size
-    scratch = fresh(model, prompt + accepted, (1,))
-    assert scratch.cache.length == n
-    torch.testing.assert_close(target.cache.k[:, :, :, :n], scratch.cache.k[:, :, :, :n], atol=1e-9, rtol=0)
-    torch.testing.assert_close(target.cache.v[:, :, :, :n], scratch.cache.v[:, :, :, :n], atol=1e-9, rtol=0)
+    m, scratch = row_cache(fresh(model, prompt + accepted, (1,)))
+    assert m == n
+    torch.testing.assert_close(cache.k[:, :, :, :n], scratch.k[:, :, :, :n], atol=1e-9, rtol=0)
+    torch.testing.assert_close(cache.v[:, :, :, :n], scratch.v[:, :, :, :n], atol=1e-9, rtol=0)
 
 
 def test_reserve_grows_the_cache_and_keeps_what_it_held():
@@ -289,8 +296,8 @@ def test_packed_tree_rows_see_their_own_committed_keys_and_ancestors_only():
 def test_a_packed_tree_pass_gives_each_row_what_its_own_pass_gives(seed, rows):
     """Rows at different lengths (some in another capacity group), trees of different
     sizes (a root alone too) in one batch target's pass: each node's logits and features
-    equal the row's own single-sequence verify_tree; after keep_paths each row's cache
-    holds its accepted path (its next verify equals the single target's)."""
+    equal the row's own verify_trees alone (a batch of one); after keep_paths each row's
+    cache holds its accepted path (its next verify equals the one alone's)."""
     model = float64_target(seed % 1000, vocab=7, layers=3)
     layers = (0, 2)
     g = torch.Generator().manual_seed(seed)
@@ -298,13 +305,12 @@ def test_a_packed_tree_pass_gives_each_row_what_its_own_pass_gives(seed, rows):
     for i, (prompt_len, size, extra) in enumerate(rows):
         prompt = torch.randint(0, 7, (prompt_len,), generator=g).tolist()
         batch.add(prompt, prompt_len + size + 2 + extra)
-        singles.append(TorchTarget(model, layers))
-        singles[-1].prefill(prompt, prompt_len + size + 2 + extra)
+        singles.append(one(model, layers, prompt, prompt_len + size + 2 + extra)[0])
         trees.append(random_tree(seed + i, size, 7))
     got = batch.verify_trees(trees)
     paths = []
     for single, tree, (logits, features) in zip(singles, trees, got):
-        want_logits, want_features = single.verify_tree(tree)
+        (want_logits, want_features), = single.verify_trees([tree])
         assert logits.shape == want_logits.shape
         torch.testing.assert_close(logits, want_logits, atol=1e-9, rtol=0)
         torch.testing.assert_close(features, want_features, atol=1e-9, rtol=0)
@@ -314,9 +320,9 @@ def test_a_packed_tree_pass_gives_each_row_what_its_own_pass_gives(seed, rows):
     following = [[int(torch.randint(0, 7, (), generator=g))] for _ in rows]
     logits, _ = batch.verify(following)
     for i, (single, path) in enumerate(zip(singles, paths)):
-        single.keep_path(path)
-        want, _ = single.verify(following[i])
-        torch.testing.assert_close(logits[i, :1], want, atol=1e-9, rtol=0)
+        single.keep_paths([path])
+        want, _ = single.verify([following[i]])
+        torch.testing.assert_close(logits[i, :1], want[0], atol=1e-9, rtol=0)
 
 
 def test_keep_each_moves_every_sequences_path_into_place():
