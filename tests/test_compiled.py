@@ -393,20 +393,20 @@ def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens
     """Chunked prefill (Decoder.join) through CompiledBatchTarget: a 100-token prompt joins
     a running row a chunk at a time, the row stepping between chunks, and both decode the
     tokens of a whole join and of the eager engine, target-only and SharpDraft. The chunks
-    run eagerly on the role's single-sequence target (a prompt's prefill: no graph), so a
+    run eagerly on the joining sequence's own cache (a prompt's prefill: no graph), so a
     second round at another chunk length and other prompts in the same buckets makes no
     step, dynamo graph, CUDA-graph key or KV buffer."""
     from torch._dynamo.utils import counters
 
-    from runtime.backends.pytorch import TorchTarget
+    from runtime.backends.pytorch import TorchBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
 
     made, keys = recorded_steps(monkeypatch)
     eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
     chunks = []
-    more = TorchTarget.prefill_more
-    monkeypatch.setattr(TorchTarget, "prefill_more",
+    more = TorchBatchTarget.prefill_more  # CompiledBatchTarget's: its joining prefill is eager
+    monkeypatch.setattr(TorchBatchTarget, "prefill_more",
                         lambda self, ids: chunks.append(len(ids)) or more(self, ids))
 
     def run(mode, running, joining, chunk):

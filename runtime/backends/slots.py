@@ -96,10 +96,11 @@ class TorchSlots(Slots):
         super().__init__()
         self.new_cache = new_cache
 
-    def join(self, single) -> None:
-        bucket = row_group(single.capacity)
+    def join(self, joining) -> None:
+        """A sequence's own cache (`joining`, one sequence) in as the batch's last row."""
+        bucket = row_group(joining.capacity)
         group = self.find(bucket) or Group(bucket, self.new_cache())
-        group.cache.join(single)
+        group.cache.join(joining)
         self._admit(group, len(group.members))
 
     def _leave(self, group: Group, at: int) -> None:
@@ -141,17 +142,19 @@ class FixedSlots(Slots):
         return group
 
     @torch.inference_mode()
-    def join(self, single) -> None:
-        bucket = capacity_bucket(single.capacity + self.room)
+    def join(self, joining) -> None:
+        """A sequence's own cache (`joining`, one sequence) copied into a free slot of
+        its bucket's group, as the batch's last row."""
+        bucket = capacity_bucket(joining.capacity + self.room)
         group = self.find(bucket)
         if group is None:
             group = self._new(bucket)
         elif len(group.members) == len(group.lengths):
             self._move(group, 2 * len(group.lengths))
         slot = next(i for i in range(len(group.lengths)) if i not in group.slots)
-        n = single.length
-        group.cache.k[:, slot, :, :n] = single.k[:, 0, :, :n]
-        group.cache.v[:, slot, :, :n] = single.v[:, 0, :, :n]
+        n = joining.length
+        group.cache.k[:, slot, :, :n] = joining.k[:, 0, :, :n]
+        group.cache.v[:, slot, :, :n] = joining.v[:, 0, :, :n]
         group.lengths[slot] = n
         group.sync()
         self._admit(group, slot)

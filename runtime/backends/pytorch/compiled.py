@@ -571,7 +571,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
                 width, step = c, self.module
             slots, staging = len(group.lengths), self.steps.staging
             # the single-sequence role's staging where the shapes meet (a group of one)
-            context = staging("dflash.context", (slots, width, self.single.feature_size),
+            context = staging("dflash.context", (slots, width, self.drafter.fc.in_features),
                               contexts[0].dtype)
             context.zero_()
             lens, block = [0] * slots, [[self.mask_token_id] * self.block_size for _ in range(slots)]

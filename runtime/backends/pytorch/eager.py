@@ -148,25 +148,65 @@ def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int
 
 class TorchBatchTarget:
     """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
-    length; verify and verify_trees run one pass per group."""
+    length; verify and verify_trees run one pass per group. A joining sequence prefills
+    on a cache of its own (`held`: prefill, prefill_more), whole or in chunks between the
+    batch's steps, then joins as the last row (join_prefilled); add() is both at once."""
 
     packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
 
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
-        self.single = TorchTarget(model, feature_layers)
-        self.model, self.feature_layers = model, self.single.feature_layers
-        self.context_limit = self.single.context_limit
+        self.model, self.feature_layers = model, tuple(feature_layers)
+        self.context_limit = model.config.max_position_embeddings
         self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
+        self.held = None  # the joining sequence's cache, until it joins
+
+    # Transitional: Decoder.join's chunked prefill calls target.single.prefill /
+    # prefill_more, which are this role's own now (it holds no single-sequence target).
+    # Goes when decode.py calls target.prefill.
+    @property
+    def single(self):
+        return self
 
     def add(self, ids: list[int], capacity: int):
-        result = self.single.prefill(ids, capacity)
-        self.caches.join(self.single.cache)
+        result = self.prefill(ids, capacity)
+        self.join_prefilled()
         return result
 
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], capacity: int):
+        """A joining sequence's first part, on a fresh cache of `capacity` keys held aside
+        (not a row yet): its last token's logits [vocab] and every token's features."""
+        self.held = self.model.new_cache(capacity)
+        return self._prefill_held(ids)
+
+    @torch.inference_mode()
+    def prefill_more(self, ids: list[int]):
+        """The held sequence's next part, from its cached length (chunked prefill)."""
+        return self._prefill_held(ids)
+
+    def _prefill_held(self, ids: list[int]):
+        x = torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
+        logits, features = self.model(x, self.held, self.feature_layers, last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
     def join_prefilled(self) -> None:
-        """Make the sequence prefilled on `single` (prefill, prefill_more) the last row:
-        add() in two halves, so a prompt can prefill in chunks between batch steps."""
-        self.caches.join(self.single.cache)
+        """The held sequence becomes the batch's last row."""
+        self.caches.join(self.held)
+        self.held = None
+
+    def snapshot(self):
+        """A copy of the held sequence (after prefill / prefill_more, before it joins),
+        independent of later steps: restore() makes it the held sequence again, as often
+        as asked (several decoding runs from one prefill)."""
+        held, n = self.held, self.held.length
+        return n, held.capacity, held.k[:, :, :, :n].clone(), held.v[:, :, :, :n].clone()
+
+    def restore(self, snap) -> None:
+        n, capacity, k, v = snap
+        self.held = self.model.new_cache(capacity)
+        self.held.k[:, :, :, :n] = k
+        self.held.v[:, :, :, :n] = v
+        self.held.length = n
 
     @torch.inference_mode()
     def verify(self, rows: list[list[int]]):
@@ -215,21 +255,38 @@ class TorchBatchDFlash(BlockPrefill):
     """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
-    gives every row its own range in the one pass). A sequence reads its prompt's
-    features alone (TorchDFlash, whole or in parts: BlockPrefill), then joins."""
+    gives every row its own range in the one pass). A joining sequence reads its prompt's
+    features into a cache of its own (`joining`; whole or in parts: BlockPrefill), one
+    block pass per part whose block is scratch, then joins."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
                  window: int | None = None):
-        self.single = TorchDFlash(drafter, target, scaling, window)
-        self.window = self.single.window
-        self.drafter, self.scaling, self.head = drafter, scaling, self.single.head
-        self.vocab = self.single.vocab
+        if window is not None and window < 1:
+            raise ValueError(f"a draft window must be >= 1 token, got {window}")
+        self.window = window  # draft window (layers.window_mask); None: the whole context
+        self.drafter, self.scaling = drafter, scaling
+        self.head = DraftHead.for_drafter(drafter, target.lm_head)
+        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
         self.embed_tokens = target.embed_tokens
-        self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
+        self.block_size, self.mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
         self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    def _reset_joining(self, capacity: int) -> None:
+        self.joining = self.drafter.new_cache(capacity)
+
+    @torch.inference_mode()
+    def _read_joining(self, context: torch.Tensor, last: int) -> None:
+        # the context's keys land at the joining cache's length; the block's past it are
+        # scratch, and so are its outputs (not read)
+        block = [last] + [self.mask_token_id] * (self.block_size - 1)
+        ids = torch.tensor([block], dtype=torch.long, device=context.device)
+        self.drafter(self.embed_tokens(ids), context[None], self.joining, self.scaling,
+                     window=self.window)
 
     def _join_row(self) -> None:
-        self.caches.join(self.single.cache)
+        self.caches.join(self.joining)
+        self.joining = None
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
@@ -262,16 +319,16 @@ def _chain_room(max_drafts: int) -> int:
 
 
 # How the torch chain drafters (TorchBatchPARD, TorchBatchEagle3) prefill a joining row
-# (ChainPrefill's two parts): the single-sequence drafter (`single`) reads the prompt into
-# a cache of its own, with the chain's room past the capacity, which then joins the groups
+# (ChainPrefill's hooks): a cache of its own (`joining`), with the chain's room past the
+# capacity, reads the prompt (each class's `_read_joining`), then joins the groups
 # (`caches`).
-def _chain_reset(self, capacity: int):
-    self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-    return self.single
+def _chain_reset(self, capacity: int) -> None:
+    self.joining = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
 
 
 def _chain_join(self) -> None:
-    self.caches.join(self.single.cache)
+    self.caches.join(self.joining)
+    self.joining = None
 
 
 class TorchBatchPARD(ChainPrefill):
@@ -279,18 +336,23 @@ class TorchBatchPARD(ChainPrefill):
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
     own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
-    sequence reads its prompt alone (TorchPARD, whole or in parts: _chain_reset and
-    _chain_join), then joins."""
+    joining sequence reads its prompt into a cache of its own (whole or in parts:
+    _chain_reset / _chain_join), then joins."""
 
     fused = True
-    _reset, _join_row = _chain_reset, _chain_join
+    _reset_joining, _join_row = _chain_reset, _chain_join
 
     def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
                  scaling: QueryScaling | None):
-        self.single = TorchPARD(drafter, vocab_size, max_drafts, scaling)
         self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
-        self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
+        self.max_drafts, self.pard_token = max_drafts, drafter.config.pard_token
         self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    @torch.inference_mode()
+    def _read_joining(self, ids: list[int], features=None) -> None:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        self.drafter(x, self.joining, self.scaling, keep=len(ids))
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
@@ -392,17 +454,26 @@ class TorchBatchEagle3(ChainPrefill):
     (TorchSlots), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts
     the next token of every row; the links are scratch past each row's committed
-    entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
-    (TorchEagle3, whole or in parts: _chain_reset / _chain_join), then joins."""
+    entries, as TorchEagle3.draft leaves them. A joining sequence reads its prompt into a
+    cache of its own (whole or in parts:
+    _chain_reset / _chain_join; TorchEagle3.read's pass), then
+    joins."""
 
     fused = True
-    _reset, _join_row = _chain_reset, _chain_join
+    _reset_joining, _join_row = _chain_reset, _chain_join
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
-        self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
         self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
-        self.vocab = self.single.vocab
+        self.vocab = DraftVocabulary(drafter)
         self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    @torch.inference_mode()
+    def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
+        # entry p: the target's features of token p with token p + 1 (ChainDrafter.read)
+        following = torch.tensor([list(ids[-len(features):])], dtype=torch.long,
+                                 device=features.device)
+        self.drafter(following, self.drafter.project(features[None]), self.joining, self.scaling)
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
