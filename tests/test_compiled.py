@@ -270,7 +270,8 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
 def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
     """FixedSlots (the batched compiled roles' caches) against the single-sequence caches
     that joined: each remaining row's keys and length in its slot, slots a power of two,
-    growing and shrinking; an emptied group's buffers back to the pool and reused."""
+    growing and shrinking; an emptied group's buffers back to the pool and reused; more
+    keys reserved than its buffers hold moves it to the next capacity bucket."""
     from runtime.backends.slots import FixedSlots
     from runtime.backends.pytorch.compiled import BufferPool
     from runtime.models.layers import KVCache
@@ -312,6 +313,12 @@ def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
     assert not groups.groups and groups.rows == 0
     groups.join(singles[0])
     assert pool.made == made  # the emptied group's buffers, reused
+    check(singles[:1])
+    (group,) = groups.groups
+    groups.reserve(group, 32)  # room enough: stays
+    assert group.cache.capacity == 32
+    groups.reserve(group, 40)  # a packed tree's scratch past it: buffers of the next bucket
+    assert group.cache.capacity == 64
     check(singles[:1])
 
 

@@ -169,12 +169,22 @@ class FixedSlots(Slots):
         if len(group.members) <= len(group.lengths) // 4:
             self._move(group, slots_for(len(group.members)))
 
+    @torch.inference_mode()
+    def reserve(self, group: Group, keys: int) -> None:
+        """Room for `keys` keys in each of `group`'s buffer rows (a step's scratch past its
+        rows' lengths, like a packed tree's nodes): buffers of a bigger bucket where its
+        own lack it (the decoder's slack makes that rare)."""
+        if keys > group.cache.capacity:
+            group.bucket = capacity_bucket(keys)
+            self._move(group, len(group.lengths))
+
     def _move(self, group: Group, slots: int) -> None:
-        """The group's sequences into `slots` new buffer rows, in their order; the old
-        buffers back to the pool."""
+        """The group's sequences into `slots` new buffer rows of its bucket, in their
+        order; the old buffers back to the pool."""
         cache, lease = self._lease(group.bucket, slots)
-        cache.k[:, :len(group.slots)] = group.cache.k[:, group.slots]
-        cache.v[:, :len(group.slots)] = group.cache.v[:, group.slots]
+        n, keys = len(group.slots), group.cache.capacity
+        cache.k[:, :n, :, :keys] = group.cache.k[:, group.slots]
+        cache.v[:, :n, :, :keys] = group.cache.v[:, group.slots]
         lengths = [group.lengths[s] for s in group.slots]
         group.lease()
         group.cache, group.lease = cache, lease

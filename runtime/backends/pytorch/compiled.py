@@ -41,6 +41,7 @@ from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
+from runtime.tree import DraftTree, pack
 
 
 
@@ -514,9 +515,7 @@ class CompiledBatchTarget(TorchBatchTarget):
     prefill is compute-bound, and a graph per chunk length would compile one per prompt
     -- then copies into its slot; no step shape depends on how it was chunked."""
 
-    # TorchBatchTarget packs trees over its own cache groups, not these slotted buffers:
-    # trees verify one CompiledTarget per row (runtime/assembly.py)
-    packs_trees = False
+    packs_trees = True  # verify_trees: one eager pass per group over its slots' buffers
 
     def __init__(self, steps: EngineSteps):
         super().__init__(steps.model, steps.feature_layers)
@@ -546,6 +545,39 @@ class CompiledBatchTarget(TorchBatchTarget):
                 group.lengths[slot] += t
             group.sync()
         return logits, features
+
+    @torch.inference_mode()
+    def verify_trees(self, trees: list[DraftTree]):
+        """Every row's draft tree packed in one pass per group (TorchBatchTarget's, run
+        eagerly: a tree's mask changes every step) over the group's slotted buffers, each
+        node at its row's length + depth, idle slots a lone root (padding, never read).
+        The nodes' keys are scratch past each row's committed ones until keep_paths."""
+        out = [None] * len(trees)
+        for group in self.caches.groups:
+            slotted = [DraftTree.root_only(0)] * len(group.lengths)
+            for r, slot in zip(group.members, group.slots):
+                slotted[slot] = trees[r]
+            ids, mask, depths = pack(slotted, self.steps.device)
+            self.caches.reserve(group, max(group.lengths) + ids.shape[1])
+            logits, features = self.model(ids, group.cache, self.feature_layers, tree=(mask, depths))
+            for r, slot in zip(group.members, group.slots):
+                n = len(trees[r])
+                out[r] = (logits[slot, :n], None if features is None else features[slot, :n])
+        return out
+
+    @torch.inference_mode()
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """Commit each row's accepted path (node indices, root first) of its verified tree
+        (KVCache.keep_each over the slots; an idle slot keeps nothing)."""
+        for group in self.caches.groups:
+            slotted = [[] for _ in group.lengths]
+            for r, slot in zip(group.members, group.slots):
+                slotted[slot] = paths[r]
+                group.lengths[slot] += len(paths[r])
+            lengths = group.cache.lengths  # the tensor every step reads: kept, refilled by sync
+            group.cache.keep_each(slotted)
+            group.cache.lengths = lengths
+            group.sync()
 
 
 class CompiledBatchDFlash(TorchBatchDFlash):

@@ -57,8 +57,8 @@ class TorchLoaded:
     drafters CompiledPARD / CompiledBatchPARD, EAGLE-3 chains over a batch
     CompiledBatchEagle3, all over this engine's one EngineSteps (`shared`: its compiled
     steps, graphs and KV buffer pool; a graph per batch bucket and width bucket), so a
-    request after the first compiles and captures nothing. EAGLE-3 trees stay eager (per-
-    step masks)."""
+    request after the first compiles and captures nothing. EAGLE-3 trees draft eagerly
+    (per-step masks) and verify packed, eagerly, over CompiledBatchTarget's slotted buffers."""
 
     can = modes.BACKENDS["torch"]
 
