@@ -1,6 +1,7 @@
 """The torch backend's roles run eagerly: our TargetModel and the drafters (DFlash, PARD,
-EAGLE-3), alone and over a batch (TorchSlots: runtime/backends/slots.py), on the loader's
-device (cpu, cuda) in its dtype. Their compiled forms: compiled.py; the loader:
+EAGLE-3) over a batch (TorchSlots: runtime/backends/slots.py; a request alone is a batch
+of one), and EAGLE-3's tree drafter per row, on the loader's device (cpu, cuda) in its
+dtype. Their compiled forms: compiled.py; the loader:
 loader.py."""
 
 from __future__ import annotations
@@ -18,122 +19,6 @@ from runtime.models.target import TargetModel
 from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context
 from runtime.tree import DraftTree, TreeShape, grow_tree, pack
-
-
-class TorchTarget:
-    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
-        self.model = model
-        self.feature_layers = tuple(feature_layers)
-        self.context_limit = model.config.max_position_embeddings
-        self.cache = None
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int], capacity: int):
-        self.cache = self.model.new_cache(capacity)
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
-                                      last_logits_only=True)
-        return logits[0, -1], None if features is None else features[0]
-
-    @torch.inference_mode()
-    def prefill_more(self, ids: list[int]):
-        """Continue a prefill from the cached length (chunked prefill): as prefill, the
-        last token's logits and every new token's features."""
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
-                                      last_logits_only=True)
-        return logits[0, -1], None if features is None else features[0]
-
-    @torch.inference_mode()
-    def verify(self, ids: list[int]):
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers)
-        return logits[0], None if features is None else features[0]
-
-    def rollback(self, length: int) -> None:
-        self.cache.rollback(length)
-
-    @torch.inference_mode()
-    def verify_tree(self, tree: DraftTree):
-        """Every node of a draft tree in one pass (runtime/tree.py); its keys stay
-        scratch until keep_path."""
-        ids = self._ids(list(tree.tokens))
-        self.cache.reserve(self.cache.length + len(tree))
-        structure = (tree.ancestor_mask(ids.device)[None], torch.tensor([tree.depths], device=ids.device))
-        logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
-        return logits[0], None if features is None else features[0]
-
-    @torch.inference_mode()  # the cache was made under inference mode
-    def keep_path(self, nodes: list[int]) -> None:
-        """Commit a verified tree's accepted path (node indices, root first)."""
-        self.cache.keep(nodes)
-
-    def snapshot(self):
-        n = self.cache.length
-        return n, self.cache.k[:, :, :, :n].clone(), self.cache.v[:, :, :, :n].clone()
-
-    def restore(self, snap, capacity: int) -> None:
-        n, k, v = snap
-        self.cache = self.model.new_cache(capacity)
-        self.cache.k[:, :, :, :n] = k
-        self.cache.v[:, :, :, :n] = v
-        self.cache.length = n
-
-
-class TorchDFlash:
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel,
-                 scaling: QueryScaling | None, window: int | None = None):
-        self.drafter, self.target, self.scaling = drafter, target, scaling
-        if window is not None and window < 1:
-            raise ValueError(f"a draft window must be >= 1 token, got {window}")
-        self.window = window  # draft window (layers.window_mask); None: the whole context
-        self.head = DraftHead.for_drafter(drafter, target.lm_head)
-        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
-        self.block_size = drafter.config.block_size
-        self.feature_size = drafter.fc.in_features
-        self.mask_token_id = drafter.config.mask_token_id
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        self.cache = self.drafter.new_cache(capacity)
-
-    @torch.inference_mode()
-    def draft(self, context: torch.Tensor, bonus: int):
-        block = [bonus] + [self.mask_token_id] * (self.block_size - 1)
-        ids = torch.tensor([block], dtype=torch.long, device=context.device)
-        hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
-                                       self.cache, self.scaling, window=self.window)
-        return self.head(hidden[0, 1:]), visible
-
-
-class TorchPARD:
-    """The PARD chain drafter: one pass over [unread tokens, pard x (k - 1)], drafts from
-    the last k rows' logits (over the target's `vocab_size` ids)."""
-
-    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
-                 scaling: QueryScaling | None):
-        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
-        self.max_drafts = max_drafts
-        self.pard_token = drafter.config.pard_token
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        # + max_drafts: the pard rows' keys sit past `length` as scratch each step.
-        self.cache = self.drafter.new_cache(capacity + self.max_drafts)
-
-    @torch.inference_mode()
-    def read(self, ids: list[int], features=None) -> None:
-        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
-        self.drafter(x, self.cache, self.scaling, keep=len(ids))
-
-    @torch.inference_mode()
-    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
-        row = list(ids) + [self.pard_token] * max(k - 1, 0)
-        x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
-        hidden, visible = self.drafter(x, self.cache, self.scaling, keep=len(ids))
-        first = len(row) - k  # the newest real token's row, then the pard rows
-        return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
-                                  visible[0, first:], sampler)
 
 
 def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
@@ -231,7 +116,7 @@ class TorchBatchTarget:
         out = [None] * len(trees)
         for cache, members in self.caches.each():
             ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
-            cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # as TorchTarget.verify_tree
+            cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # the nodes' scratch
             logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
             for i, r in enumerate(members):
                 n = len(trees[r])
@@ -506,3 +391,122 @@ class TorchBatchEagle3(ChainPrefill):
 
     def remove(self, row: int) -> None:
         self.caches.drop(row)
+
+
+# -- transitional (issue 57): the single-sequence roles, until every caller runs the batch
+# roles above (a request alone is a batch of one); no batch role uses them ------------------
+
+class TorchTarget:
+    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.feature_layers = tuple(feature_layers)
+        self.context_limit = model.config.max_position_embeddings
+        self.cache = None
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], capacity: int):
+        self.cache = self.model.new_cache(capacity)
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
+                                      last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    @torch.inference_mode()
+    def prefill_more(self, ids: list[int]):
+        """Continue a prefill from the cached length (chunked prefill): as prefill, the
+        last token's logits and every new token's features."""
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
+                                      last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    @torch.inference_mode()
+    def verify(self, ids: list[int]):
+        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers)
+        return logits[0], None if features is None else features[0]
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    @torch.inference_mode()
+    def verify_tree(self, tree: DraftTree):
+        """Every node of a draft tree in one pass (runtime/tree.py); its keys stay
+        scratch until keep_path."""
+        ids = self._ids(list(tree.tokens))
+        self.cache.reserve(self.cache.length + len(tree))
+        structure = (tree.ancestor_mask(ids.device)[None], torch.tensor([tree.depths], device=ids.device))
+        logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
+        return logits[0], None if features is None else features[0]
+
+    @torch.inference_mode()  # the cache was made under inference mode
+    def keep_path(self, nodes: list[int]) -> None:
+        """Commit a verified tree's accepted path (node indices, root first)."""
+        self.cache.keep(nodes)
+
+    def snapshot(self):
+        n = self.cache.length
+        return n, self.cache.k[:, :, :, :n].clone(), self.cache.v[:, :, :, :n].clone()
+
+    def restore(self, snap, capacity: int) -> None:
+        n, k, v = snap
+        self.cache = self.model.new_cache(capacity)
+        self.cache.k[:, :, :, :n] = k
+        self.cache.v[:, :, :, :n] = v
+        self.cache.length = n
+
+
+class TorchDFlash:
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel,
+                 scaling: QueryScaling | None, window: int | None = None):
+        self.drafter, self.target, self.scaling = drafter, target, scaling
+        if window is not None and window < 1:
+            raise ValueError(f"a draft window must be >= 1 token, got {window}")
+        self.window = window  # draft window (layers.window_mask); None: the whole context
+        self.head = DraftHead.for_drafter(drafter, target.lm_head)
+        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
+        self.block_size = drafter.config.block_size
+        self.feature_size = drafter.fc.in_features
+        self.mask_token_id = drafter.config.mask_token_id
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = self.drafter.new_cache(capacity)
+
+    @torch.inference_mode()
+    def draft(self, context: torch.Tensor, bonus: int):
+        block = [bonus] + [self.mask_token_id] * (self.block_size - 1)
+        ids = torch.tensor([block], dtype=torch.long, device=context.device)
+        hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
+                                       self.cache, self.scaling, window=self.window)
+        return self.head(hidden[0, 1:]), visible
+
+
+class TorchPARD:
+    """The PARD chain drafter: one pass over [unread tokens, pard x (k - 1)], drafts from
+    the last k rows' logits (over the target's `vocab_size` ids)."""
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
+                 scaling: QueryScaling | None):
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+        self.max_drafts = max_drafts
+        self.pard_token = drafter.config.pard_token
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        # + max_drafts: the pard rows' keys sit past `length` as scratch each step.
+        self.cache = self.drafter.new_cache(capacity + self.max_drafts)
+
+    @torch.inference_mode()
+    def read(self, ids: list[int], features=None) -> None:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        self.drafter(x, self.cache, self.scaling, keep=len(ids))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
+        row = list(ids) + [self.pard_token] * max(k - 1, 0)
+        x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        hidden, visible = self.drafter(x, self.cache, self.scaling, keep=len(ids))
+        first = len(row) - k  # the newest real token's row, then the pard rows
+        return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
+                                  visible[0, first:], sampler)
