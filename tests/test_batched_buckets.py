@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from runtime.backends.onnxruntime import FIRST_SLOTS, BoundDFlash, OnnxTarget
-from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget, TorchTarget
+from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.decode import Request
 from runtime.models.layers import KVCache
 from runtime.step_metadata import SHARED_CAPACITY, capacity_bucket, row_group
 
 from test_batched import SCALING
-from test_speculative import runners, tiny_pair
+from test_speculative import tiny_pair
 
 
 def test_capacity_buckets_are_powers_of_two():
@@ -30,7 +30,7 @@ def test_rows_up_to_the_shared_capacity_share_a_group_and_longer_ones_group_by_p
 def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
     """Rows at 5 and 1,100 tokens (past the capacity short rows share: SHARED_CAPACITY):
     the short row's pass hands the op keys up to its own length, not the long row's, and
-    both rows' logits equal their single-sequence ones."""
+    both rows' logits equal each one's alone (a batch of one)."""
     target, drafter = tiny_pair(2, vocab=12, block=3, context=2048)
     batch = TorchBatchTarget(target, ())
     prompts = [[1, 2, 3, 4, 5], list(range(1, 11)) * 110]
@@ -46,18 +46,18 @@ def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
     monkeypatch.setattr(KVCache, "attend", recording)
     logits, _ = batch.verify([[7], [8, 9]])
     assert sorted(set(handed)) == [(1, 5 + 1), (1, 1100 + 2)]
-    single = TorchTarget(target, ())
     for i, (p, row) in enumerate(zip(prompts, ([7], [8, 9]))):
-        single.prefill(p, len(p) + 8)
-        want, _ = single.verify(row)
-        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-12, rtol=0)
+        alone = TorchBatchTarget(target, ())
+        alone.add(p, len(p) + 8)
+        want, _ = alone.verify([row])
+        torch.testing.assert_close(logits[i, :len(row)], want[0], atol=1e-12, rtol=0)
 
 
 def test_torch_drafter_rows_in_two_groups_with_an_empty_context():
     """Drafter rows at 3 and 1,100 cached features (two buckets), the first with an empty
-    context (a row that does not draft this step): each equals its own single call."""
+    context (a row that does not draft this step): each equals its own call alone (a batch
+    of one)."""
     target, drafter = tiny_pair(5, vocab=40, block=4, context=2048)
-    _, single = runners(target, drafter, SCALING)
     batch = TorchBatchDFlash(drafter, target, SCALING)
     g = torch.Generator().manual_seed(0)
     features = [torch.randn(n, drafter.fc.in_features, generator=g, dtype=torch.float64)
@@ -66,15 +66,15 @@ def test_torch_drafter_rows_in_two_groups_with_an_empty_context():
                                          dtype=torch.float64)]
     want = []
     for f, new, bonus in zip(features, news, (5, 6)):
-        single.reset(len(f) + 8)
-        single.draft(f, 0)
-        want.append(single.draft(new, bonus))
+        alone = TorchBatchDFlash(drafter, target, SCALING)
+        alone.add(len(f) + 8, f, 0)
+        want.append(alone.draft([new], [bonus]))
         batch.add(len(f) + 8, f, 0)
     assert len(batch.caches.groups) == 2
     logits, visible = batch.draft(news, [5, 6])
-    assert visible.tolist() == [int(w[1]) for w in want] == [3 + 0 + 4, 1100 + 2 + 4]
+    assert visible.tolist() == [int(w[1][0]) for w in want] == [3 + 0 + 4, 1100 + 2 + 4]
     for i, (w, _) in enumerate(want):
-        torch.testing.assert_close(logits[i], w, atol=1e-12, rtol=0)
+        torch.testing.assert_close(logits[i], w[0], atol=1e-12, rtol=0)
 
 
 def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):

@@ -12,10 +12,9 @@ import torch
 import tiny
 from plugins.scaling import QueryScaling
 from runtime import proposers
-from runtime.backends.rows import RowBlockDrafters, RowTargets
-from runtime.backends.pytorch import TorchDFlash, TorchTarget
-from runtime.backends.pytorch.compiled import (CompiledDFlash, CompiledTarget, StaticView,
-                                               TargetStep, layers, static_capacity)
+from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
+from runtime.backends.pytorch.compiled import (CompiledBatchDFlash, CompiledBatchTarget, EngineSteps,
+                                               StaticView, TargetStep, layers, static_capacity)
 from runtime.backends.pytorch.placement import resolve_device, resolve_dtype
 from runtime.decode import Decoder, Request
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
@@ -44,50 +43,64 @@ def pair(device="cpu", dtype=torch.float64, layers=1):
     return target.to(device, dtype), drafter.to(device, dtype).eval()
 
 
-def decode(target, make_drafter=None, tokens=24, prompt=PROMPT):
-    proposer = proposers.Block(RowBlockDrafters(make_drafter)) if make_drafter else proposers.NoDrafts()
-    decoder = Decoder(RowTargets(lambda: target, target.context_limit), proposer)
-    return decoder.generate(Request(prompt, tokens)).tokens
+def batch_of(size: int, prompt=PROMPT, tokens=24):
+    """A batch of one (`prompt`), or of four at other lengths and budgets, joining a step
+    or more apart: (requests, join_at)."""
+    if size == 1:
+        return [Request(prompt, tokens)], [0]
+    prompts = [prompt, prompt[:45], prompt[10:], prompt[:30]]
+    return [Request(p, n) for p, n in zip(prompts, (tokens, 16, 20, 12))], [0, 0, 1, 3]
+
+
+def decode(target, drafter=None, size=1, **request):
+    """Each request's tokens, decoded together on the batch roles `target` and `drafter`
+    (DFlash blocks; None: target-only)."""
+    proposer = proposers.Block(drafter) if drafter is not None else proposers.NoDrafts()
+    requests, join_at = batch_of(size, **request)
+    seqs = Decoder(target, proposer, slack=BLOCK).run(requests, join_at=join_at)
+    assert all(s.error is None for s in seqs)
+    return [s.gen.tokens for s in seqs]
 
 
 def compiled_roles(target, drafter, backend):
-    features = drafter.config.target_layer_ids
-    ct = CompiledTarget(target, features, buckets=(1, BLOCK), backend=backend)
-    cd = CompiledDFlash(drafter, target, SCALING, backend=backend)
-    return ct, cd
+    """The compiled batch roles over one EngineSteps (decode and block-verify widths)."""
+    steps = EngineSteps(target, drafter.config.target_layer_ids, (1, BLOCK), backend, drafter=drafter)
+    return CompiledBatchTarget(steps), CompiledBatchDFlash(steps, SCALING)
 
 
 def eager_tokens(target, drafter, speculative=True, **request):
     features = drafter.config.target_layer_ids
-    make = (lambda: TorchDFlash(drafter, target, SCALING)) if speculative else None
-    return decode(TorchTarget(target, features), make, **request)
+    return decode(TorchBatchTarget(target, features),
+                  TorchBatchDFlash(drafter, target, SCALING) if speculative else None, **request)
 
 
 @pytest.mark.slow  # the fast tier's check: the engine's roles, below (the same steps, float32)
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_steps_equal_eager_and_compile_once(backend):
-    """Token for token the eager roles' output, target-only and speculative, on float64
-    roles made without an engine. fullgraph=True raises on a graph break;
-    error_on_recompile raises when a step at another length (or another request's) needs
-    a new graph."""
+    """Token for token the eager batch roles' output, target-only and speculative, a batch
+    of one and of four, on float64 roles made without an engine. fullgraph=True raises on
+    a graph break; error_on_recompile raises when a step at another length (or another
+    request's) needs a new graph."""
     import torch._dynamo
 
     target, drafter = pair()
     ct, cd = compiled_roles(target, drafter, backend)
-    plain, speculative = eager_tokens(target, drafter, False), eager_tokens(target, drafter)
-    assert plain == speculative  # lossless eagerly, so the comparison below means something
-    assert decode(ct) == plain
     steps = cd.step  # the drafter's compiled step must actually run, not the eager fallback
     ran = []
     cd.step = lambda *a: ran.append(1) or steps(*a)
-    assert decode(ct, lambda: cd) == speculative
+    for size in (1, 4):
+        plain = eager_tokens(target, drafter, False, size=size)
+        speculative = eager_tokens(target, drafter, size=size)
+        assert plain == speculative  # lossless eagerly, so the comparison below means something
+        assert decode(ct, size=size) == plain
+        assert decode(ct, cd, size=size) == speculative
     assert len(ran) > 3
-    # every graph now exists (1-row and block-row verify, the drafter's block): another
-    # request, at lengths the first never reached (a shorter prompt) in the same
-    # capacity bucket, compiles nothing
+    # every graph now exists (1-row and block-row verify, the drafter's block, 1 to 4
+    # slots): another request, at lengths the first never reached (a shorter prompt) in
+    # the same capacity bucket, compiles nothing
     shorter = dict(tokens=20, prompt=PROMPT[:45])
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert decode(ct, lambda: cd, **shorter) == eager_tokens(target, drafter, **shorter)
+        assert decode(ct, cd, **shorter) == eager_tokens(target, drafter, **shorter)
 
 
 def test_the_stock_cache_would_break_the_graph():
@@ -149,13 +162,15 @@ def test_target_step_returns_the_eager_logits():
 @pytest.mark.parametrize("backend", ["cudagraph", "inductor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_decode_equals_eager_on_cuda(dtype, backend):
-    """Needs the capturable op (no host read of the visible counts inside it)."""
+    """The compiled batch roles, a batch of one and of four. Needs the capturable op (no
+    host read of the visible counts inside it)."""
     target, drafter = pair("cuda", dtype, layers=2)
     ct, cd = compiled_roles(target, drafter, backend)
-    plain = decode(ct)
-    assert decode(ct, lambda: cd) == plain  # lossless on the device
-    if backend == "cudagraph" or dtype == torch.float32:  # the same kernels, or fp32's precision
-        assert plain == eager_tokens(target, drafter, False)
+    for size in (1, 4):
+        plain = decode(ct, size=size)
+        assert decode(ct, cd, size=size) == plain  # lossless on the device
+        if backend == "cudagraph" or dtype == torch.float32:  # the same kernels, or fp32's precision
+            assert plain == eager_tokens(target, drafter, False, size=size)
 
 
 # scripts/gpu_e2e.py and gpu_steps.py (the GPU sections): tests/test_gpu_e2e.py
@@ -270,7 +285,8 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
 def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
     """FixedSlots (the batched compiled roles' caches) against the single-sequence caches
     that joined: each remaining row's keys and length in its slot, slots a power of two,
-    growing and shrinking; an emptied group's buffers back to the pool and reused."""
+    growing and shrinking; an emptied group's buffers back to the pool and reused; more
+    keys reserved than its buffers hold moves it to the next capacity bucket."""
     from runtime.backends.slots import FixedSlots
     from runtime.backends.pytorch.compiled import BufferPool
     from runtime.models.layers import KVCache
@@ -313,6 +329,12 @@ def test_slot_groups_keep_each_sequences_keys_as_sequences_join_and_leave():
     groups.join(singles[0])
     assert pool.made == made  # the emptied group's buffers, reused
     check(singles[:1])
+    (group,) = groups.groups
+    groups.reserve(group, 32)  # room enough: stays
+    assert group.cache.capacity == 32
+    groups.reserve(group, 40)  # a packed tree's scratch past it: buffers of the next bucket
+    assert group.cache.capacity == 64
+    check(singles[:1])
 
 
 @pytest.fixture(scope="module")
@@ -329,17 +351,17 @@ def pard_engine(tmp_path_factory, tiny_target):
 
 @pytest.mark.slow  # an engine of its own to build and graphs of its own: ~30 s on 2 cores
 def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine, monkeypatch):
-    """CompiledPARD: SharpDraft (beta > 1 from 64 keys) on the engine's compiled chain
-    step decodes the target-only tokens; a second request makes no step, graph or KV
-    buffer."""
+    """CompiledBatchPARD, a request alone (a batch of one): SharpDraft (beta > 1 from 64
+    keys) on the engine's compiled chain step decodes the target-only tokens; a second
+    request makes no step, graph or KV buffer."""
     from torch._dynamo.utils import counters
 
-    from runtime.backends.pytorch.compiled import CompiledPARD
+    from runtime.backends.pytorch.compiled import CompiledBatchPARD
     from runtime.engine import Engine
 
     made, keys = recorded_steps(monkeypatch)
     eager, engine = Engine(pard_engine), Engine(pard_engine, steps="eager")
-    assert isinstance(engine.drafter(), CompiledPARD)
+    assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchPARD)
 
     def one_round(seed):
         (prompt,) = engine_prompts(engine, [80], seed)
@@ -362,14 +384,14 @@ def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alon
     """The issue's Must-hold: seeded SharpDraft requests sample the same tokens, N and beta
     per step through CompiledBatchTarget / CompiledBatchDFlash -- two sampled rows in one
     group's slots beside a greedy row at another length, joining a step apart -- as
-    through the single-sequence compiled roles alone; and the draws are not greedy's."""
+    each alone (a batch of one); the greedy row gets the eager engine's target-only
+    tokens; and the draws are not greedy's."""
     from runtime.decode import Request
     from runtime.engine import Engine
     from runtime.sampling import Sampling
-    from speculative import assert_batched_as_alone
 
     made, keys = recorded_steps(monkeypatch)
-    engine = Engine(tiny_engine, steps=backend)
+    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
     # 70 and 90 tokens share a capacity bucket (one group, a pass for both); 30 another
     first, second, other = engine_prompts(engine, [70, 90, 30], seed=5)
     sampled = [Sampling(1.0, 1.0, seed=1), Sampling(1.0, 1.0, seed=2)]
@@ -378,8 +400,10 @@ def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alon
     decoder = engine.batch_decoder("sharpdraft", adaptive=False)
     requests = [Request(first, 24, sampled[0]), Request(other, 24), Request(second, 24, sampled[1])]
     together = decoder.run(requests, join_at=[0, 1, 2])
-    assert_batched_as_alone(together[:2], alone[0], engine.loaded.new_target(), other, 24)
-    assert_batched_as_alone([together[2], together[1]], alone[1], engine.loaded.new_target(), other, 24)
+    for seq, want in ((together[0], alone[0]), (together[2], alone[1])):
+        assert (seq.gen.tokens, seq.gen.visible_per_step, seq.gen.beta_per_step) == \
+            (want.tokens, want.visible_per_step, want.beta_per_step)
+    assert together[1].gen.tokens == eager.generate(other, 24, "target", stop=False).tokens
     greedy = engine.generate(first, 24, "sharpdraft", stop=False, adaptive=False).tokens
     assert alone[0].tokens != greedy
     # the batched steps ran compiled, the sampled pair in one call two slots wide
@@ -393,20 +417,20 @@ def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens
     """Chunked prefill (Decoder.join) through CompiledBatchTarget: a 100-token prompt joins
     a running row a chunk at a time, the row stepping between chunks, and both decode the
     tokens of a whole join and of the eager engine, target-only and SharpDraft. The chunks
-    run eagerly on the role's single-sequence target (a prompt's prefill: no graph), so a
+    run eagerly on the joining sequence's own cache (a prompt's prefill: no graph), so a
     second round at another chunk length and other prompts in the same buckets makes no
     step, dynamo graph, CUDA-graph key or KV buffer."""
     from torch._dynamo.utils import counters
 
-    from runtime.backends.pytorch import TorchTarget
+    from runtime.backends.pytorch import TorchBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
 
     made, keys = recorded_steps(monkeypatch)
     eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
     chunks = []
-    more = TorchTarget.prefill_more
-    monkeypatch.setattr(TorchTarget, "prefill_more",
+    more = TorchBatchTarget.prefill_more  # CompiledBatchTarget's: its joining prefill is eager
+    monkeypatch.setattr(TorchBatchTarget, "prefill_more",
                         lambda self, ids: chunks.append(len(ids)) or more(self, ids))
 
     def run(mode, running, joining, chunk):

@@ -136,3 +136,109 @@ def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines,
         if family == "eagle3":  # the ingest and the links, both compiled
             assert {ingest for name, ingest, _ in calls if name == module} == {True, False}
         calls.clear()
+
+
+# -- trees packed over the slotted buffers (CompiledBatchTarget.verify_trees) ----------------
+
+def random_tree(g: torch.Generator, vocab: int, size: int):
+    """A draft tree of `size` nodes, each under a random earlier node, random tokens."""
+    from runtime.tree import DraftTree
+
+    tokens = torch.randint(0, vocab, (size,), generator=g).tolist()
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, size)]
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def deepest_path(tree) -> list[int]:
+    """Root-first node indices down to the deepest node (what keep_paths may commit)."""
+    node = max(range(len(tree)), key=lambda i: tree.depths[i])
+    path = [node]
+    while tree.parents[path[-1]] != -1:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
+    """Float64: CompiledBatchTarget's packed trees (each row's tree in its slot, idle
+    slots padding) give TorchBatchTarget.verify_trees' logits and features and so the same
+    accepted paths, step after step; the kept paths leave the keys a plain verify then
+    reads (a third row joining between steps)."""
+    from runtime.backends.pytorch import TorchBatchTarget
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget, EngineSteps
+
+    vocab, layers = 40, (0, 1)
+    target = tiny.float64_target(seed=5, vocab=vocab, layers=2, context=256)
+    eager = TorchBatchTarget(target, layers)
+    compiled = CompiledBatchTarget(EngineSteps(target, layers, buckets=(1, 4), backend="eager"))
+    assert compiled.packs_trees
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (20, 37, 9)[:batch]]
+    close = dict(rtol=0, atol=1e-10)
+    joined = 0
+    for step in range(3):
+        while joined < len(prompts) and joined <= step:  # the rows join a step apart
+            for role in (eager, compiled):
+                role.add(prompts[joined], len(prompts[joined]) + 30)
+            joined += 1
+        trees = [random_tree(g, vocab, size) for size in (7, 3, 5)[:joined]]
+        want, got = eager.verify_trees(trees), compiled.verify_trees(trees)
+        for (wl, wf), (gl, gf), tree in zip(want, got, trees):
+            torch.testing.assert_close(gl, wl, **close)
+            torch.testing.assert_close(gf, wf, **close)
+            assert tree.greedy_path(gl.argmax(-1).tolist()) == tree.greedy_path(wl.argmax(-1).tolist())
+        paths = [deepest_path(tree) for tree in trees]
+        eager.keep_paths(paths), compiled.keep_paths(paths)
+    rows = [[3, 4], [5], [6, 7]][:batch]
+    (wl, wf), (gl, gf) = eager.verify(rows), compiled.verify(rows)
+    for r, row in enumerate(rows):
+        torch.testing.assert_close(gl[r, :len(row)], wl[r, :len(row)], **close)
+        torch.testing.assert_close(gf[r, :len(row)], wf[r, :len(row)], **close)
+
+
+def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
+    """Float64 EAGLE-3 trees, three rows joining and leaving, verified packed on
+    CompiledBatchTarget: the eager batch target's tokens and accepted counts per step, and
+    the target-only tokens (no CompiledTarget per row: the decoder verifies on the batch
+    role itself)."""
+    from runtime import assembly
+    from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget, EngineSteps
+    from runtime.modes import Mode
+    from runtime.tree import TreeShape
+    from tiny import float64_eagle3
+
+    target = tiny.float64_target(6, 40, layers=4, context=256)
+    drafter = float64_eagle3(target, 7, (1, 2, 3))
+    layers = drafter.config.feature_layers(target.config.num_layers)
+    shape = TreeShape(2, 3, 6)
+    steps = EngineSteps(target, layers, buckets=(1, 4), backend="eager")
+
+    def run(batch_target):
+        roles = assembly.Roles("tree", None, target.config.max_position_embeddings,
+                               drafter=lambda setting: TorchEagle3(drafter, None, shape),
+                               batch_target=batch_target, tree_shape=shape)
+        decoder = assembly.decoder(roles, Mode.FROZEN)
+        assert type(decoder.target) is type(batch_target())
+        g = torch.Generator().manual_seed(2)
+        requests = [Request(torch.randint(0, 39, (n,), generator=g).tolist(), budget)
+                    for n, budget in ((12, 20), (30, 12), (7, 16))]
+        seqs = decoder.run(requests, join_at=[0, 1, 3])
+        return [(s.gen.tokens, s.gen.committed_per_step) for s in seqs], requests
+
+    want, requests = run(lambda: TorchBatchTarget(target, layers))
+    got, _ = run(lambda: CompiledBatchTarget(steps))
+    assert got == want
+    assert max(max(steps) for _, steps in got) > 1  # trees accepted drafts
+    plain, _ = run_target_only(target, requests)
+    assert [tokens for tokens, _ in got] == plain
+
+
+def run_target_only(target, requests):
+    from runtime.backends.pytorch import TorchBatchTarget
+    from runtime.decode import Decoder
+    from runtime.proposers import NoDrafts
+
+    seqs = Decoder(TorchBatchTarget(target, ()), NoDrafts()).run(
+        [Request(r.prompt, r.max_new_tokens) for r in requests])
+    return [s.gen.tokens for s in seqs], None

@@ -96,10 +96,11 @@ class TorchSlots(Slots):
         super().__init__()
         self.new_cache = new_cache
 
-    def join(self, single) -> None:
-        bucket = row_group(single.capacity)
+    def join(self, joining) -> None:
+        """A sequence's own cache (`joining`, one sequence) in as the batch's last row."""
+        bucket = row_group(joining.capacity)
         group = self.find(bucket) or Group(bucket, self.new_cache())
-        group.cache.join(single)
+        group.cache.join(joining)
         self._admit(group, len(group.members))
 
     def _leave(self, group: Group, at: int) -> None:
@@ -141,17 +142,19 @@ class FixedSlots(Slots):
         return group
 
     @torch.inference_mode()
-    def join(self, single) -> None:
-        bucket = capacity_bucket(single.capacity + self.room)
+    def join(self, joining) -> None:
+        """A sequence's own cache (`joining`, one sequence) copied into a free slot of
+        its bucket's group, as the batch's last row."""
+        bucket = capacity_bucket(joining.capacity + self.room)
         group = self.find(bucket)
         if group is None:
             group = self._new(bucket)
         elif len(group.members) == len(group.lengths):
             self._move(group, 2 * len(group.lengths))
         slot = next(i for i in range(len(group.lengths)) if i not in group.slots)
-        n = single.length
-        group.cache.k[:, slot, :, :n] = single.k[:, 0, :, :n]
-        group.cache.v[:, slot, :, :n] = single.v[:, 0, :, :n]
+        n = joining.length
+        group.cache.k[:, slot, :, :n] = joining.k[:, 0, :, :n]
+        group.cache.v[:, slot, :, :n] = joining.v[:, 0, :, :n]
         group.lengths[slot] = n
         group.sync()
         self._admit(group, slot)
@@ -166,12 +169,22 @@ class FixedSlots(Slots):
         if len(group.members) <= len(group.lengths) // 4:
             self._move(group, slots_for(len(group.members)))
 
+    @torch.inference_mode()
+    def reserve(self, group: Group, keys: int) -> None:
+        """Room for `keys` keys in each of `group`'s buffer rows (a step's scratch past its
+        rows' lengths, like a packed tree's nodes): buffers of a bigger bucket where its
+        own lack it (the decoder's slack makes that rare)."""
+        if keys > group.cache.capacity:
+            group.bucket = capacity_bucket(keys)
+            self._move(group, len(group.lengths))
+
     def _move(self, group: Group, slots: int) -> None:
-        """The group's sequences into `slots` new buffer rows, in their order; the old
-        buffers back to the pool."""
+        """The group's sequences into `slots` new buffer rows of its bucket, in their
+        order; the old buffers back to the pool."""
         cache, lease = self._lease(group.bucket, slots)
-        cache.k[:, :len(group.slots)] = group.cache.k[:, group.slots]
-        cache.v[:, :len(group.slots)] = group.cache.v[:, group.slots]
+        n, keys = len(group.slots), group.cache.capacity
+        cache.k[:, :n, :, :keys] = group.cache.k[:, group.slots]
+        cache.v[:, :n, :, :keys] = group.cache.v[:, group.slots]
         lengths = [group.lengths[s] for s in group.slots]
         group.lease()
         group.cache, group.lease = cache, lease

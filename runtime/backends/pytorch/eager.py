@@ -1,6 +1,7 @@
 """The torch backend's roles run eagerly: our TargetModel and the drafters (DFlash, PARD,
-EAGLE-3), alone and over a batch (TorchSlots: runtime/backends/slots.py), on the loader's
-device (cpu, cuda) in its dtype. Their compiled forms: compiled.py; the loader:
+EAGLE-3) over a batch (TorchSlots: runtime/backends/slots.py; a request alone is a batch
+of one), and EAGLE-3's tree drafter per row, on the loader's device (cpu, cuda) in its
+dtype. Their compiled forms: compiled.py; the loader:
 loader.py."""
 
 from __future__ import annotations
@@ -19,6 +20,381 @@ from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context
 from runtime.tree import DraftTree, TreeShape, grow_tree, pack
 
+
+def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
+                 width: int) -> torch.Tensor:
+    """part [g, t, ...] into rows `members` of out [batch, width, ...] (made on the first
+    part; positions past a part's t stay 0: padding whose outputs are never read)."""
+    if out is None:
+        out = part.new_zeros((batch, width) + part.shape[2:])
+    out[members, :part.shape[1]] = part
+    return out
+
+
+class TorchBatchTarget:
+    """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
+    length; verify and verify_trees run one pass per group. A joining sequence prefills
+    on a cache of its own (`held`: prefill, prefill_more), whole or in chunks between the
+    batch's steps, then joins as the last row (join_prefilled); add() is both at once."""
+
+    packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
+
+    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
+        self.model, self.feature_layers = model, tuple(feature_layers)
+        self.context_limit = model.config.max_position_embeddings
+        self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
+        self.held = None  # the joining sequence's cache, until it joins
+
+    # Transitional: Decoder.join's chunked prefill calls target.single.prefill /
+    # prefill_more, which are this role's own now (it holds no single-sequence target).
+    # Goes when decode.py calls target.prefill.
+    @property
+    def single(self):
+        return self
+
+    def add(self, ids: list[int], capacity: int):
+        result = self.prefill(ids, capacity)
+        self.join_prefilled()
+        return result
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], capacity: int):
+        """A joining sequence's first part, on a fresh cache of `capacity` keys held aside
+        (not a row yet): its last token's logits [vocab] and every token's features."""
+        self.held = self.model.new_cache(capacity)
+        return self._prefill_held(ids)
+
+    @torch.inference_mode()
+    def prefill_more(self, ids: list[int]):
+        """The held sequence's next part, from its cached length (chunked prefill)."""
+        return self._prefill_held(ids)
+
+    def _prefill_held(self, ids: list[int]):
+        x = torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
+        logits, features = self.model(x, self.held, self.feature_layers, last_logits_only=True)
+        return logits[0, -1], None if features is None else features[0]
+
+    def join_prefilled(self) -> None:
+        """The held sequence becomes the batch's last row."""
+        self.caches.join(self.held)
+        self.held = None
+
+    def snapshot(self):
+        """A copy of the held sequence (after prefill / prefill_more, before it joins),
+        independent of later steps: restore() makes it the held sequence again, as often
+        as asked (several decoding runs from one prefill)."""
+        held, n = self.held, self.held.length
+        return n, held.capacity, held.k[:, :, :, :n].clone(), held.v[:, :, :, :n].clone()
+
+    def restore(self, snap) -> None:
+        n, capacity, k, v = snap
+        self.held = self.model.new_cache(capacity)
+        self.held.k[:, :, :, :n] = k
+        self.held.v[:, :, :, :n] = v
+        self.held.length = n
+
+    @torch.inference_mode()
+    def verify(self, rows: list[list[int]]):
+        """One pass per group, its rows padded to its widest; the outputs padded to the
+        batch's widest row."""
+        width, logits, features = max(len(r) for r in rows), None, None
+        for cache, members in self.caches.each():
+            ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
+                               device=cache.k.device)
+            part_logits, part_features = self.model(ids, cache, self.feature_layers)
+            logits = scatter_rows(logits, part_logits, members, len(rows), width)
+            if part_features is not None:
+                features = scatter_rows(features, part_features, members, len(rows), width)
+        return logits, features
+
+    @torch.inference_mode()
+    def verify_trees(self, trees: list[DraftTree]):
+        """Every row's draft tree in one pass per group (runtime/tree.py: pack): each
+        node sees its own sequence's committed keys and its ancestors, at that
+        sequence's length + depth; the nodes' keys stay scratch until keep_paths.
+        Returns (logits [n_i, vocab], features [n_i, F] or None) per row."""
+        out = [None] * len(trees)
+        for cache, members in self.caches.each():
+            ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
+            cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # the nodes' scratch
+            logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
+            for i, r in enumerate(members):
+                n = len(trees[r])
+                out[r] = (logits[i, :n], None if features is None else features[i, :n])
+        return out
+
+    @torch.inference_mode()  # the caches were made under inference mode
+    def keep_paths(self, paths: list[list[int]]) -> None:
+        """Commit each row's accepted path (node indices, root first) of its verified tree."""
+        for cache, members in self.caches.each():
+            cache.keep_each([paths[r] for r in members])
+
+    def rollback(self, lengths: list[int]) -> None:
+        self.caches.rollback(lengths)
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
+
+
+class TorchBatchDFlash(BlockPrefill):
+    """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
+    length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
+    each row seeing only the last `window` of its own context keys (StepMetadata.block_window
+    gives every row its own range in the one pass). A joining sequence reads its prompt's
+    features into a cache of its own (`joining`; whole or in parts: BlockPrefill), one
+    block pass per part whose block is scratch, then joins."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
+                 window: int | None = None):
+        if window is not None and window < 1:
+            raise ValueError(f"a draft window must be >= 1 token, got {window}")
+        self.window = window  # draft window (layers.window_mask); None: the whole context
+        self.drafter, self.scaling = drafter, scaling
+        self.head = DraftHead.for_drafter(drafter, target.lm_head)
+        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
+        self.embed_tokens = target.embed_tokens
+        self.block_size, self.mask_token_id = drafter.config.block_size, drafter.config.mask_token_id
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    def _reset_joining(self, capacity: int) -> None:
+        self.joining = self.drafter.new_cache(capacity)
+
+    @torch.inference_mode()
+    def _read_joining(self, context: torch.Tensor, last: int) -> None:
+        # the context's keys land at the joining cache's length; the block's past it are
+        # scratch, and so are its outputs (not read)
+        block = [last] + [self.mask_token_id] * (self.block_size - 1)
+        ids = torch.tensor([block], dtype=torch.long, device=context.device)
+        self.drafter(self.embed_tokens(ids), context[None], self.joining, self.scaling,
+                     window=self.window)
+
+    def _join_row(self) -> None:
+        self.caches.join(self.joining)
+        self.joining = None
+
+    @torch.inference_mode()
+    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        """One pass per group, its rows' contexts padded to its longest (an empty context,
+        [0, F], adds nothing to its row's cache)."""
+        logits, visible = None, None
+        for cache, members in self.caches.each():
+            context, lengths = padded_context([contexts[r] for r in members])
+            block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
+            ids = torch.tensor(block, dtype=torch.long, device=context.device)
+            hidden, part_visible = self.drafter(self.embed_tokens(ids), context, cache,
+                                                self.scaling, context_lens=lengths.to(context.device),
+                                                window=self.window)
+            logits = scatter_rows(logits, self.head(hidden[:, 1:]), members, len(contexts),
+                                  self.block_size - 1)
+            if visible is None:
+                visible = part_visible.new_zeros(len(contexts))
+            visible[members] = part_visible
+        return logits, visible
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
+
+
+# Cache room a batched chain drafter's rows need past their capacity: a row is padded to
+# the batch's widest (at most K + 1 real tokens, then K - 1 pard rows), and an EAGLE-3
+# chain's links are scratch past the committed entries.
+def _chain_room(max_drafts: int) -> int:
+    return 2 * max_drafts + 1
+
+
+# How the torch chain drafters (TorchBatchPARD, TorchBatchEagle3) prefill a joining row
+# (ChainPrefill's hooks): a cache of its own (`joining`), with the chain's room past the
+# capacity, reads the prompt (each class's `_read_joining`), then joins the groups
+# (`caches`).
+def _chain_reset(self, capacity: int) -> None:
+    self.joining = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
+
+
+def _chain_join(self) -> None:
+    self.caches.join(self.joining)
+    self.joining = None
+
+
+class TorchBatchPARD(ChainPrefill):
+    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
+    row at its own length; one pass per group drafts every row's chain, each row's
+    [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
+    own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
+    joining sequence reads its prompt into a cache of its own (whole or in parts:
+    _chain_reset / _chain_join), then joins."""
+
+    fused = True
+    _reset_joining, _join_row = _chain_reset, _chain_join
+
+    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
+                 scaling: QueryScaling | None):
+        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
+        self.max_drafts, self.pard_token = max_drafts, drafter.config.pard_token
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    @torch.inference_mode()
+    def _read_joining(self, ids: list[int], features=None) -> None:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
+        self.drafter(x, self.joining, self.scaling, keep=len(ids))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+        drafts = [None] * len(ids)
+        device = self.drafter.embed_tokens.weight.device
+        for cache, members in self.caches.each():
+            if not any(ks[r] for r in members):
+                continue
+            rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
+            keep = torch.tensor([len(ids[r]) for r in members], dtype=torch.long, device=device)
+            x = torch.tensor(padded(rows), dtype=torch.long, device=device)
+            hidden, visible = self.drafter(x, cache, self.scaling, keep=keep)
+            for i, (r, row) in enumerate(zip(members, rows)):
+                if ks[r]:
+                    first = len(row) - ks[r]  # the newest real token's row, then the pard rows
+                    drafts[r] = ChainDraft.propose(
+                        self.drafter.logits(hidden[i, first:len(row)], self.vocab_size),
+                        visible[i, first:len(row)], samplers[r])
+        return drafts
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
+
+
+class TorchEagle3:
+    """EAGLE-3 drafting on the torch backend. The drafter's cache holds one entry per
+    token the target has committed, from (the target's features of token p, token p + 1);
+    each step ingests the entries of the tokens committed since the last one, then
+    drafts a tree (or a chain) in scratch past them."""
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
+                 tree: TreeShape = TreeShape(), max_drafts: int = 16):
+        self.drafter, self.scaling, self.tree = drafter, scaling, tree
+        self.vocab = DraftVocabulary(drafter)
+        self.max_drafts = max_drafts  # the longest chain draft() writes (K)
+        self.cache = None
+
+    def reset(self, capacity: int) -> None:
+        # + scratch past the committed entries: a tree's levels below the first write
+        # top_k keys each, a chain one key per draft
+        self.cache = self.drafter.new_cache(capacity + max(self.tree.depth * self.tree.top_k,
+                                                           self.max_drafts))
+
+    def _ingest(self, context: torch.Tensor, following: list[int]):
+        """Entries for the newly committed tokens; the last row's output predicts the
+        token after the last one in `following`."""
+        ids = torch.tensor([following], dtype=torch.long, device=context.device)
+        logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]), self.cache,
+                                               self.scaling)
+        return logits[0, -1], hidden[0, -1], int(visible[0, -1])
+
+    @torch.inference_mode()
+    def read(self, ids: list[int], features: torch.Tensor) -> None:
+        self._ingest(features, list(ids[-len(features):]))
+
+    @torch.inference_mode()
+    def draft_tree(self, context: torch.Tensor, following: list[int], shape: TreeShape | None = None):
+        """context [c, F]: target features of the c tokens committed since the last
+        step; following [c]: the token after each (the last: the tree's root, which the
+        target has not cached yet). Returns the tree and the most keys any drafter row
+        saw (N)."""
+        logits, hidden, visible = self._ingest(context, following)
+        largest = [visible]  # N of the rows drafted so far
+
+        def expand(tokens, parent_hidden, scratch_mask, offset):
+            ids = torch.tensor([tokens], dtype=torch.long, device=parent_hidden.device)
+            offsets = torch.full_like(ids, offset)
+            out_logits, out_hidden, counts = self.drafter(ids, parent_hidden[None], self.cache, self.scaling,
+                                                          tree=(scratch_mask[None], offsets))
+            largest.append(int(counts.max()))
+            return log_softmax(out_logits[0], -1), out_hidden[0]
+
+        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
+                         shape or self.tree, self.vocab.to_target)
+        return tree, max(largest)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
+        """The chain role (EAGLE-3 with top_k = 1, runtime/proposers.py Chain): ingest
+        `features` [c, F], each row paired with the token after it (the last c ids), then
+        draft k tokens, each chosen by `sampler` (argmax, or drawn from the drafter's own
+        distribution, which is then the q verification divides by) and fed back as the
+        next row's token with the row's own state. The chain's rows are scratch."""
+        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
+        committed = self.cache.length
+
+        def step(token, hidden, i):
+            x = torch.tensor([token], dtype=torch.long, device=hidden.device)
+            out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
+            return out[0, -1], state[0, -1], int(n[0, -1])
+
+        draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
+        self.cache.rollback(committed)
+        return draft
+
+
+class TorchBatchEagle3(ChainPrefill):
+    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
+    (TorchSlots), each row at its own length. Per group, one pass ingests every row's
+    newly committed entries (padded to the longest), then one pass per chain link drafts
+    the next token of every row; the links are scratch past each row's committed
+    entries, as TorchEagle3.draft leaves them. A joining sequence reads its prompt into a
+    cache of its own (whole or in parts:
+    _chain_reset / _chain_join; TorchEagle3.read's pass), then
+    joins."""
+
+    fused = True
+    _reset_joining, _join_row = _chain_reset, _chain_join
+
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
+        self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
+        self.vocab = DraftVocabulary(drafter)
+        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
+        self.joining = None
+
+    @torch.inference_mode()
+    def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
+        # entry p: the target's features of token p with token p + 1 (ChainDrafter.read)
+        following = torch.tensor([list(ids[-len(features):])], dtype=torch.long,
+                                 device=features.device)
+        self.drafter(following, self.drafter.project(features[None]), self.joining, self.scaling)
+
+    @torch.inference_mode()
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        drafts = [None] * len(ids)
+        for cache, members in self.caches.each():
+            if not any(ks[r] for r in members):
+                continue
+            context, counts = padded_context([features[r] for r in members])
+            following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
+            x = torch.tensor(following, dtype=torch.long, device=context.device)
+            logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
+                                                   self.scaling, keep=counts.to(context.device))
+            last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
+            at = torch.arange(len(members), device=context.device)
+            committed = cache.lengths.clone()
+
+            def step(tokens, hidden, i):
+                x = torch.tensor(tokens, dtype=torch.long, device=hidden.device)[:, None]
+                out, state, n = self.drafter(x, hidden[:, None], cache, self.scaling)
+                return out[:, -1], state[:, -1], n[:, -1]
+
+            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
+                                         step, [ks[r] for r in members],
+                                         [samplers[r] for r in members], self.vocab.target_logits)
+            cache.lengths = committed
+            for r, draft in zip(members, grown):
+                drafts[r] = draft
+        return drafts
+
+    def remove(self, row: int) -> None:
+        self.caches.drop(row)
+
+
+# -- transitional (issue 57): the single-sequence roles, until every caller runs the batch
+# roles above (a request alone is a batch of one); no batch role uses them ------------------
 
 class TorchTarget:
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
@@ -134,304 +510,3 @@ class TorchPARD:
         first = len(row) - k  # the newest real token's row, then the pard rows
         return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
                                   visible[0, first:], sampler)
-
-
-def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
-                 width: int) -> torch.Tensor:
-    """part [g, t, ...] into rows `members` of out [batch, width, ...] (made on the first
-    part; positions past a part's t stay 0: padding whose outputs are never read)."""
-    if out is None:
-        out = part.new_zeros((batch, width) + part.shape[2:])
-    out[members, :part.shape[1]] = part
-    return out
-
-
-class TorchBatchTarget:
-    """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
-    length; verify and verify_trees run one pass per group."""
-
-    packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
-
-    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
-        self.single = TorchTarget(model, feature_layers)
-        self.model, self.feature_layers = model, self.single.feature_layers
-        self.context_limit = self.single.context_limit
-        self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
-
-    def add(self, ids: list[int], capacity: int):
-        result = self.single.prefill(ids, capacity)
-        self.caches.join(self.single.cache)
-        return result
-
-    def join_prefilled(self) -> None:
-        """Make the sequence prefilled on `single` (prefill, prefill_more) the last row:
-        add() in two halves, so a prompt can prefill in chunks between batch steps."""
-        self.caches.join(self.single.cache)
-
-    @torch.inference_mode()
-    def verify(self, rows: list[list[int]]):
-        """One pass per group, its rows padded to its widest; the outputs padded to the
-        batch's widest row."""
-        width, logits, features = max(len(r) for r in rows), None, None
-        for cache, members in self.caches.each():
-            ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
-                               device=cache.k.device)
-            part_logits, part_features = self.model(ids, cache, self.feature_layers)
-            logits = scatter_rows(logits, part_logits, members, len(rows), width)
-            if part_features is not None:
-                features = scatter_rows(features, part_features, members, len(rows), width)
-        return logits, features
-
-    @torch.inference_mode()
-    def verify_trees(self, trees: list[DraftTree]):
-        """Every row's draft tree in one pass per group (runtime/tree.py: pack): each
-        node sees its own sequence's committed keys and its ancestors, at that
-        sequence's length + depth; the nodes' keys stay scratch until keep_paths.
-        Returns (logits [n_i, vocab], features [n_i, F] or None) per row."""
-        out = [None] * len(trees)
-        for cache, members in self.caches.each():
-            ids, mask, depths = pack([trees[r] for r in members], cache.k.device)
-            cache.reserve(int(cache.lengths.max()) + ids.shape[1])  # as TorchTarget.verify_tree
-            logits, features = self.model(ids, cache, self.feature_layers, tree=(mask, depths))
-            for i, r in enumerate(members):
-                n = len(trees[r])
-                out[r] = (logits[i, :n], None if features is None else features[i, :n])
-        return out
-
-    @torch.inference_mode()  # the caches were made under inference mode
-    def keep_paths(self, paths: list[list[int]]) -> None:
-        """Commit each row's accepted path (node indices, root first) of its verified tree."""
-        for cache, members in self.caches.each():
-            cache.keep_each([paths[r] for r in members])
-
-    def rollback(self, lengths: list[int]) -> None:
-        self.caches.rollback(lengths)
-
-    def remove(self, row: int) -> None:
-        self.caches.drop(row)
-
-
-class TorchBatchDFlash(BlockPrefill):
-    """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
-    length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
-    each row seeing only the last `window` of its own context keys (StepMetadata.block_window
-    gives every row its own range in the one pass). A sequence reads its prompt's
-    features alone (TorchDFlash, whole or in parts: BlockPrefill), then joins."""
-
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
-                 window: int | None = None):
-        self.single = TorchDFlash(drafter, target, scaling, window)
-        self.window = self.single.window
-        self.drafter, self.scaling, self.head = drafter, scaling, self.single.head
-        self.vocab = self.single.vocab
-        self.embed_tokens = target.embed_tokens
-        self.block_size, self.mask_token_id = self.single.block_size, self.single.mask_token_id
-        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
-
-    def _join_row(self) -> None:
-        self.caches.join(self.single.cache)
-
-    @torch.inference_mode()
-    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
-        """One pass per group, its rows' contexts padded to its longest (an empty context,
-        [0, F], adds nothing to its row's cache)."""
-        logits, visible = None, None
-        for cache, members in self.caches.each():
-            context, lengths = padded_context([contexts[r] for r in members])
-            block = [[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1) for r in members]
-            ids = torch.tensor(block, dtype=torch.long, device=context.device)
-            hidden, part_visible = self.drafter(self.embed_tokens(ids), context, cache,
-                                                self.scaling, context_lens=lengths.to(context.device),
-                                                window=self.window)
-            logits = scatter_rows(logits, self.head(hidden[:, 1:]), members, len(contexts),
-                                  self.block_size - 1)
-            if visible is None:
-                visible = part_visible.new_zeros(len(contexts))
-            visible[members] = part_visible
-        return logits, visible
-
-    def remove(self, row: int) -> None:
-        self.caches.drop(row)
-
-
-# Cache room a batched chain drafter's rows need past their capacity: a row is padded to
-# the batch's widest (at most K + 1 real tokens, then K - 1 pard rows), and an EAGLE-3
-# chain's links are scratch past the committed entries.
-def _chain_room(max_drafts: int) -> int:
-    return 2 * max_drafts + 1
-
-
-# How the torch chain drafters (TorchBatchPARD, TorchBatchEagle3) prefill a joining row
-# (ChainPrefill's two parts): the single-sequence drafter (`single`) reads the prompt into
-# a cache of its own, with the chain's room past the capacity, which then joins the groups
-# (`caches`).
-def _chain_reset(self, capacity: int):
-    self.single.cache = self.drafter.new_cache(capacity + _chain_room(self.max_drafts))
-    return self.single
-
-
-def _chain_join(self) -> None:
-    self.caches.join(self.single.cache)
-
-
-class TorchBatchPARD(ChainPrefill):
-    """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
-    row at its own length; one pass per group drafts every row's chain, each row's
-    [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
-    own (causal over its own cache: StepMetadata.causal_visible), so its beta is too. A
-    sequence reads its prompt alone (TorchPARD, whole or in parts: _chain_reset and
-    _chain_join), then joins."""
-
-    fused = True
-    _reset, _join_row = _chain_reset, _chain_join
-
-    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
-                 scaling: QueryScaling | None):
-        self.single = TorchPARD(drafter, vocab_size, max_drafts, scaling)
-        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
-        self.max_drafts, self.pard_token = max_drafts, self.single.pard_token
-        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
-
-    @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
-        drafts = [None] * len(ids)
-        device = self.drafter.embed_tokens.weight.device
-        for cache, members in self.caches.each():
-            if not any(ks[r] for r in members):
-                continue
-            rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
-            keep = torch.tensor([len(ids[r]) for r in members], dtype=torch.long, device=device)
-            x = torch.tensor(padded(rows), dtype=torch.long, device=device)
-            hidden, visible = self.drafter(x, cache, self.scaling, keep=keep)
-            for i, (r, row) in enumerate(zip(members, rows)):
-                if ks[r]:
-                    first = len(row) - ks[r]  # the newest real token's row, then the pard rows
-                    drafts[r] = ChainDraft.propose(
-                        self.drafter.logits(hidden[i, first:len(row)], self.vocab_size),
-                        visible[i, first:len(row)], samplers[r])
-        return drafts
-
-    def remove(self, row: int) -> None:
-        self.caches.drop(row)
-
-
-class TorchEagle3:
-    """EAGLE-3 drafting on the torch backend. The drafter's cache holds one entry per
-    token the target has committed, from (the target's features of token p, token p + 1);
-    each step ingests the entries of the tokens committed since the last one, then
-    drafts a tree (or a chain) in scratch past them."""
-
-    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
-                 tree: TreeShape = TreeShape(), max_drafts: int = 16):
-        self.drafter, self.scaling, self.tree = drafter, scaling, tree
-        self.vocab = DraftVocabulary(drafter)
-        self.max_drafts = max_drafts  # the longest chain draft() writes (K)
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        # + scratch past the committed entries: a tree's levels below the first write
-        # top_k keys each, a chain one key per draft
-        self.cache = self.drafter.new_cache(capacity + max(self.tree.depth * self.tree.top_k,
-                                                           self.max_drafts))
-
-    def _ingest(self, context: torch.Tensor, following: list[int]):
-        """Entries for the newly committed tokens; the last row's output predicts the
-        token after the last one in `following`."""
-        ids = torch.tensor([following], dtype=torch.long, device=context.device)
-        logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]), self.cache,
-                                               self.scaling)
-        return logits[0, -1], hidden[0, -1], int(visible[0, -1])
-
-    @torch.inference_mode()
-    def read(self, ids: list[int], features: torch.Tensor) -> None:
-        self._ingest(features, list(ids[-len(features):]))
-
-    @torch.inference_mode()
-    def draft_tree(self, context: torch.Tensor, following: list[int], shape: TreeShape | None = None):
-        """context [c, F]: target features of the c tokens committed since the last
-        step; following [c]: the token after each (the last: the tree's root, which the
-        target has not cached yet). Returns the tree and the most keys any drafter row
-        saw (N)."""
-        logits, hidden, visible = self._ingest(context, following)
-        largest = [visible]  # N of the rows drafted so far
-
-        def expand(tokens, parent_hidden, scratch_mask, offset):
-            ids = torch.tensor([tokens], dtype=torch.long, device=parent_hidden.device)
-            offsets = torch.full_like(ids, offset)
-            out_logits, out_hidden, counts = self.drafter(ids, parent_hidden[None], self.cache, self.scaling,
-                                                          tree=(scratch_mask[None], offsets))
-            largest.append(int(counts.max()))
-            return log_softmax(out_logits[0], -1), out_hidden[0]
-
-        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
-                         shape or self.tree, self.vocab.to_target)
-        return tree, max(largest)
-
-    @torch.inference_mode()
-    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
-        """The chain role (EAGLE-3 with top_k = 1, runtime/proposers.py Chain): ingest
-        `features` [c, F], each row paired with the token after it (the last c ids), then
-        draft k tokens, each chosen by `sampler` (argmax, or drawn from the drafter's own
-        distribution, which is then the q verification divides by) and fed back as the
-        next row's token with the row's own state. The chain's rows are scratch."""
-        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
-        committed = self.cache.length
-
-        def step(token, hidden, i):
-            x = torch.tensor([token], dtype=torch.long, device=hidden.device)
-            out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
-            return out[0, -1], state[0, -1], int(n[0, -1])
-
-        draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
-        self.cache.rollback(committed)
-        return draft
-
-
-class TorchBatchEagle3(ChainPrefill):
-    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
-    (TorchSlots), each row at its own length. Per group, one pass ingests every row's
-    newly committed entries (padded to the longest), then one pass per chain link drafts
-    the next token of every row; the links are scratch past each row's committed
-    entries, as TorchEagle3.draft leaves them. A sequence reads its prompt alone
-    (TorchEagle3, whole or in parts: _chain_reset / _chain_join), then joins."""
-
-    fused = True
-    _reset, _join_row = _chain_reset, _chain_join
-
-    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
-        self.single = TorchEagle3(drafter, scaling, max_drafts=max_drafts)
-        self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
-        self.vocab = self.single.vocab
-        self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
-
-    @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
-              samplers: list):
-        drafts = [None] * len(ids)
-        for cache, members in self.caches.each():
-            if not any(ks[r] for r in members):
-                continue
-            context, counts = padded_context([features[r] for r in members])
-            following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
-            x = torch.tensor(following, dtype=torch.long, device=context.device)
-            logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
-                                                   self.scaling, keep=counts.to(context.device))
-            last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
-            at = torch.arange(len(members), device=context.device)
-            committed = cache.lengths.clone()
-
-            def step(tokens, hidden, i):
-                x = torch.tensor(tokens, dtype=torch.long, device=hidden.device)[:, None]
-                out, state, n = self.drafter(x, hidden[:, None], cache, self.scaling)
-                return out[:, -1], state[:, -1], n[:, -1]
-
-            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
-                                         step, [ks[r] for r in members],
-                                         [samplers[r] for r in members], self.vocab.target_logits)
-            cache.lengths = committed
-            for r, draft in zip(members, grown):
-                drafts[r] = draft
-        return drafts
-
-    def remove(self, row: int) -> None:
-        self.caches.drop(row)

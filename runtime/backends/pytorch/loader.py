@@ -9,8 +9,8 @@ from pathlib import Path
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                            TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
-                                            TorchTarget)
+                                            TorchBatchTarget, TorchEagle3)
+from runtime.backends.pytorch.eager import TorchDFlash, TorchPARD, TorchTarget  # transitional
 from runtime.backends.roles import Drafting, drafter_feature_layers
 from runtime.manifest import Manifest
 from runtime.models.target import ModelError
@@ -52,13 +52,12 @@ class TorchLoaded:
     `steps`: None runs every role eagerly (the default). "eager" / "inductor" / "cudagraph"
     (compiled.py: compile_step's backends) run fixed-shape steps for a decode (1),
     an n-gram verify (ngram drafts + 1) and a block verify (block_size), the DFlash
-    block, the PARD chain and EAGLE-3's chain passes: the targets are CompiledTarget /
-    CompiledBatchTarget, DFlash drafters CompiledDFlash / CompiledBatchDFlash, PARD
-    drafters CompiledPARD / CompiledBatchPARD, EAGLE-3 chains over a batch
-    CompiledBatchEagle3, all over this engine's one EngineSteps (`shared`: its compiled
+    block, the PARD chain and EAGLE-3's chain passes: the batch roles are
+    CompiledBatchTarget, CompiledBatchDFlash, CompiledBatchPARD and CompiledBatchEagle3
+    (EAGLE-3 chains), all over this engine's one EngineSteps (`shared`: its compiled
     steps, graphs and KV buffer pool; a graph per batch bucket and width bucket), so a
-    request after the first compiles and captures nothing. EAGLE-3 trees stay eager (per-
-    step masks)."""
+    request after the first compiles and captures nothing. EAGLE-3 trees draft eagerly
+    (per-step masks) and verify packed, eagerly, over CompiledBatchTarget's slotted buffers."""
 
     can = modes.BACKENDS["torch"]
 
@@ -84,12 +83,7 @@ class TorchLoaded:
         self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
         self.shared = None if steps is None else compiled.EngineSteps(
             self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
-        self.target = self.new_target()
-
-    def new_target(self) -> TorchTarget:
-        if self.shared is not None:
-            return self.shared.target()
-        return TorchTarget(self.model, self.feature_layers)
+        self.target = self.new_target()  # transitional (issue 57), as new_target
 
     def batch_target(self) -> TorchBatchTarget:
         if self.shared is not None:
@@ -98,24 +92,6 @@ class TorchLoaded:
 
     def has_window(self) -> bool:
         return True
-
-    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
-        """A DFlash drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.dflash(scaling, window)
-        return TorchDFlash(self.drafter_model, self.model, scaling, window)
-
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        if window is not None:
-            return self.dflash(scaling, window)
-        return DRAFTERS[self.family](self, scaling)
-
-    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
-        """A PARD chain drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.pard(scaling, self.drafting.max_drafts)
-        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
-                         scaling)
 
     def batch_dflash(self, scaling: QueryScaling | None, window: int | None = None
                      ) -> TorchBatchDFlash:
@@ -144,14 +120,43 @@ class TorchLoaded:
         step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
         return BATCH_DRAFTERS[self.family](self, scaling, window)
 
+    def tree_drafter(self, scaling: QueryScaling | None) -> TorchEagle3:
+        """The per-row EAGLE-3 tree drafter (trees draft one row at a time) for the tree
+        the engine was built for, under `scaling` (None: frozen)."""
+        return TorchEagle3(self.drafter_model, scaling, self.drafting.tree_shape,
+                           max(self.drafting.max_drafts, 1))
 
-# drafter family -> its per-row drafter on this backend
+    # Transitional (issue 57): the single-sequence roles, until every caller runs the
+    # batch roles above (a request alone is a batch of one); nothing above uses them.
+    def new_target(self) -> TorchTarget:
+        if self.shared is not None:
+            return self.shared.target()
+        return TorchTarget(self.model, self.feature_layers)
+
+    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
+        if window is not None:
+            return self.dflash(scaling, window)
+        return DRAFTERS[self.family](self, scaling)
+
+    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
+        """A DFlash drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.dflash(scaling, window)
+        return TorchDFlash(self.drafter_model, self.model, scaling, window)
+
+    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
+        """A PARD chain drafter role: eager, or compiled with `steps`."""
+        if self.shared is not None:
+            return self.shared.pard(scaling, self.drafting.max_drafts)
+        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
+                         scaling)
+
+
+# drafter family -> its per-row drafter on this backend (transitional: drafter())
 DRAFTERS = {
     "dflash": lambda loaded, scaling: loaded.dflash(scaling),
     "pard": lambda loaded, scaling: loaded.pard(scaling),
-    "eagle3": lambda loaded, scaling: TorchEagle3(loaded.drafter_model, scaling,
-                                                  loaded.drafting.tree_shape,
-                                                  max(loaded.drafting.max_drafts, 1)),
+    "eagle3": lambda loaded, scaling: loaded.tree_drafter(scaling),
 }
 
 # drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);

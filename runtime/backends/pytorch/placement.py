@@ -47,7 +47,8 @@ def place(model: nn.Module, device, dtype=None) -> nn.Module:
 
 def load_target(target_dir, device="cpu", dtype="float32"):
     """Our TargetModel on `device` in `dtype` and its tokenizer (runtime/models/target.py
-    loads; this places). Its static caches are made per request by CompiledTarget."""
+    loads; this places). Its static caches are leased per request by the compiled
+    roles (compiled.py: EngineSteps' pools)."""
     from runtime.models.target import load_target as load
 
     from plugins.row_invariant import REDUCED, make_row_invariant
