@@ -252,8 +252,7 @@ class ChainRow:
 
 class Chain(Proposer):
     """Chains over a batch chain drafter (runtime/backends: BatchChainDrafter): one call
-    for the whole batch, fused (one drafter pass per chain step across the rows) or one
-    drafter per row (RowChainDrafters)."""
+    for the whole batch (one drafter pass per chain step across the rows)."""
 
     def __init__(self, drafter):
         self.drafter = drafter

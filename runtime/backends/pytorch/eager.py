@@ -45,13 +45,6 @@ class TorchBatchTarget:
         self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
         self.held = None  # the joining sequence's cache, until it joins
 
-    # Transitional: Decoder.join's chunked prefill calls target.single.prefill /
-    # prefill_more, which are this role's own now (it holds no single-sequence target).
-    # Goes when decode.py calls target.prefill.
-    @property
-    def single(self):
-        return self
-
     def add(self, ids: list[int], capacity: int):
         result = self.prefill(ids, capacity)
         self.join_prefilled()
@@ -86,9 +79,11 @@ class TorchBatchTarget:
         held, n = self.held, self.held.length
         return n, held.capacity, held.k[:, :, :, :n].clone(), held.v[:, :, :, :n].clone()
 
-    def restore(self, snap) -> None:
-        n, capacity, k, v = snap
-        self.held = self.model.new_cache(capacity)
+    def restore(self, snap, capacity: int | None = None) -> None:
+        """The snapshot's sequence held again, in a cache of `capacity` keys (default: the
+        one it was prefilled in)."""
+        n, held, k, v = snap
+        self.held = self.model.new_cache(capacity or held)
         self.held.k[:, :, :, :n] = k
         self.held.v[:, :, :, :n] = v
         self.held.length = n
