@@ -2,8 +2,8 @@
 tiny target: the tree engine (native form) and the chain engine (plugin form) draft the
 same trees and chains, with the same per-row N, and decode the same tokens as the torch
 backend running the same checkpoints, SharpDraft on and off; a batch grows its chains
-in one drafter run per chain link (an engine exported before the graphs took past_lens,
-row by row); a tree level's N is the keys its mask leaves unmasked; calibrate re-exports
+in one drafter run per chain link (an engine exported before the graphs took past_lens
+is refused); a tree level's N is the keys its mask leaves unmasked; calibrate re-exports
 the tree graph with its choice. (The batched chain drafter on graphs exported without an
 engine, in the fast tier: tests/test_eagle3_onnx_chain.py.)"""
 
@@ -218,32 +218,43 @@ def export_before_past_lens(engine_dir):
     manifest.write(engine_dir)
 
 
-def test_an_engine_exported_before_past_lens_drafts_its_chains_row_by_row(chain_engine,
-                                                                          tmp_path):
-    """Graphs that take one committed length per run (read by their inputs:
-    onnxruntime.takes_lengths) draft a batch's chains one row at a time, each sequence
-    decoding what it decodes alone and what the batched graphs decode; the engine's
-    frozen drafter, exported with past_lens, still batches."""
-    from runtime.backends.onnxruntime import takes_lengths
+def test_an_engine_exported_before_past_lens_is_refused_in_one_line(chain_engine, tmp_path):
+    """Graphs that take one committed length per run (no past_lens, read by their
+    inputs: onnxruntime.takes_lengths) would draft a batch's chains row by row: the
+    engine is refused when it loads, in one line naming its directory, the graphs and
+    the rebuild (it used to load and draft row by row)."""
+    from runtime.manifest import EngineError
 
     engine_dir = tmp_path / "before"
     shutil.copytree(chain_engine, engine_dir)
     export_before_past_lens(engine_dir)
-    engine = Engine(engine_dir)
-    assert not takes_lengths(engine.loaded.sessions["drafter"])
-    assert not takes_lengths(engine.loaded.sessions["drafter_tree"])
-    text = engine.encode(tiny.stdlib_text())
-    prompts = [text[:PROMPT], text[400:440]]
-    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
-    assert not decoder.proposer.drafter.fused
-    assert engine.batch_decoder("frozen", adaptive=False).proposer.drafter.fused
-    got = decoder.run([Request(p, 12) for p in prompts], join_at=[0, 1])
-    batched = Engine(chain_engine).batch_decoder("sharpdraft", adaptive=False).run(
-        [Request(p, 12) for p in prompts], join_at=[0, 1])
-    for prompt, seq, fused in zip(prompts, got, batched):
-        alone = engine.generate(prompt, 12, mode="sharpdraft", stop=False, adaptive=False)
-        assert seq.gen.tokens == alone.tokens == fused.gen.tokens
-        assert seq.gen.visible_per_step == alone.visible_per_step == fused.gen.visible_per_step
+    with pytest.raises(EngineError) as err:
+        Engine(engine_dir)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(engine_dir))
+    assert "(drafter, drafter_tree)" in message and "rebuild" in message
+
+
+def test_a_tree_graph_fixed_to_one_sequence_is_refused_and_todays_takes_a_batch(tree_engine):
+    """A target-tree.onnx whose batch dimension is fixed to one sequence would leave trees
+    verifying row by row: check_batched refuses it in one line naming the engine
+    directory; the graph build_engine.py writes today takes a batch, and its engine
+    loads (its batch target packs trees)."""
+    from types import SimpleNamespace
+
+    from runtime.backends.onnxruntime import check_batched, takes_batch
+    from runtime.manifest import EngineError
+
+    def graph(batch):
+        return SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name="ids", shape=[batch, "q"])])
+
+    with pytest.raises(EngineError) as err:
+        check_batched(tree_engine, {"target_tree": graph(1)})
+    assert str(err.value).startswith(str(tree_engine)) and "rebuild" in str(err.value)
+    check_batched(tree_engine, {"target_tree": graph("batch")})
+    engine = Engine(tree_engine)
+    assert takes_batch(engine.loaded.sessions["target_tree"])
+    assert engine.loaded.batch_target().packs_trees
 
 
 def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):

@@ -1,15 +1,14 @@
 """A batch's rows in buffers bound to a graph: BoundSlots, the slot manager
-(runtime/backends/slots.py) over BoundKVCaches, and BoundRows, what a batched role over
-them holds (each row's committed length, prefill in place, leave)."""
+(runtime/backends/slots.py) over BoundKVCaches, which also keeps each row's committed
+length; check_room and store, how a pass over a group's rows writes them."""
 
 from __future__ import annotations
-
 
 import numpy as np
 
 from runtime.backends.slots import Group, Slots
 from runtime.step_metadata import row_group
-from runtime.backends.onnxruntime.buffers import BoundKVCache
+from runtime.backends.onnxruntime.buffers import BoundKVCache, buffer_dims
 
 # Buffer rows of a new group: serve's default --max-batch, so a batch of up to 8 rows in
 # one bucket never moves its rows into a bigger buffer (a regrowth copies every row's keys:
@@ -28,17 +27,21 @@ class BoundSlots(Slots):
     copy of one row's committed keys each. (Rebuilding the batch's buffer at every join
     and leave, as before, took 46 s of bench --batch 8's 320 at 512 / 4,096 tokens,
     beside 84 s of steps.) Spare rows cost no memory until written: a cache_buffer maps
-    its pages as they are written. `length_of(row)`: a batch row's committed length."""
+    its pages as they are written. `lengths`: each batch row's committed length, in the
+    batch's order (a step runs one pass per group, so each row reads a buffer near its
+    own capacity rather than the batch's largest)."""
 
-    def __init__(self, session, single, length_of, tree_session=None):
+    def __init__(self, session, tree_session=None):
         super().__init__()
-        self.session, self.single, self.tree_session = session, single, tree_session
-        self.length_of = length_of
+        self.session, self.tree_session = session, tree_session
+        self.dims = buffer_dims(session)  # layers, kv_heads, head_dim
+        self.lengths: list[int] = []
+
+    def lengths_of(self, group: Group) -> list[int]:
+        return [self.lengths[r] for r in group.members]
 
     def _new(self, capacity: int, slots: int) -> Group:
-        single = self.single
-        return Group(row_group(capacity), BoundKVCache(capacity, single.layers, single.kv_heads,
-                                                      single.head_dim, batch=slots))
+        return Group(row_group(capacity), BoundKVCache(capacity, *self.dims, batch=slots))
 
     def group_for(self, capacity: int) -> Group:
         """The group a row of `capacity` joins, with a free buffer row that holds it: its
@@ -54,7 +57,7 @@ class BoundSlots(Slots):
         group = self._new(max(old.cache.capacity, capacity),
                           2 * slots if len(old.members) == slots else slots)
         for i, r in enumerate(old.members):
-            self._put(group, old.cache.k[:, i], old.cache.v[:, i], self.length_of(r), i)
+            self._put(group, old.cache.k[:, i], old.cache.v[:, i], self.lengths[r], i)
         group.members, group.slots = list(old.members), list(old.slots)
         self._bind(group)
         self.groups[self.groups.index(old)] = group
@@ -85,6 +88,11 @@ class BoundSlots(Slots):
             group.cache.v[:, at, :, :n] = group.cache.v[:, new.slot, :, :n]
         self._admit(group, at)
         self._bind(group)
+        self.lengths.append(new.length)
+
+    def drop(self, row: int) -> None:
+        super().drop(row)
+        del self.lengths[row]
 
     @staticmethod
     def _put(group: Group, k: np.ndarray, v: np.ndarray, length: int, at: int) -> None:
@@ -97,7 +105,7 @@ class BoundSlots(Slots):
         """Member `at` leaves; the last member moves into its buffer row."""
         last = len(group.members) - 1
         if at != last:
-            n = self.length_of(group.members[last])
+            n = self.lengths[group.members[last]]
             group.cache.k[:, at, :, :n] = group.cache.k[:, last, :, :n]
             group.cache.v[:, at, :, :n] = group.cache.v[:, last, :, :n]
             group.members[at] = group.members[last]
@@ -113,7 +121,7 @@ class BoundSlots(Slots):
         wrap, n = onnxruntime.OrtValue.ortvalue_from_numpy, len(group.members)
         values = [(f"cache_{name}_{i}", wrap(buffer[i, :n])) for name, buffer in
                   (("keys", group.cache.k), ("values", group.cache.v))
-                  for i in range(self.single.layers)]
+                  for i in range(self.dims[0])]
         group.binding = self.session.io_binding()
         group.tree_binding = self.tree_session.io_binding() if self.tree_session else None
         for binding in filter(None, (group.binding, group.tree_binding)):
@@ -121,53 +129,17 @@ class BoundSlots(Slots):
                 binding.bind_ortvalue_input(name, value)
 
 
-def check_room(group: Group, ends) -> None:
-    """Refuse a pass whose rows would write up to `ends` past the group's buffer."""
+def check_room(cache: BoundKVCache, ends) -> None:
+    """Refuse a pass whose rows would write up to `ends` past the cache's buffer."""
     end = int(max(ends))
-    if end > group.cache.capacity:
-        raise ValueError(f"KV cache holds {group.cache.capacity} tokens; asked to write up to "
-                         f"{end}")
+    if end > cache.capacity:
+        raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to {end}")
 
 
-def store(group: Group, lengths: list[int], keys: np.ndarray, values: np.ndarray,
+def store(cache: BoundKVCache, lengths: list[int], keys: np.ndarray, values: np.ndarray,
           counts: list[int]) -> None:
     """A pass's new keys/values [layers, g, kv_heads, t, head_dim]: the first counts[i] of
-    the group's row i at its committed length lengths[i]."""
+    the cache's row i at its committed length lengths[i]."""
     for i, (start, c) in enumerate(zip(lengths, counts)):
-        group.cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
-        group.cache.v[:, i, :, start:start + c] = values[:, i, :, :c]
-
-
-class BoundRows:
-    """A batch's rows in BoundKVCaches bound to `session`, grouped by capacity bucket
-    (`slots`: BoundSlots), `lengths` committed per row in the batch's order. A step runs
-    one pass per group, so each row reads a buffer near its own capacity rather than the
-    batch's largest; the steps between joins and leaves read the buffers in place.
-    Subclasses set `single` (its layers, kv_heads and head_dim), `session`, `lengths`
-    (empty) and call _slots()."""
-
-    lengths: list[int]
-    tree_session = None  # a graph that also reads the groups' buffers (target-tree.onnx)
-
-    def _slots(self) -> None:
-        self.slots = BoundSlots(self.session, self.single, lambda r: self.lengths[r],
-                                self.tree_session)
-
-
-    @property
-    def groups(self) -> list[Group]:
-        return self.slots.groups
-
-    def _reserve(self, capacity: int) -> BoundKVCache:
-        return self.slots.reserve(capacity)
-
-    def _join(self, new: BoundKVCache) -> None:
-        self.slots.join(new)
-        self.lengths.append(new.length)
-
-    def _group_lengths(self, group: Group) -> list[int]:
-        return [self.lengths[r] for r in group.members]
-
-    def remove(self, row: int) -> None:
-        self.slots.drop(row)
-        del self.lengths[row]
+        cache.k[:, i, :, start:start + c] = keys[:, i, :, :c]
+        cache.v[:, i, :, start:start + c] = values[:, i, :, :c]

@@ -173,9 +173,36 @@ def buffer_dims(session) -> tuple[int, int, int]:
 def takes_lengths(session) -> bool:
     """Whether a drafter graph over a past input takes each sequence's committed length
     (past_lens [batch]) over a past padded to the longest, so one run steps a batch of
-    sequences at different lengths: PARD's and DFlash's always, EAGLE-3's exported since
-    (before, the past's length, a shape, was the run's one committed count)."""
+    sequences at different lengths: every graph build/export.py writes (EAGLE-3's
+    exported before it read the past's length, a shape, as the run's one committed
+    count; check_batched refuses them)."""
     return any(i.name == "past_lens" for i in session.get_inputs())
+
+
+def takes_batch(session) -> bool:
+    """Whether a graph's batch dimension (its `ids` input's first) is free, not fixed to
+    one sequence."""
+    batch = next(i.shape[0] for i in session.get_inputs() if i.name == "ids")
+    return not isinstance(batch, int) or batch > 1
+
+
+def check_batched(engine_dir, sessions: dict) -> None:
+    """Refuse an engine whose graphs step one sequence at a time: a target-tree.onnx
+    fixed to one sequence, or a drafter graph over a past input without past_lens (EAGLE-3
+    engines exported before it). The roles run every batch in one pass per step and
+    trees packed; such graphs would leave them row by row."""
+    tree = sessions.get("target_tree")
+    if tree is not None and not takes_batch(tree):
+        raise EngineError(f"{engine_dir}: its target-tree.onnx verifies one sequence at a time "
+                          "— rebuild the engine with build_engine.py --backend onnxruntime")
+    old = sorted(name for name, session in sessions.items()
+                 if any(i.name == "past_keys" for i in session.get_inputs())
+                 and not takes_lengths(session))
+    if old:
+        raise EngineError(f"{engine_dir}: its drafter graphs ({', '.join(old)}) take one "
+                          "committed length per run (no past_lens) — rebuild the engine with "
+                          "build_engine.py --backend onnxruntime")
+
 
 def has_window(session) -> bool:
     """Whether a drafter-kv graph takes a draft window (engines exported since it does)."""

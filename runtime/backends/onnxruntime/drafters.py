@@ -1,8 +1,11 @@
-"""The drafter graphs, one sequence and batched: DFlash blocks (drafter.onnx over a
-HostKVCache: OnnxDFlash, OnnxBatchDFlash; drafter-kv.onnx over bound buffers: BoundDFlash,
-BoundBatchDFlash), PARD chains (OnnxPARD, OnnxBatchPARD) and EAGLE-3 trees and chains
-(OnnxEagle3, OnnxBatchEagle3); a batch over host caches keeps one row per sequence
-(HostRows)."""
+"""The drafter graphs over a batch -- DFlash blocks (drafter.onnx over a HostKVCache:
+OnnxBatchDFlash; drafter-kv.onnx over bound buffers: BoundBatchDFlash), PARD chains
+(OnnxBatchPARD), EAGLE-3 chains (OnnxBatchEagle3) -- and EAGLE-3's trees, drafted one
+sequence at a time (OnnxEagle3). A batch over host caches keeps one row per sequence
+(join_row, drop_row). A joining sequence's prompt is read as a batch of one on a cache
+of its own, with the graph runs the steps make (EAGLE-3's: on its tree drafter). The one-sequence DFlash
+and PARD drafters (OnnxDFlash, BoundDFlash, OnnxPARD) serve callers not yet on the
+batch roles."""
 
 from __future__ import annotations
 
@@ -16,9 +19,8 @@ from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, padded, padded_context
 from runtime.tree import grow_tree
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HostKVCache, PREFILL_CHUNK,
-                                                  buffer_dims, cache_dims, run_bound, takes_lengths,
-                                                  window_feed)
-from runtime.backends.onnxruntime.bound_rows import BoundRows, check_room, store
+                                                  buffer_dims, cache_dims, run_bound, window_feed)
+from runtime.backends.onnxruntime.bound_rows import BoundSlots, check_room, store
 
 class OnnxDFlash:
     def __init__(self, session, block_size: int, mask_token_id: int,
@@ -83,91 +85,111 @@ class OnnxPARD:
         return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
 
 
-class HostRows:
-    """A batch drafter's cache: one HostKVCache row per sequence (`lengths`: each row's
-    committed length, fed as past_lens), joined from the single-sequence drafter
-    (`self.single`) that read the sequence's prompt, rebuilt when a row joins or leaves."""
-
-    cache: HostKVCache | None = None
-
-    def _join_single(self) -> None:
-        """Append the row `self.single` holds (a prompt it has just read)."""
-        rows = self._rows() + [(self.single.cache.k[:, :, 0], self.single.cache.v[:, :, 0])]
-        held = self.cache.capacity if self.cache is not None else 0
-        self._rebuild(max(held, self.single.cache.capacity), rows)
-        self.lengths.append(self.single.cache.length)
-
-    def _rows(self):
-        if self.cache is None:
-            return []
-        return [(self.cache.k[:, :, i], self.cache.v[:, :, i]) for i in range(len(self.lengths))]
-
-    def _rebuild(self, capacity: int, rows: list) -> None:
-        cache = HostKVCache(capacity, *self.single.dims, batch=len(rows))
-        for i, (k, v) in enumerate(rows):
-            cache.k[:k.shape[0], :, i] = k
-            cache.v[:v.shape[0], :, i] = v
-        self.cache = cache
-
-    def remove(self, row: int) -> None:
-        rows = self._rows()
-        del rows[row], self.lengths[row]
-        if rows:
-            self._rebuild(self.cache.capacity, rows)
-        else:
-            self.cache = None
+def join_row(cache: HostKVCache | None, lengths: list[int], new: HostKVCache) -> HostKVCache:
+    """A batch's host cache (`lengths`: its rows' committed lengths) with the sequence
+    `new` holds appended as its last row: rebuilt, as long as the longer of the two."""
+    rows = host_rows(cache, lengths) + [(new.k[:, :, 0], new.v[:, :, 0])]
+    lengths.append(new.length)
+    return rebuilt(max(cache.capacity if cache is not None else 0, new.capacity), rows)
 
 
-class OnnxBatchPARD(ChainPrefill, HostRows):
+def drop_row(cache: HostKVCache, lengths: list[int], row: int) -> HostKVCache | None:
+    """The batch's host cache without `row` (rebuilt; None when it was the last)."""
+    rows = host_rows(cache, lengths)
+    del rows[row], lengths[row]
+    return rebuilt(cache.capacity, rows) if rows else None
+
+
+def host_rows(cache: HostKVCache | None, lengths: list[int]) -> list:
+    if cache is None:
+        return []
+    return [(cache.k[:, :, i], cache.v[:, :, i]) for i in range(len(lengths))]
+
+
+def rebuilt(capacity: int, rows: list) -> HostKVCache:
+    """A host cache of `capacity` holding `rows` ((k, v) [tokens, layers, kv_heads,
+    head_dim] each), one batch row each."""
+    _, layers, kv_heads, head_dim = rows[0][0].shape
+    cache = HostKVCache(capacity, layers, kv_heads, head_dim, batch=len(rows))
+    for i, (k, v) in enumerate(rows):
+        cache.k[:k.shape[0], :, i] = k
+        cache.v[:v.shape[0], :, i] = v
+    return cache
+
+
+class OnnxBatchPARD(ChainPrefill):
     """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
-    length, counts and beta. A sequence reads its prompt alone (OnnxPARD.read, whole or
-    in parts: ChainPrefill), then joins. (EAGLE-3's chains batch the same way:
-    OnnxBatchEagle3.)"""
+    length, counts and beta. A joining sequence reads its prompt (whole or in parts:
+    ChainPrefill) as a batch of one on a host cache of its own, then joins. (EAGLE-3's
+    chains batch the same way: OnnxBatchEagle3.)"""
 
     fused = True
 
     def __init__(self, session, pard_token: int, max_drafts: int, scaling: QueryScaling | None):
-        self.single = OnnxPARD(session, pard_token, max_drafts, scaling)
         self.session, self.pard_token, self.scaling = session, pard_token, scaling
         self.max_drafts = max_drafts
+        self.dims = cache_dims(session)
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
+        self.joining: HostKVCache | None = None
 
-    def _reset(self, capacity: int):
-        self.single.reset(capacity + self.max_drafts + 1)  # + a padded row's real tokens
-        return self.single
+    def _reset_joining(self, capacity: int) -> None:
+        # + a padded row's real tokens
+        self.joining = HostKVCache(capacity + self.max_drafts + 1, *self.dims)
+
+    def _read_joining(self, ids: list[int], features=None) -> None:
+        # in PREFILL_CHUNK-token steps, as the target's prefill reads the prompt: each
+        # step's scores are [chunk, past + chunk]
+        cache = self.joining
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = list(ids[start:start + PREFILL_CHUNK])
+            _, [cache.length] = self._run(cache, [cache.length], [chunk],
+                                          np.asarray([len(chunk) - 1], dtype=np.int64))
 
     def _join_row(self) -> None:
-        self._join_single()
+        self.cache = join_row(self.cache, self.lengths, self.joining)
+        self.joining = None
+
+    def remove(self, row: int) -> None:
+        self.cache = drop_row(self.cache, self.lengths, row)
+
+    def _run(self, cache: HostKVCache, lengths: list[int], ids: list[list[int]],
+             logit_positions: np.ndarray, pards: list[int] | None = None):
+        """One graph run of each row's `ids` (+ pards[r] pard tokens) after its committed
+        `lengths` in `cache`: the logits, and each row's length once its ids (only the
+        real tokens) are stored."""
+        rows = [list(i) + [self.pard_token] * p for i, p in zip(ids, pards or [0] * len(ids))]
+        ends = [n + len(i) for n, i in zip(lengths, ids)]
+        if max(ends) > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
+                             f"{max(ends)}")
+        longest = max(lengths)
+        feeds = {"ids": np.asarray(padded(rows), dtype=np.int64),
+                 "logit_positions": logit_positions,
+                 "past_keys": cache.k[:longest], "past_values": cache.v[:longest],
+                 "past_lens": np.asarray(lengths, dtype=np.int64)}
+        logits, keys, values = self.session.run(None, feeds)
+        for r, (start, end) in enumerate(zip(lengths, ends)):
+            cache.k[start:end, :, r] = keys[:end - start, :, r]
+            cache.v[start:end, :, r] = values[:end - start, :, r]
+        return logits, ends
 
     def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
         if not any(ks):
             return [None] * len(ids)
-        rows = [list(i) + [self.pard_token] * max(k - 1, 0) for i, k in zip(ids, ks)]
-        width = max(len(row) for row in rows)
+        pards = [max(k - 1, 0) for k in ks]
+        widths = [len(i) + p for i, p in zip(ids, pards)]
+        width = max(widths)
+        first = min(w - k for w, k in zip(widths, ks) if k)  # the first row read
         meta = StepMetadata(torch.tensor(self.lengths), width)
-        first = min(len(row) - k for row, k in zip(rows, ks) if k)  # the first row read
-        ends = [n + len(i) for n, i in zip(self.lengths, ids)]
-        if max(ends) > self.cache.capacity:
-            raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
-                             f"{max(ends)}")
-        longest = max(self.lengths)
-        feeds = {"ids": np.asarray(padded(rows), dtype=np.int64),
-                 "logit_positions": np.arange(first, width, dtype=np.int64),
-                 "past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest],
-                 "past_lens": meta.cached.numpy()}
-        logits, keys, values = self.session.run(None, feeds)
-        for r, (start, end) in enumerate(zip(self.lengths, ends)):  # only the real tokens stay
-            self.cache.k[start:end, :, r] = keys[:end - start, :, r]
-            self.cache.v[start:end, :, r] = values[:end - start, :, r]
-        self.lengths = ends
-        visible = meta.causal_visible(width, len(rows))
+        logits, self.lengths = self._run(self.cache, self.lengths, ids,
+                                         np.arange(first, width, dtype=np.int64), pards)
+        visible = meta.causal_visible(width, len(ids))
         logits = torch.from_numpy(logits)
-        return [ChainDraft.propose(logits[r, len(row) - k - first:len(row) - first],
-                                   visible[r, len(row) - k:len(row)], sampler) if k else None
-                for r, (row, k, sampler) in enumerate(zip(rows, ks, samplers))]
+        return [ChainDraft.propose(logits[r, w - k - first:w - first], visible[r, w - k:w], sampler)
+                if k else None for r, (w, k, sampler) in enumerate(zip(widths, ks, samplers))]
 
 class OnnxEagle3:
     """EAGLE-3 drafting over an engine's two drafter graphs (build/export.py): `step`
@@ -177,20 +199,18 @@ class OnnxEagle3:
     current draft wrote (never committed: the next step overwrites them). The graphs
     return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
     and each row's visible-key count N, the one the graph scaled by. Same roles as
-    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1). Graphs that take past_lens
-    (takes_lengths) are fed this sequence's committed length; older ones read it from
-    the past's shape."""
+    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1); the graphs' past_lens is this
+    sequence's committed length."""
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
         self.tree, self.max_drafts = shape, max_drafts
         self.dims = cache_dims(step)
         self.cache: HostKVCache | None = None
-        self.step_lengths, self.tree_lengths = takes_lengths(step), takes_lengths(tree)
 
-    def _lengths(self, takes: bool) -> dict:
-        """The past_lens feed of a graph that takes it: the committed entries."""
-        return {"past_lens": np.asarray([self.cache.length], dtype=np.int64)} if takes else {}
+    def _past(self) -> dict:
+        """The committed entries and their count."""
+        return self.cache.past() | {"past_lens": np.asarray([self.cache.length], dtype=np.int64)}
 
     def reset(self, capacity: int) -> None:
         # + scratch past the committed entries, as TorchEagle3.reset sizes it
@@ -199,11 +219,9 @@ class OnnxEagle3:
 
     def _ingest(self, context: torch.Tensor, following: list[int]):
         feeds = {"ids": np.asarray([following], dtype=np.int64),
-                 "features": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None]}
-        if self.step_lengths:
-            feeds["context_lens"] = np.asarray([len(following)], dtype=np.int64)
-        logits, state, visible, keys, values = self.step_session.run(
-            None, feeds | self.cache.past() | self._lengths(self.step_lengths))
+                 "features": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
+                 "context_lens": np.asarray([len(following)], dtype=np.int64)}
+        logits, state, visible, keys, values = self.step_session.run(None, feeds | self._past())
         self.cache.append(keys, values)
         return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), int(visible[0, -1])
 
@@ -220,8 +238,7 @@ class OnnxEagle3:
                  "ancestors": ancestors[None], "offsets": np.full((1, t), offset, dtype=np.int64),
                  "scratch_keys": cache.k[cache.length:start],
                  "scratch_values": cache.v[cache.length:start]}
-        logits, state, visible, keys, values = self.tree_session.run(
-            None, feeds | cache.past() | self._lengths(self.tree_lengths))
+        logits, state, visible, keys, values = self.tree_session.run(None, feeds | self._past())
         cache.k[start:end], cache.v[start:end] = keys, values
         return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), torch.from_numpy(visible[0])
 
@@ -259,35 +276,39 @@ class OnnxEagle3:
         return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
 
 
-class OnnxBatchEagle3(ChainPrefill, HostRows):
-    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter), on graphs that take
-    past_lens (takes_lengths): one HostKVCache row per sequence, each row's committed
-    length fed as past_lens, as OnnxBatchPARD does. A step is one run of the causal
-    step graph, ingesting every row's newly committed entries (padded to the longest,
-    context_lens real), then one run of the tree graph per chain link for every row,
-    each link a one-row tree level seeing its row's committed entries and every earlier
-    link of its own chain: those links' keys are the scratch input, [links, layers,
-    batch, ...], which the graph places after each row's own committed entries. So
-    every row drafts at its own length, N and beta, each draft drawn by its row's own
-    sampler (ChainDraft.grow_rows), as OnnxEagle3.draft drafts it alone. A sequence
-    reads its prompt alone (OnnxEagle3.read, whole or in parts: ChainPrefill), then
-    joins."""
+class OnnxBatchEagle3(ChainPrefill):
+    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): one HostKVCache row
+    per sequence, each row's committed length fed as past_lens, as OnnxBatchPARD does.
+    A step is one run of the causal step graph, ingesting every row's newly committed
+    entries (padded to the longest, context_lens real), then one run of the tree graph
+    per chain link for every row, each link a one-row tree level seeing its row's
+    committed entries and every earlier link of its own chain: those links' keys are the
+    scratch input, [links, layers, batch, ...], which the graph places after each row's
+    own committed entries. So every row drafts at its own length, N and beta, each draft
+    drawn by its row's own sampler (ChainDraft.grow_rows), as OnnxEagle3.draft drafts it
+    alone. A joining sequence reads its prompt on the tree drafter (`reader`, an
+    OnnxEagle3: OnnxEagle3.read, whole or in parts: ChainPrefill), then joins."""
 
     fused = True
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
-        self.single = OnnxEagle3(step, tree, scaling, shape, max_drafts)
+        self.reader = OnnxEagle3(step, tree, scaling, shape, max_drafts)
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
         self.max_drafts = max_drafts
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
 
-    def _reset(self, capacity: int):
-        self.single.reset(capacity)
-        return self.single
+    def _reset_joining(self, capacity: int) -> None:
+        self.reader.reset(capacity)
+
+    def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
+        self.reader.read(ids, features)
 
     def _join_row(self) -> None:
-        self._join_single()
+        self.cache = join_row(self.cache, self.lengths, self.reader.cache)
+
+    def remove(self, row: int) -> None:
+        self.cache = drop_row(self.cache, self.lengths, row)
 
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
               samplers: list):
@@ -332,38 +353,62 @@ class OnnxBatchEagle3(ChainPrefill, HostRows):
         """Every row's committed entries, padded to the `longest` (a view, no copy)."""
         return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
-class OnnxBatchDFlash(BlockPrefill, HostRows):
-    """A drafter graph over a batch: one HostKVCache row per sequence, `lengths` per row
-    fed as past_lens and each step's context lengths as context_lens. A sequence reads
-    its prompt's features alone (OnnxDFlash, whole or in parts: BlockPrefill), then joins."""
+class OnnxBatchDFlash(BlockPrefill):
+    """drafter.onnx over a batch: one HostKVCache row per sequence, `lengths` per row
+    fed as past_lens and each step's context lengths as context_lens. A joining
+    sequence reads its prompt's features (whole or in parts: BlockPrefill) as a batch of
+    one on a host cache of its own, then joins."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None):
-        self.single = OnnxDFlash(session, block_size, mask_token_id, scaling, vocab)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.dims = cache_dims(session)
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
+        self.joining: HostKVCache | None = None
         self.room = block_size
 
+    def _reset_joining(self, capacity: int) -> None:
+        self.joining = HostKVCache(capacity, *self.dims)
+
+    def _read_joining(self, context: torch.Tensor, last: int) -> None:
+        _, [self.joining.length], _ = self._run(self.joining, [self.joining.length], [context],
+                                                [last])
+
     def _join_row(self) -> None:
-        self._join_single()
+        self.cache = join_row(self.cache, self.lengths, self.joining)
+        self.joining = None
+
+    def remove(self, row: int) -> None:
+        self.cache = drop_row(self.cache, self.lengths, row)
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
+        logits, self.lengths, visible = self._run(self.cache, self.lengths, contexts, bonuses)
+        return logits, visible
+
+    def _run(self, cache: HostKVCache, lengths: list[int], contexts: list[torch.Tensor],
+             bonuses: list[int]):
+        """One graph run of every row's block after its context (stored after its
+        committed `lengths` in `cache`): the logits, the rows' new lengths, their N."""
         context, context_lens = padded_context(contexts)
-        meta = StepMetadata(torch.tensor(self.lengths), context_lens)
+        meta = StepMetadata(torch.tensor(lengths), context_lens)
+        ends = meta.committed().tolist()
+        if max(ends) > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
+                             f"{max(ends)}")
         block = np.asarray([[b] + [self.mask_token_id] * (self.block_size - 1) for b in bonuses],
                            dtype=np.int64)
-        longest = max(self.lengths)
-        feeds = {"block_ids": block, "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+        longest = max(lengths)
+        feeds = {"block_ids": block,
+                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
                  "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy(),
-                 "past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
+                 "past_keys": cache.k[:longest], "past_values": cache.v[:longest]}
         logits, keys, values = self.session.run(None, feeds)
-        for i, (start, c) in enumerate(zip(self.lengths, context_lens.tolist())):
-            self.cache.k[start:start + c, :, i] = keys[:c, :, i]
-            self.cache.v[start:start + c, :, i] = values[:c, :, i]
-        self.lengths = meta.committed().tolist()
-        return torch.from_numpy(logits), meta.block_keys(self.block_size)
+        for i, (start, c) in enumerate(zip(lengths, context_lens.tolist())):
+            cache.k[start:start + c, :, i] = keys[:c, :, i]
+            cache.v[start:start + c, :, i] = values[:c, :, i]
+        return torch.from_numpy(logits), ends, meta.block_keys(self.block_size)
 
 class BoundDFlash:
     """drafter-kv.onnx for one sequence: its cache is a BoundKVCache whose buffers stay
@@ -409,49 +454,76 @@ class BoundDFlash:
         return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
 
 
-class BoundBatchDFlash(BlockPrefill, BoundRows):
-    """drafter-kv.onnx over a batch (BoundRows), each group's `lengths` fed as past_lens
-    and its rows' context lengths as context_lens. A sequence reads its prompt's
-    features alone (BoundDFlash, whole or in parts: BlockPrefill), then joins. With a
-    `window` (a graph that takes one: has_window), the graph gives each row the last
-    `window` of its own context keys from its own past_lens + context_lens
-    (StepMetadata.block_window), so the window modes draft in one pass too. Like the
-    target's, a prompt is read straight into the buffer row it joins as
-    (BoundSlots.reserve)."""
+class BoundBatchDFlash(BlockPrefill):
+    """drafter-kv.onnx over a batch: the rows in BoundSlots, each group's committed
+    lengths fed as past_lens and its rows' context lengths as context_lens. A joining
+    sequence reads its prompt's features (whole or in parts: BlockPrefill) as a batch of
+    one, straight into the buffer row it joins as (BoundSlots.reserve). With a `window`
+    (a graph that takes one: has_window), the graph gives each row the last `window` of
+    its own context keys from its own past_lens + context_lens
+    (StepMetadata.block_window), so the window modes draft in one pass too."""
+
+    STEP_OUTPUTS = ("logits", "new_keys", "new_values")
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
                  window: int | None = None):
-        self.single = BoundDFlash(session, block_size, mask_token_id, scaling, vocab, window,
-                                  reserve=self._reserve)
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
-        self.lengths: list[int] = []
-        self._slots()
+        self.window_feed = window_feed(session, window)
+        self.slots = BoundSlots(session)
+        # the slot manager's lists (it changes them in place): groups, each row's length
+        self.groups, self.lengths = self.slots.groups, self.slots.lengths
+        # the sequence read aside until it joins, and its binding to the graph
+        self.joining: BoundKVCache | None = None
+        self.binding = None
+
+    def _reset_joining(self, capacity: int) -> None:
+        self.joining = self.slots.reserve(capacity)
+        self.binding = self.joining.bind(self.session)
+
+    def _read_joining(self, context: torch.Tensor, last: int) -> None:
+        _, [self.joining.length] = self._pass(self.joining, self.binding, [self.joining.length],
+                                              [context], [last])
 
     def _join_row(self) -> None:
-        self._join(self.single.cache)
+        self.slots.join(self.joining)
+        self.joining = self.binding = None
+
+    def remove(self, row: int) -> None:
+        self.slots.drop(row)
+
+    def _pass(self, cache: BoundKVCache, binding, lengths: list[int],
+              contexts: list[torch.Tensor], bonuses: list[int]):
+        """One run over the rows `binding` holds (committed `lengths`), their contexts
+        padded to the longest (an empty one, [0, F], adds nothing to its row), the new
+        context keys stored in `cache`: the logits and the rows' new lengths."""
+        context, context_lens = padded_context(contexts)
+        meta = StepMetadata(torch.tensor(lengths), context_lens)
+        ends = meta.committed().tolist()
+        check_room(cache, ends)
+        block = np.asarray([[b] + [self.mask_token_id] * (self.block_size - 1) for b in bonuses],
+                           dtype=np.int64)
+        feeds = {"block_ids": block,
+                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
+                 "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
+        out, keys, values = run_bound(self.session, binding, feeds | self.window_feed,
+                                      self.STEP_OUTPUTS)
+        store(cache, lengths, keys, values, context_lens.tolist())
+        return out, ends
 
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
-        """One pass per group, its rows' contexts padded to its longest (an empty context,
-        [0, F], adds nothing to its row's cache)."""
+        """One pass per group."""
+        meta = StepMetadata(torch.tensor(self.lengths),
+                            torch.tensor([c.shape[0] for c in contexts], dtype=torch.long))
         logits = None
         for group in self.groups:
-            context, context_lens = padded_context([contexts[r] for r in group.members])
-            meta = StepMetadata(torch.tensor(self._group_lengths(group)), context_lens)
-            check_room(group, meta.committed().tolist())
-            block = np.asarray([[bonuses[r]] + [self.mask_token_id] * (self.block_size - 1)
-                                for r in group.members], dtype=np.int64)
-            feeds = {"block_ids": block,
-                     "context": np.ascontiguousarray(context.numpy(), dtype=np.float32),
-                     "context_lens": context_lens.numpy(), "past_lens": meta.cached.numpy()}
-            out, keys, values = run_bound(self.session, group.binding,
-                                          feeds | self.single.window_feed, BoundDFlash.STEP_OUTPUTS)
-            store(group, meta.cached.tolist(), keys, values, context_lens.tolist())
+            out, ends = self._pass(group.cache, group.binding, self.slots.lengths_of(group),
+                                   [contexts[r] for r in group.members],
+                                   [bonuses[r] for r in group.members])
             if logits is None:
                 logits = np.zeros((len(contexts),) + out.shape[1:], np.float32)
             logits[group.members] = out
-        meta = StepMetadata(torch.tensor(self.lengths),
-                            torch.tensor([c.shape[0] for c in contexts], dtype=torch.long))
-        self.lengths = meta.committed().tolist()
+            for r, n in zip(group.members, ends):
+                self.lengths[r] = n
         return torch.from_numpy(logits), meta.block_keys(self.block_size)

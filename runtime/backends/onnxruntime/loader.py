@@ -11,11 +11,10 @@ from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends import bf16_prefill
 from runtime.backends.roles import load_tokenizer
-from runtime.backends.rows import RowChainDrafters
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.tree import TreeShape
-from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, has_window, open_session,
-                                                  takes_lengths)
+from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched, has_window,
+                                                  open_session)
 from runtime.backends.onnxruntime.target import OnnxBatchTarget, OnnxTarget
 from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, BoundDFlash, OnnxBatchDFlash,
                                                    OnnxBatchEagle3, OnnxBatchPARD, OnnxDFlash,
@@ -56,6 +55,7 @@ class OnnxEngine:
         self.sessions = {name: open_session(Path(engine_dir) / g["file"], threads,
                                             python_ops=bool(g.get("plugin_nodes")))
                          for name, g in graphs.items() if name + "_kv" not in graphs}
+        check_batched(engine_dir, self.sessions)
         self.scaling = manifest.query_scaling
         self.block_size = manifest.block_size
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
@@ -101,28 +101,33 @@ class OnnxEngine:
             return BoundDFlash(session, self.block_size, self.mask_token_id, scaling, self.vocab,
                                window)
         if self.drafter_family == "eagle3":
-            tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-            return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
+            return self.tree_drafter(scaling)
         if self.drafter_family == "pard":
             return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         return (BoundDFlash if in_place else OnnxDFlash)(session, self.block_size,
                                                          self.mask_token_id, scaling, self.vocab)
 
+    def tree_drafter(self, scaling: QueryScaling | None) -> OnnxEagle3:
+        """An EAGLE-3 engine's tree drafter (one sequence: trees draft a row at a time)
+        for the tree it was built for, SharpDraft (`scaling`: the engine's) or frozen."""
+        if self.drafter_family != "eagle3":
+            raise EngineError(f"this engine's {self.drafter_family} drafter drafts no trees — "
+                              "build one with build_engine.py --drafter eagle3")
+        session, scaling, _ = self._drafter_graph(scaling is not None)
+        tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
+        return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
+
     def batch_target(self) -> OnnxBatchTarget:
-        return OnnxBatchTarget(self.sessions["target_kv"], self.target.context_limit,
+        return OnnxBatchTarget(self.sessions["target_kv"], self.context_limit,
                                self.sessions.get("target_tree"), prefiller=self.prefiller)
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
         that takes one) and PARD chains in one run per step, EAGLE-3 chains in one run
-        per step and chain link (modes.BACKENDS["onnxruntime"].batched_drafters); an
-        EAGLE-3 engine exported before its graphs took past_lens (takes_lengths) drafts
-        its chains one row at a time (RowChainDrafters)."""
+        per step and chain link (modes.BACKENDS["onnxruntime"].batched_drafters)."""
         session, scaling, in_place = self._drafter_graph(scaling is not None)
         if self.drafter_family == "eagle3":
             tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-            if not (takes_lengths(session) and takes_lengths(tree)):
-                return RowChainDrafters(lambda: self.drafter(scaling))
             return OnnxBatchEagle3(session, tree, scaling, self.tree_shape,
                                    max(self.block_size - 1, 1))
         if self.drafter_family == "pard":
