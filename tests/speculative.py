@@ -164,9 +164,10 @@ def assert_chunked_join_drafts_as_whole(make_decoder, prompt: list[int], chunk: 
     """One request joined whole (Decoder.add) and in `chunk`-token parts (Decoder.join), each
     alone on its own decoder from make_decoder(): the first step's proposals agree (tokens,
     kind, visible keys, the draft distributions to `tolerance`, a tree's shape), so the
-    drafter read the prompt in parts into the state one read leaves. With `reader` (a class
-    whose `read` the drafter calls), every read happens in the parts, none in the join's last
-    part, and together they read the whole prompt."""
+    drafter read the prompt in parts into the state one read leaves. With `reader` (a batch
+    drafter's class, whose `_read_joining` reads a joining sequence's part, or a tree
+    drafter's, whose `read` does), every read happens in the parts, none in the join's
+    last part, and together they read the whole prompt."""
     import pytest
     import torch
 
@@ -174,13 +175,14 @@ def assert_chunked_join_drafts_as_whole(make_decoder, prompt: list[int], chunk: 
     whole_decoder, chunked_decoder = make_decoder(), make_decoder()
     with pytest.MonkeyPatch.context() as m:
         if reader is not None:
-            read = reader.read
+            name = "_read_joining" if hasattr(reader, "_read_joining") else "read"
+            read = getattr(reader, name)
 
-            def spy(self, ids, features=None):
-                reads.append((len(turns), len(ids)))
-                return read(self, ids, features)
+            def spy(self, part, more=None):  # (ids, features) of a chain, (context, last) of a block
+                reads.append((len(turns), len(part)))
+                return read(self, part, more)
 
-            m.setattr(reader, "read", spy)
+            m.setattr(reader, name, spy)
         whole = whole_decoder.add(Request(prompt, 8, sampling))
         reads.clear()
         joining = chunked_decoder.join(Request(prompt, 8, sampling), chunk)

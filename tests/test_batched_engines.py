@@ -1,5 +1,5 @@
 """Both CPU backends run batches in every mode, token-identical to each other and to each request's
-own `Engine.generate` (a batch of one, which runs as the single-sequence roles do), with
+own `Engine.generate` (a batch of one), with
 requests joining and leaving mid-run."""
 
 import pytest
@@ -46,8 +46,6 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
     leaving early; on the drafters' portable graphs (plugin-form engine) and on their
     graphs over cache buffers (native form). Every drafter mode drafts in one batched pass
     per step (a window and the preset too), never one call per row."""
-    from runtime.backends.rows import RowBlockDrafters
-
     ort_engine = request.getfixturevalue(engine)
     if "window" in mode:  # the torch side with the native engine's recorded window
         torch_engine = request.getfixturevalue("native_torch_engine")
@@ -58,36 +56,13 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
     assert torch_engine in runs and (ort_engine in runs) == (mode != "preset")
     for engine in runs:
         decoder = engine.batch_decoder(mode, adaptive=False)
-        assert not isinstance(getattr(decoder.proposer, "drafter", None), RowBlockDrafters)
+        assert getattr(getattr(decoder.proposer, "drafter", None), "fused", True)
         out[engine] = [s.gen.tokens for s in decoder.run(requests, join_at=join_at)]
     assert out[runs[0]] == out[runs[-1]]
     for request, tokens in zip(requests, out[runs[-1]]):  # one at a time: ONNX Runtime's
         alone = runs[-1].generate(request.prompt, request.max_new_tokens, mode, adaptive=False)
         target = torch_engine.generate(request.prompt, request.max_new_tokens, "target")
         assert tokens == alone.tokens == target.tokens
-
-
-@pytest.mark.parametrize("engine", ["torch_engine", "ort_engine"])
-def test_a_request_alone_runs_as_a_batch_of_one_exactly_as_on_the_single_sequence_roles(
-        engine, request):
-    """Engine.generate runs a request alone as a batch of one on the batch roles (one row:
-    every call the shapes the single-sequence roles' were, so the same floats): tokens,
-    committed and visible keys per step and every step's beta equal a run on the engine's
-    own single-sequence target and per-row drafters, greedy and seeded sampling, in each
-    proposer path's mode."""
-    from runtime.engine import run_mode
-    from runtime.sampling import Sampler
-
-    engine = request.getfixturevalue(engine)
-    prompt = prompts(engine, [37])[0]
-    for mode in ("target", "ngram", "sharpdraft", "hybrid"):
-        for sampling in (Sampling(), Sampling(0.8, 0.95, seed=7)):
-            alone = engine.generate(prompt, 16, mode, sampling, stop=False)
-            single = run_mode(engine, engine.target, parse(mode), prompt, 16, Sampler(sampling))
-            assert alone.tokens == single.tokens, (mode, sampling)
-            assert alone.committed_per_step == single.committed_per_step
-            assert alone.visible_per_step == single.visible_per_step
-            assert alone.beta_per_step == single.beta_per_step
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine):
@@ -104,18 +79,21 @@ def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine
 def test_one_windowed_drafter_graph_call_gives_each_row_its_own_window(native_ort_engine):
     """drafter-kv.onnx stepping three sequences in one call (their capacities share a
     bucket, so one pass) under the draft window of 48: each row's logits and N equal that
-    sequence's own windowed call; the window leaves the shortest row's context whole and
-    cuts the others' (there the logits differ from an unwindowed call's)."""
+    sequence's own windowed call alone (a batch of one); the window leaves the shortest
+    row's context whole and cuts the others' (there the logits differ from an unwindowed
+    call's)."""
     loaded, window = native_ort_engine.loaded, native_ort_engine.draft_window
     lengths, news = [34, 50, 55], [3, 1, 5]
-    single = loaded.drafter(None, window)
-    features = [torch.randn(n + c, single.feature_size, generator=torch.Generator().manual_seed(n))
+    size = native_ort_engine.manifest.extra["onnx"]["graphs"]["drafter"]["inputs"]
+    size = next(i["shape"][-1] for i in size if i["name"] == "context")
+    features = [torch.randn(n + c, size, generator=torch.Generator().manual_seed(n))
                 for n, c in zip(lengths, news)]
     want, got = [], {}
     for f, n in zip(features, lengths):
-        single.reset(n + 8)
-        single.draft(f[:n], 0)
-        want.append(single.draft(f[n:], 5))
+        alone = loaded.batch_drafter(None, window)
+        alone.add(n + 8, f[:n], 0)
+        logits, visible = alone.draft([f[n:]], [5])
+        want.append((logits[0], int(visible[0])))
     for w in (window, None):
         batch = loaded.batch_drafter(None, w)
         for f, n in zip(features, lengths):

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from runtime import assembly
-from runtime.backends.onnxruntime import HostKVCache
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                      TorchBatchTarget, TorchDFlash, TorchEagle3, TorchPARD,
-                                      TorchTarget)
-from runtime.backends.rows import RowBlockDrafters, RowChainDrafters
+                                      TorchBatchTarget, TorchEagle3)
 from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.modes import Mode
@@ -44,26 +41,25 @@ def engine(request):
 def _events(engine, mode, scheduler_kwargs, jobs):
     """Run `jobs` [(ids, n, mode, sampling, delay_steps)] through a scheduler; returns the
     outcomes and the log of ("step", rows), ("prefill", tokens) (the target's),
-    ("draft", feature rows) (the block drafter's prefill: its single-sequence drafter's
-    calls, which a fused batch drafter makes for nothing else) and ("join", 0) (a chunked
-    join's last part: the target's join_prefilled) events in order."""
+    ("draft", feature rows) (the block drafter's read of a joining sequence's features,
+    its _read_joining) and ("join", 0) (a chunked join's last part: the target's
+    join_prefilled) events in order."""
     log, lock = [], threading.Lock()
     decoder = engine.batch_decoder(mode)
-    decoder_type, single_type = type(decoder), type(decoder.target.single)
-    step, prefill, more = decoder_type.step, single_type.prefill, getattr(single_type, "prefill_more", None)
-    target_type = type(decoder.target)
+    decoder_type, target_type = type(decoder), type(decoder.target)
+    step, prefill, more = decoder_type.step, target_type.prefill, target_type.prefill_more
     join_prefilled = target_type.join_prefilled
 
     def logged_join(self):
         log.append(("join", 0))
         return join_prefilled(self)
-    drafter = getattr(getattr(decoder.proposer, "drafter", None), "single", None)
+    drafter = getattr(decoder.proposer, "drafter", None)
     drafter_type = type(drafter) if drafter is not None else None
-    draft = drafter_type.draft if drafter is not None else None
+    read = getattr(drafter_type, "_read_joining", None)
 
-    def logged_draft(self, context, bonus):
+    def logged_read(self, context, last):
         log.append(("draft", len(context)))
-        return draft(self, context, bonus)
+        return read(self, context, last)
 
     def logged_step(decoder, *aside):
         if decoder.active:
@@ -91,11 +87,10 @@ def _events(engine, mode, scheduler_kwargs, jobs):
     try:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(decoder_type, "step", logged_step)
-            m.setattr(single_type, "prefill", logged_prefill)
-            if more is not None:
-                m.setattr(single_type, "prefill_more", logged_more)
-            if drafter_type is not None:
-                m.setattr(drafter_type, "draft", logged_draft)
+            m.setattr(target_type, "prefill", logged_prefill)
+            m.setattr(target_type, "prefill_more", logged_more)
+            if read is not None:
+                m.setattr(drafter_type, "_read_joining", logged_read)
             m.setattr(target_type, "join_prefilled", logged_join)
             for outcome, (ids, n, job_mode, sampling, after_steps) in zip(outcomes, jobs):
                 waited = 0
@@ -193,28 +188,13 @@ def test_a_bad_request_fails_alone_while_another_prefills_in_chunks(engine):
 
 # ---- the drafter's prefill in parts ----------------------------------------------------
 
-def committed(drafter) -> list[torch.Tensor]:
-    """A single-sequence block drafter's committed context keys and values, sequence
-    first."""
-    cache, n = drafter.cache, drafter.cache.length
-    if isinstance(cache, HostKVCache):  # sequence-major already
-        return [torch.as_tensor(cache.k[:n]), torch.as_tensor(cache.v[:n])]
-    # [layers, batch, kv_heads, capacity, head_dim]
-    return [torch.as_tensor(cache.k[..., :n, :]).movedim(-2, 0),
-            torch.as_tensor(cache.v[..., :n, :]).movedim(-2, 0)]
-
-
-def single_of(batch):
-    """The single-sequence drafter a batch block drafter read its last prompt with."""
-    return batch.rows[-1] if isinstance(batch, RowBlockDrafters) else batch.single
-
-
 def assert_parts_leave_one_pieces_cache(make, features, new, last: int, capacity: int,
                                         parts: list[int], tolerance: float) -> None:
     """A batch block drafter fed the prompt's `features` in `parts` (prefill, prefill_more,
-    join_prefilled) holds the committed keys/values, hands back the features it left
-    unread, and drafts its next block (context `new`) as one fed them whole (add) does,
-    within `tolerance` (0: bitwise)."""
+    join_prefilled) hands back the features it left unread and drafts its next blocks
+    (contexts `new`, a row at a time) as one fed them whole (add) does: the same visible
+    keys (so the same committed length) and logits within `tolerance` (0: bitwise), which
+    the committed keys decide."""
     assert sum(parts) == len(features) and len(parts) > 1
     whole, chunked = make(), make()
     first = whole.add(capacity, features, last)
@@ -224,31 +204,26 @@ def assert_parts_leave_one_pieces_cache(make, features, new, last: int, capacity
         chunked.prefill_more(features[at:at + n], last)
         at += n
     assert torch.equal(chunked.join_prefilled(), first)
-    held = [committed(single_of(d)) for d in (whole, chunked)]
-    assert len(held[0][0]) == len(features) - len(first)  # every feature row read is cached
     close = dict(rtol=tolerance, atol=tolerance)
-    for want, got in zip(*held):
+    contexts = [torch.cat([first, new[:1]])] + [new[i:i + 1] for i in range(1, len(new))]
+    for i, context in enumerate(contexts):
+        (want, want_n), (got, got_n) = (d.draft([context], [7 + i]) for d in (whole, chunked))
+        assert torch.equal(got_n, want_n)
         torch.testing.assert_close(got, want, **close)
-    (want, want_n), (got, got_n) = (d.draft([torch.cat([first, new])], [7]) for d in (whole, chunked))
-    assert torch.equal(got_n, want_n)
-    torch.testing.assert_close(got, want, **close)
+    assert int(want_n[0]) == len(features) + len(new) + whole.block_size  # every row read is cached
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
-def test_a_drafter_read_in_parts_holds_the_cache_of_one_piece(fused, window):
-    """Float64 torch DFlash, fused (TorchBatchDFlash) and one drafter per row
-    (RowBlockDrafters, which holds the last feature row back), with and without a draft
-    window: parts of 1, 12 and 17 rows leave the cache one piece of 30 leaves, to
-    rounding (not bitwise: a part's projections are matmuls of another shape, and differ
-    from one piece's in the last bit, ~1e-15)."""
+def test_a_drafter_read_in_parts_holds_the_cache_of_one_piece(window):
+    """Float64 torch DFlash (TorchBatchDFlash), with and without a draft window: parts of
+    1, 12 and 17 rows leave the cache one piece of 30 leaves, to rounding (not bitwise: a
+    part's projections are matmuls of another shape, and differ from one piece's in the
+    last bit, ~1e-15)."""
     target, drafter = tiny_pair(5, vocab=40, block=4, context=256)
-    make = ((lambda: TorchBatchDFlash(drafter, target, SCALING, window)) if fused else
-            (lambda: RowBlockDrafters(lambda: TorchDFlash(drafter, target, SCALING, window))))
     g = torch.Generator().manual_seed(0)
     features = torch.randn(32, drafter.fc.in_features, generator=g, dtype=torch.float64)
-    assert_parts_leave_one_pieces_cache(make, features[:30], features[30:], 3, 64, [1, 12, 17],
-                                        1e-12)
+    assert_parts_leave_one_pieces_cache(lambda: TorchBatchDFlash(drafter, target, SCALING, window),
+                                        features[:30], features[30:], 3, 64, [1, 12, 17], 1e-12)
 
 
 def setting_of(engine, mode) -> tuple:
@@ -260,27 +235,25 @@ def setting_of(engine, mode) -> tuple:
 def _engine_features(engine, n: int):
     """The engine target's features of a prompt of n tokens, and the prompt."""
     prompt = prompts([n])[0]
-    _, features = engine.loaded.new_target().prefill(prompt, n + 8)
+    _, features = engine.loaded.batch_target().add(prompt, n + 8)
     return prompt, features
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine, fused):
-    """The engine's own drafters (torch: TorchBatchDFlash / TorchDFlash over float32;
-    ONNX Runtime: BoundBatchDFlash / BoundDFlash, drafter-kv.onnx), fused and one per row,
-    SharpDraft and the window mode where the engine has one: 70 prompt rows read as
-    1 + 31 + 32 + 6 leave the cache of one piece (float32: within 1e-5)."""
+def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine):
+    """The engine's own drafters (torch: TorchBatchDFlash over float32; ONNX Runtime:
+    BoundBatchDFlash, drafter-kv.onnx), SharpDraft and the window mode where the engine
+    has one: 70 prompt rows read as 1 + 31 + 32 + 6 leave the cache of one piece
+    (float32: within 1e-5)."""
     prompt, features = _engine_features(engine, 72)
     for mode in [Mode.SHARPDRAFT] + ([Mode.WINDOW] if Mode.WINDOW in engine.modes else []):
-        make = ((lambda: engine.loaded.batch_drafter(*setting_of(engine, mode))) if fused else
-                (lambda: RowBlockDrafters(lambda: engine.loaded.drafter(*setting_of(engine, mode)))))
+        make = lambda: engine.loaded.batch_drafter(*setting_of(engine, mode))  # noqa: E731
         assert_parts_leave_one_pieces_cache(make, features[:70], features[70:], prompt[69], 90,
                                             [1, 31, 32, 6], 1e-5)
 
 
 def test_a_host_cache_drafter_read_in_parts_holds_the_cache_of_one_piece(ort_engine):
-    """ONNX Runtime's drafter.onnx over a HostKVCache (OnnxBatchDFlash / OnnxDFlash: the
-    plugin-form engine), likewise."""
+    """ONNX Runtime's drafter.onnx over a HostKVCache (OnnxBatchDFlash: the plugin-form
+    engine), likewise."""
     assert type(ort_engine.loaded.batch_drafter(*setting_of(ort_engine, Mode.SHARPDRAFT))).__name__ == "OnnxBatchDFlash"
     prompt, features = _engine_features(ort_engine, 72)
     assert_parts_leave_one_pieces_cache(lambda: ort_engine.loaded.batch_drafter(*setting_of(ort_engine, Mode.SHARPDRAFT)),
@@ -323,9 +296,9 @@ def _eagle3_chain_pair():
 def _eagle3_tree_pair():
     target, drafter = eagle_pair(7, 40)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    roles = assembly.Roles("tree", None, target.config.max_position_embeddings,
-                           drafter=lambda mode: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
-                           batch_target=lambda: TorchBatchTarget(target, layers),
+    roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers),
+                           target.config.max_position_embeddings,
+                           tree_drafter=lambda setting: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
                            tree_shape=TreeShape(2, 3, 6))
     return assembly.decoder(roles, Mode.FROZEN), target, drafter
 
@@ -344,15 +317,15 @@ def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_draf
     joined = join_between_steps(decoder, Request(prompt, 20), chunk=8)
     while decoder.active:
         decoder.step()
-    single = TorchTarget(target, ())
+    alone = TorchBatchTarget(target, ())
     for seq, ids, n in ((running, other, 30), (joined, prompt, 20)):
         assert seq.error is None
-        assert seq.gen.tokens == generate_target_only(single, ids, n, Sampler()).tokens
+        assert seq.gen.tokens == generate_target_only(alone, ids, n, Sampler()).tokens
 
 
 @pytest.mark.parametrize("pair, reader, sampling", [
-    (_pard_pair, TorchPARD, Sampling(1.0, 1.0, seed=3)),
-    (_eagle3_chain_pair, TorchEagle3, Sampling(1.0, 1.0, seed=3)),
+    (_pard_pair, TorchBatchPARD, Sampling(1.0, 1.0, seed=3)),
+    (_eagle3_chain_pair, TorchBatchEagle3, Sampling(1.0, 1.0, seed=3)),
     (_eagle3_tree_pair, TorchEagle3, Sampling())], ids=["pard", "eagle3-chain", "eagle3-tree"])
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_chain_and_tree_drafters_read_a_chunked_prompt_a_part_at_a_time(pair, reader, sampling, chunk):
@@ -362,20 +335,6 @@ def test_chain_and_tree_drafters_read_a_chunked_prompt_a_part_at_a_time(pair, re
     the join's last part, and then draft as after one read of the whole prompt."""
     prompt = [t % 39 for t in prompts([50])[0]]  # the pairs' vocabulary: 40 tokens
     assert_chunked_join_drafts_as_whole(lambda: pair()[0], prompt, chunk, sampling, 1e-12, reader)
-
-
-def test_row_chain_drafters_read_a_chunked_prompt_a_part_at_a_time():
-    """RowChainDrafters (chain drafters with no batched form) likewise."""
-    target, drafter = eagle_pair(6, 40)
-    layers = drafter.config.feature_layers(target.config.num_layers)
-
-    def make():
-        return chain_batch_decoder(TorchBatchTarget(target, layers),
-                                   RowChainDrafters(lambda: TorchEagle3(drafter, SCALING, max_drafts=3)))
-
-    prompt = [t % 39 for t in prompts([50])[0]]
-    assert_chunked_join_drafts_as_whole(make, prompt, 8, Sampling(1.0, 1.0, seed=3), 1e-12,
-                                        TorchEagle3)
 
 
 def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_engine):

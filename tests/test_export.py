@@ -14,7 +14,7 @@ from build import export
 from runtime.manifest import EngineError, read_manifest
 from plugins.onnx import DOMAIN
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
-from runtime.backends.onnxruntime import BoundDFlash, OnnxDFlash, open_session
+from runtime.backends.onnxruntime import BoundBatchDFlash, OnnxBatchDFlash, open_session
 from runtime.cli import run
 from runtime.engine import Engine
 
@@ -95,11 +95,12 @@ def prompt(n, seed=0):
 def test_target_graph_matches_torch(context, torch_engine, ort_engine):
     ids = prompt(context)
     runs = {}
-    for name, target in (("torch", torch_engine.target), ("ort", ort_engine.target)):
-        last, feats = target.prefill(ids, context + 8)
-        step, step_feats = target.verify(prompt(5, seed=1))
-        target.rollback(context + 2)  # keep two of the five, verify three others
-        again, again_feats = target.verify(prompt(3, seed=2))
+    for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
+        target = engine.loaded.batch_target()  # a batch of one
+        last, feats = target.add(ids, context + 8)
+        step, step_feats = target.verify([prompt(5, seed=1)])
+        target.rollback([context + 2])  # keep two of the five, verify three others
+        again, again_feats = target.verify([prompt(3, seed=2)])
         runs[name] = (last, feats, step, step_feats, again, again_feats)
     for ours, theirs in zip(runs["ort"], runs["torch"]):
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
@@ -109,26 +110,25 @@ def test_target_graph_matches_torch(context, torch_engine, ort_engine):
 def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_drafter_graph,
                                     native_ort_engine):
     scaling = torch_engine.scaling
-    native = OnnxDFlash(open_session(native_drafter_graph), torch_engine.drafter_model.config.block_size,
-                        torch_engine.drafter_model.config.mask_token_id, scaling)
+    block = torch_engine.drafter_model.config.block_size
+    native = OnnxBatchDFlash(open_session(native_drafter_graph), block,
+                             torch_engine.drafter_model.config.mask_token_id, scaling)
     drafters = {"torch": torch_engine.drafter(), "plugin": ort_engine.drafter(),
                 "native": native, "in place": native_ort_engine.drafter(),
                 "torch frozen": torch_engine.drafter(scaled=False),
                 "ort frozen": ort_engine.drafter(scaled=False),
                 "in place frozen": native_ort_engine.drafter(scaled=False)}
-    assert isinstance(drafters["in place"], BoundDFlash)
-    assert isinstance(drafters["in place frozen"], BoundDFlash)
-    features = torch.randn(context + 3, drafters["torch"].feature_size,
+    assert isinstance(drafters["in place"], BoundBatchDFlash)
+    assert isinstance(drafters["in place frozen"], BoundBatchDFlash)
+    features = torch.randn(context + 3, torch_engine.drafter_model.fc.in_features,
                            generator=torch.Generator().manual_seed(context))
     out = {}
-    for name, drafter in drafters.items():
-        drafter.reset(context + 3)
-        first, n_first = drafter.draft(features[:context], 7)
-        second, n_second = drafter.draft(features[context:context + 2], 9)  # through the cache
-        drafter.cache.rollback(context + 1)  # the target kept one of the two
-        third, n_third = drafter.draft(features[context + 2:], 4)
-        out[name] = (first, second, third)
-        assert (n_first, n_second, n_third) == (context + 4, context + 6, context + 6)
+    for name, drafter in drafters.items():  # each a batch of one
+        drafter.add(context + 3, features[:context], 7)  # the prompt's features read
+        first, n_first = drafter.draft([features[context:context + 1]], [9])
+        second, n_second = drafter.draft([features[context + 1:]], [4])  # through the cache
+        out[name] = (first, second)
+        assert (int(n_first[0]), int(n_second[0])) == (context + 1 + block, context + 3 + block)
     for name in ("plugin", "native", "in place"):
         for ours, theirs in zip(out[name], out["torch"]):
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
@@ -137,7 +137,7 @@ def test_drafter_graphs_match_torch(context, torch_engine, ort_engine, native_dr
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
     # beta is 1 up to ref_keys (64) visible keys and > 1 beyond: the scale is really in.
     differs = not torch.allclose(out["plugin"][1], out["ort frozen"][1], atol=ATOL)
-    assert differs == (scaling.beta(context + 5) > 1.0)
+    assert differs == (scaling.beta(context + 3 + block) > 1.0)
 
 
 def test_graphs_take_any_batch(onnx_engine, torch_engine):

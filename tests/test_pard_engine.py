@@ -13,7 +13,7 @@ import speculative
 from build.calibrate import main as calibrate_main
 from runtime.__main__ import main as runtime_main
 from plugins.scaling import QueryScaling
-from runtime.backends.onnxruntime import OnnxPARD, open_session
+from runtime.backends.onnxruntime import OnnxBatchPARD, open_session
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
@@ -58,7 +58,7 @@ def pard_torch_engine(tmp_path_factory, tiny_target):
 
 def speculate(engine, drafter, prompt):
     recorded = tiny.RecordedChain(drafter)
-    gen = speculative.generate_chain(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
+    gen = speculative.generate_chain(engine.loaded.batch_target(), recorded, prompt, NEW_TOKENS, Sampler())
     return gen.tokens, gen.committed_per_step, gen.visible_per_step, recorded.proposals
 
 
@@ -129,7 +129,7 @@ def test_an_onnx_pard_drafter_reads_a_chunked_prompt_a_part_at_a_time(pard_onnx_
     prompt = engine.encode(tiny.stdlib_text())[:150]
     speculative.assert_chunked_join_drafts_as_whole(
         lambda: engine.batch_decoder("sharpdraft", adaptive=False), prompt, 64,
-        Sampling(1.0, 1.0, seed=3), 1e-5, OnnxPARD)
+        Sampling(1.0, 1.0, seed=3), 1e-5, OnnxBatchPARD)
 
 
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
@@ -141,13 +141,12 @@ def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
     path = tmp_path / "drafter-native.onnx"
     export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
     plugin = Engine(pard_onnx_engine).drafter()
-    native = OnnxPARD(open_session(path), tiny.PARD_TOKEN, 3, engine.scaling)
+    native = OnnxBatchPARD(open_session(path), tiny.PARD_TOKEN, 3, engine.scaling)
     ids = engine.encode(tiny.stdlib_text())[:140]
-    for drafter in (plugin, native):
-        drafter.reset(200)
+    for drafter in (plugin, native):  # each a batch of one, nothing read yet
+        drafter.add(200, [], None)
     for start, end in ((0, 120), (120, 121), (121, 140)):
-        a = plugin.draft(ids[start:end], None, 3, Sampler())
-        b = native.draft(ids[start:end], None, 3, Sampler())
+        (a,), (b,) = (d.draft([ids[start:end]], [None], [3], [Sampler()]) for d in (plugin, native))
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
         assert a.visible.tolist() == b.visible.tolist()
 

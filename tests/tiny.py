@@ -19,22 +19,19 @@ from scripts.tiny_checkpoints import (  # noqa: F401 (the tests read them as tin
 
 
 class RecordedChain:
-    """Passes a chain drafter through, keeping every chain it proposed."""
+    """Passes a batch chain drafter through, keeping every chain it proposed."""
 
     def __init__(self, inner):
         self.inner, self.max_drafts, self.scaling = inner, inner.max_drafts, inner.scaling
         self.proposals = []
 
-    def reset(self, capacity):
-        self.inner.reset(capacity)
+    def __getattr__(self, name):  # add, prefill, prefill_more, join_prefilled, remove, fused
+        return getattr(self.inner, name)
 
-    def read(self, ids, features):
-        self.inner.read(ids, features)
-
-    def draft(self, ids, features, k, sampler):
-        proposal = self.inner.draft(ids, features, k, sampler)
-        self.proposals.append((proposal.tokens, proposal.visible.tolist()))
-        return proposal
+    def draft(self, ids, features, ks, samplers):
+        drafts = self.inner.draft(ids, features, ks, samplers)
+        self.proposals += [(d.tokens, d.visible.tolist()) for d in drafts if d is not None]
+        return drafts
 
 
 # The ONNX graphs of one model, exported once per test run: the session engines and the

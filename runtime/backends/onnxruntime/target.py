@@ -155,12 +155,6 @@ class OnnxBatchTarget:
 
     packs_trees = modes.BACKENDS["onnxruntime"].packed_trees  # verify_trees: one pass per group
 
-    @property
-    def single(self):
-        """Transitional: Decoder.join prefills a chunked prompt on `target.single`; this
-        target prefills it aside itself. Goes when Decoder.join calls prefill directly."""
-        return self
-
     def add(self, ids: list[int], capacity: int):
         result = self.prefill(ids, capacity)
         self.join_prefilled()
@@ -216,10 +210,11 @@ class OnnxBatchTarget:
         cache, n = self.joining, self.joining.length
         return cache.capacity, n, cache.k[..., :n, :].copy(), cache.v[..., :n, :].copy()
 
-    def restore(self, snap) -> None:
-        """The snapshot's sequence held aside again, in a buffer row of its own."""
-        capacity, n, k, v = snap
-        self.joining = self.slots.reserve(capacity)
+    def restore(self, snap, capacity: int | None = None) -> None:
+        """The snapshot's sequence held aside again, in a buffer row of its own of
+        `capacity` keys (default: the one it was prefilled in)."""
+        held, n, k, v = snap
+        self.joining = self.slots.reserve(capacity or held)
         self.joining.k[..., :n, :] = k
         self.joining.v[..., :n, :] = v
         self.joining.length = n
