@@ -111,6 +111,20 @@ def test_tensorrt_engine_generates_the_onnxruntime_tokens(form, trt_engines, pro
     assert ours["mean_accepted_length"] == theirs["mean_accepted_length"]
 
 
+def feature_size(engine) -> int:
+    """The width of the target features an engine's drafter graph reads."""
+    inputs = engine.manifest.extra["onnx"]["graphs"]["drafter"]["inputs"]
+    return next(i["shape"][-1] for i in inputs if i["name"] == "context")
+
+
+def empty_rows(capacity: int, width: int, *drafters):
+    """Batch block drafters of one row each with nothing read yet (a draft then reads its
+    whole context, as a step after the prompt's does); `width`: the features' size."""
+    for drafter in drafters:
+        drafter.add(capacity, torch.zeros(0, width), 0)
+    return drafters
+
+
 def test_tensorrt_frozen_and_target_only_match_onnxruntime(trt_engines, prompt_file, monkeypatch):
     stand_in(monkeypatch)
     engine_dir = trt_engines("plugin")
@@ -122,15 +136,13 @@ def test_tensorrt_frozen_and_target_only_match_onnxruntime(trt_engines, prompt_f
         assert a.tokens == b.tokens and a.committed_per_step == b.committed_per_step, mode
     # The plan writes the drafter's new keys straight into its cache: the committed rows
     # are the keys ONNX Runtime's drafter appends to its own.
-    drafter, reference = ours.drafter(), theirs.drafter()
-    drafter.reset(64)
-    reference.reset(64)
-    context = torch.randn(5, reference.feature_size, generator=torch.Generator().manual_seed(0))
+    drafter, reference = empty_rows(64, feature_size(theirs), ours.drafter(), theirs.drafter())
+    context = torch.randn(5, feature_size(theirs), generator=torch.Generator().manual_seed(0))
     for bonus in (3, 7):
-        got, visible = drafter.draft(context, bonus)
-        want, want_visible = reference.draft(context, bonus)
-        assert torch.equal(got, want) and visible == want_visible
-    assert drafter.length == reference.cache.length == 10
+        got, visible = drafter.draft([context], [bonus])
+        want, want_visible = reference.draft([context], [bonus])
+        assert torch.equal(got, want) and torch.equal(visible, want_visible)
+    assert drafter.length == reference.lengths[0] == 10
     assert torch.equal(drafter.cache[0][:10], torch.from_numpy(reference.cache.k[:10]))
     assert torch.equal(drafter.cache[1][:10], torch.from_numpy(reference.cache.v[:10]))
     assert fake_tensorrt.MISSING == []
@@ -236,7 +248,7 @@ def test_a_context_past_the_profile_is_one_line(trt_engines, tmp_path, capsys, m
     stand_in(monkeypatch)
     engine = Engine(engine_dir)
     with pytest.raises(EngineError, match=f"past the plan's profile \\({MAX_SEQ_LEN}\\)"):
-        engine.target.prefill([1, 2, 3], MAX_SEQ_LEN + 1)
+        engine.loaded.batch_target().add([1, 2, 3], MAX_SEQ_LEN + 1)
     with pytest.raises(EngineError, match="past the plan's profile"):
         engine.drafter().reset(MAX_SEQ_LEN + 1)
     # An engine.json that promises more context than its plans were built for.
@@ -339,19 +351,17 @@ def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, mo
     a = ours.generate(prompt, 6, "sharpdraft", stop=False)
     b = theirs.generate(prompt, 6, "sharpdraft", stop=False)
     assert a.tokens == b.tokens
-    target = ours.target
-    target.prefill(prompt[:30], 33)  # an odd capacity
-    target.verify([5, 6, 7])
-    drafter, reference = ours.drafter(), theirs.drafter()
-    drafter.reset(63)
-    reference.reset(63)
+    target = ours.loaded.batch_target()
+    target.add(prompt[:30], 33)  # an odd capacity
+    target.verify([[5, 6, 7]])
+    drafter, reference = empty_rows(63, feature_size(theirs), ours.drafter(), theirs.drafter())
     generator = torch.Generator().manual_seed(1)
     starts = set()
     for size in [1] * 16 + [3, 2, 5]:  # every start 0..16, then 19 and 21
         starts.add(drafter.length)
-        context = torch.randn(size, reference.feature_size, generator=generator)
-        got, _ = drafter.draft(context, 3)
-        want, _ = reference.draft(context, 3)
+        context = torch.randn(size, feature_size(theirs), generator=generator)
+        got, _ = drafter.draft([context], [3])
+        want, _ = reference.draft([context], [3])
         assert torch.equal(got, want)
     assert starts == set(range(17)) | {19, 21} and drafter.length == 26
     length = drafter.length
@@ -400,16 +410,16 @@ def test_tensorrt_10_builds_the_plugin_drafter_and_matches_onnxruntime(tmp_path,
             and fake_tensorrt.MISSING == [])
     plan = trt_backend.Plan(trt, trt.Runtime(trt.Logger()), tmp_path / "drafter.plan",
                             trt_backend.Device(torch.device("cpu")))
-    reference = Engine(engine_dir, backend="onnxruntime").drafter()
+    theirs = Engine(engine_dir, backend="onnxruntime")
+    reference = theirs.drafter()
     drafter = trt_backend.TensorRTDFlash(plan, reference.block_size, reference.mask_token_id,
                                          reference.scaling, torch.float32)
-    drafter.reset(32)
-    reference.reset(32)
-    context = torch.randn(5, reference.feature_size, generator=torch.Generator().manual_seed(2))
+    drafter, reference = empty_rows(32, feature_size(theirs), drafter, reference)
+    context = torch.randn(5, feature_size(theirs), generator=torch.Generator().manual_seed(2))
     for bonus in (3, 7):
-        got, visible = drafter.draft(context, bonus)
-        want, want_visible = reference.draft(context, bonus)
-        assert torch.equal(got, want) and visible == want_visible
+        got, visible = drafter.draft([context], [bonus])
+        want, want_visible = reference.draft([context], [bonus])
+        assert torch.equal(got, want) and torch.equal(visible, want_visible)
 
 
 def test_tensorrt_without_aot_plugins_refuses_before_registering(tmp_path, monkeypatch):
