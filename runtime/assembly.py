@@ -76,6 +76,15 @@ DRAFTER_PROPOSERS = {
 }
 
 
+# The drafter role of each style, for one row or a batch (Engine.drafter: calibration,
+# diagnostics, step costs): trees draft a row at a time, blocks and chains over a batch.
+DRAFTER_ROLES = {
+    "tree": lambda loaded, scaling, window: loaded.tree_drafter(scaling),
+    "chain": lambda loaded, scaling, window: loaded.batch_drafter(scaling, window),
+    "block": lambda loaded, scaling, window: loaded.batch_drafter(scaling, window),
+}
+
+
 def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None,
             setting: DraftSetting | None = None) -> Decoder:
     """The decode loop running `mode` on `roles`, its drafters under `setting` (the

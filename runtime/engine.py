@@ -9,7 +9,7 @@ Nothing here compares backend or family names: the registry and the table answer
 
 engine.json is read once, into the spec (runtime/manifest.py: Manifest) an Engine is
 opened with or reads itself, and handed down; a mode becomes its drafting configuration
-(assembly.DraftSetting: scaling, window, n-gram assist, fused) here, once, and is passed
+(assembly.DraftSetting: scaling, window, n-gram assist) here, once, and is passed
 down to the decoder it builds -- nothing below calls back up for it."""
 
 from __future__ import annotations
@@ -184,9 +184,7 @@ class Engine:
             scaling = self.scaling if scaled else None
         else:
             check_drafter(self, swap=True)
-        if self.style == "tree":
-            return self.loaded.tree_drafter(scaling)
-        return self.loaded.batch_drafter(scaling, window)
+        return assembly.DRAFTER_ROLES[self.style](self.loaded, scaling, window)
 
     def decoder(self, mode: str = Mode.SHARPDRAFT, adaptive: bool = True, target=None) -> Decoder:
         """The decode loop (runtime/decode.py) running `mode`, built by runtime/assembly.py

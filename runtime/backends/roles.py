@@ -194,16 +194,17 @@ class BatchBlockDrafter(Protocol):
 
 
 class BlockPrefill:
-    """How a fused BatchBlockDrafter prefills a joining sequence: its single-sequence
-    drafter (`single`, a BlockDrafter) reads the prompt's features, then the row joins
-    the batch (`_join_row`). In parts, like the target's prefill / prefill_more /
-    join_prefilled, so that a prompt prefilling in chunks (Decoder.join) has the drafter
-    read each chunk's features right after the target's chunk, and the join's last part
-    holds no drafter pass over the whole prompt. A DFlash context key depends only on its
-    token's features and position, each part's keys land at the committed length, and
-    the block drafted after each part is scratch (its bonus: the prompt's last token), so
-    the parts leave the cache one piece leaves (to rounding: a part's projections are
-    matmuls of another shape). add() is all three at once."""
+    """How a BatchBlockDrafter prefills a joining sequence: it reads the prompt's features
+    into a cache of the sequence's own (the backend's hooks `_reset_joining`,
+    `_read_joining`), then the row joins the batch (`_join_row`). In parts, like the
+    target's prefill / prefill_more / join_prefilled, so that a prompt prefilling in
+    chunks (Decoder.join) has the drafter read each chunk's features right after the
+    target's chunk, and the join's last part holds no drafter pass over the whole prompt.
+    A DFlash context key depends only on its token's features and position, each part's
+    keys land at the committed length, and the block drafted after each part is scratch
+    (its bonus: the prompt's last token), so the parts leave the cache one piece leaves
+    (to rounding: a part's projections are matmuls of another shape). add() is all three
+    at once."""
 
     room = 0  # cache room the joining sequence needs past its capacity
 
@@ -213,8 +214,8 @@ class BlockPrefill:
 
     def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
         self._reset_joining(capacity + self.room)
-        # what the row's first draft() passes: nothing (a fused drafter reads every row's
-        # new features every step, so it holds none back)
+        # what the row's first draft() passes: nothing (the drafter reads every row's new
+        # features every step, so it holds none back)
         self.unread = context[:0]
         self.prefill_more(context, last)
 
@@ -225,15 +226,13 @@ class BlockPrefill:
         self._join_row()
         return self.unread
 
-    # The joining sequence's hooks. Transitional defaults run it on a single-sequence
-    # drafter (`single`); a backend's batch drafter overrides them with its own cache.
     def _reset_joining(self, capacity: int) -> None:
         """An empty cache of `capacity` keys for the joining sequence."""
-        self.single.reset(capacity)
+        raise NotImplementedError
 
     def _read_joining(self, context: torch.Tensor, last: int) -> None:
         """The joining sequence's next context features into its cache, at its length."""
-        self.single.draft(context, last)
+        raise NotImplementedError
 
     def _join_row(self) -> None:
         """The joining sequence's cache in as the batch's last row."""
@@ -243,7 +242,6 @@ class BlockPrefill:
 class BatchChainDrafter(Protocol):
     max_drafts: int
     scaling: QueryScaling | None
-    fused: bool
 
     def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None: ...
 
@@ -263,9 +261,9 @@ class BatchChainDrafter(Protocol):
 
 
 class ChainPrefill:
-    """How a BatchChainDrafter prefills a joining sequence, in parts like BlockPrefill: a
-    single-sequence chain drafter (what `_reset(capacity)` readies and returns) reads the
-    prompt's tokens part by part (ChainDrafter.read: each entry written at the committed
+    """How a BatchChainDrafter prefills a joining sequence, in parts like BlockPrefill:
+    the prompt's tokens are read part by part into a cache of the sequence's own (the
+    backend's hooks `_reset_joining`, `_read_joining`: each entry written at the committed
     length, from its token, its features and its position), then the row joins
     (`_join_row`). So a prompt prefilling in chunks (Decoder.join) has the drafter read
     each chunk right after the target's, and the join's last part holds no drafter pass
@@ -286,20 +284,15 @@ class ChainPrefill:
 
     def join_prefilled(self) -> None:
         self._join_row()
-        self.reading = None
 
-    # The joining sequence's hooks. Transitional defaults read it on the single-sequence
-    # chain drafter `_reset` returns; a backend's batch drafter overrides them.
     def _reset_joining(self, capacity: int) -> None:
         """An empty cache with room for a row of `capacity` for the joining sequence."""
-        self.reading = self._reset(capacity)
+        raise NotImplementedError
 
     def _read_joining(self, ids: list[int], features: torch.Tensor | None) -> None:
-        """ChainDrafter.read's pairing, into the joining sequence's cache at its length."""
-        self.reading.read(ids, features)
-
-    def _reset(self, capacity: int):
-        """A single-sequence chain drafter with room for a row of `capacity`, empty."""
+        """The committed `ids`' entries into the joining sequence's cache, at its length:
+        feature row i paired with token ids[-len(features) + i] (None: a drafter that
+        reads no features)."""
         raise NotImplementedError
 
     def _join_row(self) -> None:
