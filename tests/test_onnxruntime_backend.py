@@ -15,9 +15,10 @@ import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
 from runtime.backends.onnxruntime import (HOST_PREFILL_CHUNK, BoundBatchDFlash, BoundKVCache,
-                                          OnnxBatchDFlash, OnnxDFlash, open_session)
+                                          OnnxBatchDFlash, open_session)
 from runtime.backends.pytorch import TorchBatchDFlash
 from runtime.cli import run
+from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.sampling import Sampler
 
@@ -26,27 +27,35 @@ NEW_TOKENS = 24
 
 
 class RecordedDrafter:
-    """Passes a drafter through, keeping every block it proposed (greedy)."""
+    """Passes a batch block drafter through, keeping every block it proposed to its first
+    row (greedy)."""
 
     def __init__(self, inner):
-        self.inner, self.block_size, self.scaling = inner, inner.block_size, inner.scaling
-        self.vocab = inner.vocab
-        self.proposals = []
+        self.inner, self.proposals = inner, []
 
-    def reset(self, capacity):
-        self.inner.reset(capacity)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
-    def draft(self, context, bonus):
-        logits, visible = self.inner.draft(context, bonus)
-        self.proposals.append(Sampler().propose(logits, self.vocab)[0])  # target ids
+    def draft(self, contexts, bonuses):
+        logits, visible = self.inner.draft(contexts, bonuses)
+        self.proposals.append(Sampler().propose(logits[0], self.inner.vocab)[0])  # target ids
         return logits, visible
 
 
 def speculate(engine, drafter, prompt):
+    """A request decoded alone (a batch of one) on the engine's batch target and a batch
+    drafter, greedy: its tokens, per-step counts, N and beta, and the drafter's blocks."""
     recorded = RecordedDrafter(drafter)
-    gen = speculative.generate_block(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
+    seq, = speculative.batch_decoder(engine.loaded.batch_target(), recorded).run(
+        [Request(prompt, NEW_TOKENS)])
+    gen = seq.gen
     return gen.tokens, gen.committed_per_step, gen.visible_per_step, gen.beta_per_step, \
         recorded.proposals
+
+
+def drafter(engine, sharpdraft: bool = True, window: int | None = None):
+    """The engine's batch drafter, SharpDraft or frozen."""
+    return engine.loaded.batch_drafter(engine.scaling if sharpdraft else None, window)
 
 
 def text_prompt(engine, n):
@@ -66,8 +75,8 @@ def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, engine,
                                                      request):
     ort_engine = request.getfixturevalue(engine)
     prompt = text_prompt(torch_engine, length)
-    ours = speculate(ort_engine, ort_engine.drafter(scaled=sharpdraft), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(scaled=sharpdraft), prompt)
+    ours = speculate(ort_engine, drafter(ort_engine, sharpdraft), prompt)
+    theirs = speculate(torch_engine, drafter(torch_engine, sharpdraft), prompt)
     assert ours == theirs
     assert len(ours[0]) == NEW_TOKENS
     assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
@@ -91,10 +100,10 @@ def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdr
     the keys left): the same blocks as torch's drafter under the same window; a window
     wider than the context changes nothing, a narrow one changes the blocks."""
     prompt = text_prompt(torch_engine, 600)
-    ours = speculate(native_ort_engine, native_ort_engine.drafter(sharpdraft, window=window), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(sharpdraft, window=window), prompt)
+    ours = speculate(native_ort_engine, drafter(native_ort_engine, sharpdraft, window), prompt)
+    theirs = speculate(torch_engine, drafter(torch_engine, sharpdraft, window), prompt)
     assert ours == theirs
-    whole = speculate(torch_engine, torch_engine.drafter(sharpdraft), prompt)
+    whole = speculate(torch_engine, drafter(torch_engine, sharpdraft), prompt)
     assert (ours[4] == whole[4]) == (window > len(prompt) + NEW_TOKENS)
 
 
@@ -134,12 +143,13 @@ def test_generate_window_flag_picks_the_windowed_drafter_or_refuses_in_one_line(
 
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
                                                                 ort_engine, native_ort_engine):
-    native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.loaded.block_size,
-                        ort_engine.loaded.mask_token_id, ort_engine.scaling, ort_engine.loaded.vocab)
+    native = OnnxBatchDFlash(open_session(native_drafter_graph), ort_engine.loaded.block_size,
+                             ort_engine.loaded.mask_token_id, ort_engine.scaling,
+                             ort_engine.loaded.vocab)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
-    plugin = speculate(ort_engine, ort_engine.drafter(), prompt)
+    plugin = speculate(ort_engine, drafter(ort_engine), prompt)
     assert speculate(ort_engine, native, prompt) == plugin
-    assert speculate(ort_engine, native_ort_engine.drafter(), prompt) == plugin
+    assert speculate(ort_engine, drafter(native_ort_engine), prompt) == plugin
 
 
 def test_generate_cli_runs_either_backend_on_one_engine(capsys, onnx_engine):
