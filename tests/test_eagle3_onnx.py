@@ -263,7 +263,7 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
     from the committed entries, the scratch keys it may see and itself; the logits are
     the torch drafter's under the same mask."""
     ort, reference = Engine(tree_engine), Engine(tree_engine, backend="torch")
-    drafter = ort.drafter()
+    drafter = ort.loaded.tree_drafter(ort.scaling)
     features = torch.randn(40, reference.drafter_model.fc.in_features,
                            generator=torch.Generator().manual_seed(5))
     following = reference.encode(tiny.stdlib_text())[1:41]
@@ -311,7 +311,7 @@ def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
     for engine in (ort, reference):
         drafter = engine.drafter()
         drafter.reset(PROMPT + 16)
-        features = engine.target.prefill(prompt, PROMPT + 16)[1]
+        features = engine.loaded.batch_target().add(prompt, PROMPT + 16)[1]
         trees.append(drafter.draft_tree(features, prompt[1:] + [5], engine.tree_shape))
     assert trees[0] == trees[1]
 

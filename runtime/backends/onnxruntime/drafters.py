@@ -422,18 +422,16 @@ class BoundDFlash:
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
-                 window: int | None = None, reserve=None):
+                 window: int | None = None):
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
         self.cache: BoundKVCache | None = None
         self.window_feed = window_feed(session, window)
-        self.reserve = reserve  # capacity -> the cache to read a prompt into (BoundSlots.reserve)
 
     def reset(self, capacity: int) -> None:
-        self.cache = (self.reserve(capacity) if self.reserve is not None else
-                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
+        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
         self.binding = self.cache.bind(self.session)
 
     def draft(self, context: torch.Tensor, bonus: int):
