@@ -86,21 +86,24 @@ class OnnxPARD:
 
 
 def join_row(cache: HostKVCache | None, lengths: list[int], new: HostKVCache) -> HostKVCache:
-    """A batch's host cache (`lengths`: its rows' committed lengths) with the sequence
-    `new` holds appended as its last row: rebuilt, as long as the longer of the two."""
+    """A batch's host cache (`lengths`: its rows' committed lengths, to which the new
+    row's is appended) with the sequence `new` holds as its last row: rebuilt, as long as
+    the longer of the two."""
     rows = host_rows(cache, lengths) + [(new.k[:, :, 0], new.v[:, :, 0])]
     lengths.append(new.length)
     return rebuilt(max(cache.capacity if cache is not None else 0, new.capacity), rows)
 
 
 def drop_row(cache: HostKVCache, lengths: list[int], row: int) -> HostKVCache | None:
-    """The batch's host cache without `row` (rebuilt; None when it was the last)."""
+    """The batch's host cache without `row`, whose length leaves `lengths` (rebuilt;
+    None when it was the last)."""
     rows = host_rows(cache, lengths)
     del rows[row], lengths[row]
     return rebuilt(cache.capacity, rows) if rows else None
 
 
 def host_rows(cache: HostKVCache | None, lengths: list[int]) -> list:
+    """Each row's (keys, values), views of the batch's host cache."""
     if cache is None:
         return []
     return [(cache.k[:, :, i], cache.v[:, :, i]) for i in range(len(lengths))]
