@@ -29,13 +29,30 @@ def text_ids(engine, n):
     return engine.encode(tiny.stdlib_text())[:n]
 
 
+def prefilled(engine, ids, parts=None):
+    """A batch of one prefilled with `ids` (in parts of `parts` tokens, else whole) on the
+    engine's batch target: the last token's logits, the features of each part after the
+    first (all of them whole), and the row's keys and values."""
+    target = engine.loaded.batch_target()
+    if parts is None:
+        logits, features = target.add(ids, len(ids) + 8)
+    else:
+        target.prefill(ids[:parts], len(ids) + 8)
+        features = []
+        for begin in range(parts, len(ids), parts):
+            logits, part = target.prefill_more(ids[begin:begin + parts])
+            features.append(part)
+        features = torch.cat(features)
+        target.join_prefilled()
+    group, = target.groups
+    assert target.lengths == [len(ids)]
+    return logits, features, group.cache.k[:, 0, :, :len(ids)], group.cache.v[:, 0, :, :len(ids)]
+
+
 def test_the_prefill_is_the_float32_targets_to_bfloat16_rounding(native_ort_engine, bf16_engine):
     ids = text_ids(bf16_engine, 2 * ROWS + 37)
-    logits32, features32 = native_ort_engine.target.prefill(ids, len(ids) + 8)
-    keys32 = native_ort_engine.target.cache.k[:, :, :, :len(ids)].copy()
-    logits16, features16 = bf16_engine.target.prefill(ids, len(ids) + 8)
-    keys16 = bf16_engine.target.cache.k[:, :, :, :len(ids)]
-    assert bf16_engine.target.cache.length == len(ids)
+    logits32, features32, keys32, _ = prefilled(native_ort_engine, ids)
+    logits16, features16, keys16, _ = prefilled(bf16_engine, ids)
     assert features16.shape == features32.shape and logits16.shape == logits32.shape
 
     def off(a, b):  # the largest difference against the float32 values' scale
@@ -49,18 +66,12 @@ def test_the_prefill_is_the_float32_targets_to_bfloat16_rounding(native_ort_engi
 
 @pytest.mark.parametrize("chunk", [ROWS, 2 * ROWS])
 def test_a_prompt_prefilled_in_chunks_on_the_grid_gives_the_same_bits(bf16_engine, chunk):
-    ids, target = text_ids(bf16_engine, 3 * ROWS + 5), bf16_engine.target
-    logits, features = target.prefill(ids, len(ids) + 8)
-    keys, values = target.cache.k[:, :, :, :len(ids)].copy(), target.cache.v[:, :, :, :len(ids)].copy()
-    target.prefill(ids[:chunk], len(ids) + 8)
-    parts = []
-    for begin in range(chunk, len(ids), chunk):
-        chunk_logits, part = target.prefill_more(ids[begin:begin + chunk])
-        parts.append(part)
+    ids = text_ids(bf16_engine, 3 * ROWS + 5)
+    logits, features, keys, values = prefilled(bf16_engine, ids)
+    chunk_logits, parts, chunk_keys, chunk_values = prefilled(bf16_engine, ids, chunk)
     assert torch.equal(chunk_logits, logits)
-    assert torch.equal(torch.cat(parts), features[chunk:])
-    assert np.array_equal(target.cache.k[:, :, :, :len(ids)], keys)
-    assert np.array_equal(target.cache.v[:, :, :, :len(ids)], values)
+    assert torch.equal(parts, features[chunk:])
+    assert np.array_equal(chunk_keys, keys) and np.array_equal(chunk_values, values)
 
 
 def test_blocks_follow_the_grid_however_the_prompt_is_chunked(bf16_engine, monkeypatch):
@@ -73,8 +84,8 @@ def test_blocks_follow_the_grid_however_the_prompt_is_chunked(bf16_engine, monke
         return real(self, x)
 
     monkeypatch.setattr(bf16_prefill.PackedLinear, "__call__", spy)
-    ids, target = text_ids(bf16_engine, 2 * ROWS + 37), bf16_engine.target
-    per_block = 4 * len(bf16_engine.loaded.prefiller.prefill_layers)
+    ids, target = text_ids(bf16_engine, 2 * ROWS + 37), bf16_engine.loaded.batch_target()
+    per_block = 4 * len(bf16_engine.loaded.prefiller.packed)
     target.prefill(ids, len(ids))
     whole, seen[:] = list(seen), []
     target.prefill(ids[:ROWS], len(ids))

@@ -263,7 +263,7 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
     from the committed entries, the scratch keys it may see and itself; the logits are
     the torch drafter's under the same mask."""
     ort, reference = Engine(tree_engine), Engine(tree_engine, backend="torch")
-    drafter = ort.drafter()
+    drafter = ort.loaded.tree_drafter(ort.scaling)
     features = torch.randn(40, reference.drafter_model.fc.in_features,
                            generator=torch.Generator().manual_seed(5))
     following = reference.encode(tiny.stdlib_text())[1:41]
@@ -311,7 +311,7 @@ def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
     for engine in (ort, reference):
         drafter = engine.drafter()
         drafter.reset(PROMPT + 16)
-        features = engine.target.prefill(prompt, PROMPT + 16)[1]
+        features = engine.loaded.batch_target().add(prompt, PROMPT + 16)[1]
         trees.append(drafter.draft_tree(features, prompt[1:] + [5], engine.tree_shape))
     assert trees[0] == trees[1]
 
@@ -358,20 +358,21 @@ def test_the_commands_loop_replays_one_prefill_and_grows_the_cache_for_a_late_tr
 def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch):
     """Three rows at different lengths (capacities in one bucket), trees of different
     sizes: one target-tree.onnx run gives each node the logits and features of the row's
-    own verify_tree (fp32), and after keep_paths each row's next verify equals its own."""
+    tree verified in a batch of one (fp32), and after keep_paths each row's next verify
+    equals its own."""
     import runtime.backends.onnxruntime.target as ort  # where the batch target runs its sessions
     from runtime.tree import DraftTree
 
     engine = Engine(tree_engine)
     loaded = engine.loaded
-    batch, singles = loaded.batch_target(), []
+    batch, alone = loaded.batch_target(), []
     assert batch.packs_trees
     text = engine.encode(tiny.stdlib_text())
     prompts = [text[:30], text[40:45], text[50:90]]
     for prompt in prompts:
         batch.add(prompt, 60)
-        singles.append(loaded.new_target())
-        singles[-1].prefill(prompt, 60)
+        alone.append(loaded.batch_target())
+        alone[-1].add(prompt, 60)
     trees = [DraftTree((5, 9, 11, 9, 3), (-1, 0, 0, 1, 3)), DraftTree.root_only(7),
              DraftTree((2, 4, 6), (-1, 0, 1))]
     runs, run_bound = [], ort.run_bound
@@ -379,16 +380,17 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
     got = batch.verify_trees(trees)
     assert runs == [loaded.sessions["target_tree"]]  # one pass for the three rows
     monkeypatch.undo()
-    for single, tree, (logits, features) in zip(singles, trees, got):
-        want_logits, want_features = single.verify_tree(tree)
+    for one, tree, (logits, features) in zip(alone, trees, got):
+        (want_logits, want_features), = one.verify_trees([tree])
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(features, want_features, atol=1e-4, rtol=1e-4)
     paths = [[0, 1], [0], [0, 1, 2]]
     batch.keep_paths(paths)
     logits, _ = batch.verify([[1], [2], [3]])
-    for i, (single, path) in enumerate(zip(singles, paths)):
-        single.keep_path(path)
-        torch.testing.assert_close(logits[i, :1], single.verify([i + 1])[0], atol=1e-4, rtol=1e-4)
+    for i, (one, path) in enumerate(zip(alone, paths)):
+        one.keep_paths([path])
+        torch.testing.assert_close(logits[i, :1], one.verify([[i + 1]])[0][0], atol=1e-4,
+                                   rtol=1e-4)
 
 
 def test_onnxruntime_batched_trees_decode_as_alone_and_as_the_target(tree_engine):

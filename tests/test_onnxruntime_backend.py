@@ -14,10 +14,11 @@ import torch
 import speculative
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
-from runtime.backends.onnxruntime import (HOST_PREFILL_CHUNK, BoundDFlash, BoundKVCache, OnnxDFlash,
-                                          open_session)
-from runtime.backends.pytorch import TorchDFlash
+from runtime.backends.onnxruntime import (HOST_PREFILL_CHUNK, BoundBatchDFlash, BoundKVCache,
+                                          OnnxBatchDFlash, open_session)
+from runtime.backends.pytorch import TorchBatchDFlash
 from runtime.cli import run
+from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.sampling import Sampler
 
@@ -26,27 +27,35 @@ NEW_TOKENS = 24
 
 
 class RecordedDrafter:
-    """Passes a drafter through, keeping every block it proposed (greedy)."""
+    """Passes a batch block drafter through, keeping every block it proposed to its first
+    row (greedy)."""
 
     def __init__(self, inner):
-        self.inner, self.block_size, self.scaling = inner, inner.block_size, inner.scaling
-        self.vocab = inner.vocab
-        self.proposals = []
+        self.inner, self.proposals = inner, []
 
-    def reset(self, capacity):
-        self.inner.reset(capacity)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
-    def draft(self, context, bonus):
-        logits, visible = self.inner.draft(context, bonus)
-        self.proposals.append(Sampler().propose(logits, self.vocab)[0])  # target ids
+    def draft(self, contexts, bonuses):
+        logits, visible = self.inner.draft(contexts, bonuses)
+        self.proposals.append(Sampler().propose(logits[0], self.inner.vocab)[0])  # target ids
         return logits, visible
 
 
 def speculate(engine, drafter, prompt):
+    """A request decoded alone (a batch of one) on the engine's batch target and a batch
+    drafter, greedy: its tokens, per-step counts, N and beta, and the drafter's blocks."""
     recorded = RecordedDrafter(drafter)
-    gen = speculative.generate_block(engine.target, recorded, prompt, NEW_TOKENS, Sampler())
+    seq, = speculative.batch_decoder(engine.loaded.batch_target(), recorded).run(
+        [Request(prompt, NEW_TOKENS)])
+    gen = seq.gen
     return gen.tokens, gen.committed_per_step, gen.visible_per_step, gen.beta_per_step, \
         recorded.proposals
+
+
+def drafter(engine, sharpdraft: bool = True, window: int | None = None):
+    """The engine's batch drafter, SharpDraft or frozen."""
+    return engine.loaded.batch_drafter(engine.scaling if sharpdraft else None, window)
 
 
 def text_prompt(engine, n):
@@ -66,8 +75,8 @@ def test_onnxruntime_drafts_and_generates_like_torch(length, sharpdraft, engine,
                                                      request):
     ort_engine = request.getfixturevalue(engine)
     prompt = text_prompt(torch_engine, length)
-    ours = speculate(ort_engine, ort_engine.drafter(scaled=sharpdraft), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(scaled=sharpdraft), prompt)
+    ours = speculate(ort_engine, drafter(ort_engine, sharpdraft), prompt)
+    theirs = speculate(torch_engine, drafter(torch_engine, sharpdraft), prompt)
     assert ours == theirs
     assert len(ours[0]) == NEW_TOKENS
     assert all(b > 1.0 for b in ours[3]) == (sharpdraft and length > 64)
@@ -91,10 +100,10 @@ def test_in_place_drafter_under_a_draft_window_drafts_like_torch(window, sharpdr
     the keys left): the same blocks as torch's drafter under the same window; a window
     wider than the context changes nothing, a narrow one changes the blocks."""
     prompt = text_prompt(torch_engine, 600)
-    ours = speculate(native_ort_engine, native_ort_engine.drafter(sharpdraft, window=window), prompt)
-    theirs = speculate(torch_engine, torch_engine.drafter(sharpdraft, window=window), prompt)
+    ours = speculate(native_ort_engine, drafter(native_ort_engine, sharpdraft, window), prompt)
+    theirs = speculate(torch_engine, drafter(torch_engine, sharpdraft, window), prompt)
     assert ours == theirs
-    whole = speculate(torch_engine, torch_engine.drafter(sharpdraft), prompt)
+    whole = speculate(torch_engine, drafter(torch_engine, sharpdraft), prompt)
     assert (ours[4] == whole[4]) == (window > len(prompt) + NEW_TOKENS)
 
 
@@ -134,12 +143,13 @@ def test_generate_window_flag_picks_the_windowed_drafter_or_refuses_in_one_line(
 
 def test_plugin_native_and_in_place_forms_draft_the_same_tokens(native_drafter_graph, torch_engine,
                                                                 ort_engine, native_ort_engine):
-    native = OnnxDFlash(open_session(native_drafter_graph), ort_engine.loaded.block_size,
-                        ort_engine.loaded.mask_token_id, ort_engine.scaling, ort_engine.loaded.vocab)
+    native = OnnxBatchDFlash(open_session(native_drafter_graph), ort_engine.loaded.block_size,
+                             ort_engine.loaded.mask_token_id, ort_engine.scaling,
+                             ort_engine.loaded.vocab)
     prompt = text_prompt(torch_engine, 600)  # beta > 1 all along
-    plugin = speculate(ort_engine, ort_engine.drafter(), prompt)
+    plugin = speculate(ort_engine, drafter(ort_engine), prompt)
     assert speculate(ort_engine, native, prompt) == plugin
-    assert speculate(ort_engine, native_ort_engine.drafter(), prompt) == plugin
+    assert speculate(ort_engine, drafter(native_ort_engine), prompt) == plugin
 
 
 def test_generate_cli_runs_either_backend_on_one_engine(capsys, onnx_engine):
@@ -219,31 +229,32 @@ def random_prompt(n, seed=0):
     return torch.randint(4, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_target_steps_read_and_write_the_bound_cache_in_place(torch_engine, ort_engine):
-    ids = random_prompt(40)
-    ours, theirs = ort_engine.target, torch_engine.target
+@pytest.mark.parametrize("rows", [1, 4])
+def test_target_rows_step_in_their_bound_buffers_in_place(rows, torch_engine, ort_engine):
+    """A batch of one and of four: the group's buffers stay where they are; a verify
+    writes only its tokens' keys, at each row's committed length (every prompt's keys
+    stay as they were), a rollback is a length change the next verify writes over, and
+    the logits and features are torch's batch target's."""
+    prompts = [random_prompt(40 - 3 * r, seed=r) for r in range(rows)]
+    ours, theirs = ort_engine.loaded.batch_target(), torch_engine.loaded.batch_target()
     for target in (ours, theirs):
-        target.prefill(ids, len(ids) + 8)
-    cache = ours.cache
+        for p in prompts:
+            target.add(p, len(p) + 8)
+    group, = ours.groups
+    cache = group.cache
     address = cache.k.ctypes.data, cache.v.ctypes.data
-    bound = [value.data_ptr() for value in cache.k_values + cache.v_values]
-    # Every layer's OrtValue is a view of the one buffer, not a copy of it.
-    assert bound == [cache.k[i].ctypes.data for i in range(len(cache.k))] + [
-        cache.v[i].ctypes.data for i in range(len(cache.v))]
-    prefix = cache.k[:, :, :, :len(ids)].copy()
+    prefixes = [cache.k[:, i, :, :len(p)].copy() for i, p in enumerate(prompts)]
+    steps = []
     for target in (ours, theirs):
-        target.verify(random_prompt(5, seed=1))
-        target.rollback(len(ids) + 2)
-        target.verify(random_prompt(1, seed=2))
-    assert ours.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
-    assert [value.data_ptr() for value in cache.k_values + cache.v_values] == bound
-    np.testing.assert_array_equal(cache.k[:, :, :, :len(ids)], prefix)
-    n = len(ids) + 3
-    assert cache.length == theirs.cache.length == n
-    torch.testing.assert_close(torch.from_numpy(cache.k[:, :, :, :n]), theirs.cache.k[:, :, :, :n],
-                               atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.from_numpy(cache.v[:, :, :, :n]), theirs.cache.v[:, :, :, :n],
-                               atol=1e-4, rtol=0)
+        target.verify([random_prompt(5, seed=10 + r) for r in range(rows)])
+        target.rollback([len(p) + 2 for p in prompts])
+        steps.append(target.verify([random_prompt(1, seed=20 + r) for r in range(rows)]))
+    assert group.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
+    for i, prefix in enumerate(prefixes):
+        np.testing.assert_array_equal(cache.k[:, i, :, :prefix.shape[-2]], prefix)
+    assert ours.lengths == [len(p) + 3 for p in prompts]
+    for got, want in zip(*steps):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def vm_flags(array: np.ndarray) -> list[str]:
@@ -273,17 +284,46 @@ def test_kv_buffers_are_zeroed_writable_and_kept_off_huge_pages():
 
 @pytest.mark.parametrize("length", [HOST_PREFILL_CHUNK, 2 * HOST_PREFILL_CHUNK + 1])
 def test_chunked_prefill_and_a_full_cache_match_torch(length, torch_engine, ort_engine):
+    """A prompt of one and of more than two host chunks prefills as torch's batch target
+    does; a verify that fills its row exactly runs, one past it is refused."""
     ids = random_prompt(length)
     runs = {}
-    for name, target in (("torch", torch_engine.target), ("ort", ort_engine.target)):
-        last, features = target.prefill(ids, length + 3)
-        step, step_features = target.verify(random_prompt(3, seed=1))  # fills it exactly
+    for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
+        target = engine.loaded.batch_target()
+        last, features = target.add(ids, length + 3)
+        step, step_features = target.verify([random_prompt(3, seed=1)])  # fills it exactly
         with pytest.raises(ValueError, match="holds"):
-            target.verify([5])
-        runs[name] = (last, features, step, step_features)
+            target.verify([[5]])
+        runs[name] = (last, features, step[0], step_features[0])
     assert runs["ort"][1].shape == (length, runs["torch"][1].shape[1])
     for ours, theirs in zip(runs["ort"], runs["torch"]):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_held_prefill_joins_again_from_its_snapshot(ort_engine):
+    """A sequence prefilled in two parts and held aside (prefill, prefill_more) joins
+    from a snapshot, restored twice into two batches (one with a row already in it): each
+    verifies as the sequence prefilled whole and joined at once (add)."""
+    ids, other = random_prompt(60), random_prompt(30, seed=3)
+    whole = ort_engine.loaded.batch_target()
+    whole.add(ids, 70)
+    want = whole.verify([[7, 8]])
+    held = ort_engine.loaded.batch_target()
+    held.prefill(ids[:25], 70)
+    held.prefill_more(ids[25:])
+    snap = held.snapshot()
+    assert held.lengths == []  # held aside: no row yet
+    held.restore(snap)
+    held.join_prefilled()
+    again = ort_engine.loaded.batch_target()
+    again.add(other, 40)
+    again.restore(snap)
+    again.join_prefilled()
+    for batch, row in ((held, 0), (again, 1)):
+        assert batch.lengths[row] == 60
+        logits, features = batch.verify([[7, 8]] * len(batch.lengths))
+        torch.testing.assert_close(logits[row], want[0][0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(features[row], want[1][0], atol=1e-4, rtol=0)
 
 
 def test_prefill_once_replays_the_same_prefill_on_either_backend(torch_engine, ort_engine):
@@ -332,41 +372,37 @@ def test_engine_from_export_version_2_is_refused_with_one_line_error(capsys, tmp
     assert code == 1 and "export version 2" in error and "rebuild" in error
 
 
-def test_in_place_drafter_reads_and_writes_its_bound_cache_in_place(torch_engine,
+@pytest.mark.parametrize("rows", [1, 4])
+def test_in_place_drafter_rows_step_in_their_bound_buffers_in_place(rows, torch_engine,
                                                                    native_ort_engine):
-    """BoundDFlash's buffers stay where they were bound; a step adds only its context's
-    keys (the block's are scratch), at the committed length, the same keys torch's
-    drafter caches; a rollback is a length change that the next step writes over."""
-    ours, theirs = native_ort_engine.drafter(), torch_engine.drafter()
-    features = torch.randn(46, ours.feature_size, generator=torch.Generator().manual_seed(6))
+    """BoundBatchDFlash at batch 1 and 4: the group's buffers stay where they are; a step
+    adds only its rows' context keys (the block's are scratch), at each row's committed
+    length, and drafts what torch's batch drafter drafts; a step past a row's capacity
+    is refused."""
+    ours = native_ort_engine.loaded.batch_drafter(native_ort_engine.scaling)
+    theirs = torch_engine.loaded.batch_drafter(torch_engine.scaling)
+    g = torch.Generator().manual_seed(6)
+    size = torch_engine.drafter_model.fc.in_features
+    features = [torch.randn(46, size, generator=g) for _ in range(rows)]
     for drafter in (ours, theirs):
-        drafter.reset(46)
-        drafter.draft(features[:40], 3)
-    cache = ours.cache
+        for f in features:
+            drafter.add(46, f[:40], 3)
+    group, = ours.groups
+    cache = group.cache
     address = cache.k.ctypes.data, cache.v.ctypes.data
-    bound = [value.data_ptr() for value in cache.k_values + cache.v_values]
-    assert bound == [cache.k[i].ctypes.data for i in range(len(cache.k))] + [
-        cache.v[i].ctypes.data for i in range(len(cache.v))]
-    prefix = cache.k[:, :, :, :40].copy()
+    prefix = cache.k[:, :rows, :, :40].copy()
     steps = []
     for drafter in (ours, theirs):
-        drafter.draft(features[40:43], 5)
-        drafter.cache.rollback(41)  # the target accepted one of the three
-        steps.append(drafter.draft(features[43:45], 8))
-    assert steps[0][1] == steps[1][1] == 41 + 2 + ours.block_size
+        drafter.draft([f[40:43] for f in features], [5] * rows)
+        steps.append(drafter.draft([f[43:45] for f in features], [8] * rows))
+    assert steps[0][1].tolist() == steps[1][1].tolist() == [45 + ours.block_size] * rows
     torch.testing.assert_close(steps[0][0], steps[1][0], atol=1e-4, rtol=0)
-    assert ours.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
-    assert [value.data_ptr() for value in cache.k_values + cache.v_values] == bound
-    np.testing.assert_array_equal(cache.k[:, :, :, :40], prefix)
-    n = 43
-    assert cache.length == theirs.cache.length == n
-    assert not cache.k[:, :, :, n:].any()  # the block's keys never reach the cache
-    torch.testing.assert_close(torch.from_numpy(cache.k[:, :, :, :n]), theirs.cache.k[:, :, :, :n],
-                               atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.from_numpy(cache.v[:, :, :, :n]), theirs.cache.v[:, :, :, :n],
-                               atol=1e-4, rtol=0)
+    assert group.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
+    np.testing.assert_array_equal(cache.k[:, :rows, :, :40], prefix)
+    assert ours.lengths == [45] * rows
+    assert not cache.k[:, :rows, :, 45:].any()  # the blocks' keys never reach the cache
     with pytest.raises(ValueError, match="holds"):
-        ours.draft(features[:4], 1)  # 43 + 4 > 46
+        ours.draft([f[:2] for f in features], [1] * rows)  # 45 + 2 > 46
 
 
 def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path, native_engine,
@@ -383,8 +419,9 @@ def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path,
     data["artifacts"] = {k: v for k, v in data["artifacts"].items() if (engine_dir / k).exists()}
     manifest.write_text(json.dumps(data))
     older = Engine(engine_dir)
-    assert isinstance(older.drafter(), OnnxDFlash)
-    assert isinstance(native_ort_engine.drafter(), BoundDFlash)
+    assert isinstance(older.loaded.batch_drafter(older.scaling), OnnxBatchDFlash)
+    assert isinstance(native_ort_engine.loaded.batch_drafter(native_ort_engine.scaling),
+                      BoundBatchDFlash)
     prompt = text_prompt(native_ort_engine, 300)
     for mode in ("sharpdraft", "frozen"):
         ours = older.generate(prompt, NEW_TOKENS, mode, stop=False)
@@ -403,13 +440,13 @@ def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native
     shutil.copytree(native_engine, engine_dir)
     chosen = QueryScaling(ref_keys=16, top_k=8, slope=2.0)
     calibrate.apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"chosen": "test"})
-    ours = Engine(engine_dir).drafter()
-    assert isinstance(ours, BoundDFlash) and ours.scaling == chosen
-    theirs = TorchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
-    features = torch.randn(201, ours.feature_size, generator=torch.Generator().manual_seed(7))
+    ours = Engine(engine_dir).loaded.batch_drafter(chosen)
+    assert isinstance(ours, BoundBatchDFlash) and ours.scaling == chosen
+    theirs = TorchBatchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
+    features = torch.randn(201, torch_engine.drafter_model.fc.in_features,
+                           generator=torch.Generator().manual_seed(7))
     for drafter in (ours, theirs):
-        drafter.reset(201)
-        drafter.draft(features[:200], 3)
-    got, want = ours.draft(features[200:], 5), theirs.draft(features[200:], 5)
-    assert got[1] == want[1] == 201 + ours.block_size
+        drafter.add(201, features[:200], 3)
+    got, want = ours.draft([features[200:]], [5]), theirs.draft([features[200:]], [5])
+    assert got[1].tolist() == want[1].tolist() == [201 + ours.block_size]
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)

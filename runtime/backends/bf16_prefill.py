@@ -87,23 +87,32 @@ class PackedLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-class PrefillLayer:
-    """One decoder layer's packed multiplies; its norms and attention stay the layer's."""
+class Bf16Prefill:
+    """The prefill of an ONNX Runtime target's cache (OnnxBatchTarget.prefill_more calls
+    it): each decoder layer's multiplies packed (`packed`: q/k/v in one, o, gate/up in
+    one, down); its norms and attention stay the layer's."""
 
-    def __init__(self, layer):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.layer = layer
-        self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = PackedLinear([attn.o_proj])
-        self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj])
-        self.down = PackedLinear([mlp.down_proj])
+    def __init__(self, model, layers: tuple[int, ...]):
+        self.model, self.layers = model, layers
+        self.packed = [(PackedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                      layer.self_attn.v_proj]),
+                        PackedLinear([layer.self_attn.o_proj]),
+                        PackedLinear([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                        PackedLinear([layer.mlp.down_proj])) for layer in model.layers]
+        for layer in model.layers:  # the packed copies replace the float32 weights
+            for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    setattr(owner, name, None)
 
-    def __call__(self, h, cos, sin, cache: KVCache, index: int, start, allowed):
-        """h [n, hidden] float32, the block's positions -> h after the layer. allowed
-        [n, keys]: the causal mask of the block's rows over the cache's keys."""
-        layer, attn = self.layer, self.layer.self_attn
+    def _layer(self, index: int, h, cos, sin, cache: KVCache, start, allowed):
+        """Decoder layer `index` over h [n, hidden] float32 (the block's positions) -> h
+        after it. allowed [n, keys]: the causal mask of the block's rows over the
+        cache's keys."""
+        layer, (qkv, o, gate_up, down) = self.model.layers[index], self.packed[index]
+        attn = layer.self_attn
         x = layer.input_layernorm(h).to(torch.bfloat16)
-        q, k, v = self.qkv(x).float().split(self.qkv.widths, -1)
+        q, k, v = qkv(x).float().split(qkv.widths, -1)
         q = attn.shape_query(q[None], cos, sin)
         k, v = attn.shape_key_value(k[None], v[None], cos, sin)
         keys, values = cache.write(index, start, k, v)  # float32 in the cache
@@ -114,22 +123,9 @@ class PrefillLayer:
             q.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16),
             attn_mask=allowed, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != keys.shape[1])
         out = out[0].transpose(0, 1).flatten(1).float()
-        h = h + self.o(out.to(torch.bfloat16)).float()
-        gate, up = self.gate_up(layer.post_attention_layernorm(h).to(torch.bfloat16)).float().chunk(2, -1)
-        return h + self.down((F.silu(gate) * up).to(torch.bfloat16)).float()
-
-
-class Bf16Prefill:
-    """The prefill of an OnnxTarget's cache (OnnxTarget.prefill_more calls it)."""
-
-    def __init__(self, model, layers: tuple[int, ...]):
-        self.model, self.layers = model, layers
-        self.prefill_layers = [PrefillLayer(layer) for layer in model.layers]
-        for layer in model.layers:  # the packed copies replace the float32 weights
-            for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-                for name in names:
-                    setattr(owner, name, None)
+        h = h + o(out.to(torch.bfloat16)).float()
+        gate, up = gate_up(layer.post_attention_layernorm(h).to(torch.bfloat16)).float().chunk(2, -1)
+        return h + down((F.silu(gate) * up).to(torch.bfloat16)).float()
 
     @classmethod
     def build(cls, manifest: Manifest, features_width: int) -> "Bf16Prefill":
@@ -158,9 +154,9 @@ class Bf16Prefill:
         cos, sin = model.rotary(meta.positions(n, 1, None), torch.float32)
         allowed = torch.arange(meta.committed()) < meta.causal_visible(n, 1, None)[0, :, None]
         h = model.embed_tokens(torch.tensor(ids))
-        states, last = {}, len(self.prefill_layers) - 1
-        for i, layer in enumerate(self.prefill_layers):
-            h = layer(h, cos, sin, cache, i, meta.cached, allowed)
+        states, last = {}, len(self.packed) - 1
+        for i in range(len(self.packed)):
+            h = self._layer(i, h, cos, sin, cache, meta.cached, allowed)
             if i in self.layers and i != last:
                 states[i] = h
         cache.length = meta.committed()

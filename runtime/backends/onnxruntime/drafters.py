@@ -86,21 +86,24 @@ class OnnxPARD:
 
 
 def join_row(cache: HostKVCache | None, lengths: list[int], new: HostKVCache) -> HostKVCache:
-    """A batch's host cache (`lengths`: its rows' committed lengths) with the sequence
-    `new` holds appended as its last row: rebuilt, as long as the longer of the two."""
+    """A batch's host cache (`lengths`: its rows' committed lengths, to which the new
+    row's is appended) with the sequence `new` holds as its last row: rebuilt, as long as
+    the longer of the two."""
     rows = host_rows(cache, lengths) + [(new.k[:, :, 0], new.v[:, :, 0])]
     lengths.append(new.length)
     return rebuilt(max(cache.capacity if cache is not None else 0, new.capacity), rows)
 
 
 def drop_row(cache: HostKVCache, lengths: list[int], row: int) -> HostKVCache | None:
-    """The batch's host cache without `row` (rebuilt; None when it was the last)."""
+    """The batch's host cache without `row`, whose length leaves `lengths` (rebuilt;
+    None when it was the last)."""
     rows = host_rows(cache, lengths)
     del rows[row], lengths[row]
     return rebuilt(cache.capacity, rows) if rows else None
 
 
 def host_rows(cache: HostKVCache | None, lengths: list[int]) -> list:
+    """Each row's (keys, values), views of the batch's host cache."""
     if cache is None:
         return []
     return [(cache.k[:, :, i], cache.v[:, :, i]) for i in range(len(lengths))]
@@ -422,18 +425,16 @@ class BoundDFlash:
 
     def __init__(self, session, block_size: int, mask_token_id: int,
                  scaling: QueryScaling | None, vocab: DraftVocab | None = None,
-                 window: int | None = None, reserve=None):
+                 window: int | None = None):
         self.session, self.scaling, self.vocab = session, scaling, vocab
         self.block_size, self.mask_token_id = block_size, mask_token_id
         self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
         self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
         self.cache: BoundKVCache | None = None
         self.window_feed = window_feed(session, window)
-        self.reserve = reserve  # capacity -> the cache to read a prompt into (BoundSlots.reserve)
 
     def reset(self, capacity: int) -> None:
-        self.cache = (self.reserve(capacity) if self.reserve is not None else
-                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
+        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
         self.binding = self.cache.bind(self.session)
 
     def draft(self, context: torch.Tensor, bonus: int):

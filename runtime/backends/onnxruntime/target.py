@@ -24,8 +24,7 @@ class OnnxTarget:
 
     STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
 
-    def __init__(self, session, context_limit: int, tree_session=None, reserve=None,
-                 prefiller=None):
+    def __init__(self, session, context_limit: int, tree_session=None, prefiller=None):
         self.session, self.tree_session = session, tree_session
         self.context_limit = context_limit
         # --prefill-dtype bfloat16: prefills run through runtime/backends/bf16_prefill.py
@@ -33,11 +32,9 @@ class OnnxTarget:
         self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
         self.cache: BoundKVCache | None = None
         self.binding = self.tree_binding = None
-        self.reserve = reserve  # capacity -> the cache to prefill into
 
     def _new_cache(self, capacity: int) -> None:
-        self.cache = (self.reserve(capacity) if self.reserve is not None else
-                      BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim))
+        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
         self.binding = self.cache.bind(self.session)
         if self.tree_session is not None:
             self.tree_binding = self.cache.bind(self.tree_session)
