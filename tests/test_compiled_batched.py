@@ -240,3 +240,50 @@ def run_target_only(target, requests):
     seqs = Decoder(TorchBatchTarget(target, ()), NoDrafts()).run(
         [Request(r.prompt, r.max_new_tokens) for r in requests])
     return [s.gen.tokens for s in seqs], None
+
+
+# -- the joining sequence held aside: prefill in parts, snapshot, restore, join -----------
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_asked(compiled):
+    """TorchBatchTarget / CompiledBatchTarget (float64): a prompt prefilled in two parts
+    (prefill, prefill_more) gives the last logits and features of one add(); its snapshot,
+    taken before it joins, restores into two more rows (a step of the batch between them),
+    and all three rows verify as a row that joined whole."""
+    from runtime.backends.pytorch import TorchBatchTarget
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget, EngineSteps
+
+    target = tiny.float64_target(seed=8, vocab=40, layers=2, context=256)
+    layers = (0, 1)
+
+    def make():
+        if compiled:
+            return CompiledBatchTarget(EngineSteps(target, layers, buckets=(1, 4), backend="eager"))
+        return TorchBatchTarget(target, layers)
+
+    prompt = [(5 * i + 3) % 40 for i in range(30)]
+    whole, held = make(), make()
+    want_logits, want_features = whole.add(prompt, 60)
+    first_logits, first_features = held.prefill(prompt[:12], 60)
+    logits, features = held.prefill_more(prompt[12:])
+    close = dict(rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits, want_logits, **close)
+    torch.testing.assert_close(torch.cat([first_features, features]), want_features, **close)
+    snap = held.snapshot()
+    held.join_prefilled()
+    held.verify([[7]])  # the batch steps: the snapshot stays as taken
+    for _ in range(2):
+        held.restore(snap)
+        held.join_prefilled()
+    rows = [[9, 10]] * 3
+    got, _ = held.verify(rows)
+    want, _ = whole.verify([[9, 10]])
+    torch.testing.assert_close(got[1], want[0], **close)
+    torch.testing.assert_close(got[2], want[0], **close)
+    # the first row stepped once more: it verifies [7, 9, 10] as the whole one would
+    again = make()
+    again.add(prompt, 60)
+    want, _ = again.verify([[7, 9, 10]])
+    held.rollback([31, 30, 30])
+    got, _ = held.verify([[9, 10], [9, 10], [9, 10]])
+    torch.testing.assert_close(got[0], want[0, 1:], **close)
