@@ -288,3 +288,26 @@ def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_as
     held.rollback([32, 30, 30])
     got, _ = held.verify([[9, 10], [9, 10], [9, 10]])
     torch.testing.assert_close(got[0], want[0, 2:], **close)
+
+
+@pytest.mark.slow  # an engine of its own to build (the fast tier: the float64 tree tests above)
+def test_an_eagle3_tree_engine_with_steps_verifies_its_trees_packed_on_the_compiled_batch_target(
+        tmp_path, tiny_target):
+    """An EAGLE-3 tree engine loaded with steps: its batch decoder verifies trees on
+    CompiledBatchTarget itself (no target per row), four requests joining and leaving
+    decode the eager engine's tokens and accepted counts."""
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget
+
+    eagle3 = tiny.make_eagle3(tmp_path / "eagle3", tiny_target, draft_vocab=200)
+    build(["--drafter", "eagle3", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
+           "--backend", "torch", "--target", str(tiny_target), "--drafter-checkpoint", str(eagle3),
+           "--tree-top-k", "2", "--tree-depth", "3", "--tree-total-tokens", "8",
+           "--output", str(tmp_path / "engine")])
+    eager, compiled = Engine(tmp_path / "engine"), Engine(tmp_path / "engine", steps="eager")
+    decoder = compiled.batch_decoder("sharpdraft", adaptive=False)
+    assert type(decoder.target) is CompiledBatchTarget
+    batched = prompts(eager, [70, 30, 90, 50])
+    got = decoder.run([Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+    want = eager.batch_decoder("sharpdraft", adaptive=False).run(
+        [Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+    assert [outcome(s.gen) for s in got] == [outcome(s.gen) for s in want]
