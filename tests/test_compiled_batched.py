@@ -198,7 +198,7 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
 def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
     """Float64 EAGLE-3 trees, three rows joining and leaving, verified packed on
     CompiledBatchTarget: the eager batch target's tokens and accepted counts per step, and
-    the target-only tokens (no CompiledTarget per row: the decoder verifies on the batch
+    the target-only tokens (no target per row: the decoder verifies on the batch
     role itself)."""
     from runtime import assembly
     from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
