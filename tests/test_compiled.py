@@ -14,7 +14,7 @@ from plugins.scaling import QueryScaling
 from runtime import proposers
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.backends.pytorch.compiled import (CompiledBatchDFlash, CompiledBatchTarget, EngineSteps,
-                                               StaticView, TargetStep, layers, static_capacity)
+                                               StaticView, layers, static_capacity, target_forward)
 from runtime.backends.pytorch.placement import resolve_device, resolve_dtype
 from runtime.decode import Decoder, Request
 from runtime.models.dflash import DFlashConfig, DFlashDrafter
@@ -151,7 +151,7 @@ def test_target_step_returns_the_eager_logits():
     target(torch.tensor([PROMPT[:20]]), eager_cache)
     buffers = target.new_cache(64)
     buffers.k.copy_(eager_cache.k), buffers.v.copy_(eager_cache.v)
-    step = torch.compile(TargetStep(target), fullgraph=True, dynamic=False, backend="eager")
+    step = torch.compile(target_forward(target), fullgraph=True, dynamic=False, backend="eager")
     ids = torch.tensor([PROMPT[20:24]])
     expected, _ = target(ids, eager_cache)
     got, _ = step(ids, *layers(buffers), torch.tensor([20]))
@@ -218,17 +218,17 @@ def engine_prompts(engine, lengths, seed=3):
 
 def recorded_steps(monkeypatch):
     """compile_step counting the steps made and the CUDA-graph keys its steps are called
-    with (CapturedStep captures once per key: a key not seen before is a capture)."""
+    with (compiled.captured captures once per key: a key not seen before is a capture)."""
     from runtime.backends.pytorch import compiled
 
     made, keys, real = [], set(), compiled.compile_step
 
-    def recording(module, device, backend="inductor"):
-        step = real(module, device, backend)
-        made.append(type(module).__name__)
+    def recording(eager, static, device, backend="inductor"):
+        step = real(eager, static, device, backend)
+        made.append(eager.__name__)
 
         def call(*args):
-            keys.add((id(module), compiled.capture_key(set(module.STATIC), args)))
+            keys.add((id(eager), compiled.capture_key(set(static), args)))
             return step(*args)
         return call
 

@@ -116,25 +116,23 @@ def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines,
 
     calls, real = [], compiled.compile_step
 
-    def recording(module, device, backend="inductor"):
-        step = real(module, device, backend)
+    def recording(eager, static, device, backend="inductor"):
+        step = real(eager, static, device, backend)
 
         def call(*args):
-            calls.append((type(module).__name__, getattr(module, "ingest", None),
-                          tuple(args[0].shape)))
+            calls.append((eager.__name__, tuple(args[0].shape)))
             return step(*args)
         return call
 
     monkeypatch.setattr(compiled, "compile_step", recording)
-    for family, module in (("pard", "ChainStep"), ("eagle3", "Eagle3Step")):
+    for family, names in (("pard", {"pard_chain"}), ("eagle3", {"eagle3_ingest", "eagle3_link"})):
         engine = Engine(engines[family], steps="eager")
         batched = prompts(engine, [70, 30, 90, 50])
         requests = [Request(p, n) for p, n in zip(batched, BUDGETS)]
         engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=JOIN_AT)
-        slots = {shape[0] for name, _, shape in calls if name == module}
-        assert slots == {1, 2, 4}, (family, calls)
-        if family == "eagle3":  # the ingest and the links, both compiled
-            assert {ingest for name, ingest, _ in calls if name == module} == {True, False}
+        for name in names:  # EAGLE-3: the ingest and the links, both compiled
+            slots = {shape[0] for made_by, shape in calls if made_by == name}
+            assert slots == {1, 2, 4}, (family, name, calls)
         calls.clear()
 
 
@@ -170,7 +168,8 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
     vocab, layers = 40, (0, 1)
     target = tiny.float64_target(seed=5, vocab=vocab, layers=2, context=256)
     eager = TorchBatchTarget(target, layers)
-    compiled = CompiledBatchTarget(EngineSteps(target, layers, buckets=(1, 4), backend="eager"))
+    # buckets (1,): the two-token verify below runs the step eagerly (no graph to make)
+    compiled = CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
     assert compiled.packs_trees
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (20, 37, 9)[:batch]]
@@ -189,7 +188,7 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
             assert tree.greedy_path(gl.argmax(-1).tolist()) == tree.greedy_path(wl.argmax(-1).tolist())
         paths = [deepest_path(tree) for tree in trees]
         eager.keep_paths(paths), compiled.keep_paths(paths)
-    rows = [[3, 4], [5], [6, 7]][:batch]
+    rows = [[3, 4], [5, 6], [6, 7]][:batch]
     (wl, wf), (gl, gf) = eager.verify(rows), compiled.verify(rows)
     for r, row in enumerate(rows):
         torch.testing.assert_close(gl[r, :len(row)], wl[r, :len(row)], **close)
@@ -199,7 +198,7 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
 def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
     """Float64 EAGLE-3 trees, three rows joining and leaving, verified packed on
     CompiledBatchTarget: the eager batch target's tokens and accepted counts per step, and
-    the target-only tokens (no CompiledTarget per row: the decoder verifies on the batch
+    the target-only tokens (no target per row: the decoder verifies on the batch
     role itself)."""
     from runtime import assembly
     from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
@@ -242,3 +241,73 @@ def run_target_only(target, requests):
     seqs = Decoder(TorchBatchTarget(target, ()), NoDrafts()).run(
         [Request(r.prompt, r.max_new_tokens) for r in requests])
     return [s.gen.tokens for s in seqs], None
+
+
+# -- the joining sequence held aside: prefill in parts, snapshot, restore, join -----------
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_asked(compiled):
+    """TorchBatchTarget / CompiledBatchTarget (float64): a prompt prefilled in two parts
+    (prefill, prefill_more) gives the last logits and features of one add(); its snapshot,
+    taken before it joins, restores into two more rows (a step of the batch between them),
+    and all three rows verify as a row that joined whole."""
+    from runtime.backends.pytorch import TorchBatchTarget
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget, EngineSteps
+
+    target = tiny.float64_target(seed=8, vocab=40, layers=2, context=256)
+    layers = (0, 1)
+
+    def make():  # buckets (1,): the verifies below, two tokens or more, make no graph
+        if compiled:
+            return CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
+        return TorchBatchTarget(target, layers)
+
+    prompt = [(5 * i + 3) % 40 for i in range(30)]
+    whole, held = make(), make()
+    want_logits, want_features = whole.add(prompt, 60)
+    first_logits, first_features = held.prefill(prompt[:12], 60)
+    logits, features = held.prefill_more(prompt[12:])
+    close = dict(rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits, want_logits, **close)
+    torch.testing.assert_close(torch.cat([first_features, features]), want_features, **close)
+    snap = held.snapshot()
+    held.join_prefilled()
+    held.verify([[7, 8]])  # the batch steps: the snapshot stays as taken
+    for _ in range(2):
+        held.restore(snap)
+        held.join_prefilled()
+    rows = [[9, 10]] * 3
+    got, _ = held.verify(rows)
+    want, _ = whole.verify([[9, 10]])
+    torch.testing.assert_close(got[1], want[0], **close)
+    torch.testing.assert_close(got[2], want[0], **close)
+    # the first row stepped once more: it verifies [7, 8, 9, 10] as the whole one would
+    again = make()
+    again.add(prompt, 60)
+    want, _ = again.verify([[7, 8, 9, 10]])
+    held.rollback([32, 30, 30])
+    got, _ = held.verify([[9, 10], [9, 10], [9, 10]])
+    torch.testing.assert_close(got[0], want[0, 2:], **close)
+
+
+@pytest.mark.slow  # an engine of its own to build (the fast tier: the float64 tree tests above)
+def test_an_eagle3_tree_engine_with_steps_verifies_its_trees_packed_on_the_compiled_batch_target(
+        tmp_path, tiny_target):
+    """An EAGLE-3 tree engine loaded with steps: its batch decoder verifies trees on
+    CompiledBatchTarget itself (no target per row), four requests joining and leaving
+    decode the eager engine's tokens and accepted counts."""
+    from runtime.backends.pytorch.compiled import CompiledBatchTarget
+
+    eagle3 = tiny.make_eagle3(tmp_path / "eagle3", tiny_target, draft_vocab=200)
+    build(["--drafter", "eagle3", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
+           "--backend", "torch", "--target", str(tiny_target), "--drafter-checkpoint", str(eagle3),
+           "--tree-top-k", "2", "--tree-depth", "3", "--tree-total-tokens", "8",
+           "--output", str(tmp_path / "engine")])
+    eager, compiled = Engine(tmp_path / "engine"), Engine(tmp_path / "engine", steps="eager")
+    decoder = compiled.batch_decoder("sharpdraft", adaptive=False)
+    assert type(decoder.target) is CompiledBatchTarget
+    batched = prompts(eager, [70, 30, 90, 50])
+    got = decoder.run([Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+    want = eager.batch_decoder("sharpdraft", adaptive=False).run(
+        [Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+    assert [outcome(s.gen) for s in got] == [outcome(s.gen) for s in want]

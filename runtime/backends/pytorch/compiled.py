@@ -1,7 +1,8 @@
 """Compiled fixed-shape steps for the torch backend, in gpt-fast's manner: KV buffers
-preallocated on the model's device, one `torch.compile(fullgraph=True)` graph per step
-shape (target decode, verify per draft-length bucket, the DFlash drafter's block), on
-CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
+preallocated on the model's device, each step a plain function over the models (the
+target's verify, the DFlash block, the PARD chain, EAGLE-3's ingest and link) and one
+`torch.compile(fullgraph=True)` graph per step shape (batch, width and capacity bucket),
+on CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
 
 Lengths enter a step as device tensors ([batch] int64), never as Python ints, so one graph
 serves every position: only the shapes (batch, bucket width, buffer capacity) pick a
@@ -78,130 +79,128 @@ def layers(cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [cache.k[i] for i in range(cache.k.shape[0])], [cache.v[i] for i in range(cache.v.shape[0])]
 
 
-class TargetStep(nn.Module):
+# The steps: plain functions over the models (closures), each reading its KV buffers (a
+# tensor per layer, written in place: the arguments at the step's STATIC positions) and
+# its other inputs, the lengths among them, as tensors. compile_step compiles one; the
+# function itself is the step run eagerly where no graph fits.
+TARGET_STATIC = (1, 2)  # target_forward's k, v
+
+
+def target_forward(model: TargetModel, feature_layers=()):
     """The target over `ids` [b, t] after `cached` [b] tokens: logits [b, t, vocab] and
     the drafter's features [b, t, F] (None without feature layers)."""
+    feature_layers = tuple(feature_layers)
 
-    STATIC = (1, 2)  # k, v: the KV buffers (a tensor per layer), written in place
-
-    def __init__(self, model: TargetModel, feature_layers=()):
-        super().__init__()
-        self.model, self.feature_layers = model, tuple(feature_layers)
-
-    def forward(self, ids, k, v, cached):
-        h, features = self.model.final_hidden(ids, StaticView(k, v, cached), self.feature_layers)
-        return self.model.lm_head(h), features
+    def target(ids, k, v, cached):
+        h, features = model.final_hidden(ids, StaticView(k, v, cached), feature_layers)
+        return model.lm_head(h), features
+    return target
 
 
-class DraftStep(nn.Module):
+DFLASH_STATIC = (2, 3)  # dflash_forward's k, v
+
+
+def dflash_forward(drafter: DFlashDrafter, embed: nn.Embedding, head: DraftHead,
+                   scaling: QueryScaling | None, window: int | None):
     """The DFlash drafter's block after `cached` [b] keys and `context` [b, c, F] features
     of which the first context_lens [b] are real: logits of the block's draft rows
     [b, block - 1, columns] over the drafter's head."""
 
-    STATIC = (2, 3)  # k, v
-
-    def __init__(self, drafter: DFlashDrafter, embed: nn.Embedding, head: DraftHead,
-                 scaling: QueryScaling | None, window: int | None):
-        super().__init__()
-        self.drafter, self.embed, self.head = drafter, embed, head
-        self.scaling, self.window = scaling, window
-
-    def forward(self, block_ids, context, k, v, cached, context_lens):
-        hidden, _ = self.drafter(self.embed(block_ids), context, StaticView(k, v, cached),
-                                 self.scaling, context_lens=context_lens, window=self.window)
-        return self.head(hidden[:, 1:])
+    def dflash_block(block_ids, context, k, v, cached, context_lens):
+        hidden, _ = drafter(embed(block_ids), context, StaticView(k, v, cached), scaling,
+                            context_lens=context_lens, window=window)
+        return head(hidden[:, 1:])
+    return dflash_block
 
 
-class ChainStep(nn.Module):
+PARD_STATIC = (1, 2)  # pard_forward's k, v
+
+
+def pard_forward(drafter: PARDDrafter, scaling: QueryScaling | None, vocab_size: int):
     """The PARD drafter over `ids` [b, t] (the unread tokens, the newest, pard tokens,
     then padding: past every real row, so causally unseen) after `cached` [b] keys:
     logits over the target's `vocab_size` ids [b, t, vocab] and each row's visible-key
     count [b, t]."""
 
-    STATIC = (1, 2)  # k, v
-
-    def __init__(self, drafter: PARDDrafter, scaling: QueryScaling | None, vocab_size: int):
-        super().__init__()
-        self.drafter, self.scaling, self.vocab_size = drafter, scaling, vocab_size
-
-    def forward(self, ids, k, v, cached):
-        hidden, visible = self.drafter(ids, StaticView(k, v, cached), self.scaling)
-        return self.drafter.logits(hidden, self.vocab_size), visible
+    def pard_chain(ids, k, v, cached):
+        hidden, visible = drafter(ids, StaticView(k, v, cached), scaling)
+        return drafter.logits(hidden, vocab_size), visible
+    return pard_chain
 
 
-class Eagle3Step(nn.Module):
+EAGLE3_STATIC = (2, 3)  # eagle3_forward's k, v
+
+
+def eagle3_forward(drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest: bool):
     """The EAGLE-3 drafter's causal rows (token ids [b, t] and the state each reads: the
     target's features [b, t, F], projected here (`ingest`: a step's newly committed
     entries), or a chain link's own state [b, t, H]) after `cached` [b] entries:
     draft-vocabulary logits [b, t, V], the state each row hands on [b, t, H] and each
     row's visible-key count [b, t]."""
 
-    STATIC = (2, 3)  # k, v
+    def eagle3_ingest(ids, features, k, v, cached):
+        return drafter(ids, drafter.project(features), StaticView(k, v, cached), scaling)
 
-    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest: bool):
-        super().__init__()
-        self.drafter, self.scaling, self.ingest = drafter, scaling, ingest
-
-    def forward(self, ids, state, k, v, cached):
-        hidden = self.drafter.project(state) if self.ingest else state
-        return self.drafter(ids, hidden, StaticView(k, v, cached), self.scaling)
+    def eagle3_link(ids, state, k, v, cached):
+        return drafter(ids, state, StaticView(k, v, cached), scaling)
+    return eagle3_ingest if ingest else eagle3_link
 
 
-def compile_step(module: nn.Module, device: torch.device, backend: str = "inductor"):
-    """backend "inductor": torch.compile(fullgraph=True), one graph per input shape
-    (dynamic=False: a new bucket is a new graph, a new length is not), replayed as CUDA
-    graphs on CUDA (mode="reduce-overhead"); "eager": dynamo alone (the graph-break and
-    recompile checks, in seconds); "cudagraph": no compiler, the eager step captured as
-    a CUDA graph per shape (CapturedStep: seconds to make, where inductor takes minutes)."""
+def compile_step(step, static: tuple[int, ...], device: torch.device, backend: str = "inductor"):
+    """A step function compiled. backend "inductor": torch.compile(fullgraph=True), one
+    graph per input shape (dynamic=False: a new bucket is a new graph, a new length is
+    not), replayed as CUDA graphs on CUDA (mode="reduce-overhead"); "eager": dynamo alone
+    (the graph-break and recompile checks, in seconds); "cudagraph": no compiler, the
+    eager step captured as a CUDA graph per shape (captured: seconds to make, where
+    inductor takes minutes). `static`: the positions of the step's KV buffer arguments
+    (read and written in place: a capture keys on their addresses, never copies them)."""
     from plugins.attention import register
 
     register()  # the op must exist before dynamo meets it (or a capture runs it)
     if backend == "cudagraph":
         if device.type != "cuda":
             raise ModelError("CUDA graphs need a CUDA device — use backend inductor on CPU")
-        return CapturedStep(module)
+        return captured(step, static)
     # one graph per (batch bucket, width bucket, capacity bucket): more than dynamo's
     # default 8 entries per code object, all of them expected
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 256)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-    return torch.compile(module, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
-class CapturedStep:
-    """A step module's eager forward captured as one CUDA graph per input shapes and KV
-    buffer addresses (the module's STATIC arguments: read and written in place, never
-    copied); the other inputs are copied into the graph's own before each replay, and the
-    outputs are the graph's (overwritten by its next replay: callers clone)."""
+def captured(step, static: tuple[int, ...]):
+    """`step` run eagerly, captured as one CUDA graph per input shapes and KV buffer
+    addresses (its `static` arguments: read and written in place, never copied); the
+    other inputs are copied into the graph's own before each replay, and the outputs are
+    the graph's (overwritten by its next replay: callers clone)."""
+    static, graphs = set(static), {}
 
-    def __init__(self, module: nn.Module):
-        self.module, self.static = module, set(module.STATIC)
-        self.graphs = {}
-
-    def __call__(self, *args):
-        key = capture_key(self.static, args)
-        if key not in self.graphs:
-            inputs = [a if i in self.static else a.clone() for i, a in enumerate(args)]
+    def replay(*args):
+        key = capture_key(static, args)
+        if key not in graphs:
+            inputs = [a if i in static else a.clone() for i, a in enumerate(args)]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture (lazy inits, autotune)
-                self.module(*inputs)
+                step(*inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outputs = self.module(*inputs)
-            self.graphs[key] = (graph, inputs, outputs)
-        graph, inputs, outputs = self.graphs[key]
+                outputs = step(*inputs)
+            graphs[key] = (graph, inputs, outputs)
+        graph, inputs, outputs = graphs[key]
         for i, a in enumerate(args):
-            if i not in self.static:
+            if i not in static:
                 inputs[i].copy_(a, non_blocking=True)
         graph.replay()
         return outputs
+    return replay
 
 
 def capture_key(static, args) -> tuple:
-    """What picks a step's CUDA graph (CapturedStep): the addresses of its STATIC
+    """What picks a step's CUDA graph (captured): the addresses of its `static`
     arguments (the KV buffers, read and written in place) and the shapes and dtypes of
     the rest (copied in). A call with a key not seen before captures a graph."""
     return tuple(tuple(t.data_ptr() for t in a) if i in static else (tuple(a.shape), a.dtype)
@@ -279,8 +278,9 @@ class EngineSteps:
         self.model, self.feature_layers = model, tuple(feature_layers)
         self.buckets, self.backend = tuple(sorted(set(buckets))), backend
         self.device = model.embed_tokens.weight.device
-        self.target_module = TargetStep(model, self.feature_layers)  # eager: shapes no bucket covers
-        self.target_step = compile_step(self.target_module, self.device, backend)
+        # the target step eagerly (shapes no bucket covers), and compiled
+        self.target_module = target_forward(model, self.feature_layers)
+        self.target_step = compile_step(self.target_module, TARGET_STATIC, self.device, backend)
         self.target_buffers = BufferPool(
             lambda capacity, slots: model.new_cache(capacity) if slots is None
             else model.new_cache(capacity, batch=slots, per_sequence=True))
@@ -300,29 +300,29 @@ class EngineSteps:
                 else drafter.new_cache(capacity - block, batch=slots, per_sequence=True))
 
     def draft_step(self, scaling: QueryScaling | None, window: int | None):
-        """The drafter's block step under `scaling` and `window`: (the module, which runs
-        eagerly where no graph fits, and its compiled step)."""
+        """The drafter's block step under `scaling` and `window`: (the step function, run
+        eagerly where no graph fits, and its compiled form)."""
         key = (scaling, window)
         if key not in self._drafts:
-            module = DraftStep(self.drafter, self.model.embed_tokens, self.head, scaling, window)
-            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+            step = dflash_forward(self.drafter, self.model.embed_tokens, self.head, scaling, window)
+            self._drafts[key] = step, compile_step(step, DFLASH_STATIC, self.device, self.backend)
         return self._drafts[key]
 
     def chain_step(self, scaling: QueryScaling | None):
-        """The PARD drafter's step under `scaling`: (the module, its compiled step)."""
+        """The PARD drafter's step under `scaling`: (the step function, its compiled form)."""
         key = ("chain", scaling)
         if key not in self._drafts:
-            module = ChainStep(self.drafter, scaling, self.model.config.vocab_size)
-            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+            step = pard_forward(self.drafter, scaling, self.model.config.vocab_size)
+            self._drafts[key] = step, compile_step(step, PARD_STATIC, self.device, self.backend)
         return self._drafts[key]
 
     def eagle3_step(self, scaling: QueryScaling | None, ingest: bool):
         """The EAGLE-3 drafter's step under `scaling`, ingesting target features or
-        running a chain link: (the module, its compiled step)."""
+        running a chain link: (the step function, its compiled form)."""
         key = ("eagle3", scaling, ingest)
         if key not in self._drafts:
-            module = Eagle3Step(self.drafter, scaling, ingest)
-            self._drafts[key] = module, compile_step(module, self.device, self.backend)
+            step = eagle3_forward(self.drafter, scaling, ingest)
+            self._drafts[key] = step, compile_step(step, EAGLE3_STATIC, self.device, self.backend)
         return self._drafts[key]
 
     def staging(self, name: str, shape: tuple, dtype=torch.long, fill=0) -> torch.Tensor:
@@ -447,7 +447,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
     def __init__(self, steps: EngineSteps, scaling: QueryScaling | None):
         super().__init__(steps.drafter, steps.model, scaling)
         self.steps, self.context_bucket = steps, steps.context_bucket
-        self.module, self.step = steps.draft_step(scaling, None)
+        self.eager, self.step = steps.draft_step(scaling, None)
         # room: a padded context's rows past a sequence's budget (its cache holds the block's)
         self.caches = FixedSlots(steps.draft_buffers, room=self.context_bucket)
 
@@ -459,7 +459,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
             c = max(len(contexts[r]) for r in group.members)
             width, step = self.context_bucket, self.step
             if c > width:
-                width, step = c, self.module
+                width, step = c, self.eager
             slots, staging = len(group.lengths), self.steps.staging
             # the single-sequence role's staging where the shapes meet (a group of one)
             context = staging("dflash.context", (slots, width, self.drafter.fc.in_features),
@@ -510,7 +510,7 @@ class CompiledBatchPARD(TorchBatchPARD):
     def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
         super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
         self.steps = steps
-        self.module, self.step = steps.chain_step(scaling)
+        self.eager, self.step = steps.chain_step(scaling)
         self.widths = chain_widths(max_drafts)
         self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1])
 
@@ -524,7 +524,7 @@ class CompiledBatchPARD(TorchBatchPARD):
             t = max(len(row) for row in rows.values())
             width, step = bucket_for(t, self.widths), self.step
             if width is None or max(group.lengths) + width > group.cache.capacity:
-                width, step = t, self.module
+                width, step = t, self.eager
             x = self.steps.staging("pard.ids", (len(group.lengths), width))
             x.copy_(torch.tensor(slot_rows(group, rows, width)))
             logits, visible = step(x, *group.cache.layers, group.cache.lengths)
@@ -551,8 +551,8 @@ class CompiledBatchEagle3(TorchBatchEagle3):
     def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
         super().__init__(steps.drafter, scaling, max_drafts)
         self.steps = steps
-        self.ingest_module, self.ingest = steps.eagle3_step(scaling, ingest=True)
-        self.link_module, self.link = steps.eagle3_step(scaling, ingest=False)
+        self.ingest_eager, self.ingest = steps.eagle3_step(scaling, ingest=True)
+        _, self.link = steps.eagle3_step(scaling, ingest=False)
         self.widths = (1, max_drafts + 1)
         self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1] + max_drafts)
 
@@ -569,7 +569,7 @@ class CompiledBatchEagle3(TorchBatchEagle3):
             c = max(counts.values())
             width, step = bucket_for(c, self.widths), self.ingest
             if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
-                width, step = c, self.ingest_module
+                width, step = c, self.ingest_eager
             following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
             x = staging("eagle3.ids", (slots, width))
             x.copy_(torch.tensor(slot_rows(group, following, width)))
