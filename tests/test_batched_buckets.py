@@ -6,7 +6,7 @@ the middle of a group and skipping a draft (an empty context)."""
 import pytest
 import torch
 
-from runtime.backends.onnxruntime import FIRST_SLOTS, BoundDFlash, OnnxTarget
+from runtime.backends.onnxruntime import FIRST_SLOTS
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.decode import Request
 from runtime.models.layers import KVCache
@@ -93,14 +93,14 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
 
 def assert_onnx_rows_verify_as_alone(engine, batch, prompts, rows, room: int) -> None:
     """One verify of `rows` on the batch target gives each row the logits and features
-    of its prompt (capacity len + room) verified alone on a single-sequence target."""
+    of its prompt (capacity len + room) verified alone (a batch of one)."""
     logits, features = batch.verify(rows)
-    single = OnnxTarget(engine.loaded.sessions["target_kv"], engine.context_limit)
     for i, (p, row) in enumerate(zip(prompts, rows)):
-        single.prefill(p, len(p) + room)
-        want, want_features = single.verify(row)
-        torch.testing.assert_close(logits[i, :len(row)], want, atol=1e-4, rtol=0)
-        torch.testing.assert_close(features[i, :len(row)], want_features, atol=1e-4, rtol=0)
+        alone = engine.loaded.batch_target()
+        alone.add(p, len(p) + room)
+        want, want_features = alone.verify([row])
+        torch.testing.assert_close(logits[i, :len(row)], want[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(features[i, :len(row)], want_features[0], atol=1e-4, rtol=0)
 
 
 def test_onnx_rows_move_to_a_bigger_buffer_only_when_theirs_is_full_or_short(native_ort_engine):
@@ -137,10 +137,10 @@ def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(
         batch.add(p, len(p) + 5)
     group, = batch.groups
     late = [9] * 16
-    batch.single.prefill(late[:8], len(late) + 5)  # into buffer row 3
+    batch.prefill(late[:8], len(late) + 5)  # into buffer row 3
     batch.remove(0)  # the last member moves into buffer row 0
     del prompts[0]
-    batch.single.prefill_more(late[8:])
+    batch.prefill_more(late[8:])
     batch.join_prefilled()  # buffer row 3 -> 2
     prompts.append(late)
     assert puts == [] and batch.groups == [group] and group.members == [1, 0, 2]
@@ -149,7 +149,7 @@ def test_onnx_target_rows_prefill_into_their_buffer_row_and_join_without_a_copy(
     alone = engine.loaded.batch_target()
     alone.add(prompts[0], len(prompts[0]) + 5)
     first, = alone.groups
-    alone.single.prefill(late, len(late) + 5)  # into buffer row 1
+    alone.prefill(late, len(late) + 5)  # into buffer row 1
     alone.remove(0)  # the group empties and leaves the batch
     assert alone.groups == []
     alone.join_prefilled()
@@ -165,22 +165,24 @@ def test_onnx_drafter_rows_in_two_groups_with_an_empty_context(native_ort_engine
     engine = native_ort_engine
     puts, put = [], BoundSlots._put
     monkeypatch.setattr(BoundSlots, "_put", staticmethod(lambda *a: puts.append(a[0]) or put(*a)))
-    batch = engine.loaded.batch_drafter(engine.scaling)
-    single = BoundDFlash(batch.session, batch.block_size, batch.mask_token_id, batch.scaling,
-                         batch.vocab)
     g = torch.Generator().manual_seed(1)
-    size = single.feature_size
+    size = engine.loaded.sessions["drafter_kv"].get_inputs()
+    size = next(i.shape[-1] for i in size if i.name == "context")
     features = [torch.randn(n, size, generator=g) for n in (6, 1100)]
     news = [features[0][:0], torch.randn(3, size, generator=g)]
     want = []
     for f, new, bonus in zip(features, news, (5, 6)):
-        single.reset(len(f) + 8)
-        single.draft(f, batch.mask_token_id)
-        want.append(single.draft(new, bonus))
+        alone = engine.loaded.batch_drafter(engine.scaling)  # a batch of one
+        alone.add(len(f) + 8, f, 0)
+        logits, visible = alone.draft([new], [bonus])
+        want.append((logits[0], int(visible[0])))
+    puts.clear()  # the batches of one above are not the batch watched
+    batch = engine.loaded.batch_drafter(engine.scaling)
+    for f in features:
         batch.add(len(f) + 8, f, 0)
     assert len(batch.groups) == 2 and puts == []
     logits, visible = batch.draft(news, [5, 6])
-    assert visible.tolist() == [int(w[1]) for w in want]
+    assert visible.tolist() == [w[1] for w in want]
     for i, (w, _) in enumerate(want):
         torch.testing.assert_close(logits[i], w, atol=1e-4, rtol=0)
 

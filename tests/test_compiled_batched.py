@@ -214,9 +214,9 @@ def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
     steps = EngineSteps(target, layers, buckets=(1, 4), backend="eager")
 
     def run(batch_target):
-        roles = assembly.Roles("tree", None, target.config.max_position_embeddings,
-                               drafter=lambda setting: TorchEagle3(drafter, None, shape),
-                               batch_target=batch_target, tree_shape=shape)
+        roles = assembly.Roles("tree", batch_target, target.config.max_position_embeddings,
+                               tree_drafter=lambda setting: TorchEagle3(drafter, None, shape),
+                               tree_shape=shape)
         decoder = assembly.decoder(roles, Mode.FROZEN)
         assert type(decoder.target) is type(batch_target())
         g = torch.Generator().manual_seed(2)

@@ -15,9 +15,9 @@ from tiers import law_runs
 
 from build import export
 from plugins.scaling import QueryScaling
-from runtime.backends.onnxruntime import (OnnxBatchEagle3, OnnxEagle3, open_session,
+from runtime.backends.onnxruntime import (OnnxBatchEagle3, open_session,
                                           takes_lengths)
-from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3, TorchTarget
+from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget
 from runtime.decode import Request
 from runtime.sampling import Sampler
 from runtime.tree import TreeShape
@@ -51,10 +51,6 @@ def graphs(pair, tmp_path_factory):
     return open_session(out / "drafter.onnx"), open_session(out / "drafter-tree.onnx")
 
 
-def onnx_single(graphs):
-    return OnnxEagle3(*graphs, SCALING, CHAIN, K)
-
-
 def onnx_batch(graphs):
     return OnnxBatchEagle3(*graphs, SCALING, CHAIN, K)
 
@@ -84,7 +80,8 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
                                                                                 monkeypatch):
     """Three rows at 20, 7 and 33 committed entries reading 3, 1 and 4 new ones, chains of
     2, 1 and 2 drafts: one step-graph run and one tree-graph run for the second link,
-    and each row's drafts, logits and N are its own OnnxEagle3's and TorchEagle3's; the
+    and each row's drafts, logits and N are its own alone (a batch of one) on ONNX Runtime
+    and on torch; the
     rows' entries stay committed, their chains' keys do not."""
     _, _, drafter = pair
     g = torch.Generator().manual_seed(0)
@@ -102,14 +99,11 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
     assert runs == ["step_session", "tree_session"]  # not one per row
     assert batch.lengths == [n + c for n, c in zip(lengths, news)]
     for r, (f, i, n, k) in enumerate(zip(features, ids, lengths, ks)):
-        single, reference = onnx_single(graphs), TorchEagle3(drafter, SCALING, CHAIN, K)
+        single, reference = onnx_batch(graphs), TorchBatchEagle3(drafter, SCALING, K)
         for d in (single, reference):
-            d.reset(80)
-            with torch.inference_mode():
-                d.read(i[:n + 1], f[:n])
-        want = single.draft(i, f[n:], k, Sampler())
-        with torch.inference_mode():
-            theirs = reference.draft(i, f[n:], k, Sampler())
+            d.add(80, i[:n + 1], f[:n])
+        want, = single.draft([i], [f[n:]], [k], [Sampler()])
+        theirs, = reference.draft([i], [f[n:]], [k], [Sampler()])
         assert got[r].tokens == want.tokens == theirs.tokens
         assert got[r].visible.tolist() == want.visible.tolist() == theirs.visible.tolist() \
             == list(range(len(i) - 1, len(i) - 1 + k))  # N = entries + link + 1
@@ -130,7 +124,7 @@ def test_a_chunked_prompt_is_read_a_part_at_a_time(pair, graphs):
     prompt = [(3 * i + i // 5) % 4 for i in range(40)]
     assert_chunked_join_drafts_as_whole(
         lambda: chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs)), prompt,
-        8, Sampling(1.0, 1.0, seed=3), 1e-5, OnnxEagle3)
+        8, Sampling(1.0, 1.0, seed=3), 1e-5, OnnxBatchEagle3)
 
 
 def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, monkeypatch):
@@ -141,7 +135,7 @@ def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, m
     target, _, _ = pair
     layers = layers_of(target, pair[1])
     prompt, other = [1, 2, 0, 3, 1, 1, 2, 0, 3, 2], [3, 1, 2, 2, 1, 0, 3, 3, 0, 1, 2, 1, 0, 2]
-    alone = generate_chain(TorchTarget(target, layers), onnx_single(graphs), prompt, 30, Sampler())
+    alone = generate_chain(TorchBatchTarget(target, layers), onnx_batch(graphs), prompt, 30, Sampler())
     decoder = chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs))
     assert decoder.proposer.drafter.fused
     seqs = [decoder.add(Request(prompt, 30))]
@@ -152,8 +146,8 @@ def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, m
     short = decoder.add(Request([2], 20))
     passes = run_counting_passes(decoder, counts)
     assert max(passes) == K and passes.count(K) > 3, passes
-    assert_batched_as_alone(seqs, alone, TorchTarget(target, layers), other, 30)
-    assert short.gen.tokens == generate_target_only(TorchTarget(target, layers), [2], 20,
+    assert_batched_as_alone(seqs, alone, TorchBatchTarget(target, layers), other, 30)
+    assert short.gen.tokens == generate_target_only(TorchBatchTarget(target, layers), [2], 20,
                                                     Sampler()).tokens
     assert max(alone.committed_per_step) > 1  # drafts were accepted
 

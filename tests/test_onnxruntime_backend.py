@@ -332,7 +332,7 @@ def test_prefill_once_replays_the_same_prefill_on_either_backend(torch_engine, o
     prompt = text_prompt(torch_engine, 300)
     tokens = {}
     for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
-        once = PrefillOnce(engine.target, prompt, len(prompt) + NEW_TOKENS)
+        once = PrefillOnce(engine.loaded.batch_target(), prompt)
         first = speculative.generate_target_only(once, prompt, NEW_TOKENS, Sampler()).tokens
         block = speculative.generate_block(once, engine.drafter(True), prompt, NEW_TOKENS,
                                            Sampler()).tokens

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.backends.onnxruntime import (BoundBatchDFlash, BoundDFlash, OnnxBatchDFlash,
-                                          OnnxDFlash, open_session)
+from runtime.backends.onnxruntime import BoundBatchDFlash, OnnxBatchDFlash, open_session
 from runtime.step_metadata import StepMetadata
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,19 +67,19 @@ def test_the_guard_recognises_a_derived_count():
 
 
 def _batch_and_singles(session, engine, scaling, lengths, news, in_place=False):
-    """Drafter logits of one batched graph call and of each sequence's own calls."""
+    """Drafter logits of one batched graph call and of each sequence's own calls (a batch
+    of one each)."""
     config = engine.drafter_model.config
     features = [torch.randn(n + c, engine.drafter_model.fc.in_features,
                             generator=torch.Generator().manual_seed(n)) for n, c in zip(lengths, news)]
-    batch_class, single_class = ((BoundBatchDFlash, BoundDFlash) if in_place
-                                 else (OnnxBatchDFlash, OnnxDFlash))
+    batch_class = BoundBatchDFlash if in_place else OnnxBatchDFlash
     batch = batch_class(session, config.block_size, config.mask_token_id, scaling)
-    single = single_class(session, config.block_size, config.mask_token_id, scaling)
     want = []
     for f, n in zip(features, lengths):
-        single.reset(n + 8)
-        single.draft(f[:n], 0)
-        want.append(single.draft(f[n:], 5))
+        alone = batch_class(session, config.block_size, config.mask_token_id, scaling)
+        alone.add(n + 8, f[:n], 0)
+        logits, visible = alone.draft([f[n:]], [5])
+        want.append((logits[0], int(visible[0])))
         batch.add(n + 8, f[:n], 0)
     got = batch.draft([f[n:] for f, n in zip(features, lengths)], [5] * len(lengths))
     return got, want

@@ -1,6 +1,5 @@
-"""What a chain drafter proposes in one call, and the one way to grow chains token by
-token, for one row or a batch of rows at once (runtime/backends/__init__.py:
-ChainDrafter, BatchChainDrafter)."""
+"""What a chain drafter proposes for a row in one call, and the one way to grow chains
+token by token for a batch of rows at once (runtime/backends/roles.py: BatchChainDrafter)."""
 
 from __future__ import annotations
 
@@ -25,30 +24,15 @@ class ChainDraft:
         return cls(tokens, probs, logits, visible)
 
     @classmethod
-    def grow(cls, logits: torch.Tensor, hidden: torch.Tensor, visible: int, step, k: int,
-             sampler, to_row=None) -> "ChainDraft":
-        """k >= 1 drafts token by token (EAGLE-3 with top_k 1, on any backend): each chosen
-        by the sampler's rule from its row (to_row(logits): the row over the target's
-        vocabulary; default the logits themselves), then fed back with the row's own state,
-        step(token, hidden, i) -> (logits, hidden, visible) of link i + 1. A batch of
-        one of grow_rows."""
-
-        def one(tokens, hidden, i):
-            out, state, n = step(tokens, hidden[0], i)
-            return out[None], state[None], [n]
-
-        return cls.grow_rows(logits[None], hidden[None], [visible], one, [k], [sampler],
-                             to_row)[0]
-
-    @classmethod
     def grow_rows(cls, logits: torch.Tensor, hidden: torch.Tensor, visible, step, ks: list[int],
                   samplers: list, to_row=None) -> list["ChainDraft | None"]:
         """Chains of ks[r] drafts for every row r of a batch, one step(tokens [b], hidden
         [b, H], i) -> (logits [b, ...], hidden [b, H], visible [b]) per link for all rows
         together (EAGLE-3's batched chain drafter). Row r's drafts are drawn by its own
-        sampler from its own row only, one draw per position, exactly as grow draws them
-        alone, so sampling stays lossless; a row past its k rides along (its token is a
-        filler, its outputs never read). None for a row with k = 0."""
+        sampler from its own row only (to_row(logits): the rows over the target's
+        vocabulary; default the logits themselves), one draw per position, as a row alone
+        draws them, so sampling stays lossless; a row past its k rides along (its token
+        is a filler, its outputs never read). None for a row with k = 0."""
         longest = max(ks, default=0)
         tokens, dists, rows, counts = ([[] for _ in ks] for _ in range(4))
         for i in range(longest):

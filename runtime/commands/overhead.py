@@ -41,7 +41,8 @@ def _time_step(drafter, context, bonus: int) -> tuple[float, int]:
 def measure(engine, context: int, repeats: int, warmup: int) -> dict:
     """Median step time of both drafters, each a batch of one whose row holds `context`
     tokens and reads one more per step (the target's features of seeded random tokens:
-    token values do not change the work a step does). N is the first timed step's."""
+    token values do not change the work a step does). N is the first step's (each step
+    after it sees one key more)."""
     import torch
 
     steps = warmup + repeats
@@ -63,9 +64,9 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
             if i == 0:  # what its prefill held back for the first draft (none, fused)
                 step = torch.cat([held[name], step])
             seconds, n = _time_step(drafters[name], step, bonus)
+            visible.setdefault(name, n)
             if i >= warmup:
                 times[name].append(seconds)
-                visible.setdefault(name, n)
     sharp, frozen = (statistics.median(times[n]) * 1e3 for n in (Mode.SHARPDRAFT, Mode.FROZEN))
     n = visible[Mode.SHARPDRAFT]
     return {"context": context, "visible_keys": n,

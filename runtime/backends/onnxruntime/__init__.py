@@ -41,7 +41,6 @@ from runtime.backends.onnxruntime.buffers import (  # noqa: F401 -- the backend'
     window_feed)
 from runtime.backends.onnxruntime.bound_rows import FIRST_SLOTS, BoundSlots  # noqa: F401
 from runtime.backends.onnxruntime.drafters import (  # noqa: F401
-    BoundBatchDFlash, BoundDFlash, OnnxBatchDFlash, OnnxBatchEagle3, OnnxBatchPARD, OnnxDFlash,
-    OnnxEagle3, OnnxPARD)
+    BoundBatchDFlash, OnnxBatchDFlash, OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
 from runtime.backends.onnxruntime.loader import OnnxEngine  # noqa: F401
-from runtime.backends.onnxruntime.target import OnnxBatchTarget, OnnxTarget  # noqa: F401
+from runtime.backends.onnxruntime.target import OnnxBatchTarget  # noqa: F401

@@ -3,9 +3,7 @@ OnnxBatchDFlash; drafter-kv.onnx over bound buffers: BoundBatchDFlash), PARD cha
 (OnnxBatchPARD), EAGLE-3 chains (OnnxBatchEagle3) -- and EAGLE-3's trees, drafted one
 sequence at a time (OnnxEagle3). A batch over host caches keeps one row per sequence
 (join_row, drop_row). A joining sequence's prompt is read as a batch of one on a cache
-of its own, with the graph runs the steps make (EAGLE-3's: on its tree drafter). The one-sequence DFlash
-and PARD drafters (OnnxDFlash, BoundDFlash, OnnxPARD) serve callers not yet on the
-batch roles."""
+of its own, with the graph runs the steps make (EAGLE-3's: on its tree drafter)."""
 
 from __future__ import annotations
 
@@ -21,69 +19,6 @@ from runtime.tree import grow_tree
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HostKVCache, PREFILL_CHUNK,
                                                   buffer_dims, cache_dims, run_bound, window_feed)
 from runtime.backends.onnxruntime.bound_rows import BoundSlots, check_room, store
-
-class OnnxDFlash:
-    def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None, vocab: DraftVocab | None = None):
-        self.session, self.scaling, self.vocab = session, scaling, vocab
-        self.block_size, self.mask_token_id = block_size, mask_token_id
-        self.dims = cache_dims(session)
-        self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
-        self.cache: HostKVCache | None = None
-
-    def reset(self, capacity: int) -> None:
-        self.cache = HostKVCache(capacity, *self.dims)
-
-    def draft(self, context: torch.Tensor, bonus: int):
-        meta = StepMetadata(self.cache.length, context.shape[0])
-        block = np.asarray([[bonus] + [self.mask_token_id] * (self.block_size - 1)], dtype=np.int64)
-        feeds = {"block_ids": block,
-                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
-                 "context_lens": np.asarray([meta.new], dtype=np.int64),
-                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
-        logits, keys, values = self.session.run(None, feeds | self.cache.past())
-        self.cache.append(keys, values)
-        return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
-
-
-class OnnxPARD:
-    """A PARD drafter graph: [unread tokens, pard x (k - 1)] after the HostKVCache's
-    committed tokens; logits of the last k rows; the real tokens' keys/values are kept."""
-
-    def __init__(self, session, pard_token: int, max_drafts: int, scaling: QueryScaling | None):
-        self.session, self.pard_token, self.scaling = session, pard_token, scaling
-        self.max_drafts = max_drafts
-        self.dims = cache_dims(session)
-        self.cache: HostKVCache | None = None
-
-    def reset(self, capacity: int) -> None:
-        self.cache = HostKVCache(capacity, *self.dims)
-
-    def _step(self, row: list[int], logit_rows: int, keep: int):
-        meta = StepMetadata(self.cache.length, len(row))
-        feeds = {"ids": np.asarray([row], dtype=np.int64),
-                 "logit_positions": np.arange(len(row) - logit_rows, len(row), dtype=np.int64),
-                 "past_lens": np.asarray([meta.cached], dtype=np.int64)}
-        logits, keys, values = self.session.run(None, feeds | self.cache.past())
-        self.cache.append(keys[:keep], values[:keep])
-        return torch.from_numpy(logits[0]), meta.causal_visible(len(row), 1)[0]
-
-    def read(self, ids: list[int], features=None) -> None:
-        # in PREFILL_CHUNK-token steps, as the target's prefill reads the prompt: each
-        # step's scores are [chunk, past + chunk]
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = list(ids[start:start + PREFILL_CHUNK])
-            self._step(chunk, 1, len(chunk))
-
-    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
-        ids = list(ids)
-        if len(ids) > PREFILL_CHUNK:  # a long first read that skipped read()
-            self.read(ids[:-PREFILL_CHUNK])
-            ids = ids[-PREFILL_CHUNK:]
-        row = ids + [self.pard_token] * max(k - 1, 0)
-        logits, visible = self._step(row, max(k, 1), len(ids))
-        return ChainDraft.propose(logits[logits.shape[0] - k:], visible[len(row) - k:], sampler)
-
 
 def join_row(cache: HostKVCache | None, lengths: list[int], new: HostKVCache) -> HostKVCache:
     """A batch's host cache (`lengths`: its rows' committed lengths, to which the new
@@ -201,9 +136,9 @@ class OnnxEagle3:
     past them. The HostKVCache holds the committed entries, then the scratch keys the
     current draft wrote (never committed: the next step overwrites them). The graphs
     return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
-    and each row's visible-key count N, the one the graph scaled by. Same roles as
-    TorchEagle3 (TreeDrafter; ChainDrafter with top_k 1); the graphs' past_lens is this
-    sequence's committed length."""
+    and each row's visible-key count N, the one the graph scaled by. The same role as
+    TorchEagle3 (TreeDrafter), and what OnnxBatchEagle3 reads a joining sequence's prompt
+    on; the graphs' past_lens is this sequence's committed length."""
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
@@ -267,17 +202,6 @@ class OnnxEagle3:
                          shape or self.tree, lambda indices: indices)  # target ids already
         return tree, max(largest)
 
-    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
-        """As TorchEagle3.draft (the chain role): ingest, then k drafts, each link a tree
-        level of one row that sees every earlier link."""
-        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
-
-        def step(token, hidden, i):
-            out, state, n = self._level(token, hidden[None], np.ones((1, i), dtype=bool), i)
-            return out[0], state[0], int(n[0])
-
-        return ChainDraft.grow(logits, hidden, visible, step, k, sampler)
-
 
 class OnnxBatchEagle3(ChainPrefill):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): one HostKVCache row
@@ -288,8 +212,7 @@ class OnnxBatchEagle3(ChainPrefill):
     committed entries and every earlier link of its own chain: those links' keys are the
     scratch input, [links, layers, batch, ...], which the graph places after each row's
     own committed entries. So every row drafts at its own length, N and beta, each draft
-    drawn by its row's own sampler (ChainDraft.grow_rows), as OnnxEagle3.draft drafts it
-    alone. A joining sequence reads its prompt on the tree drafter (`reader`, an
+    drawn by its row's own sampler (ChainDraft.grow_rows). A joining sequence reads its prompt on the tree drafter (`reader`, an
     OnnxEagle3: OnnxEagle3.read, whole or in parts: ChainPrefill), then joins."""
 
     fused = True
@@ -412,48 +335,6 @@ class OnnxBatchDFlash(BlockPrefill):
             cache.k[start:start + c, :, i] = keys[:c, :, i]
             cache.v[start:start + c, :, i] = values[:c, :, i]
         return torch.from_numpy(logits), ends, meta.block_keys(self.block_size)
-
-class BoundDFlash:
-    """drafter-kv.onnx for one sequence: its cache is a BoundKVCache whose buffers stay
-    bound to the session and are only read; a step's new context keys/values land at
-    the committed length, the block's are scratch the graph never returns, and a
-    rollback is a length change. (drafter.onnx took the committed cache as an input
-    and copied all of it several times per layer and step: 14.9 ms a step at 4,096
-    tokens, where the arithmetic is ~2 ms.)"""
-
-    STEP_OUTPUTS = ("logits", "new_keys", "new_values")
-
-    def __init__(self, session, block_size: int, mask_token_id: int,
-                 scaling: QueryScaling | None, vocab: DraftVocab | None = None,
-                 window: int | None = None):
-        self.session, self.scaling, self.vocab = session, scaling, vocab
-        self.block_size, self.mask_token_id = block_size, mask_token_id
-        self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
-        self.feature_size = next(i.shape[-1] for i in session.get_inputs() if i.name == "context")
-        self.cache: BoundKVCache | None = None
-        self.window_feed = window_feed(session, window)
-
-    def reset(self, capacity: int) -> None:
-        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
-        self.binding = self.cache.bind(self.session)
-
-    def draft(self, context: torch.Tensor, bonus: int):
-        cache = self.cache
-        meta = StepMetadata(cache.length, context.shape[0])
-        end = meta.committed()
-        if end > cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to {end}")
-        feeds = {"block_ids": np.asarray([[bonus] + [self.mask_token_id] * (self.block_size - 1)],
-                                         dtype=np.int64),
-                 "context": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
-                 "context_lens": np.asarray([meta.new], dtype=np.int64),
-                 "past_lens": np.asarray([meta.cached], dtype=np.int64)} | self.window_feed
-        logits, keys, values = run_bound(self.session, self.binding, feeds, self.STEP_OUTPUTS)
-        cache.k[:, :, :, meta.cached:end] = keys  # [layers, batch, kv_heads, new, head_dim]
-        cache.v[:, :, :, meta.cached:end] = values
-        cache.length = end
-        return torch.from_numpy(logits[0]), meta.block_keys(self.block_size)
-
 
 class BoundBatchDFlash(BlockPrefill):
     """drafter-kv.onnx over a batch: the rows in BoundSlots, each group's committed

@@ -15,10 +15,10 @@ from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.tree import TreeShape
 from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched, has_window,
                                                   open_session)
-from runtime.backends.onnxruntime.target import OnnxBatchTarget, OnnxTarget
-from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, BoundDFlash, OnnxBatchDFlash,
-                                                   OnnxBatchEagle3, OnnxBatchPARD, OnnxDFlash,
-                                                   OnnxEagle3, OnnxPARD)
+from runtime.backends.onnxruntime.target import OnnxBatchTarget
+from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, OnnxBatchDFlash,
+                                                   OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
+
 
 class OnnxEngine:
     """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter.
@@ -69,13 +69,7 @@ class OnnxEngine:
             self.prefill_grid = bf16_prefill.ROWS  # chunks must cut a prompt on it
             width = next(o for o in graphs["target_kv"]["outputs"] if o["name"] == "features")
             self.prefiller = bf16_prefill.Bf16Prefill.build(manifest, width["shape"][-1])
-        self.target = self.new_target()
         self.tokenizer = load_tokenizer(manifest.target_dir)
-
-    def new_target(self) -> OnnxTarget:
-        """A target with its own cache over the shared sessions (one per sequence)."""
-        return OnnxTarget(self.sessions["target_kv"], self.context_limit,
-                          self.sessions.get("target_tree"), prefiller=self.prefiller)
 
     def _drafter_graph(self, sharpdraft: bool):
         """(session, scaling, in place) of the SharpDraft or the frozen drafter."""
@@ -88,24 +82,6 @@ class OnnxEngine:
         """Whether the frozen drafter can draft under a window (window mode)."""
         session, _, in_place = self._drafter_graph(sharpdraft=False)
         return self.drafter_family == "dflash" and in_place and has_window(session)
-
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None
-                ) -> OnnxDFlash | BoundDFlash | OnnxPARD | OnnxEagle3:
-        """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one
-        (None)."""
-        session, scaling, in_place = self._drafter_graph(scaling is not None)
-        if window is not None:
-            if not self.has_window():
-                raise EngineError("this engine's drafter graphs take no draft window — rebuild "
-                                  "it with build_engine.py (native attention)")
-            return BoundDFlash(session, self.block_size, self.mask_token_id, scaling, self.vocab,
-                               window)
-        if self.drafter_family == "eagle3":
-            return self.tree_drafter(scaling)
-        if self.drafter_family == "pard":
-            return OnnxPARD(session, self.mask_token_id, self.block_size - 1, scaling)
-        return (BoundDFlash if in_place else OnnxDFlash)(session, self.block_size,
-                                                         self.mask_token_id, scaling, self.vocab)
 
     def tree_drafter(self, scaling: QueryScaling | None) -> OnnxEagle3:
         """An EAGLE-3 engine's tree drafter (one sequence: trees draft a row at a time)

@@ -1,7 +1,6 @@
 """The target's graphs: target-kv.onnx over a batch (OnnxBatchTarget: the rows in
 BoundSlots, one pass per group; a joining sequence prefilled in host chunks into the
-buffer row it will hold; every row's draft tree in one target-tree.onnx pass per group)
-and, until its callers move to the batch, over one sequence (OnnxTarget)."""
+buffer row it will hold; every row's draft tree in one target-tree.onnx pass per group)."""
 
 from __future__ import annotations
 
@@ -16,119 +15,6 @@ from runtime.tree import pack
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HOST_PREFILL_CHUNK, buffer_dims,
                                                   keep_rows, run_bound)
 from runtime.backends.onnxruntime.bound_rows import BoundSlots, check_room, store
-
-class OnnxTarget:
-    """target-kv.onnx run through one IO binding per BoundKVCache; an EAGLE-3 engine's
-    target-tree.onnx (tree_session) verifies draft trees over the same buffers through
-    a second binding."""
-
-    STEP_OUTPUTS = ("logits", "features", "new_keys", "new_values")
-
-    def __init__(self, session, context_limit: int, tree_session=None, prefiller=None):
-        self.session, self.tree_session = session, tree_session
-        self.context_limit = context_limit
-        # --prefill-dtype bfloat16: prefills run through runtime/backends/bf16_prefill.py
-        self.prefiller = prefiller
-        self.layers, self.kv_heads, self.head_dim = buffer_dims(session)
-        self.cache: BoundKVCache | None = None
-        self.binding = self.tree_binding = None
-
-    def _new_cache(self, capacity: int) -> None:
-        self.cache = BoundKVCache(capacity, self.layers, self.kv_heads, self.head_dim)
-        self.binding = self.cache.bind(self.session)
-        if self.tree_session is not None:
-            self.tree_binding = self.cache.bind(self.tree_session)
-
-    def _bind(self, keys, values) -> None:
-        for i in range(self.layers):
-            self.binding.bind_ortvalue_input(f"cache_keys_{i}", keys[i])
-            self.binding.bind_ortvalue_input(f"cache_values_{i}", values[i])
-
-    def _step(self, ids: list[int], logit_positions):
-        cache, binding = self.cache, self.binding
-        start, t = cache.length, len(ids)
-        if start + t > cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
-                             f"{start + t}")
-        feeds = {"ids": np.asarray([ids], dtype=np.int64),
-                 "logit_positions": np.asarray(logit_positions, dtype=np.int64),
-                 "past_len": np.asarray([start], dtype=np.int64)}
-        logits, features, keys, values = run_bound(self.session, binding, feeds, self.STEP_OUTPUTS)
-        cache.k[:, :, :, start:start + t] = keys  # [layers, batch, kv_heads, t, head_dim]
-        cache.v[:, :, :, start:start + t] = values
-        cache.length = start + t
-        return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
-
-    def prefill(self, ids: list[int], capacity: int):
-        """In HOST_PREFILL_CHUNK-token steps, each over a compact copy of the prefix
-        committed so far rather than the whole buffer: a step's scores are [chunk, prefix +
-        chunk] per head, so a long prefill costs causal attention (the masked capacity
-        would roughly double it) at the price of copying the prefix once per chunk."""
-        self._new_cache(capacity)
-        return self.prefill_more(ids)
-
-    def prefill_more(self, ids: list[int]):
-        """Continue a prefill from the cached length (prefill's loop; chunked prefill
-        calls it per chunk): the last token's logits and every new token's features."""
-        import onnxruntime
-
-        if self.prefiller is not None:
-            return self.prefiller(self.cache, ids)
-        cache, wrap = self.cache, onnxruntime.OrtValue.ortvalue_from_numpy
-        features, done = [], cache.length
-        for begin in range(0, len(ids), HOST_PREFILL_CHUNK):
-            held = max(done + begin, 1)  # a buffer needs a position; past_len 0 masks it
-            prefix = [[wrap(np.ascontiguousarray(buffer[i, :, :, :held]))
-                       for i in range(self.layers)] for buffer in (cache.k, cache.v)]
-            self._bind(*prefix)
-            chunk = ids[begin:begin + HOST_PREFILL_CHUNK]
-            logits, chunk_features = self._step(chunk, [len(chunk) - 1])
-            features.append(chunk_features)
-        self._bind(cache.k_values, cache.v_values)
-        return logits[-1], torch.cat(features) if len(features) > 1 else features[0]
-
-    def verify(self, ids: list[int]):
-        return self._step(ids, range(len(ids)))
-
-    def rollback(self, length: int) -> None:
-        self.cache.rollback(length)
-
-    def verify_tree(self, tree):
-        """Every node of a DraftTree (runtime/tree.py) in one pass of target-tree.onnx,
-        each row seeing the committed tokens and its ancestors at committed + depth; the
-        nodes' keys land past the committed length as scratch until keep_path."""
-        if self.tree_session is None:
-            raise EngineError("this engine has no target-tree.onnx (not an EAGLE-3 engine) — "
-                              "rebuild it with build_engine.py --drafter eagle3")
-        cache, start, n = self.cache, self.cache.length, len(tree)
-        if start + n > cache.capacity:  # a tree near the end of the budget: grow, as torch does
-            self.restore(self.snapshot(), start + n)
-            cache = self.cache
-        feeds = {"ids": np.asarray([tree.tokens], dtype=np.int64),
-                 "positions": np.asarray([tree.depths], dtype=np.int64) + start,
-                 "tree_mask": tree.ancestor_mask().numpy()[None],
-                 "past_len": np.asarray([start], dtype=np.int64)}
-        logits, features, keys, values = run_bound(self.tree_session, self.tree_binding, feeds,
-                                                   self.STEP_OUTPUTS)
-        cache.k[:, :, :, start:start + n] = keys
-        cache.v[:, :, :, start:start + n] = values
-        return torch.from_numpy(logits[0]), torch.from_numpy(features[0])
-
-    def keep_path(self, nodes: list[int]) -> None:
-        """Commit a verified tree's accepted path (node indices, root first)."""
-        keep_rows((self.cache.k, self.cache.v), self.cache.length, nodes)
-        self.cache.length += len(nodes)
-
-    def snapshot(self):
-        n = self.cache.length
-        return n, self.cache.k[:, :, :, :n].copy(), self.cache.v[:, :, :, :n].copy()
-
-    def restore(self, snap, capacity: int) -> None:
-        n, k, v = snap
-        self._new_cache(capacity)
-        self.cache.k[:, :, :, :n] = k
-        self.cache.v[:, :, :, :n] = v
-        self.cache.length = n
 
 class OnnxBatchTarget:
     """target-kv.onnx over a batch: the rows in BoundSlots, each group's committed

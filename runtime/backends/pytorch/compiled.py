@@ -15,8 +15,7 @@ CompiledBatchPARD and CompiledBatchEagle3 are the eager batch roles (eager.py) o
 slotted fixed-shape buffers (FixedSlots), a graph per batch-size, width and capacity
 bucket; a step no bucket covers (a long catch-up context), a prompt's prefill and a
 draft tree's verify run eagerly on the very same buffers. A request alone is a batch of
-one. (CompiledTarget / CompiledDFlash / CompiledPARD, at the end, are the transitional
-single-sequence roles.)
+one.
 
 What a request does not own belongs to the loaded engine (EngineSteps, held by
 TorchLoaded): the compiled step functions (their CUDA graphs), the staging tensors a step
@@ -35,7 +34,6 @@ from plugins.scaling import QueryScaling
 from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                             TorchBatchTarget, scatter_rows)
-from runtime.backends.pytorch.eager import TorchDFlash, TorchPARD, TorchTarget  # transitional
 from runtime.backends.chain import ChainDraft
 from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -352,16 +350,6 @@ class EngineSteps:
     def batch_eagle3(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchEagle3":
         return CompiledBatchEagle3(self, scaling, max_drafts)
 
-    # transitional (issue 57): the single-sequence roles, until callers use the batch ones
-    def target(self) -> "CompiledTarget":
-        return CompiledTarget(self.model, self.feature_layers, steps=self)
-
-    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> "CompiledDFlash":
-        return CompiledDFlash(self.drafter, self.model, scaling, window, steps=self)
-
-    def pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledPARD":
-        return CompiledPARD(self, scaling, max_drafts)
-
 
 # -- batched: rows in fixed-shape buffers (runtime/backends/slots.py: FixedSlots) --------
 
@@ -608,150 +596,3 @@ class CompiledBatchEagle3(TorchBatchEagle3):
             for r, draft in zip(group.members, grown):
                 drafts[r] = draft
         return drafts
-
-
-# -- transitional (issue 57): the single-sequence compiled roles, until every caller runs
-# the batch roles above (a request alone is a batch of one); nothing above uses them ----
-
-class CompiledTarget(TorchTarget):
-    """TorchTarget whose verify runs a compiled step per width bucket (1: a decode step;
-    the draft-length buckets: a verify), rows past the real ones padded (their keys are
-    scratch past the committed length, their logits unread). `steps`: the engine's
-    (EngineSteps); without, its own."""
-
-    def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,),
-                 backend: str = "inductor", steps: EngineSteps | None = None):
-        super().__init__(model, feature_layers)
-        self.steps = steps or EngineSteps(model, self.feature_layers, buckets, backend)
-        self.device, self.buckets = self.steps.device, self.steps.buckets
-        self.step = self.steps.target_step
-        self.cached = self.steps.staging("target.cached", (1,))
-        self.lease = None
-
-    def _lease(self, capacity: int) -> KVCache:
-        """This request's buffers; the last request's go back to the engine's pool."""
-        if self.lease is not None:
-            self.lease()
-        slack = self.buckets[-1]  # a padded verify writes up to the widest bucket's rows
-        self.cache, self.lease = self.steps.target_buffers.lease(
-            self, static_capacity(capacity + slack, self.context_limit + slack))
-        return self.cache
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int], capacity: int):
-        self._lease(capacity)
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
-                                      last_logits_only=True)
-        return logits[0, -1], None if features is None else features[0]
-
-    @torch.inference_mode()
-    def verify(self, ids: list[int]):
-        t, n = len(ids), self.cache.length
-        width = bucket_for(t, self.buckets)
-        if width is None or n + width > self.cache.capacity:
-            return super().verify(ids)
-        self.cached.fill_(n)
-        x = self.steps.staging("target.ids", (1, width))
-        x.copy_(torch.tensor([list(ids) + [0] * (width - t)]))
-        logits, features = self.step(x, *self.cache.layers, self.cached)
-        self.cache.length = n + t
-        # clone: a CUDA graph's outputs are overwritten by its next replay
-        return logits[0, :t].clone(), None if features is None else features[0, :t].clone()
-
-    def verify_tree(self, tree):
-        result = super().verify_tree(tree)  # may grow the cache (KVCache.reserve): new buffers
-        bind(self.cache)
-        return result
-
-    @torch.inference_mode()
-    def restore(self, snap, capacity: int) -> None:
-        n, k, v = snap
-        self._lease(capacity)
-        self.cache.k[:, :, :, :n] = k
-        self.cache.v[:, :, :, :n] = v
-        self.cache.length = n
-
-
-class CompiledDFlash(TorchDFlash):
-    """TorchDFlash whose steps run one compiled graph: the block after a context of at
-    most `context_bucket` feature rows (a step's accepted tokens; padded, context_lens
-    says how many are real). A longer context (the prompt's) runs eagerly on the same
-    cache. `steps`: the engine's (EngineSteps); without, its own."""
-
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
-                 window: int | None = None, context_bucket: int | None = None,
-                 backend: str = "inductor", steps: EngineSteps | None = None):
-        super().__init__(drafter, target, scaling, window)
-        self.steps = steps or EngineSteps(target, backend=backend, drafter=drafter,
-                                          context_bucket=context_bucket or self.block_size)
-        self.device, self.context_bucket = self.steps.device, self.steps.context_bucket
-        _, self.step = self.steps.draft_step(scaling, window)
-        staging = self.steps.staging
-        self.block = staging("dflash.block", (1, self.block_size), fill=self.mask_token_id)
-        self.cached = staging("dflash.cached", (1,))
-        self.context_lens = staging("dflash.context_lens", (1,))
-        self.context = staging("dflash.context", (1, self.context_bucket, self.feature_size),
-                               drafter.fc.weight.dtype)
-        self.lease = None
-
-    def reset(self, capacity: int) -> None:
-        if self.lease is not None:
-            self.lease()  # the last request's buffers back to the engine's pool
-        # room: the padded context's rows, then the block's, past the committed keys
-        limit = self.drafter.config.max_position_embeddings
-        needed = capacity + self.context_bucket + self.block_size
-        self.cache, self.lease = self.steps.draft_buffers.lease(
-            self, static_capacity(needed, limit + self.context_bucket + self.block_size))
-
-    @torch.inference_mode()
-    def draft(self, context: torch.Tensor, bonus: int):
-        c, n = context.shape[0], self.cache.length
-        if c > self.context_bucket or n + self.context_bucket + self.block_size > self.cache.capacity:
-            return super().draft(context, bonus)
-        self.context.zero_()
-        self.context[0, :c] = context
-        self.block[0, 0] = bonus
-        self.cached.fill_(n)
-        self.context_lens.fill_(c)
-        logits = self.step(self.block, self.context, *self.cache.layers, self.cached,
-                           self.context_lens)
-        self.cache.length = n + c
-        return logits[0].clone(), StepMetadata(n, c).block_keys(self.block_size)
-
-
-class CompiledPARD(TorchPARD):
-    """TorchPARD whose draft runs the engine's compiled chain step: the row [unread
-    tokens, the newest, pard x (k - 1)] padded at its end to a width bucket (max_drafts:
-    a step that accepted little; 2 x max_drafts: every draft and the bonus read, k drafted);
-    a wider row, and the prompt's read, run eagerly on the same cache."""
-
-    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
-        super().__init__(steps.drafter, steps.model.config.vocab_size, max_drafts, scaling)
-        self.steps = steps
-        _, self.step = steps.chain_step(scaling)
-        self.widths = tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
-        self.cached = steps.staging("pard.cached", (1,))
-        self.lease = None
-
-    def reset(self, capacity: int) -> None:
-        if self.lease is not None:
-            self.lease()  # the last request's buffers back to the engine's pool
-        room = self.widths[-1]  # a padded row's keys sit past the committed ones as scratch
-        limit = self.drafter.config.layers.max_position_embeddings
-        self.cache, self.lease = self.steps.chain_buffers.lease(
-            self, static_capacity(capacity + room, limit + room))
-
-    @torch.inference_mode()
-    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
-        row = list(ids) + [self.pard_token] * max(k - 1, 0)
-        n, t = self.cache.length, len(row)
-        width = bucket_for(t, self.widths)
-        if width is None or n + width > self.cache.capacity:
-            return super().draft(ids, features, k, sampler)
-        x = self.steps.staging("pard.ids", (1, width))
-        x.copy_(torch.tensor([row + [0] * (width - t)]))
-        self.cached.fill_(n)
-        logits, visible = self.step(x, *self.cache.layers, self.cached)
-        self.cache.length = n + len(ids)  # the real tokens' keys; the pard rows' are scratch
-        first = t - k  # the newest real token's row, then the pard rows
-        return ChainDraft.propose(logits[0, first:t].clone(), visible[0, first:t].clone(), sampler)

@@ -258,16 +258,17 @@ class TorchBatchPARD(ChainPrefill):
 
 
 class TorchEagle3:
-    """EAGLE-3 drafting on the torch backend. The drafter's cache holds one entry per
-    token the target has committed, from (the target's features of token p, token p + 1);
-    each step ingests the entries of the tokens committed since the last one, then
-    drafts a tree (or a chain) in scratch past them."""
+    """EAGLE-3 tree drafting on the torch backend, one sequence (TreeDrafter: trees draft a
+    row at a time). The drafter's cache holds one entry per token the target has
+    committed, from (the target's features of token p, token p + 1); each step ingests
+    the entries of the tokens committed since the last one, then drafts a tree in
+    scratch past them. EAGLE-3 chains draft over a batch: TorchBatchEagle3."""
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
                  tree: TreeShape = TreeShape(), max_drafts: int = 16):
         self.drafter, self.scaling, self.tree = drafter, scaling, tree
         self.vocab = DraftVocabulary(drafter)
-        self.max_drafts = max_drafts  # the longest chain draft() writes (K)
+        self.max_drafts = max_drafts  # the engine's chain length (K): scratch room, as a chain's
         self.cache = None
 
     def reset(self, capacity: int) -> None:
@@ -308,25 +309,6 @@ class TorchEagle3:
         tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
                          shape or self.tree, self.vocab.to_target)
         return tree, max(largest)
-
-    @torch.inference_mode()
-    def draft(self, ids: list[int], features: torch.Tensor, k: int, sampler) -> ChainDraft:
-        """The chain role (EAGLE-3 with top_k = 1, runtime/proposers.py Chain): ingest
-        `features` [c, F], each row paired with the token after it (the last c ids), then
-        draft k tokens, each chosen by `sampler` (argmax, or drawn from the drafter's own
-        distribution, which is then the q verification divides by) and fed back as the
-        next row's token with the row's own state. The chain's rows are scratch."""
-        logits, hidden, visible = self._ingest(features, list(ids[-len(features):]))
-        committed = self.cache.length
-
-        def step(token, hidden, i):
-            x = torch.tensor([token], dtype=torch.long, device=hidden.device)
-            out, state, n = self.drafter(x, hidden[None, None], self.cache, self.scaling)
-            return out[0, -1], state[0, -1], int(n[0, -1])
-
-        draft = ChainDraft.grow(logits, hidden, visible, step, k, sampler, self.vocab.target_logits)
-        self.cache.rollback(committed)
-        return draft
 
 
 class TorchBatchEagle3(ChainPrefill):
@@ -386,122 +368,3 @@ class TorchBatchEagle3(ChainPrefill):
 
     def remove(self, row: int) -> None:
         self.caches.drop(row)
-
-
-# -- transitional (issue 57): the single-sequence roles, until every caller runs the batch
-# roles above (a request alone is a batch of one); no batch role uses them ------------------
-
-class TorchTarget:
-    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
-        self.model = model
-        self.feature_layers = tuple(feature_layers)
-        self.context_limit = model.config.max_position_embeddings
-        self.cache = None
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], dtype=torch.long, device=self.model.embed_tokens.weight.device)
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int], capacity: int):
-        self.cache = self.model.new_cache(capacity)
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
-                                      last_logits_only=True)
-        return logits[0, -1], None if features is None else features[0]
-
-    @torch.inference_mode()
-    def prefill_more(self, ids: list[int]):
-        """Continue a prefill from the cached length (chunked prefill): as prefill, the
-        last token's logits and every new token's features."""
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers,
-                                      last_logits_only=True)
-        return logits[0, -1], None if features is None else features[0]
-
-    @torch.inference_mode()
-    def verify(self, ids: list[int]):
-        logits, features = self.model(self._ids(ids), self.cache, self.feature_layers)
-        return logits[0], None if features is None else features[0]
-
-    def rollback(self, length: int) -> None:
-        self.cache.rollback(length)
-
-    @torch.inference_mode()
-    def verify_tree(self, tree: DraftTree):
-        """Every node of a draft tree in one pass (runtime/tree.py); its keys stay
-        scratch until keep_path."""
-        ids = self._ids(list(tree.tokens))
-        self.cache.reserve(self.cache.length + len(tree))
-        structure = (tree.ancestor_mask(ids.device)[None], torch.tensor([tree.depths], device=ids.device))
-        logits, features = self.model(ids, self.cache, self.feature_layers, tree=structure)
-        return logits[0], None if features is None else features[0]
-
-    @torch.inference_mode()  # the cache was made under inference mode
-    def keep_path(self, nodes: list[int]) -> None:
-        """Commit a verified tree's accepted path (node indices, root first)."""
-        self.cache.keep(nodes)
-
-    def snapshot(self):
-        n = self.cache.length
-        return n, self.cache.k[:, :, :, :n].clone(), self.cache.v[:, :, :, :n].clone()
-
-    def restore(self, snap, capacity: int) -> None:
-        n, k, v = snap
-        self.cache = self.model.new_cache(capacity)
-        self.cache.k[:, :, :, :n] = k
-        self.cache.v[:, :, :, :n] = v
-        self.cache.length = n
-
-
-class TorchDFlash:
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel,
-                 scaling: QueryScaling | None, window: int | None = None):
-        self.drafter, self.target, self.scaling = drafter, target, scaling
-        if window is not None and window < 1:
-            raise ValueError(f"a draft window must be >= 1 token, got {window}")
-        self.window = window  # draft window (layers.window_mask); None: the whole context
-        self.head = DraftHead.for_drafter(drafter, target.lm_head)
-        self.vocab = self.head.vocab  # what the logits' columns are (None: all target ids)
-        self.block_size = drafter.config.block_size
-        self.feature_size = drafter.fc.in_features
-        self.mask_token_id = drafter.config.mask_token_id
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        self.cache = self.drafter.new_cache(capacity)
-
-    @torch.inference_mode()
-    def draft(self, context: torch.Tensor, bonus: int):
-        block = [bonus] + [self.mask_token_id] * (self.block_size - 1)
-        ids = torch.tensor([block], dtype=torch.long, device=context.device)
-        hidden, visible = self.drafter(self.target.embed_tokens(ids), context[None],
-                                       self.cache, self.scaling, window=self.window)
-        return self.head(hidden[0, 1:]), visible
-
-
-class TorchPARD:
-    """The PARD chain drafter: one pass over [unread tokens, pard x (k - 1)], drafts from
-    the last k rows' logits (over the target's `vocab_size` ids)."""
-
-    def __init__(self, drafter: PARDDrafter, vocab_size: int, max_drafts: int,
-                 scaling: QueryScaling | None):
-        self.drafter, self.vocab_size, self.scaling = drafter, vocab_size, scaling
-        self.max_drafts = max_drafts
-        self.pard_token = drafter.config.pard_token
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        # + max_drafts: the pard rows' keys sit past `length` as scratch each step.
-        self.cache = self.drafter.new_cache(capacity + self.max_drafts)
-
-    @torch.inference_mode()
-    def read(self, ids: list[int], features=None) -> None:
-        x = torch.tensor([list(ids)], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
-        self.drafter(x, self.cache, self.scaling, keep=len(ids))
-
-    @torch.inference_mode()
-    def draft(self, ids: list[int], features, k: int, sampler) -> ChainDraft:
-        row = list(ids) + [self.pard_token] * max(k - 1, 0)
-        x = torch.tensor([row], dtype=torch.long, device=self.drafter.embed_tokens.weight.device)
-        hidden, visible = self.drafter(x, self.cache, self.scaling, keep=len(ids))
-        first = len(row) - k  # the newest real token's row, then the pard rows
-        return ChainDraft.propose(self.drafter.logits(hidden[0, first:], self.vocab_size),
-                                  visible[0, first:], sampler)

@@ -10,7 +10,6 @@ from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                             TorchBatchTarget, TorchEagle3)
-from runtime.backends.pytorch.eager import TorchDFlash, TorchPARD, TorchTarget  # transitional
 from runtime.backends.roles import Drafting, drafter_feature_layers
 from runtime.manifest import Manifest
 from runtime.models.target import ModelError
@@ -83,7 +82,6 @@ class TorchLoaded:
         self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
         self.shared = None if steps is None else compiled.EngineSteps(
             self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
-        self.target = self.new_target()  # transitional (issue 57), as new_target
 
     def batch_target(self) -> TorchBatchTarget:
         if self.shared is not None:
@@ -117,7 +115,7 @@ class TorchLoaded:
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
-        step (per chain link) for every row; a `window` is DFlash's (modes.drafts_fused)."""
+        step (per chain link) for every row; a `window` is DFlash's."""
         return BATCH_DRAFTERS[self.family](self, scaling, window)
 
     def tree_drafter(self, scaling: QueryScaling | None) -> TorchEagle3:
@@ -126,44 +124,11 @@ class TorchLoaded:
         return TorchEagle3(self.drafter_model, scaling, self.drafting.tree_shape,
                            max(self.drafting.max_drafts, 1))
 
-    # Transitional (issue 57): the single-sequence roles, until every caller runs the
-    # batch roles above (a request alone is a batch of one); nothing above uses them.
-    def new_target(self) -> TorchTarget:
-        if self.shared is not None:
-            return self.shared.target()
-        return TorchTarget(self.model, self.feature_layers)
 
-    def drafter(self, scaling: QueryScaling | None, window: int | None = None):
-        if window is not None:
-            return self.dflash(scaling, window)
-        return DRAFTERS[self.family](self, scaling)
-
-    def dflash(self, scaling: QueryScaling | None, window: int | None = None) -> TorchDFlash:
-        """A DFlash drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.dflash(scaling, window)
-        return TorchDFlash(self.drafter_model, self.model, scaling, window)
-
-    def pard(self, scaling: QueryScaling | None) -> TorchPARD:
-        """A PARD chain drafter role: eager, or compiled with `steps`."""
-        if self.shared is not None:
-            return self.shared.pard(scaling, self.drafting.max_drafts)
-        return TorchPARD(self.drafter_model, self.model.config.vocab_size, self.drafting.max_drafts,
-                         scaling)
-
-
-# drafter family -> its per-row drafter on this backend (transitional: drafter())
-DRAFTERS = {
-    "dflash": lambda loaded, scaling: loaded.dflash(scaling),
-    "pard": lambda loaded, scaling: loaded.pard(scaling),
-    "eagle3": lambda loaded, scaling: loaded.tree_drafter(scaling),
-}
-
-# drafter family -> its batch drafter on this backend (modes.BACKENDS["torch"].batched_drafters);
-# EAGLE-3's is its chain's (its trees draft one row at a time, runtime/assembly.py)
+# drafter family -> its batch drafter on this backend; EAGLE-3's is its chain's (its trees
+# draft one row at a time: tree_drafter)
 BATCH_DRAFTERS = {
     "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
     "pard": lambda loaded, scaling, window: loaded.batch_pard(scaling),
     "eagle3": lambda loaded, scaling, window: loaded.batch_eagle3(scaling),
 }
-assert set(BATCH_DRAFTERS) == modes.BACKENDS["torch"].batched_drafters, "the table says what batches"
