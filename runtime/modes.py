@@ -114,39 +114,21 @@ class Backend:
 
     styles: frozenset[str]  # the drafting styles (FAMILIES) it has drafters for
     window: bool  # a DFlash drafter under a draft window
-    batch: bool  # in-flight batching (runtime/decode.py): a target per sequence
+    batch: bool  # several requests decode together (runtime/decode.py); else one at a time
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
     own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
-    # the drafter families (FAMILIES) whose drafter runs for a whole batch in one pass per
-    # step (per chain link for chains; EAGLE-3's trees draft row by row), each row at its
-    # own length, N and beta, in every drafter mode the backend runs (drafts_fused): a
-    # DFlash block's draft window is a per-row visible range, and the preset another
-    # QueryScaling, which a batched drafter takes as the single one does (only backends
-    # that swap scalings run it); the rest: one call per row (runtime/backends/rows.py)
-    batched_drafters: frozenset[str] = frozenset()
-    # a batch's draft trees verified in one packed target pass, each row under its own
-    # tree mask (else one target call per row)
-    packed_trees: bool = False
 
 
 BACKENDS = {
     # its batched drafters take any QueryScaling: the preset fuses for blocks and chains
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
-                     swap_scaling=True, own_loop=False, packed_trees=True,
-                     batched_drafters=frozenset({"dflash", "pard", "eagle3"})),
+                     swap_scaling=True, own_loop=False),
     # the window needs a drafter graph exported with its input (onnxruntime.has_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
-                           attention_forms=("native", "plugin"),
-                           # chain graphs read each row's committed length (past_lens
-                           # [batch]); an EAGLE-3 engine exported before its graphs took
-                           # it drafts its chains row by row (onnxruntime.takes_lengths)
-                           batched_drafters=frozenset({"dflash", "pard", "eagle3"}),
-                           # target-tree.onnx takes a batch (an engine whose graph is fixed
-                           # to one sequence verifies row by row: OnnxBatchTarget.packs_trees)
-                           packed_trees=True),
+                           attention_forms=("native", "plugin")),
     "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not

@@ -320,7 +320,7 @@ class TreeRow:
 
 
 class Tree(Proposer):
-    """EAGLE-3's dynamic trees, one drafter per row (runtime/backends: TreeDrafter)."""
+    """EAGLE-3's dynamic trees, one drafter per row (runtime/backends/roles.py: the tree drafter)."""
 
     drafts_trees = True
 

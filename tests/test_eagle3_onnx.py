@@ -255,7 +255,6 @@ def test_a_tree_graph_fixed_to_one_sequence_is_refused_and_todays_takes_a_batch(
     check_batched(tree_engine, {"target_tree": graph("batch")})
     engine = Engine(tree_engine)
     assert takes_batch(engine.loaded.sessions["target_tree"])
-    assert engine.loaded.batch_target().packs_trees
 
 
 def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
@@ -365,7 +364,6 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
     engine = Engine(tree_engine)
     loaded = engine.loaded
     batch, alone = loaded.batch_target(), []
-    assert batch.packs_trees
     text = engine.encode(tiny.stdlib_text())
     prompts = [text[:30], text[40:45], text[50:90]]
     for prompt in prompts:
@@ -397,7 +395,6 @@ def test_onnxruntime_batched_trees_decode_as_alone_and_as_the_target(tree_engine
     text = engine.encode(tiny.stdlib_text())
     prompts, budgets = [text[:PROMPT], text[7:30], text[100:160]], [12, 8, 10]
     decoder = engine.batch_decoder("sharpdraft")
-    assert decoder.target.packs_trees  # the packed batch target, not one target per row
     from runtime.decode import Request
 
     got = decoder.run([Request(p, n) for p, n in zip(prompts, budgets)], join_at=[0, 0, 2])

@@ -5,8 +5,9 @@ purpose (no torch, no onnxruntime): the command line reads its choices here
 with it.
 
 A loader(engine_dir, manifest, drafting, **its declared options) hands back a Loaded
-(runtime/backends/roles.py: the target, the tokenizer, the drafters for a scaling and a
-draft window, the batched roles, what the backend can run: runtime/modes.py BACKENDS).
+(runtime/backends/roles.py: the tokenizer, the batch target, the batch drafters for a
+scaling and a draft window, the tree drafter, what the backend can run: runtime/modes.py
+BACKENDS).
 Where the roles run (device) and in which dtype are loader options, not further
 backends; an option a backend does not take is refused in one line by Engine before
 the loader is called, with the reason this registry records. Nothing above this
@@ -91,9 +92,8 @@ assert all(set(OPTIONS) <= set(loader.options) | set(loader.refusals)
 
 # the names the roles module holds, importable from here as before (imported on first use,
 # so that reading the registry imports no torch)
-_ROLES = ("PrefillOnce", "TreeDrafter", "BatchTarget",
-          "BatchBlockDrafter", "BlockPrefill", "BatchChainDrafter", "ChainPrefill", "Loaded",
-          "Drafting", "drafting_of", "drafter_feature_layers", "load_tokenizer", "ChainDraft")
+_ROLES = ("PrefillOnce", "JoinInParts", "Drafting", "drafting_of", "drafter_feature_layers",
+          "load_tokenizer")
 
 
 def __getattr__(name: str):

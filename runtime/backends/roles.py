@@ -1,12 +1,13 @@
 """The roles every backend hands out (a loader of runtime/backends/__init__.py: LOADERS
-opens an engine directory and returns a Loaded), and how a joining sequence prefills
-them in parts.
+opens an engine directory and returns a Loaded), written once here: this table is the
+interface, the one description of every role; and how a batch drafter prefills a
+joining sequence in parts (JoinInParts).
 
 The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
 these roles, and every backend implements them over a batch: one request is a batch of
 one. The loop runs over a batch of sequences at different lengths, one row each; a
-sequence joins as the last row and leaves from any row, between steps. The batch roles
-are the interface (the Protocol classes below); one role works row by row:
+sequence joins as the last row and leaves from any row, between steps. One role works
+row by row:
 
   Tree drafter (EAGLE-3 trees: one per row, runtime/proposers.py Tree):
            reset(capacity)
@@ -41,7 +42,7 @@ are the interface (the Protocol classes below); one role works row by row:
                                     prefill / prefill_more / join_prefilled: chunked
                                     prefill feeds it each chunk's features right after
                                     the target's chunk; the parts leave the cache one
-                                    piece leaves (BlockPrefill)
+                                    piece leaves (JoinInParts)
                 draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
                                  -- context: each row's target features committed since
                                     its last call (an empty one, [0, F], adds nothing);
@@ -57,7 +58,7 @@ are the interface (the Protocol classes below); one role works row by row:
                                     entries of the committed tokens `ids` (each from its
                                     token, the features draft() pairs with it, and its
                                     position), without drafting
-                prefill / prefill_more / join_prefilled -- add in parts (ChainPrefill)
+                prefill / prefill_more / join_prefilled -- add in parts (JoinInParts)
                 draft(rows of ids, rows of features, ks, samplers) -> [ChainDraft or None]
                                  -- per row: ids, the tokens committed since its last call
                                     (the prompt and the first token at the first call),
@@ -77,22 +78,31 @@ are the interface (the Protocol classes below); one role works row by row:
                                     per position, so sampling stays lossless
                 remove(row); scaling
                 max_drafts          -- the most drafts one call makes for a row (K)
+
+  Loaded (what a loader returns for one engine directory; the roles made on demand):
+                can                 -- what this backend runs (runtime/modes.py BACKENDS)
+                tokenizer; device; dtype -- where and in which precision its roles run
+                context_limit       -- the longest sequence its target takes
+                batch_target()      -> a BatchTarget
+                batch_drafter(scaling, window=None) -> a BatchBlockDrafter (DFlash) or a
+                                    BatchChainDrafter (PARD, EAGLE-3 with top_k 1) under
+                                    `scaling` (None: frozen); with a `window`, each DFlash
+                                    row sees only the last `window` of its context keys
+                tree_drafter(scaling) -> an EAGLE-3 tree drafter for one row
+                has_window()        -- whether its DFlash drafter can draft under a window
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.manifest import EngineError, Manifest
 from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
-from runtime.sampling import DraftVocab
-from runtime.backends.chain import ChainDraft  # noqa: F401 -- the roles below return it
+from runtime.chain import ChainDraft  # noqa: F401 -- chain drafters return it
 from runtime.tree import TreeShape
 
 
@@ -104,7 +114,6 @@ class PrefillOnce:
     def __init__(self, target, prompt: list[int], capacity: int | None = None):
         self.target, self.prompt = target, list(prompt)
         self.context_limit = target.context_limit
-        self.packs_trees = getattr(target, "packs_trees", False)
         self.result = target.prefill(self.prompt, capacity or len(self.prompt))
         self.saved = target.snapshot()
 
@@ -131,200 +140,59 @@ class PrefillOnce:
         self.target.keep_paths(paths)
 
 
-class TreeDrafter(Protocol):
-    scaling: QueryScaling | None
-
-    def reset(self, capacity: int) -> None: ...
-
-    def read(self, ids: list[int], features: torch.Tensor) -> None:
-        """The committed `ids`' entries, feature row i paired with token
-        ids[-len(features) + i]; nothing drafted."""
-
-    def draft_tree(self, context: torch.Tensor, following: list[int], shape) -> tuple[object, int]: ...
-
-
-class BatchTarget(Protocol):
-    context_limit: int
-
-    def add(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def prefill(self, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """add's first part: a joining sequence's first prompt tokens, held aside."""
-
-    def prefill_more(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held sequence's next prompt tokens."""
-
-    def join_prefilled(self) -> None:
-        """The held sequence becomes the batch's last row."""
-
-    def snapshot(self) -> object:
-        """A copy of the held sequence, independent of every later step."""
-
-    def restore(self, snapshot: object, capacity: int) -> None:
-        """The snapshot's sequence held again, in a cache of `capacity` tokens."""
-
-    def verify(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def rollback(self, lengths: list[int]) -> None: ...
-
-    def remove(self, row: int) -> None: ...
-
-
-class BatchBlockDrafter(Protocol):
-    block_size: int
-    scaling: QueryScaling | None
-    vocab: DraftVocab | None
-
-    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        """Ingest a new row's prompt features (`last`: the prompt's last token); returns
-        the features its first draft() must pass (what it left unread)."""
-
-    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
-        """add's first part: a new sequence's drafter reads the prompt's first features."""
-
-    def prefill_more(self, context: torch.Tensor, last: int) -> None:
-        """The next part of the prompt's features, after those read so far."""
-
-    def join_prefilled(self) -> torch.Tensor:
-        """The sequence read in parts becomes the last row; returns what add returns."""
-
-    def draft(self, contexts: list[torch.Tensor], bonuses: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def remove(self, row: int) -> None: ...
-
-
-class BlockPrefill:
-    """How a BatchBlockDrafter prefills a joining sequence: it reads the prompt's features
-    into a cache of the sequence's own (the backend's hooks `_reset_joining`,
-    `_read_joining`), then the row joins the batch (`_join_row`). In parts, like the
-    target's prefill / prefill_more / join_prefilled, so that a prompt prefilling in
-    chunks (Decoder.join) has the drafter read each chunk's features right after the
+class JoinInParts:
+    """How a batch drafter (blocks or chains) prefills a joining sequence: it reads the
+    prompt's part into a cache of the sequence's own (the backend's hooks
+    `_reset_joining`, `_read_joining`), then the row joins the batch (`_join_row`). In
+    parts, like the target's prefill / prefill_more / join_prefilled, so that a prompt
+    prefilling in chunks (Decoder.join) has the drafter read each chunk right after the
     target's chunk, and the join's last part holds no drafter pass over the whole prompt.
-    A DFlash context key depends only on its token's features and position, each part's
-    keys land at the committed length, and the block drafted after each part is scratch
-    (its bonus: the prompt's last token), so the parts leave the cache one piece leaves
-    (to rounding: a part's projections are matmuls of another shape). add() is all three
-    at once."""
+    A part is a block drafter's context features (and `more`: the prompt's last token,
+    the bonus of the scratch block drafted after it) or a chain drafter's token ids (and
+    `more`: the features ChainDrafter reads with them, or None). Each part's entries land
+    at the committed length and depend only on their own inputs and positions (a DFlash
+    context key on its token's features; a chain entry on its token, features and
+    position), and whatever a part drafts is scratch, so the parts leave the cache one
+    piece leaves (to rounding: a part's projections are matmuls of another shape). add()
+    is all three at once."""
 
     room = 0  # cache room the joining sequence needs past its capacity
 
-    def add(self, capacity: int, context: torch.Tensor, last: int) -> torch.Tensor:
-        self.prefill(capacity, context, last)
+    def add(self, capacity: int, part, more):
+        self.prefill(capacity, part, more)
         return self.join_prefilled()
 
-    def prefill(self, capacity: int, context: torch.Tensor, last: int) -> None:
+    def prefill(self, capacity: int, part, more) -> None:
         self._reset_joining(capacity + self.room)
         # what the row's first draft() passes: nothing (the drafter reads every row's new
-        # features every step, so it holds none back)
-        self.unread = context[:0]
-        self.prefill_more(context, last)
+        # input every step, so it holds none back)
+        self.unread = part[:0]
+        self.prefill_more(part, more)
 
-    def prefill_more(self, context: torch.Tensor, last: int) -> None:
-        self._read_joining(context, last)  # the block is scratch: only the context stays
+    def prefill_more(self, part, more) -> None:
+        if len(part):
+            self._read_joining(part, more)
 
-    def join_prefilled(self) -> torch.Tensor:
+    def join_prefilled(self):
+        """The sequence read in parts becomes the batch's last row; returns what its first
+        draft() must pass beyond its new input (a block drafter's context: nothing)."""
         self._join_row()
         return self.unread
 
     def _reset_joining(self, capacity: int) -> None:
-        """An empty cache of `capacity` keys for the joining sequence."""
+        """An empty cache of `capacity` entries for the joining sequence."""
         raise NotImplementedError
 
-    def _read_joining(self, context: torch.Tensor, last: int) -> None:
-        """The joining sequence's next context features into its cache, at its length."""
+    def _read_joining(self, part, more) -> None:
+        """The joining sequence's next part into its cache, at its committed length: a
+        block drafter's context features (`more`: the bonus of the block drafted after
+        them, scratch), or a chain drafter's committed ids (`more`: their features,
+        feature row i paired with token ids[-len(features) + i], or None)."""
         raise NotImplementedError
 
     def _join_row(self) -> None:
         """The joining sequence's cache in as the batch's last row."""
         raise NotImplementedError
-
-
-class BatchChainDrafter(Protocol):
-    max_drafts: int
-    scaling: QueryScaling | None
-
-    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None: ...
-
-    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
-        """add's first part: a new sequence's drafter reads the prompt's first tokens."""
-
-    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
-        """The next tokens of the prompt (ChainDrafter.read's pairing), after those read."""
-
-    def join_prefilled(self) -> None:
-        """The sequence read in parts becomes the last row."""
-
-    def draft(self, ids: list[list[int]], features: list, ks: list[int],
-              samplers: list) -> list[ChainDraft | None]: ...
-
-    def remove(self, row: int) -> None: ...
-
-
-class ChainPrefill:
-    """How a BatchChainDrafter prefills a joining sequence, in parts like BlockPrefill:
-    the prompt's tokens are read part by part into a cache of the sequence's own (the
-    backend's hooks `_reset_joining`, `_read_joining`: each entry written at the committed
-    length, from its token, its features and its position), then the row joins
-    (`_join_row`). So a prompt prefilling in chunks (Decoder.join) has the drafter read
-    each chunk right after the target's, and the join's last part holds no drafter pass
-    over the whole prompt; the parts leave the cache one read leaves (to rounding: a
-    part's projections are matmuls of another shape). add() is all three at once."""
-
-    def add(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
-        self.prefill(capacity, ids, features)
-        self.join_prefilled()
-
-    def prefill(self, capacity: int, ids: list[int], features: torch.Tensor | None) -> None:
-        self._reset_joining(capacity)
-        self.prefill_more(ids, features)
-
-    def prefill_more(self, ids: list[int], features: torch.Tensor | None) -> None:
-        if ids:
-            self._read_joining(ids, features)
-
-    def join_prefilled(self) -> None:
-        self._join_row()
-
-    def _reset_joining(self, capacity: int) -> None:
-        """An empty cache with room for a row of `capacity` for the joining sequence."""
-        raise NotImplementedError
-
-    def _read_joining(self, ids: list[int], features: torch.Tensor | None) -> None:
-        """The committed `ids`' entries into the joining sequence's cache, at its length:
-        feature row i paired with token ids[-len(features) + i] (None: a drafter that
-        reads no features)."""
-        raise NotImplementedError
-
-    def _join_row(self) -> None:
-        """The joining sequence's cache becomes the batch's last row."""
-        raise NotImplementedError
-
-
-class Loaded(Protocol):
-    """What a loader hands back for one engine directory (the roles above, made on
-    demand). `can`: what this backend runs (modes.BACKENDS); `device` / `dtype`: where
-    and in which precision its roles run; `context_limit`: the longest sequence its
-    target takes."""
-
-    can: modes.Backend
-    tokenizer: object
-    device: str
-    dtype: str
-    context_limit: int
-
-    def batch_target(self) -> BatchTarget: ...
-
-    def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None
-                      ) -> BatchBlockDrafter | BatchChainDrafter:
-        """The drafter over a batch under `scaling` (None: frozen): blocks (DFlash) or
-        chains (PARD, EAGLE-3 with top_k 1) for the whole batch in one call; with a
-        `window`, each DFlash row sees only the last `window` of its context keys."""
-
-    def tree_drafter(self, scaling: QueryScaling | None) -> TreeDrafter:
-        """An EAGLE-3 tree drafter for one row under `scaling`."""
-
-    def has_window(self) -> bool:
-        """Whether its DFlash drafter can draft under a draft window."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ up one. What a group's buffers are is the backend's (a subclass's hooks):
                                 of slots), host lengths per slot: a join copies into a
                                 free slot, a leave idles it; the group moves only when it
                                 outgrows its slots or drops to a quarter of them
-  BoundSlots   (ONNX Runtime, runtime/backends/onnxruntime.py) bound host buffers with
+  BoundSlots   (ONNX Runtime, runtime/backends/onnxruntime/bound_rows.py) bound host buffers with
                                 spare rows, member i in row i; a leave moves the last
                                 member into its place
 """
@@ -122,9 +122,8 @@ def slots_for(rows: int) -> int:
 
 class FixedSlots(Slots):
     """Compiled torch: fixed shapes, so a group's step is one compiled graph. A group's
-    buffers hold a power of two of keys (a sequence's capacity + `room`, rounded up: the
-    single-sequence roles' static_capacity, so a group of one shares their graphs) and of
-    slots (slots_for), leased from the engine's `pool` (runtime/backends/pytorch/compiled.py: BufferPool).
+    buffers hold a power of two of keys (a sequence's capacity + `room`, rounded up:
+    compiled.py's static_capacity) and of slots (slots_for), leased from the engine's `pool` (runtime/backends/pytorch/compiled.py: BufferPool).
     A sequence joins into a free slot (one copy: its own keys) and leaves its slot idle;
     the group moves to other buffers only when it outgrows its slots or drops to a
     quarter of them."""

@@ -227,7 +227,7 @@ class StepScheduler:
             head = self.joining[0]
             if _gone(head.job):  # hung up mid-prefill: its remaining chunks never run
                 self.joining.popleft()
-                head.steps.close()  # the target's single-sequence role restarts at the next join
+                head.steps.close()  # the held prefill is dropped; the next join starts a new one
                 head.job.on_error(Cancelled("prefill"))
                 continue
             cost = min(head.left, self.prefill_chunk or head.left)

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime.backends.roles import BlockPrefill, ChainDraft, ChainPrefill
+from runtime.backends.roles import JoinInParts
+from runtime.chain import ChainDraft
 from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, padded, padded_context
 from runtime.tree import grow_tree
@@ -55,12 +56,12 @@ def rebuilt(capacity: int, rows: list) -> HostKVCache:
     return cache
 
 
-class OnnxBatchPARD(ChainPrefill):
+class OnnxBatchPARD(JoinInParts):
     """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
     length, counts and beta. A joining sequence reads its prompt (whole or in parts:
-    ChainPrefill) as a batch of one on a host cache of its own, then joins. (EAGLE-3's
+    JoinInParts) as a batch of one on a host cache of its own, then joins. (EAGLE-3's
     chains batch the same way: OnnxBatchEagle3.)"""
 
     fused = True
@@ -137,7 +138,7 @@ class OnnxEagle3:
     current draft wrote (never committed: the next step overwrites them). The graphs
     return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
     and each row's visible-key count N, the one the graph scaled by. The same role as
-    TorchEagle3 (TreeDrafter), and what OnnxBatchEagle3 reads a joining sequence's prompt
+    TorchEagle3 (the tree drafter), and what OnnxBatchEagle3 reads a joining sequence's prompt
     on; the graphs' past_lens is this sequence's committed length."""
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
@@ -203,7 +204,7 @@ class OnnxEagle3:
         return tree, max(largest)
 
 
-class OnnxBatchEagle3(ChainPrefill):
+class OnnxBatchEagle3(JoinInParts):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): one HostKVCache row
     per sequence, each row's committed length fed as past_lens, as OnnxBatchPARD does.
     A step is one run of the causal step graph, ingesting every row's newly committed
@@ -213,7 +214,7 @@ class OnnxBatchEagle3(ChainPrefill):
     scratch input, [links, layers, batch, ...], which the graph places after each row's
     own committed entries. So every row drafts at its own length, N and beta, each draft
     drawn by its row's own sampler (ChainDraft.grow_rows). A joining sequence reads its prompt on the tree drafter (`reader`, an
-    OnnxEagle3: OnnxEagle3.read, whole or in parts: ChainPrefill), then joins."""
+    OnnxEagle3: OnnxEagle3.read, whole or in parts: JoinInParts), then joins."""
 
     fused = True
 
@@ -279,10 +280,10 @@ class OnnxBatchEagle3(ChainPrefill):
         """Every row's committed entries, padded to the `longest` (a view, no copy)."""
         return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
-class OnnxBatchDFlash(BlockPrefill):
+class OnnxBatchDFlash(JoinInParts):
     """drafter.onnx over a batch: one HostKVCache row per sequence, `lengths` per row
     fed as past_lens and each step's context lengths as context_lens. A joining
-    sequence reads its prompt's features (whole or in parts: BlockPrefill) as a batch of
+    sequence reads its prompt's features (whole or in parts: JoinInParts) as a batch of
     one on a host cache of its own, then joins."""
 
     def __init__(self, session, block_size: int, mask_token_id: int,
@@ -336,10 +337,10 @@ class OnnxBatchDFlash(BlockPrefill):
             cache.v[start:start + c, :, i] = values[:c, :, i]
         return torch.from_numpy(logits), ends, meta.block_keys(self.block_size)
 
-class BoundBatchDFlash(BlockPrefill):
+class BoundBatchDFlash(JoinInParts):
     """drafter-kv.onnx over a batch: the rows in BoundSlots, each group's committed
     lengths fed as past_lens and its rows' context lengths as context_lens. A joining
-    sequence reads its prompt's features (whole or in parts: BlockPrefill) as a batch of
+    sequence reads its prompt's features (whole or in parts: JoinInParts) as a batch of
     one, straight into the buffer row it joins as (BoundSlots.reserve). With a `window`
     (a graph that takes one: has_window), the graph gives each row the last `window` of
     its own context keys from its own past_lens + context_lens

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime import modes
 from runtime.manifest import EngineError
 from runtime.step_metadata import StepMetadata, padded
 from runtime.tree import pack
@@ -35,8 +34,6 @@ class OnnxBatchTarget:
         # the slot manager's lists (it changes them in place): groups, each row's length
         self.groups, self.lengths = self.slots.groups, self.slots.lengths
         self.joining: BoundKVCache | None = None  # the sequence held aside until it joins
-
-    packs_trees = modes.BACKENDS["onnxruntime"].packed_trees  # verify_trees: one pass per group
 
     def add(self, ids: list[int], capacity: int):
         result = self.prefill(ids, capacity)

@@ -34,7 +34,7 @@ from plugins.scaling import QueryScaling
 from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                             TorchBatchTarget, scatter_rows)
-from runtime.backends.chain import ChainDraft
+from runtime.chain import ChainDraft
 from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import Eagle3Drafter
@@ -327,8 +327,7 @@ class EngineSteps:
         """A step input the roles fill before each call: one tensor per engine and shape (a
         step runs at a time, its outputs cloned), so a CUDA graph sees one address. Step
         inputs and KV buffers are made outside inference mode whoever asks first: dynamo
-        guards on the difference, and a graph made for one kind would not serve the other
-        (the batched roles' groups of one share the single-sequence roles' graphs)."""
+        guards on the difference, and a graph made for one kind would not serve the other."""
         key = (name, tuple(shape), dtype)
         if key not in self._staging:
             with torch.inference_mode(False):
@@ -361,8 +360,6 @@ class CompiledBatchTarget(TorchBatchTarget):
     / prefill_more, then join_prefilled: Decoder.join), eagerly on a cache of its own --
     a prefill is compute-bound, and a graph per chunk length would compile one per
     prompt -- then copies into its slot; no step shape depends on how it was chunked."""
-
-    packs_trees = True  # verify_trees: one eager pass per group over its slots' buffers
 
     def __init__(self, steps: EngineSteps):
         super().__init__(steps.model, steps.feature_layers)
@@ -449,7 +446,6 @@ class CompiledBatchDFlash(TorchBatchDFlash):
             if c > width:
                 width, step = c, self.eager
             slots, staging = len(group.lengths), self.steps.staging
-            # the single-sequence role's staging where the shapes meet (a group of one)
             context = staging("dflash.context", (slots, width, self.drafter.fc.in_features),
                               contexts[0].dtype)
             context.zero_()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime import modes
-from runtime.backends.roles import BlockPrefill, ChainDraft, ChainPrefill
+from runtime.backends.roles import JoinInParts
+from runtime.chain import ChainDraft
 from runtime.backends.slots import TorchSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
 from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
@@ -36,8 +36,6 @@ class TorchBatchTarget:
     length; verify and verify_trees run one pass per group. A joining sequence prefills
     on a cache of its own (`held`: prefill, prefill_more), whole or in chunks between the
     batch's steps, then joins as the last row (join_prefilled); add() is both at once."""
-
-    packs_trees = modes.BACKENDS["torch"].packed_trees  # verify_trees: one pass per group
 
     def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
         self.model, self.feature_layers = model, tuple(feature_layers)
@@ -131,12 +129,12 @@ class TorchBatchTarget:
         self.caches.drop(row)
 
 
-class TorchBatchDFlash(BlockPrefill):
+class TorchBatchDFlash(JoinInParts):
     """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
     gives every row its own range in the one pass). A joining sequence reads its prompt's
-    features into a cache of its own (`joining`; whole or in parts: BlockPrefill), one
+    features into a cache of its own (`joining`; whole or in parts: JoinInParts), one
     block pass per part whose block is scratch, then joins."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, scaling: QueryScaling | None,
@@ -199,7 +197,7 @@ def _chain_room(max_drafts: int) -> int:
 
 
 # How the torch chain drafters (TorchBatchPARD, TorchBatchEagle3) prefill a joining row
-# (ChainPrefill's hooks): a cache of its own (`joining`), with the chain's room past the
+# (JoinInParts's hooks): a cache of its own (`joining`), with the chain's room past the
 # capacity, reads the prompt (each class's `_read_joining`), then joins the groups
 # (`caches`).
 def _chain_reset(self, capacity: int) -> None:
@@ -211,7 +209,7 @@ def _chain_join(self) -> None:
     self.joining = None
 
 
-class TorchBatchPARD(ChainPrefill):
+class TorchBatchPARD(JoinInParts):
     """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
@@ -258,7 +256,7 @@ class TorchBatchPARD(ChainPrefill):
 
 
 class TorchEagle3:
-    """EAGLE-3 tree drafting on the torch backend, one sequence (TreeDrafter: trees draft a
+    """EAGLE-3 tree drafting on the torch backend, one sequence (the tree drafter: trees draft a
     row at a time). The drafter's cache holds one entry per token the target has
     committed, from (the target's features of token p, token p + 1); each step ingests
     the entries of the tokens committed since the last one, then drafts a tree in
@@ -311,7 +309,7 @@ class TorchEagle3:
         return tree, max(largest)
 
 
-class TorchBatchEagle3(ChainPrefill):
+class TorchBatchEagle3(JoinInParts):
     """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
     (TorchSlots), each row at its own length. Per group, one pass ingests every row's
     newly committed entries (padded to the longest), then one pass per chain link drafts

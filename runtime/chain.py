@@ -1,5 +1,7 @@
 """What a chain drafter proposes for a row in one call, and the one way to grow chains
-token by token for a batch of rows at once (runtime/backends/roles.py: BatchChainDrafter)."""
+token by token for a batch of rows at once (runtime/backends/roles.py: BatchChainDrafter):
+the chain's counterpart of runtime/tree.py, outside the backends, each of which supplies
+one drafter pass."""
 
 from __future__ import annotations
 
