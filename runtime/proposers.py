@@ -232,7 +232,7 @@ class PromptRead:
 
     def part(self, seq: Sequence, features):
         """The next tokens to read (up to what the target prefilled, seq.prefilled) and
-        their features, paired as ChainDrafter.read pairs them in one read of the prompt:
+        their features, paired as a chain drafter pairs them in one read of the prompt:
         feature row i with the token after it, so the newest row waits for the next part.
         None while there is nothing to pair (a first part of one token)."""
         if features is not None:

@@ -97,12 +97,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from runtime import modes
 from runtime.manifest import EngineError, Manifest
 from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
-from runtime.chain import ChainDraft  # noqa: F401 -- chain drafters return it
 from runtime.tree import TreeShape
 
 
@@ -149,7 +146,7 @@ class JoinInParts:
     target's chunk, and the join's last part holds no drafter pass over the whole prompt.
     A part is a block drafter's context features (and `more`: the prompt's last token,
     the bonus of the scratch block drafted after it) or a chain drafter's token ids (and
-    `more`: the features ChainDrafter reads with them, or None). Each part's entries land
+    `more`: the features draft() pairs with them, or None). Each part's entries land
     at the committed length and depend only on their own inputs and positions (a DFlash
     context key on its token's features; a chain entry on its token, features and
     position), and whatever a part drafts is scratch, so the parts leave the cache one

@@ -330,7 +330,7 @@ class TorchBatchEagle3(JoinInParts):
 
     @torch.inference_mode()
     def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
-        # entry p: the target's features of token p with token p + 1 (ChainDrafter.read)
+        # entry p: the target's features of token p with token p + 1 (roles.py: JoinInParts)
         following = torch.tensor([list(ids[-len(features):])], dtype=torch.long,
                                  device=features.device)
         self.drafter(following, self.drafter.project(features[None]), self.joining, self.scaling)
