@@ -91,6 +91,35 @@ def test_the_key_guards_the_openai_endpoint_and_tritons_inference(guarded, engin
     assert _status(guarded["http"] + "/v2/systemsharedmemory/status") == 403
 
 
+def test_loadtest_carries_the_api_key_and_says_when_it_lacks_it(guarded, tiny_engine, capsys,
+                                                                 monkeypatch):
+    """loadtest against a keyed server: with --api-key (or $SHARPDRAFT_API_KEY) over HTTP
+    and gRPC every request is served, with the tokens of the engine run in-process;
+    without it, one line naming the missing key and exit 1."""
+    from runtime.__main__ import main as runtime_main
+    from runtime.cli import run
+
+    monkeypatch.delenv("SHARPDRAFT_API_KEY", raising=False)
+    model = guarded["models"][0]
+    prompts = guarded["work"] / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    argv = ["loadtest", "--model", model, "--concurrency", "1", "--requests", "2",
+            "--max-new-tokens", "4", "--prompts-file", str(prompts), "--json"]
+    for url in (guarded["http"], "grpc://" + guarded["grpc"]):
+        code = run(runtime_main, argv + ["--url", url, "--api-key", KEY, "--engine-dir", str(tiny_engine)])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        report = json.loads(out.out)
+        assert report["levels"][0]["ok"] == 2 and report["token_mismatches"] == 0
+    monkeypatch.setenv("SHARPDRAFT_API_KEY", KEY)
+    assert run(runtime_main, argv + ["--url", guarded["http"]]) == 0
+    capsys.readouterr()
+    monkeypatch.delenv("SHARPDRAFT_API_KEY")
+    assert run(runtime_main, argv + ["--url", guarded["http"]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--api-key" in err[0]
+
+
 def _stubs(server_pid: int) -> dict[int, bytes]:
     found = {}
     for stat in os.listdir("/proc"):

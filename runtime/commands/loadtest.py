@@ -9,6 +9,7 @@ in-process, one after another, for the serving overhead and a token-by-token com
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ from urllib.parse import urlparse
 
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
+from runtime.commands.serve import API_KEY_ENV
 from runtime.modes import Mode
 
 # Short prompts in the register both the tiny test tokenizer (CPython sources) and a chat
@@ -57,6 +59,9 @@ def add_parser(sub):
     p.add_argument("--threads", type=int,
                    help="torch threads for the in-process run (default: torch's, one per core); "
                         "1 matches a server instance on a shared machine")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="the key a server started with `serve --api-key` wants on Triton's "
+                        "inference and repository APIs (default: $SHARPDRAFT_API_KEY, else none)")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", action="store_true")
@@ -141,9 +146,12 @@ def _speculation(result) -> dict | None:
 
 
 class Client:
-    """One connection, HTTP or gRPC, to one model; call() returns (token_ids, MAL)."""
+    """One connection, HTTP or gRPC, to one model; call() returns (token_ids, MAL). With an
+    `api_key`, every call carries it as Triton's restricted APIs want it (runtime/serve/
+    server.py: restricted_api_flags; a gRPC header KEY is sent as triton-grpc-protocol-KEY)."""
 
-    def __init__(self, url: str, model: str, timeout: float, mode: str | None = None):
+    def __init__(self, url: str, model: str, timeout: float, mode: str | None = None,
+                 api_key: str | None = None):
         import numpy as np
 
         parsed = urlparse(url if "://" in url else "http://" + url)
@@ -156,17 +164,21 @@ class Client:
         else:
             import tritonclient.http as triton
         self.triton, self.grpc = triton, parsed.scheme == "grpc"
+        header = "triton-grpc-protocol-authorization" if self.grpc else "authorization"
+        self.headers = {header: f"Bearer {api_key}"} if api_key else None
         self.client = (triton.InferenceServerClient(target) if self.grpc else
                        triton.InferenceServerClient(target, connection_timeout=timeout,
                                                     network_timeout=timeout))
 
     def models(self) -> list[str]:
-        index = self.client.get_model_repository_index(**({"as_json": True} if self.grpc else {}))
+        index = self.client.get_model_repository_index(
+            headers=self.headers, **({"as_json": True} if self.grpc else {}))
         entries = index.get("models", []) if self.grpc else index
         return [m["name"] for m in entries if m.get("state") == "READY"]
 
     def decoupled(self, name: str) -> bool:
-        config = self.client.get_model_config(name, **({"as_json": True} if self.grpc else {}))
+        config = self.client.get_model_config(name, headers=self.headers,
+                                              **({"as_json": True} if self.grpc else {}))
         config = config.get("config", config)
         return bool(config.get("model_transaction_policy", config.get("modelTransactionPolicy", {}))
                     .get("decoupled"))
@@ -189,7 +201,7 @@ class Client:
         start = time.perf_counter()
         kwargs = {"client_timeout": self.timeout} if self.grpc else {}
         result = self.client.infer(self.model, self._inputs(prompt, max_new_tokens, temperature),
-                                   **kwargs)
+                                   headers=self.headers, **kwargs)
         return (result.as_numpy("token_ids").tolist(), _speculation(result),
                 time.perf_counter() - start)
 
@@ -201,7 +213,8 @@ class Client:
             raise UsageError("a streaming model is loaded over gRPC: pass --url grpc://HOST:PORT")
         responses = queue.Queue()
         if not getattr(self, "streaming", False):
-            self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            self.client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                     headers=self.headers)
             self.streaming, self.responses = True, responses
         start = time.perf_counter()
         self.client.async_stream_infer(self.model, self._inputs(prompt, max_new_tokens, temperature))
@@ -243,7 +256,7 @@ def run_server(args, prompts: list[str], model: str, concurrency: int,
 
     def worker():
         try:
-            client = Client(args.url, model, args.timeout, args.mode)
+            client = Client(args.url, model, args.timeout, args.mode, args.api_key)
         except Exception as exc:  # the server is down: every request this worker owed fails
             with lock:
                 failures.append(f"connect: {exc}")
@@ -330,15 +343,25 @@ def run(args) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else PROMPTS
-    probe = Client(args.url, args.model or "", args.timeout)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    probe = Client(args.url, args.model or "", args.timeout, api_key=args.api_key)
     try:
+        ready = probe.models()  # the repository API: a server started with --api-key keys it
+        if args.model and args.model not in ready:
+            raise UsageError(f"the server at {args.url} has no ready model {args.model!r} "
+                             f"(ready: {', '.join(ready) or 'none'})")
         model = args.model or pick_model(probe)
         streaming = probe.decoupled(model)
     except UsageError:
         raise
     except Exception as exc:
-        sys.stderr.write(f"error: cannot reach a Triton server at {args.url} "
-                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})\n")
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "restricted" in why:  # tritonserver's answer to a missing or wrong key
+            sys.stderr.write(f"error: the server at {args.url} wants an API key: pass --api-key "
+                             f"(or ${API_KEY_ENV}) as `serve --api-key` was given ({why})\n")
+        else:
+            sys.stderr.write(f"error: cannot reach a Triton server at {args.url} ({why})\n")
         return 1
     finally:
         probe.close()
