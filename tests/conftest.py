@@ -65,6 +65,42 @@ def tiny_drafter(tmp_path_factory, tiny_target) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trtllm_engine(tmp_path_factory, tiny_target, tiny_drafter) -> Path:
+    """A SharpDraft engine for TensorRT-LLM (--backend trtllm: configuration and the
+    drafter/ directory its hook keys on) over the tiny pair; read, never written, by the
+    tests that share it."""
+    import build_engine
+    from runtime.cli import run
+
+    out = tmp_path_factory.mktemp("trtllm") / "dflash-trtllm"
+    assert run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
+                                   "--backend", "trtllm", "--target", str(tiny_target), "--drafter-checkpoint",
+                                   str(tiny_drafter), "--output", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def standin(tmp_path):
+    """A directory on sys.path for a stand-in tensorrt_llm (tests/trtllm_package.py:
+    write_package); the hook, its proof directory and every imported tensorrt_llm module
+    are reset afterwards, whatever happens."""
+    from plugins.trtllm import proof, uninstall
+    from tests.trtllm_package import forget_tensorrt_llm
+
+    root = tmp_path / "standin"
+    root.mkdir()
+    sys.path.insert(0, str(root))
+    forget_tensorrt_llm()
+    try:
+        yield root
+    finally:
+        uninstall()
+        proof.set_directory(None)
+        forget_tensorrt_llm()
+        sys.path.remove(str(root))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tmp_path_factory, tiny_target, tiny_drafter) -> Path:
     """A SharpDraft engine over the tiny pair, built by build_engine.py itself."""
     import build_engine

@@ -24,19 +24,6 @@ from tests.trtllm_package import Metadata, draft_config, forget_tensorrt_llm, wr
 CONFIG = draft_config(SCALING)  # what a SharpDraft drafter directory's config.json gives the constructor
 
 
-@pytest.fixture
-def standin(tmp_path):
-    """A stand-in tensorrt_llm importable from tmp_path; cleaned up whatever happens."""
-    sys.path.insert(0, str(tmp_path))
-    forget_tensorrt_llm()
-    try:
-        yield tmp_path
-    finally:
-        uninstall()
-        forget_tensorrt_llm()
-        sys.path.remove(str(tmp_path))
-
-
 def load(name):
     import importlib
 

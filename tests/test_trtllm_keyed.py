@@ -26,30 +26,15 @@ from pathlib import Path
 import pytest
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import autoload, install, pins, proof, structure, uninstall
+from plugins.trtllm import autoload, install, pins, proof, structure
 from plugins.trtllm import __main__ as trtllm_cli
 from plugins.trtllm import config as trtllm_config
 from plugins.trtllm import launch as trtllm_launch
 from plugins.trtllm.kernels import WRAPPED
-from tests.trtllm_package import CHECKOUT, draft_config, forget_tensorrt_llm, write_package
+from tests.trtllm_package import CHECKOUT, draft_config, write_package
 
 SCALING = QueryScaling(ref_keys=64, top_k=8, slope=1.0, max_log_scale=0.5)
 OTHER = QueryScaling(ref_keys=4096, top_k=8, slope=1.0, max_log_scale=0.5)
-
-
-@pytest.fixture
-def standin(tmp_path):
-    root = tmp_path / "standin"
-    root.mkdir()
-    sys.path.insert(0, str(root))
-    forget_tensorrt_llm()
-    try:
-        yield root
-    finally:
-        uninstall()
-        proof.set_directory(None)
-        forget_tensorrt_llm()
-        sys.path.remove(str(root))
 
 
 def drafter_dir(root: Path, scaling: QueryScaling | None, **config) -> Path:
@@ -233,15 +218,8 @@ def test_dflash_on_a_flashinfer_target_is_not_refused(standin, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_target, tiny_drafter):
-    import build_engine
-    from runtime.cli import run
-
-    out = tmp_path_factory.mktemp("keyed") / "dflash-trtllm"
-    assert run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
-                                   "--backend", "trtllm", "--target", str(tiny_target), "--drafter-checkpoint",
-                                   str(tiny_drafter), "--output", str(out)]) == 0
-    return out
+def engine(trtllm_engine):
+    return trtllm_engine
 
 
 def test_the_engine_carries_its_sharpdraft_drafter_and_frozen_runs_load_the_stock_one(engine, tiny_drafter):

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-import build_engine
 from plugins.trtllm import autoload, pins, proof
 from plugins.trtllm import config as trtllm_config
 from runtime.cli import run
@@ -60,12 +59,8 @@ def venvs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_target, tiny_drafter):
-    out = tmp_path_factory.mktemp("trtllm-workers") / "dflash-trtllm"
-    assert run(build_engine.main, ["--drafter", "dflash", "--sharpdraft", "--ref-keys", "64", "--top-k", "8",
-                                   "--backend", "trtllm", "--target", str(tiny_target), "--drafter-checkpoint",
-                                   str(tiny_drafter), "--output", str(out)]) == 0
-    return out
+def engine(trtllm_engine):
+    return trtllm_engine
 
 
 def environment(standin: Path, single_process: str | None) -> dict:
