@@ -337,6 +337,7 @@ FILES = {
                 self.model = torch.nn.Module()
                 self.model.layers = torch.nn.ModuleList([DraftLayer() for _ in range({dflash_layers})])
                 self.dflash_attention_backend = dflash_attention_backend
+                self.pooled_cache()
                 if dflash_attention_backend == "VANILLA":
                     self._dflash_flash_attention = k.flash_attn_with_kvcache
                 elif dflash_attention_backend == "TRTLLM":
@@ -354,8 +355,7 @@ FILES = {
                 # for layer_idx, layer in enumerate(self.model.layers): qkv_proj on the block, then
                 # the kernel over that layer's slice of the pooled context cache
                 q = torch.ones(1, 2, 4, 8) if noise is None else noise
-                ctx_k_cache = torch.zeros(1, len(self.model.layers), 8, 2, 8)
-                ctx_v_cache = torch.zeros(1, len(self.model.layers), 8, 2, 8)
+                ctx_k_cache, ctx_v_cache = self.pooled_cache()
                 outs = []
                 for layer_idx, layer in enumerate(self.model.layers):
                     Q = layer.self_attn.qkv_proj(q)
@@ -364,6 +364,14 @@ FILES = {
 
             def draft_step(self):
                 return self.forward()
+
+            def pooled_cache(self):
+                # the pooled context K/V [pool, layers, max_ctx + block, kv_heads, head_dim], preallocated
+                if "_ctx_cache" not in vars(self):
+                    g = torch.Generator().manual_seed(11)
+                    self._ctx_cache = tuple(torch.randn(1, len(self.model.layers), 8, 2, 8, generator=g)
+                                            for _ in range(2))
+                return self._ctx_cache
 
             def _post_attention_gate(self, attn_output, *args):
                 return attn_output

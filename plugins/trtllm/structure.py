@@ -133,7 +133,7 @@ def missing_names(root: Path | None = None, dflash_backend: str | None = None) -
         if attribute is None:
             missing.append(f"a SharpDraft wrapper for DFlash attention_backend {dflash_backend!r} "
                            f"(known: {', '.join(pins.DFLASH_KERNELS)})")
-        elif text and attribute not in text and not (str(dflash_backend).upper() == "VANILLA"
+        elif text and not re.search(rf"\b{attribute}\b", text) and not (str(dflash_backend).upper() == "VANILLA"
                                                       and pins.FLASH_ATTN_KERNEL in text):
             # the oldest copies import flash_attn_with_kvcache inside dflash_forward (VANILLA only)
             missing.append(f"{pins.DFLASH_CLASS}.{attribute} (the {dflash_backend} kernel)")
