@@ -98,6 +98,7 @@ def check_release(version: str | None, root: Path | None = None, dflash_backend:
                           f"{'; '.join(missing)} not found (pinned in plugins/trtllm/pins.py) — run with "
                           "--no-sharpdraft")
     if version is None or not versions.is_tested(version, *pins.READ_RANGE):
+        os.environ[proof.UNTESTED_ENV] = label  # the hook, here and in the workers, need not say it again
         sys.stderr.write(f"sharpdraft: TensorRT-LLM {label} is untested (read: "
                          f"{versions.describe_range(*pins.READ_RANGE)}); accepted because every name "
                          "SharpDraft reads is present\n")
@@ -180,6 +181,7 @@ class Launch:
         from .hook import install
 
         self.scaling = scaling
+        self._untested_before = os.environ.get(proof.UNTESTED_ENV)
         self.version = check_release(installed_version(), dflash_backend=dflash_backend(config, family))
         refuse_inexact(config, family, drafter_dir)
         drafter_dir = drafter_dir or (config.get("speculative_config") or {}).get("speculative_model")
@@ -267,6 +269,10 @@ class Launch:
             os.environ.pop(proof.PROOF_ENV, None)
         else:
             os.environ[proof.PROOF_ENV] = self._proof_before
+        if self._untested_before is None:
+            os.environ.pop(proof.UNTESTED_ENV, None)
+        else:
+            os.environ[proof.UNTESTED_ENV] = self._untested_before
         proof.set_directory(None)
         shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -43,6 +43,9 @@ __all__ = ["ProofError", "PROOF_ENV", "set_directory", "directory", "record", "r
            "summary", "Tally", "counts", "request_counts", "require_growth", "rank"]
 
 PROOF_ENV = "TRTLLM_SHARPDRAFT_PROOF"  # TRTLLM_-prefixed: MpiPoolSession forwards it to workers
+# The untested release our launcher already named (forwarded to workers like PROOF_ENV): the
+# hook in a worker then does not name it again -- one line per launch.
+UNTESTED_ENV = "TRTLLM_SHARPDRAFT_UNTESTED_SAID"
 FROZEN = "frozen"  # QueryScaling's config key `if_unscalable`: this value runs an unscalable drafter frozen
 _state = {"directory": None, "count": 0, "reporter": None}
 _tallies = weakref.WeakSet()  # every live Tally of this process (one per wrapped drafter; the drafter holds it)
