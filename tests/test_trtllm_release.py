@@ -45,15 +45,20 @@ def query():
     return torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("drop_fa4", [False, True], ids=["fa4-present", "fa4-name-gone"])
-def test_release_1_3_0rc27_scales_a_sharpdraft_dflash_drafter_on_vanilla(standin, tmp_path, capsys, drop_fa4):
-    write_package(standin, version="1.3.0rc27", drop=("modeling_dflash.py", "_dflash_fa4_fwd") if drop_fa4 else None)
+@pytest.mark.parametrize("layout,drop_fa4", [("1.3", False), ("1.4", False), ("1.4", True)],
+                         ids=["1.3-layout", "fa4-present", "fa4-name-gone"])
+def test_release_1_3_0rc27_scales_a_sharpdraft_dflash_drafter_on_vanilla(standin, tmp_path, capsys, layout, drop_fa4):
+    """1.3.0rc27: the 1.3.0rc line's own layout (DFlash inside modeling_speculative.py, no FA4
+    kernel), and the newer layout with and without the FA4 kernel's name. A VANILLA launch
+    needs no FA4: accepted, and the drafter's every layer is scaled exactly once."""
+    write_package(standin, version="1.3.0rc27", layout=layout,
+                  drop=("modeling_dflash.py", "_dflash_fa4_fwd") if drop_fa4 else None)
     config = {"speculative_config": {"decoding_type": "DFlash", "attention_backend": "VANILLA"}}
     launch = trtllm_launch.Launch(SCALING, config, "dflash", drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
     try:
         assert capsys.readouterr().err == ""  # in the range read: nothing to say
-        dflash = importlib.import_module(pins.DFLASH_MODULE)
-        drafter = dflash.DFlashForCausalLM(draft_config(SCALING), dflash_attention_backend="VANILLA")
+        module = importlib.import_module(pins.SPECULATIVE_MODULE if layout == "1.3" else pins.DFLASH_MODULE)
+        drafter = module.DFlashForCausalLM(draft_config(SCALING), dflash_attention_backend="VANILLA")
         assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is not None
         q, cache = query(), drafter.pooled_cache()
         for layer, got in enumerate(drafter.dflash_forward(q)):
@@ -62,12 +67,58 @@ def test_release_1_3_0rc27_scales_a_sharpdraft_dflash_drafter_on_vanilla(standin
         assert "disabled" not in capsys.readouterr().err
     finally:
         launch.close()
-    if drop_fa4:  # a launch that uses FA4 needs its kernel: refused in one line naming it
+    if layout == "1.3" or drop_fa4:  # a launch that uses FA4 needs its kernel: refused in one line naming it
         fa4 = {"speculative_config": {"decoding_type": "DFlash", "attention_backend": "FA4"}}
         with pytest.raises(trtllm_launch.LaunchError) as exc:
             trtllm_launch.Launch(SCALING, fa4, "dflash", drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
         assert "\n" not in str(exc.value) and "_dflash_fa4_fwd (the FA4 kernel)" in str(exc.value)
         assert structure.missing_names(dflash_backend="VANILLA") == []
+
+
+def test_release_1_3_0rc27_launch_is_proven_by_its_counts(trtllm_engine, standin, monkeypatch):
+    """generate on the 1.3.0rc line's layout, end to end in one process: built, wrapped,
+    counted, and the first request's draft steps counted on every layer."""
+    from runtime.manifest import read_manifest
+
+    write_package(standin, version="1.3.0rc27", layout="1.3")
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    result = trtllm_launch.generate(read_manifest(trtllm_engine), "def f():", 4)
+    applied = result["sharpdraft_applied"]
+    assert applied["drafters"] == ["DFlashForCausalLM"] and applied["metrics"]["sharpdraft_scaled_calls"] > 0
+
+
+def test_a_launch_whose_count_stays_at_zero_after_its_first_requests_is_refused_in_one_line(
+        trtllm_engine, standin, monkeypatch):
+    """The drafter is wrapped (construction passes) but its draft steps take a path around
+    the wrapped kernel: no count grows, and generate refuses in one line."""
+    from runtime.manifest import read_manifest
+
+    write_package(standin)
+    path = standin / "tensorrt_llm/_torch/models/modeling_dflash.py"
+    path.write_text(path.read_text().replace("outs.append(self.layer_kernel(", "outs.append((lambda *a: None)("))
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    with pytest.raises(proof.ProofError) as exc:
+        trtllm_launch.generate(read_manifest(trtllm_engine), "def f():", 4, cuda_graph_config=None)
+    text = str(exc.value)
+    assert "\n" not in text and "stayed at 0 after the first requests" in text and "model.layers.0" in text
+
+
+def test_an_unscalable_sharpdraft_drafter_stops_the_build_with_our_one_line(trtllm_engine, standin, monkeypatch):
+    """What the structure check cannot see from the files (here: the kernel's signature, an
+    outside package) stops the build when the drafter is built; the launcher reports only
+    the hook's line, whatever TensorRT-LLM wrapped it in."""
+    from runtime.manifest import read_manifest
+
+    def moved(q, k_cache, v_cache, lengths=None):  # cache_seqlens renamed
+        raise AssertionError("never called")
+
+    write_package(standin)
+    monkeypatch.setattr(k, "flash_attn_with_kvcache", moved)
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    with pytest.raises(trtllm_launch.LaunchError) as exc:
+        trtllm_launch.build_llm(read_manifest(trtllm_engine))
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith("sharpdraft: DFlashForCausalLM") and "cache_seqlens" in text
 
 
 def test_a_moved_metadata_field_is_refused_before_the_build_and_when_the_drafter_is_built(standin, tmp_path):

@@ -114,7 +114,10 @@ FILES = {
             if decoding:
                 config = draft_config(speculative_config["speculative_model"], attn_backend)
             if decoding == "DFlash":
-                module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+                try:
+                    module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+                except ModuleNotFoundError:  # the 1.3.0rc line: DFlash beside EAGLE-3 and PARD
+                    module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
                 _DRAFTER["model"] = module.build_dflash_draft(config, speculative_config.get(
                     "attention_backend", "VANILLA"))
             elif decoding in ("Eagle3", "PARD"):
@@ -484,18 +487,50 @@ class DFlashForCausalLM(torch.nn.Module):
 FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import flash_attn_with_kvcache\n"}
 
 
+def layout_1_3(files: dict[str, str]) -> dict[str, str]:
+    """The 1.3.0rc line's layout (pins.SOURCES["modeling_speculative_dflash_1_3"]): no
+    modeling_dflash.py; DFlashForCausalLM defined in modeling_speculative.py with the kernel
+    held on the instance for VANILLA and TRTLLM only (any other backend: ValueError), no
+    Laguna subclass."""
+    dflash = files.pop("tensorrt_llm/_torch/models/modeling_dflash.py")
+    classes = dflash[dflash.index("class DraftAttention"):dflash.index("class DFlashLagunaForCausalLM")]
+    lines, kept, skip = classes.splitlines(keepends=True), [], 0
+    for i, line in enumerate(lines):
+        if skip:
+            skip -= 1
+        elif 'dflash_attention_backend == "FA4"' in line:  # the FA4 branch and its body
+            indent = len(line) - len(line.lstrip())
+            skip = next(n for n, rest in enumerate(lines[i + 1:])
+                        if len(rest) - len(rest.lstrip()) <= indent and rest.strip())
+        else:
+            kept.append(line)
+    classes = "".join(kept)
+    assert "_dflash_fa4_fwd" not in classes, "the 1.3.0rc line has no FA4 kernel"
+    files["tensorrt_llm/_torch/models/modeling_speculative.py"] += (
+        "\nfrom plugins.trtllm import standins as k\n"
+        "from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops\n\n\n" + classes +
+        "\ndef build_dflash_draft(draft_config, attention_backend):\n"
+        "    return DFlashForCausalLM(draft_config, dflash_attention_backend=attention_backend)\n")
+    return files
+
+
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
                   old_dflash: bool = False, unhooked_rank: int | None = None, dflash_layers: int = 2,
-                  laguna_extra: str = "") -> Path:
+                  laguna_extra: str = "", layout: str = "1.4") -> Path:
     """The stand-in package under `root`. laguna_extra: a method source added to
-    DFlashLagunaForCausalLM (e.g. an override outside the audited ones)."""
-    files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
-    for rel, text in files.items():
+    DFlashLagunaForCausalLM (e.g. an override outside the audited ones). layout "1.3": the
+    1.3.0rc line's (layout_1_3)."""
+    files = {}
+    for rel, text in (dict(FILES) | (FLASH_ATTN if old_dflash else {})).items():
         text = textwrap.dedent(text)
         if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py", "modeling_dflash.py")):
             text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "",
                                unhooked_rank=unhooked_rank, dflash_layers=dflash_layers,
                                laguna_extra=textwrap.indent(textwrap.dedent(laguna_extra), "    "))
+        files[rel] = text
+    if layout == "1.3":
+        files = layout_1_3(files)
+    for rel, text in files.items():
         if drop and rel.endswith(drop[0]):
             text = text.replace(drop[1], "_removed_" + drop[1])
         path = root / rel
