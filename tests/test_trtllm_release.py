@@ -223,3 +223,71 @@ def test_a_compiled_drafter_step_counts_every_call_on_the_device(standin):
     cache = drafter.pooled_cache()
     for layer, got in enumerate(out):
         torch.testing.assert_close(got, reference(q, cache, layer), rtol=1e-5, atol=1e-6)
+
+
+def test_a_drafter_whose_config_asks_to_run_frozen_is_served_frozen_and_the_launch_says_so(
+        standin, tmp_path, monkeypatch, capsys):
+    import json
+
+    # a DFlash subclass with an override nobody audited: unscalable
+    write_package(standin, laguna_extra="def gate_path(self):\n    return None\n")
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    directory = drafter_dir(tmp_path / "d", SCALING)
+    carried = json.loads((directory / "config.json").read_text())
+    carried[pins.SHARPDRAFT_KEY][pins.IF_UNSCALABLE] = proof.FROZEN
+    carried["architectures"] = ["LagunaDFlashDraft"]
+    (directory / "config.json").write_text(json.dumps(carried))
+    config = {"model": "m", "speculative_config": {"decoding_type": "DFlash", "speculative_model": str(directory),
+                                                   "attention_backend": "VANILLA"}}
+    launch = trtllm_launch.Launch(SCALING, config, "dflash", directory, site=tmp_path)
+    try:
+        import tensorrt_llm
+
+        with launch.built():
+            llm = tensorrt_llm.LLM(**config)
+        applied = launch.require()
+        llm.generate(["x"], None)
+        assert launch.require_running() == applied
+        llm.shutdown()
+    finally:
+        launch.close()
+    assert applied["metrics"]["sharpdraft_frozen_drafters"] == 1 and not applied["sharpdraft"]
+    assert "gate_path" in applied["frozen"][0]["reason"]
+    err = capsys.readouterr().err
+    assert err.count("runs FROZEN") == 1
+
+
+def test_every_binding_of_the_llm_class_goes_through_the_proof_gate(standin, tmp_path, monkeypatch, capsys):
+    """A serving entry point that imports LLM itself (as the OpenEngine gRPC server does,
+    not through commands.serve.PyTorchLLM) builds a checked LLM: the probe request runs and
+    the counts are proven before it returns."""
+    import json
+
+    from plugins.trtllm import serve as trtllm_serve
+
+    write_package(standin)
+    entry = standin / "tensorrt_llm" / "grpc_server.py"
+    entry.write_text("def build(**config):\n    from tensorrt_llm import LLM\n    return LLM(**config)\n")
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    directory = drafter_dir(tmp_path / "d", SCALING)
+    config = {"model": "m", "speculative_config": {"decoding_type": "DFlash", "speculative_model": str(directory),
+                                                   "attention_backend": "VANILLA"}}
+    launch = trtllm_launch.Launch(SCALING, config, "dflash", directory, site=tmp_path)
+    try:
+        replaced = trtllm_serve.gate_every_binding(launch)
+        assert "tensorrt_llm.LLM" in replaced and "tensorrt_llm.commands.serve.PyTorchLLM" in replaced
+        llm = importlib.import_module("tensorrt_llm.grpc_server").build(**config)
+        llm.shutdown()
+    finally:
+        launch.close()
+    [line] = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith('{"sharpdraft_applied"')]
+    counted = line["sharpdraft_applied"]["counts"]
+    assert all(c > 0 for per_pid in counted.values() for c in per_pid.values())
+
+
+def test_a_trtllm_serve_subcommand_outside_the_gate_is_refused():
+    from plugins.trtllm import serve as trtllm_serve
+
+    with pytest.raises(trtllm_launch.LaunchError) as exc:
+        trtllm_serve.parallel_sizes(["disaggregated", "-c", "x.yaml"])
+    assert "\n" not in str(exc.value) and "disaggregated" in str(exc.value)

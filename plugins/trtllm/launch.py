@@ -240,7 +240,7 @@ class Launch:
         self.held = proof.require(self.directory, self.scaling, world=self.world, pipeline=self.pipeline,
                                   frozen_allowed=self.frozen_allowed)
         self.before = proof.request_counts(self.directory, self.held) if self._wrapped() else {}
-        return proof.summary(self.held, self.before)
+        return proof.summary(self.held, self.before if self._wrapped() else None)
 
     def require_running(self) -> dict:
         """After the first requests: proof.ProofError in one line unless every wrapped layer of
