@@ -291,3 +291,25 @@ def test_a_trtllm_serve_subcommand_outside_the_gate_is_refused():
     with pytest.raises(trtllm_launch.LaunchError) as exc:
         trtllm_serve.parallel_sizes(["disaggregated", "-c", "x.yaml"])
     assert "\n" not in str(exc.value) and "disaggregated" in str(exc.value)
+
+
+def test_check_shows_a_proof_directorys_counts(standin, tmp_path, capsys):
+    from plugins.trtllm import __main__ as trtllm_cli
+    from plugins.trtllm import install
+
+    write_package(standin)
+    proof.set_directory(tmp_path / "proof")
+    try:
+        install()
+        drafter = importlib.import_module(pins.DFLASH_MODULE).DFlashForCausalLM(draft_config(SCALING))
+        drafter.draft_step()
+        drafter.draft_step()
+        held = proof.require(tmp_path / "proof", SCALING)
+        proof.request_counts(tmp_path / "proof", held, timeout=10)
+    finally:
+        proof.set_directory(None)
+    capsys.readouterr()
+    assert trtllm_cli.main(["check", "--proof", str(tmp_path / "proof")]) == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if "scaled calls" in x]
+    assert ".model.layers.0 2" in line and ".model.layers.1 2" in line

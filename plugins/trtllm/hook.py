@@ -95,7 +95,7 @@ class _State:
         self.classes: dict[tuple[str, str], tuple[type, object]] = {}  # -> (class, original __init__)
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self.version: str | None = None
-        self.disabled: str | None = None  # why the hook stood down in this process
+        self.disabled: str | None = None  # what moved: SharpDraft drafters are refused when built
         self.serial = 0  # drafters wrapped in this process (names their proof units)
         self.warned: str | None = None  # the untested release already named on stderr
 
@@ -115,7 +115,8 @@ def installed() -> bool:
 
 
 def disabled() -> str | None:
-    """Why the hook stood down in this process (None: it did not)."""
+    """What a loaded drafter module lacks, for which every SharpDraft drafter built in this
+    process is refused (None: nothing moved). Stock drafters build either way."""
     return _state.disabled
 
 

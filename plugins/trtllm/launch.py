@@ -182,6 +182,21 @@ class Launch:
 
         self.scaling = scaling
         self._untested_before = os.environ.get(proof.UNTESTED_ENV)
+        try:
+            self._check(config, family, drafter_dir, site)
+        except BaseException:
+            self._restore_untested()
+            raise
+        self.held: list[dict] = []
+        self.before: dict[int, dict] = {}
+        self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
+        self._proof_before = os.environ.get(proof.PROOF_ENV)
+        os.environ[proof.PROOF_ENV] = str(self.directory)  # TRTLLM_-prefixed: forwarded to workers
+        proof.set_directory(self.directory)
+        install()  # this process (single-process executor, Triton stub, serve process)
+
+    def _check(self, config: dict, family: str | None, drafter_dir, site) -> None:
+        """Everything refused before TensorRT-LLM builds anything (one line each)."""
         self.version = check_release(installed_version(), dflash_backend=dflash_backend(config, family))
         refuse_inexact(config, family, drafter_dir)
         drafter_dir = drafter_dir or (config.get("speculative_config") or {}).get("speculative_model")
@@ -189,10 +204,10 @@ class Launch:
         policy = carried.get(pins.IF_UNSCALABLE) if isinstance(carried, dict) else None
         parameters = {k: v for k, v in carried.items() if k != pins.IF_UNSCALABLE} if isinstance(carried, dict) \
             else carried
-        if parameters != scaling.to_dict():
+        if parameters != self.scaling.to_dict():
             raise LaunchError(f"the drafter directory {drafter_dir} carries "
                               + ("no SharpDraft parameters" if carried is None else f"SharpDraft parameters {carried}")
-                              + f", not this engine's {scaling.to_dict()} — rebuild it with build_engine.py "
+                              + f", not this engine's {self.scaling.to_dict()} — rebuild it with build_engine.py "
                               "--backend trtllm --sharpdraft")
         self.frozen_allowed = policy == proof.FROZEN
         self.site = site if site is not None else autoload.find_site()
@@ -204,13 +219,12 @@ class Launch:
             raise LaunchError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
                               "processes, which this process's hook does not reach — run `python -m "
                               "plugins.trtllm autoload install` first (docs/trtllm.md)")
-        self.held: list[dict] = []
-        self.before: dict[int, dict] = {}
-        self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
-        self._proof_before = os.environ.get(proof.PROOF_ENV)
-        os.environ[proof.PROOF_ENV] = str(self.directory)  # TRTLLM_-prefixed: forwarded to workers
-        proof.set_directory(self.directory)
-        install()  # this process (single-process executor, Triton stub, serve process)
+
+    def _restore_untested(self) -> None:
+        if self._untested_before is None:
+            os.environ.pop(proof.UNTESTED_ENV, None)
+        else:
+            os.environ[proof.UNTESTED_ENV] = self._untested_before
 
     def env(self, announce=lambda line: sys.stderr.write(line + "\n")) -> dict:
         """Environment for this launch's TensorRT-LLM: the single-process executor only where
@@ -269,10 +283,7 @@ class Launch:
             os.environ.pop(proof.PROOF_ENV, None)
         else:
             os.environ[proof.PROOF_ENV] = self._proof_before
-        if self._untested_before is None:
-            os.environ.pop(proof.UNTESTED_ENV, None)
-        else:
-            os.environ[proof.UNTESTED_ENV] = self._untested_before
+        self._restore_untested()
         proof.set_directory(None)
         shutil.rmtree(self.directory, ignore_errors=True)
 
