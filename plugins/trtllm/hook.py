@@ -85,7 +85,12 @@ class TrtllmHookError(ImportError):
 class UnscalableDrafter(RuntimeError):
     """Raised out of a SharpDraft drafter's constructor that the hook cannot scale: the
     build stops, and the error TensorRT-LLM reports ends with this one line of ours. (Not
-    an ImportError: TensorRT-LLM's own fallbacks catch those.)"""
+    an ImportError: TensorRT-LLM's own fallbacks catch those.) It pickles as a plain
+    RuntimeError with the same line: a worker's error reaches a launcher that never loaded
+    the hook's copy (the autoloader's private one) intact."""
+
+    def __reduce__(self):
+        return RuntimeError, (str(self),)
 
 
 class _State:
