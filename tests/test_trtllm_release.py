@@ -48,7 +48,7 @@ def query():
 @pytest.mark.parametrize("layout,drop_fa4", [("1.3", False), ("1.4", False), ("1.4", True)],
                          ids=["1.3-layout", "fa4-present", "fa4-name-gone"])
 def test_release_1_3_0rc27_scales_a_sharpdraft_dflash_drafter_on_vanilla(standin, tmp_path, capsys, layout, drop_fa4):
-    """1.3.0rc27: the 1.3.0rc line's own layout (DFlash inside modeling_speculative.py, no FA4
+    """1.3.0rc27: the older layout (DFlash inside modeling_speculative.py, no FA4
     kernel), and the newer layout with and without the FA4 kernel's name. A VANILLA launch
     needs no FA4: accepted, and the drafter's every layer is scaled exactly once."""
     write_package(standin, version="1.3.0rc27", layout=layout,
@@ -76,7 +76,7 @@ def test_release_1_3_0rc27_scales_a_sharpdraft_dflash_drafter_on_vanilla(standin
 
 
 def test_release_1_3_0rc27_launch_is_proven_by_its_counts(trtllm_engine, standin, monkeypatch):
-    """generate on the 1.3.0rc line's layout, end to end in one process: built, wrapped,
+    """generate at 1.3.0rc27 on the older layout, end to end in one process: built, wrapped,
     counted, and the first request's draft steps counted on every layer."""
     from runtime.manifest import read_manifest
 

@@ -116,7 +116,7 @@ FILES = {
             if decoding == "DFlash":
                 try:
                     module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
-                except ModuleNotFoundError:  # the 1.3.0rc line: DFlash beside EAGLE-3 and PARD
+                except ModuleNotFoundError:  # the older layout: DFlash beside EAGLE-3 and PARD
                     module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
                 _DRAFTER["model"] = module.build_dflash_draft(config, speculative_config.get(
                     "attention_backend", "VANILLA"))
@@ -210,7 +210,7 @@ FILES = {
     "tensorrt_llm/_torch/models/__init__.py": "",
     "tensorrt_llm/_torch/modules/__init__.py": "",
     "tensorrt_llm/_torch/attention_backend/__init__.py": "",
-    # _torch/attention_backend/interface.py @ 51ea5c96 (the 1.3.0rc line's path): AttentionMetadata,
+    # _torch/attention_backend/interface.py @ 51ea5c96 (the older layout's path): AttentionMetadata,
     # seq_lens a host tensor with its device copy seq_lens_cuda, num_seqs from seq_lens;
     # trtllm.py: TrtllmAttentionMetadata adds kv_lens_cuda. The fields as the count reads them
     # (plugins/trtllm/standins.py Metadata builds instances with the same names).
@@ -354,7 +354,7 @@ FILES = {
                 return self.dflash_forward(noise)
 
             def dflash_forward(self, noise=None):
-                # the block decode (modeling_dflash.py / the 1.3.0rc line's modeling_speculative.py):
+                # the block decode (modeling_dflash.py / the older layout's modeling_speculative.py):
                 # for layer_idx, layer in enumerate(self.model.layers): qkv_proj on the block, then
                 # the kernel over that layer's slice of the pooled context cache
                 q = torch.ones(1, 2, 4, 8) if noise is None else noise
@@ -488,7 +488,8 @@ FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import fla
 
 
 def layout_1_3(files: dict[str, str]) -> dict[str, str]:
-    """The 1.3.0rc line's layout (pins.SOURCES["modeling_speculative_dflash_1_3"]): no
+    """The older layout (pins.SOURCES["modeling_speculative_dflash_1_3"]: the stored copy
+    importing ..modules.* and ..attention_backend.*, as the 1.3.0rc line did): no
     modeling_dflash.py; DFlashForCausalLM defined in modeling_speculative.py with the kernel
     held on the instance for VANILLA and TRTLLM only (any other backend: ValueError), no
     Laguna subclass."""
@@ -505,7 +506,7 @@ def layout_1_3(files: dict[str, str]) -> dict[str, str]:
         else:
             kept.append(line)
     classes = "".join(kept)
-    assert "_dflash_fa4_fwd" not in classes, "the 1.3.0rc line has no FA4 kernel"
+    assert "_dflash_fa4_fwd" not in classes, "that copy has no FA4 kernel"
     files["tensorrt_llm/_torch/models/modeling_speculative.py"] += (
         "\nfrom plugins.trtllm import standins as k\n"
         "from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops\n\n\n" + classes +
@@ -519,7 +520,7 @@ def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] 
                   laguna_extra: str = "", layout: str = "1.4") -> Path:
     """The stand-in package under `root`. laguna_extra: a method source added to
     DFlashLagunaForCausalLM (e.g. an override outside the audited ones). layout "1.3": the
-    1.3.0rc line's (layout_1_3)."""
+    older layout (layout_1_3)."""
     files = {}
     for rel, text in (dict(FILES) | (FLASH_ATTN if old_dflash else {})).items():
         text = textwrap.dedent(text)

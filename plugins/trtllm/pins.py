@@ -43,10 +43,12 @@ PINNED = "1.4.0rc1"
 # The releases whose sources and docs we read, compared as versions (plugins/trtllm/
 # versions.py). Neither a floor nor a ceiling: a release outside it is accepted, with one
 # line on stderr naming it untested, when every name below is present, and one inside it is
-# refused when one is missing. The 1.3.0rc line differs in where DFlash lives (the copies
-# with DFlashForCausalLM inside modeling_speculative.py, kernels VANILLA and TRTLLM only:
+# refused when one is missing. The older layout (the stored copies that import ..modules.* and
+# ..attention_backend.*, as the 1.3.0rc line's DFlash PR did) differs in where DFlash lives
+# (DFlashForCausalLM inside modeling_speculative.py, kernels VANILLA and TRTLLM only:
 # SOURCES["modeling_speculative_dflash_1_3"]) and where AttentionMetadata lives
-# (METADATA_MODULES); both layouts are handled.
+# (METADATA_MODULES); the 1.3.0rc27 docs already list FA4, so which layout a given 1.3.0rc
+# build has is not known from here: both layouts are handled, by structure.
 READ_RANGE = ("1.3.0rc27", "1.4.0rc4")
 
 REPO = "https://github.com/NVIDIA/TensorRT-LLM"
@@ -243,7 +245,7 @@ DISTRIBUTION = "tensorrt_llm"  # importlib.metadata name: read at launch without
 
 _WRAP_ROPE = "wrapped: after construction, forward/apply_rope of each Attention instance inside"
 PATCH_POINTS = (
-    # DFlash lives in modeling_dflash.py, or (1.3.0rc line) in modeling_speculative.py: one of
+    # DFlash lives in modeling_dflash.py, or (older layout) in modeling_speculative.py: one of
     # the two is required (structure.py; FAMILIES)
     PatchPoint(DFLASH_MODULE, "DFlashForCausalLM.__init__", "modeling_dflash",
                "wrapped: after construction, the instance's attention kernel is wrapped", "dflash",
@@ -254,7 +256,7 @@ PATCH_POINTS = (
     PatchPoint(DFLASH_MODULE, "DFlashLagunaForCausalLM.__init__", "modeling_dflash_laguna",
                "wrapped like DFlash when it overrides only DFLASH_AUDITED_OVERRIDES", "dflash", required=False),
     PatchPoint(SPECULATIVE_MODULE, "DFlashForCausalLM.__init__", "modeling_speculative_dflash_1_3",
-               "wrapped like modeling_dflash's (the 1.3.0rc line), or, in the oldest copies, "
+               "wrapped like modeling_dflash's (older layout), or, in the oldest copies, "
                "dflash_forward's flash_attn_with_kvcache", "dflash", required=False),
     PatchPoint(SPECULATIVE_MODULE, "MistralLarge3EagleForCausalLM.__init__", "modeling_speculative",
                "refused when built: MLA drafter layers", "mla", required=False),
@@ -288,7 +290,7 @@ METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens_cuda": "seq_lens_cuda",
             "offsets": "spec_decoding_position_offsets"}
 # Where the metadata classes live: AttentionMetadata in interface.py, TrtllmAttentionMetadata
 # (kv_lens_cuda) in the TRTLLM backend's module; under _torch/attention_backend/ in the
-# 1.3.0rc line (SOURCES["attention_interface"], older path), _torch/attention/backends/ later.
+# older layout (SOURCES["attention_interface"], older path), _torch/attention/backends/ later.
 METADATA_MODULES = ("tensorrt_llm._torch.attention_backend.interface", "tensorrt_llm._torch.attention_backend.trtllm",
                     "tensorrt_llm._torch.attention.backends.interface",
                     "tensorrt_llm._torch.attention.backends.trtllm")

@@ -3,7 +3,7 @@ source files, without importing it (importing tensorrt_llm needs libcuda).
 
 Our launchers run this before TensorRT-LLM builds anything, and it alone decides: no version
 number is compared. Required (pins.py): each drafter family's class in one of its layouts
-(DFlash in modeling_dflash.py or, in the 1.3.0rc line, modeling_speculative.py) with the
+(DFlash in modeling_dflash.py or, in the older layout, modeling_speculative.py) with the
 constructor parameters the hook reads; the generic Attention's methods; every metadata field
 the EAGLE-3 / PARD count reads; and the DFlash kernel attribute of the attention backend this
 launch uses only (a VANILLA launch needs no FA4). A missing one refuses the launch in one
