@@ -177,7 +177,8 @@ SOURCES = {
         "tensorrt_llm/_torch/pyexecutor/model_engine.py", "(stored copies; the store does not show their commit)",
         "PyTorchModelEngine warm-up: forward passes (autotuner warm-up; _run_cuda_graph_warmup "
         "captures generation graphs for each batch size and draft length) before the LLM serves — "
-        "where the launcher's 'ran scaled' check after construction relies on it"),
+        "where the launcher's counts after construction come from (with CUDA graphs: the warm-up's "
+        "eager run moves each drafter's device counter to the GPU before any capture)"),
     "mpi_session": Source(
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
