@@ -375,8 +375,8 @@ SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
 # points such as the OpenEngine gRPC server): the proof gate replaces each one that is
 # loaded, so a server started from any of them builds a checked LLM. `trtllm-serve`
 # subcommands other than its plain serve path are refused by our launcher (SERVE_COMMANDS).
-LLM_BINDINGS = (("tensorrt_llm", "LLM"), ("tensorrt_llm.llmapi", "LLM"), ("tensorrt_llm.llmapi.llm", "LLM"),
-                SERVE_LLM)
+# (The defining module, llmapi/llm.py, keeps its own class: its code refers to it by name.)
+LLM_BINDINGS = (("tensorrt_llm", "LLM"), ("tensorrt_llm.llmapi", "LLM"), SERVE_LLM)
 SERVE_SUBCOMMANDS = ("disaggregated", "disaggregated_mpi_worker", "mm_embedding_serve", "grpc", "openengine")
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 

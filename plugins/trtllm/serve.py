@@ -116,25 +116,26 @@ def plan(manifest, engine_dir: Path, sharpdraft: bool, serve_args: list[str]) ->
 
 
 def checked_llm(llm_class, launch):
-    """An LLM class whose instances are checked once built, before anything serves: the
-    proof on every rank, one short request, the device counts grown (launch.probe); the
-    build itself reports a drafter the hook could not scale as its one line."""
+    """A subclass of TensorRT-LLM's LLM class whose instances are checked once built, before
+    anything serves: the proof on every rank, one short request, the device counts grown
+    (launch.probe); the build itself reports a drafter the hook could not scale as its one
+    line. A subclass, not a function: isinstance checks against the stock class still hold."""
     if getattr(llm_class, "_sharpdraft_checked", False):
         return llm_class
 
-    def build(*args, **kwargs):
+    def __init__(self, *args, **kwargs):
         with launch.built():
-            llm = llm_class(*args, **kwargs)
+            llm_class.__init__(self, *args, **kwargs)
         try:
-            applied = launch.probe(llm)
+            applied = launch.probe(self)
         except Exception:
-            llm.shutdown()
+            self.shutdown()
             raise
         sys.stderr.write(json.dumps({"sharpdraft_applied": applied}) + "\n")
-        return llm
 
-    build._sharpdraft_checked = True
-    return build
+    return type(llm_class.__name__, (llm_class,), {"__init__": __init__, "_sharpdraft_checked": True,
+                                                   "__module__": llm_class.__module__,
+                                                   "__qualname__": llm_class.__qualname__})
 
 
 def gate_every_binding(launch) -> list[str]:
