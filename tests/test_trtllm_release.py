@@ -225,6 +225,18 @@ def test_a_compiled_drafter_step_counts_every_call_on_the_device(standin):
         torch.testing.assert_close(got, reference(q, cache, layer), rtol=1e-5, atol=1e-6)
 
 
+def test_the_unscalable_error_crosses_a_process_boundary_as_our_line():
+    """A worker's error reaches a launcher that never loaded the hook's (private) copy: it
+    pickles as a plain RuntimeError carrying the same one line."""
+    import pickle
+
+    from plugins.trtllm.hook import UnscalableDrafter
+
+    line = "sharpdraft: DFlashForCausalLM carries SharpDraft's parameters but cannot be scaled: x"
+    back = pickle.loads(pickle.dumps(UnscalableDrafter(line)))
+    assert type(back) is RuntimeError and str(back) == line
+
+
 def test_a_drafter_whose_config_asks_to_run_frozen_is_served_frozen_and_the_launch_says_so(
         standin, tmp_path, monkeypatch, capsys):
     import json

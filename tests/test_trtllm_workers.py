@@ -380,6 +380,7 @@ def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs,
     assert proof.read(other_proof) == []  # nothing of this instance's went to the other launch
 
 
+@pytest.mark.slow  # the fast tier: tests/test_trtllm_release.py (the build stops in process; the error pickles)
 def test_a_sharpdraft_drafter_a_worker_cannot_scale_stops_a_plain_launch_with_our_line(venvs, engine, tmp_path):
     """TensorRT-LLM's own LLM() (what a plain trtllm-serve builds) with the autoloader, the
     drafter built in an MPI worker where the hook cannot scale it (its kernel's signature
