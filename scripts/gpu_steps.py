@@ -49,9 +49,9 @@ QWEN3_8B = dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=
 TINY = dict(vocab=512, hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16,
             block=4, draft_layers=2, draft_vocab=128,
             pard=dict(hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16))
-# descending; 32K and 4K only (16K went when PARD and EAGLE-3 joined: four families' rows
-# at three contexts did not fit the plan's 600 s, see gpu_travel.BUDGET)
-CONTEXTS = (32768, 4096)
+# 32K alone: the long context SharpDraft is for (4K and 16K went to keep the whole GPU run
+# under 450 s with room for a rerun: scripts/gpu_travel.py's estimate)
+CONTEXTS = (32768,)
 BATCH_BUCKETS = (1, 4)
 CPU = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
 

@@ -289,16 +289,18 @@ MACHINE = {
 # GPU (its own clock), the most it can take.
 E2E_CAP_S = 100 + 25  # gpu_e2e.BUDGET_S (its rows' clock) + process start, load, tokenizing
 FACTORS = {
-    "gpu_graphs": dict(factor=1.0, why="the same tiny model and steps; the GPU adds CUDA's start "
-                                       "(~5 s) and a capture (ms)"),
-    "gpu_kernel": dict(factor=1.7, why="CPU: the interpreter on two small cases (fp32, fp16), inductor "
+    "gpu_graphs": dict(factor=2.0, why="the same imports and tiny model; the GPU adds CUDA's start "
+                                       "(~4 s) and the capture: ~10 s"),
+    "gpu_kernel": dict(factor=2.4, why="CPU: the interpreter on two small cases (fp32, fp16), inductor "
                                        "over the op, a small bench; GPU: ~22 bf16 Triton compiles "
                                        "(~1.5 s each), capture, host timings, a reduce-overhead compile "
-                                       "and the bench on four shapes"),
-    "gpu_trtllm": dict(factor=2.0, why="the same cases; the GPU adds CUDA's start and captures each"),
-    "gpu_steps": dict(factor=3.0, why="CPU: every family's eager rows at tiny shapes; GPU: 8B-shaped "
-                                      "random weights made on the device, four drafters, eager and "
-                                      "captured rows at 32K and 4K, batch 1 and 4 (~0.3 s each)"),
+                                       "(~10 s) and the bench on four shapes: ~55 s"),
+    "gpu_trtllm": dict(factor=6.0, why="the same cases, eagerly on CPU in about a second; the GPU "
+                                       "adds CUDA's start and captures each: ~8 s"),
+    "gpu_steps": dict(factor=8.0, why="CPU: every family's eager rows at tiny shapes, in seconds; "
+                                      "GPU: 8B-shaped random weights made on the device, four "
+                                      "drafters, 28 eager and captured rows at 32K (~0.5 s each): "
+                                      "~27 s"),
     "gpu_target": dict(factor=1.0, why="the same work (pip install, GGUF to safetensors, one thread), "
                                        "on a dedicated CPU at least as fast"),
     "gpu_e2e": dict(factor=1.0, cap_s=E2E_CAP_S,
