@@ -546,6 +546,22 @@ def refusal_drill(command: str, tree: Path, out: Path, env: dict, travel: Path) 
     return dict(ok=ok, exit=done["rc"], seconds=done["seconds"], output=lines[-3:])
 
 
+ROW_VERDICTS = ("mode", "context", "lossless", "tokens_equal_ours", "first_differing_index", "fallback",
+                "skipped", "error")
+
+
+def verdicts(data: dict) -> dict:
+    """What a section's rows decided (gpu_e2e: each mode's losslessness), and where its
+    target came from: the summary's evidence, without the figures of a CPU run."""
+    out = {}
+    if any("lossless" in r for r in data.get("rows", ())):
+        out["rows"] = [{k: r[k] for k in ROW_VERDICTS if k in r} for r in data["rows"]]
+    source = data.get("parts", {}).get("target", {}).get("target_source")
+    if source:
+        out["target_source"] = source
+    return out
+
+
 def rehearse(out_root: Path, repo: Path = REPO, echo=print, record: Path | None = None,
              calls=None) -> int:
     """Every call of the plan as it travels, one after another, on CPU: its tree built in a
@@ -621,7 +637,8 @@ def rehearse(out_root: Path, repo: Path = REPO, echo=print, record: Path | None 
                     cpu_seconds[section] = seen["cpu_time_s"]
                 entry["sections"][section] = dict(status=status, seconds=seen.get("seconds"),
                                                   cpu_time_s=seen.get("cpu_time_s"),
-                                                  skipped=data.get("skipped", {}))
+                                                  parts={n: p.get("status") for n, p in data.get("parts", {}).items()},
+                                                  skipped=data.get("skipped", {}), **verdicts(data))
                 if status not in ("passed", "skipped"):
                     broken.append(f"call {c['call']}: section {section} {status}")
             for name in ("gpu_check.json", "gpu_check.log"):

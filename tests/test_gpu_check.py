@@ -311,6 +311,9 @@ def test_rehearsal_runs_the_plans_calls_as_they_travel_on_the_real_target(tmp_pa
     assert source["kind"] == "gguf" and source["path"].startswith(str(tmp_path / "travel" / "site"))
     rows = {r["mode"]: r for r in e2e["rows"]}
     assert rows["sharpdraft"]["lossless"] is True and "tok_s" in rows["target"]
+    summary = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert summary["verdict"] == last and summary["estimate"]["total_s"] == seconds
+    assert summary["calls"][-1]["refusal_drill"]["ok"]
 
 
 def test_gpu_kernel_on_cpu_runs_the_interpreter_and_names_its_gpu_only_parts(tmp_path, monkeypatch):
