@@ -20,7 +20,8 @@ SIGKILL; a section that raised, was killed or crashed its process leaves the oth
 sections' files and its own partial one, and this records its exit in
 DIR/gpu_check.json. Exit 1 when a section did not pass: failed, crashed, killed, or a
 part "not run" that the section does not name as skipped on this machine. Without CUDA
-(and not on CPU by SHARPDRAFT_CPU=1) one line `error: ...`, exit 1.
+(and not on CPU by SHARPDRAFT_CPU=1) one line `error: ...`, exit 1. On CPU each section's
+timeout is gpu_travel.CPU_TIMEOUT_SCALE times its GPU one.
 """
 
 from __future__ import annotations

@@ -534,7 +534,10 @@ def refusal_drill(command: str, tree: Path, out: Path, env: dict, travel: Path) 
     """The earlier calls' parts taken away (a machine gone cold), the call run once: it
     must refuse in one line, exit non-zero, within REFUSAL_S. The parts put back after."""
     parts, away = travel / "parts", travel / "parts.away"
-    parts.rename(away)
+    away.mkdir(parents=True, exist_ok=True)
+    if parts.exists():
+        away.rmdir()
+        parts.rename(away)
     try:
         done = run_call(command, tree, out, env, 60)
     finally:

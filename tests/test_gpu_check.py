@@ -214,6 +214,7 @@ def test_a_section_needing_the_site_folder_runs_after_the_section_that_makes_it(
     monkeypatch.setenv("SHARPDRAFT_CPU", "1")
     monkeypatch.setenv("SHARPDRAFT_TRAVEL_DIR", str(travel))
     monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setattr(gpu_check, "stash_parts", lambda: [])  # this checkout's own .gpu/ stays out
     out = tmp_path / "out"
     assert gpu_check.main(["--sections", "maker,user", "--out", str(out)]) == 0
     assert json.loads((out / "user.json").read_text())["parts"]["import"]["value"] == 42
