@@ -201,6 +201,12 @@ def unrunnable(engine_dir, backend: str, runnable) -> str:
             f"{', '.join(runnable)}) — pass --backend onnxruntime")
 
 
+def own_loop_refusal(engine_dir, flags: list[str], why: str, runs) -> str:
+    """Why an engine run in its backend's own loop (TensorRT-LLM) cannot take `flags`."""
+    return (f"{engine_dir} runs in TensorRT-LLM: drop {' '.join(flags)} ({why}; its own loop "
+            f"runs {', '.join(runs)})")
+
+
 def rule_default(style: str | None, scaled: bool, wanted: bool = True) -> Mode:
     """The table's rule for the mode a request runs unless it names one: SharpDraft where
     the engine has it (`scaled`: built with --sharpdraft) and it is `wanted`, the drafter

@@ -58,8 +58,9 @@ def main(argv=None) -> int:
              f"torch compiled ({args.compiler})": steps.batch_target()}
     if args.engine_dir:
         from runtime.engine import Engine
+        from runtime.spec import open_spec
 
-        roles["onnxruntime"] = Engine(args.engine_dir, backend="onnxruntime").loaded.batch_target()
+        roles["onnxruntime"] = Engine(open_spec(args.engine_dir, backend="onnxruntime")).loaded.batch_target()
     for name, role in roles.items():
         start = time.perf_counter()
         role.add(prompt, capacity)

@@ -125,8 +125,8 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
 
     m = modes.parse(mode)
     roles = assembly.Roles(
-        "block", lambda: target, target.context_limit,
-        batch_drafter=lambda s: make_drafter(drafter_model, target_model, s.scaling, s.window, shared),
+        "block", lambda: target,
+        drafter=lambda s: make_drafter(drafter_model, target_model, s.scaling, s.window, shared),
         block_size=drafter_model.config.block_size)
     setting = assembly.DraftSetting(scaling if m.scaled else None,
                                     window if m.needs_window else None, m.ngram_assist)

@@ -169,7 +169,7 @@ class StepScheduler:
             if batch_refusal(self.engine.backend) is not None:
                 self.decoders[mode] = None
             else:
-                self.decoders[mode] = self.engine.batch_decoder(mode)
+                self.decoders[mode] = self.engine.decoder(mode)
         return self.decoders[mode]
 
     def _loop(self) -> None:
@@ -200,7 +200,7 @@ class StepScheduler:
             return
         try:
             if job.mode is None:
-                job.mode = self._default_batch() or self.engine.default_mode_at(load)
+                job.mode = self._default_batch() or self.engine.spec.default_mode_at(load)
                 self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
@@ -270,7 +270,7 @@ class StepScheduler:
         with no drafter model (target: every draft; ngram: the drafter's, lookups stay)."""
         if decoder is not self.decoders.get(self.default):
             return frozenset()
-        at = Mode(self.engine.default_mode_at(len(decoder.active)))
+        at = Mode(self.engine.spec.default_mode_at(len(decoder.active)))
         if at.uses_drafter_model:
             return frozenset()
         drafter = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED})

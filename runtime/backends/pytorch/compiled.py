@@ -272,8 +272,10 @@ class EngineSteps:
     captures it again."""
 
     def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,), backend: str = "inductor",
-                 drafter: DFlashDrafter | None = None, context_bucket: int | None = None):
+                 drafter: DFlashDrafter | None = None, context_bucket: int | None = None,
+                 context_limit: int | None = None):
         self.model, self.feature_layers = model, tuple(feature_layers)
+        self.context_limit = context_limit  # its batch targets' (None: the target's positions)
         self.buckets, self.backend = tuple(sorted(set(buckets))), backend
         self.device = model.embed_tokens.weight.device
         # the target step eagerly (shapes no bucket covers), and compiled
@@ -362,7 +364,7 @@ class CompiledBatchTarget(TorchBatchTarget):
     prompt -- then copies into its slot; no step shape depends on how it was chunked."""
 
     def __init__(self, steps: EngineSteps):
-        super().__init__(steps.model, steps.feature_layers)
+        super().__init__(steps.model, steps.feature_layers, steps.context_limit)
         self.steps, self.step = steps, steps.target_step
         self.caches = FixedSlots(steps.target_buffers)
 
