@@ -1,5 +1,5 @@
 """Backends as loaders (runtime/backends/__init__.py: LOADERS): one registry entry per
-runnable backend of the table, the device and dtype as a loader's parameters (the torch
+backend of the table, the device and dtype as a loader's parameters (the torch
 loader's flow into the models it loads), and engines no loader opens refused in one line."""
 
 import json
@@ -15,9 +15,12 @@ from runtime.spec import open_spec
 from runtime.manifest import EngineError
 
 
-def test_every_runnable_backend_has_a_loader_and_nothing_else_does():
-    assert set(LOADERS) == set(RUNNABLE_BACKENDS) == {
-        name for name, can in modes.BACKENDS.items() if not can.own_loop}
+def test_every_backend_of_the_table_has_a_loader_that_says_what_it_runs():
+    """TensorRT-LLM included: a backend like the others, whose capability is its own loop."""
+    assert set(LOADERS) == set(modes.BACKENDS)
+    assert all(loader.can is modes.BACKENDS[name] for name, loader in LOADERS.items())
+    assert set(RUNNABLE_BACKENDS) == {name for name, loader in LOADERS.items() if not loader.can.own_loop}
+    assert set(LOADERS) - set(RUNNABLE_BACKENDS) == {"trtllm"}
 
 
 def test_the_torch_loaders_dtype_reaches_the_models_and_decoding_stays_lossless(tiny_engine):

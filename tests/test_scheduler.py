@@ -176,7 +176,7 @@ def test_a_decoder_that_fails_to_build_is_the_requests_error_not_a_fallback(engi
     broken, after = Outcome(), Outcome()
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(engine, "batch_decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
+            m.setattr(engine, "decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
                 RuntimeError("no decoder today")))
             scheduler.submit(broken.job(prompts([9])[0], 4))
             assert broken.finished.wait(60)
