@@ -47,7 +47,7 @@ class Mode(StrEnum):
         mode.draft_source, mode.attention, mode.scaling = draft_source, attention, scaling
         mode.ngram_assist = ngram_assist
         # A comparison run only when asked (bench --modes preset): not an engine's
-        # everyday mode, so not in Engine.modes, demo or serving.
+        # everyday mode, so not in EngineSpec.modes, demo or serving.
         mode.study = study
         return mode
 
@@ -233,7 +233,7 @@ def measured_default(record: dict | None, backend: str, runnable, batch: int = 1
 
 def default_mode(record: dict | None, backend: str, runnable, style: str | None,
                  scaled: bool, batch: int = 1) -> Mode:
-    """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
+    """THE default mode of an engine (the one rule: EngineSpec.default_mode, the OpenAI
     endpoint and the served model all read it here): the mode engine.json's
     extra.default_mode measured fastest for a `batch` of sequences decoding together
     (measured_default), else the table's rule (rule_default)."""

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     capacity = args.context + 4 * args.steps * (args.width + 1) + args.width
     # the compiled role as a loaded engine hands it out: over the engine's shared steps;
     # each a batch target holding one sequence, as a request alone runs
-    steps = EngineSteps(model, buckets=(1, args.width), backend=args.compiler)
+    steps = EngineSteps(model, widths=(1, args.width), backend=args.compiler)
     roles = {"torch eager": TorchBatchTarget(model),
              f"torch compiled ({args.compiler})": steps.batch_target()}
     if args.engine_dir:

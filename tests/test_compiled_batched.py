@@ -169,8 +169,8 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
     vocab, layers = 40, (0, 1)
     target = tiny.float64_target(seed=5, vocab=vocab, layers=2, context=256)
     eager = TorchBatchTarget(target, layers)
-    # buckets (1,): the two-token verify below runs the step eagerly (no graph to make)
-    compiled = CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
+    # widths (1,): the two-token verify below runs the step eagerly (no graph to make)
+    compiled = CompiledBatchTarget(EngineSteps(target, layers, widths=(1,), backend="eager"))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (20, 37, 9)[:batch]]
     close = dict(rtol=0, atol=1e-10)
@@ -211,7 +211,7 @@ def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
     drafter = float64_eagle3(target, 7, (1, 2, 3))
     layers = drafter.config.feature_layers(target.config.num_layers)
     shape = TreeShape(2, 3, 6)
-    steps = EngineSteps(target, layers, buckets=(1, 4), backend="eager")
+    steps = EngineSteps(target, layers, widths=(1, 4), backend="eager")
 
     def run(batch_target):
         roles = assembly.Roles("tree", batch_target,
@@ -257,9 +257,9 @@ def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_as
     target = tiny.float64_target(seed=8, vocab=40, layers=2, context=256)
     layers = (0, 1)
 
-    def make():  # buckets (1,): the verifies below, two tokens or more, make no graph
+    def make():  # widths (1,): the verifies below, two tokens or more, make no graph
         if compiled:
-            return CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
+            return CompiledBatchTarget(EngineSteps(target, layers, widths=(1,), backend="eager"))
         return TorchBatchTarget(target, layers)
 
     prompt = [(5 * i + 3) % 40 for i in range(30)]

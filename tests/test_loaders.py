@@ -80,7 +80,7 @@ def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
     assert type(eager.loaded.batch_target()) is TorchBatchTarget and eager.loaded.steps is None
     target = compiled.loaded.batch_target()
     assert isinstance(target, CompiledBatchTarget)
-    assert target.steps.buckets == tuple(sorted({1, compiled.spec.ngram_settings["num_draft_tokens"] + 1,
+    assert target.steps.widths == tuple(sorted({1, compiled.spec.ngram_settings["num_draft_tokens"] + 1,
                                                  compiled.manifest.block_size}))
     assert isinstance(compiled.loaded.batch_drafter(compiled.scaling), CompiledBatchDFlash)
     assert type(compiled.loaded.batch_drafter(compiled.scaling, window=8)) is TorchBatchDFlash

@@ -68,7 +68,7 @@ def run(args) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
                 "loaded_batch": args.loaded_batch}
-    # the record holds where it was measured (Engine.placement): an engine served
+    # the record holds where it was measured (EngineSpec.placement): an engine served
     # elsewhere (another backend, device, dtype or steps) runs the table's rule instead
     engine = Engine(open_spec(args.engine_dir, backend=args.backend, **device_options(args)))
     if args.prompts_file:

@@ -103,7 +103,7 @@ class Request:
         """The mode this request runs on `engine`: the one it names, which must be among the
         engine's modes; with `sharpdraft` true or false, SharpDraft or the drafter frozen
         (the table's rule); with neither, the engine's default, the fastest mode its build
-        measured (Engine.default_mode)."""
+        measured (EngineSpec.default_mode)."""
         if self.asked_mode is None:
             if self.sharpdraft is None:
                 return engine.spec.default_mode

@@ -25,7 +25,7 @@ delay, and joining prompts prefill whole.
 A job that names no mode joins the default batch: the batch of the mode the last
 default job took, while it has rows (one batch serves the load; two half batches would
 each pay a whole step); else the engine's default for the load it joins (running,
-joining and waiting requests, itself included, up to max_batch: Engine.default_mode_at,
+joining and waiting requests, itself included, up to max_batch: EngineSpec.default_mode_at,
 the one rule in runtime/modes.py over the batch sizes the build measured). Each step of
 the default batch follows the load it runs at: where the default at that batch size
 drafts with no drafter model (target-only, n-gram lookup), the step sets the drafter's
