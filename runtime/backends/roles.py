@@ -243,21 +243,34 @@ def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
     return Drafting(style, shape, manifest.block_size - 1)
 
 
-def _dflash_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+def _dflash_config(drafter_dir: Path):
     from runtime.models.dflash import read_dflash_config
 
-    return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
+    return read_dflash_config(drafter_dir)
 
 
-def _eagle3_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+def _pard_config(drafter_dir: Path):
+    from runtime.models.pard import read_pard_config
+
+    return read_pard_config(drafter_dir)
+
+
+def _eagle3_config(drafter_dir: Path):
     from runtime.models.eagle3 import read_eagle3_config
 
-    return tuple(read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers))
+    return read_eagle3_config(drafter_dir)
 
 
-# drafter family -> the target layers its checkpoint's config says it reads (none: PARD and
-# n-gram engines)
-FEATURE_LAYERS = {"dflash": _dflash_layers, "eagle3": _eagle3_layers}
+# drafter family -> the reader of its checkpoint's config (the one place the runtime's
+# families are told apart outside their loaders; n-gram engines have no checkpoint)
+DRAFTER_CONFIGS = {"dflash": _dflash_config, "pard": _pard_config, "eagle3": _eagle3_config}
+
+
+def drafter_config(manifest: Manifest):
+    """The engine's drafter checkpoint config (its family's), or None (no checkpoint)."""
+    if manifest.drafter_dir is None or manifest.drafter not in DRAFTER_CONFIGS:
+        return None
+    return DRAFTER_CONFIGS[manifest.drafter](manifest.drafter_dir)
 
 
 def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
@@ -266,4 +279,16 @@ def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ..
     target_layer_ids, EAGLE-3's auxiliary layers; none for PARD and n-gram engines. The
     torch loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
     layers = FEATURE_LAYERS.get(manifest.drafter)
-    return layers(manifest, num_layers) if layers else ()
+    return layers(drafter_config(manifest), num_layers) if layers else ()
+
+
+def _dflash_layers(config, num_layers: int) -> tuple[int, ...]:
+    return tuple(config.target_layer_ids)
+
+
+def _eagle3_layers(config, num_layers: int) -> tuple[int, ...]:
+    return tuple(config.feature_layers(num_layers))
+
+
+# drafter family -> the target layers its config says it reads (PARD reads none)
+FEATURE_LAYERS = {"dflash": _dflash_layers, "eagle3": _eagle3_layers}

@@ -213,15 +213,10 @@ def plot(result: dict, path: str) -> None:
 
 def training_max_length(engine) -> int | None:
     """The drafter's training max length, as its config.json records it (None: unknown)."""
-    from runtime.models.dflash import read_dflash_config
-    from runtime.models.eagle3 import read_eagle3_config
-    from runtime.models.pard import read_pard_config
+    from runtime.backends.roles import drafter_config
 
-    if engine.manifest.drafter_dir is None:
-        return None
-    read = {"pard": read_pard_config, "eagle3": read_eagle3_config}.get(engine.manifest.drafter,
-                                                                        read_dflash_config)
-    return read(engine.manifest.drafter_dir).training_max_length
+    config = drafter_config(engine.manifest)
+    return None if config is None else config.training_max_length
 
 
 def run(args) -> int:
