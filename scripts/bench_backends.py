@@ -43,7 +43,6 @@ def main(argv=None) -> int:
     from runtime.commands.documents import default_documents
     from runtime.engine import Engine
     from runtime.spec import open_spec
-    from runtime.sampling import Sampler
 
     engines = {}
     for spec in args.engine:

@@ -13,7 +13,6 @@ from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
 from runtime.spec import open_spec
-from runtime.manifest import read_manifest
 from runtime.serve import openai_api, protocol
 
 

@@ -9,7 +9,6 @@ import pytest
 
 import tiny
 from plugins.scaling import QueryScaling
-from runtime import manifest as manifest_module
 from runtime import spec as spec_module
 from runtime.assembly import DraftSetting
 from runtime.decode import Request
