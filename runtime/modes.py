@@ -124,7 +124,7 @@ BACKENDS = {
     # its batched drafters take any QueryScaling: the preset fuses for blocks and chains
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                      swap_scaling=True, own_loop=False),
-    # the window needs a drafter graph exported with its input (onnxruntime.has_window)
+    # the window needs a drafter graph exported with its input (OnnxEngine.takes_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here

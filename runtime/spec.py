@@ -202,19 +202,19 @@ def open_spec(engine_dir: str | Path, backend: str | None = None, verify: str = 
     why = modes.family_refusal(manifest.drafter, backend)
     if why:
         raise EngineError(f"{where}: {why}")
-    drafting = drafting_of(where, manifest)
+    built = LOADERS.get(manifest.backend)
+    configuration = built is not None and built.can.own_loop  # for a backend's own loop
+    drafting = drafting_of(where, manifest, shaped=not (loader.can.own_loop or configuration))
     options = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(options) - set(OPTIONS) - set(loader.options))
     if unknown:
         raise TypeError(f"open_spec takes no option {unknown[0]!r}")
     refusals = [f"{where}: {why}" for option, value in options.items()
                 if (why := loader.refusal(backend, option, value))]
-    built = LOADERS.get(manifest.backend)
-    if built is not None and built.can.own_loop and not loader.can.own_loop:
-        # an engine built for a backend's own loop is configuration for that loop
+    if configuration and not loader.can.own_loop:
         refusals.insert(0, f"{where} is configuration for {manifest.backend}, which runs its "
                            f"own loop: drop --backend {backend}")
-    elif built is not None and loader.can.own_loop and not built.can.own_loop:
+    elif loader.can.own_loop and not configuration:
         refusals.insert(0, f"{where} was built for backend {manifest.backend!r}; {backend} runs "
                            f"engines built with build_engine.py --backend {backend}")
     window = manifest.extra.get("draft_window")

@@ -244,3 +244,25 @@ def test_no_entry_point_compares_a_backends_or_a_familys_name():
         if rel.startswith("runtime/") and rel != "runtime/modes.py":
             assert not said & {f for f in FAMILIES if f != "ngram"}, (rel, said & set(FAMILIES))
     assert not (REPO / "runtime" / "trtllm.py").exists()
+
+
+def test_a_tree_familys_trtllm_engine_opens_as_a_spec_of_its_own_loop(tmp_path, tiny_target):
+    """An EAGLE-3 engine for TensorRT-LLM records no tree shape of ours (TensorRT-LLM grows
+    its own trees): its spec still opens, runs its own loop and answers its modes."""
+    import json
+
+    import build_engine
+
+    ckpt = tmp_path / "eagle3-ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    out = tmp_path / "eagle3-trtllm"
+    assert build_engine.main(["--drafter", "eagle3", "--sharpdraft", "--backend", "trtllm",
+                              "--target", str(tiny_target), "--drafter-checkpoint", str(ckpt),
+                              "--output", str(out)]) == 0
+    spec = open_spec(out)
+    assert spec.own_loop and spec.refusals == () and spec.style == "tree"
+    assert spec.modes == (Mode.TARGET, Mode.FROZEN, Mode.SHARPDRAFT)
+    assert spec.default_mode == Mode.SHARPDRAFT
+    assert "is configuration for trtllm" in open_spec(out, "torch").refusals[0]

@@ -227,11 +227,12 @@ class Loaded:
         return self.batch_drafter(setting.scaling, setting.window)
 
 
-def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
+def drafting_of(engine_dir: Path, manifest: Manifest, shaped: bool = True) -> Drafting:
     """The drafting an engine was built for: its family's style, and a tree family built
-    with one child per node (top_k 1) drafts chains."""
+    with one child per node (top_k 1) drafts chains. `shaped` False: the tree's shape is
+    not ours to read (a backend that runs its own loop configures its own trees)."""
     style, shape = modes.FAMILIES[manifest.drafter], None
-    if style == "tree":
+    if style == "tree" and shaped:
         try:
             shape = TreeShape(**manifest.extra["eagle3"])
         except (KeyError, TypeError, ValueError) as exc:
