@@ -8,7 +8,9 @@ metadata laid out as TensorRT-LLM lays it out: a host `seq_lens` gone stale, dev
 `seq_lens_cuda` / `kv_lens_cuda`, a padded CUDA-graph batch as `create_cuda_graph_metadata`
 builds it): capture the wrapped call in a CUDA graph, change the length tensors IN PLACE,
 replay, and check the query the kernel was handed against beta of the visible-key count
-derived independently (from the stand-in kernels' own masks, tests/trtllm_standins.py, or
+derived independently; every kernel case also checks that the wrapper's device counter of
+scaled calls (plugins/trtllm/proof.py Tally, the launchers' proof) grows with every replay,
+where no Python runs, (from the stand-in kernels' own masks, tests/trtllm_standins.py, or
 from the metadata's Python-side layout), row by row.
 
 The GPU machine has no tensorrt_llm, flash-attn or flashinfer, so the kernel under the
@@ -116,12 +118,19 @@ def _replayed(name, wrap, standin, query, active, graphs, started, *, call, leng
 
     from plugins.trtllm import standins as k
 
+    from plugins.trtllm import proof
+
     kernel, kept = recorder(standin, query)
-    wrapped = wrap(kernel, active)
+    tally = proof.Tally([name])
+    wrapped = wrap(kernel, active, lambda like: tally.add(0, like))
     replay = captured(lambda: call(wrapped), graphs)
+    before = tally.read()[name]  # after the warm-up and the capture
     lengths.copy_(torch.tensor(new, dtype=torch.int32))  # in place, as the drafting loop does
     replay()
+    replay()
+    counted = tally.read()[name] - before  # two replays: two scaled calls, counted on the device
     result = _compare(name, kept["q"], expected(cpu[query], counts, active), _kernel_note(name), new, started)
+    result |= {"passed": result["passed"] and counted == 2, "replays_counted": counted}
     want = k.reference(standin, active, **cpu)
     got = wrap(standin, active)(**cpu)
     if first:

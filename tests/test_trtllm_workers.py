@@ -378,3 +378,25 @@ def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs,
     out = json.loads(done.stdout)
     assert out["applied"]["processes"] == out["workers"]
     assert proof.read(other_proof) == []  # nothing of this instance's went to the other launch
+
+
+@pytest.mark.slow  # the fast tier: tests/test_trtllm_release.py (the build stops in process; the error pickles)
+def test_a_sharpdraft_drafter_a_worker_cannot_scale_stops_a_plain_launch_with_our_line(venvs, engine, tmp_path):
+    """TensorRT-LLM's own LLM() (what a plain trtllm-serve builds) with the autoloader, the
+    drafter built in an MPI worker where the hook cannot scale it (its kernel's signature
+    moved): the launch stops, and the error it reports ends with one line of ours."""
+    standin = write_package(tmp_path / "pkg")
+    path = standin / "tensorrt_llm/_torch/models/modeling_dflash.py"
+    path.write_text(path.read_text().replace("self._dflash_flash_attention = k.flash_attn_with_kvcache",
+                                             "self._dflash_flash_attention = lambda q, k_cache, v_cache, lens=None: q"))
+    probe = textwrap.dedent(f"""
+        from tensorrt_llm import LLM
+        LLM(model="m", speculative_config={{"decoding_type": "DFlash", "speculative_model": {str(engine / trtllm_config.DRAFTER_DIR)!r}}})
+        print("served")
+        """)
+    done = subprocess.run([str(venvs["autoload"]), "-c", probe], cwd=standin, env=environment(standin, "0"),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "served" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert "sharpdraft: DFlashForCausalLM carries SharpDraft's parameters but cannot be scaled" in last, done.stderr
+    assert "cache_seqlens" in last
