@@ -127,15 +127,15 @@ def mode_decoder(mode: str, target, drafter_model, target_model, scaling, window
 
     m = modes.parse(mode)
     roles = assembly.Roles(
-        "block", lambda: target, target.context_limit,
-        batch_drafter=lambda s: make_drafter(drafter_model, target_model, s.scaling, s.window, shared),
+        "block", lambda: target,
+        drafter=lambda s: make_drafter(drafter_model, target_model, s.scaling, s.window, shared),
         block_size=drafter_model.config.block_size)
     setting = assembly.DraftSetting(scaling if m.scaled else None,
                                     window if m.needs_window else None, m.ngram_assist)
     return assembly.decoder(roles, m, setting=setting)
 
 
-def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_bucket=None):
+def shared_steps(model, feature_layers, widths, steps, drafter_model, context_span=None):
     """The run's compiled steps (runtime/backends/pytorch/compiled.py: EngineSteps), made once and shared
     by every mode and context as a loaded engine's are (graphs captured once, KV buffers
     leased and given back); None: eager roles."""
@@ -143,8 +143,8 @@ def shared_steps(model, feature_layers, buckets, steps, drafter_model, context_b
 
     if steps is None:
         return None
-    return EngineSteps(model, feature_layers, buckets, steps, drafter=drafter_model,
-                       context_bucket=context_bucket)
+    return EngineSteps(model, feature_layers, widths, steps, drafter=drafter_model,
+                       context_span=context_span)
 
 
 def make_target(model, feature_layers, shared):
@@ -171,9 +171,9 @@ def our_rows(model, drafter, scaling, device, prompts, new_tokens, steps, clock,
 
     window = drafter.config.training_max_length or 512
     block = drafter.config.block_size
-    buckets = (1, NGramProposer().num_draft_tokens + 1, block)
+    widths = (1, NGramProposer().num_draft_tokens + 1, block)
     layer_ids = drafter.config.target_layer_ids
-    shared = shared_steps(model, layer_ids, buckets, steps, drafter)
+    shared = shared_steps(model, layer_ids, widths, steps, drafter)
     target = make_target(model, layer_ids, shared)
     plain = None  # eager roles, where a step cannot run as a graph
     decoders = {}

@@ -281,9 +281,9 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
             report["tensorrt_engine"] = {"passed": False, "error": f"generate --backend {backend} failed"}
             return False
         tokens[backend] = json.loads(out.read_text())["tokens"]
-    from runtime.manifest import open_spec
+    from runtime.spec import open_spec
 
-    record = open_spec(engine, verify="skip").extra["tensorrt"]
+    record = open_spec(engine, verify="skip").manifest.extra["tensorrt"]
     passed = tokens["tensorrt"] == tokens["torch"]
     report["tensorrt_engine"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
                                      tokens=tokens)

@@ -136,15 +136,15 @@ def eagle3_drafter(target, shape, device, dtype):
 
 
 def target_rows(steps, batch, context, compiled):
-    """The target's step at every width bucket (1: decode; the rest: verifies)."""
+    """The target's step at every compiled row width (1: decode; the rest: verifies)."""
     import torch
 
     # the engine's own buffers (bound: per-layer views, static addresses), as a group leases them
-    cache = steps.target_buffers.take(capacity(context + steps.buckets[-1]), batch)
+    cache = steps.target_buffers.take(capacity(context + steps.widths[-1]), batch)
     cache.lengths.fill_(context)
     step = steps.target_step if compiled else steps.target_module
     out = []
-    for width in steps.buckets:
+    for width in steps.widths:
         ids = torch.zeros((batch, width), dtype=torch.long, device=steps.device)
         out.append((f"target {'decode' if width == 1 else 'verify'} ({width} token{'s' * (width > 1)})",
                     lambda ids=ids: step(ids, *cache.layers, cache.lengths)))
@@ -158,12 +158,12 @@ def dflash_rows(steps, batch, context, compiled):
     from plugins.scaling import PRESETS
 
     drafter, block = steps.drafter, steps.block_size
-    cache = steps.draft_buffers.take(capacity(context + steps.context_bucket + block), batch)
+    cache = steps.draft_buffers.take(capacity(context + steps.context_span + block), batch)
     cache.lengths.fill_(context)
     module, step = steps.draft_step(PRESETS["dflash"], None)
     call = step if compiled else module
     ids = torch.full((batch, block), drafter.config.mask_token_id, dtype=torch.long, device=steps.device)
-    features = torch.zeros((batch, steps.context_bucket, drafter.fc.in_features),
+    features = torch.zeros((batch, steps.context_span, drafter.fc.in_features),
                            dtype=drafter.fc.weight.dtype, device=steps.device)
     lens = torch.full((batch,), block, dtype=torch.long, device=steps.device)
     return [(f"dflash block ({block})", lambda: call(ids, features, *cache.layers, cache.lengths, lens))]
@@ -171,11 +171,11 @@ def dflash_rows(steps, batch, context, compiled):
 
 def chain_drafts(steps) -> int:
     """A chain family's draft length: the target's verify bucket - 1 (DFlash's block)."""
-    return steps.buckets[-1] - 1
+    return steps.widths[-1] - 1
 
 
 def pard_rows(steps, batch, context, compiled):
-    """PARD's chain step at both width buckets (CompiledBatchPARD's chain_widths: a step
+    """PARD's chain step at both compiled row widths (CompiledBatchPARD's chain_widths: a step
     that accepted little, and every draft and the bonus read with k drafted) after
     `context` keys."""
     import torch
@@ -333,7 +333,7 @@ def run(out_dir, on_cpu: bool = False, args=None, families=None) -> dict:
             for compiled in modes:
                 def make_steps(backend="cudagraph" if compiled else "eager"):
                     return EngineSteps(target, layer_ids, (1, block + 1), backend, drafter=drafter,
-                                       context_bucket=block)
+                                       context_span=block)
 
                 family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows,
                             record.save)

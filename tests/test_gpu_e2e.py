@@ -141,7 +141,7 @@ def test_step_rows_call_the_compiled_steps_the_batched_roles_call(family):
     outputs = []
     for compiled in (False, True):
         steps = EngineSteps(target, dflash.config.target_layer_ids, (1, shape["block"] + 1), "eager",
-                            drafter=drafter, context_bucket=shape["block"])
+                            drafter=drafter, context_span=shape["block"])
         with torch.inference_mode():
             calls = gpu_steps.STEP_FAMILIES[family].rows(steps, 2, 32, compiled)
             outputs.append([[t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
