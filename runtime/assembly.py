@@ -39,7 +39,7 @@ class Roles:
     "block", "chain", "tree"; None: no drafter model). Roles are made on demand:
     `batch_target()` the batch target, `batch_drafter(setting)` the batch drafter of
     blocks or chains under a DraftSetting, `tree_drafter(setting)` an EAGLE-3 tree drafter
-    for one row, `lookup()` an n-gram proposer."""
+    over a batch, `lookup()` an n-gram proposer."""
 
     style: str | None
     batch_target: Callable[[], object]
@@ -66,18 +66,18 @@ def proposer(roles: Roles, mode: Mode, setting: DraftSetting) -> proposers.Propo
     return DRAFTER_PROPOSERS[roles.style](roles, setting, lookup)
 
 
-# One proposer per drafting style: the only place the style chooses code. Trees draft one
-# row at a time (a tree drafter per row); blocks and chains on the batch drafter.
+# One proposer per drafting style: the only place the style chooses code. Trees on the
+# batch tree drafter; blocks and chains on the batch drafter.
 DRAFTER_PROPOSERS = {
-    "tree": lambda roles, setting, lookup: proposers.Tree(lambda: roles.tree_drafter(setting),
+    "tree": lambda roles, setting, lookup: proposers.Tree(roles.tree_drafter(setting),
                                                           roles.tree_shape),
     "chain": lambda roles, setting, lookup: proposers.Chain(roles.batch_drafter(setting)),
     "block": lambda roles, setting, lookup: proposers.Block(roles.batch_drafter(setting), lookup),
 }
 
 
-# The drafter role of each style, for one row or a batch (Engine.drafter: calibration,
-# diagnostics, step costs): trees draft a row at a time, blocks and chains over a batch.
+# The drafter role of each style, over a batch (Engine.drafter: calibration, diagnostics,
+# step costs).
 DRAFTER_ROLES = {
     "tree": lambda loaded, scaling, window: loaded.tree_drafter(scaling),
     "chain": lambda loaded, scaling, window: loaded.batch_drafter(scaling, window),
