@@ -182,6 +182,15 @@ def grow_trees(roots: list[int], first_logp: torch.Tensor, first_hidden: torch.T
             for root, row, shape, n in zip(roots, nodes, shapes, largest)]
 
 
+def group_shapes(shapes: list[TreeShape | None], members: list[int]) -> list[TreeShape] | None:
+    """The tree shape each of a group's rows grows under, a row that drafts none this step
+    (None) riding along one level deep (its tree unread); None when no row drafts."""
+    drafting = [shapes[r] for r in members if shapes[r] is not None]
+    if not drafting:
+        return None
+    return [shapes[r] or drafting[0].within(1) for r in members]
+
+
 def _best_tree(root: int, nodes: list[_Node], drafts: int) -> DraftTree:
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
     place = {-1: 0}  # candidate index -> node index in the tree

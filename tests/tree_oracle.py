@@ -71,6 +71,7 @@ class RowTrees:
         self.cache = drafter.new_cache(capacity + max(tree.depth * tree.top_k, max_drafts))
 
     def _ingest(self, context, following):
+        context = context.to(self.drafter.fc.weight.dtype)  # a float64 target's, say
         ids = torch.tensor([following], dtype=torch.long, device=context.device)
         logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]),
                                                self.cache, self.scaling)

@@ -17,7 +17,7 @@ from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched,
                                                   open_session)
 from runtime.backends.onnxruntime.target import OnnxBatchTarget
 from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, OnnxBatchDFlash,
-                                                   OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
+                                                   OnnxBatchEagle3, OnnxBatchPARD)
 
 
 class OnnxEngine:
@@ -83,15 +83,19 @@ class OnnxEngine:
         session, _, in_place = self._drafter_graph(sharpdraft=False)
         return self.drafter_family == "dflash" and in_place and has_window(session)
 
-    def tree_drafter(self, scaling: QueryScaling | None) -> OnnxEagle3:
-        """An EAGLE-3 engine's tree drafter (one sequence: trees draft a row at a time)
-        for the tree it was built for, SharpDraft (`scaling`: the engine's) or frozen."""
+    def tree_drafter(self, scaling: QueryScaling | None) -> OnnxBatchEagle3:
+        """An EAGLE-3 engine's trees for every row (BatchTreeDrafter: one run per level
+        across the rows' frontiers), the tree it was built for, SharpDraft (`scaling`:
+        the engine's) or frozen."""
         if self.drafter_family != "eagle3":
             raise EngineError(f"this engine's {self.drafter_family} drafter drafts no trees — "
                               "build one with build_engine.py --drafter eagle3")
+        return self._eagle3(scaling)
+
+    def _eagle3(self, scaling: QueryScaling | None) -> OnnxBatchEagle3:
         session, scaling, _ = self._drafter_graph(scaling is not None)
         tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-        return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
+        return OnnxBatchEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
 
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.context_limit,
@@ -101,11 +105,9 @@ class OnnxEngine:
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
         that takes one) and PARD chains in one run per step, EAGLE-3 chains in one run
         per step and chain link (modes.BACKENDS["onnxruntime"].batched_drafters)."""
-        session, scaling, in_place = self._drafter_graph(scaling is not None)
         if self.drafter_family == "eagle3":
-            tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-            return OnnxBatchEagle3(session, tree, scaling, self.tree_shape,
-                                   max(self.block_size - 1, 1))
+            return self._eagle3(scaling)
+        session, scaling, in_place = self._drafter_graph(scaling is not None)
         if self.drafter_family == "pard":
             return OnnxBatchPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         if window is not None:

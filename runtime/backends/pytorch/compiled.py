@@ -33,7 +33,7 @@ from torch import nn
 from plugins.scaling import QueryScaling
 from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                            TorchBatchTarget, group_shapes, scatter_rows)
+                                            TorchBatchTarget, scatter_rows)
 from runtime.chain import ChainDraft
 from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -43,7 +43,7 @@ from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
 from runtime.sampling import log_softmax
-from runtime.tree import DraftTree, TreeShape, grow_trees, pack
+from runtime.tree import DraftTree, TreeShape, group_shapes, grow_trees, pack
 
 
 

@@ -18,7 +18,7 @@ from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context
-from runtime.tree import DraftTree, TreeShape, grow_trees, pack
+from runtime.tree import DraftTree, TreeShape, group_shapes, grow_trees, pack
 
 
 def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
@@ -350,15 +350,6 @@ class TorchBatchEagle3(JoinInParts):
 
     def remove(self, row: int) -> None:
         self.caches.drop(row)
-
-
-def group_shapes(shapes: list[TreeShape | None], members: list[int]) -> list[TreeShape] | None:
-    """The tree shape each of a group's rows grows under, a row that drafts none this step
-    (None) riding along one level deep (its tree unread); None when no row drafts."""
-    drafting = [shapes[r] for r in members if shapes[r] is not None]
-    if not drafting:
-        return None
-    return [shapes[r] or drafting[0].within(1) for r in members]
 
 
 def eagle3_room(max_drafts: int, tree: TreeShape | None) -> int:
