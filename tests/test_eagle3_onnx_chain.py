@@ -185,7 +185,9 @@ def test_a_batch_of_trees_drafts_one_run_per_level_as_per_row_drafting_did(pair,
     requests = [Request(torch.randint(0, 4, (int(n),), generator=g).tolist(), int(budget))
                 for n, budget in zip(torch.randint(1, 40, (batch,), generator=g),
                                      torch.randint(4, 24, (batch,), generator=g))]
-    assert_trees_draft_as_per_row(lambda: TorchBatchTarget(target, layers),
-                                  OnnxBatchEagle3(*graphs, SCALING, TREE, K),
-                                  PerRowTrees(drafter, SCALING, TREE), TREE, requests, monkeypatch,
-                                  join_at=[i % 2 for i in range(batch)])
+    got = assert_trees_draft_as_per_row(lambda: TorchBatchTarget(target, layers),
+                                        OnnxBatchEagle3(*graphs, SCALING, TREE, K),
+                                        PerRowTrees(drafter, SCALING, TREE), TREE, requests,
+                                        monkeypatch, join_at=[i % 2 for i in range(batch)])
+    assert max(max(accepted) for _, accepted, _, _ in got) > 2  # whole paths accepted
+    assert max(beta for *_, betas in got for beta in betas) > 1.0  # scaled rows
