@@ -166,7 +166,7 @@ def grow_trees(roots: list[int], first_logp: torch.Tensor, first_hidden: torch.T
                                dtype=torch.float64, device=logp.device)
         scores = top.values.double() + parents[:, :, None]
         best = scores.flatten(1).topk(k, dim=-1).indices
-        flat = scores.flatten(1).tolist()
+        flat, chosen, most = scores.flatten(1).tolist(), best.tolist(), visible.amax(-1).tolist()
         for r, shape in enumerate(shapes):
             if level > shape.depth:
                 continue
@@ -174,8 +174,8 @@ def grow_trees(roots: list[int], first_logp: torch.Tensor, first_hidden: torch.T
             for row, parent in enumerate(frontier[r]):
                 for c in range(width):
                     nodes[r].append(_Node(flat[r][row * width + c], level, parent, children[r][row][c]))
-            frontier[r] = [first_child + i for i in best[r].tolist()]
-            largest[r] = max(largest[r], int(visible[r].max()))
+            frontier[r] = [first_child + i for i in chosen[r]]
+            largest[r] = max(largest[r], int(most[r]))
         rows = best // width  # the frontier row each new frontier node came from
         hidden, seen = out[at, rows], scratch_mask[at, rows]
     return [(_best_tree(root, row, shape.total_tokens - 1), n)
