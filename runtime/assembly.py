@@ -5,7 +5,7 @@
 engine directory) build theirs here too, so they run the production shape.
 
 Every backend's roles are batch roles: the batch target, a batch drafter for blocks and
-chains, and an EAGLE-3 tree drafter per row. A `target` given (a PrefillOnce over a batch
+chains, and a batch tree drafter for EAGLE-3's trees. A `target` given (a PrefillOnce over a batch
 target): the decoder runs on it. A padded verify row or a tree writes scratch keys past
 a sequence's budget, so every cache gets `slack` tokens of room past it."""
 
