@@ -272,7 +272,7 @@ class Eagle3TreeStep(Eagle3Step):
     padded to the longest, as Eagle3Step takes it), after them the scratch keys earlier
     levels wrote [S, layers, b, ...]. ancestors [b, t, S] says which scratch keys each
     row sees; it also sees its own key and no sibling's, as a tree level does
-    (runtime/tree.py: grow_tree), so the scratch mask the drafter gets is [ancestors,
+    (runtime/tree.py: grow_trees), so the scratch mask the drafter gets is [ancestors,
     identity]. Each row's N is the keys that mask leaves unmasked, committed ones
     included (StepMetadata.tree_visible), returned as `visible`. The attention is the
     native form: the plugin node has no mask input."""

@@ -75,23 +75,20 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
     sampler = Sampler()  # greedy
     capacity = len(prompt) + len(g)
     out = []
-    if drafting == "tree":  # a tree drafter: one row's
-        drafter.reset(capacity)
-        drafter.read(prompt[1:], pf[:-1])  # the drafter's prefill, as proposers.Tree runs it
-        for j in anchors:
-            tree, _ = drafter.draft_tree(cont.row_before(j), [g[j]], tree_shape)
+    # a batch drafter's one row, prefilled as proposers.Tree / Chain / Block prefill it
+    if drafting in ("chain", "tree"):
+        drafter.add(capacity, prompt, None if pf is None else pf[:-1])
+    else:
+        held = drafter.add(capacity, pf[:-1], prompt[-1])
+    for j in anchors:
+        if drafting == "tree":
+            (tree, _), = drafter.draft_trees([[g[j]]], [cont.row_before(j)], [tree_shape])
             # the target's choice after each node: the continuation's next token, which is
             # what greedy verification computes for every node on the matching path (the
             # only nodes greedy_path reaches)
             choice = [g[j + depth + 1] if j + depth + 1 < len(g) else -1 for depth in tree.depths]
             out.append(len(tree.greedy_path(choice)[0]))
-        return out
-    # a batch drafter's one row, prefilled as proposers.Chain / Block prefill it
-    if drafting == "chain":
-        drafter.add(capacity, prompt, None if pf is None else pf[:-1])
-    else:
-        held = drafter.add(capacity, pf[:-1], prompt[-1])
-    for j in anchors:
+            continue
         if drafting == "chain":
             drafts = drafter.draft([[g[j]]], [cont.row_before(j)], [d], [sampler])[0].tokens
         else:

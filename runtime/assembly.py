@@ -5,15 +5,14 @@
 engine directory) build theirs here too, so they run the production shape.
 
 Every backend's roles are batch roles: the batch target, a batch drafter for blocks and
-chains, and an EAGLE-3 tree drafter per row, each loader handing out the drafter for a
-setting in one call (Loaded.drafter). A `target` given (a PrefillOnce over a batch
+chains, and a batch tree drafter for EAGLE-3's trees, each loader handing out the drafter
+for a setting in one call (Loaded.drafter). A `target` given (a PrefillOnce over a batch
 target): the decoder runs on it. A padded verify row or a tree writes scratch keys past
 a sequence's budget, so every cache gets `slack` tokens of room past it."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 from runtime import modes, proposers
@@ -41,8 +40,8 @@ class Roles:
     """What decoders are built from. `style`: how the drafter model drafts (modes.FAMILIES:
     "block", "chain", "tree"; None: no drafter model). Roles are made on demand:
     `batch_target()` a batch target, `drafter(setting)` the drafter role under a
-    DraftSetting (a loader's Loaded.drafter: the batch drafter of blocks or chains, or one
-    row's EAGLE-3 tree drafter), `lookup()` an n-gram proposer."""
+    DraftSetting (a loader's Loaded.drafter: the batch drafter of blocks or chains, or the
+    batch tree drafter of EAGLE-3's trees), `lookup()` an n-gram proposer."""
 
     style: str | None
     batch_target: Callable[[], object]
@@ -67,8 +66,7 @@ def proposer(roles: Roles, mode: Mode, setting: DraftSetting) -> proposers.Propo
 
 
 def _trees(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
-    # a tree drafter per row, made as the row joins (the loader's drafter for the setting)
-    return proposers.Tree(functools.partial(roles.drafter, setting), roles.tree_shape)
+    return proposers.Tree(roles.drafter(setting), roles.tree_shape)
 
 
 def _chains(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
@@ -79,8 +77,8 @@ def _blocks(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
     return proposers.Block(roles.drafter(setting), roles.lookup if setting.ngram_assist else None)
 
 
-# One proposer per drafting style: the only place the style chooses code. Trees draft one
-# row at a time; blocks and chains on one batch drafter.
+# One proposer per drafting style: the only place the style chooses code. Every style
+# drafts on one batch drafter (trees: the batch tree drafter).
 PROPOSERS = {"tree": _trees, "chain": _chains, "block": _blocks}
 
 

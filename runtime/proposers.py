@@ -36,8 +36,9 @@ its last step (and the target's features of them) and proposes up to K drafts pe
 for the whole batch in one call; while its drafts are set aside, one draft per row (the
 read is what its cache needs).
 
-Tree (EAGLE-3): each row's drafter grows a tree of drafts below the last committed token
-(runtime/tree.py); the target verifies each tree under its mask and keeps one path.
+Tree (EAGLE-3): the drafter grows a tree of drafts below each row's last committed token,
+for the whole batch in one call (one drafter pass per tree level across the rows:
+runtime/tree.py); the target verifies each tree under its mask and keeps one path.
 
 Lookup (n-gram): each row looks the context's last tokens up in the context itself.
 """
@@ -312,63 +313,34 @@ class Chain(Proposer):
         seq.row.unread, seq.row.features = new[:-1], features
 
 
-@dataclasses.dataclass
-class TreeRow:
-    drafter: object
-    context: torch.Tensor  # the target's features of the tokens committed since its last step
-    following: list[int]  # the token after each context row, but the newest
-
-
-class Tree(Proposer):
-    """EAGLE-3's dynamic trees, one drafter per row (runtime/backends/roles.py: the tree drafter)."""
+class Tree(Chain):
+    """EAGLE-3's dynamic trees over a batch tree drafter (runtime/backends/roles.py:
+    BatchTreeDrafter): one call for the whole batch, one drafter pass ingesting every
+    row's new entries and then one per tree level over every row's frontier. A row reads
+    and joins as a chain's does (Chain: add, prefill, accept)."""
 
     drafts_trees = True
 
-    def __init__(self, make: Callable[[], object], shape: TreeShape):
-        self.make, self.shape = make, shape
+    def __init__(self, drafter, shape: TreeShape):
+        super().__init__(drafter)
+        self.shape = shape
 
     def check(self, sampler):
         if not sampler.sampling.greedy:
             raise ValueError("tree speculation verifies greedily; to sample, draft a chain "
                              "(EAGLE-3: top_k 1, build_engine.py --tree-top-k 1)")
 
-    def add(self, seq, features):
-        drafter = self.make()
-        prompt = seq.request.prompt
-        drafter.reset(seq.committed + seq.budget)
-        if len(features) > 1:  # its prefill
-            drafter.read(prompt[1:], features[:-1])
-            features = features[-1:]
-        seq.row = TreeRow(drafter, features, prompt[len(prompt) - len(features) + 1:])
-
-    def prefill(self, seq, features):
-        # as Chain.prefill: the row's own drafter reads the prompt a part at a time
-        drafter = self.make()
-        drafter.reset(seq.committed + seq.budget)
-        seq.row = PromptRead(drafter)
-        self.prefill_more(seq, features)
-
-    def prefill_more(self, seq, features):
-        part = seq.row.part(seq, features)
-        if part is not None:
-            seq.row.drafter.read(*part)
-
-    def join(self, seq):
-        seq.row = TreeRow(seq.row.drafter, seq.row.held, [])  # as add() leaves it
-
     def propose(self, batch, aside=frozenset()):
+        # no room: the last step is a plain decode step (a tree of its root alone)
+        shapes = [self.shape.within(s.room) if s.room > 0 else None for s in batch]
+        grown = self.drafter.draft_trees([s.row.unread + s.gen.tokens[-1:] for s in batch],
+                                         [s.row.features for s in batch], shapes)
         proposals = []
-        for s in batch:
-            row = s.row
-            if s.room > 0:
-                following = row.following + s.gen.tokens[-1:]  # the newest: the tree's root
-                tree, visible = row.drafter.draft_tree(row.context, following,
-                                                       self.shape.within(s.room))
+        for s, drafted in zip(batch, grown):
+            if drafted is None:
+                proposals.append(Proposal(tree=DraftTree.root_only(s.gen.tokens[-1]), beta=1.0))
             else:
-                tree, visible = DraftTree.root_only(s.gen.tokens[-1]), None
-            proposals.append(Proposal(visible=visible, tree=tree,
-                                      beta=1.0 if visible is None else beta_used(row.drafter, visible)))
+                tree, visible = drafted
+                proposals.append(Proposal(visible=visible, tree=tree,
+                                          beta=beta_used(self.drafter, visible)))
         return proposals
-
-    def accept(self, seq, proposal, new, features):
-        seq.row.context, seq.row.following = features, new[:-1]

@@ -257,39 +257,46 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     return StepCosts(_fit(rows, times), draft_fit)
 
 
-def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
-    """A drafter step with ~context tokens in the drafter's cache (a batch of one; a tree
-    drafter's one row), its cache filled and one warm-up step run: a block step
-    (DRAFTER_ROWS context features + bonus), a chain step (one new token, the engine's
-    draft count) or a tree step (one new token, the whole tree). Each step commits its
-    new rows, so the cache grows by a few tokens over the repeats."""
+def _drafter_step(engine, ids: list[int], features, context: int, repeats: int, batch: int = 1):
+    """A drafter step with ~context tokens in the drafter's cache, for `batch` rows alike
+    (the build's costs: a batch of one), their caches filled and one warm-up step run: a
+    block step (DRAFTER_ROWS context features + bonus), a chain step (one new token, the
+    engine's draft count) or a tree step (one new token, the whole tree). Each step
+    commits its new rows, so the cache grows by a few tokens over the repeats."""
     from runtime.sampling import Sampler
 
     drafter = engine.drafter(scaled=False)
+    capacity = context + repeats + 2
+    rows = range(batch)
     if engine.style == "tree":  # EAGLE-3: one context row, then the tree's levels
         shape = engine.tree_shape
-        drafter.reset(context + repeats + 2)
-        drafter.draft_tree(features[:-1], ids[1:context], shape)  # fill its cache
+        for _ in rows:  # the prompt's entries, as a joining row reads them
+            drafter.add(capacity, ids[:context], features[:-1])
 
         def step():
-            drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
+            drafter.draft_trees([ids[context:context + 1]] * batch, [features[-1:]] * batch,
+                                [shape] * batch)
     elif engine.style == "chain":
         k, sampler = engine.spec.drafting.max_drafts, Sampler()
-        drafter.add(context + repeats + 2, [], None)
-        drafter.draft([ids[:context]], [features], [k], [sampler])  # fill its row to context tokens
+        for _ in rows:
+            drafter.add(capacity, [], None)
+        # fill its rows to context tokens
+        drafter.draft([ids[:context]] * batch, [features] * batch, [k] * batch, [sampler] * batch)
         # the newest token's features (a drafter that reads features reads one row per token)
         newest = None if features is None else features[-1:]
 
         def step():
-            drafter.draft([ids[context:context + 1]], [newest], [k], [sampler])
+            drafter.draft([ids[context:context + 1]] * batch, [newest] * batch, [k] * batch,
+                          [sampler] * batch)
     else:
-        rows = DRAFTER_ROWS
-        held = drafter.add(context + rows * (repeats + 2), features[:-rows], ids[0])
+        width = DRAFTER_ROWS
+        helds = [drafter.add(context + width * (repeats + 2), features[:-width], ids[0])
+                 for _ in rows]
         # the first step reads what its prefill held back (a drafter run one row at a time)
-        drafter.draft([torch.cat([held, features[-rows:]])], [ids[1]])
+        drafter.draft([torch.cat([held, features[-width:]]) for held in helds], [ids[1]] * batch)
 
         def step():
-            drafter.draft([features[-rows:]], [ids[1]])
+            drafter.draft([features[-width:]] * batch, [ids[1]] * batch)
     step()  # warm-up
     return step
 

@@ -8,7 +8,8 @@ the accepted path follows, from the root, the child whose token is the target's 
 at its parent, and the target's argmax at the path's last node is the next token. The
 caches then keep only that path (KVCache.keep).
 
-Growing (grow_tree), as EAGLE-3 does it: the root's top_k continuations form the first
+Growing (grow_trees), as EAGLE-3 does it, every row of a batch at once (one drafter pass
+per level over all the rows' frontiers): the root's top_k continuations form the first
 frontier; each later level expands every frontier node into its top_k children, scores
 each by its path's summed log-probability, and keeps the top_k best children as the next
 frontier; finally the total_tokens - 1 best-scored nodes of everything seen make the
@@ -114,10 +115,13 @@ def pack(trees: list[DraftTree], device=None) -> tuple[torch.Tensor, torch.Tenso
     return ids.to(device), mask.to(device), depths.to(device)
 
 
-# expand(tokens [k], hidden [k, H], scratch_mask [k, s], offset) -> (log-probs [k, V], hidden [k, H]):
-# one drafter step over a frontier, its rows at `offset` past the committed tokens, seeing
-# the scratch keys scratch_mask allows (ancestors written by earlier steps, then themselves).
-Expand = Callable[[list[int], torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# expand(tokens [b][k], hidden [b, k, H], scratch_mask [b, k, s], offset) -> (log-probs
+# [b, k, V], hidden [b, k, H], visible [b, k]): one drafter pass over every row's frontier,
+# its nodes at `offset` past their row's committed tokens, each seeing the scratch keys
+# scratch_mask allows (its ancestors, written by earlier passes, then itself); visible:
+# each node's visible-key count N, as the step's metadata gave it to the attention.
+Expand = Callable[[list[list[int]], torch.Tensor, torch.Tensor, int],
+                  tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass
@@ -128,35 +132,63 @@ class _Node:
     token: int
 
 
-def grow_tree(root: int, first_logp: torch.Tensor, first_hidden: torch.Tensor, expand: Expand,
-              shape: TreeShape, to_target: Callable[[torch.Tensor], torch.Tensor]) -> DraftTree:
-    """EAGLE-3's dynamic tree below `root`. first_logp [V]: the drafter's log-probs for
-    the token after the root (over its draft vocabulary); first_hidden [H]: the hidden
-    state those came with; to_target maps draft-vocabulary indices to token ids."""
-    k = min(shape.top_k, first_logp.shape[-1])
-    top = first_logp.topk(k)
+def grow_trees(roots: list[int], first_logp: torch.Tensor, first_hidden: torch.Tensor,
+               first_visible: list[int], expand: Expand, shapes: list[TreeShape],
+               to_target: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[DraftTree, int]]:
+    """EAGLE-3's dynamic tree below each row's root, every row's level in one drafter pass
+    (`expand`). first_logp [b, V]: each row's log-probs for the token after its root
+    (over the draft vocabulary); first_hidden [b, H]: the states those came with;
+    first_visible: the N of the rows that made them. shapes: each row's tree (they differ
+    in depth only: TreeShape.within); a row past its depth rides along in the passes, its
+    outputs unread. to_target maps draft-vocabulary indices to token ids. Returns each
+    row's tree and the most keys any drafter row of it saw (N)."""
+    b, vocab = first_logp.shape
+    k = min(shapes[0].top_k, vocab)
+    top = first_logp.topk(k, dim=-1)
     tokens = to_target(top.indices).tolist()
-    nodes = [_Node(float(s), 1, -1, t) for s, t in zip(top.values.tolist(), tokens)]
-    frontier = list(range(k))  # candidate indices
-    hidden = first_hidden.expand(k, -1)
-    seen = torch.zeros((k, 0), dtype=torch.bool, device=first_hidden.device)  # scratch ancestry
-    for level in range(2, shape.depth + 1):
-        scratch_mask = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], -1)
-        logp, out = expand([nodes[i].token for i in frontier], hidden, scratch_mask, level - 2)
+    nodes = [[_Node(float(s), 1, -1, t) for s, t in zip(scores, row)]
+             for scores, row in zip(top.values.tolist(), tokens)]
+    largest = list(first_visible)
+    frontier = [list(range(k)) for _ in range(b)]  # candidate indices, per row
+    hidden = first_hidden[:, None].expand(b, k, first_hidden.shape[-1])
+    device = first_hidden.device
+    seen = torch.zeros((b, k, 0), dtype=torch.bool, device=device)  # scratch ancestry
+    own = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+    at = torch.arange(b, device=device)[:, None]
+    for level in range(2, max(shape.depth for shape in shapes) + 1):
+        scratch_mask = torch.cat([seen, own], -1)
+        logp, out, visible = expand([[nodes[r][i].token for i in frontier[r]] for r in range(b)],
+                                    hidden, scratch_mask, level - 2)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        children = to_target(top.indices).tolist()
-        scores = top.values.double() + torch.tensor([nodes[i].score for i in frontier],
-                                                    dtype=torch.float64, device=logp.device)[:, None]
-        first_child = len(nodes)
         width = top.indices.shape[-1]
-        for row, parent in enumerate(frontier):
-            for c in range(width):
-                nodes.append(_Node(float(scores[row, c]), level, parent, children[row][c]))
-        best = scores.flatten().topk(min(k, scores.numel())).indices.tolist()
-        frontier = [first_child + b for b in best]
-        rows = [b // width for b in best]  # the frontier row each new frontier node came from
-        hidden, seen = out[rows], scratch_mask[rows]
-    return _best_tree(root, nodes, shape.total_tokens - 1)
+        children = to_target(top.indices).tolist()
+        parents = torch.tensor([[nodes[r][i].score for i in frontier[r]] for r in range(b)],
+                               dtype=torch.float64, device=logp.device)
+        scores = top.values.double() + parents[:, :, None]
+        best = scores.flatten(1).topk(k, dim=-1).indices
+        flat, chosen, most = scores.flatten(1).tolist(), best.tolist(), visible.amax(-1).tolist()
+        for r, shape in enumerate(shapes):
+            if level > shape.depth:
+                continue
+            first_child = len(nodes[r])
+            for row, parent in enumerate(frontier[r]):
+                for c in range(width):
+                    nodes[r].append(_Node(flat[r][row * width + c], level, parent, children[r][row][c]))
+            frontier[r] = [first_child + i for i in chosen[r]]
+            largest[r] = max(largest[r], int(most[r]))
+        rows = best // width  # the frontier row each new frontier node came from
+        hidden, seen = out[at, rows], scratch_mask[at, rows]
+    return [(_best_tree(root, row, shape.total_tokens - 1), n)
+            for root, row, shape, n in zip(roots, nodes, shapes, largest)]
+
+
+def group_shapes(shapes: list[TreeShape | None], members: list[int]) -> list[TreeShape] | None:
+    """The tree shape each of a group's rows grows under, a row that drafts none this step
+    (None) riding along one level deep (its tree unread); None when no row drafts."""
+    drafting = [shapes[r] for r in members if shapes[r] is not None]
+    if not drafting:
+        return None
+    return [shapes[r] or drafting[0].within(1) for r in members]
 
 
 def _best_tree(root: int, nodes: list[_Node], drafts: int) -> DraftTree:

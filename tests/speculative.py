@@ -200,3 +200,50 @@ def assert_chunked_join_drafts_as_whole(make_decoder, prompt: list[int], chunk: 
     assert (a.tokens, a.kind, a.visible, a.tree) == (b.tokens, b.kind, b.visible, b.tree)
     if a.q is not None:
         torch.testing.assert_close(b.q, a.q, atol=tolerance, rtol=0)
+
+
+def tree_batch_decoder(target, drafter, shape: TreeShape) -> Decoder:
+    """EAGLE-3 trees over batched roles (BatchTarget, BatchTreeDrafter)."""
+    return assembly.decoder(roles(target, "tree", drafter, tree_shape=shape), Mode.FROZEN)
+
+
+def assert_trees_draft_as_per_row(make_target, drafter, oracle, shape: TreeShape,
+                                  requests: list[Request], monkeypatch, join_at=None) -> list:
+    """`requests` decoded as one batch on `drafter` (a batch tree drafter) and on `oracle`
+    (today's per-row drafting: tests/tree_oracle.py), each on a batch target of its own
+    from make_target(): every row's tokens, accepted counts, N and beta per step are the
+    oracle's, and so is every tree it proposed, and a step of the batch is at most one
+    drafter pass to ingest and one per level below the first, however many rows
+    (`join_at`: the steps the rows join at). Returns each row's (tokens, accepted counts,
+    N and beta per step)."""
+    join_at = join_at or [0] * len(requests)
+
+    def decode(tree_drafter, count: bool):
+        decoder = tree_batch_decoder(make_target(), tree_drafter, shape)
+        counts = drafter_passes(decoder, monkeypatch) if count else [0]
+        seqs, passes, step, trees = [], [], 0, []
+        propose = decoder.proposer.propose
+
+        def recording(batch, aside=frozenset()):  # every step's trees, as proposed
+            proposals = propose(batch, aside)
+            trees.append([p.tree for p in proposals])
+            return proposals
+
+        decoder.proposer.propose = recording
+        while len(seqs) < len(requests) or decoder.active:
+            while len(seqs) < len(requests) and join_at[len(seqs)] <= step:
+                seqs.append(decoder.add(requests[len(seqs)]))
+            before = counts[0]
+            if decoder.active:
+                decoder.step()
+                passes.append(counts[0] - before)
+            step += 1
+        return [(s.gen.tokens, s.gen.committed_per_step, s.gen.visible_per_step,
+                 s.gen.beta_per_step) for s in seqs], passes, trees
+
+    got, passes, got_trees = decode(drafter, True)
+    want, _, want_trees = decode(oracle, False)
+    assert got == want
+    assert got_trees == want_trees  # the very trees, step by step
+    assert max(passes) == shape.depth, passes  # not one per row
+    return got

@@ -12,7 +12,7 @@ import torch
 
 from runtime import assembly
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                      TorchBatchTarget, TorchEagle3)
+                                      TorchBatchTarget)
 from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.spec import open_spec
@@ -298,7 +298,7 @@ def _eagle3_tree_pair():
     target, drafter = eagle_pair(7, 40)
     layers = drafter.config.feature_layers(target.config.num_layers)
     roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers),
-                           drafter=lambda setting: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
+                           drafter=lambda setting: TorchBatchEagle3(drafter, SCALING, 3, TreeShape(2, 3, 6)),
                            tree_shape=TreeShape(2, 3, 6))
     return assembly.decoder(roles, Mode.FROZEN), target, drafter
 
@@ -326,7 +326,7 @@ def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_draf
 @pytest.mark.parametrize("pair, reader, sampling", [
     (_pard_pair, TorchBatchPARD, Sampling(1.0, 1.0, seed=3)),
     (_eagle3_chain_pair, TorchBatchEagle3, Sampling(1.0, 1.0, seed=3)),
-    (_eagle3_tree_pair, TorchEagle3, Sampling())], ids=["pard", "eagle3-chain", "eagle3-tree"])
+    (_eagle3_tree_pair, TorchBatchEagle3, Sampling())], ids=["pard", "eagle3-chain", "eagle3-tree"])
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_chain_and_tree_drafters_read_a_chunked_prompt_a_part_at_a_time(pair, reader, sampling, chunk):
     """Float64 torch roles: a 50-token prompt joining in parts has the PARD or EAGLE-3

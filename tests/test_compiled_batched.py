@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiny
+from plugins.scaling import QueryScaling
 from runtime.decode import Request
 from runtime.engine import Engine
 from runtime.spec import open_spec
@@ -195,42 +196,55 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
         torch.testing.assert_close(gf[r, :len(row)], wf[r, :len(row)], **close)
 
 
-def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
-    """Float64 EAGLE-3 trees, three rows joining and leaving, verified packed on
-    CompiledBatchTarget: the eager batch target's tokens and accepted counts per step, and
-    the target-only tokens (no target per row: the decoder verifies on the batch
-    role itself)."""
+@pytest.mark.parametrize("backend, batch", [("eager", 4), pytest.param("eager", 8, marks=pytest.mark.slow),
+                                            pytest.param("inductor", 4, marks=pytest.mark.slow)])
+def test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps(backend, batch, monkeypatch):
+    """Float64 EAGLE-3 trees, rows joining and leaving, drafted on the compiled steps (the
+    ingest, then one level step per tree level for every slot: CompiledBatchEagle3) and
+    verified packed on CompiledBatchTarget: each row's tokens, accepted counts, N and
+    beta per step are today's per-row drafting's (tests/tree_oracle.py on the eager
+    batch target), and the tokens target-only's. Every level is one drafter call for
+    the whole group, none per row."""
     from runtime import assembly
-    from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
+    from runtime.backends.pytorch import TorchBatchTarget
     from runtime.backends.pytorch.compiled import CompiledBatchTarget, EngineSteps
     from runtime.modes import Mode
     from runtime.tree import TreeShape
     from tiny import float64_eagle3
+    from tree_oracle import PerRowTrees
 
     target = tiny.float64_target(6, 40, layers=4, context=256)
     drafter = float64_eagle3(target, 7, (1, 2, 3))
     layers = drafter.config.feature_layers(target.config.num_layers)
     shape = TreeShape(2, 3, 6)
-    steps = EngineSteps(target, layers, widths=(1, 4), backend="eager")
+    scaling = QueryScaling(ref_keys=10, top_k=2, slope=2.0)
+    steps = EngineSteps(target, layers, widths=(1, 4), backend=backend, drafter=drafter)
+    g = torch.Generator().manual_seed(2)
+    requests = [Request(torch.randint(0, 39, (int(n),), generator=g).tolist(), int(budget))
+                for n, budget in zip(torch.randint(3, 40, (batch,), generator=g),
+                                     torch.randint(8, 24, (batch,), generator=g))]
+    join_at = [i // 2 for i in range(batch)]
 
-    def run(batch_target):
-        roles = assembly.Roles("tree", batch_target,
-                               drafter=lambda setting: TorchEagle3(drafter, None, shape),
+    def run(batch_target, tree_drafter):
+        roles = assembly.Roles("tree", batch_target, drafter=lambda setting: tree_drafter,
                                tree_shape=shape)
         decoder = assembly.decoder(roles, Mode.FROZEN)
-        assert type(decoder.target) is type(batch_target())
-        g = torch.Generator().manual_seed(2)
-        requests = [Request(torch.randint(0, 39, (n,), generator=g).tolist(), budget)
-                    for n, budget in ((12, 20), (30, 12), (7, 16))]
-        seqs = decoder.run(requests, join_at=[0, 1, 3])
-        return [(s.gen.tokens, s.gen.committed_per_step) for s in seqs], requests
+        seqs = decoder.run(requests, join_at=join_at)
+        return [(s.gen.tokens, s.gen.committed_per_step, s.gen.visible_per_step,
+                 s.gen.beta_per_step) for s in seqs]
 
-    want, requests = run(lambda: TorchBatchTarget(target, layers))
-    got, _ = run(lambda: CompiledBatchTarget(steps))
+    want = run(lambda: TorchBatchTarget(target, layers), PerRowTrees(drafter, scaling, shape))
+    compiled = steps.batch_eagle3(scaling, shape.depth, shape)
+    levels = []
+    level = compiled.level
+    monkeypatch.setattr(compiled, "level", lambda *a: levels.append(a[0].shape) or level(*a))
+    got = run(lambda: CompiledBatchTarget(steps), compiled)
     assert got == want
-    assert max(max(steps) for _, steps in got) > 1  # trees accepted drafts
+    assert max(max(s[1]) for s in got) > 1  # trees accepted drafts
+    assert levels and all(s[1] == shape.top_k for s in levels)  # [slots, top_k]: every row at once
+    assert max(s[0] for s in levels) >= batch // 2  # several rows in one level call
     plain, _ = run_target_only(target, requests)
-    assert [tokens for tokens, _ in got] == plain
+    assert [s[0] for s in got] == plain
 
 
 def run_target_only(target, requests):

@@ -12,7 +12,7 @@ from tiers import examples
 import tiny
 from plugins.scaling import QueryScaling
 from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                    TorchBatchTarget, TorchEagle3)
+                                    TorchBatchTarget)
 from runtime.decode import Decoder, Request, policy_for
 from runtime.ngram import NGramProposer
 from runtime.proposers import Block, Chain, Lookup, NoDrafts, Tree
@@ -70,7 +70,7 @@ def setup(style: str, seed: int, vocab: int):
         batch = TorchBatchTarget(target, layers)
         batch.context_limit = target.config.max_position_embeddings
         return single, batch, make, 4
-    make = lambda: Tree(lambda: TorchEagle3(drafter, SCALING, SHAPE), SHAPE)  # noqa: E731
+    make = lambda: Tree(TorchBatchEagle3(drafter, SCALING, SHAPE.depth, SHAPE), SHAPE)  # noqa: E731
     batch = TorchBatchTarget(target, layers)  # every row's tree in one packed pass
     batch.context_limit = target.config.max_position_embeddings
     return single, batch, make, SHAPE.total_tokens
@@ -141,7 +141,7 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
     target, drafter = eagle_pair(3, 12)
     layers = drafter.config.feature_layers(target.config.num_layers)
     roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers),
-                           drafter=lambda setting: TorchEagle3(drafter, SCALING, SHAPE),
+                           drafter=lambda setting: TorchBatchEagle3(drafter, SCALING, SHAPE.depth, SHAPE),
                            tree_shape=SHAPE)
     decoder = assembly.decoder(roles, Mode.FROZEN)
     requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]

@@ -15,7 +15,7 @@ from tiers import examples
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention, visible_counts
 from plugins.scaling import QueryScaling
-from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
+from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget
 from runtime.models.eagle3 import DraftVocabulary, load_eagle3, save_eagle3
 from runtime.models.target import ModelError
 from runtime.sampling import Sampler, Sampling
@@ -35,7 +35,7 @@ def eagle_pair(seed, vocab, draft_vocab=None, eagle31=False, sharpness=3.0):
 
 def runners(target, drafter, scaling=None, shape=TreeShape(4, 4, 12)):
     layers = drafter.config.feature_layers(target.config.num_layers)
-    return TorchBatchTarget(target, layers), TorchEagle3(drafter, scaling, shape)
+    return TorchBatchTarget(target, layers), TorchBatchEagle3(drafter, scaling, shape.depth, shape)
 
 
 # --- the architecture, against an independent plain-torch reading of cnets.py -----
@@ -173,33 +173,32 @@ def test_caches_after_tree_steps_equal_caches_built_from_scratch(seed):
     target, drafter = eagle_pair(seed, vocab=8, draft_vocab=6)
     shape = TreeShape(3, 4, 14)
     t, d = runners(target, drafter, QueryScaling(ref_keys=10, top_k=2, slope=2.0), shape)
-    left = []  # the row's cache as the finished sequence leaves the batch
-    leave = t.remove
+    left = []  # the row's caches (target's, drafter's) as the finished sequence leaves the batch
+    for role in (t, d):
+        def remove(row, role=role, leave=role.remove):
+            cache = role.caches.groups[0].cache
+            left.append((int(cache.lengths[0]), cache.k.clone(), cache.v.clone()))
+            leave(row)
 
-    def remove(row):
-        cache = t.caches.groups[0].cache
-        left.append((int(cache.lengths[0]), cache.k.clone(), cache.v.clone()))
-        leave(row)
-
-    t.remove = remove
+        role.remove = remove
     prompt = [1, 5, 2, 7, 3]
     gen = generate_tree(t, d, prompt, 30, Sampler(), shape)
     assert gen.mean_accepted_length > 1.0
     committed = prompt + gen.tokens[:-1]  # the last token is not in any cache yet
-    (n, k, v), = left
+    (n, k, v), (m, dk, dv) = sorted(left, key=lambda c: -c[0])  # the drafter is a token behind
     assert n == len(committed)
     scratch = TorchBatchTarget(target, t.feature_layers)
     _, features = scratch.add(committed, n + 4)
     ref = scratch.caches.groups[0].cache
     torch.testing.assert_close(k[..., :n, :], ref.k[..., :n, :], atol=1e-9, rtol=0)
     torch.testing.assert_close(v[..., :n, :], ref.v[..., :n, :], atol=1e-9, rtol=0)
-    m = d.cache.length  # the drafter last ingested what was committed before its last tree
+    # the drafter last ingested what was committed before its last tree
     assert len(prompt) <= m < n
-    fresh = TorchEagle3(drafter, d.scaling, shape)
-    fresh.reset(n + 4)
-    fresh.draft_tree(features[:m], committed[1:m + 1], shape)
-    torch.testing.assert_close(d.cache.k[..., :m, :], fresh.cache.k[..., :m, :], atol=1e-9, rtol=0)
-    torch.testing.assert_close(d.cache.v[..., :m, :], fresh.cache.v[..., :m, :], atol=1e-9, rtol=0)
+    fresh = TorchBatchEagle3(drafter, d.scaling, shape.depth, shape)
+    fresh.add(n + 4, committed[:m + 1], features[:m])
+    ref = fresh.caches.groups[0].cache
+    torch.testing.assert_close(dk[..., :m, :], ref.k[..., :m, :], atol=1e-9, rtol=0)
+    torch.testing.assert_close(dv[..., :m, :], ref.v[..., :m, :], atol=1e-9, rtol=0)
 
 
 # --- what the attention op is handed -----------------------------------------------
@@ -218,11 +217,11 @@ def test_drafter_rows_get_the_visible_keys_of_their_own_path(monkeypatch):
     target, drafter = eagle_pair(1, vocab=12)
     scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
     shape = TreeShape(3, 5, 20)
-    d = TorchEagle3(drafter, scaling, shape)
-    d.reset(40)
+    d = TorchBatchEagle3(drafter, scaling, shape.depth, shape)
+    d.add(40, [], None)
     c = 9
     features = torch.randn(c, 3 * 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    tree, visible = d.draft_tree(features, list(range(1, c + 1)), shape)
+    (tree, visible), = d.draft_trees([list(range(1, c + 1))], [features], [shape])
     assert len(handed) == shape.depth  # the context, then one call per level below the first
     bound, mask, kv, applied = handed[0]
     assert mask is None and bound[0].tolist() == list(range(1, c + 1))

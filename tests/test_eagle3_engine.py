@@ -104,6 +104,44 @@ def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain
     speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
 
 
+@pytest.mark.parametrize("batch", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_a_tree_engine_drafts_a_batch_as_per_row_drafting_did(tree_engine, batch, monkeypatch):
+    """The engine's SharpDraft tree drafter (float32, beta > 1 past 64 keys) over rows at
+    different lengths and budgets: one drafter pass to ingest and one per level for every
+    row, and each row's tokens, accepted counts, N and beta per step those of today's
+    per-row drafting (tests/tree_oracle.py) on the same weights."""
+    from tree_oracle import PerRowTrees
+
+    engine = Engine(open_spec(tree_engine))
+    text = engine.encode(tiny.stdlib_text())
+    requests = [Request(text[37 * i:37 * i + 70 + 13 * i], 8 + 3 * i) for i in range(batch)]
+    drafter = engine.drafter()
+    assert type(drafter).__name__ == "TorchBatchEagle3"
+    oracle = PerRowTrees(engine.loaded.drafter_model, engine.scaling, engine.tree_shape)
+    got = speculative.assert_trees_draft_as_per_row(engine.loaded.batch_target, drafter, oracle,
+                                                    engine.tree_shape, requests, monkeypatch,
+                                                    join_at=[i // 3 for i in range(batch)])
+    assert min(g[3][0] for g in got) > 1.0  # scaled rows
+
+
+def test_the_step_cost_tool_times_a_batch_of_trees_in_one_pass_per_level(tree_engine, monkeypatch):
+    """runtime/step_costs.py's drafter step for 4 rows: one drafter pass ingests the 4
+    rows' new entries, then one pass per tree level expands all 4 rows' frontiers."""
+    from runtime import step_costs
+
+    engine = Engine(open_spec(tree_engine))
+    ids = engine.encode(tiny.stdlib_text())[:80]
+    _, features = engine.loaded.batch_target().add(ids[:60], 80)
+    step = step_costs._drafter_step(engine, ids, features, 60, 3, batch=4)
+    model, shapes = engine.loaded.drafter_model, []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: shapes.append(tuple(ids.shape))
+                        or forward(ids, *a, **k))
+    step()
+    top_k = engine.tree_shape.top_k
+    assert shapes == [(4, 1)] + [(4, top_k)] * (engine.tree_shape.depth - 1)
+
+
 def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engine, capsys):
     assert run(runtime_main, ["generate", "--engine-dir", str(tree_engine), "--prompt", "x = ",
                               "--max-new-tokens", "8", "--json"]) == 0

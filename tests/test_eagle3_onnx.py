@@ -65,22 +65,19 @@ def chain_engine(tmp_path_factory, long_target, eagle3_checkpoint):
 
 
 class RecordedTrees:
-    """Passes a tree drafter through, keeping every tree and N it proposed."""
+    """Passes a batch tree drafter through, keeping every tree and N it proposed."""
 
     def __init__(self, inner):
-        self.inner, self.scaling = inner, inner.scaling
+        self.inner = inner
         self.trees = []
 
-    def reset(self, capacity):
-        self.inner.reset(capacity)
+    def __getattr__(self, name):  # add, prefill, prefill_more, join_prefilled, remove, scaling
+        return getattr(self.inner, name)
 
-    def read(self, ids, features):
-        self.inner.read(ids, features)
-
-    def draft_tree(self, context, following, shape):
-        tree, visible = self.inner.draft_tree(context, following, shape)
-        self.trees.append((tree, visible))
-        return tree, visible
+    def draft_trees(self, ids, features, shapes):
+        grown = self.inner.draft_trees(ids, features, shapes)
+        self.trees.extend(grown)
+        return grown
 
 
 def test_the_engine_records_the_tree_graphs(tree_engine, chain_engine):
@@ -268,33 +265,35 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
     features = torch.randn(40, reference.drafter_model.fc.in_features,
                            generator=torch.Generator().manual_seed(5))
     following = reference.encode(tiny.stdlib_text())[1:41]
-    drafter.reset(64)
-    drafter._ingest(features, following)
+    drafter.add(64, [0] + following, features)  # 40 committed entries
     ancestors = np.array([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=bool)
-    drafter.cache.k[40:45] = np.random.default_rng(0).standard_normal(drafter.cache.k[40:45].shape)
-    drafter.cache.v[40:45] = np.random.default_rng(1).standard_normal(drafter.cache.v[40:45].shape)
+    first = torch.randn(5, reference.drafter_model.config.hidden_size,
+                        generator=torch.Generator().manual_seed(7))
     hidden = torch.randn(3, reference.drafter_model.config.hidden_size,
                          generator=torch.Generator().manual_seed(6))
-    logits, _, visible = drafter._level([7, 8, 9], hidden, ancestors, 2)
+    run = drafter._scratch_run()
+    run([[1, 2, 3, 4, 5]], first[None], np.zeros((1, 5, 0), dtype=bool), 0)  # scratch keys 40..44
+    logits, _, visible = run([[7, 8, 9]], hidden[None], ancestors[None], 2)
 
     rows = []
     for i in range(3):  # committed entries, scratch keys 40..44, the level's own keys 45..47
         sees = [True] * 40 + list(ancestors[i]) + [j == i for j in range(3)]
         rows.append(sum(sees))
-    assert visible.tolist() == rows == [43, 41, 46]
+    assert visible[0].tolist() == rows == [43, 41, 46]
 
-    torch_side = reference.drafter()
-    torch_side.reset(64)
-    torch_side._ingest(features, following)
-    cache = torch_side.cache
-    cache.k[0, 0, :, 40:45] = torch.from_numpy(drafter.cache.k[40:45, 0, 0]).permute(1, 0, 2)
-    cache.v[0, 0, :, 40:45] = torch.from_numpy(drafter.cache.v[40:45, 0, 0]).permute(1, 0, 2)
+    torch_side = reference.loaded.tree_drafter(reference.scaling)
+    torch_side.add(64, [0] + following, features)
+    cache = torch_side.caches.groups[0].cache
+    model = torch_side.drafter
+    own = torch.eye(5, dtype=torch.bool)[None]
     mask = torch.cat([torch.from_numpy(ancestors), torch.eye(3, dtype=torch.bool)], -1)
     with torch.inference_mode():
-        out, _, counts = torch_side.drafter(torch.tensor([[7, 8, 9]]), hidden[None], cache,
-                                            torch_side.scaling, tree=(mask[None], torch.full((1, 3), 2)))
+        model(torch.tensor([[1, 2, 3, 4, 5]]), first[None], cache, torch_side.scaling,
+              tree=(own, torch.zeros((1, 5), dtype=torch.long)))
+        out, _, counts = model(torch.tensor([[7, 8, 9]]), hidden[None], cache, torch_side.scaling,
+                               tree=(mask[None], torch.full((1, 3), 2)))
     assert counts[0].tolist() == rows
-    torch.testing.assert_close(logits, torch_side.vocab.target_logits(out[0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[0], torch_side.vocab.target_logits(out[0]), atol=1e-4, rtol=0)
 
 
 def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
@@ -311,9 +310,9 @@ def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
     trees = []
     for engine in (ort, reference):
         drafter = engine.drafter()
-        drafter.reset(PROMPT + 16)
+        drafter.add(PROMPT + 16, [], None)
         features = engine.loaded.batch_target().add(prompt, PROMPT + 16)[1]
-        trees.append(drafter.draft_tree(features, prompt[1:] + [5], engine.tree_shape))
+        trees.append(drafter.draft_trees([prompt + [5]], [features], [engine.tree_shape]))
     assert trees[0] == trees[1]
 
 

@@ -1,10 +1,11 @@
-"""EAGLE-3 chains (top_k 1) batched on ONNX Runtime (OnnxBatchEagle3): the drafter's two
+"""EAGLE-3 chains (top_k 1) and trees batched on ONNX Runtime (OnnxBatchEagle3): the drafter's two
 graphs take each sequence's committed length, past_lens [batch] (build/export.py:
 Eagle3Step, Eagle3TreeStep, PARD's form), so one run of the step graph ingests every
 row's new entries and one run of the tree graph per chain link grows every row's chain,
 each row at its own length, N and beta: it drafts what each row drafts alone and what
 torch drafts; greedy batched decoding is target-only's, and speculative sampling through
-it keeps the target's law. The graphs are exported here from a tiny drafter, without
+it keeps the target's law. Trees grow one tree-graph run per level for every row, as
+today's per-row drafting grew them (tests/tree_oracle.py). The graphs are exported here from a tiny drafter, without
 building an engine; the engine-level checks are tests/test_eagle3_onnx.py's."""
 
 import copy
@@ -21,8 +22,9 @@ from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget
 from runtime.decode import Request
 from runtime.sampling import Sampler
 from runtime.tree import TreeShape
-from speculative import (assert_batched_as_alone, chain_batch_decoder, drafter_passes,
-                         generate_chain, generate_target_only, run_counting_passes)
+from speculative import (assert_batched_as_alone, assert_trees_draft_as_per_row,
+                         chain_batch_decoder, drafter_passes, generate_chain,
+                         generate_target_only, run_counting_passes)
 
 from exact_law import assert_batched_chains_keep_the_law
 from test_eagle3 import eagle_pair
@@ -163,3 +165,29 @@ def test_speculative_sampling_through_batched_onnx_chains_preserves_the_target_d
     vocab, draws = 4, law_runs(20_000)
     layers = layers_of(target, drafter)
     assert_batched_chains_keep_the_law(target, lambda: chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs)), draws, vocab)
+
+
+TREE = TreeShape(top_k=3, depth=4, total_tokens=12)
+
+
+@pytest.mark.parametrize("batch", [1, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_a_batch_of_trees_drafts_one_run_per_level_as_per_row_drafting_did(pair, graphs, batch,
+                                                                           monkeypatch):
+    """Rows at different lengths (some joining a step later), each with its own budget (so
+    its trees shorten near its end): one step-graph run and one tree-graph run per level
+    for every row, and every row's tokens, accepted counts, N and beta per step are
+    today's per-row drafting's on the same float32 weights in torch."""
+    from tree_oracle import PerRowTrees
+
+    target, _, drafter = pair
+    layers = layers_of(target, pair[1])
+    g = torch.Generator().manual_seed(batch)
+    requests = [Request(torch.randint(0, 4, (int(n),), generator=g).tolist(), int(budget))
+                for n, budget in zip(torch.randint(1, 40, (batch,), generator=g),
+                                     torch.randint(4, 24, (batch,), generator=g))]
+    got = assert_trees_draft_as_per_row(lambda: TorchBatchTarget(target, layers),
+                                        OnnxBatchEagle3(*graphs, SCALING, TREE, K),
+                                        PerRowTrees(drafter, SCALING, TREE), TREE, requests,
+                                        monkeypatch, join_at=[i % 2 for i in range(batch)])
+    assert max(max(accepted) for _, accepted, _, _ in got) > 2  # whole paths accepted
+    assert max(beta for *_, betas in got for beta in betas) > 1.0  # scaled rows

@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from build import train_eagle3
-from runtime.backends.pytorch import TorchBatchTarget, TorchEagle3
+from runtime.backends.pytorch import TorchBatchEagle3, TorchBatchTarget
 from runtime.models.eagle3 import load_eagle3
 from runtime.models.target import load_target
 from runtime.sampling import Sampler
@@ -63,7 +63,7 @@ def test_training_smoke_writes_a_loadable_lossless_checkpoint_and_resumes(tmp_pa
     t = TorchBatchTarget(model, drafter.config.feature_layers(model.config.num_layers))
     prompt = [5, 9, 14, 3, 7]
     want = generate_target_only(t, prompt, 12, Sampler()).tokens
-    assert generate_tree(t, TorchEagle3(drafter, None, shape), prompt, 12, Sampler(), shape).tokens == want
+    assert generate_tree(t, TorchBatchEagle3(drafter, None, shape.depth, shape), prompt, 12, Sampler(), shape).tokens == want
     # a rerun resumes at the last saved step; another recipe in the same --work is refused
     capsys.readouterr()
     assert train_eagle3.main(args) == 0

@@ -1,4 +1,4 @@
-"""Draft trees: what grow_tree keeps, the mask and visible-key counts a tree step hands
+"""Draft trees: what grow_trees keeps (a batch's rows each as today's per-row growth), the mask and visible-key counts a tree step hands
 the attention op, the target's one-pass tree verification against plain causal passes,
 a batch's trees packed in one pass against each row's own pass, and cache compaction to
 the accepted path against caches built from scratch."""
@@ -14,9 +14,10 @@ from runtime.models.layers import KVCache
 from runtime.sampling import Sampler
 from speculative import generate_target_only
 from runtime.step_metadata import StepMetadata
-from runtime.tree import DraftTree, TreeShape, grow_tree
+from runtime.tree import DraftTree, TreeShape, grow_trees
 
 from tiny import float64_target
+from tree_oracle import grow_tree as per_row_tree
 
 
 def ancestors(parents, i):
@@ -75,9 +76,17 @@ class FakeDrafter:
         return self.table[level, token]
 
     def expand(self, tokens, hidden, scratch_mask, offset):
+        """One row's frontier (today's per-row expansion)."""
         self.calls.append((list(tokens), scratch_mask.clone(), offset))
         # the "hidden" state carries each row's level so the next level's rows can be checked
         return torch.stack([self.logp(offset + 2, t) for t in tokens]), hidden + 1
+
+    def expand_rows(self, tokens, hidden, scratch_mask, offset):
+        """Every row's frontier at once (grow_trees'): each row's N, made up from its
+        scratch mask (what the op would count past a row of 100 committed keys)."""
+        self.calls.append((tokens, scratch_mask.clone(), offset))
+        logp = torch.stack([torch.stack([self.logp(offset + 2, t) for t in row]) for row in tokens])
+        return logp, hidden + 1, 100 + scratch_mask.sum(-1)
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -86,8 +95,10 @@ class FakeDrafter:
 def test_grow_tree_keeps_the_best_paths_and_hands_each_row_its_ancestors(seed, vocab, top_k, depth, total):
     fake = FakeDrafter(vocab, seed)
     root = 0
-    tree = grow_tree(root, fake.logp(1, root), torch.zeros(3), fake.expand,
-                     TreeShape(top_k, depth, total), lambda i: i)
+    (tree, visible), = grow_trees([root], fake.logp(1, root)[None], torch.zeros(1, 3), [100],
+                                  fake.expand_rows, [TreeShape(top_k, depth, total)], lambda i: i)
+    fake.calls = [(tokens[0], mask[0], offset) for tokens, mask, offset in fake.calls]
+    assert visible == 100 + max(depth - 1, 0)  # committed keys + its path's scratch keys
     k = min(top_k, vocab)
     # Every candidate the drafter offered, with its path score, computed here: level 1
     # from the root's distribution, then top-k children of each expanded row.
@@ -132,6 +143,28 @@ def test_grow_tree_keeps_the_best_paths_and_hands_each_row_its_ancestors(seed, v
     if kept and dropped:
         assert min(kept) >= max(dropped) - 1e-12
     assert max(tree.depths) <= depth
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.integers(2, 9), top_k=st.integers(1, 5),
+       depths=st.lists(st.integers(1, 5), min_size=1, max_size=8), total=st.integers(2, 40))
+def test_a_batch_grows_each_rows_tree_as_per_row_growth_did(seed, vocab, top_k, depths, total):
+    """Rows of a batch, each at its own root and depth (TreeShape.within), grown together
+    (one expansion per level for every row's frontier): each row's tree is the one
+    today's per-row growth (tests/tree_oracle.py) makes alone, and its N the most of its
+    own levels' (a row past its depth rides along unread)."""
+    fake = FakeDrafter(vocab, seed)
+    roots = [(seed + r) % vocab for r in range(len(depths))]
+    shapes = [TreeShape(top_k, total_tokens=total, depth=d) for d in depths]
+    got = grow_trees(roots, torch.stack([fake.logp(1, r) for r in roots]),
+                     torch.zeros(len(roots), 3), [100] * len(roots), fake.expand_rows, shapes,
+                     lambda i: i)
+    assert len(fake.calls) == max(depths) - 1  # one pass per level, not one per row
+    for root, shape, (tree, visible) in zip(roots, shapes, got):
+        alone = per_row_tree(root, fake.logp(1, root), torch.zeros(3), fake.expand, shape,
+                             lambda i: i)
+        assert tree == alone
+        assert visible == 100 + shape.depth - 1
 
 
 def test_visible_count_equals_the_unmasked_keys_for_causal_block_and_tree_masks():

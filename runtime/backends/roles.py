@@ -6,17 +6,7 @@ joining sequence in parts (JoinInParts).
 The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
 these roles, and every backend implements them over a batch: one request is a batch of
 one. The loop runs over a batch of sequences at different lengths, one row each; a
-sequence joins as the last row and leaves from any row, between steps. One role works
-row by row:
-
-  Tree drafter (EAGLE-3 trees: one per row, runtime/proposers.py Tree):
-           reset(capacity)
-           read(ids, features)    -- store the cache entries of committed tokens without
-                                     drafting (the prompt, during prefill): feature row i
-                                     paired with token ids[-len(features) + i]
-           draft_tree(context [c, F], following [c], shape) -> (DraftTree, visible keys N)
-                                  -- following: the token after each context row
-           scaling
+sequence joins as the last row and leaves from any row, between steps.
 
   BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- a new row's
                                     prefill: prefill + join_prefilled
@@ -78,6 +68,17 @@ row by row:
                                     per position, so sampling stays lossless
                 remove(row); scaling
                 max_drafts          -- the most drafts one call makes for a row (K)
+  BatchTreeDrafter (EAGLE-3 trees):
+                add / prefill / prefill_more / join_prefilled; remove(row); scaling -- as a
+                                    BatchChainDrafter's
+                draft_trees(rows of ids, rows of features, shapes) -> [(DraftTree, N) or None]
+                                 -- ids and features per row as draft()'s; shapes: each
+                                    row's TreeShape (None: it drafts none this step). One
+                                    drafter pass ingests every row's new entries, then one
+                                    pass per tree level expands every row's frontier
+                                    (runtime/tree.py: grow_trees), each row at its own
+                                    cache length; N: the most keys any of a row's drafter
+                                    rows saw (the step metadata's counts), beta's N
 
   Loaded (what a loader returns for one engine directory; the roles made on demand):
                 can                 -- what this backend runs (runtime/modes.py BACKENDS)
@@ -92,7 +93,7 @@ row by row:
                                     BatchChainDrafter (PARD, EAGLE-3 with top_k 1) under
                                     `scaling` (None: frozen); with a `window`, each DFlash
                                     row sees only the last `window` of its context keys
-                tree_drafter(scaling) -> an EAGLE-3 tree drafter for one row
+                tree_drafter(scaling) -> a BatchTreeDrafter (EAGLE-3 trees)
                 takes_window(manifest) -- (static) whether its DFlash drafter can draft
                                     under a window, from engine.json alone
 """

@@ -22,10 +22,10 @@ and plugin-form ones, run drafter.onnx with the committed cache as an input
 
 EAGLE-3 engines: the target verifies a draft tree in one pass of target-tree.onnx over
 the same bound buffers, every row's tree in one pass per group (OnnxBatchTarget.
-verify_trees; keep_paths compacts the accepted paths); the drafter (OnnxEagle3) runs
-its causal step and its tree levels over a HostKVCache, the levels' keys as scratch past
-the committed entries; a batch's chains draft in one run of each per step and chain
-link (OnnxBatchEagle3: past_lens per row, as PARD's). Engines whose graphs step one
+verify_trees; keep_paths compacts the accepted paths); the drafter (OnnxBatchEagle3) runs its causal
+step and its tree levels over a HostKVCache, past_lens per row as PARD's, the levels'
+keys as scratch past each row's committed entries: a batch's chains and trees draft in
+one run of each per step and chain link or tree level. Engines whose graphs step one
 sequence at a time are refused when they load (check_batched).
 
 Threads: intra-op pools spin while a run is in flight (fast hand-off between small
@@ -41,6 +41,6 @@ from runtime.backends.onnxruntime.buffers import (  # noqa: F401 -- the backend'
     window_feed)
 from runtime.backends.onnxruntime.bound_rows import FIRST_SLOTS, BoundSlots  # noqa: F401
 from runtime.backends.onnxruntime.drafters import (  # noqa: F401
-    BoundBatchDFlash, OnnxBatchDFlash, OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
+    BoundBatchDFlash, OnnxBatchDFlash, OnnxBatchEagle3, OnnxBatchPARD)
 from runtime.backends.onnxruntime.loader import OnnxEngine  # noqa: F401
 from runtime.backends.onnxruntime.target import OnnxBatchTarget  # noqa: F401

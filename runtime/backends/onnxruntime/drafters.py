@@ -1,9 +1,8 @@
 """The drafter graphs over a batch -- DFlash blocks (drafter.onnx over a HostKVCache:
 OnnxBatchDFlash; drafter-kv.onnx over bound buffers: BoundBatchDFlash), PARD chains
-(OnnxBatchPARD), EAGLE-3 chains (OnnxBatchEagle3) -- and EAGLE-3's trees, drafted one
-sequence at a time (OnnxEagle3). A batch over host caches keeps one row per sequence
-(join_row, drop_row). A joining sequence's prompt is read as a batch of one on a cache
-of its own, with the graph runs the steps make (EAGLE-3's: on its tree drafter)."""
+(OnnxBatchPARD), EAGLE-3 chains and trees (OnnxBatchEagle3). A batch over host caches
+keeps one row per sequence (join_row, drop_row). A joining sequence's prompt is read as
+a batch of one on a cache of its own, with the graph runs the steps make."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from runtime.backends.roles import JoinInParts
 from runtime.chain import ChainDraft
 from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, padded, padded_context
-from runtime.tree import grow_tree
+from runtime.tree import TreeShape, group_shapes, grow_trees
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HostKVCache, PREFILL_CHUNK,
                                                   buffer_dims, cache_dims, run_bound, window_feed)
 from runtime.backends.onnxruntime.bound_rows import BoundSlots, check_room, store
@@ -130,117 +129,62 @@ class OnnxBatchPARD(JoinInParts):
         return [ChainDraft.propose(logits[r, w - k - first:w - first], visible[r, w - k:w], sampler)
                 if k else None for r, (w, k, sampler) in enumerate(zip(widths, ks, samplers))]
 
-class OnnxEagle3:
-    """EAGLE-3 drafting over an engine's two drafter graphs (build/export.py): `step`
-    (Eagle3Step, causal) commits the entries of newly committed tokens; `tree`
-    (Eagle3TreeStep) runs one level of a draft tree, or one link of a chain, in scratch
-    past them. The HostKVCache holds the committed entries, then the scratch keys the
-    current draft wrote (never committed: the next step overwrites them). The graphs
-    return logits over the target's vocabulary (the draft vocabulary mapped in-graph)
-    and each row's visible-key count N, the one the graph scaled by. The same role as
-    TorchEagle3 (the tree drafter), and what OnnxBatchEagle3 reads a joining sequence's prompt
-    on; the graphs' past_lens is this sequence's committed length."""
+class OnnxBatchEagle3(JoinInParts):
+    """EAGLE-3 over a batch, chains (top_k 1: BatchChainDrafter) or trees (BatchTreeDrafter),
+    on an engine's two drafter graphs (build/export.py): `step` (Eagle3Step, causal)
+    commits the entries of newly committed tokens, `tree` (Eagle3TreeStep) runs one level
+    of a draft tree, or one link of a chain, in scratch past them. One HostKVCache row per
+    sequence, each row's committed length fed as past_lens, as OnnxBatchPARD does. A step
+    is one run of the step graph, ingesting every row's newly committed entries (padded
+    to the longest, context_lens real), then one run of the tree graph per chain link or
+    tree level for every row: each link a one-row level, each tree level every row's
+    frontier (runtime/tree.py: grow_trees), seeing its row's committed entries and the
+    earlier links' or levels' keys of its own that it may (its ancestors): those keys are
+    the scratch input, [scratch, layers, batch, ...], which the graph places after each
+    row's own committed entries. So every row drafts at its own length, N and beta (the
+    graphs return each row's N, the one they scaled by), a chain's drafts drawn by its
+    row's own sampler (ChainDraft.grow_rows). The graphs return logits over the target's
+    vocabulary (the draft vocabulary mapped in-graph). A joining sequence reads its prompt
+    (whole or in parts: JoinInParts) as a batch of one through the step graph, on a host
+    cache of its own, then joins."""
+
+    fused = True
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
         self.tree, self.max_drafts = shape, max_drafts
         self.dims = cache_dims(step)
         self.cache: HostKVCache | None = None
-
-    def _past(self) -> dict:
-        """The committed entries and their count."""
-        return self.cache.past() | {"past_lens": np.asarray([self.cache.length], dtype=np.int64)}
-
-    def reset(self, capacity: int) -> None:
-        # + scratch past the committed entries, as TorchEagle3.reset sizes it
-        self.cache = HostKVCache(capacity + max(self.tree.depth * self.tree.top_k,
-                                                self.max_drafts), *self.dims)
-
-    def _ingest(self, context: torch.Tensor, following: list[int]):
-        feeds = {"ids": np.asarray([following], dtype=np.int64),
-                 "features": np.ascontiguousarray(context.numpy(), dtype=np.float32)[None],
-                 "context_lens": np.asarray([len(following)], dtype=np.int64)}
-        logits, state, visible, keys, values = self.step_session.run(None, feeds | self._past())
-        self.cache.append(keys, values)
-        return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), int(visible[0, -1])
-
-    def _level(self, tokens: list[int], hidden: torch.Tensor, ancestors: np.ndarray, offset: int):
-        """Rows (tokens, parents' states [t, H]) at `offset` past the committed entries,
-        seeing the scratch keys `ancestors` [t, S] marks (the first S scratch rows) and
-        their own; their keys go to scratch rows S.. S + t."""
-        cache, t, written = self.cache, len(tokens), ancestors.shape[1]
-        start, end = cache.length + written, cache.length + written + t
-        if end > cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to {end}")
-        feeds = {"ids": np.asarray([tokens], dtype=np.int64),
-                 "hidden": np.ascontiguousarray(hidden.numpy(), dtype=np.float32)[None],
-                 "ancestors": ancestors[None], "offsets": np.full((1, t), offset, dtype=np.int64),
-                 "scratch_keys": cache.k[cache.length:start],
-                 "scratch_values": cache.v[cache.length:start]}
-        logits, state, visible, keys, values = self.tree_session.run(None, feeds | self._past())
-        cache.k[start:end], cache.v[start:end] = keys, values
-        return torch.from_numpy(logits[0]), torch.from_numpy(state[0]), torch.from_numpy(visible[0])
-
-    def read(self, ids: list[int], features: torch.Tensor) -> None:
-        self._ingest(features, list(ids[-len(features):]))
-
-    def draft_tree(self, context: torch.Tensor, following: list[int], shape=None):
-        """As TorchEagle3.draft_tree: the tree and the most keys any drafter row saw."""
-        logits, hidden, visible = self._ingest(context, following)
-        largest = [visible]
-
-        def expand(tokens, parent_hidden, scratch_mask, offset):
-            written = scratch_mask.shape[1] - len(tokens)
-            if not torch.equal(scratch_mask[:, written:], torch.eye(len(tokens), dtype=torch.bool)):
-                raise ValueError("a tree level's rows see their own keys and no sibling's")
-            out_logits, out_hidden, counts = self._level(
-                tokens, parent_hidden, np.ascontiguousarray(scratch_mask[:, :written].numpy()),
-                offset)
-            largest.append(int(counts.max()))
-            return log_softmax(out_logits, -1), out_hidden
-
-        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
-                         shape or self.tree, lambda indices: indices)  # target ids already
-        return tree, max(largest)
-
-
-class OnnxBatchEagle3(JoinInParts):
-    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): one HostKVCache row
-    per sequence, each row's committed length fed as past_lens, as OnnxBatchPARD does.
-    A step is one run of the causal step graph, ingesting every row's newly committed
-    entries (padded to the longest, context_lens real), then one run of the tree graph
-    per chain link for every row, each link a one-row tree level seeing its row's
-    committed entries and every earlier link of its own chain: those links' keys are the
-    scratch input, [links, layers, batch, ...], which the graph places after each row's
-    own committed entries. So every row drafts at its own length, N and beta, each draft
-    drawn by its row's own sampler (ChainDraft.grow_rows). A joining sequence reads its prompt on the tree drafter (`reader`, an
-    OnnxEagle3: OnnxEagle3.read, whole or in parts: JoinInParts), then joins."""
-
-    fused = True
-
-    def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
-        self.reader = OnnxEagle3(step, tree, scaling, shape, max_drafts)
-        self.step_session, self.tree_session, self.scaling = step, tree, scaling
-        self.max_drafts = max_drafts
-        self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
+        self.joining: HostKVCache | None = None
 
     def _reset_joining(self, capacity: int) -> None:
-        self.reader.reset(capacity)
+        # + scratch past the committed entries, as the torch drafter's rows have
+        room = max(self.max_drafts, 0 if self.tree is None else self.tree.depth * self.tree.top_k)
+        self.joining = HostKVCache(capacity + room, *self.dims)
 
     def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
-        self.reader.read(ids, features)
+        # entry p: the target's features of token p with token p + 1 (roles.py: JoinInParts)
+        cache = self.joining
+        following = list(ids[-len(features):])
+        feeds = {"ids": np.asarray([following], dtype=np.int64),
+                 "features": np.ascontiguousarray(features.numpy(), dtype=np.float32)[None],
+                 "context_lens": np.asarray([len(following)], dtype=np.int64),
+                 "past_lens": np.asarray([cache.length], dtype=np.int64)} | cache.past()
+        *_, keys, values = self.step_session.run(None, feeds)
+        cache.append(keys, values)
 
     def _join_row(self) -> None:
-        self.cache = join_row(self.cache, self.lengths, self.reader.cache)
+        self.cache = join_row(self.cache, self.lengths, self.joining)
+        self.joining = None
 
     def remove(self, row: int) -> None:
         self.cache = drop_row(self.cache, self.lengths, row)
 
-    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
-              samplers: list):
-        if not any(ks):
-            return [None] * len(ids)
+    def _ingest(self, ids: list[list[int]], features: list[torch.Tensor]):
+        """One run of the step graph over every row's newly committed entries (they stay
+        committed): each row's newest entry's logits [b, vocab], state [b, H] and N [b],
+        which predict its first draft."""
         context, counts = padded_context(features)
         following = padded([list(i[len(i) - len(f):]) for i, f in zip(ids, features)])
         meta = StepMetadata(torch.tensor(self.lengths), counts)
@@ -258,23 +202,61 @@ class OnnxBatchEagle3(JoinInParts):
             self.cache.v[start:end, :, r] = values[:end - start, :, r]
         self.lengths = ends
         last = visible[np.arange(len(ends)), counts.numpy() - 1]  # N of each row's draft 1
-        past, lengths = self._past(max(ends)), np.asarray(ends, dtype=np.int64)
-        links = [np.zeros((0,) + keys.shape[1:], keys.dtype)] * 2  # the chain's scratch keys
+        return torch.from_numpy(logits), torch.from_numpy(state), torch.from_numpy(last)
+
+    def _scratch_run(self):
+        """A run of the tree graph after every row's committed entries, the keys of the
+        runs before it (this step's) as scratch: (ids [b, t], hidden [b, t, H], ancestors
+        [b, t, S] over those S scratch keys, offset) -> logits, states, N."""
+        past, lengths = self._past(max(self.lengths)), np.asarray(self.lengths, dtype=np.int64)
+        empty = np.zeros((0,) + self.cache.k.shape[1:], self.cache.k.dtype)
+        scratch = [empty, empty]
+
+        def run(ids, hidden: torch.Tensor, ancestors: np.ndarray, offset: int):
+            feeds = {"ids": np.asarray(ids, dtype=np.int64),
+                     "hidden": np.ascontiguousarray(hidden.numpy(), dtype=np.float32),
+                     "ancestors": ancestors, "offsets": np.full(ancestors.shape[:2], offset,
+                                                               dtype=np.int64),
+                     "scratch_keys": scratch[0], "scratch_values": scratch[1],
+                     "past_lens": lengths}
+            out, state, n, k, v = self.tree_session.run(None, feeds | past)
+            scratch[:] = np.concatenate([scratch[0], k]), np.concatenate([scratch[1], v])
+            return torch.from_numpy(out), torch.from_numpy(state), torch.from_numpy(n)
+        return run
+
+    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+              samplers: list):
+        if not any(ks):
+            return [None] * len(ids)
+        logits, state, last = self._ingest(ids, features)
+        run = self._scratch_run()
 
         def step(tokens, hidden, i):
-            b = len(tokens)
-            feeds = {"ids": np.asarray(tokens, dtype=np.int64)[:, None],
-                     "hidden": np.ascontiguousarray(hidden.numpy(), dtype=np.float32)[:, None],
-                     "ancestors": np.ones((b, 1, i), dtype=bool),
-                     "offsets": np.full((b, 1), i, dtype=np.int64),
-                     "scratch_keys": links[0], "scratch_values": links[1], "past_lens": lengths}
-            out, state, n, k, v = self.tree_session.run(None, feeds | past)
-            links[:] = np.concatenate([links[0], k]), np.concatenate([links[1], v])
-            return (torch.from_numpy(out[:, 0]), torch.from_numpy(state[:, 0]),
-                    torch.from_numpy(n[:, 0]))
+            out, new, n = run([[t] for t in tokens], hidden[:, None],
+                              np.ones((len(tokens), 1, i), dtype=bool), i)
+            return out[:, 0], new[:, 0], n[:, 0]
 
-        return ChainDraft.grow_rows(torch.from_numpy(logits), torch.from_numpy(state),
-                                    torch.from_numpy(last), step, ks, samplers)
+        return ChainDraft.grow_rows(logits, state, last, step, ks, samplers)
+
+    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+                    shapes: list[TreeShape | None]):
+        """As TorchBatchEagle3.draft_trees: one step-graph run, then one tree-graph run
+        per level for every row."""
+        shaped = group_shapes(shapes, list(range(len(ids))))
+        if shaped is None:
+            return [None] * len(ids)
+        logits, state, last = self._ingest(ids, features)
+        run = self._scratch_run()
+
+        def expand(tokens, hidden, scratch_mask, offset):
+            written = scratch_mask.shape[2] - scratch_mask.shape[1]  # the graph adds the own keys
+            out, new, n = run(tokens, hidden, np.ascontiguousarray(scratch_mask[:, :, :written].numpy()),
+                              offset)
+            return log_softmax(out, -1), new, n
+
+        grown = grow_trees([i[-1] for i in ids], log_softmax(logits, -1), state, last.tolist(),
+                           expand, shaped, lambda indices: indices)  # target ids already
+        return [tree if shape is not None else None for tree, shape in zip(grown, shapes)]
 
     def _past(self, longest: int) -> dict:
         """Every row's committed entries, padded to the `longest` (a view, no copy)."""

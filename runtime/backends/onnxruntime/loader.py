@@ -16,7 +16,7 @@ from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched,
                                                   open_session)
 from runtime.backends.onnxruntime.target import OnnxBatchTarget
 from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, OnnxBatchDFlash,
-                                                   OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
+                                                   OnnxBatchEagle3, OnnxBatchPARD)
 
 
 class OnnxEngine(Loaded):
@@ -92,15 +92,14 @@ class OnnxEngine(Loaded):
         session, _, in_place = self._drafter_graph(sharpdraft=False)
         return modes.takes_window(self.drafting.style) and in_place and has_window(session)
 
-    def tree_drafter(self, scaling: QueryScaling | None) -> OnnxEagle3:
-        """An EAGLE-3 engine's tree drafter (one sequence: trees draft a row at a time)
-        for the tree it was built for, SharpDraft (`scaling`: the engine's) or frozen."""
+    def tree_drafter(self, scaling: QueryScaling | None) -> OnnxBatchEagle3:
+        """An EAGLE-3 engine's trees for every row (BatchTreeDrafter: one run per level
+        across the rows' frontiers), the tree it was built for, SharpDraft (`scaling`:
+        the engine's) or frozen."""
         if self.tree_shape is None:
             raise EngineError(f"this engine's {self.drafter_family} drafter drafts no trees — "
                               "build one with build_engine.py --drafter eagle3")
-        session, scaling, _ = self._drafter_graph(scaling is not None)
-        tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-        return OnnxEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
+        return self._batch_eagle3(scaling)
 
     def batch_target(self) -> OnnxBatchTarget:
         return OnnxBatchTarget(self.sessions["target_kv"], self.context_limit,

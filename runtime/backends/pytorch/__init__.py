@@ -5,5 +5,4 @@ runtime/backends/__init__.py LOADERS["torch"]). Named pytorch, not torch, so tha
 reader mistakes it for the library. The eager roles are importable from here."""
 
 from runtime.backends.pytorch.eager import (  # noqa: F401 -- the eager roles, by their names
-    TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD, TorchBatchTarget, TorchEagle3,
-    scatter_rows)
+    TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD, TorchBatchTarget, scatter_rows)

@@ -1,9 +1,8 @@
 """Compiled fixed-shape steps for the torch backend, in gpt-fast's manner: KV buffers
 preallocated on the model's device, each step a plain function over the models (the
-target's verify, the DFlash block, the PARD chain, EAGLE-3's ingest and link) and one
-`torch.compile(fullgraph=True)` graph per step shape (slot count, row width and capacity
-bucket),
-on CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
+target's verify, the DFlash block, the PARD chain, EAGLE-3's ingest, link and tree level)
+and one `torch.compile(fullgraph=True)` graph per step shape (slot count, row width and
+capacity bucket), on CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
 
 Lengths enter a step as device tensors ([batch] int64), never as Python ints, so one graph
 serves every position: only the shapes (slot count, row width, buffer capacity) pick a
@@ -43,7 +42,8 @@ from runtime.models.pard import PARDDrafter
 from runtime.models.layers import KVCache
 from runtime.models.target import ModelError, TargetModel
 from runtime.step_metadata import StepMetadata, capacity_bucket
-from runtime.tree import DraftTree, pack
+from runtime.sampling import log_softmax
+from runtime.tree import DraftTree, TreeShape, group_shapes, grow_trees, pack
 
 
 
@@ -143,6 +143,26 @@ def eagle3_forward(drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest:
     def eagle3_link(ids, state, k, v, cached):
         return drafter(ids, state, StaticView(k, v, cached), scaling)
     return eagle3_ingest if ingest else eagle3_link
+
+
+EAGLE3_LEVEL_STATIC = (4, 5)  # eagle3_level_forward's k, v
+
+
+def eagle3_level_forward(drafter: Eagle3Drafter, scaling: QueryScaling | None):
+    """One level of every row's EAGLE-3 draft tree: nodes (token ids [b, t], their
+    parents' states [b, t, H]) at `offsets` [b, t] past each row's `cached` [b] entries,
+    each seeing its committed entries and the scratch keys scratch_mask [b, t, s] allows
+    (earlier levels' keys right after its committed ones, then the level's own: its
+    ancestors and itself); the level's keys land after the earlier levels'. N per node
+    from StepMetadata.tree_rows, over the whole buffer (past_width: the buffer less the
+    scratch, so no length is read): draft-vocabulary logits [b, t, V], states [b, t, H]
+    and N [b, t]."""
+
+    def eagle3_level(ids, state, scratch_mask, offsets, k, v, cached):
+        view = StaticView(k, v, cached)
+        view.past_width = view.capacity - scratch_mask.shape[-1]
+        return drafter(ids, state, view, scaling, tree=(scratch_mask, offsets))
+    return eagle3_level
 
 
 def compile_step(step, static: tuple[int, ...], device: torch.device, backend: str = "inductor"):
@@ -327,6 +347,16 @@ class EngineSteps:
             self._drafts[key] = step, compile_step(step, EAGLE3_STATIC, self.device, self.backend)
         return self._drafts[key]
 
+    def eagle3_level_step(self, scaling: QueryScaling | None):
+        """The EAGLE-3 drafter's tree-level step under `scaling`: (the step function, its
+        compiled form; a graph per level, whose scratch width is part of its shape)."""
+        key = ("eagle3-level", scaling)
+        if key not in self._drafts:
+            step = eagle3_level_forward(self.drafter, scaling)
+            self._drafts[key] = step, compile_step(step, EAGLE3_LEVEL_STATIC, self.device,
+                                                   self.backend)
+        return self._drafts[key]
+
     def staging(self, name: str, shape: tuple, dtype=torch.long, fill=0) -> torch.Tensor:
         """A step input the roles fill before each call: one tensor per engine and shape (a
         step runs at a time, its outputs cloned), so a CUDA graph sees one address. Step
@@ -350,8 +380,9 @@ class EngineSteps:
     def batch_pard(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchPARD":
         return CompiledBatchPARD(self, scaling, max_drafts)
 
-    def batch_eagle3(self, scaling: QueryScaling | None, max_drafts: int) -> "CompiledBatchEagle3":
-        return CompiledBatchEagle3(self, scaling, max_drafts)
+    def batch_eagle3(self, scaling: QueryScaling | None, max_drafts: int,
+                     tree: TreeShape | None = None) -> "CompiledBatchEagle3":
+        return CompiledBatchEagle3(self, scaling, max_drafts, tree)
 
 
 # -- batched: rows in fixed-shape buffers (runtime/backends/slots.py: FixedSlots) --------
@@ -532,17 +563,49 @@ class CompiledBatchEagle3(TorchBatchEagle3):
     """TorchBatchEagle3 whose passes run the engine's compiled EAGLE-3 steps, per group
     (FixedSlots): one ingest of every slot's newly committed entries, padded at its end to
     the compiled row width that holds the group's longest (1, or every draft and the bonus:
-    max_drafts + 1; longer runs eagerly), then one link step [slots, 1] per chain link.
-    The links are scratch past each row's committed entries, as the eager drafter leaves
-    them; the host lengths go back to the committed ones after the chain."""
+    max_drafts + 1; longer runs eagerly), then one link step [slots, 1] per chain link, or
+    one level step [slots, top_k] per tree level (a graph per level). The links and levels
+    are scratch past each row's committed entries, as the eager drafter leaves them; the
+    host lengths go back to the committed ones after a chain."""
 
-    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
-        super().__init__(steps.drafter, scaling, max_drafts)
+    def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int,
+                 tree: TreeShape | None = None):
+        super().__init__(steps.drafter, scaling, max_drafts, tree)
         self.steps = steps
         self.ingest_eager, self.ingest = steps.eagle3_step(scaling, ingest=True)
         _, self.link = steps.eagle3_step(scaling, ingest=False)
+        self.level = steps.eagle3_level_step(scaling)[1] if tree is not None else None
         self.widths = (1, max_drafts + 1)
         self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1] + max_drafts)
+
+    def _ingest_group(self, group, ids: list[list[int]], features: list[torch.Tensor]):
+        """The ingest step over the group's slots (TorchBatchEagle3._ingest's pass), its
+        host lengths then the committed ones: each member's newest entry's logits, state
+        and N, and the committed lengths per slot."""
+        staging = self.steps.staging
+        slots, at = len(group.lengths), group.slots
+        counts = {r: len(features[r]) for r in group.members}
+        c = max(counts.values())
+        width, step = width_for(c, self.widths), self.ingest
+        if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
+            width, step = c, self.ingest_eager
+        following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
+        x = staging("eagle3.ids", (slots, width))
+        x.copy_(torch.tensor(slot_rows(group, following, width)))
+        context = staging("eagle3.context", (slots, width, features[0].shape[-1]),
+                          features[0].dtype)
+        context.zero_()
+        for r, slot in zip(group.members, at):
+            context[slot, :counts[r]] = features[r]
+        logits, hidden, visible = step(x, context, *group.cache.layers, group.cache.lengths)
+        last = torch.tensor([counts[r] - 1 for r in group.members])  # each row's newest entry
+        committed = list(group.lengths)
+        for r, slot in zip(group.members, at):
+            committed[slot] += counts[r]
+        group.lengths = list(committed)
+        group.sync()
+        # indexing copies: a CUDA graph's outputs are overwritten by its next replay
+        return logits[at, last], hidden[at, last], visible[at, last], committed
 
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
@@ -553,26 +616,7 @@ class CompiledBatchEagle3(TorchBatchEagle3):
             if not any(ks[r] for r in group.members):
                 continue
             slots, at = len(group.lengths), group.slots
-            counts = {r: len(features[r]) for r in group.members}
-            c = max(counts.values())
-            width, step = width_for(c, self.widths), self.ingest
-            if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
-                width, step = c, self.ingest_eager
-            following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
-            x = staging("eagle3.ids", (slots, width))
-            x.copy_(torch.tensor(slot_rows(group, following, width)))
-            context = staging("eagle3.context", (slots, width, features[0].shape[-1]),
-                              features[0].dtype)
-            context.zero_()
-            for r, slot in zip(group.members, at):
-                context[slot, :counts[r]] = features[r]
-            logits, hidden, visible = step(x, context, *group.cache.layers, group.cache.lengths)
-            last = torch.tensor([counts[r] - 1 for r in group.members])  # each row's newest entry
-            committed = list(group.lengths)
-            for r, slot in zip(group.members, at):
-                committed[slot] += counts[r]
-            group.lengths = list(committed)
-            group.sync()
+            logits, hidden, visible, committed = self._ingest_group(group, ids, features)
 
             def link(tokens, hidden, i):
                 x = staging("eagle3.link", (slots, 1))
@@ -587,8 +631,8 @@ class CompiledBatchEagle3(TorchBatchEagle3):
                 group.sync()
                 return out[at, -1], new[at, -1], n[at, -1]
 
-            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
-                                         link, [ks[r] for r in group.members],
+            grown = ChainDraft.grow_rows(logits, hidden, visible, link,
+                                         [ks[r] for r in group.members],
                                          [samplers[r] for r in group.members],
                                          self.vocab.target_logits)
             group.lengths = committed  # the links are scratch
@@ -596,3 +640,42 @@ class CompiledBatchEagle3(TorchBatchEagle3):
             for r, draft in zip(group.members, grown):
                 drafts[r] = draft
         return drafts
+
+    @torch.inference_mode()
+    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+                    shapes: list[TreeShape | None]):
+        trees = [None] * len(ids)
+        staging = self.steps.staging
+        for group in self.caches.groups:
+            shaped = group_shapes(shapes, group.members)
+            if shaped is None:
+                continue
+            slots, at = len(group.lengths), group.slots
+            logits, hidden, visible, _ = self._ingest_group(group, ids, features)
+
+            def expand(tokens, parent_hidden, scratch_mask, offset):
+                t, s = scratch_mask.shape[1:]
+                x = staging("eagle3.level.ids", (slots, t))
+                x.zero_()
+                x[at] = torch.tensor(tokens, dtype=torch.long, device=x.device)
+                state = staging("eagle3.level.state", (slots, t, parent_hidden.shape[-1]),
+                                parent_hidden.dtype)
+                state.zero_()
+                state[at] = parent_hidden
+                # an idle slot's nodes see themselves (padding, never read)
+                mask = staging("eagle3.level.mask", (slots, t, s), torch.bool)
+                mask.zero_()
+                mask[:, :, s - t:] = torch.eye(t, dtype=torch.bool)  # the level's own keys: last
+                mask[at] = scratch_mask
+                offsets = staging("eagle3.level.offsets", (slots, t))
+                offsets.fill_(offset)
+                out, new, n = self.level(x, state, mask, offsets, *group.cache.layers,
+                                         group.cache.lengths)
+                return log_softmax(out[at], -1), new[at], n[at]
+
+            grown = grow_trees([ids[r][-1] for r in group.members], log_softmax(logits, -1),
+                               hidden, visible.tolist(), expand, shaped, self.vocab.to_target)
+            for r, tree in zip(group.members, grown):
+                if shapes[r] is not None:
+                    trees[r] = tree
+        return trees

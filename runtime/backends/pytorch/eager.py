@@ -1,6 +1,6 @@
 """The torch backend's roles run eagerly: our TargetModel and the drafters (DFlash, PARD,
-EAGLE-3) over a batch (TorchSlots: runtime/backends/slots.py; a request alone is a batch
-of one), and EAGLE-3's tree drafter per row, on the loader's device (cpu, cuda) in its
+EAGLE-3 chains and trees) over a batch (TorchSlots: runtime/backends/slots.py; a request
+alone is a batch of one), on the loader's device (cpu, cuda) in its
 dtype. Their compiled forms: compiled.py; the loader:
 loader.py."""
 
@@ -18,7 +18,7 @@ from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 from runtime.sampling import log_softmax
 from runtime.step_metadata import padded, padded_context
-from runtime.tree import DraftTree, TreeShape, grow_tree, pack
+from runtime.tree import DraftTree, TreeShape, group_shapes, grow_trees, pack
 
 
 def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int], batch: int,
@@ -257,78 +257,30 @@ class TorchBatchPARD(JoinInParts):
         self.caches.drop(row)
 
 
-class TorchEagle3:
-    """EAGLE-3 tree drafting on the torch backend, one sequence (the tree drafter: trees draft a
-    row at a time). The drafter's cache holds one entry per token the target has
-    committed, from (the target's features of token p, token p + 1); each step ingests
-    the entries of the tokens committed since the last one, then drafts a tree in
-    scratch past them. EAGLE-3 chains draft over a batch: TorchBatchEagle3."""
-
-    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None,
-                 tree: TreeShape = TreeShape(), max_drafts: int = 16):
-        self.drafter, self.scaling, self.tree = drafter, scaling, tree
-        self.vocab = DraftVocabulary(drafter)
-        self.max_drafts = max_drafts  # the engine's chain length (K): scratch room, as a chain's
-        self.cache = None
-
-    def reset(self, capacity: int) -> None:
-        # + scratch past the committed entries: a tree's levels below the first write
-        # top_k keys each, a chain one key per draft
-        self.cache = self.drafter.new_cache(capacity + max(self.tree.depth * self.tree.top_k,
-                                                           self.max_drafts))
-
-    def _ingest(self, context: torch.Tensor, following: list[int]):
-        """Entries for the newly committed tokens; the last row's output predicts the
-        token after the last one in `following`."""
-        ids = torch.tensor([following], dtype=torch.long, device=context.device)
-        logits, hidden, visible = self.drafter(ids, self.drafter.project(context[None]), self.cache,
-                                               self.scaling)
-        return logits[0, -1], hidden[0, -1], int(visible[0, -1])
-
-    @torch.inference_mode()
-    def read(self, ids: list[int], features: torch.Tensor) -> None:
-        self._ingest(features, list(ids[-len(features):]))
-
-    @torch.inference_mode()
-    def draft_tree(self, context: torch.Tensor, following: list[int], shape: TreeShape | None = None):
-        """context [c, F]: target features of the c tokens committed since the last
-        step; following [c]: the token after each (the last: the tree's root, which the
-        target has not cached yet). Returns the tree and the most keys any drafter row
-        saw (N)."""
-        logits, hidden, visible = self._ingest(context, following)
-        largest = [visible]  # N of the rows drafted so far
-
-        def expand(tokens, parent_hidden, scratch_mask, offset):
-            ids = torch.tensor([tokens], dtype=torch.long, device=parent_hidden.device)
-            offsets = torch.full_like(ids, offset)
-            out_logits, out_hidden, counts = self.drafter(ids, parent_hidden[None], self.cache, self.scaling,
-                                                          tree=(scratch_mask[None], offsets))
-            largest.append(int(counts.max()))
-            return log_softmax(out_logits[0], -1), out_hidden[0]
-
-        tree = grow_tree(following[-1], log_softmax(logits, -1), hidden, expand,
-                         shape or self.tree, self.vocab.to_target)
-        return tree, max(largest)
-
-
 class TorchBatchEagle3(JoinInParts):
-    """EAGLE-3 chains (top_k 1) over a batch (BatchChainDrafter): per-sequence KVCaches
-    (TorchSlots), each row at its own length. Per group, one pass ingests every row's
-    newly committed entries (padded to the longest), then one pass per chain link drafts
-    the next token of every row; the links are scratch past each row's committed
-    entries, as TorchEagle3.draft leaves them. A joining sequence reads its prompt into a
-    cache of its own (whole or in parts:
-    _chain_reset / _chain_join; TorchEagle3.read's pass), then
-    joins."""
+    """EAGLE-3 over a batch, chains (top_k 1: BatchChainDrafter) or trees (`tree`, the
+    engine's TreeShape: BatchTreeDrafter): per-sequence KVCaches (TorchSlots), each row
+    at its own length. Per group, one pass ingests every row's newly committed entries
+    (padded to the longest), then one pass per chain link drafts the next token of every
+    row, or one pass per tree level expands every row's frontier (runtime/tree.py:
+    grow_trees); links and levels are scratch past each row's committed entries, each
+    row's N from the step's metadata (StepMetadata.tree_rows). A joining sequence reads
+    its prompt into a cache of its own (whole or in parts: _reset_joining / _join_row),
+    then joins."""
 
     fused = True
-    _reset_joining, _join_row = _chain_reset, _chain_join
+    _join_row = _chain_join
 
-    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int):
+    def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None, max_drafts: int,
+                 tree: TreeShape | None = None):
         self.drafter, self.scaling, self.max_drafts = drafter, scaling, max_drafts
+        self.tree = tree
         self.vocab = DraftVocabulary(drafter)
         self.caches = TorchSlots(lambda: drafter.new_cache(0, batch=0, per_sequence=True))
         self.joining = None
+
+    def _reset_joining(self, capacity: int) -> None:
+        self.joining = self.drafter.new_cache(capacity + eagle3_room(self.max_drafts, self.tree))
 
     @torch.inference_mode()
     def _read_joining(self, ids: list[int], features: torch.Tensor) -> None:
@@ -337,6 +289,19 @@ class TorchBatchEagle3(JoinInParts):
                                  device=features.device)
         self.drafter(following, self.drafter.project(features[None]), self.joining, self.scaling)
 
+    def _ingest(self, cache, members: list[int], ids: list[list[int]], features: list[torch.Tensor]):
+        """One pass over the group's rows' newly committed entries (committed: each row's
+        cache length grows by its own count): each row's newest entry's draft-vocabulary
+        logits [g, V], state [g, H] and N [g], which predict its first draft."""
+        context, counts = padded_context([features[r] for r in members])
+        following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
+        x = torch.tensor(following, dtype=torch.long, device=context.device)
+        logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
+                                               self.scaling, keep=counts.to(context.device))
+        last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
+        at = torch.arange(len(members), device=context.device)
+        return logits[at, last], hidden[at, last], visible[at, last]
+
     @torch.inference_mode()
     def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
               samplers: list):
@@ -344,13 +309,7 @@ class TorchBatchEagle3(JoinInParts):
         for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
-            context, counts = padded_context([features[r] for r in members])
-            following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
-            x = torch.tensor(following, dtype=torch.long, device=context.device)
-            logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
-                                                   self.scaling, keep=counts.to(context.device))
-            last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
-            at = torch.arange(len(members), device=context.device)
+            logits, hidden, visible = self._ingest(cache, members, ids, features)
             committed = cache.lengths.clone()
 
             def step(tokens, hidden, i):
@@ -358,13 +317,44 @@ class TorchBatchEagle3(JoinInParts):
                 out, state, n = self.drafter(x, hidden[:, None], cache, self.scaling)
                 return out[:, -1], state[:, -1], n[:, -1]
 
-            grown = ChainDraft.grow_rows(logits[at, last], hidden[at, last], visible[at, last],
-                                         step, [ks[r] for r in members],
+            grown = ChainDraft.grow_rows(logits, hidden, visible, step, [ks[r] for r in members],
                                          [samplers[r] for r in members], self.vocab.target_logits)
             cache.lengths = committed
             for r, draft in zip(members, grown):
                 drafts[r] = draft
         return drafts
 
+    @torch.inference_mode()
+    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+                    shapes: list[TreeShape | None]):
+        """Per row as draft()'s ids and features, and its tree's shape (None: it drafts
+        none this step): its DraftTree and the most keys any of its drafter rows saw (N),
+        or None. Per group, one pass ingests, then one pass per level (grow_trees)."""
+        trees = [None] * len(ids)
+        for cache, members in self.caches.each():
+            shaped = group_shapes(shapes, members)
+            if shaped is None:
+                continue
+            logits, hidden, visible = self._ingest(cache, members, ids, features)
+
+            def expand(tokens, parent_hidden, scratch_mask, offset):
+                x = torch.tensor(tokens, dtype=torch.long, device=parent_hidden.device)
+                out, state, counts = self.drafter(x, parent_hidden, cache, self.scaling,
+                                                  tree=(scratch_mask, torch.full_like(x, offset)))
+                return log_softmax(out, -1), state, counts
+
+            grown = grow_trees([ids[r][-1] for r in members], log_softmax(logits, -1), hidden,
+                               visible.tolist(), expand, shaped, self.vocab.to_target)
+            for r, tree in zip(members, grown):
+                if shapes[r] is not None:
+                    trees[r] = tree
+        return trees
+
     def remove(self, row: int) -> None:
         self.caches.drop(row)
+
+
+def eagle3_room(max_drafts: int, tree: TreeShape | None) -> int:
+    """Cache room an EAGLE-3 row needs past its capacity: a chain's (_chain_room), and a
+    tree's levels below the first, top_k scratch keys each."""
+    return max(_chain_room(max_drafts), 0 if tree is None else tree.depth * tree.top_k)

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                            TorchBatchTarget, TorchEagle3)
+                                            TorchBatchTarget)
 from runtime.backends.roles import Drafting, Loaded, drafter_feature_layers
 from runtime.manifest import Manifest
 from runtime.models.target import ModelError
@@ -49,10 +49,11 @@ class TorchLoaded(Loaded):
     an n-gram verify (ngram drafts + 1) and a block verify (block_size), the DFlash
     block, the PARD chain and EAGLE-3's chain passes: the batch roles are
     CompiledBatchTarget, CompiledBatchDFlash, CompiledBatchPARD and CompiledBatchEagle3
-    (EAGLE-3 chains), all over this engine's one EngineSteps (`shared`: its compiled
-    steps, graphs and KV buffer pool; a graph per slot count and row width), so a
-    request after the first compiles and captures nothing. EAGLE-3 trees draft eagerly
-    (per-step masks) and verify packed, eagerly, over CompiledBatchTarget's slotted buffers."""
+    (EAGLE-3 chains and trees: a tree level's step takes its mask as an input), all over
+    this engine's one EngineSteps (`shared`: its compiled steps, graphs and KV buffer
+    pool; a graph per slot count and row width), so a request after the first compiles
+    and captures nothing. Trees verify packed, eagerly, over CompiledBatchTarget's
+    slotted buffers."""
 
     can = modes.BACKENDS["torch"]
 
@@ -118,17 +119,20 @@ class TorchLoaded(Loaded):
         step (per chain link) for every row; a `window` is DFlash's."""
         return FAMILIES[self.family].batch_drafter(self, scaling, window)
 
-    def tree_drafter(self, scaling: QueryScaling | None) -> TorchEagle3:
-        """The per-row EAGLE-3 tree drafter (trees draft one row at a time) for the tree
-        the engine was built for, under `scaling` (None: frozen)."""
-        return TorchEagle3(self.drafter_model, scaling, self.drafting.tree_shape,
-                           max(self.drafting.max_drafts, 1))
+    def tree_drafter(self, scaling: QueryScaling | None) -> TorchBatchEagle3:
+        """EAGLE-3 trees for every row (BatchTreeDrafter), the tree the engine was built
+        for, under `scaling` (None: frozen): one pass per level across the rows' frontiers,
+        compiled with `steps`, else eager."""
+        shape, most = self.drafting.tree_shape, max(self.drafting.max_drafts, 1)
+        if self.shared is not None:
+            return self.shared.batch_eagle3(scaling, most, shape)
+        return TorchBatchEagle3(self.drafter_model, scaling, most, shape)
 
 
 class Family(NamedTuple):
     """A drafter family on the torch backend: its checkpoint loader (the target layers each
-    reads: roles.drafter_feature_layers) and its batch drafter (EAGLE-3's is its chain's:
-    its trees draft one row at a time, TorchLoaded.tree_drafter)."""
+    reads: roles.drafter_feature_layers) and its batch drafter (EAGLE-3's is its chain's;
+    its trees: TorchLoaded.tree_drafter)."""
 
     load: Callable
     batch_drafter: Callable

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""EAGLE-3 tree drafting time per step for a batch of rows, before and after a change, as
+the step-cost tool times a drafter step (runtime/step_costs.py: _drafter_step, timed after
+a target pass, fastest of the repeats; the median is printed beside it): each checkout in
+a process of its own, on the same engine directory, rounds interleaved (the order
+alternates per round), so a contended machine's drift falls on both. A checkout whose
+drafter drafts trees one row at a time (no draft_trees: before trees drafted as a batch)
+runs one per-row drafter step per row, as its decode loop did; one whose drafter drafts a
+batch runs the tool's step for the batch.
+
+    OMP_NUM_THREADS=1 python scripts/tree_batch_ab.py --engine-dir engines/eagle3-torch \\
+        --before /tmp/before-checkout --batch 4 --context 512 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r'''
+import json, statistics, sys, time
+import torch
+from runtime import step_costs
+from runtime.engine import Engine
+
+engine_dir, backend, batch, context, repeats = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+torch.set_num_threads(1)
+try:  # a checkout with the engine spec opens the engine through it
+    from runtime.spec import open_spec
+    engine = Engine(open_spec(engine_dir, backend=backend))
+except ImportError:  # one from before it
+    engine = Engine(engine_dir, backend=backend)
+ids = torch.randint(0, engine.tokenizer.vocab_size, (context + 8,),
+                    generator=torch.Generator().manual_seed(0)).tolist()
+target = engine.loaded.batch_target()
+_, features = target.add(ids[:context], context + 8)
+if hasattr(engine.drafter(scaled=False), "draft_trees"):  # trees drafted as a batch
+    step = step_costs._drafter_step(engine, ids, features, context, repeats, batch=batch)
+else:  # one tree drafter per row, each drafting its own tree, as the per-row decode loop ran them
+    steps = [step_costs._drafter_step(engine, ids, features, context, repeats) for _ in range(batch)]
+    step = lambda: [s() for s in steps]
+
+def target_pass():  # what runs between two drafter steps in decoding (the tool's `before`)
+    target.verify([ids[context:context + step_costs.DRAFTER_AFTER_VERIFY]])
+    target.rollback([context])
+
+times = []
+for _ in range(repeats):
+    target_pass()
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"fastest": min(times), "median": statistics.median(times)}))
+'''
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
+    p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR",
+                   help="the checkout after it (default: this one)")
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    engine_dir = str(Path(args.engine_dir).resolve())
+    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for r in range(args.rounds):
+        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            out = subprocess.run([sys.executable, "-c", CHILD, engine_dir, args.backend,
+                                  str(args.batch), str(args.context), str(args.repeats)],
+                                 cwd=getattr(args, label), env=env | {"PYTHONPATH": getattr(args, label)},
+                                 capture_output=True, text=True)
+            if out.returncode:
+                print(f"error: the {label} checkout failed: {out.stderr.strip().splitlines()[-1]}",
+                      file=sys.stderr)
+                return 1
+            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  round {r}: {label} {runs[label][-1]['fastest'] * 1e3:.1f} ms (fastest), "
+                  f"{runs[label][-1]['median'] * 1e3:.1f} ms (median)", file=sys.stderr, flush=True)
+    result = {"engine": engine_dir, "backend": args.backend, "batch": args.batch,
+              "context": args.context, "repeats": args.repeats, "rounds": args.rounds}
+    for stat in ("fastest", "median"):
+        before = statistics.median(run[stat] for run in runs["before"])
+        after = statistics.median(run[stat] for run in runs["after"])
+        result[stat] = {"before_ms": round(before * 1e3, 2), "after_ms": round(after * 1e3, 2),
+                        "ratio": round(before / after, 2)}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
