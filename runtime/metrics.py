@@ -76,6 +76,9 @@ class Generation:
     stopped_by: str = "length"
     context_per_step: list[int] = dataclasses.field(default_factory=list)  # tokens in the
     # sequence (prompt + committed) when each verify step ran: its context-length bucket
+    # (token, its log-probability, [(id, log-probability)] of the likeliest) per committed
+    # token, from the target's logits there, when the request asked (decode.Request.logprobs)
+    logprobs: list[tuple] = dataclasses.field(default_factory=list)
     visible_marks: list[int] = dataclasses.field(default_factory=list)  # len(visible_per_step)
     # when each step was recorded: the loop records a step's visible keys and beta right
     # after the step itself, and only when the drafter ran, so step i drafted iff the

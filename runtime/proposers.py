@@ -331,6 +331,10 @@ class Tree(Proposer):
         if not sampler.sampling.greedy:
             raise ValueError("tree speculation verifies greedily; to sample, draft a chain "
                              "(EAGLE-3: top_k 1, build_engine.py --tree-top-k 1)")
+        if sampler.sampling.reorders:
+            raise ValueError("tree speculation verifies the target's own argmax; penalties and "
+                             "min_tokens need a chain (EAGLE-3: top_k 1, build_engine.py "
+                             "--tree-top-k 1)")
 
     def add(self, seq, features):
         drafter = self.make()
