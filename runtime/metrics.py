@@ -112,7 +112,7 @@ class Generation:
 
     def speculation(self, mode) -> dict:
         """The per-request `sharpdraft` object a served response carries beside `usage`:
-        the mode that ran, MAL, the drafts accepted at each step, the mean beta over the
+        the mode that ran, MAL, the drafts verified and accepted at each step, the mean beta over the
         drafter's steps (1.0 where it never ran: nothing was scaled) and the visible keys
         of its last step."""
         steps = self.steps()
@@ -122,6 +122,7 @@ class Generation:
                 "verify_steps": self.verify_steps,
                 "draft_tokens": sum(s.drafts for s in steps),
                 "accepted_per_step": [s.accepted for s in steps],
+                "drafts_per_step": [s.drafts for s in steps],
                 "drafter_steps": len(betas),
                 "mean_beta": round(statistics.fmean(betas), 6) if betas else 1.0,
                 "visible_keys": visible[-1] if visible else None}

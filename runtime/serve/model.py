@@ -62,6 +62,9 @@ class TritonPythonModel:
 
         self.speculation = _Speculation(args["model_name"], args["model_instance_name"],
                                         metrics, modes)
+        from runtime.serve import vllm_metrics
+
+        self.vllm = _VllmMetrics(args["model_name"], args["model_instance_name"], vllm_metrics)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
                                  f"{'streaming' if self.decoupled else 'one response per request'}, "
@@ -118,9 +121,11 @@ class TritonPythonModel:
             # scheduler sets job.mode at admission)
             named = req.asked_mode is not None or req.sharpdraft is not None
             job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
-                           req.sampling(), None, None, None, request.is_cancelled)
+                           req.sampling(), None, None, None, request.is_cancelled,
+                           ignore_eos=req.ignore_eos, logprobs=req.logprobs)
             job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
             self.scheduler.submit(job)
+            self.vllm.loads(self.scheduler)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
@@ -132,27 +137,35 @@ class TritonPythonModel:
         gone, so the batch stops spending steps on it."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text = self.TextStream(self.engine.decode)
+        clock = self.vllm.clock()
+        prompt_tokens = self.protocol.count_array(len(job.ids))
 
-        def on_tokens(new):
+        def on_tokens(new, entries=None):
             self.batch_peak.observe(self.scheduler.running)
+            self.vllm.tokens(clock, self.scheduler)
             if request.is_cancelled():
                 raise self.Cancelled("decode")
             if self.decoupled:
+                # each response says the prompt's size, so a client can report running usage
                 arrays = {"text": self.protocol.text_array(text.push(new)),
-                          "token_ids": self.protocol.ids_array(new)}
+                          "token_ids": self.protocol.ids_array(new), "prompt_tokens": prompt_tokens}
+                if entries is not None:
+                    arrays["logprobs"] = self.protocol.logprobs_array(entries)
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
         def on_done(gen):
             reason = self.protocol.finish_reason(gen)
             arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
-                                            job.mode))
+                                            job.mode, gen.logprobs if job.logprobs is not None else None))
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)
+            self.vllm.done(clock, gen, self.scheduler)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
+            self.vllm.loads(self.scheduler)
             if isinstance(exc, self.Cancelled):
                 self.cancellations.observe(exc.stage)
             if isinstance(exc, self.Cancelled) and self.decoupled:
@@ -306,3 +319,64 @@ class _Speculation:
             mal[0] += t.accepted_tokens + t.steps
             mal[1] += t.steps
             self._metric("mal", **labels).set(mal[0] / mal[1])
+
+
+class _VllmMetrics:
+    """vLLM's families on Triton's metrics port (runtime/serve/vllm_metrics.py: the one
+    table; the OpenAI endpoint exports the same on its own /metrics), per model and
+    instance: speculation counted as vLLM counts it, running and waiting requests, TTFT,
+    inter-token and end-to-end latency, prompt and generation tokens."""
+
+    def __init__(self, model: str, instance: str, table):
+        self.table = table
+        labels = {table.LABEL: model, "instance": instance}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        # families must outlive their metrics (see _BatchPeak): both are kept. Triton
+        # names a counter as given, so the _total is ours (prometheus_client adds it)
+        self.families = {name: pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
+                         for name, text in (table.SPEC | table.COUNTERS).items()}
+        self.families |= {name: pb_utils.MetricFamily(name=name, kind=gauge, description=text)
+                          for name, text in table.GAUGES.items()}
+        self.families |= {name: pb_utils.MetricFamily(name=name, kind=pb_utils.MetricFamily.HISTOGRAM,
+                                                      description=text)
+                          for name, (text, _) in table.HISTOGRAMS.items()}
+        name, text = table.SPEC_PER_POSITION
+        self.families[name] = pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
+        self.metrics = {name: (self.families[name].Metric(labels=labels, buckets=table.HISTOGRAMS[name][1])
+                               if name in table.HISTOGRAMS else self.families[name].Metric(labels=labels))
+                        for name in self.families if name != table.SPEC_PER_POSITION[0]}
+        self.labels, self.per_position = labels, {}
+
+    def clock(self):
+        return self.table.RequestClock()
+
+    def loads(self, scheduler) -> None:
+        # read from two threads: lengths read whole, a snapshot is all a gauge is
+        self.metrics["vllm:num_requests_running"].set(scheduler.running)
+        self.metrics["vllm:num_requests_waiting"].set(len(scheduler.waiting) + len(scheduler.joining))
+
+    def tokens(self, clock, scheduler) -> None:
+        first = clock.last is None
+        clock.tokens()
+        if first:
+            self.metrics["vllm:time_to_first_token_seconds"].observe(clock.ttft)
+            self.loads(scheduler)
+        else:
+            self.metrics["vllm:inter_token_latency_seconds"].observe(clock.gaps[-1])
+
+    def done(self, clock, gen, scheduler) -> None:
+        self.metrics["vllm:e2e_request_latency_seconds"].observe(clock.e2e())
+        self.metrics["vllm:request_success"].increment(1)
+        self.metrics["vllm:prompt_tokens"].increment(gen.prompt_tokens)
+        self.metrics["vllm:generation_tokens"].increment(len(gen.tokens))
+        steps = gen.steps()
+        spec = self.table.Speculation.of([s.drafts for s in steps], [s.accepted for s in steps])
+        for name, value in spec.counts().items():
+            self.metrics[name].increment(value)
+        name = self.table.SPEC_PER_POSITION[0]
+        for position, count in spec.per_position.items():
+            if position not in self.per_position:
+                self.per_position[position] = self.families[name].Metric(
+                    labels=self.labels | {"position": str(position)})
+            self.per_position[position].increment(count)
+        self.loads(scheduler)

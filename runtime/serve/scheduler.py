@@ -90,6 +90,10 @@ class Job:
     # whether the client has gone (Triton: request.is_cancelled); asked before work starts
     # on the job and between chunks of its prefill
     cancelled: Callable[[], bool] = lambda: False
+    ignore_eos: bool = False  # decode past the engine's stop tokens
+    # the target's log-probabilities of each token and its `logprobs` likeliest, handed to
+    # on_tokens(new, entries) (decode.Request.logprobs); None: not computed
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -204,14 +208,18 @@ class StepScheduler:
                 self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
+                if job.logprobs is not None:
+                    raise ValueError("logprobs are computed by the batch loop; this backend runs "
+                                     "one request at a time without it")
                 job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
-                                                 on_tokens=job.on_tokens))
+                                                 stop=not job.ignore_eos, on_tokens=job.on_tokens))
                 return
         except Exception as exc:  # bad input, a cancelled stream, a bug: this request alone
             job.on_error(exc)
             return
-        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling,
-                                     self.engine.stop_ids, job.on_tokens), self.prefill_chunk or None)
+        stop_ids = frozenset() if job.ignore_eos else self.engine.stop_ids
+        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling, stop_ids, job.on_tokens,
+                                     logprobs=job.logprobs), self.prefill_chunk or None)
         self.joining.append(Joining(job, decoder, steps, len(job.ids)))
 
     def _prefill(self) -> None:
