@@ -380,6 +380,24 @@ class Decoder:
             step += 1
         return out
 
+    def score(self, prompt: list[int], top: int) -> list[tuple]:
+        """The target's log-probability of each prompt token after the ones before it (the
+        first has none: None), with its `top` likeliest (sampling.token_logprobs): a row of its
+        own, prefilled with the first token, then one pass over the rest, then removed. On
+        a decoder with no rows (a verify pass steps every row)."""
+        if self.active:
+            raise RuntimeError("score() needs a decoder with no rows")
+        check_budget(self.target.context_limit, prompt, 1)
+        logits, _ = self.target.add(prompt[:1], len(prompt) + 1)
+        try:
+            rows = [logits[None]]
+            if len(prompt) > 2:  # the last prompt token's own prediction is not needed
+                more, _ = self.target.verify([prompt[1:-1]])
+                rows.append(more[0, :len(prompt) - 2])
+        finally:
+            self.target.remove(0)
+        return [(prompt[0], None, [])] + token_logprobs(torch.cat(rows)[:len(prompt) - 1], prompt[1:], top)
+
     def generate(self, request: Request) -> Generation:
         """One request alone (a batch of one): its Generation, or what it raised."""
         seq = self.add(request)

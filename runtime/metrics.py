@@ -36,6 +36,7 @@ def context_bucket(tokens: int) -> str:
 class SpeculationTotals:
     """What one mode's steps in one context-length bucket add to the serving counters."""
     steps: int = 0
+    drafting_steps: int = 0  # steps that verified at least one draft (vLLM's "drafts")
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: Counter = dataclasses.field(default_factory=Counter)  # 1-based
@@ -51,6 +52,7 @@ def speculation_totals(gen: "Generation", uses_drafter: bool) -> dict[str, Specu
     for step in gen.steps():
         t = out.setdefault(context_bucket(step.context), SpeculationTotals())
         t.steps += 1
+        t.drafting_steps += step.drafts > 0
         t.draft_tokens += step.drafts
         t.accepted_tokens += step.accepted
         for position in range(1, step.accepted + 1):
@@ -198,7 +200,8 @@ def paired_ratio_ci(numerators: list[float], denominators: list[float], level: f
             "level": level, "items": len(ratios)}
 
 
-SPEC_COUNTERS = ("requests", "steps", "draft_tokens", "accepted_tokens", "drafter_sitouts")
+SPEC_COUNTERS = ("requests", "steps", "drafting_steps", "draft_tokens", "accepted_tokens",
+                 "drafter_sitouts")
 
 
 def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
@@ -219,8 +222,10 @@ def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
         elif family in ("beta_count", "beta_sum"):
             entry[family] += value
     for entry in out.values():
-        steps = entry["steps"]
+        steps, drafting = entry["steps"], entry["drafting_steps"]
         entry["mean_accepted_length"] = (entry["accepted_tokens"] + steps) / steps if steps else 0.0
+        # over the steps that drafted (every accepted token is on one): vLLM's acceptance length
+        entry["mean_accepted_length_drafting"] = (entry["accepted_tokens"] + drafting) / drafting if drafting else 0.0
     return out
 
 
@@ -270,6 +275,9 @@ def speculation_delta(before: dict, after: dict) -> dict:
         if row["steps"] <= 0:
             continue
         row["mean_accepted_length"] = round((row["accepted_tokens"] + row["steps"]) / row["steps"], 4)
+        if row["drafting_steps"] > 0:
+            row["mean_accepted_length_drafting"] = round(
+                (row["accepted_tokens"] + row["drafting_steps"]) / row["drafting_steps"], 6)
         row["mean_beta"] = round(row.pop("beta_sum") / row["beta_count"], 4) if row["beta_count"] else None
         row.pop("beta_sum", None)
         rows.append(row)

@@ -595,7 +595,7 @@ MALFORMED_EXTENSIONS = [
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"stream_options": {"bogus": True}}, "stream_options.bogus"),
-    ({"stream_options": "x"}, "stream_options"), ({"echo": True}, "echo"),
+    ({"stream_options": "x"}, "stream_options"), ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"),
 ]
 
 
@@ -609,3 +609,24 @@ def test_a_malformed_extension_is_a_400_naming_it(endpoint, field, param):
         {"model": endpoint["models"][0], "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
          "top_logprobs": 2}).encode())
     assert code == 400 and body["error"]["param"] == "top_logprobs"
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(endpoint, engine):
+    """lm-eval's loglikelihood request (echo, logprobs 1; max_tokens 0, or 1 as 0.4.x
+    sends): the prompt's text and each prompt token's log-probability, the first null,
+    as target-only scoring in-process gives them; with max_tokens 1, one more token."""
+    from runtime.modes import Mode
+
+    prompt = "import numpy as np"
+    ids = engine.encode(prompt)
+    want = engine.decoder(Mode.TARGET).score(ids, 1)
+    for max_tokens in (0, 1):
+        code, _, body = _raw(endpoint, "/completions", _body(endpoint, prompt=prompt, max_tokens=max_tokens,
+                                                               echo=True, logprobs=1, temperature=0))
+        assert code == 200, body
+        choice = body["choices"][0]
+        assert choice["text"].startswith(prompt) and body["usage"]["completion_tokens"] == max_tokens
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == len(ids) + max_tokens and got[0] is None
+        assert choice["logprobs"]["top_logprobs"][0] is None
+        assert got[1:len(ids)] == pytest.approx([lp for _, lp, _ in want[1:]], abs=1e-4)

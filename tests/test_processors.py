@@ -238,3 +238,25 @@ def _decode(roles_, mode, target, prompt, new):
                                    on_tokens=lambda ids, entries: seen.extend(entries)))
     assert seen == gen.logprobs  # streamed as committed
     return gen
+
+
+def test_prompt_scoring_equals_a_one_pass_forward():
+    """Decoder.score (OpenAI's echo, lm-eval's loglikelihood): each prompt token's
+    log-probability after the ones before it, the first None, as a single forward pass
+    gives them; the scoring row leaves no row behind."""
+    from runtime import assembly
+
+    target, drafter = tiny_pair(9, 12, 4)
+    t, _ = runners(target, drafter, None)
+    decoder = assembly.decoder(roles(t), Mode.TARGET, t)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    entries = decoder.score(prompt, 2)
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([prompt]), target.new_cache(len(prompt)))
+    forward = torch.log_softmax(logits[0], -1)
+    assert entries[0] == (3, None, [])
+    for i, (token, lp, top) in enumerate(entries[1:]):
+        assert token == prompt[i + 1] and abs(lp - float(forward[i, token])) < 1e-9
+        assert [k for k, _ in top] == forward[i].topk(2).indices.tolist()
+    assert decoder.score([7], 2) == [(7, None, [])]
+    assert not decoder.active and decoder.generate(Request(prompt, 3, sampler=Sampler())).tokens  # still usable

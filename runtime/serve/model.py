@@ -124,10 +124,24 @@ class TritonPythonModel:
                            req.sampling(), None, None, None, request.is_cancelled,
                            ignore_eos=req.ignore_eos, logprobs=req.logprobs)
             job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
+            if req.prompt_logprobs:
+                job.on_prompt = self._prompt_callback(sender, job)
             self.scheduler.submit(job)
             self.vllm.loads(self.scheduler)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
+
+    def _prompt_callback(self, sender, job):
+        """The prompt's log-probabilities: a response of their own ahead of any token
+        (streaming), or kept for the one final response (plain)."""
+        def on_prompt(entries):
+            job.prompt_entries = entries
+            if self.decoupled:
+                arrays = {"prompt_logprobs": self.protocol.logprobs_array(entries),
+                          "prompt_tokens": self.protocol.count_array(len(job.ids))}
+                sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
+
+        return on_prompt
 
     def _callbacks(self, request, sender, job):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
@@ -158,6 +172,8 @@ class TritonPythonModel:
             arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
                                             job.mode, gen.logprobs if job.logprobs is not None else None))
+            if not self.decoupled and getattr(job, "prompt_entries", None) is not None:
+                arrays["prompt_logprobs"] = self.protocol.logprobs_array(job.prompt_entries)
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)
@@ -259,14 +275,15 @@ class _Speculation:
     """What speculation buys, on Triton's metrics endpoint, per model, instance, mode and
     context-length bucket (runtime/metrics.py: CONTEXT_BUCKETS), from each finished
     request's recorded steps (Generation.steps: the visible keys and beta the step itself
-    recorded). Counters: sharpdraft_spec_{requests,steps,draft_tokens,accepted_tokens,
-    drafter_sitouts}_total and sharpdraft_spec_accepted_tokens_per_position_total
+    recorded). Counters: sharpdraft_spec_{requests,steps,drafting_steps,draft_tokens,
+    accepted_tokens,drafter_sitouts}_total and sharpdraft_spec_accepted_tokens_per_position_total
     {position}; a histogram of the drafter steps' beta; the mean accepted length as a
     gauge (committed tokens over verify steps, this instance's requests so far)."""
 
     COUNTERS = {
         "requests": "finished requests that ran a verify step (in the bucket of the first)",
         "steps": "target verify steps",
+        "drafting_steps": "target verify steps that checked at least one draft",
         "draft_tokens": "draft tokens verified",
         "accepted_tokens": "draft tokens accepted (the target's own token not counted)",
         "drafter_sitouts": "steps of a drafter mode on which the drafter did not run",
@@ -309,7 +326,7 @@ class _Speculation:
             if first:  # a request counts once, in the bucket its first step ran in
                 self._metric("requests", **labels).increment(1)
                 first = False
-            for name in ("steps", "draft_tokens", "accepted_tokens", "drafter_sitouts"):
+            for name in ("steps", "drafting_steps", "draft_tokens", "accepted_tokens", "drafter_sitouts"):
                 self._metric(name, **labels).increment(getattr(t, name))
             for position, count in t.accepted_per_position.items():
                 self._metric("per_position", **labels, position=str(position)).increment(count)

@@ -59,7 +59,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields OpenAI clients send with neutral values (LangChain and the `openai` package fill
 # some in); anything else unknown is refused by name, so a misspelt field is not ignored.
-NEUTRAL = {"user": None, "echo": (None, False),
+NEUTRAL = {"user": None,
            "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
            "parallel_tool_calls": None, "metadata": None, "store": (None, False), "service_tier": None}
 # vLLM's request extensions this server honours (checked by _extension_schema), beside
@@ -69,7 +69,8 @@ EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty"
 # the Triton model's inputs they become (runtime/serve/protocol.py), with their types
 EXTENSION_INPUTS = {"top_k": "INT32", "min_tokens": "INT32", "min_p": "FP64",
                     "repetition_penalty": "FP64", "presence_penalty": "FP64",
-                    "frequency_penalty": "FP64", "ignore_eos": "BOOL", "logprobs": "INT32"}
+                    "frequency_penalty": "FP64", "ignore_eos": "BOOL", "logprobs": "INT32",
+                    "prompt_logprobs": "BOOL"}
 MAX_LOGPROBS = 20  # as the model's (protocol.MAX_LOGPROBS) and vLLM's default
 
 
@@ -153,6 +154,7 @@ def _extension_schema(chat: bool):
 
     class Completion(Extensions):
         logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+        echo: Optional[StrictBool] = None  # the prompt and its log-probabilities first
 
     class Chat(Extensions):
         logprobs: Optional[StrictBool] = None
@@ -173,7 +175,10 @@ def extensions(body: dict, chat: bool) -> dict:
         where = ".".join(str(p) for p in first["loc"] if p not in ("int", "float"))
         raise ApiError(400, f"'{where[:QUOTE]}': {first['msg'][:200]}", param=where[:QUOTE]) from None
     inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS
-              if name != "logprobs" and getattr(checked, name) is not None}
+              if name not in ("logprobs", "prompt_logprobs") and getattr(checked, name) is not None}
+    echo = not chat and bool(checked.echo)
+    if echo:
+        inputs["prompt_logprobs"] = True
     if inputs.get("top_k") == -1:
         inputs["top_k"] = 0
     if chat:
@@ -186,7 +191,7 @@ def extensions(body: dict, chat: bool) -> dict:
         inputs["logprobs"] = logprobs
     options = checked.stream_options
     include = bool(options and options.include_usage)
-    return {"inputs": inputs, "logprobs": logprobs, "include_usage": include,
+    return {"inputs": inputs, "logprobs": logprobs, "include_usage": include, "echo": echo,
             "continuous_usage": include and bool(options.continuous_usage_stats)}
 
 
@@ -367,7 +372,9 @@ class Api:
         if n != 1:
             raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, None, default_max, integer=True)
+        # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
+        least = 0 if not chat and body.get("echo") is True else 1
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", least, None, default_max, integer=True)
         if max_tokens > self.s.limit:
             raise ApiError(400, f"'max_tokens' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
                            param="max_tokens")
@@ -387,7 +394,9 @@ class Api:
         if not isinstance(extension, dict) or set(extension) - {"mode"}:
             raise ApiError(400, "'sharpdraft' takes one field, 'mode'", param="sharpdraft")
         extra = extensions(body, chat)
-        return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
+        if extra["echo"] and stream:
+            raise ApiError(400, "'echo' is served without streaming", param="echo")
+        return {"echo": extra["echo"], "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "seed": seed, "stop": stop or [], "stream": stream,
                 "include_usage": extra["include_usage"], "continuous_usage": extra["continuous_usage"],
                 "logprobs": extra["logprobs"], "chat": chat, "inputs": extra["inputs"],
@@ -396,7 +405,7 @@ class Api:
 
     def parse_completion(self, body: dict) -> tuple[str, dict]:
         request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                                      "stop", "n", "stream", "sharpdraft"}, default_max=16)
+                                      "stop", "n", "stream", "sharpdraft", "echo"}, default_max=16)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -495,6 +504,8 @@ class Api:
                 text = bytes(text.reshape(-1)[0]).decode("utf-8", "replace") if text is not None else ""
                 ids = result.as_numpy("token_ids")
                 ids = [] if ids is None else ids.reshape(-1).tolist()
+                if result.as_numpy("prompt_logprobs") is not None:  # echo: ahead of any token
+                    yield "prompt", json.loads(bytes(result.as_numpy("prompt_logprobs").reshape(-1)[0])), None
                 if text or ids:
                     info = {}
                     if result.as_numpy("prompt_tokens") is not None:
@@ -577,7 +588,9 @@ class Api:
         text, ids, entries, reason, stats = [], [], [], "length", None
         try:
             async for kind, value, extra in run:
-                if kind == "text":
+                if kind == "prompt":
+                    entries = value + entries
+                elif kind == "text":
                     self.metrics.tokens(clock)
                     text.append(stops.push(value))
                     ids += extra[0]
@@ -594,8 +607,8 @@ class Api:
             self.metrics.left(clock, stats, len(ids))
         stats = stats or {}
         text.append(stops.flush())
-        content = "".join(text)
-        logprobs = None if r["logprobs"] is None else self._logprobs(entries or stats.get("logprobs", []), chat)
+        content = ("".join(text) if not r["echo"] else prompt + "".join(text))
+        logprobs = None if r["logprobs"] is None else self._logprobs(entries, chat)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason})
@@ -620,8 +633,8 @@ class Api:
             offsets.append(offset)
             offset += len(text)
         tops = []
-        for _, _, top in entries:  # alternatives that decode alike: the likeliest keeps the key
-            tops.append({})
+        for _, lp, top in entries:  # alternatives that decode alike: the likeliest keeps the key
+            tops.append(None if lp is None else {})  # an echoed prompt's first token: none
             for i, v in top:
                 tops[-1].setdefault(piece([i]), v)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],

@@ -48,6 +48,9 @@ INPUTS = (
     Tensor("ignore_eos", "TYPE_BOOL", np.bool_, optional=True),  # decode past the stop tokens
     # the target's log-probabilities of each committed token and its `logprobs` likeliest
     Tensor("logprobs", "TYPE_INT32", np.int32, optional=True),
+    # the prompt's own log-probabilities (OpenAI's echo with logprobs): with it,
+    # max_new_tokens may be 0 (score the prompt, generate nothing)
+    Tensor("prompt_logprobs", "TYPE_BOOL", np.bool_, optional=True),
 )
 
 # The extensions' inputs, with what each is when absent, in Sampling's own names.
@@ -70,6 +73,7 @@ OUTPUTS = (
     # JSON, when asked: [[token, log-probability, [[id, log-probability], ...]], ...] of
     # the tokens this response carries
     Tensor("logprobs", "TYPE_STRING", np.object_),
+    Tensor("prompt_logprobs", "TYPE_STRING", np.object_),  # JSON as logprobs (the first: null)
 )
 
 
@@ -111,6 +115,7 @@ class Request:
     extensions: tuple = ()  # (name, value) of SAMPLING_EXTENSIONS sent
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def sampling(self):
         from runtime.sampling import Sampling
@@ -178,8 +183,9 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
         raise RequestError("prompt is empty")
 
     max_new = int(_scalar(arrays, specs["max_new_tokens"]))
-    if max_new < 1:
-        raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
+    prompt_logprobs = bool(_scalar(arrays, specs["prompt_logprobs"]))
+    if max_new < (0 if prompt_logprobs else 1):
+        raise RequestError(f"max_new_tokens must be >= 1 (0 with prompt_logprobs), got {max_new}")
     if max_new > max_new_tokens_limit:
         raise RequestError(f"max_new_tokens {max_new} exceeds this server's limit of "
                            f"{max_new_tokens_limit} (max_new_tokens_limit in config.pbtxt)")
@@ -218,7 +224,8 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
                       seed=None if seed is None else int(seed),
                       sharpdraft=None if sharpdraft is None else bool(sharpdraft), asked_mode=mode,
                       extensions=tuple(extensions), ignore_eos=bool(ignore_eos),
-                      logprobs=None if logprobs is None else int(logprobs))
+                      logprobs=None if logprobs is None else int(logprobs),
+                      prompt_logprobs=prompt_logprobs)
     request.sampling()  # refuse bad temperature / top_p now, before any work
     return request
 
