@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 CLIENTS = {
     "guidellm": ("guidellm-venv", ["guidellm==0.8.1", "torch==2.13.0"], ["-m", "guidellm"]),
     "aiperf": ("aiperf-venv", ["aiperf==0.13.0"], ["-m", "aiperf"]),
-    "lm_eval": ("lmeval-venv", ["lm_eval[api]==0.4.13"], ["-m", "lm_eval"]),
+    # its huggingface tokenizer backend needs transformers (not in lm_eval[api])
+    "lm_eval": ("lmeval-venv", ["lm_eval[api]==0.4.13", "transformers==5.24.0"], ["-m", "lm_eval"]),
 }
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 32  # guidellm's synthetic requests (FACTS.md) and AIPerf's
 
@@ -139,7 +140,7 @@ def guidellm(base: str, model: str, tokenizer: Path, out: Path, requests: int, c
     """guidellm on each endpoint with its default bodies (FACTS.md has the command)."""
     runs = {}
     for endpoint in ("/v1/completions", "/v1/chat/completions"):
-        tag = endpoint.rsplit("/", 1)[1]
+        tag = "chat" if "chat" in endpoint else "completions"
         report = out / f"guidellm-{tag}.json"
         cmd = [venv_python("guidellm"), *CLIENTS["guidellm"][2], "run",
                "--backend", f"kind=openai_http,target={base},model={model},request_format={endpoint}",
