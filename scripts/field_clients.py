@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -273,14 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     for tool in tools:
         install(tool, logs)
-    tokenizer = write_tokenizer(args.engine_dir, out / "tokenizer")
+    # what the run needs but is not a result: the tokenizer and the model repository
+    work = Path(tempfile.mkdtemp(prefix="field-clients-"))
+    tokenizer = write_tokenizer(args.engine_dir, work / "tokenizer")
 
     global COUNTERS
     from runtime.serve.launch import NotReady, ServeProcess, free_ports
 
     port, = free_ports(1)
     with open(logs / "serve.log", "w") as err:
-        server = ServeProcess(args.engine_dir.resolve(), out / "repository", "--openai-port", str(port),
+        server = ServeProcess(args.engine_dir.resolve(), work / "repository", "--openai-port", str(port),
                               "--max-batch", str(args.concurrency), *args.serve_flags.split(), stderr=err)
     summary = {"engine": str(args.engine_dir), "requests": args.requests, "concurrency": args.concurrency}
     try:
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         code, _ = server.stop(90)
         summary["server_exit"] = code
+        shutil.rmtree(work, ignore_errors=True)
     ok = True
     for tool in tools:
         for run, result in summary[tool].items():

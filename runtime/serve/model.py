@@ -137,7 +137,7 @@ class TritonPythonModel:
         def on_prompt(entries):
             job.prompt_entries = entries
             if self.decoupled:
-                arrays = {"prompt_logprobs": self.protocol.logprobs_array(entries),
+                arrays = {"prompt_logprob_entries": self.protocol.logprobs_array(entries),
                           "prompt_tokens": self.protocol.count_array(len(job.ids))}
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
@@ -164,7 +164,7 @@ class TritonPythonModel:
                 arrays = {"text": self.protocol.text_array(text.push(new)),
                           "token_ids": self.protocol.ids_array(new), "prompt_tokens": prompt_tokens}
                 if entries is not None:
-                    arrays["logprobs"] = self.protocol.logprobs_array(entries)
+                    arrays["logprob_entries"] = self.protocol.logprobs_array(entries)
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
         def on_done(gen):
@@ -173,7 +173,7 @@ class TritonPythonModel:
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
                                             job.mode, gen.logprobs if job.logprobs is not None else None))
             if not self.decoupled and getattr(job, "prompt_entries", None) is not None:
-                arrays["prompt_logprobs"] = self.protocol.logprobs_array(job.prompt_entries)
+                arrays["prompt_logprob_entries"] = self.protocol.logprobs_array(job.prompt_entries)
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)

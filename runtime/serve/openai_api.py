@@ -504,14 +504,14 @@ class Api:
                 text = bytes(text.reshape(-1)[0]).decode("utf-8", "replace") if text is not None else ""
                 ids = result.as_numpy("token_ids")
                 ids = [] if ids is None else ids.reshape(-1).tolist()
-                if result.as_numpy("prompt_logprobs") is not None:  # echo: ahead of any token
-                    yield "prompt", json.loads(bytes(result.as_numpy("prompt_logprobs").reshape(-1)[0])), None
+                if result.as_numpy("prompt_logprob_entries") is not None:  # echo: ahead of any token
+                    yield "prompt", json.loads(bytes(result.as_numpy("prompt_logprob_entries").reshape(-1)[0])), None
                 if text or ids:
                     info = {}
                     if result.as_numpy("prompt_tokens") is not None:
                         info["prompt_tokens"] = int(result.as_numpy("prompt_tokens").reshape(-1)[0])
-                    if result.as_numpy("logprobs") is not None:
-                        info["logprobs"] = json.loads(bytes(result.as_numpy("logprobs").reshape(-1)[0]))
+                    if result.as_numpy("logprob_entries") is not None:
+                        info["logprobs"] = json.loads(bytes(result.as_numpy("logprob_entries").reshape(-1)[0]))
                     yield "text", text, (ids, info)
                 if response.parameters["triton_final_response"].bool_param:
                     stats = {k: float(result.as_numpy(k).reshape(-1)[0])

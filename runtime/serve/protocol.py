@@ -72,8 +72,8 @@ OUTPUTS = (
     Tensor("prompt_tokens", "TYPE_INT32", np.int32),
     # JSON, when asked: [[token, log-probability, [[id, log-probability], ...]], ...] of
     # the tokens this response carries
-    Tensor("logprobs", "TYPE_STRING", np.object_),
-    Tensor("prompt_logprobs", "TYPE_STRING", np.object_),  # JSON as logprobs (the first: null)
+    Tensor("logprob_entries", "TYPE_STRING", np.object_),
+    Tensor("prompt_logprob_entries", "TYPE_STRING", np.object_),  # as logprob_entries; the first: null
 )
 
 
@@ -184,8 +184,9 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
 
     max_new = int(_scalar(arrays, specs["max_new_tokens"]))
     prompt_logprobs = bool(_scalar(arrays, specs["prompt_logprobs"]))
-    if max_new < (0 if prompt_logprobs else 1):
-        raise RequestError(f"max_new_tokens must be >= 1 (0 with prompt_logprobs), got {max_new}")
+    least = 0 if prompt_logprobs else 1  # 0: score the prompt, generate nothing
+    if max_new < least:
+        raise RequestError(f"max_new_tokens must be >= {least}, got {max_new}")
     if max_new > max_new_tokens_limit:
         raise RequestError(f"max_new_tokens {max_new} exceeds this server's limit of "
                            f"{max_new_tokens_limit} (max_new_tokens_limit in config.pbtxt)")
@@ -309,7 +310,7 @@ def outputs(text: str, token_ids: list[int], gen, finish: str, mode, logprobs=No
     `logprobs`: the entries this response carries, if the request asked."""
     # No drafter step ran (one token asked for, or a stop at once): the query was unscaled.
     beta = gen.beta_per_step[-1] if gen.beta_per_step else 1.0
-    return ({} if logprobs is None else {"logprobs": logprobs_array(logprobs)}) | {
+    return ({} if logprobs is None else {"logprob_entries": logprobs_array(logprobs)}) | {
         "text": text_array(text),
         "token_ids": ids_array(token_ids),
         "mean_accepted_length": np.array([gen.mean_accepted_length], dtype=np.float32),
