@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from tiers import examples, law_runs
+from tiers import examples, full, law_runs
 
 import tiny
 from plugins.scaling import QueryScaling
@@ -169,7 +169,8 @@ def test_the_block_loop_samples_the_processed_law_with_a_penalty():
     to 2), each position processed after the tokens before it."""
     from itertools import product
 
-    vocab, draws = 4, law_runs(20_000)
+    # the fast tier's few runs check the wiring (the law itself: the batched test above)
+    vocab, draws = 4, law_runs(20_000) if full() else 300
     s = Sampling(temperature=0.9, top_k=3, repetition_penalty=2.0, seed=99)
     target, drafter = tiny_pair(11, vocab, block=4, sharpness=1.5)
     t, d = runners(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0))

@@ -147,7 +147,7 @@ def _extension_schema(chat: bool):
         min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
         top_k: Optional[Annotated[StrictInt, Field(ge=-1)]] = None  # -1 and 0: every token
         min_p: Optional[Annotated[number, Field(ge=0, le=1)]] = None
-        repetition_penalty: Optional[Annotated[number, Field(gt=0, le=10)]] = None
+        repetition_penalty: Optional[Annotated[number, Field(gt=0)]] = None
         presence_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
         frequency_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
         stream_options: Optional[StreamOptions] = None
@@ -399,7 +399,7 @@ class Api:
         return {"echo": extra["echo"], "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "seed": seed, "stop": stop or [], "stream": stream,
                 "include_usage": extra["include_usage"], "continuous_usage": extra["continuous_usage"],
-                "logprobs": extra["logprobs"], "chat": chat, "inputs": extra["inputs"],
+                "logprobs": extra["logprobs"], "inputs": extra["inputs"],
                 "extra": mode_inputs(extension.get("mode"), self.s.modes),
                 "mode": extension.get("mode") or self.s.default_mode}
 
