@@ -561,8 +561,11 @@ def test_vllm_metrics_give_the_servers_mal_over_the_steps_that_drafted(endpoint)
     carries vLLM's counters; over a run, 1 + accepted / drafts is the MAL of the steps
     that drafted, as the responses' own step records give it, and the serving families
     count the run's requests and tokens."""
+    from runtime.metrics import read_speculation
+
     front = endpoint["openai"].removesuffix("/v1") + "/metrics"
     before, triton_before = _scrape(front), _scrape(endpoint["metrics"])
+    own_before = read_speculation(urllib.request.urlopen(endpoint["metrics"], timeout=30).read().decode())
     assert all((name, (("model_name", endpoint["models"][0]),)) in before for name in SPEC)
     client, model = _client(endpoint), endpoint["models"][0]
     prompt = "def area(r):\n    return 3.14159 * r * r\n\n\ndef volume(r):"
@@ -587,6 +590,11 @@ def test_vllm_metrics_give_the_servers_mal_over_the_steps_that_drafted(endpoint)
     for name in SPEC:  # Triton's port: the same requests, counted by the model
         assert _total(triton_after, name) - _total(triton_before, name) == _total(after, name) - _total(before, name)
     assert _total(triton_after, "vllm:e2e_request_latency_seconds_count") > 0
+    # the server's own counters (sharpdraft_spec_*, summed over modes and buckets) agree
+    own = read_speculation(urllib.request.urlopen(endpoint["metrics"], timeout=30).read().decode())
+    grew = {k: sum(e[k] for e in own.values()) - sum(e[k] for e in own_before.values())
+            for k in ("drafting_steps", "accepted_tokens")}
+    assert (grew["drafting_steps"], grew["accepted_tokens"]) == (drafts, accepted)
 
 
 MALFORMED_EXTENSIONS = [
