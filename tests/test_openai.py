@@ -638,3 +638,9 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(endpoint, engine):
         assert len(got) == len(ids) + max_tokens and got[0] is None
         assert choice["logprobs"]["top_logprobs"][0] is None
         assert got[1:len(ids)] == pytest.approx([lp for _, lp, _ in want[1:]], abs=1e-4)
+    # the plain Triton model (one response per request) scores the same through `generate`
+    body = json.dumps({"prompt": prompt, "max_new_tokens": 0, "prompt_logprobs": True, "logprobs": 1}).encode()
+    with urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=body), timeout=60) as reply:
+        entries = json.loads(json.loads(reply.read())["prompt_logprob_entries"])
+    assert [e[0] for e in entries] == ids and entries[0][1] is None
+    assert [e[1] for e in entries[1:]] == pytest.approx([lp for _, lp, _ in want[1:]], abs=1e-4)

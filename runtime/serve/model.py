@@ -123,19 +123,20 @@ class TritonPythonModel:
             job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
                            req.sampling(), None, None, None, request.is_cancelled,
                            ignore_eos=req.ignore_eos, logprobs=req.logprobs)
-            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
+            prompt_entries = []  # echo: the prompt's log-probabilities, once scored
+            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job, prompt_entries)
             if req.prompt_logprobs:
-                job.on_prompt = self._prompt_callback(sender, job)
+                job.on_prompt = self._prompt_callback(sender, job, prompt_entries)
             self.scheduler.submit(job)
             self.vllm.loads(self.scheduler)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-    def _prompt_callback(self, sender, job):
+    def _prompt_callback(self, sender, job, kept: list):
         """The prompt's log-probabilities: a response of their own ahead of any token
         (streaming), or kept for the one final response (plain)."""
         def on_prompt(entries):
-            job.prompt_entries = entries
+            kept.extend(entries)
             if self.decoupled:
                 arrays = {"prompt_logprob_entries": self.protocol.logprobs_array(entries),
                           "prompt_tokens": self.protocol.count_array(len(job.ids))}
@@ -143,7 +144,7 @@ class TritonPythonModel:
 
         return on_prompt
 
-    def _callbacks(self, request, sender, job):
+    def _callbacks(self, request, sender, job, prompt_entries: list):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
         Streaming: a response per commit (its token_ids and text), then a final one with
         the statistics and any text held back mid-character. Plain: one final response
@@ -172,8 +173,8 @@ class TritonPythonModel:
             arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
                                             job.mode, gen.logprobs if job.logprobs is not None else None))
-            if not self.decoupled and getattr(job, "prompt_entries", None) is not None:
-                arrays["prompt_logprob_entries"] = self.protocol.logprobs_array(job.prompt_entries)
+            if not self.decoupled and prompt_entries:
+                arrays["prompt_logprob_entries"] = self.protocol.logprobs_array(prompt_entries)
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)
