@@ -311,7 +311,7 @@ class Sampler:
         columns are (None: the target's vocabulary itself). With processors, row i is
         processed after the drafts drawn before it (`prefix`: drafts of this chain
         drawn by earlier calls)."""
-        if self.processing and self.sampling.reorders:
+        if self.sampling.reorders:  # each row after the drafts drawn before it
             if vocab is not None:  # processors read target ids: the rows over the target's vocabulary
                 full = draft_logits.new_full(draft_logits.shape[:-1] + (vocab.size,), -math.inf)
                 full[..., vocab.ids] = draft_logits
