@@ -160,6 +160,7 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
     for --backend auto, make the fastest one-token decode the engine's backend.
     fixed (--step-costs fixed): record fixed_costs for each backend instead of timing."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.step_costs import decode_seconds, fixed_costs, measure
 
     backends = ["torch"] + (["onnxruntime"] if "onnx" in manifest.extra else [])
@@ -170,7 +171,7 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
             costs[backend] = fixed_costs(manifest.drafter_checkpoint is not None)
             continue
         progress(f"[5/5] measure: step costs with {backend}")
-        costs[backend] = measure(Engine(out, backend=backend), progress=progress)
+        costs[backend] = measure(Engine(open_spec(out, backend)), progress=progress)
     # where they were timed (Manifest.measured_on: a placement elsewhere reads none)
     manifest.extra["step_costs"] = {b: c.to_dict() | manifest.build_placement(b)
                                     for b, c in costs.items()}
@@ -192,10 +193,12 @@ def measure_default_mode(out: Path) -> None:
     on the backend just chosen, and record the fastest in engine.json (extra.default_mode):
     what a served request runs when it names no mode (runtime/measure.py)."""
     from runtime import measure as default_mode
+    from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     progress(f"      measuring the default mode (every mode, {default_mode.NEW_TOKENS} greedy tokens "
              f"after {default_mode.CONTEXT} of an evaluation document, {default_mode.REPEATS} repeats)")
-    result = default_mode.record(out, progress=progress)
+    result = default_mode.record(Engine(open_spec(out)), progress=progress)
     progress(f"      default mode: {result['mode']}")
 
 
@@ -228,12 +231,18 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
+def own_loop(backend: str) -> bool:
+    """Whether `backend` runs its own decode loop (runtime/modes.py BACKENDS: TensorRT-LLM),
+    so that an engine built for it is that loop's configuration ("auto" is ours)."""
+    return backend in modes.BACKENDS and modes.BACKENDS[backend].own_loop
+
+
 def refuse_family_on(drafter: str, backend: str) -> None:
     """A drafter family whose drafting (block / chain / tree) the backend has no drafter
     for, refused in one line naming the backends that have one (runtime/modes.py)."""
     drafting = modes.FAMILIES[drafter]
     if drafting is not None and drafting not in modes.BACKENDS[backend].styles:
-        others = [b for b in modes.backends_drafting(drafting) if b != "trtllm"]
+        others = [b for b in modes.backends_drafting(drafting) if not own_loop(b)]
         raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
                          f"does not run yet; it builds for {' and '.join(others)} (pass "
                          f"--backend {others[-1]})")
@@ -376,7 +385,7 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
             drafter_record = dependency_record(written, drafter_files) | {
                 "path": portable_path(out.resolve() / trtllm.DRAFTER_DIR)}
             extra["trtllm"]["stock_drafter"] = portable_path(drafter_dir)
-        manifest = Manifest(drafter=args.drafter, backend="trtllm",
+        manifest = Manifest(drafter=args.drafter, backend=args.backend,
                             target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
                             drafter_checkpoint=drafter_record,
                             query_scaling=scaling, block_size=block_size, dtype="auto", extra=extra)
@@ -401,13 +410,13 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
 
 def main(argv) -> int:
     args = parse(argv)
-    if args.drafter in TRTLLM_ONLY_DRAFTERS and args.backend != "trtllm":
+    if args.drafter in TRTLLM_ONLY_DRAFTERS and not own_loop(args.backend):
         raise UsageError(f"--drafter {args.drafter} has no model in this runtime yet; only --backend "
                          "trtllm builds it (configuration for TensorRT-LLM, with --drafter-checkpoint DIR)")
     if args.step_costs == "fixed" and args.backend == "auto":
         raise UsageError("--backend auto picks the backend by measured step costs; with "
                          "--step-costs fixed pass --backend torch or onnxruntime")
-    if args.backend == "trtllm":
+    if own_loop(args.backend):  # configuration for TensorRT-LLM, which runs its own loop
         if args.drafter == "ngram":
             raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
                              "drafting use another backend")

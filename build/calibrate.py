@@ -155,11 +155,12 @@ def main(argv) -> int:
     from runtime.commands.bench import training_max_length
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     args = parse(argv)
     engine_dir = Path(args.engine_dir)
-    engine = Engine(engine_dir, backend="torch")  # try settings without recompiling graphs
-    why = engine.refusal(Mode.SHARPDRAFT)  # calibration picks that mode's QueryScaling
+    engine = Engine(open_spec(engine_dir, backend="torch"))  # try settings without recompiling graphs
+    why = engine.spec.refusal(Mode.SHARPDRAFT)  # calibration picks that mode's QueryScaling
     if why:
         raise UsageError(f"{engine_dir} has no SharpDraft mode, nothing to calibrate: {why}")
     try:

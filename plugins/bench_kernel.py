@@ -134,8 +134,9 @@ def copy_rate_gbps(device) -> float:
 
 
 def measure(shapes, repeats: int, device, dtype, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-            variants=VARIANTS) -> list[dict]:
-    """One row per shape: eager and (on CUDA) graph-replay µs per variant, K/V GB/s."""
+            variants=VARIANTS, done=None) -> list[dict]:
+    """One row per shape: eager and (on CUDA) graph-replay µs per variant, K/V GB/s.
+    done(rows) is called after every shape (the caller saves what it has)."""
     import torch
 
     from plugins.scaling import QueryScaling
@@ -160,6 +161,8 @@ def measure(shapes, repeats: int, device, dtype, heads=HEADS, kv_heads=KV_HEADS,
                          eager_us=eager, graph_us=graph,
                          kv_gbps={name: round(kv_bytes / us / 1e3, 1) for name, us in best.items()}))
         del q, k, v
+        if done:
+            done(rows)
     return rows
 
 
@@ -206,8 +209,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def run(out_dir, *, repeats: int = 50, smoke: bool = False, command: str | None = None,
         shapes=None) -> dict:
-    """Measure, write out_dir/bench_kernel.json and .png, return the report. `shapes`:
-    (batch, q_len, kv_len) to measure instead of the full set (the GPU run's budget)."""
+    """Measure, write out_dir/bench_kernel.json after every shape (a timeout keeps the
+    shapes measured: `complete` says whether every one was) and the .png at the end;
+    return the report. `shapes`: (batch, q_len, kv_len) to measure instead of the full
+    set (the GPU run's budget)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -218,18 +223,26 @@ def run(out_dir, *, repeats: int = 50, smoke: bool = False, command: str | None 
     else:
         shapes, dtype, dims = shapes or FULL_SHAPES, torch.bfloat16, (HEADS, KV_HEADS, HEAD_DIM)
     name = torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)"
-    rows = measure(shapes, repeats, device, dtype, *dims)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # the copy rate first: every shape's row can then say its fraction as it is saved
     copy = round(copy_rate_gbps(device), 1) if cuda and not smoke else None
-    for row in rows:
-        row["kv_fraction_of_copy_rate"] = ({k: round(g / copy, 3) for k, g in row["kv_gbps"].items()}
-                                           if copy else None)
     report = dict(device=name, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   command=command or "python -m plugins.bench_kernel", smoke=smoke,
                   timing="graph replay" if cuda else "wall clock, eager (no CUDA graphs off CUDA)",
-                  copy_rate_gbps=copy, shapes=rows, **figures(rows))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_kernel.json").write_text(json.dumps(report, indent=2) + "\n")
+                  copy_rate_gbps=copy, planned_shapes=[shape_name(*s) for s in shapes], complete=False)
+
+    def save(rows):
+        for row in rows:
+            row["kv_fraction_of_copy_rate"] = ({k: round(g / copy, 3) for k, g in row["kv_gbps"].items()}
+                                               if copy else None)
+        report.update(shapes=rows, complete=len(rows) == len(shapes), **figures(rows))
+        tmp = out / ".bench_kernel.json.tmp"  # renamed: never half a file
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out / "bench_kernel.json")
+
+    rows = measure(shapes, repeats, device, dtype, *dims, done=save)
+    save(rows)
     plot(rows, out / "bench_kernel.png", f"{name}: µs per call ({report['timing']})")
     return report
 

@@ -5,13 +5,15 @@
 engine directory) build theirs here too, so they run the production shape.
 
 Every backend's roles are batch roles: the batch target, a batch drafter for blocks and
-chains, and an EAGLE-3 tree drafter per row. A `target` given (a PrefillOnce over a batch
+chains, and an EAGLE-3 tree drafter per row, each loader handing out the drafter for a
+setting in one call (Loaded.drafter). A `target` given (a PrefillOnce over a batch
 target): the decoder runs on it. A padded verify row or a tree writes scratch keys past
 a sequence's budget, so every cache gets `slack` tokens of room past it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 from runtime import modes, proposers
@@ -24,9 +26,10 @@ from runtime.tree import TreeShape
 
 @dataclasses.dataclass(frozen=True)
 class DraftSetting:
-    """A mode's drafting configuration, resolved once where the mode enters (Engine.decoder)
-    and passed down: the drafter's `scaling` (None: frozen), its draft `window` (DFlash;
-    None: the whole context) and whether n-gram lookup assists its blocks."""
+    """A mode's drafting configuration, resolved once where the mode enters
+    (runtime/spec.py: EngineSpec.setting) and passed down: the drafter's `scaling` (None:
+    frozen), its draft `window` (DFlash; None: the whole context) and whether n-gram
+    lookup assists its blocks."""
 
     scaling: object = None
     window: int | None = None
@@ -37,15 +40,13 @@ class DraftSetting:
 class Roles:
     """What decoders are built from. `style`: how the drafter model drafts (modes.FAMILIES:
     "block", "chain", "tree"; None: no drafter model). Roles are made on demand:
-    `batch_target()` the batch target, `batch_drafter(setting)` the batch drafter of
-    blocks or chains under a DraftSetting, `tree_drafter(setting)` an EAGLE-3 tree drafter
-    for one row, `lookup()` an n-gram proposer."""
+    `batch_target()` a batch target, `drafter(setting)` the drafter role under a
+    DraftSetting (a loader's Loaded.drafter: the batch drafter of blocks or chains, or one
+    row's EAGLE-3 tree drafter), `lookup()` an n-gram proposer."""
 
     style: str | None
     batch_target: Callable[[], object]
-    context_limit: int
-    batch_drafter: Callable[[DraftSetting], object] | None = None
-    tree_drafter: Callable[[DraftSetting], object] | None = None
+    drafter: Callable[[DraftSetting], object] | None = None
     lookup: Callable[[], NGramProposer] = NGramProposer
     tree_shape: TreeShape | None = None
     block_size: int = 1  # tokens one verify row of the drafter holds (bonus + drafts)
@@ -62,27 +63,25 @@ def proposer(roles: Roles, mode: Mode, setting: DraftSetting) -> proposers.Propo
     """How the rows of a `mode` decoder draft, under its drafting `setting`."""
     if not mode.uses_drafter_model:
         return proposers.Lookup(roles.lookup) if mode.draft_source == modes.LOOKUP else proposers.NoDrafts()
-    lookup = roles.lookup if setting.ngram_assist else None
-    return DRAFTER_PROPOSERS[roles.style](roles, setting, lookup)
+    return PROPOSERS[roles.style](roles, setting)
+
+
+def _trees(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
+    # a tree drafter per row, made as the row joins (the loader's drafter for the setting)
+    return proposers.Tree(functools.partial(roles.drafter, setting), roles.tree_shape)
+
+
+def _chains(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
+    return proposers.Chain(roles.drafter(setting))
+
+
+def _blocks(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
+    return proposers.Block(roles.drafter(setting), roles.lookup if setting.ngram_assist else None)
 
 
 # One proposer per drafting style: the only place the style chooses code. Trees draft one
-# row at a time (a tree drafter per row); blocks and chains on the batch drafter.
-DRAFTER_PROPOSERS = {
-    "tree": lambda roles, setting, lookup: proposers.Tree(lambda: roles.tree_drafter(setting),
-                                                          roles.tree_shape),
-    "chain": lambda roles, setting, lookup: proposers.Chain(roles.batch_drafter(setting)),
-    "block": lambda roles, setting, lookup: proposers.Block(roles.batch_drafter(setting), lookup),
-}
-
-
-# The drafter role of each style, for one row or a batch (Engine.drafter: calibration,
-# diagnostics, step costs): trees draft a row at a time, blocks and chains over a batch.
-DRAFTER_ROLES = {
-    "tree": lambda loaded, scaling, window: loaded.tree_drafter(scaling),
-    "chain": lambda loaded, scaling, window: loaded.batch_drafter(scaling, window),
-    "block": lambda loaded, scaling, window: loaded.batch_drafter(scaling, window),
-}
+# row at a time; blocks and chains on one batch drafter.
+PROPOSERS = {"tree": _trees, "chain": _chains, "block": _blocks}
 
 
 def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None,

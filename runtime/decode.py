@@ -173,7 +173,7 @@ def check_budget(context_limit: int, prompt: list[int], max_new_tokens: int) -> 
 
 
 class Decoder:
-    """target: a batch target (runtime/backends/__init__.py: BatchTarget); proposer: how
+    """target: a batch target (runtime/backends/roles.py: BatchTarget); proposer: how
     rows draft (runtime/proposers.py); policy: makes each sequence's DraftPolicy; slack:
     cache room past a sequence's budget, for the scratch keys of a verify row padded to
     the batch's longest (batched targets)."""

@@ -94,8 +94,8 @@ class Manifest:
     artifacts: dict = dataclasses.field(default_factory=dict)  # files inside the engine dir
     extra: dict = dataclasses.field(default_factory=dict)  # calibration, export details ...
     format_version: int = FORMAT_VERSION
-    # the directory it was read from (read_manifest), so the one spec can be handed down
-    # in its place; not written to engine.json
+    # the directory it was read from (read_manifest), so the spec opened over it can be
+    # handed down in its place; not written to engine.json
     dir: Path | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -161,19 +161,9 @@ class Manifest:
         return path
 
 
-def open_spec(engine: str | Path | Manifest, verify: str = "quick") -> Manifest:
-    """THE way in to an engine's spec: a Manifest (read before, by whoever opened it first)
-    handed back as it is; a directory's engine.json read and checked (read_manifest:
-    `verify` quick, full or skip). Each process opens the spec once, where it enters -- a
-    command, Engine, a serving process -- and hands the Manifest down; read_manifest has
-    no other caller (tests/test_engine_spec.py counts them)."""
-    if isinstance(engine, Manifest):
-        return engine
-    return read_manifest(Path(engine), verify)
-
-
 def read_manifest(engine_dir: Path, verify: str = "quick") -> Manifest:
-    """engine.json parsed and checked (open_spec is the way in)."""
+    """engine.json parsed and checked (runtime/spec.py: open_spec is the way in, its one
+    caller)."""
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if verify not in VERIFY_MODES:

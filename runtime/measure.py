@@ -83,8 +83,8 @@ def measure_loaded(engine, prompts: list[list[int]], new_tokens: int, batch: int
     after an untimed warm-up."""
     from runtime.decode import Request
 
-    listed = [m for m in engine.modes if not engine.batch_refusal(m)]
-    decoders = {m: engine.batch_decoder(m) for m in listed}
+    listed = [m for m in engine.spec.modes if not engine.spec.batch_refusal(m)]
+    decoders = {m: engine.decoder(m) for m in listed}
 
     def one(mode, n):
         decoder = decoders[mode]
@@ -126,7 +126,7 @@ def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeat
     else:
         name, prompt = evaluation_prompt(engine, context, new_tokens)
         prompts, rows = [prompt], None  # loaded_rows(prompt, size) for each loaded size
-    listed = engine.modes
+    listed = engine.spec.modes
     # One prefill per prompt, replayed for every run: the runs differ only in how they
     # decode. The warm-up builds each mode's sessions and caches, untimed.
     decode_from_one_prefill(engine, prompts[0], WARMUP_TOKENS, listed)
@@ -150,7 +150,7 @@ def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeat
         if loaded:
             by_batch[str(size)] = {"mode": loaded_choice(loaded), "tokens_per_second": loaded,
                                    "context": round(statistics.median(map(len, size_rows)))}
-    return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, **engine.placement,
+    return {"mode": best, "tokens_per_second": medians, "by_batch": by_batch, **engine.spec.placement,
             "document": name, "context": round(statistics.median(map(len, prompts))),
             "prompts": len(prompts), "new_tokens": new_tokens, "repeats": repeats,
             "rule": "fastest median greedy decode (prefill excluded) over the modes the engine "
@@ -161,11 +161,7 @@ def measure(engine, context: int = CONTEXT, new_tokens: int = NEW_TOKENS, repeat
 
 
 def record(engine, progress=None, **settings) -> dict:
-    """Measure the default mode of `engine` (an Engine, or its directory) and write it to
-    its engine.json."""
-    from runtime.engine import Engine
-
-    engine = engine if isinstance(engine, Engine) else Engine(engine)
+    """Measure the default mode of `engine` (an Engine) and write it to its engine.json."""
     result = measure(engine, progress=progress, **settings)
     engine.manifest.keep_default_record(result)
     engine.manifest.write(engine.dir)
@@ -178,21 +174,20 @@ def decode_from_one_prefill(engine, prompt: list[int], new_tokens: int, modes, r
     """{mode: [Generation per repeat]}: every mode decodes `repeats` times from ONE prefill
     of `prompt`, interleaved (the order rotates each repeat), greedy unless `sampling`."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode
-    from runtime.sampling import Sampler, Sampling
+    from runtime.sampling import Sampling
 
     sampling = sampling or Sampling()
     once = PrefillOnce(engine.loaded.batch_target(), prompt, len(prompt))
     # calibration may keep the preset: then the preset runs are the SharpDraft runs
     same = (Mode.PRESET in modes and Mode.SHARPDRAFT in modes
-            and engine.family_preset == engine.scaling)
+            and engine.spec.family_preset == engine.scaling)
     runs = [m for m in modes if not (same and m == Mode.PRESET)]
     gens = {mode: [] for mode in runs}
     for r in range(repeats):
         k = (rotation + r) % len(runs)
         for mode in runs[k:] + runs[:k]:
-            gens[mode].append(run_mode(engine, once, mode, prompt, new_tokens, Sampler(sampling),
-                                       adaptive=adaptive))
+            gens[mode].append(engine.generate(prompt, new_tokens, mode, sampling, stop=False,
+                                              adaptive=adaptive, target=once))
     if same:
         gens[Mode.PRESET] = gens[Mode.SHARPDRAFT]
     return {mode: gens[mode] for mode in modes}

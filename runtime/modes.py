@@ -47,7 +47,7 @@ class Mode(StrEnum):
         mode.draft_source, mode.attention, mode.scaling = draft_source, attention, scaling
         mode.ngram_assist = ngram_assist
         # A comparison run only when asked (bench --modes preset): not an engine's
-        # everyday mode, so not in Engine.modes, demo or serving.
+        # everyday mode, so not in EngineSpec.modes, demo or serving.
         mode.study = study
         return mode
 
@@ -124,7 +124,7 @@ BACKENDS = {
     # its batched drafters take any QueryScaling: the preset fuses for blocks and chains
     "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                      swap_scaling=True, own_loop=False),
-    # the window needs a drafter graph exported with its input (onnxruntime.has_window)
+    # the window needs a drafter graph exported with its input (OnnxEngine.takes_window)
     "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
@@ -201,6 +201,12 @@ def unrunnable(engine_dir, backend: str, runnable) -> str:
             f"{', '.join(runnable)}) — pass --backend onnxruntime")
 
 
+def own_loop_refusal(engine_dir, flags: list[str], why: str, runs) -> str:
+    """Why an engine run in its backend's own loop (TensorRT-LLM) cannot take `flags`."""
+    return (f"{engine_dir} runs in TensorRT-LLM: drop {' '.join(flags)} ({why}; its own loop "
+            f"runs {', '.join(runs)})")
+
+
 def rule_default(style: str | None, scaled: bool, wanted: bool = True) -> Mode:
     """The table's rule for the mode a request runs unless it names one: SharpDraft where
     the engine has it (`scaled`: built with --sharpdraft) and it is `wanted`, the drafter
@@ -227,7 +233,7 @@ def measured_default(record: dict | None, backend: str, runnable, batch: int = 1
 
 def default_mode(record: dict | None, backend: str, runnable, style: str | None,
                  scaled: bool, batch: int = 1) -> Mode:
-    """THE default mode of an engine (the one rule: Engine.default_mode, the OpenAI
+    """THE default mode of an engine (the one rule: EngineSpec.default_mode, the OpenAI
     endpoint and the served model all read it here): the mode engine.json's
     extra.default_mode measured fastest for a `batch` of sequences decoding together
     (measured_default), else the table's rule (rule_default)."""

@@ -237,7 +237,7 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
             verify()  # warm-up: first calls at a new shape pay one-off costs
             rows.append((1.0, n, context, n * context))
             times.append(_fastest_seconds(verify, repeats))
-        if engine.has_drafter_model:
+        if engine.style is not None:
             def target_pass():  # what runs between two drafter steps in decoding
                 target.verify([ids[context:context + DRAFTER_AFTER_VERIFY]])
                 target.rollback([context])
@@ -274,7 +274,7 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int):
         def step():
             drafter.draft_tree(features[-1:], ids[context:context + 1], shape)
     elif engine.style == "chain":
-        k, sampler = engine.max_drafts, Sampler()
+        k, sampler = engine.spec.drafting.max_drafts, Sampler()
         drafter.add(context + repeats + 2, [], None)
         drafter.draft([ids[:context]], [features], [k], [sampler])  # fill its row to context tokens
         # the newest token's features (a drafter that reads features reads one row per token)

@@ -40,16 +40,17 @@ def main(argv=None) -> int:
     from runtime.measure import decode_from_one_prefill
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.step_costs import StepCosts
 
     try:
-        engine = Engine(args.engine_dir)
+        engine = Engine(open_spec(args.engine_dir))
         other = json.loads(Path(args.costs_from).read_text()).get("extra", {}).get(
             "step_costs", {}).get(engine.backend)
         if other is None or engine.step_costs is None:
             raise UsageError(f"{args.costs_from} and {args.engine_dir} must both hold step "
                              f"costs for {engine.backend}")
-        drafting = [m.value for m in engine.modes if m != Mode.TARGET]
+        drafting = [m.value for m in engine.spec.modes if m != Mode.TARGET]
         if any(m not in drafting for m in args.modes):
             raise UsageError(f"--modes: pick from {drafting}")
         docs = tokenized(engine.encode, args.docs or default_documents("eval", args.max_docs),

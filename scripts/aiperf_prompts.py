@@ -19,7 +19,7 @@ from pathlib import Path
 
 from runtime.corpus import long_documents
 from runtime.engine import load_tokenizer
-from runtime.manifest import open_spec
+from runtime.spec import open_spec
 
 
 def main(argv=None) -> int:
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    tokenizer = load_tokenizer(open_spec(Path(args.engine_dir)).target_dir)
+    tokenizer = load_tokenizer(open_spec(Path(args.engine_dir)).manifest.target_dir)
     docs = [tokenizer(path.read_text(), add_special_tokens=False).input_ids
             for path in long_documents("eval", 4 * args.tokens)[:args.count]]
     docs = [ids for ids in docs if len(ids) >= args.tokens]

@@ -21,7 +21,6 @@ from pathlib import Path
 
 
 from runtime.commands.provenance import provenance
-from runtime.engine import run_mode
 from runtime.modes import Mode
 
 
@@ -43,13 +42,13 @@ def main(argv=None) -> int:
     from runtime.backends import PrefillOnce
     from runtime.commands.documents import default_documents
     from runtime.engine import Engine
-    from runtime.sampling import Sampler
+    from runtime.spec import open_spec
 
     engines = {}
     for spec in args.engine:
         name, _, rest = spec.partition("=")
         path, _, backend = rest.partition("@")
-        engines[name] = Engine(path, backend=backend or None)
+        engines[name] = Engine(open_spec(path, backend=backend or None))
     first = next(iter(engines.values()))
     doc = default_documents("eval", 1)[0]
     ids = first.encode(doc.read_text(encoding="utf-8"))
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
             tokens = {}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
-                    gen = run_mode(engine, onces[name], mode, prompt, args.new_tokens, Sampler())
+                    gen = engine.generate(prompt, args.new_tokens, mode, stop=False, target=onces[name])
                     speeds[name].append(gen.tokens_per_second)
                     tokens.setdefault(name, gen.tokens)
             reference = next(iter(tokens.values()))

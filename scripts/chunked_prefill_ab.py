@@ -203,9 +203,10 @@ def bound(args, prompt_ids: list[int]) -> dict:
     costs this VM's first touch of its pages: 0.3-0.7 s at 4,096 tokens)."""
     from runtime.decode import Request
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(args.engine_dir)
-    decoder = engine.batch_decoder(args.mode or engine.default_mode)
+    engine = Engine(open_spec(args.engine_dir))
+    decoder = engine.decoder(args.mode or engine.spec.default_mode)
     chunk, chunks = args.chunk, -(-len(prompt_ids) // args.chunk)
     for _ in range(args.concurrency):
         decoder.add(Request(prompt_ids, args.max_new_tokens))
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
         if args.bound:
             from runtime.engine import Engine
 
-            ids = Engine(args.engine_dir).encode(prompts[0])
+            ids = Engine(open_spec(args.engine_dir)).encode(prompts[0])
             report["bound"] = bound(args, ids)
             if "error" in report["bound"]:
                 print(f"error: --bound: {report['bound']['error']}", file=sys.stderr)

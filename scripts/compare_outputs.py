@@ -77,15 +77,16 @@ def engines(root: Path) -> dict[str, Path]:
 def run_engine(engine_dir: Path) -> dict:
     from runtime.decode import Request
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.modes import Mode
     from runtime.sampling import Sampler, Sampling
 
-    engine = Engine(engine_dir)
+    engine = Engine(open_spec(engine_dir))
     prompts = [engine.encode(PROMPT), engine.encode(SECOND)]
-    record = {"modes": list(engine.modes), "runs": {}}
+    record = {"modes": list(engine.spec.modes), "runs": {}}
     for mode in Mode:
-        if engine.refusal(mode) is not None:
-            record["runs"][str(mode)] = {"refused": engine.refusal(mode)}
+        if engine.spec.refusal(mode) is not None:
+            record["runs"][str(mode)] = {"refused": engine.spec.refusal(mode)}
             continue
         for how, kwargs in SAMPLINGS.items():
             key = f"{mode}/{how}"
@@ -97,13 +98,13 @@ def run_engine(engine_dir: Path) -> dict:
                                        "beta": [round(b, 12) for b in gen.beta_per_step]}
             except ValueError as exc:
                 record["runs"][key] = {"refused": str(exc)}
-            if engine.batch_refusal(mode):
-                record["runs"][key + "/batch"] = {"refused": engine.batch_refusal(mode)}
+            if engine.spec.batch_refusal(mode):
+                record["runs"][key + "/batch"] = {"refused": engine.spec.batch_refusal(mode)}
                 continue
             requests = [Request(p, NEW_TOKENS, sampler=Sampler(Sampling(**kwargs)))
                         for p in prompts]
             try:
-                done = engine.batch_decoder(mode).run(requests)
+                done = engine.decoder(mode).run(requests)
                 record["runs"][key + "/batch"] = [
                     {"tokens": s.gen.tokens, "error": s.error} for s in done]
             except ValueError as exc:

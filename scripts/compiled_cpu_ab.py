@@ -53,13 +53,14 @@ def main(argv=None) -> int:
     capacity = args.context + 4 * args.steps * (args.width + 1) + args.width
     # the compiled role as a loaded engine hands it out: over the engine's shared steps;
     # each a batch target holding one sequence, as a request alone runs
-    steps = EngineSteps(model, buckets=(1, args.width), backend=args.compiler)
+    steps = EngineSteps(model, widths=(1, args.width), backend=args.compiler)
     roles = {"torch eager": TorchBatchTarget(model),
              f"torch compiled ({args.compiler})": steps.batch_target()}
     if args.engine_dir:
         from runtime.engine import Engine
+        from runtime.spec import open_spec
 
-        roles["onnxruntime"] = Engine(args.engine_dir, backend="onnxruntime").loaded.batch_target()
+        roles["onnxruntime"] = Engine(open_spec(args.engine_dir, backend="onnxruntime")).loaded.batch_target()
     for name, role in roles.items():
         start = time.perf_counter()
         role.add(prompt, capacity)

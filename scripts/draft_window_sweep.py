@@ -29,6 +29,7 @@ from runtime.cli import UsageError
 from runtime.commands.documents import default_documents, tokenized
 from runtime.commands.provenance import provenance
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError
 from runtime.modes import Mode
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     try:
-        engine = Engine(args.engine_dir, backend="torch")
+        engine = Engine(open_spec(args.engine_dir, backend="torch"))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

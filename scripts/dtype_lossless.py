@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     from runtime.cli import UsageError, code_commit
     from runtime.commands.loadtest import read_prompts
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.manifest import EngineError
     from runtime.sampling import Sampling
 
@@ -104,12 +105,12 @@ def main(argv=None) -> int:
     for config in args.config:
         backend, dtype, prefill = split_config(config)
         try:
-            engine = in_own_thread(Engine, args.engine_dir, backend=backend, dtype=dtype,
-                                   prefill_dtype=prefill)  # no pool left on this thread
+            engine = in_own_thread(Engine, open_spec(args.engine_dir, backend=backend, dtype=dtype,
+                                   prefill_dtype=prefill))  # no pool left on this thread
         except EngineError as exc:
             print(f"error: --config {config}: {exc}", file=sys.stderr)
             return 2
-        unknown = [m for m in args.modes if m not in engine.modes]
+        unknown = [m for m in args.modes if m not in engine.spec.modes]
         if unknown:
             print(f"error: --modes {' '.join(unknown)}: not a mode of this engine", file=sys.stderr)
             return 2

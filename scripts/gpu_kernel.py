@@ -1,23 +1,24 @@
 """GPU section `gpu_kernel`: the SharpDraft attention op and kernel on one GPU.
 
 Parts, each saved to OUT/gpu_kernel.json as it ends (correctness after every case):
-- correctness: every kernel variant (auto slices, single pass, 5 slices, single launch
-  auto and with 5 slices; the exact-rows decode tile on the 4-row case) and the
-  registered op against the reference: bf16 on every case, fp32 and fp16 on one case
-  each (each dtype a fresh set of Triton compiles; the interpreter covers fp32/fp16 on
-  CPU); the in-kernel beta against plugins.scaling.
+- correctness: the kernel variants (auto slices, single pass, single launch; 5 slices
+  in both forms on the DFlash-block case; the exact-rows decode tile on the 4-row case)
+  and the registered op against the reference, bf16 on every case (each dtype is a
+  fresh set of Triton compiles: fp32 and fp16 run on CPU, under the interpreter, in the
+  rehearsal); the in-kernel beta against plugins.scaling.
 - capture: the op captured once in a CUDA graph, the visible counts changed IN PLACE,
   replayed, compared with the reference at the new counts (beta must follow them).
 - host_us_per_call: µs of CPU per eager op call (median of 200, after warm-up).
 - compiled_op: torch.compile(mode="reduce-overhead", fullgraph=True) over a step calling
   the op (inductor, replayed as a CUDA graph), counts changed between calls, against eager.
-- bench: plugins.bench_kernel on six shapes (its JSON and plot land beside this file).
+- bench: plugins.bench_kernel on four shapes (its JSON, saved after each shape, and plot
+  land beside this file).
 - tensorrt_engine: where TensorRT builds, the tiny pair built with the plugin form;
-  elsewhere (the GPU machine has no TensorRT) "not run" with the reason.
+  elsewhere (the GPU machine has no TensorRT) skipped as not installed, with the reason.
 
     python -m scripts.gpu_kernel --out DIR            # scripts/gpu_check.py runs it
-    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_kernel --out DIR   # CPU: Triton's interpreter,
-                                                       # tiny cases, fp32/fp16, no graphs
+    SHARPDRAFT_CPU=1 python -m scripts.gpu_kernel --out DIR   # CPU: Triton's interpreter on
+        # small cases in fp32/fp16, the op under inductor; capture and host timings GPU-only
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.gpu_record import NotRun, SectionRecord, log, section_main
+from scripts.gpu_record import Absent, GpuOnly, NotRun, SectionRecord, log, section_main
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "gpu_kernel"
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # bf16: ~2 ulp at |x| ~ 1
-DEVICE = "cuda"  # "cpu" in smoke mode (run sets it)
-# dtype -> the cases it runs on: bf16 on every case; fp32 and fp16 on one each
-DTYPE_CASES = {"bfloat16": None, "float32": ("chain_causal_past_cap",), "float16": ("decode_gqa5_d80",)}
-BENCH_SHAPES = [(1, 16, 8192), (1, 16, 32768), (1, 1, 8192), (1, 1, 32768), (8, 1, 32768), (8, 16, 32768)]
+DEVICE = "cuda"  # "cpu" on CPU (run sets it)
+# dtype -> the cases it runs on: on the GPU bf16 on every case (fp32 and fp16 compiles cut:
+# the interpreter covers both on CPU); on CPU fp32 on every small case, fp16 on one
+DTYPE_CASES = {"bfloat16": None}
+CPU_DTYPE_CASES = {"float32": None, "float16": ("small_decode",)}
+# the 5-slice variants (a slice count the auto choice does not take) on this case alone
+SLICES_CASE = "dflash_block16_N16416"
+BENCH_SHAPES = [(1, 16, 8192), (1, 16, 32768), (1, 1, 32768), (8, 1, 32768)]
 
 
 def case(seed, batch, heads, kv_heads, q_len, kv_len, head_dim, dtype):
@@ -72,13 +77,14 @@ def correctness_cases():
     ]
 
 
-def smoke_cases():
-    """Tiny cases for the Triton interpreter (CPU): the same kinds of visibility."""
+def cpu_cases():
+    """Small cases for the Triton interpreter (CPU), of the same kinds of visibility: the
+    interpreter runs a program per tile in Python, so the GPU's shapes take it hours."""
     from plugins.scaling import QueryScaling
 
     small = QueryScaling(ref_keys=64, top_k=8)
-    return [("smoke_block", 1, 4, 2, 4, 100, 16, "block", small),
-            ("smoke_decode", 2, 4, 2, 1, 70, 16, "random", small)]
+    return [("small_block", 1, 4, 2, 4, 100, 16, "block", small),
+            ("small_decode", 2, 4, 2, 1, 70, 16, "random", small)]
 
 
 def visible_for(kind, b, t, kv):
@@ -93,9 +99,10 @@ def visible_for(kind, b, t, kv):
 
 KERNEL_VARIANTS = (("auto_splits", dict()), ("single_pass", dict(splits=1)), ("splits_5", dict(splits=5)),
                    ("single_launch", dict(variant="single")), ("single_launch_5", dict(variant="single", splits=5)))
+SLICED = ("splits_5", "single_launch_5")
 
 
-def correctness(report: dict, save, smoke: bool = False) -> bool:
+def correctness(report: dict, save, on_cpu: bool = False) -> bool:
     """Every variant and the op against the reference, case by case (saved after each)."""
     import torch
 
@@ -105,9 +112,9 @@ def correctness(report: dict, save, smoke: bool = False) -> bool:
 
     ok = True
     rows = report.setdefault("correctness", [])
-    cases = smoke_cases() if smoke else correctness_cases()
-    # the interpreter's tl.dot is wrong for bf16: on CPU fp32 and fp16 on the tiny cases
-    plan = ({"float32": None, "float16": ("smoke_decode",)} if smoke else DTYPE_CASES)
+    cases = cpu_cases() if on_cpu else correctness_cases()
+    # the interpreter's tl.dot is wrong for bf16: on CPU fp32 and fp16
+    plan = CPU_DTYPE_CASES if on_cpu else DTYPE_CASES
     for dtype_name, only in plan.items():
         dtype, tolerance = getattr(torch, dtype_name), TOLERANCE[dtype_name]
         for seed, (name, b, h, kvh, t, kv, d, kind, scaling) in enumerate(cases):
@@ -117,7 +124,7 @@ def correctness(report: dict, save, smoke: bool = False) -> bool:
             visible = visible_for(kind, b, t, kv)
             want = reference_attention(q, k, v, visible, None, scaling).float()
             errors = {}
-            variants = list(KERNEL_VARIANTS)
+            variants = [v for v in KERNEL_VARIANTS if v[0] not in SLICED or on_cpu or name == SLICES_CASE]
             exact = triton_kernel.exact_row_tile(t * h // kvh)
             # the one-row decode tile, both merge variants: bf16 on the 4-row case only (its
             # compiles are slow; fp32/fp16 are covered on CPU by the interpreter)
@@ -274,9 +281,9 @@ def tensorrt_engine(report: dict, workdir: Path) -> bool:
             report["tensorrt_engine"] = {"passed": False, "error": f"generate --backend {backend} failed"}
             return False
         tokens[backend] = json.loads(out.read_text())["tokens"]
-    from runtime.manifest import open_spec
+    from runtime.spec import open_spec
 
-    record = open_spec(engine, verify="skip").extra["tensorrt"]
+    record = open_spec(engine, verify="skip").manifest.extra["tensorrt"]
     passed = tokens["tensorrt"] == tokens["torch"]
     report["tensorrt_engine"] = dict(passed=passed, version=record["version"], gpu=record["gpu"],
                                      tokens=tokens)
@@ -306,31 +313,31 @@ def tensorrt_part(part: dict) -> bool:
     inner["result"] = inner.pop("status")
     part.update(inner)
     if inner["result"] == "not run":
-        raise NotRun(inner["reason"])
+        raise Absent(inner["reason"])
     return passed
 
 
 
-def compiled_op(report: dict, smoke: bool = False) -> bool:
+def compiled_op(report: dict, on_cpu: bool = False) -> bool:
     """torch.compile(mode="reduce-overhead", fullgraph=True) over a step that calls the op:
     inductor with the op as one extern node, replayed as a CUDA graph (the op must be
-    capturable), the visible counts changed between calls; every call against eager. In
-    smoke mode (CPU) the aot_eager backend: the same graph, no inductor build."""
+    capturable), the visible counts changed between calls; every call against eager. On
+    CPU inductor too (C++ code, no CUDA graphs: the default mode), in fp32 on small shapes."""
     import torch
 
     from plugins.attention import sharpdraft_attention
     from plugins.scaling import QueryScaling
 
     scaling = QueryScaling()
-    dtype = torch.float32 if smoke else torch.bfloat16
-    heads, kv_heads, q_len, kv_len, dim = (4, 2, 4, 96, 16) if smoke else (32, 8, 16, 8192, 128)
+    dtype = torch.float32 if on_cpu else torch.bfloat16
+    heads, kv_heads, q_len, kv_len, dim = (4, 2, 4, 96, 16) if on_cpu else (32, 8, 16, 8192, 128)
     q, k, v = case(5, 1, heads, kv_heads, q_len, kv_len, dim, dtype)
     visible = torch.full((1, q_len), kv_len // 2, device=DEVICE)
 
     def step(q, k, v, visible):
         return sharpdraft_attention(q * 1.5, k, v, visible, scaling) + 1
 
-    options = dict(backend="aot_eager") if smoke else dict(mode="reduce-overhead")
+    options = dict(backend="inductor") if on_cpu else dict(mode="reduce-overhead")
     compiled = torch.compile(step, fullgraph=True, dynamic=False, **options)
     report.update(mode=options, dtype=str(dtype), calls=[])
     ok = True
@@ -349,10 +356,11 @@ def compiled_op(report: dict, smoke: bool = False) -> bool:
     return ok
 
 
-def bench(report: dict, out_dir, smoke: bool, repeats: int = 10) -> bool:
+def bench(report: dict, out_dir, on_cpu: bool, repeats: int = 10) -> bool:
     from plugins import bench_kernel
 
-    figures = bench_kernel.run(out_dir, repeats=repeats, smoke=smoke, shapes=None if smoke else BENCH_SHAPES,
+    # on CPU the bench's small shapes under the interpreter (wall clock, no graphs)
+    figures = bench_kernel.run(out_dir, repeats=repeats, smoke=on_cpu, shapes=None if on_cpu else BENCH_SHAPES,
                                command="python -m scripts.gpu_kernel (part bench)")
     report.update(single_launch_vs_split=figures["single_launch_vs_split"],
                   decode_vs_sdpa=figures["decode_vs_sdpa"], scaled_vs_unscaled=figures["scaled_vs_unscaled"],
@@ -360,34 +368,39 @@ def bench(report: dict, out_dir, smoke: bool, repeats: int = 10) -> bool:
     return True
 
 
-def cuda_only(fn, smoke: bool):
+def cuda_only(fn, on_cpu: bool, why: str):
     def measure(part):
-        if smoke:
-            raise NotRun("smoke mode: needs a CUDA device")
+        if on_cpu:
+            raise GpuOnly(why)
         return fn(part)
     return measure
 
 
-def run(out_dir, smoke: bool = False, args=None) -> dict:
+def run(out_dir, on_cpu: bool = False, args=None) -> dict:
     """The section: each part in turn, the file saved after each (correctness: each case)."""
     global DEVICE
-    if smoke:
+    if on_cpu:
         DEVICE = "cpu"
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
     import torch
 
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("error: gpu_kernel needs a CUDA device; SHARPDRAFT_SMOKE=1 runs its CPU smoke mode")
+    if not on_cpu and not torch.cuda.is_available():
+        raise SystemExit("error: gpu_kernel needs a CUDA device; SHARPDRAFT_CPU=1 runs it on CPU")
     device = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (Triton interpreter)"
-    record = SectionRecord(out_dir, SECTION, smoke=smoke, device=device)
+    record = SectionRecord(out_dir, SECTION, on_cpu=on_cpu, device=device)
     record.data["versions"] = {"torch": torch.__version__, "triton": _version("triton"),
                                "python": sys.version.split()[0]}
-    record.part("correctness", lambda part: correctness(part, record.save, smoke))
+    record.part("correctness", lambda part: correctness(part, record.save, on_cpu))
+    if on_cpu:
+        record.part("correctness_bf16", cuda_only(None, on_cpu, "the interpreter's tl.dot is wrong in bf16: "
+                                                  "bf16 is compiled and checked on the GPU (its correctness part)"))
     record.part("beta", beta)
-    record.part("capture", cuda_only(capture, smoke))
-    record.part("host_us_per_call", cuda_only(host_us_per_call, smoke))
-    record.part("compiled_op", lambda part: compiled_op(part, smoke))
-    record.part("bench", lambda part: bench(part, out_dir, smoke))
+    record.part("capture", cuda_only(capture, on_cpu, "captures the op in a CUDA graph and replays it"))
+    record.part("host_us_per_call", cuda_only(host_us_per_call, on_cpu,
+                                              "host time of an eager launch is a GPU figure (the "
+                                              "interpreter runs the kernel on the host)"))
+    record.part("compiled_op", lambda part: compiled_op(part, on_cpu))
+    record.part("bench", lambda part: bench(part, out_dir, on_cpu))
     record.part("tensorrt_engine", tensorrt_part)
     return record.finish()
 

@@ -22,7 +22,8 @@ draft as many tokens as DFlash's block holds (the target's verify bucket - 1), s
 family's rows meet the same verify width.
 
     python -m scripts.gpu_steps --out DIR                   # scripts/gpu_check.py runs it
-    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_steps --out DIR   # CPU: tiny shapes, eager
+    SHARPDRAFT_CPU=1 python -m scripts.gpu_steps --out DIR   # CPU: every family's eager rows
+        # at TINY (8B fp32 weights need 32 GB); the captured rows GPU-only
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from scripts.gpu_record import SectionRecord, log, section_main
+from scripts.gpu_record import GpuOnly, SectionRecord, log, section_main
 
 SECTION = "gpu_steps"
 # pard: the PARD drafter's own shape (PARD-Qwen3-0.6B's); draft_vocab: EAGLE-3's (Qwen3-8B
@@ -48,11 +49,11 @@ QWEN3_8B = dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=
 TINY = dict(vocab=512, hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2, head_dim=16,
             block=4, draft_layers=2, draft_vocab=128,
             pard=dict(hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16))
-# descending; 32K and 4K only (16K went when PARD and EAGLE-3 joined: four families' rows
-# at three contexts did not fit the plan's 600 s, see gpu_travel.BUDGET)
-CONTEXTS = (32768, 4096)
+# 32K alone: the long context SharpDraft is for (4K and 16K went to keep the whole GPU run
+# under 450 s with room for a rerun: scripts/gpu_travel.py's estimate)
+CONTEXTS = (32768,)
 BATCH_BUCKETS = (1, 4)
-SMOKE = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
+CPU = dict(contexts=(64, 32), batches=(1, 2), repeats=2)
 
 
 def qwen3_8b_shaped(device, dtype, shape=QWEN3_8B, target=None):
@@ -135,15 +136,15 @@ def eagle3_drafter(target, shape, device, dtype):
 
 
 def target_rows(steps, batch, context, compiled):
-    """The target's step at every width bucket (1: decode; the rest: verifies)."""
+    """The target's step at every compiled row width (1: decode; the rest: verifies)."""
     import torch
 
     # the engine's own buffers (bound: per-layer views, static addresses), as a group leases them
-    cache = steps.target_buffers.take(capacity(context + steps.buckets[-1]), batch)
+    cache = steps.target_buffers.take(capacity(context + steps.widths[-1]), batch)
     cache.lengths.fill_(context)
     step = steps.target_step if compiled else steps.target_module
     out = []
-    for width in steps.buckets:
+    for width in steps.widths:
         ids = torch.zeros((batch, width), dtype=torch.long, device=steps.device)
         out.append((f"target {'decode' if width == 1 else 'verify'} ({width} token{'s' * (width > 1)})",
                     lambda ids=ids: step(ids, *cache.layers, cache.lengths)))
@@ -157,12 +158,12 @@ def dflash_rows(steps, batch, context, compiled):
     from plugins.scaling import PRESETS
 
     drafter, block = steps.drafter, steps.block_size
-    cache = steps.draft_buffers.take(capacity(context + steps.context_bucket + block), batch)
+    cache = steps.draft_buffers.take(capacity(context + steps.context_span + block), batch)
     cache.lengths.fill_(context)
     module, step = steps.draft_step(PRESETS["dflash"], None)
     call = step if compiled else module
     ids = torch.full((batch, block), drafter.config.mask_token_id, dtype=torch.long, device=steps.device)
-    features = torch.zeros((batch, steps.context_bucket, drafter.fc.in_features),
+    features = torch.zeros((batch, steps.context_span, drafter.fc.in_features),
                            dtype=drafter.fc.weight.dtype, device=steps.device)
     lens = torch.full((batch,), block, dtype=torch.long, device=steps.device)
     return [(f"dflash block ({block})", lambda: call(ids, features, *cache.layers, cache.lengths, lens))]
@@ -170,11 +171,11 @@ def dflash_rows(steps, batch, context, compiled):
 
 def chain_drafts(steps) -> int:
     """A chain family's draft length: the target's verify bucket - 1 (DFlash's block)."""
-    return steps.buckets[-1] - 1
+    return steps.widths[-1] - 1
 
 
 def pard_rows(steps, batch, context, compiled):
-    """PARD's chain step at both width buckets (CompiledBatchPARD's chain_widths: a step
+    """PARD's chain step at both compiled row widths (CompiledBatchPARD's chain_widths: a step
     that accepted little, and every draft and the bonus read with k drafted) after
     `context` keys."""
     import torch
@@ -288,23 +289,26 @@ def family_rows(name, family, make_steps, compiled, contexts, batches, cuda, rep
                 torch.cuda.empty_cache()
 
 
-def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
+def run(out_dir, on_cpu: bool = False, args=None, families=None) -> dict:
     import torch
 
     from runtime.backends.pytorch.compiled import EngineSteps
 
-    cuda = torch.cuda.is_available() and not smoke
-    if not smoke and not cuda:
-        raise SystemExit("error: gpu_steps needs a CUDA device; SHARPDRAFT_SMOKE=1 runs its CPU smoke mode")
+    cuda = torch.cuda.is_available() and not on_cpu
+    if not on_cpu and not cuda:
+        raise SystemExit("error: gpu_steps needs a CUDA device; SHARPDRAFT_CPU=1 runs it on CPU")
     device = torch.device("cuda" if cuda else "cpu")
-    shape = TINY if smoke else QWEN3_8B
-    contexts, batches = (SMOKE["contexts"], SMOKE["batches"]) if smoke else (CONTEXTS, BATCH_BUCKETS)
-    repeats = SMOKE["repeats"] if smoke else 10
-    # on CPU only eager rows: a dynamo compile per shape would take the rehearsal minutes
+    shape = TINY if on_cpu else QWEN3_8B
+    contexts, batches = (CPU["contexts"], CPU["batches"]) if on_cpu else (CONTEXTS, BATCH_BUCKETS)
+    repeats = CPU["repeats"] if on_cpu else 10
+    # the captured rows (EngineSteps' "cudagraph" backend) need CUDA: on CPU the eager ones
     modes = (False, True) if cuda else (False,)
-    record = SectionRecord(out_dir, SECTION, smoke=smoke,
+    record = SectionRecord(out_dir, SECTION, on_cpu=on_cpu,
                            device=torch.cuda.get_device_name() if cuda else "cpu")
     record.data.update(shape=shape, contexts=contexts, batch_buckets=batches, repeats=repeats, rows=[])
+    if on_cpu:
+        record.data["shape_why"] = ("TINY on CPU: Qwen3-8B's shape is 32 GB of fp32 weights; the rows "
+                                    "call the same steps with the same arguments")
     made = {}
 
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -329,7 +333,7 @@ def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
             for compiled in modes:
                 def make_steps(backend="cudagraph" if compiled else "eager"):
                     return EngineSteps(target, layer_ids, (1, block + 1), backend, drafter=drafter,
-                                       context_bucket=block)
+                                       context_span=block)
 
                 family_rows(name, family, make_steps, compiled, contexts, batches, cuda, repeats, rows,
                             record.save)
@@ -338,6 +342,11 @@ def run(out_dir, smoke: bool = False, args=None, families=None) -> dict:
             return not any("error" in r for r in rows[before:])
 
         record.part(f"family_{name}", measure)
+    if on_cpu:
+        def captured(part):
+            raise GpuOnly("each family's steps captured as CUDA graphs (EngineSteps' cudagraph backend) "
+                          "and replayed: the rows marked cudagraph")
+        record.part("cudagraph_rows", captured)
     record.data["goals"] = goals(record.data["rows"])
     return record.finish()
 

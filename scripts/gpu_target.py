@@ -8,9 +8,8 @@ to a transformers directory (build.checkpoints.prepare_target), so gpu_e2e only 
     python -m scripts.gpu_target --out DIR
 
 A part missing (its call's files were gone, the machine having gone cold) is "not run",
-naming what is missing: gpu_e2e then says its real-target rows were not run. In smoke
-mode (the rehearsal) the parts are joined and checked where present; nothing is installed
-or converted.
+naming what is missing, which fails the call (scripts/gpu_check.py refuses such a call
+before this runs). On CPU (the rehearsal) it does the same work: join, install, convert.
 """
 
 from __future__ import annotations
@@ -26,10 +25,12 @@ from scripts import gpu_travel
 from scripts.gpu_record import NotRun, SectionRecord, section_main
 
 SECTION = "gpu_target"
+# run in a process of its own with the installed wheels on its path (what gpu_e2e will have)
+CONVERT = "from build.checkpoints import prepare_target; print(prepare_target(None)[0])"
 
 
-def run(out_dir, smoke: bool, args=None) -> dict:
-    record = SectionRecord(out_dir, SECTION, smoke=smoke, device="cpu (no GPU work)")
+def run(out_dir, on_cpu: bool = False, args=None) -> dict:
+    record = SectionRecord(out_dir, SECTION, on_cpu=on_cpu, device="cpu (no GPU work)")
     travel = gpu_travel.travel_dir()
 
     def joined(part):
@@ -38,7 +39,7 @@ def run(out_dir, smoke: bool, args=None) -> dict:
             raise NotRun(f"no parts in {parts}: the calls that carry them did not run on this machine "
                          "(or it went cold between calls)")
         try:
-            wheels = gpu_travel.unpack(parts, travel / "site", install=not smoke)
+            wheels = gpu_travel.unpack(parts, travel / "site")
         except gpu_travel.TravelError as exc:
             raise NotRun(str(exc)) from exc
         part["wheels"] = [w.name for w in wheels]
@@ -47,11 +48,8 @@ def run(out_dir, smoke: bool, args=None) -> dict:
     def converted(part):
         if record.data["parts"]["join_and_install"]["status"] != "passed":
             raise NotRun("the wheels are not installed")
-        if smoke:
-            raise NotRun("smoke mode: no conversion")
-        code = "from build.checkpoints import prepare_target; print(prepare_target(None)[0])"
         env = gpu_check_env(travel / "site")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        done = subprocess.run([sys.executable, "-c", CONVERT], capture_output=True, text=True, env=env,
                               timeout=600)
         if done.returncode != 0:
             raise RuntimeError((done.stderr.strip().splitlines() or ["conversion failed"])[-1])

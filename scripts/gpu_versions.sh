@@ -19,8 +19,7 @@
 #   1. numpy 2.5.2, the machine's exact set: every test here that does not run the kernel
 #      under the interpreter (and the AOT compile for sm_90).
 #   2. numpy < 2.4 in the same venv: the interpreter's tests (the kernel, its bench, the
-#      op's device paths, the rehearsal of the GPU run, whose gpu_kernel smoke runs the
-#      kernel interpreted).
+#      op's device paths, the gpu_kernel section on CPU, which runs the kernel interpreted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/sharpdraft-gpu-versions}
@@ -63,5 +62,5 @@ run_tests tests/test_compiled.py tests/test_capturable.py \
 "$PY" -m pip install --quiet 'numpy>=2.3,<2.4'
 versions
 run_tests tests/test_triton_kernel.py tests/test_bench_kernel.py tests/test_attention.py \
-    tests/test_gpu_check.py::test_rehearsal_runs_the_plans_calls_on_cpu_within_the_limits
+    tests/test_gpu_check.py::test_gpu_kernel_on_cpu_runs_the_interpreter_and_names_its_gpu_only_parts
 "$PY" -m pip install --quiet numpy==2.5.2  # the venv left as the machine has it

@@ -167,23 +167,24 @@ def main(argv=None) -> int:
 
     from runtime.cli import code_commit
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.manifest import EngineError
     from runtime.sampling import Sampling
 
     torch.set_num_threads(args.threads)
     try:
-        engine = in_own_thread(Engine, args.engine_dir, backend=args.backend, dtype=args.dtype,
-                               prefill_dtype=args.prefill_dtype)  # no pool left here
+        engine = in_own_thread(Engine, open_spec(args.engine_dir, backend=args.backend, dtype=args.dtype,
+                               prefill_dtype=args.prefill_dtype))  # no pool left here
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     texts = [json.loads(line)["text"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     prompts = [engine.encode(texts[i % len(texts)]) for i in range(args.requests)]
-    mode, greedy = engine.default_mode, Sampling(0.0)
-    unknown = [m for m in args.peers if m not in engine.modes]
+    mode, greedy = engine.spec.default_mode, Sampling(0.0)
+    unknown = [m for m in args.peers if m not in engine.spec.modes]
     if unknown:
         print(f"error: --peers {' '.join(unknown)}: not a mode of this engine "
-              f"(it has {', '.join(map(str, engine.modes))})", file=sys.stderr)
+              f"(it has {', '.join(map(str, engine.spec.modes))})", file=sys.stderr)
         return 2
     def both_ways(alone_mode, served_mode):
         """Sessions warmed, then the prompts one at a time (alone_mode) and all in flight

@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$ENGINE" ] || die "--engine-dir DIR is required (the served engine, decoded in-process too)"
 if [ -z "$MODES" ]; then
-  MODES=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT'); from runtime.engine import Engine; print(' '.join(Engine('$ENGINE').modes))")
+  MODES=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT'); from runtime.spec import open_spec; print(' '.join(open_spec('$ENGINE').modes))")
 fi
 
 mkdir -p "$OUT"

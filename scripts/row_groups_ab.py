@@ -52,11 +52,12 @@ def _main(argv: list[str]) -> int:
     from runtime import step_metadata
     from runtime.cli import UsageError, code_commit
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     if any(s < 1 or s & (s - 1) for s in args.shared):
         raise UsageError(f"--shared takes powers of two, got {args.shared}")
     torch.set_num_threads(args.threads)
-    engine = Engine(args.engine_dir)  # a bad engine: one line and exit 1 (runtime.cli.run)
+    engine = Engine(open_spec(args.engine_dir))  # a bad engine: one line and exit 1 (runtime.cli.run)
     if engine.backend != "onnxruntime":
         raise UsageError(f"{args.engine_dir} runs on {engine.backend}; this compares ONNX "
                          "Runtime's row groups")

@@ -55,9 +55,10 @@ def grpc_ttft(url: str, prompts: list[str], new_tokens: int) -> list[float]:
 
 def in_process_ttft(engine_dir: str, prompts: list[str]) -> tuple[str, list[float]]:
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(engine_dir)
-    mode = engine.default_mode_at(1)
+    engine = Engine(open_spec(engine_dir))
+    mode = engine.spec.default_mode_at(1)
     seconds = []
     for prompt in prompts:
         ids = engine.encode(prompt)

@@ -177,8 +177,9 @@ def native_engine(tmp_path_factory, long_target, long_drafter, export_cache) -> 
 @pytest.fixture(scope="session")
 def native_ort_engine(native_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(native_engine)
+    return Engine(open_spec(native_engine))
 
 
 @pytest.fixture(scope="session")
@@ -186,8 +187,9 @@ def native_drafter_graph(tmp_path_factory, onnx_engine, export_cache) -> Path:
     """onnx_engine's SharpDraft drafter exported again, with beta in plain ONNX ops."""
     from build import export
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(onnx_engine, backend="torch")
+    engine = Engine(open_spec(onnx_engine, backend="torch"))
     path = tmp_path_factory.mktemp("native") / "drafter-native.onnx"
     with tiny.shared_exports(export_cache):  # native_engine's drafter.onnx
         export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
@@ -198,15 +200,17 @@ def native_drafter_graph(tmp_path_factory, onnx_engine, export_cache) -> Path:
 def torch_engine(onnx_engine):
     """The ONNX engine's checkpoints run by the torch backend: the reference side."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(onnx_engine, backend="torch")
+    return Engine(open_spec(onnx_engine, backend="torch"))
 
 
 @pytest.fixture(scope="session")
 def ort_engine(onnx_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(onnx_engine)
+    return Engine(open_spec(onnx_engine))
 
 
 # Tests marked slow from here rather than in their files, which other changes are editing;

@@ -22,9 +22,8 @@ def roles(target, style=None, drafter=None, lookup=None, tree_shape=None) -> ass
         block_size = drafter.block_size
     elif style == "chain":
         block_size = drafter.max_drafts + 1
-    return assembly.Roles(style, lambda: target, target.context_limit,
-                          batch_drafter=(lambda s: drafter) if style in ("block", "chain") else None,
-                          tree_drafter=(lambda s: drafter) if style == "tree" else None,
+    return assembly.Roles(style, lambda: target,
+                          drafter=(lambda s: drafter) if style is not None else None,
                           lookup=(lambda: lookup) if lookup is not None else NGramProposer,
                           tree_shape=tree_shape, block_size=block_size)
 

@@ -198,7 +198,7 @@ def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_or
     join_at = [0, 0, 0, 0, 0, 0, 1, 4]
     requests = [Request(torch.randint(4, 320, (n,), generator=g).tolist(), b)
                 for n, b in zip(lengths, budgets)]
-    seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=join_at)
+    seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=join_at)
     for request, seq in zip(requests, seqs):
         alone = engine.generate(request.prompt, request.max_new_tokens, mode, stop=False,
                                 adaptive=False)

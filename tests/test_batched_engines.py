@@ -29,8 +29,9 @@ def native_torch_engine(native_engine):
     """native_engine's checkpoints on the torch backend: the torch side of the window modes
     (the engine records a draft window of 48; onnx_engine's records none). No build."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(native_engine, backend="torch")
+    return Engine(open_spec(native_engine, backend="torch"))
 
 
 # the draft window needs drafter graphs over cache buffers: the native-form engine's;
@@ -52,10 +53,10 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
     lengths, budgets, join_at = [5, 90, 300, 40], [24, 6, 24, 16], [0, 0, 1, 3]
     requests = [Request(p, n, stop_ids=torch_engine.stop_ids)
                 for p, n in zip(prompts(torch_engine, lengths), budgets)]
-    out, runs = {}, [e for e in (torch_engine, ort_engine) if e.refusal(parse(mode)) is None]
+    out, runs = {}, [e for e in (torch_engine, ort_engine) if e.spec.refusal(parse(mode)) is None]
     assert torch_engine in runs and (ort_engine in runs) == (mode != "preset")
     for engine in runs:
-        decoder = engine.batch_decoder(mode, adaptive=False)
+        decoder = engine.decoder(mode, adaptive=False)
         assert getattr(getattr(decoder.proposer, "drafter", None), "fused", True)
         out[engine] = [s.gen.tokens for s in decoder.run(requests, join_at=join_at)]
     assert out[runs[0]] == out[runs[-1]]
@@ -68,7 +69,7 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
 def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine):
     requests = [Request(p, 12, Sampling(0.8, 0.95, seed=i))
                 for i, p in enumerate(prompts(ort_engine, [7, 120, 33]))]
-    seqs = ort_engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=[0, 1, 0])
+    seqs = ort_engine.decoder("sharpdraft", adaptive=False).run(requests, join_at=[0, 1, 0])
     for request, seq in zip(requests, seqs):
         alone = ort_engine.generate(request.prompt, 12, "sharpdraft", request.sampling,
                                     stop=False, adaptive=False)
@@ -82,7 +83,7 @@ def test_one_windowed_drafter_graph_call_gives_each_row_its_own_window(native_or
     sequence's own windowed call alone (a batch of one); the window leaves the shortest
     row's context whole and cuts the others' (there the logits differ from an unwindowed
     call's)."""
-    loaded, window = native_ort_engine.loaded, native_ort_engine.draft_window
+    loaded, window = native_ort_engine.loaded, native_ort_engine.spec.draft_window
     lengths, news = [34, 50, 55], [3, 1, 5]
     size = native_ort_engine.manifest.extra["onnx"]["graphs"]["drafter"]["inputs"]
     size = next(i["shape"][-1] for i in size if i["name"] == "context")
@@ -123,7 +124,7 @@ def test_a_drafter_set_aside_reads_what_it_missed_on_onnxruntime(engine, mode, r
     aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
     runs = []
     for drafter_ignores_aside in (False, True):
-        decoder = engine.batch_decoder(mode, adaptive=False)
+        decoder = engine.decoder(mode, adaptive=False)
         if drafter_ignores_aside:  # as before: it drafts every step, the step drops them
             propose = decoder.proposer.propose
             decoder.proposer.propose = lambda batch, aside=frozenset(), p=propose: p(batch)

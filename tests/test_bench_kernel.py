@@ -69,3 +69,24 @@ def test_graph_capture_warms_up_on_a_side_stream_then_captures_one_call(monkeypa
     assert (graph, out) == ("graph", 2)
     assert log == ["side waits current", "on side", "call", "call", "end side", "current waits side",
                    "capture graph", "call", "end graph"]
+
+
+def test_the_json_is_saved_after_every_shape(tmp_path, monkeypatch):
+    """A bench stopped after its first shape (a timeout, say) leaves that shape's row in
+    bench_kernel.json, marked incomplete."""
+    real = bench_kernel._variant_calls
+    seen = []
+
+    def second_shape_fails(q, *args):
+        seen.append(q.shape)
+        if len(seen) == 2:
+            raise RuntimeError("killed here")
+        return real(q, *args)
+
+    monkeypatch.setattr(bench_kernel, "_variant_calls", second_shape_fails)
+    with pytest.raises(RuntimeError, match="killed here"):
+        bench_kernel.run(tmp_path, repeats=2, smoke=True)
+    report = json.loads((tmp_path / "bench_kernel.json").read_text())
+    assert [row["shape"] for row in report["shapes"]] == [bench_kernel.shape_name(*bench_kernel.SMOKE_SHAPES[0])]
+    assert report["complete"] is False and report["planned_shapes"][1] == bench_kernel.shape_name(
+        *bench_kernel.SMOKE_SHAPES[1])

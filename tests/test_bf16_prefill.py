@@ -13,6 +13,7 @@ import torch
 from runtime.backends import bf16_prefill
 from runtime.backends.onnxruntime import BoundKVCache
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError
 from runtime.models.target import load_target
 from script_loader import load_script
@@ -22,7 +23,7 @@ ROWS = bf16_prefill.ROWS
 
 @pytest.fixture(scope="module")
 def bf16_engine(native_engine):
-    return Engine(native_engine, prefill_dtype="bfloat16")
+    return Engine(open_spec(native_engine, prefill_dtype="bfloat16"))
 
 
 def text_ids(engine, n):
@@ -145,14 +146,14 @@ def test_every_mode_stays_lossless_alone_and_batched(native_engine, tmp_path, ca
 
 def test_other_backends_and_bad_values_are_refused_in_one_line(native_engine):
     with pytest.raises(EngineError, match="--prefill-dtype is the onnxruntime backend's"):
-        Engine(native_engine, backend="torch", prefill_dtype="bfloat16")
+        Engine(open_spec(native_engine, backend="torch", prefill_dtype="bfloat16"))
     with pytest.raises(EngineError, match="--prefill-dtype 'float16' is not one of float32, bfloat16"):
-        Engine(native_engine, prefill_dtype="float16")
+        Engine(open_spec(native_engine, prefill_dtype="float16"))
 
 
 def test_loading_leaves_torchs_thread_count_as_it_was(native_engine):
     torch.set_num_threads(2)
-    Engine(native_engine, prefill_dtype="bfloat16")
+    Engine(open_spec(native_engine, prefill_dtype="bfloat16"))
     assert torch.get_num_threads() == 2
 
 

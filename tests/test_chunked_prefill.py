@@ -15,6 +15,7 @@ from runtime.backends.pytorch import (TorchBatchDFlash, TorchBatchEagle3, TorchB
                                       TorchBatchTarget, TorchEagle3)
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.modes import Mode
 from runtime.sampling import Sampler, Sampling
 from runtime.serve.scheduler import StepScheduler
@@ -35,7 +36,7 @@ def engine(request):
     # tiny_engine: the torch backend (512-token context); native_engine: ONNX Runtime's
     # default graphs (4096 tokens)
     name = {"torch": "tiny_engine", "onnxruntime": "native_engine"}[request.param]
-    return Engine(request.getfixturevalue(name))
+    return Engine(open_spec(request.getfixturevalue(name)))
 
 
 def _events(engine, mode, scheduler_kwargs, jobs):
@@ -45,7 +46,7 @@ def _events(engine, mode, scheduler_kwargs, jobs):
     its _read_joining) and ("join", 0) (a chunked join's last part: the target's
     join_prefilled) events in order."""
     log, lock = [], threading.Lock()
-    decoder = engine.batch_decoder(mode)
+    decoder = engine.decoder(mode)
     decoder_type, target_type = type(decoder), type(decoder.target)
     step, prefill, more = decoder_type.step, target_type.prefill, target_type.prefill_more
     join_prefilled = target_type.join_prefilled
@@ -227,8 +228,8 @@ def test_a_drafter_read_in_parts_holds_the_cache_of_one_piece(window):
 
 
 def setting_of(engine, mode) -> tuple:
-    """The (scaling, window) a mode's drafter runs under (Engine.setting)."""
-    setting = engine.setting(mode)
+    """The (scaling, window) a mode's drafter runs under (EngineSpec.setting)."""
+    setting = engine.spec.setting(mode)
     return setting.scaling, setting.window
 
 
@@ -245,7 +246,7 @@ def test_an_engines_drafter_read_in_parts_holds_the_cache_of_one_piece(engine):
     has one: 70 prompt rows read as 1 + 31 + 32 + 6 leave the cache of one piece
     (float32: within 1e-5)."""
     prompt, features = _engine_features(engine, 72)
-    for mode in [Mode.SHARPDRAFT] + ([Mode.WINDOW] if Mode.WINDOW in engine.modes else []):
+    for mode in [Mode.SHARPDRAFT] + ([Mode.WINDOW] if Mode.WINDOW in engine.spec.modes else []):
         make = lambda: engine.loaded.batch_drafter(*setting_of(engine, mode))  # noqa: E731
         assert_parts_leave_one_pieces_cache(make, features[:70], features[70:], prompt[69], 90,
                                             [1, 31, 32, 6], 1e-5)
@@ -297,8 +298,7 @@ def _eagle3_tree_pair():
     target, drafter = eagle_pair(7, 40)
     layers = drafter.config.feature_layers(target.config.num_layers)
     roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers),
-                           target.config.max_position_embeddings,
-                           tree_drafter=lambda setting: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
+                           drafter=lambda setting: TorchEagle3(drafter, SCALING, TreeShape(2, 3, 6)),
                            tree_shape=TreeShape(2, 3, 6))
     return assembly.decoder(roles, Mode.FROZEN), target, drafter
 
@@ -350,8 +350,8 @@ def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_e
     spec.loader.exec_module(script)
     args = argparse.Namespace(engine_dir=str(tiny_engine), mode="sharpdraft", chunk=32,
                               concurrency=2, max_new_tokens=8)
-    engine = Engine(tiny_engine)
-    turns = script.timed_join(engine.batch_decoder("sharpdraft"), Request(prompts([100])[0], 8), 32)
+    engine = Engine(open_spec(tiny_engine))
+    turns = script.timed_join(engine.decoder("sharpdraft"), Request(prompts([100])[0], 8), 32)
     assert len(turns) == 4 + 1  # 32 + 32 + 32 + 4 tokens, then the last part
     got = script.bound(args, prompts([100])[0])
     assert set(got) == {"chunk_prefill_ms", "step_ms", "bound_ms", "join_last_part_ms"}

@@ -148,9 +148,10 @@ def test_a_real_process_exits_nonzero_without_traceback(tmp_path):
 def test_streamed_terminal_text_never_shows_half_a_character(tiny_engine, monkeypatch, capsys):
     # Byte-level tokens can split one character: "é" is the bytes C3 A9, two tokens here.
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.metrics import Generation
 
-    tokenizer = Engine(tiny_engine).tokenizer
+    tokenizer = Engine(open_spec(tiny_engine)).tokenizer
     split = tokenizer.convert_tokens_to_ids(["Ã", "©"])  # byte-level symbols of C3 and A9
     ids = tokenizer("caf", add_special_tokens=False).input_ids + split
     assert "\ufffd" in tokenizer.decode(ids[:-1])  # the split really is mid-character

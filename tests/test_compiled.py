@@ -251,9 +251,10 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
     from runtime.backends.pytorch.compiled import CompiledBatchDFlash, CompiledBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     made, keys = recorded_steps(monkeypatch)
-    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
+    eager, engine = Engine(open_spec(tiny_engine)), Engine(open_spec(tiny_engine, steps=backend))
     shared = engine.loaded.shared
     assert isinstance(engine.loaded.batch_target(), CompiledBatchTarget)
     assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchDFlash)
@@ -266,7 +267,7 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
         requests = [Request(p, n) for p, n in zip(batched, (6, 16, 10))]
         want = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
         for mode in ("target", "sharpdraft"):
-            seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
+            seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
             assert [s.gen.tokens for s in seqs] == want, mode
 
     one_round(seed=1)
@@ -358,9 +359,10 @@ def test_pard_chains_run_the_engines_compiled_step_and_compile_once(pard_engine,
 
     from runtime.backends.pytorch.compiled import CompiledBatchPARD
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     made, keys = recorded_steps(monkeypatch)
-    eager, engine = Engine(pard_engine), Engine(pard_engine, steps="eager")
+    eager, engine = Engine(open_spec(pard_engine)), Engine(open_spec(pard_engine, steps="eager"))
     assert isinstance(engine.loaded.batch_drafter(engine.scaling), CompiledBatchPARD)
 
     def one_round(seed):
@@ -388,16 +390,17 @@ def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alon
     tokens; and the draws are not greedy's."""
     from runtime.decode import Request
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.sampling import Sampling
 
     made, keys = recorded_steps(monkeypatch)
-    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps=backend)
+    eager, engine = Engine(open_spec(tiny_engine)), Engine(open_spec(tiny_engine, steps=backend))
     # 70 and 90 tokens share a capacity bucket (one group, a pass for both); 30 another
     first, second, other = engine_prompts(engine, [70, 90, 30], seed=5)
     sampled = [Sampling(1.0, 1.0, seed=1), Sampling(1.0, 1.0, seed=2)]
     alone = [engine.generate(p, 24, "sharpdraft", s, stop=False, adaptive=False)
              for p, s in zip((first, second), sampled)]
-    decoder = engine.batch_decoder("sharpdraft", adaptive=False)
+    decoder = engine.decoder("sharpdraft", adaptive=False)
     requests = [Request(first, 24, sampled[0]), Request(other, 24), Request(second, 24, sampled[1])]
     together = decoder.run(requests, join_at=[0, 1, 2])
     for seq, want in ((together[0], alone[0]), (together[2], alone[1])):
@@ -425,16 +428,17 @@ def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens
     from runtime.backends.pytorch import TorchBatchTarget
     from runtime.decode import Request
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     made, keys = recorded_steps(monkeypatch)
-    eager, engine = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    eager, engine = Engine(open_spec(tiny_engine)), Engine(open_spec(tiny_engine, steps="eager"))
     chunks = []
     more = TorchBatchTarget.prefill_more  # CompiledBatchTarget's: its joining prefill is eager
     monkeypatch.setattr(TorchBatchTarget, "prefill_more",
                         lambda self, ids: chunks.append(len(ids)) or more(self, ids))
 
     def run(mode, running, joining, chunk):
-        decoder = engine.batch_decoder(mode, adaptive=False)
+        decoder = engine.decoder(mode, adaptive=False)
         first = decoder.add(Request(running, 40))
         decoder.step()
         joins, stepped = decoder.join(Request(joining, 10), chunk), 0

@@ -12,6 +12,7 @@ import torch
 import tiny
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.sampling import Sampler, Sampling
 
 NEW_TOKENS = 12
@@ -60,7 +61,7 @@ def decode(engine, mode, how, alone, batched):
                           sampling=Sampling(**SAMPLINGS[how]))
     requests = [Request(p, n, sampler=Sampler(Sampling(**SAMPLINGS[how])))
                 for p, n in zip(batched, BUDGETS)]
-    seqs = engine.batch_decoder(mode, adaptive=False).run(requests, join_at=JOIN_AT)
+    seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=JOIN_AT)
     assert all(s.error is None for s in seqs)
     return outcome(one), [outcome(s.gen) for s in seqs]
 
@@ -70,16 +71,16 @@ BATCH_ROLES = {"dflash": "CompiledBatchDFlash", "pard": "CompiledBatchPARD",
 
 
 def check_family(engines, family, steps, device="cpu"):
-    eager = Engine(engines[family], device=device)
-    compiled = Engine(engines[family], device=device, steps=steps)
+    eager = Engine(open_spec(engines[family], device=device))
+    compiled = Engine(open_spec(engines[family], device=device, steps=steps))
     drafter = compiled.loaded.batch_drafter(compiled.scaling)
     assert type(drafter).__name__ == BATCH_ROLES[family]
     assert type(compiled.loaded.batch_target()).__name__ == "CompiledBatchTarget"
     alone, *batched = prompts(eager, [40, 70, 30, 90, 50])
     ran = 0
-    for mode in compiled.modes:
+    for mode in compiled.spec.modes:
         for how in SAMPLINGS:
-            if compiled.batch_refusal(mode):
+            if compiled.spec.batch_refusal(mode):
                 continue
             try:
                 want = decode(eager, mode, how, alone, batched)
@@ -126,10 +127,10 @@ def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines,
 
     monkeypatch.setattr(compiled, "compile_step", recording)
     for family, names in (("pard", {"pard_chain"}), ("eagle3", {"eagle3_ingest", "eagle3_link"})):
-        engine = Engine(engines[family], steps="eager")
+        engine = Engine(open_spec(engines[family], steps="eager"))
         batched = prompts(engine, [70, 30, 90, 50])
         requests = [Request(p, n) for p, n in zip(batched, BUDGETS)]
-        engine.batch_decoder("sharpdraft", adaptive=False).run(requests, join_at=JOIN_AT)
+        engine.decoder("sharpdraft", adaptive=False).run(requests, join_at=JOIN_AT)
         for name in names:  # EAGLE-3: the ingest and the links, both compiled
             slots = {shape[0] for made_by, shape in calls if made_by == name}
             assert slots == {1, 2, 4}, (family, name, calls)
@@ -168,8 +169,8 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
     vocab, layers = 40, (0, 1)
     target = tiny.float64_target(seed=5, vocab=vocab, layers=2, context=256)
     eager = TorchBatchTarget(target, layers)
-    # buckets (1,): the two-token verify below runs the step eagerly (no graph to make)
-    compiled = CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
+    # widths (1,): the two-token verify below runs the step eagerly (no graph to make)
+    compiled = CompiledBatchTarget(EngineSteps(target, layers, widths=(1,), backend="eager"))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (20, 37, 9)[:batch]]
     close = dict(rtol=0, atol=1e-10)
@@ -210,11 +211,11 @@ def test_an_eagle3_tree_batch_decodes_on_the_compiled_batch_target():
     drafter = float64_eagle3(target, 7, (1, 2, 3))
     layers = drafter.config.feature_layers(target.config.num_layers)
     shape = TreeShape(2, 3, 6)
-    steps = EngineSteps(target, layers, buckets=(1, 4), backend="eager")
+    steps = EngineSteps(target, layers, widths=(1, 4), backend="eager")
 
     def run(batch_target):
-        roles = assembly.Roles("tree", batch_target, target.config.max_position_embeddings,
-                               tree_drafter=lambda setting: TorchEagle3(drafter, None, shape),
+        roles = assembly.Roles("tree", batch_target,
+                               drafter=lambda setting: TorchEagle3(drafter, None, shape),
                                tree_shape=shape)
         decoder = assembly.decoder(roles, Mode.FROZEN)
         assert type(decoder.target) is type(batch_target())
@@ -256,9 +257,9 @@ def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_as
     target = tiny.float64_target(seed=8, vocab=40, layers=2, context=256)
     layers = (0, 1)
 
-    def make():  # buckets (1,): the verifies below, two tokens or more, make no graph
+    def make():  # widths (1,): the verifies below, two tokens or more, make no graph
         if compiled:
-            return CompiledBatchTarget(EngineSteps(target, layers, buckets=(1,), backend="eager"))
+            return CompiledBatchTarget(EngineSteps(target, layers, widths=(1,), backend="eager"))
         return TorchBatchTarget(target, layers)
 
     prompt = [(5 * i + 3) % 40 for i in range(30)]
@@ -302,11 +303,11 @@ def test_an_eagle3_tree_engine_with_steps_verifies_its_trees_packed_on_the_compi
            "--backend", "torch", "--target", str(tiny_target), "--drafter-checkpoint", str(eagle3),
            "--tree-top-k", "2", "--tree-depth", "3", "--tree-total-tokens", "8",
            "--output", str(tmp_path / "engine")])
-    eager, compiled = Engine(tmp_path / "engine"), Engine(tmp_path / "engine", steps="eager")
-    decoder = compiled.batch_decoder("sharpdraft", adaptive=False)
+    eager, compiled = Engine(open_spec(tmp_path / "engine")), Engine(open_spec(tmp_path / "engine", steps="eager"))
+    decoder = compiled.decoder("sharpdraft", adaptive=False)
     assert type(decoder.target) is CompiledBatchTarget
     batched = prompts(eager, [70, 30, 90, 50])
     got = decoder.run([Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
-    want = eager.batch_decoder("sharpdraft", adaptive=False).run(
+    want = eager.decoder("sharpdraft", adaptive=False).run(
         [Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
     assert [outcome(s.gen) for s in got] == [outcome(s.gen) for s in want]

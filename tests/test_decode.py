@@ -140,9 +140,8 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
 
     target, drafter = eagle_pair(3, 12)
     layers = drafter.config.feature_layers(target.config.num_layers)
-    limit = target.config.max_position_embeddings
-    roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers), limit,
-                           tree_drafter=lambda setting: TorchEagle3(drafter, SCALING, SHAPE),
+    roles = assembly.Roles("tree", lambda: TorchBatchTarget(target, layers),
+                           drafter=lambda setting: TorchEagle3(drafter, SCALING, SHAPE),
                            tree_shape=SHAPE)
     decoder = assembly.decoder(roles, Mode.FROZEN)
     requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]

@@ -12,7 +12,7 @@ import pytest
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
-from runtime.manifest import read_manifest
+from runtime.spec import open_spec
 from runtime.serve import openai_api, protocol
 
 
@@ -34,15 +34,15 @@ def test_default_mode_measures_every_listed_mode_and_requests_run_the_fastest(en
     printed = json.loads(capsys.readouterr().out)
     recorded = json.loads((engine_copy / "engine.json").read_text())["extra"]["default_mode"]
     assert printed == recorded
-    engine = Engine(engine_copy)
-    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.modes]
+    engine = Engine(open_spec(engine_copy))
+    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.spec.modes]
     speeds = recorded["tokens_per_second"]
     assert all(v > 0 for v in speeds.values()) and recorded["mode"] == max(speeds, key=speeds.get)
     assert (recorded["backend"], recorded["context"], recorded["new_tokens"]) == ("torch", 120, 8)
-    assert engine.default_mode == recorded["mode"]
+    assert engine.spec.default_mode == recorded["mode"]
     assert _no_mode_request().mode(engine) == recorded["mode"]
     # generate's default stays the table's rule; sharpdraft true/false still choose by it
-    assert engine.mode_for() == "sharpdraft"
+    assert engine.spec.rule_default() == "sharpdraft"
     on = protocol.parse({"prompt": np.array([b"x"], dtype=object),
                          "max_new_tokens": np.array([4], dtype=np.int32),
                          "sharpdraft": np.array([True])})
@@ -75,13 +75,13 @@ def test_default_mode_measures_on_ones_own_prompts(engine_copy, tmp_path, capsys
     assert main(["default-mode", "--engine-dir", str(engine_copy), "--prompts-file", str(path),
                  "--new-tokens", "6", "--repeats", "1", "--loaded-batch", "2", "--dry-run"]) == 0
     recorded = json.loads(capsys.readouterr().out)
-    engine = Engine(engine_copy)
+    engine = Engine(open_spec(engine_copy))
     ids = [engine.encode(t) for t in texts]
     assert decoded == [ids[0]] + ids  # the warm-up, then each prompt
     assert joined == [ids]
     assert (recorded["document"], recorded["prompts"]) == (str(path), 3)
     assert recorded["context"] == sorted(map(len, ids))[1]
-    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.modes]
+    assert list(recorded["tokens_per_second"]) == [str(m) for m in engine.spec.modes]
     assert recorded["by_batch"]["2"]["context"] == recorded["context"]
 
 
@@ -99,15 +99,14 @@ def test_a_recorded_default_the_engine_cannot_use_falls_back_to_the_rule(engine_
     data = json.loads(path.read_text())
     data["extra"]["default_mode"] = record
     path.write_text(json.dumps(data))
-    assert Engine(engine_copy).default_mode == expected
-    # the OpenAI endpoint reads engine.json alone and names the same default
-    manifest = read_manifest(engine_copy)
-    assert openai_api.served_default(manifest, openai_api.served_modes(manifest)) == expected
-    # ... and, told how the engine is served, the default measured that way
+    spec = open_spec(engine_copy)
+    assert spec.default_mode == expected
+    # the OpenAI endpoint's settings read the same spec, loading nothing, and name it too
+    assert openai_api.Settings(spec, "m", "m-stream", "127.0.0.1:1", 64).default_mode == expected
+    # ... and, opened as the engine is served, the default measured that way
     if record and len(record) > 2:
-        served_as = {k: v for k, v in record.items() if k != "mode"}
-        assert openai_api.served_default(manifest, openai_api.served_modes(manifest),
-                                         manifest.build_placement("torch") | served_as) == "hybrid"
+        served_as = {k: v for k, v in record.items() if k not in ("mode", "backend")}
+        assert open_spec(engine_copy, record["backend"], **served_as).default_mode == "hybrid"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -16,6 +16,7 @@ from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError
 
 
@@ -54,8 +55,8 @@ def test_tree_engine_records_its_tree_and_decodes_like_the_target(tree_engine, e
     assert manifest["extra"]["eagle3"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
     assert manifest["block_size"] == 4  # a path commits at most depth + 1 tokens
     assert set(manifest["drafter_checkpoint"]["files"]) == {"config.json", "model.safetensors"}
-    engine = Engine(tree_engine)
-    assert engine.style == "tree" and engine.modes == ("target", "ngram", "frozen", "sharpdraft")
+    engine = Engine(open_spec(tree_engine))
+    assert engine.style == "tree" and engine.spec.modes == ("target", "ngram", "frozen", "sharpdraft")
     prompt = engine.encode("def fibonacci(n):\n    ")
     want = engine.generate(prompt, 24, mode="target", stop=False).tokens
     for mode in ("frozen", "sharpdraft"):
@@ -67,8 +68,8 @@ def test_tree_engine_records_its_tree_and_decodes_like_the_target(tree_engine, e
 def test_chain_engine_decodes_like_the_target_and_samples(chain_engine):
     from runtime.sampling import Sampling
 
-    engine = Engine(chain_engine)
-    assert engine.style == "chain" and engine.max_drafts == 3
+    engine = Engine(open_spec(chain_engine))
+    assert engine.style == "chain" and engine.spec.drafting.max_drafts == 3
     prompt = engine.encode("import os\n")
     want = engine.generate(prompt, 20, mode="target", stop=False).tokens
     assert engine.generate(prompt, 20, mode="sharpdraft", stop=False).tokens == want
@@ -90,16 +91,16 @@ def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain
     per link (K passes, not K per row), and each sequence decodes the tokens, per-step N
     and beta of its own single-sequence run (greedy: target-only's), under the
     calibrated scaling and under the family preset."""
-    engine = Engine(chain_engine)
+    engine = Engine(open_spec(chain_engine))
     engine.manifest.extra["family_preset"] = TINY_PRESET.to_dict()
     text = engine.encode(tiny.stdlib_text())
     prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64, or 32)
-    decoder = engine.batch_decoder(mode, adaptive=False)
+    decoder = engine.decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
     assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
-    assert passes[0] == engine.max_drafts == max(passes) == 3, passes
+    assert passes[0] == engine.spec.drafting.max_drafts == max(passes) == 3, passes
     speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
 
 
@@ -117,7 +118,7 @@ def test_generate_command_runs_a_tree_engine_and_refuses_to_sample_it(tree_engin
 def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_target,
                                                                eagle3_checkpoint, tmp_path, capsys):
     with pytest.raises(EngineError) as err:  # built for torch: no graphs to run
-        Engine(tree_engine, backend="onnxruntime")
+        Engine(open_spec(tree_engine, backend="onnxruntime"))
     assert "holds no ONNX graphs" in str(err.value) and "\n" not in str(err.value)
     capsys.readouterr()
     assert build("--drafter", "eagle3", "--target", str(tiny_target), "--drafter-checkpoint",
@@ -131,18 +132,17 @@ def test_what_eagle3_engines_cannot_do_is_refused_in_one_line(tree_engine, tiny_
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
-    """bench runs run_mode over a PrefillOnce target: a tree
+    """bench runs Engine.generate over a PrefillOnce target: a tree
     verified there (near the end of its budget too) decodes what target-only does."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode
     from runtime.sampling import Sampler
     from speculative import generate_target_only
 
-    engine = Engine(tree_engine)
+    engine = Engine(open_spec(tree_engine))
     prompt = engine.encode("class Node:\n    def __init__(self")
     once = PrefillOnce(engine.loaded.batch_target(), prompt)
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
-    got = run_mode(engine, once, engine.mode_for(), prompt, 16, Sampler())
+    got = engine.generate(prompt, 16, engine.spec.rule_default(), stop=False, target=once)
     assert got.tokens == want and got.verify_steps < 16
 
 

@@ -19,6 +19,7 @@ import speculative
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.sampling import Sampler
 
 NEW_TOKENS = 20
@@ -107,7 +108,7 @@ def test_the_engine_records_the_tree_graphs(tree_engine, chain_engine):
 def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft):
     runs = []
     for backend in ("onnxruntime", "torch"):
-        engine = Engine(tree_engine, backend=backend)
+        engine = Engine(open_spec(tree_engine, backend=backend))
         prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
         drafter = RecordedTrees(engine.drafter(scaled=sharpdraft))
         gen = speculative.generate_tree(engine.loaded.batch_target(), drafter, prompt, NEW_TOKENS, Sampler(),
@@ -119,7 +120,7 @@ def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft
     assert ours == theirs and our_steps == their_steps and len(ours) == NEW_TOKENS
     assert our_trees == their_trees  # the same trees, and the same largest N per step
     if sharpdraft:
-        scaling = Engine(tree_engine).scaling
+        scaling = Engine(open_spec(tree_engine)).scaling
         assert scaling.beta(our_trees[0][1]) > 1.0  # the comparison covers scaled rows
 
 
@@ -127,7 +128,7 @@ def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft
 def test_onnxruntime_drafts_chains_and_decodes_like_torch(chain_engine, sharpdraft):
     runs = []
     for backend in ("onnxruntime", "torch"):
-        engine = Engine(chain_engine, backend=backend)
+        engine = Engine(open_spec(chain_engine, backend=backend))
         assert engine.style == "chain"
         prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
         drafter = tiny.RecordedChain(engine.drafter(scaled=sharpdraft))
@@ -148,22 +149,22 @@ def test_a_batch_grows_its_chains_in_one_run_per_link_as_each_would_alone(chain_
     run per later link (K runs, not K per row), each sequence decoding the tokens, per-step
     N and beta of its own single-sequence run (greedy: target-only's), and the torch
     backend's batch the same tokens."""
-    text = Engine(chain_engine, backend="torch").encode(tiny.stdlib_text())
+    text = Engine(open_spec(chain_engine, backend="torch")).encode(tiny.stdlib_text())
     prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64)
     tokens = []
     for backend in ("onnxruntime", "torch"):
-        engine = Engine(chain_engine, backend=backend)
-        decoder = engine.batch_decoder(mode, adaptive=False)
+        engine = Engine(open_spec(chain_engine, backend=backend))
+        decoder = engine.decoder(mode, adaptive=False)
         assert decoder.proposer.drafter.fused
         seqs = [decoder.add(Request(p, 10)) for p in prompts]
         counts = speculative.drafter_passes(decoder, monkeypatch)
         passes = speculative.run_counting_passes(decoder, counts)
-        assert passes[0] == engine.max_drafts == max(passes) == 3, (backend, passes)
+        assert passes[0] == engine.spec.drafting.max_drafts == max(passes) == 3, (backend, passes)
         if mode == "sharpdraft":
             speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10)
         tokens.append([s.gen.tokens for s in seqs])
     assert tokens[0] == tokens[1]
-    assert tokens[0] == [Engine(chain_engine).generate(p, 10, "target", stop=False).tokens
+    assert tokens[0] == [Engine(open_spec(chain_engine)).generate(p, 10, "target", stop=False).tokens
                          for p in prompts]
 
 
@@ -189,7 +190,7 @@ def export_before_past_lens(engine_dir):
             return super().forward(ids, hidden, ancestors, offsets, past_keys, past_values,
                                    scratch_keys, scratch_values, None)
 
-    torch_side = Engine(engine_dir, backend="torch")
+    torch_side = Engine(open_spec(engine_dir, backend="torch"))
     drafter, scaling = torch_side.drafter_model, torch_side.scaling
     d, g = export._dims(), torch.Generator().manual_seed(0)
     b, c, q, s = export.BATCH, export.CONTEXT, export.Q_LEN, export.SCRATCH
@@ -230,7 +231,7 @@ def test_an_engine_exported_before_past_lens_is_refused_in_one_line(chain_engine
     shutil.copytree(chain_engine, engine_dir)
     export_before_past_lens(engine_dir)
     with pytest.raises(EngineError) as err:
-        Engine(engine_dir)
+        Engine(open_spec(engine_dir))
     message = str(err.value)
     assert "\n" not in message and message.startswith(str(engine_dir))
     assert "(drafter, drafter_tree)" in message and "rebuild" in message
@@ -253,7 +254,7 @@ def test_a_tree_graph_fixed_to_one_sequence_is_refused_and_todays_takes_a_batch(
         check_batched(tree_engine, {"target_tree": graph(1)})
     assert str(err.value).startswith(str(tree_engine)) and "rebuild" in str(err.value)
     check_batched(tree_engine, {"target_tree": graph("batch")})
-    engine = Engine(tree_engine)
+    engine = Engine(open_spec(tree_engine))
     assert takes_batch(engine.loaded.sessions["target_tree"])
 
 
@@ -262,7 +263,7 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
     graph's `visible`, what beta was computed from) is the count of a mask built here
     from the committed entries, the scratch keys it may see and itself; the logits are
     the torch drafter's under the same mask."""
-    ort, reference = Engine(tree_engine), Engine(tree_engine, backend="torch")
+    ort, reference = Engine(open_spec(tree_engine)), Engine(open_spec(tree_engine, backend="torch"))
     drafter = ort.loaded.tree_drafter(ort.scaling)
     features = torch.randn(40, reference.drafter_model.fc.in_features,
                            generator=torch.Generator().manual_seed(5))
@@ -303,8 +304,8 @@ def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
     engine_dir = tmp_path / "engine"
     shutil.copytree(tree_engine, engine_dir)
     chosen = QueryScaling(32, 8, 2.0, 0.5)
-    apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"test": True})
-    ort, reference = Engine(engine_dir), Engine(engine_dir, backend="torch")
+    apply(engine_dir, Engine(open_spec(engine_dir, backend="torch")), chosen, {"test": True})
+    ort, reference = Engine(open_spec(engine_dir)), Engine(open_spec(engine_dir, backend="torch"))
     assert ort.scaling == chosen
     prompt = reference.encode(tiny.stdlib_text())[:PROMPT]
     trees = []
@@ -322,13 +323,13 @@ def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target
 
     from runtime.decode import Request
 
-    engine = Engine(tree_engine)  # trees batch (one tree verify per row), as target-only decodes
+    engine = Engine(open_spec(tree_engine))  # trees batch (one tree verify per row), as target-only decodes
     prompts = [engine.encode("def f(x):"), engine.encode(tiny.stdlib_text())[:40]]
-    seqs = engine.batch_decoder("sharpdraft").run([Request(p, 8) for p in prompts])
+    seqs = engine.decoder("sharpdraft").run([Request(p, 8) for p in prompts])
     assert [s.gen.tokens for s in seqs] == [engine.generate(p, 8, "target", stop=False).tokens
                                             for p in prompts]
     with pytest.raises(EngineError) as err:
-        Engine(tree_engine, backend="tensorrt")
+        Engine(open_spec(tree_engine, backend="tensorrt"))
     assert "\n" not in str(err.value)
     capsys.readouterr()
     assert build("--drafter", "eagle3", "--target", str(long_target), "--drafter-checkpoint",
@@ -338,18 +339,17 @@ def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target
 
 
 def test_the_commands_loop_replays_one_prefill_on_a_tree_engine(tree_engine):
-    """bench runs run_mode over a PrefillOnce over the batch target: on ONNX Runtime a tree
+    """bench runs Engine.generate over a PrefillOnce over the batch target: on ONNX Runtime a tree
     verified near the end of the budget (its nodes in the decoder's slack past it) keeps
     the tokens target-only's."""
     from runtime.backends import PrefillOnce
-    from runtime.engine import run_mode
     from speculative import generate_target_only
 
-    engine = Engine(tree_engine)
+    engine = Engine(open_spec(tree_engine))
     prompt = engine.encode(tiny.stdlib_text())[:40]
     once = PrefillOnce(engine.loaded.batch_target(), prompt)
     want = generate_target_only(once, prompt, 16, Sampler()).tokens
-    got = run_mode(engine, once, engine.mode_for(), prompt, 16, Sampler())
+    got = engine.generate(prompt, 16, engine.spec.rule_default(), stop=False, target=once)
     assert got.tokens == want and got.verify_steps < 16
 
 
@@ -361,7 +361,7 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
     import runtime.backends.onnxruntime.target as ort  # where the batch target runs its sessions
     from runtime.tree import DraftTree
 
-    engine = Engine(tree_engine)
+    engine = Engine(open_spec(tree_engine))
     loaded = engine.loaded
     batch, alone = loaded.batch_target(), []
     text = engine.encode(tiny.stdlib_text())
@@ -391,10 +391,10 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
 
 
 def test_onnxruntime_batched_trees_decode_as_alone_and_as_the_target(tree_engine):
-    engine = Engine(tree_engine)
+    engine = Engine(open_spec(tree_engine))
     text = engine.encode(tiny.stdlib_text())
     prompts, budgets = [text[:PROMPT], text[7:30], text[100:160]], [12, 8, 10]
-    decoder = engine.batch_decoder("sharpdraft")
+    decoder = engine.decoder("sharpdraft")
     from runtime.decode import Request
 
     got = decoder.run([Request(p, n) for p, n in zip(prompts, budgets)], join_at=[0, 0, 2])

@@ -17,6 +17,7 @@ from build.calibrate import main as calibrate_main
 from runtime.__main__ import main as runtime_main
 from runtime.cli import run
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,12 +141,12 @@ def test_a_changed_file_is_refused_even_at_the_same_size(engine_copy, tmp_path):
     (engine_copy / "engine.json").write_text(json.dumps(data))
     weights = drafter / "model.safetensors"
     age(weights)
-    Engine(engine_copy)  # hashes and stamps the copy
+    Engine(open_spec(engine_copy))  # hashes and stamps the copy
     blob = bytearray(weights.read_bytes())
     blob[-1] ^= 0xFF  # same size, different content
     weights.write_bytes(bytes(blob))
     with pytest.raises(EngineError, match="model.safetensors does not match the sha256"):
-        Engine(engine_copy)
+        Engine(open_spec(engine_copy))
 
 
 def test_generate_verify_flag_hashes_every_file(engine_copy, monkeypatch, capsys):

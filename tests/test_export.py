@@ -17,6 +17,7 @@ from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, p
 from runtime.backends.onnxruntime import BoundBatchDFlash, OnnxBatchDFlash, open_session
 from runtime.cli import run
 from runtime.engine import Engine
+from runtime.spec import open_spec
 
 CONTEXTS = (1, 17, 600, 3000)
 ATOL = 1e-4  # fp32
@@ -181,7 +182,7 @@ def test_build_reports_each_stage_and_torch_engines_have_no_graphs(capsys, tiny_
     stages = [line.split()[1].rstrip(":") for line in captured.err.splitlines()
               if line.startswith("[")]
     assert stages == ["load", "export", "check", "build", "measure"]
-    engine = Engine(out)
+    engine = Engine(open_spec(out))
     assert engine.backend == "torch" and engine.context_limit == 300
     # The fast tier's one build that measures stage 5 (the suite's other builds record fixed
     # costs): step costs timed on this machine, then every mode decoded, the fastest kept.
@@ -190,10 +191,10 @@ def test_build_reports_each_stage_and_torch_engines_have_no_graphs(capsys, tiny_
     extra = json.loads((out / "engine.json").read_text())["extra"]
     costs = StepCosts.from_dict(extra["step_costs"]["torch"])
     assert costs != fixed_costs(True) and costs.verify_seconds(1, 64) > 0
-    assert list(extra["default_mode"]["tokens_per_second"]) == [str(m) for m in engine.modes]
-    assert engine.default_mode == extra["default_mode"]["mode"]
+    assert list(extra["default_mode"]["tokens_per_second"]) == [str(m) for m in engine.spec.modes]
+    assert engine.spec.default_mode == extra["default_mode"]["mode"]
     with pytest.raises(EngineError, match="--backend onnxruntime"):
-        Engine(out, backend="onnxruntime")
+        Engine(open_spec(out, backend="onnxruntime"))
 
 
 def test_max_seq_len_beyond_the_target_context_is_refused(capsys, tiny_target, tiny_drafter, tmp_path):

@@ -141,7 +141,7 @@ def test_step_rows_call_the_compiled_steps_the_batched_roles_call(family):
     outputs = []
     for compiled in (False, True):
         steps = EngineSteps(target, dflash.config.target_layer_ids, (1, shape["block"] + 1), "eager",
-                            drafter=drafter, context_bucket=shape["block"])
+                            drafter=drafter, context_span=shape["block"])
         with torch.inference_mode():
             calls = gpu_steps.STEP_FAMILIES[family].rows(steps, 2, 32, compiled)
             outputs.append([[t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
@@ -154,7 +154,7 @@ def test_step_rows_call_the_compiled_steps_the_batched_roles_call(family):
 
 
 def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(tmp_path, monkeypatch):
-    """gpu_steps in smoke mode: a row per family x step x context x batch bucket, DFlash,
+    """gpu_steps on CPU: a row per family x step x context x batch bucket, DFlash,
     PARD and EAGLE-3 beside the target; a family added to the table is measured with no
     other edit, and a family that fails leaves every other family's rows."""
     def doubled(steps, batch, context, compiled):
@@ -168,13 +168,15 @@ def test_step_costs_run_every_family_per_batch_bucket_and_a_new_family_slots_in(
     families = {"target": families.pop("target"), "broken": gpu_steps.StepFamily(broken, doubled),
                 **families, "standin": gpu_steps.StepFamily(None, doubled)}
     monkeypatch.setattr(gpu_steps, "STEP_FAMILIES", families)
-    data = gpu_steps.run(tmp_path, smoke=True)
+    data = gpu_steps.run(tmp_path, on_cpu=True)
     assert data["status"] == "failed"  # the broken family's part, and that alone
     saved = json.loads((tmp_path / "gpu_steps.json").read_text())
-    assert {n: p["status"] for n, p in saved["parts"].items() if p["status"] != "passed"} == {"family_broken": "failed"}
+    assert {n: p["status"] for n, p in saved["parts"].items() if p["status"] != "passed"} == {
+        "family_broken": "failed", "cudagraph_rows": "skipped"}
+    assert saved["skipped"]["cudagraph_rows"].startswith("GPU-only: ")  # named, with its reason
     rows = saved["rows"]
-    assert saved["parts"]["family_standin"]["rows"] == len(gpu_steps.SMOKE["contexts"]) * len(gpu_steps.SMOKE["batches"])
-    contexts, batches = gpu_steps.SMOKE["contexts"], gpu_steps.SMOKE["batches"]
+    assert saved["parts"]["family_standin"]["rows"] == len(gpu_steps.CPU["contexts"]) * len(gpu_steps.CPU["batches"])
+    contexts, batches = gpu_steps.CPU["contexts"], gpu_steps.CPU["batches"]
     steps = {"target": ("target decode (1 token)", "target verify (5 tokens)"), "dflash": ("dflash block (4)",),
              "pard": ("pard chain (4 tokens)", "pard chain (8 tokens)"),
              "eagle3": ("eagle3 ingest (5 entries)", "eagle3 chain link (1 token)"), "standin": ("stand-in step",)}

@@ -108,7 +108,7 @@ def test_wheels_split_to_fit_beside_the_tree_and_join_back_checked(repo, tmp_pat
 
 def test_pack_refuses_when_the_tree_leaves_no_room(repo, monkeypatch):
     monkeypatch.setattr(gpu_travel, "LIMIT", 500_000)
-    with pytest.raises(gpu_travel.TravelError, match="run slim first"):
+    with pytest.raises(gpu_travel.TravelError, match="leaves"):
         gpu_travel.pack(repo, ("x==1",), lambda specs, into: None)
 
 
@@ -118,28 +118,121 @@ def test_unpack_before_the_first_part_arrived_says_so(tmp_path):
         gpu_travel.join(tmp_path / "parts", tmp_path / "wheels")
 
 
-def test_carried_parts_wait_in_the_travel_folder_and_gpu_target_joins_them(repo, tmp_path, monkeypatch):
+def wheel(name: str, version: str, module: str) -> dict[str, bytes]:
+    """A minimal pure-Python wheel, {file name: bytes}, that pip installs."""
+    import base64
+    import hashlib
+    import io
+    import zipfile
+
+    stem = f"{name.replace('-', '_')}-{version}"
+    info = f"{stem}.dist-info"
+    files = {f"{module}.py": b"VALUE = 7\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+
+    def row(path, data):
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return f"{path},sha256={digest},{len(data)}"
+
+    record = "\n".join([row(p, d) for p, d in files.items()] + [f"{info}/RECORD,,"]) + "\n"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        for path, data in {**files, f"{info}/RECORD": record.encode()}.items():
+            z.writestr(path, data)
+    return {f"{stem}-py3-none-any.whl": buffer.getvalue()}
+
+
+def test_carried_parts_wait_in_the_travel_folder_and_gpu_target_installs_them(repo, tmp_path, monkeypatch):
     """Each call copies the parts it carried to the travel folder (which outlives a call on
-    a warm machine); the last call's gpu_target joins them, every sha256 checked. With a
-    part gone (the machine went cold between calls) it is "not run", naming the part."""
+    a warm machine); the last call's gpu_target joins them, every sha256 checked, installs
+    the wheel under the travel folder's site/ and converts with that folder on the path.
+    With a part gone (the machine went cold between calls) it is "not run", naming the
+    part: a failure of the section."""
     from scripts import gpu_check, gpu_target
 
     monkeypatch.setattr(gpu_travel, "LIMIT", 6 * 2**20)
     monkeypatch.setattr(gpu_travel, "HEADROOM", 0)
-    payload = bytes(range(256)) * 40_000
+    payload = wheel("probe-wheel", "0.1", "probe_module")
 
     def download(specs, into):
-        (into / "big-0.1-py3-none-any.whl").write_bytes(payload)
+        for name, data in payload.items():
+            (into / name).write_bytes(data)
 
-    gpu_travel.pack(repo, ("big==0.1",), download)
+    gpu_travel.pack(repo, ("probe-wheel==0.1",), download)
     travel = tmp_path / "travel"
     monkeypatch.setenv("SHARPDRAFT_TRAVEL_DIR", str(travel))
     assert sorted(gpu_check.stash_parts(repo)) == sorted(p.name for p in (repo / ".gpu" / "parts").iterdir())
-    data = gpu_target.run(tmp_path / "out", smoke=True)
-    assert data["parts"]["join_and_install"]["status"] == "passed"
-    assert (travel / "wheels" / "big-0.1-py3-none-any.whl").read_bytes() == payload
-    assert data["parts"]["convert"]["status"] == "not run"  # smoke: nothing installed or converted
-    next(travel.glob("parts/big-*.whl.1")).unlink()
-    data = gpu_target.run(tmp_path / "out", smoke=True)
+    # the conversion's own process must find the installed wheel on its path
+    monkeypatch.setattr(gpu_target, "CONVERT", "import probe_module; print('/converted', probe_module.VALUE)")
+    data = gpu_target.run(tmp_path / "out", on_cpu=True)
+    assert data["status"] == "passed", data
+    assert (travel / "site" / "probe_module.py").is_file()
+    assert data["parts"]["convert"]["target_dir"] == "/converted 7"
+    next(travel.glob("parts/probe_wheel-*.whl.0")).unlink()
+    data = gpu_target.run(tmp_path / "out", on_cpu=True)
     assert data["status"] == "not run" and "carry every part" in data["parts"]["join_and_install"]["reason"]
-    assert json.loads((tmp_path / "out" / "gpu_target.json").read_text())["status"] == "not run"
+    assert json.loads((tmp_path / "out" / "gpu_target.json").read_text())["passed"] is False
+
+
+CALL_1 = """set -e
+test "$PWD" != "$REPO"
+test -f code.py && test -f notes.txt && test -f built/big.bin && test -f checkpoints/dflash/model.safetensors
+test ! -e checkpoints/pard
+test -z "$(ls -A "$OUT")"
+python3 -c "import numpy" && ! python3 -c "import gguf" 2>/dev/null
+mkdir -p "$SHARPDRAFT_TRAVEL_DIR" && echo kept > "$SHARPDRAFT_TRAVEL_DIR/state"
+echo '{"sections": {}}' > "$OUT/gpu_check.json"; echo log > "$OUT/gpu_check.log"
+"""
+CALL_2 = """set -e
+test ! -e built/big.bin
+test "$(cat "$SHARPDRAFT_TRAVEL_DIR/state")" = kept
+test -z "$(ls -A "$OUT")"
+echo '{"sections": {}}' > "$OUT/gpu_check.json"; echo log > "$OUT/gpu_check.log"
+"""
+
+
+def test_the_rehearsal_runs_each_calls_command_in_the_tree_it_carries(repo, tmp_path, monkeypatch):
+    """Each call's tree is made afresh outside the checkout: the tracked files less the
+    slimmed checkpoints, the untracked files git does not ignore, that call's carried
+    paths and nothing else; its command runs there under the stand-in python3 (the
+    carried wheels' packages hidden, as on the GPU machine), OUT a fresh folder; state
+    passes only through the travel folder."""
+    monkeypatch.setattr(gpu_travel, "HEAVY", ("checkpoints/pard",))
+    monkeypatch.setenv("REPO", str(repo))
+    calls = [dict(call=1, command=CALL_1, carry=["built"], sections=[], timeout_s=60),
+             dict(call=2, command=CALL_2, carry=[], sections=[], timeout_s=60)]
+    lines = []
+    assert gpu_travel.rehearse(tmp_path / "r", repo, echo=lines.append, calls=calls) == 0, lines
+    assert lines[-1] == ("rehearsal: 2 calls, estimated GPU machine time 155 s, files back 4, limits ok")
+    summary = json.loads((tmp_path / "r" / "rehearsal.json").read_text())
+    assert summary["verdict"] == lines[-1] and summary["estimate"]["machine"]["seconds"] == 155
+    assert not (repo / "state").exists()
+
+
+def test_the_rehearsal_names_the_first_broken_limit_and_exits_1(repo, tmp_path):
+    """A call whose command leaves nine files under $OUT (the tool returns eight) and no
+    summary: the rehearsal's last line names it, exit 1."""
+    calls = [dict(call=1, command='for i in 1 2 3 4 5 6 7 8 9; do echo {} > "$OUT/f$i.json"; done',
+                  carry=[], sections=[], timeout_s=30)]
+    lines = []
+    assert gpu_travel.rehearse(tmp_path, repo, echo=lines.append, calls=calls) == 1
+    assert lines[-1] == ("rehearsal: 1 calls, estimated GPU machine time 130 s, files back 9, "
+                         "broken: call 1: 9 files (at most 8 come back)")
+    assert "broken: call 1 left no gpu_check.json" in lines
+
+
+def test_the_refusal_drill_takes_the_parts_away_once_and_puts_them_back(tmp_path):
+    travel = tmp_path / "travel"
+    (travel / "parts").mkdir(parents=True)
+    (travel / "parts" / "p.0").write_bytes(b"x")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    command = ('test -f "$SHARPDRAFT_TRAVEL_DIR/parts/p.0" || { echo "error: call 3 needs p.0" >&2; exit 1; }; '
+               'echo ran')
+    env = {"PATH": "/usr/bin:/bin", "SHARPDRAFT_TRAVEL_DIR": str(travel)}
+    drill = gpu_travel.refusal_drill(command, tree, tmp_path / "out", env, travel)
+    assert drill["ok"] and drill["exit"] == 1 and drill["output"] == ["error: call 3 needs p.0"]
+    assert (travel / "parts" / "p.0").read_bytes() == b"x"  # back for the real call
+    drill = gpu_travel.refusal_drill("echo one; echo two; exit 1", tree, tmp_path / "out", env, travel)
+    assert not drill["ok"]  # two lines, no error: not a refusal

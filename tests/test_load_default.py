@@ -12,6 +12,7 @@ import pytest
 from runtime import modes
 from runtime.__main__ import main
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.measure import loaded_choice
 from runtime.sampling import Sampling
 from runtime.serve.scheduler import StepScheduler
@@ -50,13 +51,13 @@ def test_default_mode_records_one_stream_and_a_loaded_batch(engine_copy, capsys)
     assert main(["default-mode", "--engine-dir", str(engine_copy), "--context", "60",
                  "--new-tokens", "6", "--repeats", "1", "--loaded-batch", "3"]) == 0
     recorded = json.loads((engine_copy / "engine.json").read_text())["extra"]["default_mode"]
-    engine = Engine(engine_copy)
+    engine = Engine(open_spec(engine_copy))
     one, loaded = recorded["by_batch"]["1"], recorded["by_batch"]["3"]
     assert one["mode"] == recorded["mode"] and one["tokens_per_second"] == recorded["tokens_per_second"]
-    assert list(loaded["tokens_per_second"]) == [str(m) for m in engine.modes if not engine.batch_refusal(m)]
+    assert list(loaded["tokens_per_second"]) == [str(m) for m in engine.spec.modes if not engine.spec.batch_refusal(m)]
     speeds = loaded["tokens_per_second"]
     assert all(v > 0 for v in speeds.values()) and loaded["mode"] == loaded_choice(speeds)
-    assert engine.default_mode_at(3) == loaded["mode"] and engine.default_mode_at(1) == recorded["mode"]
+    assert engine.spec.default_mode_at(3) == loaded["mode"] and engine.spec.default_mode_at(1) == recorded["mode"]
 
 
 def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
@@ -66,22 +67,22 @@ def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
     and default-mode measured there records a default for that placement, beside the
     build's."""
     _record(engine_copy, LOADED)  # recorded before placements were kept: the build's
-    as_built = Engine(engine_copy)
-    assert as_built.placement == {"backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}
-    assert as_built.step_costs is not None and as_built.default_mode_at(3) == "target"
-    elsewhere = Engine(engine_copy, dtype="bfloat16")
+    as_built = Engine(open_spec(engine_copy))
+    assert as_built.spec.placement == {"backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}
+    assert as_built.step_costs is not None and as_built.spec.default_mode_at(3) == "target"
+    elsewhere = Engine(open_spec(engine_copy, dtype="bfloat16"))
     assert elsewhere.step_costs is None
-    assert elsewhere.default_mode_at(3) == elsewhere.default_mode == elsewhere.mode_for()
+    assert elsewhere.spec.default_mode_at(3) == elsewhere.spec.default_mode == elsewhere.spec.rule_default()
     assert main(["default-mode", "--engine-dir", str(engine_copy), "--dtype", "bfloat16",
                  "--context", "40", "--new-tokens", "4", "--repeats", "1", "--loaded-batch", "1"]) == 0
     capsys.readouterr()
     extra = json.loads((engine_copy / "engine.json").read_text())["extra"]
     recorded = extra["default_mode"]
     assert recorded["dtype"] == "bfloat16" and recorded["device"] == "cpu"
-    assert Engine(engine_copy, dtype="bfloat16").default_mode == recorded["mode"]
+    assert Engine(open_spec(engine_copy, dtype="bfloat16")).spec.default_mode == recorded["mode"]
     # one record per placement: the build's is kept beside it, and read where it applies
     assert extra["default_modes"] == [LOADED]
-    assert Engine(engine_copy).default_mode_at(3) == "target"
+    assert Engine(open_spec(engine_copy)).spec.default_mode_at(3) == "target"
     assert main(["default-mode", "--engine-dir", str(engine_copy), "--context", "40",
                  "--new-tokens", "4", "--repeats", "1", "--loaded-batch", "1"]) == 0
     capsys.readouterr()
@@ -91,7 +92,7 @@ def test_records_apply_only_where_they_were_measured(engine_copy, capsys):
 
 def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_copy):
     _record(engine_copy, LOADED)
-    engine = Engine(engine_copy)
+    engine = Engine(open_spec(engine_copy))
     scheduler = StepScheduler(engine, max_batch=4)
     alone, burst = Outcome(), [Outcome() for _ in range(3)]
     ids = prompts([12, 30, 7, 20])
@@ -122,7 +123,7 @@ def test_requests_join_the_running_default_batch_and_it_steps_aside_under_load(e
     from runtime.decode import Decoder, DraftKind
 
     _record(engine_copy, LOADED)
-    engine = Engine(engine_copy)
+    engine = Engine(open_spec(engine_copy))
     steps, real_step = [], Decoder.step
 
     def recording(self, aside=frozenset()):

@@ -1,5 +1,5 @@
 """Backends as loaders (runtime/backends/__init__.py: LOADERS): one registry entry per
-runnable backend of the table, the device and dtype as a loader's parameters (the torch
+backend of the table, the device and dtype as a loader's parameters (the torch
 loader's flow into the models it loads), and engines no loader opens refused in one line."""
 
 import json
@@ -11,23 +11,27 @@ import torch
 from runtime import modes
 from runtime.backends import LOADERS, RUNNABLE_BACKENDS
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError
 
 
-def test_every_runnable_backend_has_a_loader_and_nothing_else_does():
-    assert set(LOADERS) == set(RUNNABLE_BACKENDS) == {
-        name for name, can in modes.BACKENDS.items() if not can.own_loop}
+def test_every_backend_of_the_table_has_a_loader_that_says_what_it_runs():
+    """TensorRT-LLM included: a backend like the others, whose capability is its own loop."""
+    assert set(LOADERS) == set(modes.BACKENDS)
+    assert all(loader.can is modes.BACKENDS[name] for name, loader in LOADERS.items())
+    assert set(RUNNABLE_BACKENDS) == {name for name, loader in LOADERS.items() if not loader.can.own_loop}
+    assert set(LOADERS) - set(RUNNABLE_BACKENDS) == {"trtllm"}
 
 
 def test_the_torch_loaders_dtype_reaches_the_models_and_decoding_stays_lossless(tiny_engine):
-    engine = Engine(tiny_engine, dtype="float64")
+    engine = Engine(open_spec(tiny_engine, dtype="float64"))
     assert engine.loaded.dtype == "float64" and engine.loaded.device == "cpu"
     assert next(engine.model.parameters()).dtype == torch.float64
     assert next(engine.drafter_model.parameters()).dtype == torch.float64
     prompt = engine.encode("def fibonacci(n):\n    ")
     want = engine.generate(prompt, 16, mode="target", stop=False).tokens
     assert engine.generate(prompt, 16, mode="sharpdraft", stop=False).tokens == want
-    default = Engine(tiny_engine)  # engine.json's dtype, on the cpu
+    default = Engine(open_spec(tiny_engine))  # engine.json's dtype, on the cpu
     assert default.loaded.dtype == default.manifest.dtype == "float32"
     assert next(default.model.parameters()).device.type == "cpu"
 
@@ -49,7 +53,7 @@ def test_an_engine_no_loader_opens_is_refused_in_one_line(tiny_engine, tmp_path,
     engine_dir = tmp_path / "engine"
     shutil.copytree(tiny_engine, engine_dir)
     with pytest.raises(EngineError) as info:
-        Engine(engine_dir, backend=backend)
+        Engine(open_spec(engine_dir, backend=backend))
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
@@ -61,7 +65,7 @@ def test_a_family_the_backend_cannot_draft_is_refused_before_loading(tiny_engine
     (engine_dir / "engine.json").write_text(json.dumps(data))
     with pytest.raises(EngineError, match="EAGLE-3 runs on the torch and onnxruntime and trtllm "
                                           "backends, not tensorrt — pass --backend onnxruntime"):
-        Engine(engine_dir, backend="tensorrt", verify="skip")
+        Engine(open_spec(engine_dir, backend="tensorrt", verify="skip"))
 
 
 def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
@@ -72,11 +76,11 @@ def test_the_torch_loaders_compiled_steps_decode_the_eager_tokens(tiny_engine):
     from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
     from runtime.backends.pytorch.compiled import CompiledBatchDFlash, CompiledBatchTarget
 
-    eager, compiled = Engine(tiny_engine), Engine(tiny_engine, steps="eager")
+    eager, compiled = Engine(open_spec(tiny_engine)), Engine(open_spec(tiny_engine, steps="eager"))
     assert type(eager.loaded.batch_target()) is TorchBatchTarget and eager.loaded.steps is None
     target = compiled.loaded.batch_target()
     assert isinstance(target, CompiledBatchTarget)
-    assert target.steps.buckets == tuple(sorted({1, compiled.ngram_settings["num_draft_tokens"] + 1,
+    assert target.steps.widths == tuple(sorted({1, compiled.spec.ngram_settings["num_draft_tokens"] + 1,
                                                  compiled.manifest.block_size}))
     assert isinstance(compiled.loaded.batch_drafter(compiled.scaling), CompiledBatchDFlash)
     assert type(compiled.loaded.batch_drafter(compiled.scaling, window=8)) is TorchBatchDFlash
@@ -91,7 +95,7 @@ def test_the_torch_loader_refuses_unknown_steps_in_one_line(tiny_engine):
     from runtime.models.target import ModelError
 
     with pytest.raises(ModelError) as info:
-        Engine(tiny_engine, steps="tensorrt")
+        Engine(open_spec(tiny_engine, steps="tensorrt"))
     assert "steps 'tensorrt' is not one of eager, inductor, cudagraph" in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -108,7 +112,7 @@ def test_each_loader_takes_only_the_options_it_declares(tiny_engine):
             LOADERS[backend](tiny_engine, None, None, steps="eager")
     assert LOADERS["torch"].refusal("torch", "steps", "eager") is None
     with pytest.raises(EngineError) as info:
-        Engine(tiny_engine, prefill_dtype="bfloat16")  # torch's engine; the option is ORT's
+        Engine(open_spec(tiny_engine, prefill_dtype="bfloat16"))  # torch's engine; the option is ORT's
     assert "--prefill-dtype is the onnxruntime backend's" in str(info.value)
     assert "\n" not in str(info.value)
 

@@ -45,9 +45,10 @@ def test_step_records_line_up_with_the_drafter_steps_of_a_real_decode(tiny_engin
     the loop's own count of steps without the drafter, and each step's context is the
     prompt plus what the steps before it committed."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.metrics import speculation_totals
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     prompt = engine.encode("def fib(n):\n" * 12 + "def fib(n):")
     gen = engine.generate(prompt, 24, "hybrid")
     steps = gen.steps()

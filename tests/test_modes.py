@@ -11,6 +11,7 @@ from build.calibrate import main as calibrate_main
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.modes import Mode
 
 
@@ -116,8 +117,8 @@ def test_generate_refuses_a_mode_the_engine_cannot_run_in_one_line(tiny_engine, 
 
 
 def test_frozen_hybrid_is_lossless_and_verifies_lookups(tiny_engine):
-    engine = Engine(tiny_engine)
-    assert Mode.FROZEN_HYBRID in engine.modes
+    engine = Engine(open_spec(tiny_engine))
+    assert Mode.FROZEN_HYBRID in engine.spec.modes
     # a prompt that repeats itself, so n-gram lookup finds proposals
     prompt = engine.encode("def f(x):\n    return x + 1\n" * 12)
     target = engine.generate(prompt, 24, Mode.TARGET, stop=False)
@@ -129,11 +130,11 @@ def test_frozen_hybrid_is_lossless_and_verifies_lookups(tiny_engine):
 
 
 def test_preset_runs_through_run_mode_on_torch(tiny_engine, capsys):
-    engine = Engine(tiny_engine)
-    assert Mode.PRESET not in engine.modes and engine.refusal(Mode.PRESET) is None  # a study
+    engine = Engine(open_spec(tiny_engine))
+    assert Mode.PRESET not in engine.spec.modes and engine.spec.refusal(Mode.PRESET) is None  # a study
     assert run(main, generate_argv(tiny_engine, "--mode", "preset")) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["sharpdraft"] == engine.family_preset.to_dict() != engine.scaling.to_dict()
+    assert out["sharpdraft"] == engine.spec.family_preset.to_dict() != engine.scaling.to_dict()
     target = engine.generate(engine.encode("def add(a, b):\n    return"), 12, Mode.TARGET,
                              stop=False)
     assert out["tokens"] == target.tokens

@@ -103,7 +103,7 @@ class CheckedTarget:
 
     def __init__(self, target):
         self.target, self.context_limit, self.passes = target, target.context_limit, []
-        self.slack = assembly.Roles(None, None, 0).slack  # speculative.roles' (no drafter)
+        self.slack = assembly.Roles(None, None).slack  # speculative.roles' (no drafter)
 
     def add(self, ids, capacity):
         self.length, self.capacity = len(ids), capacity - self.slack

@@ -20,6 +20,7 @@ from runtime.backends.pytorch import TorchBatchDFlash
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.sampling import Sampler
 
 PROMPT_LENGTHS = (17, 600)
@@ -113,12 +114,12 @@ def test_window_modes_run_the_recorded_window_on_either_backend(mode, native_eng
     """build_engine.py --draft-window records the window modes' window; both backends run
     them (alone, or assisted by n-gram lookup), token-identical to target-only, and batch
     them (one windowed drafter pass for every row: tests/test_batched_engines.py)."""
-    torch_side = Engine(native_engine, backend="torch")
+    torch_side = Engine(open_spec(native_engine, backend="torch"))
     prompt = text_prompt(torch_side, 300)
     runs = {}
     for engine in (native_ort_engine, torch_side):
-        assert engine.draft_window == 48 and mode in engine.modes
-        assert engine.batch_refusal(engine.check_mode(mode)) is None
+        assert engine.spec.draft_window == 48 and mode in engine.spec.modes
+        assert engine.spec.batch_refusal(engine.spec.check_mode(mode)) is None
         runs[engine.backend] = engine.generate(prompt, NEW_TOKENS, mode, stop=False)
     target = native_ort_engine.generate(prompt, NEW_TOKENS, "target", stop=False)
     assert runs["onnxruntime"].tokens == runs["torch"].tokens == target.tokens
@@ -191,7 +192,7 @@ def test_drafter_graphs_return_draft_vocabulary_logits_and_name_their_columns(tm
 
     record = json.loads((native_engine / "engine.json").read_text())["extra"]["onnx"]
     vocab = read_draft_vocab(native_engine, record)
-    ids = Engine(native_engine, backend="torch").drafter_model.draft_token_ids()
+    ids = Engine(open_spec(native_engine, backend="torch")).drafter_model.draft_token_ids()
     assert torch.equal(vocab.ids, ids) and vocab.size == 320
     for name in ("drafter", "drafter_frozen", "drafter_kv", "drafter_frozen_kv"):
         assert record["graphs"][name]["outputs"][0]["shape"][-1] == 256, name
@@ -418,7 +419,7 @@ def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path,
         (engine_dir / graphs.pop(name)["file"]).unlink()
     data["artifacts"] = {k: v for k, v in data["artifacts"].items() if (engine_dir / k).exists()}
     manifest.write_text(json.dumps(data))
-    older = Engine(engine_dir)
+    older = Engine(open_spec(engine_dir))
     assert isinstance(older.loaded.batch_drafter(older.scaling), OnnxBatchDFlash)
     assert isinstance(native_ort_engine.loaded.batch_drafter(native_ort_engine.scaling),
                       BoundBatchDFlash)
@@ -439,8 +440,8 @@ def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native
     engine_dir = tmp_path / "engine"
     shutil.copytree(native_engine, engine_dir)
     chosen = QueryScaling(ref_keys=16, top_k=8, slope=2.0)
-    calibrate.apply(engine_dir, Engine(engine_dir, backend="torch"), chosen, {"chosen": "test"})
-    ours = Engine(engine_dir).loaded.batch_drafter(chosen)
+    calibrate.apply(engine_dir, Engine(open_spec(engine_dir, backend="torch")), chosen, {"chosen": "test"})
+    ours = Engine(open_spec(engine_dir)).loaded.batch_drafter(chosen)
     assert isinstance(ours, BoundBatchDFlash) and ours.scaling == chosen
     theirs = TorchBatchDFlash(torch_engine.drafter_model, torch_engine.model, chosen)
     features = torch.randn(201, torch_engine.drafter_model.fc.in_features,

@@ -36,8 +36,9 @@ def endpoint(tiny_engine, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(tiny_engine)
+    return Engine(open_spec(tiny_engine))
 
 
 def _client(endpoint):
@@ -57,10 +58,10 @@ def test_models_lists_the_served_model_and_its_modes(endpoint, engine):
     models = _client(endpoint).models.list().data
     assert [m.id for m in models] == [endpoint["models"][0]]
     # every mode the loaded engine runs (the modes table), read by the endpoint from engine.json
-    assert models[0].model_extra["sharpdraft"]["modes"] == [str(m) for m in engine.modes]
+    assert models[0].model_extra["sharpdraft"]["modes"] == [str(m) for m in engine.spec.modes]
     assert "hybrid" in models[0].model_extra["sharpdraft"]["modes"]
     # what a request naming no mode runs: the tiny engine records no measured default
-    assert models[0].model_extra["sharpdraft"]["default_mode"] == engine.default_mode == "sharpdraft"
+    assert models[0].model_extra["sharpdraft"]["default_mode"] == engine.spec.default_mode == "sharpdraft"
 
 
 def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint, engine):
@@ -85,7 +86,7 @@ def test_completion_and_chat_equal_in_process_generate_token_for_token(endpoint,
     assert reply.usage.completion_tokens == len(ref.tokens)
     # Every other mode the engine runs is the same text under greedy decoding (lossless),
     # reached by name: n-gram assisted ones included.
-    for mode in engine.modes:
+    for mode in engine.spec.modes:
         other = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
                                                extra_body={"sharpdraft": {"mode": str(mode)}})
         assert other.model_extra["sharpdraft"]["token_ids"] == ref.tokens, mode

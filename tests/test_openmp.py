@@ -62,6 +62,7 @@ def test_the_served_engine_loads_on_a_thread_that_ends(tiny_engine, monkeypatch)
 
     import runtime.engine
     from runtime.serve import protocol
+    from runtime.spec import open_spec
 
     made_on = []
 
@@ -71,6 +72,6 @@ def test_the_served_engine_loads_on_a_thread_that_ends(tiny_engine, monkeypatch)
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(runtime.engine, "Engine", Recorded)
-    engine = protocol.load_engine(str(tiny_engine), "torch", {})
+    engine = protocol.load_engine(open_spec(str(tiny_engine), "torch"))
     assert made_on[0] is not threading.current_thread() and not made_on[0].is_alive()
     assert engine.backend == "torch" and engine.generate([5, 6, 7], 3).tokens

@@ -17,6 +17,7 @@ from runtime.backends.onnxruntime import OnnxBatchPARD, open_session
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.sampling import Sampler
 
 NEW_TOKENS = 24
@@ -79,7 +80,7 @@ def test_the_engine_records_a_pard_drafter(pard_onnx_engine):
 @pytest.mark.parametrize("length", (17, 600))  # 600: the drafter's first read is chunked
 @pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
 def test_onnxruntime_drafts_and_generates_like_torch(pard_onnx_engine, length, sharpdraft):
-    ort, torch_side = Engine(pard_onnx_engine), Engine(pard_onnx_engine, backend="torch")
+    ort, torch_side = Engine(open_spec(pard_onnx_engine)), Engine(open_spec(pard_onnx_engine, backend="torch"))
     prompt = torch_side.encode(tiny.stdlib_text())[:length]
     ours = speculate(ort, ort.drafter(scaled=sharpdraft), prompt)
     theirs = speculate(torch_side, torch_side.drafter(scaled=sharpdraft), prompt)
@@ -105,11 +106,11 @@ def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
     step drafts all their chains in ONE drafter pass, and each sequence decodes the
     tokens, per-step N and beta of its own single-sequence run (greedy: target-only's),
     under the calibrated scaling and under the family preset."""
-    engine = Engine(pard_onnx_engine, backend=backend)
+    engine = Engine(open_spec(pard_onnx_engine, backend=backend))
     engine.manifest.extra["family_preset"] = TINY_PRESET.to_dict()
     text = engine.encode(tiny.stdlib_text())
     prompts = [text[:70], text[100:190], text[200:310]]  # beta > 1 (ref_keys 64, or 32)
-    decoder = engine.batch_decoder(mode, adaptive=False)
+    decoder = engine.decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
     assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
     seqs = [decoder.add(Request(p, 10)) for p in prompts]
@@ -124,11 +125,11 @@ def test_an_onnx_pard_drafter_reads_a_chunked_prompt_a_part_at_a_time(pard_onnx_
     none in the join's last part, and drafts as after one read (float32: within 1e-5)."""
     from runtime.sampling import Sampling
 
-    engine = Engine(pard_onnx_engine)
-    assert type(engine.batch_decoder("sharpdraft").proposer.drafter).__name__ == "OnnxBatchPARD"
+    engine = Engine(open_spec(pard_onnx_engine))
+    assert type(engine.decoder("sharpdraft").proposer.drafter).__name__ == "OnnxBatchPARD"
     prompt = engine.encode(tiny.stdlib_text())[:150]
     speculative.assert_chunked_join_drafts_as_whole(
-        lambda: engine.batch_decoder("sharpdraft", adaptive=False), prompt, 64,
+        lambda: engine.decoder("sharpdraft", adaptive=False), prompt, 64,
         Sampling(1.0, 1.0, seed=3), 1e-5, OnnxBatchPARD)
 
 
@@ -137,10 +138,10 @@ def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
     node's logits, with the per-row counts read from past_lens."""
     from build import export
 
-    engine = Engine(pard_onnx_engine, backend="torch")
+    engine = Engine(open_spec(pard_onnx_engine, backend="torch"))
     path = tmp_path / "drafter-native.onnx"
     export.export_drafter(engine.drafter_model, engine.model, engine.scaling, "native", path)
-    plugin = Engine(pard_onnx_engine).drafter()
+    plugin = Engine(open_spec(pard_onnx_engine)).drafter()
     native = OnnxBatchPARD(open_session(path), tiny.PARD_TOKEN, 3, engine.scaling)
     ids = engine.encode(tiny.stdlib_text())[:140]
     for drafter in (plugin, native):  # each a batch of one, nothing read yet

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.sampling import Sampling
 from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_engine):
-    return Engine(tiny_engine)
+    return Engine(open_spec(tiny_engine))
 
 
 class Outcome:
@@ -47,7 +48,7 @@ def prompts(lengths):
 def test_concurrent_jobs_share_steps_and_each_gets_its_own_generate(engine):
     scheduler = StepScheduler(engine, max_batch=4)
     seen = []
-    step = type(engine.batch_decoder("sharpdraft")).step
+    step = type(engine.decoder("sharpdraft")).step
 
     def counting_step(decoder, *aside):
         seen.append(len(decoder.active))
@@ -58,7 +59,7 @@ def test_concurrent_jobs_share_steps_and_each_gets_its_own_generate(engine):
     outcomes = [Outcome() for _ in jobs]
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(type(engine.batch_decoder("sharpdraft")), "step", counting_step)
+            m.setattr(type(engine.decoder("sharpdraft")), "step", counting_step)
             for outcome, (ids, n, mode, sampling) in zip(outcomes, jobs):
                 scheduler.submit(outcome.job(ids, n, mode, sampling))
             assert all(o.finished.wait(120) for o in outcomes)
@@ -117,7 +118,7 @@ def chain_or_tree_engine(request, tmp_path_factory, tiny_target):
                               "--drafter-checkpoint", str(make(folder / "ckpt", tiny_target)),
                               "--ref-keys", "64", "--top-k", "8", "--backend", "torch",
                               "--step-costs", "fixed", "--output", str(out)]) == 0
-    return Engine(out)
+    return Engine(open_spec(out))
 
 
 def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
@@ -125,7 +126,7 @@ def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
     engine = chain_or_tree_engine
     scheduler = StepScheduler(engine, max_batch=4)
     seen = []
-    step = type(engine.batch_decoder("sharpdraft")).step
+    step = type(engine.decoder("sharpdraft")).step
 
     def counting_step(decoder, *aside):
         seen.append(len(decoder.active))
@@ -135,7 +136,7 @@ def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
     outcomes = [Outcome() for _ in jobs]
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(type(engine.batch_decoder("sharpdraft")), "step", counting_step)
+            m.setattr(type(engine.decoder("sharpdraft")), "step", counting_step)
             for outcome, (ids, n, mode) in zip(outcomes, jobs):
                 scheduler.submit(outcome.job(ids, n, mode))
             assert all(o.finished.wait(120) for o in outcomes)
@@ -175,7 +176,7 @@ def test_a_decoder_that_fails_to_build_is_the_requests_error_not_a_fallback(engi
     broken, after = Outcome(), Outcome()
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(engine, "batch_decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
+            m.setattr(engine, "decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
                 RuntimeError("no decoder today")))
             scheduler.submit(broken.job(prompts([9])[0], 4))
             assert broken.finished.wait(60)

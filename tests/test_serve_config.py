@@ -12,11 +12,12 @@ import pytest
 from runtime.__main__ import main
 from runtime.cli import run
 from runtime.serve import protocol, repository, server
+from runtime.spec import open_spec
 from runtime.streaming import TextStream
 
 
 def test_repository_holds_a_python_model_per_variant(tiny_engine, tmp_path):
-    names = repository.write_repository(tiny_engine, tmp_path / "repo", instances=3, streaming=True,
+    names = repository.write_repository(open_spec(tiny_engine), tmp_path / "repo", instances=3, streaming=True,
                                         max_new_tokens_limit=77)
     assert names == [tiny_engine.name, tiny_engine.name + "-stream"]
     for name in names:
@@ -35,7 +36,7 @@ def test_repository_holds_a_python_model_per_variant(tiny_engine, tmp_path):
 
 
 def test_both_models_batch_in_flight_with_their_limits(tiny_engine, tmp_path):
-    repository.write_repository(tiny_engine, tmp_path / "repo", streaming=True, max_batch=5,
+    repository.write_repository(open_spec(tiny_engine), tmp_path / "repo", streaming=True, max_batch=5,
                                 max_queue=9)
     for name in (tiny_engine.name, tiny_engine.name + "-stream"):
         config = (tmp_path / "repo" / name / "config.pbtxt").read_text()
@@ -69,7 +70,7 @@ def test_config_declares_the_issue_contract(tiny_engine):
 
 def test_model_is_named_after_the_engine_unless_told(tiny_engine, tmp_path):
     assert repository.model_name(tiny_engine, None) == tiny_engine.name
-    assert repository.write_repository(tiny_engine, tmp_path, name="sd") == ["sd"]
+    assert repository.write_repository(open_spec(tiny_engine), tmp_path, name="sd") == ["sd"]
     with pytest.raises(ValueError, match="--model-name"):
         repository.model_name(tiny_engine, "has space")
 
@@ -111,20 +112,22 @@ def test_unknown_fields_are_refused_by_name():
 
 def test_defaults_match_the_generate_command(tiny_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     req = protocol.parse(_arrays(temperature=None, seed=None))
     assert (req.temperature, req.top_p, req.seed, req.sharpdraft) == (0.0, 1.0, None, None)
     # the test engines record no measured default (fixed step costs): the table's rule
-    assert req.mode(engine) == engine.mode_for() == "sharpdraft"
+    assert req.mode(engine) == engine.spec.rule_default() == "sharpdraft"
     off = protocol.parse(_arrays(sharpdraft=np.array([False])))
     assert off.mode(engine) == "frozen"
 
 
 def test_a_request_runs_the_mode_it_names_among_the_engines(tiny_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     for name in ("target", "ngram", "frozen", "sharpdraft", "hybrid", "frozen-hybrid"):
         assert protocol.parse(_arrays(mode=np.array([name.encode()], dtype=object))).mode(engine) == name
     # named in the table, but not a mode this engine serves: refused, naming the ones it does

@@ -98,8 +98,9 @@ def test_generate_endpoint_matches_the_generate_command_line(served, tiny_engine
 
 def test_concurrent_clients_each_get_their_own_output(served, tiny_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     clients, per_client = 16, 8
     # Every client asks its own prompt and length, so a crossed response cannot pass.
     work = {c: (f"{PROMPTS[c % 3]}\n    # client {c}", 4 + c % 5) for c in range(clients)}
@@ -275,8 +276,9 @@ def test_concurrent_streams_batch_in_flight_and_a_bad_or_cancelled_one_fails_alo
     leave); each gets exactly its own `generate` output and statistics, while an
     over-long prompt is refused and a cancelled stream leaves, alone."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     work = [(f"{PROMPTS[c % 3]}\n    # stream {c}" + (LONG_PROMPT if c % 4 == 0 else ""), 4 + c % 7)
             for c in range(8)]
     expected = [engine.generate(engine.encode(p), n) for p, n in work]
@@ -347,9 +349,10 @@ def test_speculation_metrics_count_what_the_responses_report(served, tiny_engine
     responses' own `sharpdraft` objects report -- and those objects equal what the
     same prompts record in-process."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.metrics import context_bucket
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     repeated = PROMPTS[0] + "\n" + PROMPTS[0]  # the lookup finds drafts: the drafter sits out
     work = [(served["model"], LONG_PROMPT, 10, "sharpdraft"), (served["model"], repeated, 12, "hybrid"),
             (served["stream_model"], PROMPTS[1], 9, "sharpdraft"), (served["model"], PROMPTS[2], 7, "target"),

@@ -42,8 +42,9 @@ def guarded(tiny_engine, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_engine):
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    return Engine(tiny_engine)
+    return Engine(open_spec(tiny_engine))
 
 
 def _client(info, key=KEY):
@@ -240,8 +241,9 @@ def test_clients_that_hang_up_during_prefill_cost_the_next_request_nothing(long_
     before, every chunk ran and the next request waited for them all: 14.2 s on 2 shared
     cores, against 0.12 s now), and the metrics count the cancellations."""
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(long_engine)
+    engine = Engine(open_spec(long_engine))
     prompt = "x = [i * i for i in range(10)]\n"
     prompt *= 3900 // len(engine.encode(prompt))
     assert 3500 < len(engine.encode(prompt)) < 4000

@@ -120,10 +120,11 @@ def _get(url, headers=None):
 def test_the_openai_endpoint_wants_the_key_and_says_when_it_is_not_ready(tiny_engine):
     """The endpoint in process (no Triton behind it: nothing here reaches it)."""
     from runtime.serve.openai_api import OpenAIServer, Settings
+    from runtime.spec import open_spec
 
     key = "sk-test-0123456789"
     port, dead = free_ports(2)
-    frontend = OpenAIServer(Settings(tiny_engine, "m", "m-stream", f"127.0.0.1:{dead}", 64, api_key=key), port)
+    frontend = OpenAIServer(Settings(open_spec(tiny_engine), "m", "m-stream", f"127.0.0.1:{dead}", 64, api_key=key), port)
     frontend.start()
     try:
         base = f"http://127.0.0.1:{port}"
@@ -148,9 +149,10 @@ def test_tritons_http_body_is_capped_to_what_the_model_can_take_where_the_binary
     from runtime.engine import load_tokenizer
     from runtime.manifest import read_manifest
     from runtime.serve.protocol import longest_token_bytes
+    from runtime.spec import open_spec
 
     manifest = read_manifest(tiny_engine, verify="skip")
-    cap = _http_max_input(tiny_engine)
+    cap = _http_max_input(open_spec(tiny_engine))
     assert cap == 6 * 512 * longest_token_bytes(load_tokenizer(manifest.target_dir)) + 2**16
     install = server.Installation(binary=tmp_path / "tritonserver", backends=tmp_path, kind="system")
     srv = server.Server(tmp_path, ["m"], install=install, http_max_input=cap)

@@ -7,6 +7,7 @@ import pytest
 
 import build_engine
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.cli import run
 from runtime.step_costs import (AcceptanceRecord, HybridChoice, StepCosts, _fit, choose_draft_count,
                                 fixed_costs)
@@ -121,12 +122,12 @@ def test_auto_backend_is_the_fastest_measured(tiny_target, tiny_drafter, tmp_pat
     for backend in ("torch", "onnxruntime"):
         costs = StepCosts.from_dict(manifest["extra"]["step_costs"][backend])
         assert costs.verify_seconds(1, 64) > 0 and costs.draft_seconds(64) >= 0
-        assert Engine(out, backend=backend).step_costs == costs
+        assert Engine(open_spec(out, backend=backend)).step_costs == costs
     # then every mode decoded on the picked backend: the fastest is the served default
     default = manifest["extra"]["default_mode"]
     assert default["backend"] == manifest["backend"]
-    assert list(default["tokens_per_second"]) == [str(m) for m in Engine(out).modes]
-    assert Engine(out).default_mode == default["mode"]
+    assert list(default["tokens_per_second"]) == [str(m) for m in Engine(open_spec(out)).spec.modes]
+    assert Engine(open_spec(out)).spec.default_mode == default["mode"]
 
 
 def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch):
@@ -138,7 +139,7 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
 
     import runtime.step_costs as step_costs
 
-    engine = Engine(tiny_engine)
+    engine = Engine(open_spec(tiny_engine))
     drafter_type = type(engine.drafter(scaled=False))
     target_type = type(engine.loaded.batch_target())
     log, timing = [], []
@@ -180,7 +181,7 @@ def test_fixed_step_costs_time_nothing_and_verify_whole_blocks(tiny_engine, tiny
     assert manifest["extra"]["step_costs"] == {"torch": fixed_costs(True).to_dict() | {
         "backend": "torch", "device": "cpu", "dtype": "float32", "steps": None}}
     assert "default_mode" not in manifest["extra"]  # nor timed the modes: the rule's default
-    assert choose_draft_count([0.01] * 7, 4000, Engine(tiny_engine).step_costs) == 7
+    assert choose_draft_count([0.01] * 7, 4000, Engine(open_spec(tiny_engine)).step_costs) == 7
 
     import runtime.step_costs
 

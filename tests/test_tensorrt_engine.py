@@ -22,6 +22,7 @@ from runtime.__main__ import main as runtime_main
 from runtime.backends import tensorrt_plans as trt_backend
 from runtime.cli import run
 from runtime.engine import Engine
+from runtime.spec import open_spec
 from runtime.manifest import EngineError
 from test_tensorrt import REPO, write_attention_graph
 
@@ -128,7 +129,7 @@ def empty_rows(capacity: int, width: int, *drafters):
 def test_tensorrt_frozen_and_target_only_match_onnxruntime(trt_engines, prompt_file, monkeypatch):
     stand_in(monkeypatch)
     engine_dir = trt_engines("plugin")
-    ours, theirs = Engine(engine_dir), Engine(engine_dir, backend="onnxruntime")
+    ours, theirs = Engine(open_spec(engine_dir)), Engine(open_spec(engine_dir, backend="onnxruntime"))
     prompt = ours.encode(prompt_file.read_text())
     for mode in ("frozen", "target"):
         a = ours.generate(prompt, NEW_TOKENS, mode, stop=False)
@@ -246,7 +247,7 @@ def test_a_graph_of_another_dtype_is_one_line(tmp_path, capsys, monkeypatch, lon
 def test_a_context_past_the_profile_is_one_line(trt_engines, tmp_path, capsys, monkeypatch):
     engine_dir = trt_engines("plugin")
     stand_in(monkeypatch)
-    engine = Engine(engine_dir)
+    engine = Engine(open_spec(engine_dir))
     with pytest.raises(EngineError, match=f"past the plan's profile \\({MAX_SEQ_LEN}\\)"):
         engine.loaded.batch_target().add([1, 2, 3], MAX_SEQ_LEN + 1)
     with pytest.raises(EngineError, match="past the plan's profile"):
@@ -346,7 +347,7 @@ def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, mo
     # written from every start 0..16 and more (the tiny models keep 64 bytes a position).
     stand_in(monkeypatch)
     engine_dir = trt_engines("plugin")
-    ours, theirs = Engine(engine_dir), Engine(engine_dir, backend="onnxruntime")
+    ours, theirs = Engine(open_spec(engine_dir)), Engine(open_spec(engine_dir, backend="onnxruntime"))
     prompt = ours.encode(prompt_file.read_text())[:101]
     a = ours.generate(prompt, 6, "sharpdraft", stop=False)
     b = theirs.generate(prompt, 6, "sharpdraft", stop=False)
@@ -373,7 +374,7 @@ def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, mo
 
 def test_plan_refuses_an_unaligned_address_in_one_line(trt_engines, monkeypatch):
     stand_in(monkeypatch)
-    engine = Engine(trt_engines("plugin"))
+    engine = Engine(open_spec(trt_engines("plugin")))
     drafter = engine.drafter()
     drafter.reset(16)
     keys, values = drafter.cache
@@ -410,7 +411,7 @@ def test_tensorrt_10_builds_the_plugin_drafter_and_matches_onnxruntime(tmp_path,
             and fake_tensorrt.MISSING == [])
     plan = trt_backend.Plan(trt, trt.Runtime(trt.Logger()), tmp_path / "drafter.plan",
                             trt_backend.Device(torch.device("cpu")))
-    theirs = Engine(engine_dir, backend="onnxruntime")
+    theirs = Engine(open_spec(engine_dir, backend="onnxruntime"))
     reference = theirs.drafter()
     drafter = trt_backend.TensorRTDFlash(plan, reference.block_size, reference.mask_token_id,
                                          reference.scaling, torch.float32)

@@ -118,19 +118,29 @@ def test_generate_on_a_trtllm_engine_refuses_our_own_loops_flags(dflash_engine, 
     assert code == 2 and len(err) == 1 and "runs in TensorRT-LLM: drop" in err[0]
 
 
-def test_trtllm_serve_wrapper_plans_config_and_environment(dflash_engine, capsys, monkeypatch):
+def test_trtllm_serve_wrapper_plans_config_and_environment(dflash_engine, capsys, monkeypatch, tmp_path):
+    from plugins.trtllm import autoload
+
     monkeypatch.delenv(pins.SINGLE_PROCESS_ENV, raising=False)
+    monkeypatch.setattr(autoload, "find_site", lambda: None)
     code = run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run", "--", "--port", "9"])
     assert code == 0
-    plan = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    plan = json.loads(out)
+    # one GPU, no autoloader: the executor is kept in this process, and the line says why
+    assert err.count("\n") == 1 and pins.SINGLE_PROCESS_ENV in err and "no autoloader" in err
     assert plan["command"].startswith("trtllm-serve ") and "--config" in plan["command"]
     assert plan["command"].endswith("--port 9")
     config = plan["config"] | {"model": "x"}
     assert_pinned_fields(config)
     assert plan["sharpdraft"]["ref_keys"] == 64 and plan["world"] == 1
     assert plan["env"] == {pins.SINGLE_PROCESS_ENV: "1"}  # no variable of ours: workers need none
+    monkeypatch.setattr(autoload, "find_site", lambda: tmp_path)  # with the autoloader: not forced, nothing said
+    assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["env"] == {} and err == ""
     assert run(runtime_main, ["trtllm-serve", "--engine-dir", str(dflash_engine)]) == 1
-    assert capsys.readouterr().err.count("\n") == 1
+    assert capsys.readouterr().err.strip().count("\n") == 0
 
 
 def serve_plan(engine, capsys, *serve_args):

@@ -58,3 +58,15 @@ def test_a_wrong_count_fails_the_section(monkeypatch):
     report = section.check("cpu", graphs=False)
     kernel_cases = [c for c in report["cases"] if "apply_rope" not in c["case"]]
     assert len(kernel_cases) == 4 and not any(c["passed"] for c in kernel_cases), report
+
+
+def test_a_counter_that_does_not_count_fails_the_section(monkeypatch):
+    """Every kernel case checks that the device counter of scaled calls grows with each
+    replay: with the counter's add turned off, those cases fail."""
+    from plugins.trtllm import proof
+
+    monkeypatch.setattr(proof.Tally, "add", lambda self, index, like: None)
+    report = load().check("cpu", graphs=False)
+    kernel_cases = [c for c in report["cases"] if "apply_rope" not in c["case"]]
+    assert len(kernel_cases) == 4 and not any(c["passed"] for c in kernel_cases)
+    assert all(c["replays_counted"] == 0 for c in kernel_cases)

@@ -1,8 +1,9 @@
 """install()/uninstall() (plugins/trtllm/hook.py) against a stand-in `tensorrt_llm`
 package: the pinned module paths and class names, written to a temporary directory and
 imported through the real import machinery (or placed in sys.modules beforehand). The
-hook patches once, on load or at install; uninstall restores every original; an unknown
-version or a missing name stops with one line naming both."""
+hook patches once, on load or at install; uninstall restores every original; no version
+number is refused; a SharpDraft drafter that cannot be scaled stops its own build with one
+line of ours naming why."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from plugins.scaling import QueryScaling
-from plugins.trtllm import TrtllmHookError, disabled, drafter_scaling, install, installed, pins, proof, uninstall
+from plugins.trtllm import disabled, drafter_scaling, install, installed, pins, proof, uninstall
+from plugins.trtllm.hook import UnscalableDrafter
 from plugins.trtllm import __main__ as trtllm_cli
 from plugins.trtllm import versions
 from plugins.trtllm.kernels import WRAPPED
@@ -28,6 +30,15 @@ def load(name):
     import importlib
 
     return importlib.import_module(name)
+
+
+def refused(build, *words):
+    """The build stops with one line of ours naming the reason, recorded as 'refused'."""
+    with pytest.raises(UnscalableDrafter) as exc:
+        build()
+    text = one_line(exc)
+    assert text.startswith("sharpdraft: ") and all(w in text for w in words), text
+    return text
 
 
 def test_install_imports_nothing_and_hooks_the_modules_when_they_load(standin):
@@ -73,8 +84,13 @@ def test_stand_in_modules_placed_in_sys_modules_are_patched(standin):
     class DFlashForCausalLM(torch.nn.Module):
         def __init__(self, draft_config):
             super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+            self.model.layers[0].self_attn = torch.nn.Module()
+            self.model.layers[0].self_attn.qkv_proj = torch.nn.Identity()
             self.dflash_attention_backend = "FA4"
-            self._dflash_fa4_fwd = lambda q, k, v, seqused_k=None, causal=False: (q, None)
+            self._dflash_fa4_fwd = (lambda q, k, v, cu_seqlens_q=None, seqused_k=None, page_table=None, causal=False,
+                                    window_size_left=None, window_size_right=None: (q, None))
 
     module.DFlashForCausalLM = DFlashForCausalLM
     version = types.ModuleType(pins.VERSION_MODULE)
@@ -135,71 +151,94 @@ def one_line(exc) -> str:
     return text
 
 
-def test_an_older_version_disables_the_hook_without_breaking_the_import(standin, tmp_path, capsys):
-    """Inside TensorRT-LLM's import the hook never raises: the module imports, nothing is
-    patched, and the proof records why (our launchers refuse from there)."""
+def test_a_release_before_the_range_we_read_is_not_refused_for_its_number(standin, tmp_path, capsys):
+    """No floor: an old number with the names present scales, one line naming it untested;
+    a stock drafter on it hears nothing."""
     write_package(standin, version="1.2.1")
     proof.set_directory(tmp_path / "proof")
     try:
         install()
-        dflash = load(pins.DFLASH_MODULE)  # imports
+        dflash = load(pins.DFLASH_MODULE)
+        dflash.DFlashForCausalLM(draft_config(), dflash_attention_backend="VANILLA")  # stock
+        assert capsys.readouterr().err == ""
         drafter = dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA")
-        assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is None  # not patched
-        assert "1.2.1" in disabled() and pins.MIN_VERSION in disabled()
-        records = proof.read(tmp_path / "proof")
-        assert [r["kind"] for r in records] == ["disabled"] and "1.2.1" in records[0]["reason"]
-        with pytest.raises(proof.ProofError) as exc:
-            proof.require(tmp_path / "proof", SCALING)
-        assert "1.2.1" in one_line(exc)
+        assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is not None and disabled() is None
+        err = capsys.readouterr().err
+        assert "TensorRT-LLM 1.2.1 is untested" in err and "hook disabled" not in err
     finally:
         proof.set_directory(None)
-    assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("version,ok", [("1.4.0rc1", True), ("1.4.0rc1.post1", True), ("1.4.0rc2+cu130.git1", True),
-                                        ("1.4.0rc4", True), ("1.4.0rc3.post2+local", True),
-                                        ("1.4.0", True), ("1.4.0rc10", True), ("2.0.0", True),
-                                        ("1.3.0rc27", False), ("1.4.0rc1.dev3", False), ("nightly", False)])
-def test_the_version_guard_compares_versions_not_strings(version, ok, capsys):
-    """A floor, not a ceiling: releases newer than the tested range pass the number check
-    (their names decide, on load) with one line naming them untested."""
-    from plugins.trtllm.hook import check_version
+@pytest.mark.parametrize("version,read", [("1.4.0rc1", True), ("1.4.0rc1.post1", True), ("1.4.0rc2+cu130.git1", True),
+                                          ("1.4.0rc4", True), ("1.3.0rc27", True), ("1.3.0rc30", True),
+                                          ("1.4.0", False), ("2.0.0", False), ("1.3.0rc26", False),
+                                          ("1.2.1", False), ("nightly", False), (None, False)])
+def test_the_version_is_compared_as_a_version_and_only_ever_named_untested(version, read, capsys):
+    from plugins.trtllm import hook
 
-    if ok:
-        assert check_version(version) == version
-        err = capsys.readouterr().err
-        tested = versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION)
-        assert err.count("\n") == (0 if tested else 1) and (tested or "untested" in err and version in err)
-    else:
-        with pytest.raises(TrtllmHookError) as exc:
-            check_version(version)
-        assert version in one_line(exc)
+    hook._state.warned = None
+    assert hook.check_version(version) == version  # never refused
+    err = capsys.readouterr().err
+    assert err.count("\n") == (0 if read else 1) and (read or "untested" in err)
 
 
-def test_a_missing_required_class_disables_the_hook_and_says_which(standin, tmp_path):
+def test_a_missing_required_class_refuses_a_sharpdraft_drafter_and_leaves_stock_ones_alone(standin, tmp_path,
+                                                                                          capsys):
     write_package(standin, drop=("modeling_speculative.py", "PARDForCausalLM"))
     proof.set_directory(tmp_path)
     try:
         install()
-        load(pins.SPECULATIVE_MODULE)
-        assert "modeling_speculative.PARDForCausalLM.__init__" in disabled()
-        assert proof.read(tmp_path)[0]["kind"] == "disabled"
+        spec = load(pins.SPECULATIVE_MODULE)  # imports: never an error of ours there
+        spec.Eagle3ForCausalLM(draft_config())  # stock: builds, hears nothing
+        assert capsys.readouterr().err == ""
+        refused(lambda: spec.Eagle3ForCausalLM(CONFIG), "modeling_speculative.PARDForCausalLM.__init__")
+        assert proof.read(tmp_path)[0]["kind"] == "refused"
     finally:
         proof.set_directory(None)
 
 
-def test_a_drafter_without_its_kernel_is_refused_not_raised(standin, tmp_path):
+def test_a_drafter_without_its_kernel_stops_its_build_in_one_line(standin, tmp_path):
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
         install()
         dflash = load(pins.DFLASH_MODULE)
-        dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="FA5")  # builds: TensorRT-LLM is not broken
+        dflash.DFlashForCausalLM.__init__.__wrapped__  # patched
+        module = sys.modules[pins.DFLASH_MODULE]
+        original = module.k.flash_attn_with_kvcache
+        module.k.flash_attn_with_kvcache = None  # the instance holds no VANILLA kernel
+        try:
+            refused(lambda: dflash.DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA"),
+                    "_dflash_flash_attention")
+        finally:
+            module.k.flash_attn_with_kvcache = original
         [record] = proof.read(tmp_path)
-        assert record["kind"] == "refused" and "FA5" in record["reason"]
+        assert record["kind"] == "refused" and "_dflash_flash_attention" in record["reason"]
         with pytest.raises(proof.ProofError) as exc:
             proof.require(tmp_path, SCALING)
-        assert "FA5" in one_line(exc) and "DFlashForCausalLM" in one_line(exc)
+        assert "DFlashForCausalLM" in one_line(exc)
+    finally:
+        proof.set_directory(None)
+
+
+def test_a_drafter_whose_config_asks_to_run_frozen_runs_frozen_and_says_so(standin, tmp_path, capsys):
+    write_package(standin)
+    proof.set_directory(tmp_path)
+    frozen = draft_config()
+    frozen.pretrained_config.sharpdraft = SCALING.to_dict() | {pins.IF_UNSCALABLE: proof.FROZEN}
+    try:
+        install()
+        spec = load(pins.SPECULATIVE_MODULE)
+        drafter = spec.Eagle3ForCausalLM(frozen, kv_lora_rank=512)  # MLA: cannot be scaled
+        assert not any("apply_rope" in vars(m) for m in drafter.modules())
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "runs FROZEN" in err and "MLA" in err
+        with pytest.raises(proof.ProofError, match="frozen"):
+            proof.require(tmp_path, SCALING)
+        held = proof.require(tmp_path, SCALING, frozen_allowed=True)
+        summary = proof.summary(held)
+        assert summary["metrics"]["sharpdraft_frozen_drafters"] == 1 and not summary["sharpdraft"]
+        assert "MLA" in summary["frozen"][0]["reason"]
     finally:
         proof.set_directory(None)
 
@@ -209,7 +248,7 @@ def test_check_says_in_one_line_that_tensorrt_llm_is_not_importable_here(capsys)
     assert trtllm_cli.main(["check"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "not importable here" in line]
-    assert len(lines) == 1 and pins.PINNED in out
+    assert len(lines) == 1 and pins.PINNED in out and pins.READ_RANGE[0] in out
     for point in pins.PATCH_POINTS:
         assert f"{point.module}.{point.attribute}" in out
 
@@ -218,7 +257,7 @@ def test_check_reports_found_names_on_an_installation(standin, capsys):
     write_package(standin)
     assert trtllm_cli.main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["importable"] and report["version_known"]
+    assert report["importable"] and report["version_read"] and report["missing"] == []
     assert all(p["found"] for p in report["patch_points"] if p["required"])
 
 
@@ -228,8 +267,7 @@ def test_the_real_tensorrt_llm_has_every_pinned_name():
     except Exception as exc:  # its import needs libcuda and NVIDIA's wheels
         pytest.skip(f"tensorrt_llm cannot be imported here: {type(exc).__name__}: {str(exc)[:120]}")
     report = trtllm_cli.check()
-    assert report["version_known"], report.get("version")
-    assert all(p["found"] for p in report["patch_points"] if p["required"])
+    assert report["missing"] == [], report["missing"]
 
 
 # --- every drafter class TensorRT-LLM can build: wrapped or refused, never skipped ---------
@@ -251,12 +289,12 @@ def test_dflash_defined_in_modeling_speculative_gets_its_kernel_wrapped(standin,
         assert record["kind"] == "wrapped" and record["drafter"] == "DFlashForCausalLM" and record["family"] == "dflash"
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64)
-        k_cache, v_cache = (torch.randn(1, 300, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        k_cache, v_cache = (torch.randn(1, 1, 300, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         lens = torch.tensor([300], dtype=torch.int32)
         from plugins.trtllm import standins as k
 
-        got = drafter.dflash_forward(q, k_cache, v_cache, lens)
-        want = k.reference(k.flash_attn_with_kvcache, SCALING, q, k_cache, v_cache, cache_seqlens=lens)
+        [got] = drafter.dflash_forward(q, k_cache, v_cache, lens)  # the pooled cache: [pool, layers, ...]
+        want = k.reference(k.flash_attn_with_kvcache, SCALING, q, k_cache[:, 0], v_cache[:, 0], cache_seqlens=lens)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         import flash_attn
 
@@ -273,15 +311,15 @@ def test_drafters_whose_count_or_query_path_we_cannot_handle_are_refused_when_bu
                 "mistral_large3": lambda: spec.MistralLarge3EagleForCausalLM(CONFIG),
                 "pard_compressed": lambda: spec.PARDForCausalLM(CONFIG, sparse_attention_config={"algorithm": "rocket"}),
                 "eagle3_chunked": lambda: spec.Eagle3ForCausalLM(CONFIG, attention_chunk_size=8192)}[build]
-        make()  # TensorRT-LLM's build goes on: never an exception inside its constructor
+        why = {"eagle3_mla": "MLA", "mistral_large3": "MLA", "pard_compressed": "sparse_attention_config",
+               "eagle3_chunked": "attention_chunk_size"}[build]
+        refused(make, why)  # the build stops: a SharpDraft drafter never runs unscaled
         [record] = proof.read(tmp_path / "proof")
         assert record["kind"] == "refused"
         with pytest.raises(proof.ProofError) as exc:
             proof.require(tmp_path / "proof", SCALING)
         text = one_line(exc)
-        assert text.startswith("SharpDraft was requested but")
-        assert {"eagle3_mla": "MLA", "mistral_large3": "MLA", "pard_compressed": "sparse_attention_config",
-                "eagle3_chunked": "attention_chunk_size"}[build] in text
+        assert text.startswith("SharpDraft was requested but") and why in text
     finally:
         proof.set_directory(None)
 
@@ -294,7 +332,7 @@ def test_a_drafter_class_nobody_pinned_is_refused_not_run_unscaled(standin, tmp_
     proof.set_directory(tmp_path)
     try:
         install()
-        load(pins.SPECULATIVE_MODULE).Eagle4ForCausalLM(CONFIG)
+        refused(lambda: load(pins.SPECULATIVE_MODULE).Eagle4ForCausalLM(CONFIG), "Eagle4ForCausalLM")
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and record["drafter"] == "Eagle4ForCausalLM"
     finally:
@@ -320,10 +358,11 @@ def test_wrapped_drafters_leave_proof_the_launcher_accepts(standin, tmp_path):
 
 # --- proof of application, per rank; audited attention only ---------------------------------
 
-def test_a_layer_that_never_ran_scaled_is_refused_after_warm_up(standin, tmp_path):
+def test_a_layer_whose_count_did_not_grow_is_refused_after_the_first_requests(standin, tmp_path):
     """Construction is not application: PARD's drafter has two wrapped Attention layers;
-    after a warm-up that ran only the first (the second's query took a path around our
-    wrappers), the launcher's check names the idle layer; once it has run, it passes."""
+    after requests that ran only the first (the second's query took a path around our
+    wrappers), the launcher's check names the idle layer; once it has run, it passes. The
+    counts are the device counters the scaling itself adds to, read on request."""
     write_package(standin)
     proof.set_directory(tmp_path)
     try:
@@ -331,16 +370,17 @@ def test_a_layer_that_never_ran_scaled_is_refused_after_warm_up(standin, tmp_pat
         spec = load(pins.SPECULATIVE_MODULE)
         attention = load("tensorrt_llm._torch.modules.attention")
         pard = spec.PARDForCausalLM(CONFIG)
-        proof.require(tmp_path, SCALING)  # built and wrapped: construction alone passes
+        held = proof.require(tmp_path, SCALING)  # built and wrapped: construction alone passes
+        before = proof.request_counts(tmp_path, held, timeout=10)
         attention.run_attention(pard, skip=(1,))
         with pytest.raises(proof.ProofError) as exc:
-            proof.require(tmp_path, SCALING, ran=True)
-        assert "never ran scaled" in one_line(exc) and "draft_model_full.1.self_attn" in one_line(exc)
+            proof.require_growth(held, before, proof.request_counts(tmp_path, held, timeout=10))
+        assert "stayed at 0" in one_line(exc) and "draft_model_full.1.self_attn" in one_line(exc)
         attention.run_attention(pard)
         attention.run_attention(pard)
-        assert proof.require(tmp_path, SCALING, ran=True)
-        [record] = [r for r in proof.read(tmp_path) if r["kind"] == "wrapped"]
-        assert [proof.calls()[u] for u in record["units"]] == [3, 2]  # each wrapper counts its own scaled calls
+        after = proof.require_growth(held, before, proof.request_counts(tmp_path, held, timeout=10))
+        [record] = held
+        assert [after[os.getpid()][u] for u in record["units"]] == [3, 2]  # each layer counts its own calls
     finally:
         proof.set_directory(None)
 
@@ -371,8 +411,7 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
     try:
         install()
         spec = load(pins.SPECULATIVE_MODULE)
-        drafter = spec.Eagle3ForCausalLM(CONFIG, qk_norm="gate")  # builds: TensorRT-LLM is not broken
-        assert not any("apply_rope" in vars(m) for m in drafter.modules())
+        refused(lambda: spec.Eagle3ForCausalLM(CONFIG, qk_norm="gate"), "preprocess_qkv")
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "QKNormRoPEAttention overrides preprocess_qkv" in record["reason"]
         with pytest.raises(proof.ProofError):
@@ -387,7 +426,7 @@ def test_an_attention_subclass_that_overrides_preprocess_qkv_is_refused_when_the
         proof.set_directory(None)
 
 
-def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_raised(standin, tmp_path, monkeypatch):
+def test_a_kernel_whose_signature_cannot_be_read_stops_the_build_in_one_line(standin, tmp_path, monkeypatch):
     from plugins.trtllm import standins as trtllm_standins
 
     class Opaque:  # a compiled op whose signature inspect cannot read
@@ -401,7 +440,8 @@ def test_a_kernel_whose_signature_cannot_be_read_is_refused_in_one_line_not_rais
     proof.set_directory(tmp_path)
     try:
         install()
-        load(pins.DFLASH_MODULE).DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA")
+        refused(lambda: load(pins.DFLASH_MODULE).DFlashForCausalLM(CONFIG, dflash_attention_backend="VANILLA"),
+                "cannot read the signature")
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "cannot read the signature" in record["reason"]
         assert "\n" not in record["reason"]
@@ -427,7 +467,7 @@ def test_an_mla_drafter_of_the_newer_layout_is_refused_as_mla(standin, tmp_path)
         mla_module.MLA = MLA
         sys.modules[mla_module.__name__] = mla_module
         spec.MLA = MLA  # the drafter's layers come from the newer module
-        spec.PARDForCausalLM(CONFIG, mla=True)
+        refused(lambda: spec.PARDForCausalLM(CONFIG, mla=True), "MLA")
         [record] = proof.read(tmp_path)
         assert record["kind"] == "refused" and "MLA (latent) attention" in record["reason"], record
     finally:

@@ -30,6 +30,7 @@ from plugins.trtllm import autoload, install, pins, proof, structure
 from plugins.trtllm import __main__ as trtllm_cli
 from plugins.trtllm import config as trtllm_config
 from plugins.trtllm import launch as trtllm_launch
+from plugins.trtllm.hook import UnscalableDrafter
 from plugins.trtllm.kernels import WRAPPED
 from tests.trtllm_package import CHECKOUT, draft_config, write_package
 
@@ -169,7 +170,7 @@ def test_a_newer_release_with_the_pinned_names_is_accepted_with_one_line(standin
     assert "1.5.0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("drop,named", [(("modeling_dflash.py", "DFlashForCausalLM"), "modeling_dflash.DFlashForCausalLM"),
+@pytest.mark.parametrize("drop,named", [(("modeling_dflash.py", "DFlashForCausalLM"), "DFlashForCausalLM"),
                                         (("modules/attention.py", "apply_rope"), "Attention.apply_rope")])
 def test_a_release_that_moved_a_pinned_name_is_refused_in_one_line_naming_it(standin, tmp_path, drop, named):
     write_package(standin, version="1.5.0", drop=drop)
@@ -197,14 +198,15 @@ def test_flashinfer_is_refused_before_the_model_is_built(standin, tmp_path, fami
 
 
 def test_flashinfer_is_refused_by_the_hook_when_the_drafter_is_built(standin, tmp_path):
-    """Whoever builds the LLM (not our launchers): the drafter on FLASHINFER is left
-    unwrapped and the refusal recorded, never scaled from the wrong lengths."""
+    """Whoever builds the LLM (not our launchers): the drafter on FLASHINFER stops its build
+    with one line of ours, and the refusal is recorded."""
     write_package(standin)
     proof.set_directory(tmp_path / "proof")
     install()
     spec = __import__(pins.SPECULATIVE_MODULE, fromlist=["Eagle3ForCausalLM"])
-    drafter = spec.Eagle3ForCausalLM(draft_config(SCALING, attn_backend="FLASHINFER"))
-    assert not any("apply_rope" in vars(m) for m in drafter.modules())
+    with pytest.raises(UnscalableDrafter) as exc:  # the build stops: never scaled from the wrong lengths
+        spec.Eagle3ForCausalLM(draft_config(SCALING, attn_backend="FLASHINFER"))
+    assert "\n" not in str(exc.value) and "FLASHINFER" in str(exc.value)
     [record] = proof.read(tmp_path / "proof")
     assert record["kind"] == "refused" and "FLASHINFER" in record["reason"]
 
@@ -235,29 +237,38 @@ def test_the_engine_carries_its_sharpdraft_drafter_and_frozen_runs_load_the_stoc
     assert Path(frozen["speculative_config"]["speculative_model"]).resolve() == tiny_drafter.resolve()
 
 
-def test_a_launch_without_cuda_graphs_is_proven_by_its_first_request_not_refused(engine, standin, monkeypatch):
-    """cuda_graph_config: null -- the warm-up is context-only and drafts nothing; the launch
-    is accepted on the wrapped records, and the first request proves every layer ran."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "no-cuda-graphs"])
+def test_a_launch_is_proven_by_counts_that_grow_with_its_first_request(engine, standin, monkeypatch, graphs):
+    """With CUDA graphs (the warm-up drafts) and without (cuda_graph_config: null, nothing
+    drafted before a request): the device counts read after the build are the baseline, and
+    the first request must make every draft layer's count grow; a launch whose count stays
+    put is refused in one line."""
     from runtime.manifest import read_manifest
 
     write_package(standin)
     monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
     manifest = read_manifest(engine)
-    llm, launch = trtllm_launch.build_llm(manifest, cuda_graph_config=None)
+    overrides = {} if graphs else {"cuda_graph_config": None}
+    llm, launch = trtllm_launch.build_llm(manifest, **overrides)
     try:
-        with pytest.raises(proof.ProofError, match="never ran scaled"):
-            launch.require(ran=True)  # nothing drafted yet: what the old check refused
-        llm.generate(["def f():"], None)
-        applied = launch.require(ran=True)
         [record] = [r for r in proof.read(launch.directory) if r["kind"] == "wrapped"]
-        assert record["units"] == [f"{record['drafter']}#{record['units'][0].split('#')[1].split('.')[0]}.layers.{i}"
-                                   for i in range(2)]  # one proof unit per draft layer
+        assert [u.split(".", 1)[1] for u in record["units"]] == ["model.layers.0", "model.layers.1"]
+        baseline = launch.before[os.getpid()]
+        assert {baseline[u] for u in record["units"]} == ({1} if graphs else {0})  # the warm-up's draft step, or none
+        with pytest.raises(proof.ProofError) as exc:  # no request yet: nothing grew
+            launch.require_running()
+        assert "\n" not in str(exc.value) and "stayed at" in str(exc.value)
+        llm.generate(["def f():"], None)
+        applied = launch.require_running()
+        counted = applied["counts"][str(os.getpid())]
+        assert {counted[u] for u in record["units"]} == ({2} if graphs else {1})
         assert applied["scaling"] == manifest.query_scaling.to_dict()
     finally:
         llm.shutdown()
         launch.close()
-    result = trtllm_launch.generate(manifest, "def f():", 4, cuda_graph_config=None)
+    result = trtllm_launch.generate(manifest, "def f():", 4, **overrides)
     assert result["sharpdraft_applied"]["scaling"] == manifest.query_scaling.to_dict()
+    assert result["sharpdraft_applied"]["metrics"]["sharpdraft_scaled_calls"] > 0
 
 
 def test_pipeline_parallel_ranks_without_a_drafter_are_not_refused(tmp_path):
@@ -282,15 +293,15 @@ def test_dflash_laguna_is_wrapped_on_the_audited_path(standin, tmp_path):
     drafter.draft_step()
     [record] = [r for r in proof.read(tmp_path) if r["kind"] == "wrapped"]
     assert record["drafter"] == "DFlashLagunaForCausalLM" and len(record["units"]) == 2
-    assert proof.require(tmp_path, SCALING, ran=True)
+    assert {proof.counts()[u] for u in record["units"]} == {1}
 
 
 def test_dflash_laguna_with_an_unaudited_override_is_refused(standin, tmp_path):
-    write_package(standin, laguna_extra="def layer_step(self):\n    return None\n")
+    write_package(standin, laguna_extra="def layer_kernel(self, q, k_cache, v_cache):\n    return None\n")
     proof.set_directory(tmp_path)
     install()
     module = __import__(pins.DFLASH_MODULE, fromlist=["build_dflash_draft"])
-    drafter = module.build_dflash_draft(draft_config(SCALING, architectures=["LagunaDFlashDraft"]), "VANILLA")
-    assert getattr(drafter._dflash_flash_attention, WRAPPED, None) is None
+    with pytest.raises(UnscalableDrafter, match="layer_kernel"):
+        module.build_dflash_draft(draft_config(SCALING, architectures=["LagunaDFlashDraft"]), "VANILLA")
     [record] = proof.read(tmp_path)
-    assert record["kind"] == "refused" and "layer_step" in record["reason"]
+    assert record["kind"] == "refused" and "layer_kernel" in record["reason"]

@@ -150,17 +150,67 @@ def test_a_mixed_batch_counts_context_rows_causally_and_generation_rows_by_depth
     assert counts.tolist() == [68, 69, 70, 88, 89, 90, 98, 99, 99, 1, 1]
 
 
-def test_a_dynamic_tree_in_a_mixed_batch_reads_depths_from_the_generation_slots():
-    """Dynamic-tree depths (1-D) live in slot storage whose leading num_contexts slots are
-    the context requests' (interface.py update_spec_dec_param, pins.SOURCES["spec_dec_slots"]):
-    one context request (2 new tokens over 50 keys), two tree requests of 3 nodes, 4 entries
-    per slot. The context slot holds values that are no depths of this batch."""
-    stride = 4
-    slots = [[7, 7, 7, 7], [0, 1, 1, 9], [0, 1, 2, 9]]  # context slot, then the two trees
-    meta = Metadata([2, 3, 3], [50, 90, 100], num_contexts=1, offsets=sum(slots, []), use_spec=True)
-    meta.position_offsets_stride = stride
-    counts = visible_counts(meta, rows=8, device="cpu")
-    assert counts.tolist() == [49, 50, 88, 89, 89, 98, 99, 100]
+def random_tree(nodes: int, rng) -> list[int]:
+    """parents[i] < i (node 0 is the root: the last accepted token)."""
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
+
+
+def brute_force_counts(context, trees, past):
+    """Visible keys per row, counted from masks alone: a context request's row j over L
+    cached keys sees the first L + j + 1 keys; a tree node sees the past keys plus the
+    nodes the tree mask lets it attend to (itself and its ancestors), found by walking
+    parent pointers -- no depths, no offsets."""
+    rows = []
+    for cached, new in context:
+        rows += [sum(1 for key in range(cached + new) if key <= cached + j) for j in range(new)]
+    for parents, stable in zip(trees, past):
+        for node in range(len(parents)):
+            mask, walk = [False] * len(parents), node
+            while walk >= 0:
+                mask[walk], walk = True, parents[walk]
+            rows.append(stable + sum(mask))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_dynamic_tree_in_a_mixed_batch_counts_what_the_tree_masks_leave_visible(seed):
+    """Context requests first, then generation requests drafting dynamic trees; the 1-D
+    offsets laid out as TensorRT-LLM's draft loop writes them and its own
+    _adjust_position_ids_for_spec_dec reads them: from row 0, row stride gen_len
+    (pins.SOURCES["attention"]), whatever the number of context requests. Each row's count
+    must equal a brute-force count over the tree's attention mask."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gen_len = int(rng.integers(2, 7))
+    context = [(int(rng.integers(0, 60)), int(rng.integers(1, 5))) for _ in range(int(rng.integers(1, 4)))]
+    trees = [random_tree(gen_len, rng) for _ in range(int(rng.integers(1, 4)))]
+    past = [int(rng.integers(1, 200)) for _ in trees]
+
+    def depth(parents, node):
+        return 0 if parents[node] < 0 else 1 + depth(parents, parents[node])
+
+    offsets = [depth(t, i) for t in trees for i in range(gen_len)]
+    offsets += [int(x) for x in rng.integers(0, 9, size=len(context) * gen_len)]  # slots past the gens: not read
+    seq_lens = [new for _, new in context] + [gen_len] * len(trees)
+    kv_lens = [cached + new for cached, new in context] + [p + gen_len for p in past]
+    meta = Metadata(seq_lens, kv_lens, num_contexts=len(context), offsets=offsets, use_spec=True)
+    rows = sum(seq_lens)
+    with no_host_sync():
+        counts = visible_counts(meta, rows=rows + 2, device="cpu")  # 2 rows of CUDA-graph padding
+    assert counts.tolist() == brute_force_counts(context, trees, past) + [1, 1]
+
+
+def test_the_old_slot_reading_of_a_mixed_batch_fails_the_brute_force_count():
+    """The test above can fail: reading the generation rows' depths from slot num_contexts
+    on (what an earlier version did) disagrees with the mask count on a mixed batch."""
+    trees, past, context = [[-1, 0, 0], [-1, 0, 1]], [90, 100], [(48, 2)]
+    offsets = [0, 1, 1, 0, 1, 2, 5, 5, 5]
+    meta = Metadata([2, 3, 3], [50, 93, 103], num_contexts=1, offsets=offsets, use_spec=True)
+    want = brute_force_counts(context, trees, past)
+    assert visible_counts(meta, rows=8, device="cpu").tolist() == want
+    slot_read = [49, 50] + [p + d + 1 for p, ds in zip(past, ([0, 1, 2], [5, 5, 5])) for d in ds]
+    assert slot_read != want
 
 
 def test_a_window_the_call_is_handed_caps_the_count_and_forward_hands_it_over():

@@ -111,7 +111,7 @@ def test_tensor_parallel_workers_each_report(venvs, engine, tmp_path):
     python = venvs["autoload"]
     probe = textwrap.dedent(f"""
         import json, os, sys
-        from runtime import trtllm
+        from plugins.trtllm import config as trtllm_config, launch as trtllm
         from runtime.manifest import read_manifest
         llm, launch = trtllm.build_llm(read_manifest({str(engine)!r}), tensor_parallel_size=2)
         print(json.dumps({{"launcher": os.getpid(), "workers": llm.worker_pids, "applied": launch.require()}}))
@@ -145,7 +145,7 @@ def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(
     standin = write_package(tmp_path / "pkg")
     probe = textwrap.dedent(f"""
         import sys
-        from runtime import trtllm
+        from plugins.trtllm import config as trtllm_config, launch as trtllm
         from runtime.cli import run
         from runtime.manifest import read_manifest
         sys.exit(run(lambda argv: trtllm.build_llm(read_manifest({str(engine)!r}), pipeline_parallel_size=2), []))
@@ -298,10 +298,10 @@ def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(
     stock_dir = trtllm_config.stock_drafter_dir(read_manifest(engine))
     hold = textwrap.dedent(f"""
         import time
-        from runtime import trtllm
+        from plugins.trtllm import config as trtllm_config, launch as trtllm
         from runtime.manifest import read_manifest
         manifest = read_manifest({str(engine)!r})
-        launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest), manifest.drafter,
+        launch = trtllm.Launch(manifest.query_scaling, trtllm_config.llm_api_config(manifest), manifest.drafter,
                                manifest.drafter_dir)
         print(launch.directory, flush=True)
         time.sleep(600)
@@ -337,7 +337,7 @@ def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_ran
     standin = write_package(tmp_path / "pkg", unhooked_rank=1)
     probe = textwrap.dedent(f"""
         import sys
-        from runtime import trtllm
+        from plugins.trtllm import config as trtllm_config, launch as trtllm
         from runtime.cli import run
         from runtime.manifest import read_manifest
         sys.exit(run(lambda argv: trtllm.build_llm(read_manifest({str(engine)!r}), tensor_parallel_size=2), []))
@@ -359,10 +359,10 @@ def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs,
     python = venvs["autoload"]
     hold = textwrap.dedent(f"""
         import time
-        from runtime import trtllm
+        from plugins.trtllm import config as trtllm_config, launch as trtllm
         from runtime.manifest import read_manifest
         manifest = read_manifest({str(engine)!r})
-        launch = trtllm.Launch(manifest.query_scaling, trtllm.llm_api_config(manifest))
+        launch = trtllm.Launch(manifest.query_scaling, trtllm_config.llm_api_config(manifest))
         print(launch.directory, flush=True)
         time.sleep(600)
         """)
@@ -378,3 +378,25 @@ def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs,
     out = json.loads(done.stdout)
     assert out["applied"]["processes"] == out["workers"]
     assert proof.read(other_proof) == []  # nothing of this instance's went to the other launch
+
+
+@pytest.mark.slow  # the fast tier: tests/test_trtllm_release.py (the build stops in process; the error pickles)
+def test_a_sharpdraft_drafter_a_worker_cannot_scale_stops_a_plain_launch_with_our_line(venvs, engine, tmp_path):
+    """TensorRT-LLM's own LLM() (what a plain trtllm-serve builds) with the autoloader, the
+    drafter built in an MPI worker where the hook cannot scale it (its kernel's signature
+    moved): the launch stops, and the error it reports ends with one line of ours."""
+    standin = write_package(tmp_path / "pkg")
+    path = standin / "tensorrt_llm/_torch/models/modeling_dflash.py"
+    path.write_text(path.read_text().replace("self._dflash_flash_attention = k.flash_attn_with_kvcache",
+                                             "self._dflash_flash_attention = lambda q, k_cache, v_cache, lens=None: q"))
+    probe = textwrap.dedent(f"""
+        from tensorrt_llm import LLM
+        LLM(model="m", speculative_config={{"decoding_type": "DFlash", "speculative_model": {str(engine / trtllm_config.DRAFTER_DIR)!r}}})
+        print("served")
+        """)
+    done = subprocess.run([str(venvs["autoload"]), "-c", probe], cwd=standin, env=environment(standin, "0"),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "served" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert "sharpdraft: DFlashForCausalLM carries SharpDraft's parameters but cannot be scaled" in last, done.stderr
+    assert "cache_seqlens" in last

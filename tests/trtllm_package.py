@@ -114,7 +114,10 @@ FILES = {
             if decoding:
                 config = draft_config(speculative_config["speculative_model"], attn_backend)
             if decoding == "DFlash":
-                module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+                try:
+                    module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+                except ModuleNotFoundError:  # the older layout: DFlash beside EAGLE-3 and PARD
+                    module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
                 _DRAFTER["model"] = module.build_dflash_draft(config, speculative_config.get(
                     "attention_backend", "VANILLA"))
             elif decoding in ("Eagle3", "PARD"):
@@ -206,6 +209,53 @@ FILES = {
     "tensorrt_llm/_torch/__init__.py": "",
     "tensorrt_llm/_torch/models/__init__.py": "",
     "tensorrt_llm/_torch/modules/__init__.py": "",
+    "tensorrt_llm/_torch/attention_backend/__init__.py": "",
+    # _torch/attention_backend/interface.py @ 51ea5c96 (the older layout's path): AttentionMetadata,
+    # seq_lens a host tensor with its device copy seq_lens_cuda, num_seqs from seq_lens;
+    # trtllm.py: TrtllmAttentionMetadata adds kv_lens_cuda. The fields as the count reads them
+    # (plugins/trtllm/standins.py Metadata builds instances with the same names).
+    "tensorrt_llm/_torch/attention_backend/interface.py": """
+        from dataclasses import dataclass, field
+        from typing import Optional
+
+        import torch
+
+
+        @dataclass
+        class AttentionMetadata:
+            num_contexts: int = 0
+            num_ctx_tokens: int = 0
+            num_tokens: int = 0
+            use_spec_decoding: bool = False
+            spec_decoding_position_offsets: Optional[torch.Tensor] = None
+            _seq_lens: Optional[torch.Tensor] = field(default=None, repr=False)
+            _seq_lens_cuda: Optional[torch.Tensor] = field(default=None, repr=False)
+
+            @property
+            def seq_lens(self):
+                return self._seq_lens
+
+            @property
+            def seq_lens_cuda(self):
+                return self._seq_lens_cuda
+
+            @property
+            def num_seqs(self):
+                return self._seq_lens.shape[0]
+        """,
+    "tensorrt_llm/_torch/attention_backend/trtllm.py": """
+        from dataclasses import dataclass
+        from typing import Optional
+
+        import torch
+
+        from .interface import AttentionMetadata
+
+
+        @dataclass
+        class TrtllmAttentionMetadata(AttentionMetadata):
+            kv_lens_cuda: Optional[torch.Tensor] = None
+        """,
     "tensorrt_llm/_torch/speculative/__init__.py": "",
     "tensorrt_llm/_torch/speculative/dflash_attention.py": """
         from dataclasses import dataclass
@@ -224,6 +274,7 @@ FILES = {
         """,
     "tensorrt_llm/_torch/modules/attention.py": """
         import torch
+        from ..attention_backend.interface import AttentionMetadata  # noqa: F401  (as attention.py does)
 
         class Attention(torch.nn.Module):
             def __init__(self, heads=4, head_dim=8, rope_fusion=True, attention_chunk_size=None):
@@ -272,45 +323,76 @@ FILES = {
         from plugins.trtllm import standins as k
         from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops
 
+        class DraftAttention(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv_proj = torch.nn.Identity()
+
+        class DraftLayer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.self_attn = DraftAttention()
+
         class DFlashForCausalLM(torch.nn.Module):
             def __init__(self, draft_config=None, *, dflash_attention_backend="VANILLA"):
                 super().__init__()
                 self.config = getattr(draft_config, "pretrained_config", None)
                 self.model = torch.nn.Module()
-                self.model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range({dflash_layers})])
+                self.model.layers = torch.nn.ModuleList([DraftLayer() for _ in range({dflash_layers})])
                 self.dflash_attention_backend = dflash_attention_backend
+                self.pooled_cache()
                 if dflash_attention_backend == "VANILLA":
                     self._dflash_flash_attention = k.flash_attn_with_kvcache
                 elif dflash_attention_backend == "TRTLLM":
                     self._dflash_trtllm_gen_ops = get_dflash_trtllm_gen_ops()
                 elif dflash_attention_backend == "FA4":
                     self._dflash_fa4_fwd = k._flash_attn_fwd
+                else:
+                    raise ValueError(f"DFlash attention backend {{dflash_attention_backend!r}}")
 
-            def forward(self):
-                for _ in self.model.layers:  # the block decode: one kernel call per draft layer
-                    self.layer_step()
+            def forward(self, noise=None):
+                return self.dflash_forward(noise)
+
+            def dflash_forward(self, noise=None):
+                # the block decode (modeling_dflash.py / the older layout's modeling_speculative.py):
+                # for layer_idx, layer in enumerate(self.model.layers): qkv_proj on the block, then
+                # the kernel over that layer's slice of the pooled context cache
+                q = torch.ones(1, 2, 4, 8) if noise is None else noise
+                ctx_k_cache, ctx_v_cache = self.pooled_cache()
+                outs = []
+                for layer_idx, layer in enumerate(self.model.layers):
+                    Q = layer.self_attn.qkv_proj(q)
+                    outs.append(self.layer_kernel(Q, ctx_k_cache[:, layer_idx], ctx_v_cache[:, layer_idx]))
+                return outs
 
             def draft_step(self):
-                self.forward()
+                return self.forward()
+
+            def pooled_cache(self):
+                # the pooled context K/V [pool, layers, max_ctx + block, kv_heads, head_dim], preallocated
+                if "_ctx_cache" not in vars(self):
+                    g = torch.Generator().manual_seed(11)
+                    self._ctx_cache = tuple(torch.randn(1, len(self.model.layers), 8, 2, 8, generator=g)
+                                            for _ in range(2))
+                return self._ctx_cache
 
             def _post_attention_gate(self, attn_output, *args):
                 return attn_output
 
-            def layer_step(self):
-                # dflash_forward's kernel call for one block of 2 queries over 5 + 2 keys
-                q = torch.ones(1, 2, 4, 8)
+            def layer_kernel(self, q, k_cache, v_cache):
+                # one block of 2 queries over 5 + 2 keys
                 if self.dflash_attention_backend == "VANILLA":
-                    cache = torch.zeros(1, 8, 2, 8)
-                    self._dflash_flash_attention(q, cache, cache.clone(), cache_seqlens=torch.tensor([7]))
-                elif self.dflash_attention_backend == "FA4":
-                    pages = torch.zeros(1, 8, 2, 8)
-                    self._dflash_fa4_fwd(q, pages, pages.clone(), seqused_k=torch.tensor([7]),
-                                         page_table=torch.zeros(1, 1, dtype=torch.int32))
-                else:
-                    pages = torch.zeros(1, 2, 8, 8)
-                    self._dflash_trtllm_gen_ops.batch_decode_with_kv_cache(
-                        q.reshape(2, 4, 8), (pages, pages.clone()), None, torch.zeros(1, 1, dtype=torch.int32),
-                        torch.tensor([7], dtype=torch.int32), 8, q_len_per_req=2)
+                    return self._dflash_flash_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                        cache_seqlens=torch.tensor([7], dtype=torch.int32),
+                                                        causal=False, window_size=(-1, -1))
+                if self.dflash_attention_backend == "FA4":
+                    return self._dflash_fa4_fwd(q, k_cache, v_cache, seqused_k=torch.tensor([7]),
+                                                page_table=torch.zeros(1, 1, dtype=torch.int32))
+                pages = torch.zeros(1, 2, 8, 8)
+                return self._dflash_trtllm_gen_ops.batch_decode_with_kv_cache(
+                    query=q.reshape(2, 4, 8), kv_cache=(pages, pages.clone()), workspace_buffer=None,
+                    block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                    seq_lens=torch.tensor([7], dtype=torch.int32), max_seq_len=8, q_len_per_req=2)
 
         class DFlashLagunaForCausalLM(DFlashForCausalLM):
             # modeling_dflash.py @ 7c7504c0: overrides __init__, _normalize_config, load_weights,
@@ -385,32 +467,71 @@ OLD_DFLASH = """
 class DFlashForCausalLM(torch.nn.Module):
     def __init__(self, draft_config=None):
         super().__init__()
-        self.model = types.SimpleNamespace(layers=[Layer()])
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([Layer()])
+        self.model.layers[0].self_attn.qkv_proj = torch.nn.Identity()
 
     def dflash_forward(self, q, k_cache, v_cache, cache_seqlens):
         from flash_attn import flash_attn_with_kvcache
-        return flash_attn_with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache,
-                                       cache_seqlens=cache_seqlens, causal=False)
+        outs = []
+        for layer_idx, layer in enumerate(self.model.layers):
+            Q = layer.self_attn.qkv_proj(q)
+            outs.append(flash_attn_with_kvcache(q=Q, k_cache=k_cache[:, layer_idx], v_cache=v_cache[:, layer_idx],
+                                                cache_seqlens=cache_seqlens, causal=False))
+        return outs
 
     def draft_step(self):
-        cache = torch.zeros(1, 8, 2, 8)
-        self.dflash_forward(torch.ones(1, 2, 4, 8), cache, cache.clone(), torch.tensor([7]))
+        cache = torch.zeros(1, 1, 8, 2, 8)
+        return self.dflash_forward(torch.ones(1, 2, 4, 8), cache, cache.clone(), torch.tensor([7]))
 """
 FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import flash_attn_with_kvcache\n"}
 
 
+def layout_1_3(files: dict[str, str]) -> dict[str, str]:
+    """The older layout (pins.SOURCES["modeling_speculative_dflash_1_3"]: the stored copy
+    importing ..modules.* and ..attention_backend.*, as the 1.3.0rc line did): no
+    modeling_dflash.py; DFlashForCausalLM defined in modeling_speculative.py with the kernel
+    held on the instance for VANILLA and TRTLLM only (any other backend: ValueError), no
+    Laguna subclass."""
+    dflash = files.pop("tensorrt_llm/_torch/models/modeling_dflash.py")
+    classes = dflash[dflash.index("class DraftAttention"):dflash.index("class DFlashLagunaForCausalLM")]
+    lines, kept, skip = classes.splitlines(keepends=True), [], 0
+    for i, line in enumerate(lines):
+        if skip:
+            skip -= 1
+        elif 'dflash_attention_backend == "FA4"' in line:  # the FA4 branch and its body
+            indent = len(line) - len(line.lstrip())
+            skip = next(n for n, rest in enumerate(lines[i + 1:])
+                        if len(rest) - len(rest.lstrip()) <= indent and rest.strip())
+        else:
+            kept.append(line)
+    classes = "".join(kept)
+    assert "_dflash_fa4_fwd" not in classes, "that copy has no FA4 kernel"
+    files["tensorrt_llm/_torch/models/modeling_speculative.py"] += (
+        "\nfrom plugins.trtllm import standins as k\n"
+        "from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops\n\n\n" + classes +
+        "\ndef build_dflash_draft(draft_config, attention_backend):\n"
+        "    return DFlashForCausalLM(draft_config, dflash_attention_backend=attention_backend)\n")
+    return files
+
+
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
                   old_dflash: bool = False, unhooked_rank: int | None = None, dflash_layers: int = 2,
-                  laguna_extra: str = "") -> Path:
+                  laguna_extra: str = "", layout: str = "1.4") -> Path:
     """The stand-in package under `root`. laguna_extra: a method source added to
-    DFlashLagunaForCausalLM (e.g. an override outside the audited ones)."""
-    files = dict(FILES) | (FLASH_ATTN if old_dflash else {})
-    for rel, text in files.items():
+    DFlashLagunaForCausalLM (e.g. an override outside the audited ones). layout "1.3": the
+    older layout (layout_1_3)."""
+    files = {}
+    for rel, text in (dict(FILES) | (FLASH_ATTN if old_dflash else {})).items():
         text = textwrap.dedent(text)
         if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py", "modeling_dflash.py")):
             text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "",
                                unhooked_rank=unhooked_rank, dflash_layers=dflash_layers,
                                laguna_extra=textwrap.indent(textwrap.dedent(laguna_extra), "    "))
+        files[rel] = text
+    if layout == "1.3":
+        files = layout_1_3(files)
+    for rel, text in files.items():
         if drop and rel.endswith(drop[0]):
             text = text.replace(drop[1], "_removed_" + drop[1])
         path = root / rel

@@ -11,9 +11,10 @@ built from such a directory with exactly those parameters, and nothing else.
 Modules: the hook, loaded inside TensorRT-LLM's processes (under a private package name
 when the .pth's lazy finder loads it, so it imports only relatively): pins.py (every
 TensorRT-LLM name relied on, with its source and commit), hook.py (install/uninstall,
-import hook, version and structure guard), kernels.py (DFlash's attention kernels,
+import hook, structure checks when a drafter is built, one hook per process), kernels.py (DFlash's attention kernels,
 wrapped), rope.py (generic Attention.apply_rope, wrapped per drafter instance: EAGLE-3,
-PARD), versions.py, proof.py (what each process that built a drafter reports),
+PARD), versions.py, proof.py (what each process that built a drafter reports, and its device counts of
+scaled calls),
 autoload.py (the .pth's lazy import hook). Around it, for our own launchers and tools
 (never loaded by the hook): structure.py (the installed release's names, read from its
 source files), standins.py (plain-torch stand-ins of the kernels, for tests and

@@ -1,8 +1,10 @@
-"""`python -m plugins.trtllm check | autoload {install,uninstall,status}`
+"""`python -m plugins.trtllm check [--backend B] [--proof DIR] | autoload {install,uninstall,status}`
 
-check: what the hook would patch on this installation (or, where tensorrt_llm cannot be
-imported, the pinned plan and why). autoload: the .pth that adds the lazy import hook
-(autoload.py) to every Python process of an environment.
+check: what the hook would patch on this installation, and what its source lacks (the same
+structure check our launchers refuse on: plugins/trtllm/structure.py), or, where
+tensorrt_llm is not installed, the pinned plan; with --proof, a launch's proof directory:
+the drafters wrapped on each rank and their device counts of scaled calls. autoload: the
+.pth that adds the lazy import hook (autoload.py) to every Python process of an environment.
 Results on stdout, one-line errors on stderr (exit 1; 2 for bad usage).
 """
 
@@ -16,7 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from plugins.trtllm import autoload, pins, versions
+from plugins.trtllm import autoload, pins, proof, structure, versions
 
 
 def importable() -> tuple[object | None, str]:
@@ -29,19 +31,23 @@ def importable() -> tuple[object | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def check() -> dict:
+def check(backend: str = "VANILLA", proof_dir: Path | None = None) -> dict:
     from plugins.trtllm.hook import resolve
+    from plugins.trtllm.launch import installed_version
 
     module, why = importable()
-    report = {"pinned": pins.PINNED, "versions": list(pins.VERSIONS), "importable": module is not None,
+    report = {"pinned": pins.PINNED, "read": list(pins.READ_RANGE), "importable": module is not None,
               "reason": why, "patch_points": [], "kernels": pins.DFLASH_KERNELS,
               "attention": [f"{m}.{pins.ATTENTION_CLASS}.{pins.ATTENTION_METHOD}" for m in pins.ATTENTION_MODULES]}
-    version = None
-    if module is not None:
-        version = getattr(sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE),
-                          "__version__", None)
+    root = structure.package_root()
+    if root is not None:
+        version = installed_version()
         report["version"] = version
-        report["version_known"] = versions.is_tested(str(version), pins.MIN_VERSION, pins.MAX_VERSION)
+        report["version_read"] = version is not None and versions.is_tested(str(version), *pins.READ_RANGE)
+        report["backend"] = backend
+        report["missing"] = structure.missing_names(root, dflash_backend=backend)
+    if proof_dir is not None:
+        report["proof"] = proof_report(Path(proof_dir))
     for point in pins.PATCH_POINTS:
         entry = {"name": f"{point.module}.{point.attribute}", "role": point.role, "required": point.required,
                  "source": f"{pins.SOURCES[point.source].path} @ {pins.SOURCES[point.source].commit}"}
@@ -55,14 +61,26 @@ def check() -> dict:
     return report
 
 
+def proof_report(where: Path) -> dict:
+    """A proof directory as check shows it: what each process recorded and the device counts
+    it last reported (counts-<pid>.json, written when a launcher asked)."""
+    entries = proof.read(where)
+    return {"records": [{k: e.get(k) for k in ("kind", "pid", "rank", "drafter", "layers", "reason") if k in e}
+                        for e in entries if e["kind"] != "counts"],
+            "counts": {str(e["pid"]): {"rank": e.get("rank", 0), "request": e.get("request"), "counts": e["counts"]}
+                       for e in entries if e["kind"] == "counts"}}
+
+
 def describe(report: dict) -> str:
-    lines = [f"SharpDraft TensorRT-LLM hook, pinned to {report['pinned']}"]
+    lines = [f"SharpDraft TensorRT-LLM hook, configuration for {report['pinned']}, sources read "
+             f"{report['read'][0]} to {report['read'][1]}"]
+    if "missing" in report:
+        read = "in the range read" if report["version_read"] else "UNTESTED: outside the range read"
+        state = ("every name SharpDraft reads is present: accepted" if not report["missing"] else
+                 "refused: " + "; ".join(report["missing"]) + " not found")
+        lines.append(f"tensorrt_llm {report['version']} ({read}); DFlash backend {report['backend']}: {state}")
     if not report["importable"]:
-        lines.append(f"tensorrt_llm is not importable here ({report['reason']}): showing the plan only")
-    else:
-        known = ("in the tested range" if report["version_known"]
-                 else "outside the tested range: accepted only where every pinned name below is found")
-        lines.append(f"tensorrt_llm {report['version']} ({known})")
+        lines.append(f"tensorrt_llm is not importable here ({report['reason']}): names read from its files only")
     for entry in report["patch_points"]:
         state = "" if "found" not in entry else ("  [found]" if entry["found"] else
                                                  "  [MISSING]" if entry["required"] else "  [absent: other layout]")
@@ -71,6 +89,12 @@ def describe(report: dict) -> str:
     lines.append("  DFlash kernels by attention_backend: "
                  + ", ".join(f"{b} -> instance.{a}" for b, a in report["kernels"].items()))
     lines.append("  EAGLE-3 / PARD: per drafter instance, " + " or ".join(report["attention"]))
+    for record in (report.get("proof") or {}).get("records", ()):
+        lines.append(f"  proof: pid {record['pid']} rank {record.get('rank', 0)} {record['kind']} "
+                     f"{record.get('drafter') or ''} {record.get('reason') or ''}".rstrip())
+    for pid, entry in (report.get("proof") or {}).get("counts", {}).items():
+        lines.append(f"  scaled calls, pid {pid} rank {entry['rank']} (request {entry['request']}): "
+                     + ", ".join(f"{u} {c}" for u, c in entry["counts"].items()))
     return "\n".join(lines)
 
 
@@ -81,7 +105,7 @@ def site_packages() -> Path:
 def autoload_command(action: str, site: Path) -> str:
     path = site / autoload.PTH_NAME
     if action == "install":
-        path.write_text(autoload.pth_line())
+        path.write_text(autoload.pth_line(site))
         return (f"wrote {path}: every Python process of this environment gets a lazy import hook that "
                 "loads SharpDraft's TensorRT-LLM hook when a drafter module is imported (it scales only "
                 "drafters whose config.json carries SharpDraft's parameters)")
@@ -98,14 +122,19 @@ def main(argv) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="what the hook would patch on this installation")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--backend", default="VANILLA", type=str.upper, choices=sorted(pins.DFLASH_KERNELS),
+                   help="the DFlash attention backend whose kernel must be present (default VANILLA)")
+    c.add_argument("--proof", metavar="DIR", help="a launch's proof directory: records and scaled-call counts")
     a = sub.add_parser("autoload", help="the .pth lazy import hook that reaches worker processes")
     a.add_argument("action", choices=("install", "uninstall", "status"))
     a.add_argument("--site-packages", metavar="DIR", help="default: this interpreter's purelib")
     args = p.parse_args(argv)
     try:
         if args.command == "check":
-            report = check()
+            report = check(args.backend, args.proof)
             print(json.dumps(report) if args.json else describe(report))
+            if report.get("missing"):
+                return 1
         else:
             site = Path(args.site_packages) if args.site_packages else site_packages()
             if not site.is_dir():

@@ -18,7 +18,8 @@ modules as they load. The hook scales only drafters whose own config carries Sha
 parameters (plugins/trtllm/hook.py): there is no activation file, nonce, pid file or
 environment variable to select a launch, so a stock run beside a SharpDraft launch is
 never scaled. Where our hook is already installed (our launchers, which import it under
-its public name) the finder stands aside.
+its public name) the finder stands aside; where this finder loaded the private copy first,
+a launcher's install() later defers to it (one hook per process, plugins/trtllm/hook.py).
 
 It never raises: a failure is one line on stderr and the process goes on without the hook
 (its launcher's proof check then refuses a SharpDraft launch, in one line).
@@ -41,9 +42,15 @@ HOOK_MARK = "_sharpdraft_hook"  # hook.HOOK_MARK: set on the hook's own finder
 
 
 def pth_line(site=None) -> str:
-    """The .pth line: site.py executes lines that start with `import`."""
-    return (f"import runpy; runpy.run_path({os.path.abspath(__file__)!r}, "
-            "run_name='sharpdraft_trtllm_autoload')\n")
+    """The .pth line: site.py executes lines that start with `import`. Where this file is
+    gone (the checkout moved or was deleted), the line says so in one line on stderr instead
+    of site's "Error processing line 1" traceback."""
+    where = os.path.join(str(site), PTH_NAME) if site is not None else PTH_NAME
+    stale = (f"sharpdraft: {where} points at %s, which is gone (the checkout moved): remove it, or run "
+             "`python -m plugins.trtllm autoload install` from the checkout\n")
+    return (f"import os, runpy, sys; _sharpdraft = {os.path.abspath(__file__)!r}; "
+            "runpy.run_path(_sharpdraft, run_name='sharpdraft_trtllm_autoload') if os.path.isfile(_sharpdraft) "
+            f"else sys.stderr.write({stale!r} % _sharpdraft)\n")
 
 
 def load_private():

@@ -27,11 +27,22 @@ What gets patched (names and sources: plugins/trtllm/pins.py, PATCH_POINTS):
   and the others are refused when the drafter is built, and by our launchers before).
 - MLA drafters and drafter-named classes nobody audited are refused when built.
 
-Compatibility is judged by structure: a release newer than the tested range is accepted
-(one line on stderr names it untested) when every pinned name is present; a missing name
-disables the hook, in one line naming it. Inside TensorRT-LLM's import and model
-construction the hook never raises; refusals are recorded (plugins/trtllm/proof.py) and
-our launchers refuse from there.
+Compatibility is judged by structure alone, never by a version number: when a SharpDraft
+drafter is built, every name, signature and metadata field its count reads is checked on
+the loaded modules, and a release outside the range we read (pins.READ_RANGE) is named
+untested in one line. A SharpDraft drafter that cannot be scaled stops its own build: the
+constructor raises UnscalableDrafter, whose message is one line of ours naming the reason
+(also recorded, plugins/trtllm/proof.py, so our launchers print only that line) -- unless
+its config asks to run frozen then (`"sharpdraft": {..., "if_unscalable": "frozen"}`):
+one startup line, a `frozen` proof record and the launch's sharpdraft_frozen_drafters
+metric say so. Stock drafters and stock runs hear nothing from the hook, whatever the
+release. Importing TensorRT-LLM's modules never raises because of us.
+
+One hook per process: the launcher's copy (`plugins.trtllm`) and the autoloader's private
+copy (`_sharpdraft_plugins.trtllm`) may both be loaded; whichever installs first owns the
+import finder and the patches, and the other's install() defers to it. A finder never
+asks another SharpDraft finder, so neither order can recurse, and each drafter is wrapped
+once (its instance carries the mark) and scaled once.
 
 CUDA graphs: a captured graph keeps the beta constants (and the wrappers) it was captured
 with. `uninstall()` restores the Python objects, but a graph captured before it keeps
@@ -53,11 +64,11 @@ import weakref
 from ..scaling import QueryScaling
 from . import pins, proof, versions
 from .kernels import (wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
-                                    wrap_trtllm_gen_decode)
+                      wrap_trtllm_gen_decode)
 from .rope import wrap_apply_rope, wrap_forward
 
-__all__ = ["TrtllmHookError", "install", "uninstall", "installed", "disabled", "check_version",
-           "drafter_scaling", "HOOK_MARK"]
+__all__ = ["TrtllmHookError", "UnscalableDrafter", "install", "uninstall", "installed", "disabled",
+           "check_version", "drafter_scaling", "HOOK_MARK"]
 
 ORIGINALS = "_sharpdraft_originals"  # instance attribute: what the hook replaced on it
 FAMILY = "_sharpdraft_family"  # marks a constructor the hook wrapped
@@ -71,13 +82,25 @@ class TrtllmHookError(ImportError):
     An ImportError, so the command line's one-line handling (runtime/cli.py) applies."""
 
 
+class UnscalableDrafter(RuntimeError):
+    """Raised out of a SharpDraft drafter's constructor that the hook cannot scale: the
+    build stops, and the error TensorRT-LLM reports ends with this one line of ours. (Not
+    an ImportError: TensorRT-LLM's own fallbacks catch those.) It pickles as a plain
+    RuntimeError with the same line: a worker's error reaches a launcher that never loaded
+    the hook's copy (the autoloader's private one) intact."""
+
+    def __reduce__(self):
+        return RuntimeError, (str(self),)
+
+
 class _State:
     def __init__(self):
         self.finder: _Finder | None = None
+        self.delegate = None  # another copy's finder, installed first in this process: it does the work
         self.classes: dict[tuple[str, str], tuple[type, object]] = {}  # -> (class, original __init__)
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self.version: str | None = None
-        self.disabled: str | None = None  # why the hook stood down in this process
+        self.disabled: str | None = None  # what moved: SharpDraft drafters are refused when built
         self.serial = 0  # drafters wrapped in this process (names their proof units)
         self.warned: str | None = None  # the untested release already named on stderr
 
@@ -85,12 +108,20 @@ class _State:
 _state = _State()
 
 
+def _other_hook():
+    """Another copy's SharpDraft finder on sys.meta_path (the launcher's or the autoloader's)."""
+    return next((f for f in sys.meta_path if getattr(f, HOOK_MARK, False) and not isinstance(f, _Finder)), None)
+
+
 def installed() -> bool:
-    return _state.finder is not None
+    """Whether a SharpDraft hook is active in this process (this copy's, or another copy's
+    that installed first)."""
+    return _state.finder is not None or (_state.delegate is not None and _state.delegate in sys.meta_path)
 
 
 def disabled() -> str | None:
-    """Why the hook stood down in this process (None: it did not)."""
+    """What a loaded drafter module lacks, for which every SharpDraft drafter built in this
+    process is refused (None: nothing moved). Stock drafters build either way."""
     return _state.disabled
 
 
@@ -102,9 +133,14 @@ def drafter_scaling(drafter) -> QueryScaling | None:
 def install() -> None:
     """Watch TensorRT-LLM's drafter modules (idempotent). Drafters built from now on whose
     config carries SharpDraft's parameters are scaled with those; others are untouched.
-    Never raises for the installation it finds: see `disabled()`."""
+    Never raises for the installation it finds. Where another copy of the hook installed
+    first (the autoloader's private one, or a launcher's), that one stays the only hook."""
     _state.disabled = None
     if _state.finder is None:
+        other = _other_hook()
+        if other is not None:
+            _state.delegate = other
+            return
         _state.finder = _Finder()
         sys.meta_path.insert(0, _state.finder)
     for name in pins.WATCHED:
@@ -120,6 +156,7 @@ def uninstall() -> None:
     if _state.finder is not None and _state.finder in sys.meta_path:
         sys.meta_path.remove(_state.finder)
     _state.finder = None
+    _state.delegate = None
     for cls, original in _state.classes.values():
         cls.__init__ = original
     _state.classes.clear()
@@ -132,39 +169,28 @@ def uninstall() -> None:
 
 # --- the version guard --------------------------------------------------------------------
 
-def check_version(version: str | None, warn: bool = True) -> str:
-    """version if the hook may run on it: at least pins.MIN_VERSION (older releases lack
-    the drafters); newer than the tested range is allowed (with `warn`, one line on stderr
-    says so): whether it works is decided by the pinned names being present, not by its
-    number. TrtllmHookError (one line) otherwise."""
-    if version is None:
-        raise TrtllmHookError(f"TensorRT-LLM has no {pins.VERSION_MODULE}.__version__ — SharpDraft's hook "
-                              "cannot tell which release it is in")
-    try:
-        older = versions.parse(version) < versions.parse(pins.MIN_VERSION)
-    except ValueError:
-        raise TrtllmHookError(f"TensorRT-LLM's version {version!r} is not a version number") from None
-    if older:
-        raise TrtllmHookError(f"TensorRT-LLM {version} is older than {pins.MIN_VERSION}, the first release "
-                              "with the drafters SharpDraft's hook wraps")
-    if warn and not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION) and _state.warned != version:
-        _state.warned = version
-        sys.stderr.write(f"sharpdraft: TensorRT-LLM {version} is newer than the releases the hook was "
-                         f"tested on ({versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}): "
-                         "untested, accepted because every pinned name is present\n")
+def check_version(version: str | None, warn: bool = True) -> str | None:
+    """The release, never refused for its number: compatibility is decided by the names the
+    hook reads. With `warn`, a release outside the range we read (pins.READ_RANGE), or one
+    whose number cannot be read, gets one line on stderr naming it untested (once)."""
+    label = version if version is not None else "(version unknown)"
+    if (warn and not versions.is_tested(str(version), *pins.READ_RANGE) and _state.warned != label
+            and os.environ.get(proof.UNTESTED_ENV) != label):  # our launcher named it already
+        _state.warned = label
+        sys.stderr.write(f"sharpdraft: TensorRT-LLM {label} is untested (read: "
+                         f"{versions.describe_range(*pins.READ_RANGE)}); accepted because every name "
+                         "SharpDraft reads is present\n")
     return version
 
 
-def _version() -> str:
+def _version() -> str | None:
     if _state.version is None:
         try:
             module = sys.modules.get(pins.VERSION_MODULE) or importlib.import_module(pins.VERSION_MODULE)
             _state.version = str(module.__version__)
         except (ImportError, AttributeError):
             _state.version = None
-    # a stock run on an untested release hears nothing from us; the line comes with the
-    # first SharpDraft drafter (prepare_drafter)
-    return check_version(_state.version, warn=False)
+    return _state.version
 
 
 def _missing(what: str) -> TrtllmHookError:
@@ -180,15 +206,6 @@ def resolve(module, dotted: str):
         if value is None:
             return None
     return value
-
-
-def _disable(reason: str) -> None:
-    """Stand down in this process: never raise inside TensorRT-LLM's import, record why."""
-    first = reason.splitlines()[0] if reason else "?"
-    if _state.disabled is None:
-        sys.stderr.write(f"sharpdraft: hook disabled in this process: {first}\n")
-        proof.record("disabled", drafter=None, reason=first)
-    _state.disabled = first
 
 
 # --- patching on import -------------------------------------------------------------------
@@ -212,13 +229,16 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    _sharpdraft_hook = True  # HOOK_MARK: autoload's lazy finder sees the hook is already here
+    _sharpdraft_hook = True  # HOOK_MARK: autoload's lazy finder and the other copy see the hook is here
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in pins.WATCHED:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+        for finder in list(sys.meta_path):
+            # never ask another SharpDraft finder (the other copy's hook, the lazy autoloader):
+            # two of them asking each other is the recursion one hook per process rules out
+            if (finder is self or getattr(finder, HOOK_MARK, False) or getattr(finder, "_sharpdraft_lazy", False)
+                    or not hasattr(finder, "find_spec")):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -229,31 +249,33 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _patch_module(module) -> None:
-    """Patch the module's drafter classes; on any doubt, disable the hook and record why
-    (never raise: this runs inside `import tensorrt_llm...` of every process)."""
-    try:
-        _version()
-        plan = []
-        for point in pins.PATCH_POINTS:
-            if point.module != module.__name__:
-                continue
-            class_name = point.attribute.split(".")[0]
-            cls = getattr(module, class_name, None)
-            if cls is None:
-                if point.required:
-                    raise _missing(f"{point.module}.{point.attribute}")
-                continue
-            if cls.__dict__.get("__init__") is None:
-                raise _missing(f"{point.module}.{class_name}.__init__ (defined on the class itself)")
-            plan.append((class_name, cls, point.family))
-        known = {name for name, _, _ in plan} | {p.attribute.split(".")[0] for p in pins.PATCH_POINTS}
-        for name, value in vars(module).items():  # drafter classes nobody pinned: refuse when built
-            if (isinstance(value, type) and name not in known and re.search(pins.DRAFTER_CLASS_PATTERN, name)
-                    and getattr(value, "__module__", None) == module.__name__ and "__init__" in value.__dict__):
-                plan.append((name, value, "unknown"))
-    except TrtllmHookError as exc:
-        _disable(str(exc))
-        return
+    """Patch the module's drafter classes (never raises: this runs inside `import
+    tensorrt_llm...` of every process). A required name that moved does not stop the
+    import: the drafter classes present are patched to refuse a SharpDraft drafter when it
+    is built, naming what moved; stock drafters build as ever, and nothing is printed."""
+    _version()
+    plan, drift = [], None
+    for point in pins.PATCH_POINTS:
+        if point.module != module.__name__:
+            continue
+        class_name = point.attribute.split(".")[0]
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            if point.required:
+                drift = drift or f"{point.module}.{point.attribute}"
+            continue
+        if cls.__dict__.get("__init__") is None:
+            drift = drift or f"{point.module}.{class_name}.__init__ (defined on the class itself)"
+            continue
+        plan.append((class_name, cls, point.family))
+    known = {name for name, _, _ in plan} | {p.attribute.split(".")[0] for p in pins.PATCH_POINTS}
+    for name, value in vars(module).items():  # drafter classes nobody pinned: refuse when built
+        if (isinstance(value, type) and name not in known and re.search(pins.DRAFTER_CLASS_PATTERN, name)
+                and getattr(value, "__module__", None) == module.__name__ and "__init__" in value.__dict__):
+            plan.append((name, value, "unknown"))
+    if drift is not None:
+        _state.disabled = f"{drift} is missing"
+        plan = [(name, cls, "drift") for name, cls, _ in plan]
     for class_name, cls, family in plan:
         key = (module.__name__, class_name)
         if key in _state.classes:
@@ -292,17 +314,27 @@ def _after_init(original, family: str):
         draft_config = draft_config_of(args, kwargs)
         parameters = sharpdraft_parameters(draft_config)
         if parameters is None:
-            return  # a stock drafter: never scaled, leaves no record
+            return  # a stock drafter: never scaled, leaves no record, hears nothing
+        carried = dict(parameters) if isinstance(parameters, dict) else parameters
+        policy = carried.pop(pins.IF_UNSCALABLE, None) if isinstance(carried, dict) else None
         try:
-            scaling = QueryScaling.from_dict(dict(parameters))
+            if family == "drift":
+                raise _missing(_state.disabled.removesuffix(" is missing") if _state.disabled else "a pinned name")
+            scaling = QueryScaling.from_dict(carried)
             prepare_drafter(self, family, scaling, draft_config)
-        except (TrtllmHookError, TypeError, ValueError, KeyError) as exc:
-            # never raise out of TensorRT-LLM's model construction: recorded, and our
-            # launchers refuse from the record
+        except (TrtllmHookError, TypeError, ValueError, KeyError, AttributeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            sys.stderr.write(f"sharpdraft: {type(self).__name__} runs WITHOUT SharpDraft: {reason}\n")
-            proof.record("refused", drafter=type(self).__name__, family=family, reason=reason,
+            name = type(self).__name__
+            if policy == proof.FROZEN:
+                sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {os.getpid()}: {name} runs FROZEN "
+                                 f"(its config says if_unscalable: frozen): {reason}\n")
+                proof.record(proof.FROZEN, drafter=name, family=family, reason=reason, scaling=parameters)
+                return
+            proof.record("refused", drafter=name, family=family, reason=reason,
                          scaling=parameters if isinstance(parameters, dict) else None)
+            raise UnscalableDrafter(f"sharpdraft: {name} carries SharpDraft's parameters but cannot be scaled: "
+                                    f"{reason} (to run it frozen instead, set \"{pins.IF_UNSCALABLE}\": "
+                                    f"\"{proof.FROZEN}\" in its config's \"{pins.SHARPDRAFT_KEY}\")") from None
 
     setattr(__init__, FAMILY, family)
     return __init__
@@ -325,14 +357,15 @@ def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=No
     if family == "unknown":
         raise TrtllmHookError(f"{type(drafter).__name__} is a drafter class SharpDraft's hook does not "
                               f"know (TensorRT-LLM {_state.version or '?'}; pinned: plugins/trtllm/pins.py)")
-    if _state.version is not None:
-        check_version(_state.version)  # one line on stderr, once, when the release is untested
+    check_version(_version())  # one line on stderr, once, when the release is outside what we read
     _state.serial += 1
     prefix = f"{type(drafter).__name__}#{_state.serial}"
     if family == "dflash":
         originals, units = _prepare_dflash(drafter, prefix, scaling)
     else:
+        _check_metadata_fields()
         originals, units = _prepare_attention(drafter, family, prefix, scaling, draft_config)
+    proof.start_reporter()  # answers the launcher's requests for the device counts
     vars(drafter)[ORIGINALS] = originals
     vars(drafter)[SCALING] = scaling
     _state.instances.add(drafter)
@@ -366,49 +399,90 @@ def _dflash_audit(drafter) -> None:
                                   "may change the query path: not audited for SharpDraft — refused")
 
 
-class _LayerCounter:
-    """Which DFlash draft layer a kernel call belongs to: the block decode calls the kernel
-    once per draft layer, in order, within one drafter forward (modeling_dflash.py), so
-    the i-th call since the forward began is layer i. Host-side Python only: under CUDA
-    graphs it runs at capture, never at replay."""
+def _check_metadata_fields() -> None:
+    """Drift, refused when the drafter is built: every AttentionMetadata field the EAGLE-3 /
+    PARD count reads (pins.METADATA) must be on the loaded metadata classes (as a class
+    attribute, a dataclass field or annotation, or set in their module's source)."""
+    import inspect
 
-    def __init__(self, units: list[str]):
-        self.units = units
-        self.calls = 0
+    modules = []
+    for name in pins.METADATA_MODULES:  # TensorRT-LLM's own modules, loaded by then in its processes
+        try:
+            modules.append(sys.modules.get(name) or importlib.import_module(name))
+        except Exception:  # the other layout's path
+            continue
+    classes = [getattr(m, c) for m in modules for c in pins.METADATA_CLASSES if isinstance(getattr(m, c, None), type)]
+    if not classes:
+        raise _missing(f"{pins.METADATA_CLASSES[0]} (in {' or '.join(pins.METADATA_MODULES[::2])})")
+    texts = []
+    for module in modules:
+        try:
+            texts.append(inspect.getsource(module))
+        except (OSError, TypeError):
+            pass
+    text = "\n".join(texts)
+    for field in pins.METADATA.values():
+        declared = any(hasattr(c, field) or any(field in vars(k).get("__annotations__", {}) for k in c.__mro__)
+                       for c in classes)
+        if not declared and not re.search(rf"\.{field}\b|\b{field}\s*[:=]", text):
+            raise _missing(f"{pins.METADATA_CLASSES[0]}.{field} (read to count visible keys)")
 
-    def reset(self):
-        self.calls = 0
 
-    def next_unit(self) -> str:
-        unit = self.units[self.calls % len(self.units)]
-        self.calls += 1
-        return unit
+def _layer_marks(drafter, name: str) -> list:
+    """Tell DFlash's draft layers apart by the layer object: dflash_forward calls each draft
+    layer's self_attn.qkv_proj on the block right before that layer's kernel call
+    (pins.DFLASH_LAYER_QUERY), so a wrapper on that instance's forward names the layer the
+    next kernel call serves. Host-side, it runs while a graph is captured or traced; the
+    index it sets is baked into the captured counter op, so every replay counts its own
+    layer. Returns [current index] (a cell the kernel wrapper reads)."""
+    layers = list(getattr(getattr(drafter, "model", None), "layers", None) or ())
+    if not layers:
+        raise _missing(f"{name}.model.layers")
+    current = [None]
+    attribute, projection = pins.DFLASH_LAYER_QUERY
+    for index, layer in enumerate(layers):
+        module = getattr(getattr(layer, attribute, None), projection, None)
+        if module is None or not callable(getattr(module, "forward", None)):
+            raise _missing(f"{name}.model.layers[{index}].{attribute}.{projection}")
+        vars(module)["forward"] = _marking(module.forward, current, index)
+        _state.instances.add(module)
+        vars(module)[ORIGINALS] = {"forward": None}
+    return current
 
 
-def _counting_forward(forward, counter: _LayerCounter):
+def _marking(forward, current: list, index: int):
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        counter.reset()
+        current[0] = index
         return forward(*args, **kwargs)
 
     return wrapper
 
 
+def _counter(tally: proof.Tally, current: list):
+    def count(like):
+        tally.add(current[0], like)
+        current[0] = None  # the next kernel call must be claimed by its own layer's projection
+
+    return count
+
+
 def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling) -> tuple[dict, list[str]]:
-    """Wrap the DFlash drafter's kernel; one proof unit per draft layer."""
+    """Wrap the DFlash drafter's kernel; one proof unit (device counter slot) per draft layer."""
     name = type(drafter).__name__
     _dflash_audit(drafter)
     backend = getattr(drafter, pins.DFLASH_BACKEND_ATTRIBUTE, None)
-    layers = len(getattr(getattr(drafter, "model", None), "layers", None) or ()) or 1
-    units = [f"{prefix}.layers.{i}" for i in range(layers)]
-    counter = _LayerCounter(units)
+    current = _layer_marks(drafter, name)
+    units = [f"{prefix}.model.layers.{i}" for i in range(len(drafter.model.layers))]
+    tally = proof.Tally(units)
+    count = _counter(tally, current)
     get = _getter(scaling)
-    originals = {pins.DRAFTER_FORWARD: None}
+    originals = {}
     if backend is None:
         forward = getattr(drafter, pins.DFLASH_FORWARD, None)
         if forward is None:
             raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE} or {name}.{pins.DFLASH_FORWARD}")
-        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, get, counter)  # older layout
+        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, get, count)  # oldest layout
         originals[pins.DFLASH_FORWARD] = None
     else:
         attribute = pins.DFLASH_KERNELS.get(backend)
@@ -420,36 +494,32 @@ def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling) -> tuple[dict, 
         if kernel is None:
             raise _missing(f"{name}.{attribute} (the {backend} attention kernel)")
         try:
-            wrapped = _wrap_dflash_kernel(backend, kernel, name, attribute, get, counter)
-        except TypeError as exc:  # a kernel whose signature cannot be read: refused, one line
+            wrapped = _wrap_dflash_kernel(backend, kernel, name, attribute, get, count)
+        except TypeError as exc:  # a kernel whose signature cannot be read or moved: refused, one line
             raise TrtllmHookError(str(exc).splitlines()[0]) from None
         setattr(drafter, attribute, wrapped)
         originals[attribute] = kernel
-    forward = getattr(drafter, pins.DRAFTER_FORWARD, None)
-    if forward is not None:
-        vars(drafter)[pins.DRAFTER_FORWARD] = _counting_forward(forward, counter)
     return originals, units
 
 
-def _wrap_dflash_kernel(backend, kernel, name, attribute, get, counter):
-    unit = counter.next_unit
+def _wrap_dflash_kernel(backend, kernel, name, attribute, get, count):
     if backend == "VANILLA":
-        wrapped = wrap_flash_attn_with_kvcache(kernel, get, unit)
+        wrapped = wrap_flash_attn_with_kvcache(kernel, get, count)
     elif backend == "FA4":
-        wrapped = wrap_fa4_fwd(kernel, get, unit)
+        wrapped = wrap_fa4_fwd(kernel, get, count)
     else:  # TRTLLM: a frozen dataclass of flashinfer ops; wrap the two attention calls
         if not dataclasses.is_dataclass(kernel) or not all(
                 hasattr(kernel, field) for field in pins.TRTLLM_GEN_FIELDS):
             raise _missing(f"{name}.{attribute}.{' / '.join(pins.TRTLLM_GEN_FIELDS)}")
         wrapped = dataclasses.replace(kernel, **{
-            pins.TRTLLM_GEN_FIELDS[0]: wrap_trtllm_gen_decode(getattr(kernel, pins.TRTLLM_GEN_FIELDS[0]), get, unit),
+            pins.TRTLLM_GEN_FIELDS[0]: wrap_trtllm_gen_decode(getattr(kernel, pins.TRTLLM_GEN_FIELDS[0]), get, count),
             pins.TRTLLM_GEN_FIELDS[1]: wrap_trtllm_gen_context(getattr(kernel, pins.TRTLLM_GEN_FIELDS[1]), get,
-                                                               unit)})
+                                                               count)})
     return wrapped
 
 
-def _with_wrapped_flash_attn(dflash_forward, get, counter):
-    """The older DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
+def _with_wrapped_flash_attn(dflash_forward, get, count):
+    """The oldest DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
     call time: for the duration of this drafter's call, the module attribute it imports is
     our wrapper (the target never calls flash_attn directly; one model forward at a time)."""
     cache = {}
@@ -460,9 +530,8 @@ def _with_wrapped_flash_attn(dflash_forward, get, counter):
         original = getattr(module, pins.FLASH_ATTN_KERNEL)
         if original not in cache:
             cache.clear()
-            cache[original] = wrap_flash_attn_with_kvcache(original, get, counter.next_unit)
+            cache[original] = wrap_flash_attn_with_kvcache(original, get, count)
         setattr(module, pins.FLASH_ATTN_KERNEL, cache[original])
-        counter.reset()
         try:
             return dflash_forward(*args, **kwargs)
         finally:
@@ -531,14 +600,15 @@ def _prepare_attention(drafter, family: str, prefix: str, scaling: QueryScaling,
             raise TrtllmHookError(f"{name}'s attention layer {definer.__name__} overrides {method} (e.g. "
                                   "QKNormRoPEAttention's fused norm + gate path), which may route the query "
                                   "around apply_rope: not audited for SharpDraft — refused")
-    units = []
-    for layer_name, layer in named:
-        unit = f"{prefix}.{layer_name or 'self'}"
-        units.append(unit)
-        # Instance attributes shadow the class's methods for this layer only.
+    units = [f"{prefix}.{layer_name or 'self'}" for layer_name, _ in named]
+    tally = proof.Tally(units)
+    for index, (layer_name, layer) in enumerate(named):
+        # Instance attributes shadow the class's methods for this layer only; the layer is the
+        # wrapped instance itself, so its counter slot is exact.
         vars(layer)[pins.ATTENTION_FORWARD] = wrap_forward(getattr(layer, pins.ATTENTION_FORWARD), layer)
-        vars(layer)[pins.ATTENTION_METHOD] = wrap_apply_rope(getattr(layer, pins.ATTENTION_METHOD),
-                                                             _getter(scaling), int(layer.q_size), layer, unit)
+        vars(layer)[pins.ATTENTION_METHOD] = wrap_apply_rope(
+            getattr(layer, pins.ATTENTION_METHOD), _getter(scaling), int(layer.q_size), layer,
+            functools.partial(tally.add, index))
         _state.instances.add(layer)
         vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None, pins.ATTENTION_FORWARD: None}
     return {}, units

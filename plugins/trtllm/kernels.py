@@ -13,7 +13,8 @@ rotation), so nothing else in the call changes.
 No wrapper reads a tensor's values on the host (.item, .tolist, Python branches on
 values): they stay valid inside CUDA-graph capture. Python branches only on the call's
 Python arguments (causal, window sizes, which optional tensors are given), which a
-captured graph fixes anyway.
+captured graph fixes anyway. Each scaled call also adds one to its layer's device counter
+(`count`, plugins/trtllm/proof.py Tally): a tensor op, so replays count too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..scaling import QueryScaling
-from . import proof
+from . import pins
 
 __all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode",
            "wrap_trtllm_gen_context", "wrap_fa4_fwd", "WRAPPED"]
@@ -102,10 +103,22 @@ def _fixed_rows(total: torch.Tensor, q_len: int):
     return total[:, None], q_len, row[None, :]
 
 
-def _wrap(kernel: Callable, scaling, name: str, rescale, unit: str | None = None) -> Callable:
+def _binder_checked(kernel: Callable, name: str, needed: tuple[str, ...]):
+    bind = _binder(kernel, name)
+    parameters = inspect.signature(kernel).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        absent = [n for n in needed if n not in parameters]
+        if absent:
+            raise TypeError(f"{name} has no parameter {', '.join(absent)}, which SharpDraft reads to count "
+                            "visible keys: its signature moved")
+    return bind
+
+
+def _wrap(kernel: Callable, scaling, name: str, rescale, count: Callable | None = None,
+          needed: tuple[str, ...] = ()) -> Callable:
     if getattr(kernel, WRAPPED, None) is not None:
         return kernel
-    bind = _binder(kernel, name)
+    bind = _binder_checked(kernel, name, needed)
 
     @functools.wraps(kernel)
     def wrapper(*args, **kwargs):
@@ -113,16 +126,16 @@ def _wrap(kernel: Callable, scaling, name: str, rescale, unit: str | None = None
         if active is None:
             return kernel(*args, **kwargs)
         bound = bind(args, kwargs)
-        rescale(bound.arguments, active)
-        if unit is not None:  # host-side bookkeeping only (a dict; a file the first time)
-            proof.ran(unit() if callable(unit) else unit)  # a callable: the layer this call serves
+        scaled = rescale(bound.arguments, active)
+        if count is not None:  # the layer's device counter: one in-place add, captured with the call
+            count(scaled)
         return kernel(*bound.args, **bound.kwargs)
 
     setattr(wrapper, WRAPPED, kernel)
     return wrapper
 
 
-def wrap_flash_attn_with_kvcache(kernel: Callable, scaling, unit: str | None = None) -> Callable:
+def wrap_flash_attn_with_kvcache(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
     """flash_attn_with_kvcache(q [B, sq, H, D], k_cache, v_cache, k=None, v=None, ...,
     cache_seqlens, cache_batch_idx, ..., causal, window_size=(left, right), ...).
 
@@ -143,8 +156,9 @@ def wrap_flash_attn_with_kvcache(kernel: Callable, scaling, unit: str | None = N
         left, right = a.get("window_size", (-1, -1))
         n = visible_keys(*_fixed_rows(total, q_len), bool(a.get("causal", False)), left, right)
         a["q"] = scale_rows(q, n, active)
+        return a["q"]
 
-    return _wrap(kernel, scaling, "flash_attn_with_kvcache", rescale, unit)
+    return _wrap(kernel, scaling, "flash_attn_with_kvcache", rescale, count, pins.KERNEL_PARAMETERS["VANILLA"])
 
 
 def _varlen_rows(total_q: int, cum_q: torch.Tensor, seq_lens: torch.Tensor):
@@ -158,7 +172,7 @@ def _varlen_rows(total_q: int, cum_q: torch.Tensor, seq_lens: torch.Tensor):
     return seq_lens.to(torch.int64)[seq], q_len, rows - start
 
 
-def wrap_trtllm_gen_decode(kernel: Callable, scaling, unit: str | None = None) -> Callable:
+def wrap_trtllm_gen_decode(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
     """flashinfer trtllm_batch_decode_with_kv_cache(query [B * q_len_per_req, H, D], kv_cache,
     workspace_buffer, block_tables, seq_lens [B], max_seq_len, ..., window_left, ...,
     q_len_per_req, ..., cum_seq_lens_q, ...).
@@ -177,11 +191,13 @@ def wrap_trtllm_gen_decode(kernel: Callable, scaling, unit: str | None = None) -
             total, q_len, row = _fixed_rows(seq_lens, int(a.get("q_len_per_req") or 1))
         n = visible_keys(total, q_len, row, True, left, None).reshape(-1)
         a["query"] = scale_rows(query, n, active)
+        return a["query"]
 
-    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", rescale, unit)
+    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", rescale, count,
+                 pins.KERNEL_PARAMETERS["TRTLLM"])
 
 
-def wrap_trtllm_gen_context(kernel: Callable, scaling, unit: str | None = None) -> Callable:
+def wrap_trtllm_gen_context(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
     """flashinfer trtllm_batch_context_with_kv_cache(query [sum q_len, H, D], kv_cache, ...,
     seq_lens [B], max_q_len, max_kv_len, ..., batch_size, cum_seq_lens_q [B + 1],
     cum_seq_lens_kv, window_left, ..., causal, ...).
@@ -195,11 +211,13 @@ def wrap_trtllm_gen_context(kernel: Callable, scaling, unit: str | None = None) 
         n = visible_keys(total, q_len, row, bool(a.get("causal", True)),
                          a.get("window_left", -1), None)
         a["query"] = scale_rows(query, n, active)
+        return a["query"]
 
-    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", rescale, unit)
+    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", rescale, count,
+                 pins.KERNEL_PARAMETERS["TRTLLM_CONTEXT"])
 
 
-def wrap_fa4_fwd(kernel: Callable, scaling, unit: str | None = None) -> Callable:
+def wrap_fa4_fwd(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
     """FlashAttention-4 `_flash_attn_fwd(q [B, sq, H, D], k, v, ..., seqused_k [B],
     page_table, softmax_scale, causal, ..., window_size_left, window_size_right, ...)`.
 
@@ -221,5 +239,6 @@ def wrap_fa4_fwd(kernel: Callable, scaling, unit: str | None = None) -> Callable
         n = visible_keys(*_fixed_rows(total, q_len), bool(a.get("causal", False)),
                          a.get("window_size_left"), a.get("window_size_right"))
         a["q"] = scale_rows(q, n, active)
+        return a["q"]
 
-    return _wrap(kernel, scaling, "_flash_attn_fwd", rescale, unit)
+    return _wrap(kernel, scaling, "_flash_attn_fwd", rescale, count, pins.KERNEL_PARAMETERS["FA4"])

@@ -2,31 +2,36 @@
 everything checked before TensorRT-LLM builds anything, the proof checked after.
 
 Before (`Launch(...)`, each refusal one line, a LaunchError):
-- the release: older than pins.MIN_VERSION refused; any release whose installed source
-  lacks a pinned name refused, naming it (plugins/trtllm/structure.py); newer than the
-  tested range but structurally the same: accepted, one line on stderr names it untested;
+- the release, by structure alone (plugins/trtllm/structure.py): any release whose
+  installed source lacks a name, signature or metadata field the hook reads, or the DFlash
+  kernel of the attention backend this launch uses, is refused naming it; one outside the
+  range we read (pins.READ_RANGE) but structurally the same is accepted, one line on stderr
+  naming it untested. No version number is refused;
 - configurations whose visible-key count is not exact (refuse_inexact), and attention
   backends the generic Attention path was not audited on (EAGLE-3 / PARD with
   attn_backend other than TRTLLM: FLASHINFER's draft view among them);
 - the drafter directory must carry SharpDraft's parameters, equal to the engine's
   QueryScaling (the directory, not this launch, is what the hook keys on);
 - with more than one rank, the .pth autoloader must be installed (the workers build the
-  drafter; nothing of this process reaches them otherwise).
+  drafter; nothing of this process reaches them otherwise). On one GPU without it, the
+  executor is kept in this process (TLLM_WORKER_USE_SINGLE_PROCESS=1, said on stderr with
+  the reason); with it, TensorRT-LLM keeps its own worker process.
 The hook is installed in this process too (single-process executor, Triton stub) and the
 proof directory is exported in TRTLLM_SHARPDRAFT_PROOF, which MpiPoolSession forwards.
 
-After (`launch.require()`): plugins/trtllm/proof.py. With CUDA graphs (TensorRT-LLM's
-default) the warm-up captures the drafter, so every wrapped layer's `ran` record is
-required once the LLM is built; without them (`cuda_graph_config: null`) only the
-`wrapped` records are, and `generate` requires `ran` after the first request -- the
-drafter's first generation step is the proof. A SharpDraft drafter directory loaded where
-the hook is not installed builds an unscaled drafter and leaves no record: this check is
-what refuses it (TensorRT-LLM's loading code offers no hook-free way to fail on it; see
-docs/trtllm.md).
+After (plugins/trtllm/proof.py): once the LLM is built, `require()` -- every rank that holds
+a drafter wrapped it (or, where its config allows, runs it frozen), and the device counts
+of scaled calls as they stand after warm-up and capture; after the first requests,
+`require_running()` -- every wrapped layer of every rank counted more scaled calls, with or
+without CUDA graphs (the counters are tensor ops inside the captured region). A launch whose
+count stays put is refused in one line. Servers (trtllm-serve, Triton) send one short
+request of their own (`probe`) before they serve. A build TensorRT-LLM stopped because a
+SharpDraft drafter could not be scaled is reported as the hook's one line (`built`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -38,7 +43,7 @@ from . import pins, proof, structure, versions
 from . import autoload
 
 __all__ = ["LaunchError", "Launch", "installed_version", "require_tensorrt_llm", "refuse_inexact",
-           "check_release", "build_llm", "generate"]
+           "check_release", "dflash_backend", "single_process_env", "build_llm", "generate"]
 
 
 class LaunchError(ValueError):
@@ -71,7 +76,7 @@ def require_tensorrt_llm():
 
     if importlib.util.find_spec("tensorrt_llm") is None:
         raise ImportError("TensorRT-LLM is not installed here (it needs an NVIDIA GPU and NVIDIA's "
-                          f"package index; tested: tensorrt_llm {pins.MIN_VERSION} to {pins.MAX_VERSION}) — "
+                          f"package index; configuration written for tensorrt_llm {pins.PINNED}) — "
                           "run trtllm engines on a GPU host, see docs/trtllm.md")
     try:
         return importlib.import_module("tensorrt_llm")
@@ -81,32 +86,32 @@ def require_tensorrt_llm():
                           f"{first})") from None
 
 
-def check_release(version: str | None, root: Path | None = None) -> str:
-    """The release, if SharpDraft may run on it (LaunchError in one line otherwise): at
-    least MIN_VERSION, and every pinned name present in its source; a release newer than
-    the tested range writes one line on stderr naming it untested."""
-    if version is None:
-        raise LaunchError("cannot read TensorRT-LLM's version (no tensorrt_llm distribution metadata "
-                          "or tensorrt_llm.version): SharpDraft's hook cannot vouch for it — "
-                          "run with --no-sharpdraft")
-    try:
-        older = versions.parse(version) < versions.parse(pins.MIN_VERSION)
-    except ValueError:
-        raise LaunchError(f"TensorRT-LLM's version {version!r} is not a version number — run with "
-                          "--no-sharpdraft") from None
-    if older:
-        raise LaunchError(f"TensorRT-LLM {version} is older than {pins.MIN_VERSION}, the first release with "
-                          "the drafters SharpDraft's hook wraps — run with --no-sharpdraft")
-    missing = structure.missing_names(root)
+def check_release(version: str | None, root: Path | None = None, dflash_backend: str | None = None) -> str | None:
+    """The release, if SharpDraft may run on it (LaunchError in one line otherwise): decided
+    by structure alone -- every name, signature and metadata field the hook reads present in
+    its source, and the DFlash kernel of `dflash_backend` (the launch's attention backend;
+    None: no DFlash). A release outside the range we read writes one line naming it untested."""
+    missing = structure.missing_names(root, dflash_backend=dflash_backend)
+    label = version if version is not None else "(version unknown)"
     if missing:
-        raise LaunchError(f"TensorRT-LLM {version} moved what SharpDraft's hook relies on: "
+        raise LaunchError(f"TensorRT-LLM {label} moved what SharpDraft's hook relies on: "
                           f"{'; '.join(missing)} not found (pinned in plugins/trtllm/pins.py) — run with "
                           "--no-sharpdraft")
-    if not versions.is_tested(version, pins.MIN_VERSION, pins.MAX_VERSION):
-        sys.stderr.write(f"sharpdraft: TensorRT-LLM {version} is untested (tested: "
-                         f"{versions.describe_range(pins.MIN_VERSION, pins.MAX_VERSION)}); accepted because "
-                         "every pinned name is present\n")
+    if version is None or not versions.is_tested(version, *pins.READ_RANGE):
+        os.environ[proof.UNTESTED_ENV] = label  # the hook, here and in the workers, need not say it again
+        sys.stderr.write(f"sharpdraft: TensorRT-LLM {label} is untested (read: "
+                         f"{versions.describe_range(*pins.READ_RANGE)}); accepted because every name "
+                         "SharpDraft reads is present\n")
     return version
+
+
+def dflash_backend(config: dict, family: str | None) -> str | None:
+    """The DFlash attention backend this launch uses (DFlashDecodingConfig.attention_backend,
+    VANILLA by default), None for another drafter family."""
+    speculative = config.get("speculative_config") or {}
+    if family != "dflash" and speculative.get("decoding_type") != pins.DECODING_TYPES["dflash"]:
+        return None
+    return str(speculative.get("attention_backend") or "VANILLA").upper()
 
 
 def refuse_inexact(config: dict, family: str | None, drafter_dir: Path | None = None) -> None:
@@ -160,26 +165,51 @@ class Launch:
     """SharpDraft for one launch (see the module docstring).
 
         launch = Launch(scaling, config, family, drafter_dir)   # refuses in one line
-        llm = tensorrt_llm.LLM(**config)
-        applied = launch.require()                               # refuses in one line
-        ...
+        with launch.built():
+            llm = tensorrt_llm.LLM(**config)                     # a stopped build: our one line
+        applied = launch.require()                               # wrapped on every rank
+        ... first requests (servers: launch.probe(llm)) ...
+        applied = launch.require_running()                       # the counts grew
         launch.close()
     """
+
+    PROBE_PROMPT = "SharpDraft probe: count to five. One, two,"
+    PROBE_TOKENS = 8
 
     def __init__(self, scaling, config: dict, family: str | None = None, drafter_dir: Path | None = None,
                  site: Path | None = None):
         from .hook import install
 
         self.scaling = scaling
-        self.version = check_release(installed_version())
+        self._untested_before = os.environ.get(proof.UNTESTED_ENV)
+        try:
+            self._check(config, family, drafter_dir, site)
+        except BaseException:
+            self._restore_untested()
+            raise
+        self.held: list[dict] = []
+        self.before: dict[int, dict] = {}
+        self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
+        self._proof_before = os.environ.get(proof.PROOF_ENV)
+        os.environ[proof.PROOF_ENV] = str(self.directory)  # TRTLLM_-prefixed: forwarded to workers
+        proof.set_directory(self.directory)
+        install()  # this process (single-process executor, Triton stub, serve process)
+
+    def _check(self, config: dict, family: str | None, drafter_dir, site) -> None:
+        """Everything refused before TensorRT-LLM builds anything (one line each)."""
+        self.version = check_release(installed_version(), dflash_backend=dflash_backend(config, family))
         refuse_inexact(config, family, drafter_dir)
         drafter_dir = drafter_dir or (config.get("speculative_config") or {}).get("speculative_model")
         carried = trtllm_config.drafter_parameters(drafter_dir)
-        if carried != scaling.to_dict():
+        policy = carried.get(pins.IF_UNSCALABLE) if isinstance(carried, dict) else None
+        parameters = {k: v for k, v in carried.items() if k != pins.IF_UNSCALABLE} if isinstance(carried, dict) \
+            else carried
+        if parameters != self.scaling.to_dict():
             raise LaunchError(f"the drafter directory {drafter_dir} carries "
                               + ("no SharpDraft parameters" if carried is None else f"SharpDraft parameters {carried}")
-                              + f", not this engine's {scaling.to_dict()} — rebuild it with build_engine.py "
+                              + f", not this engine's {self.scaling.to_dict()} — rebuild it with build_engine.py "
                               "--backend trtllm --sharpdraft")
+        self.frozen_allowed = policy == proof.FROZEN
         self.site = site if site is not None else autoload.find_site()
         sizes = trtllm_config.world_sizes(config)
         self.world = sizes["tp"] * sizes["pp"] * sizes["cp"]
@@ -189,32 +219,85 @@ class Launch:
             raise LaunchError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
                               "processes, which this process's hook does not reach — run `python -m "
                               "plugins.trtllm autoload install` first (docs/trtllm.md)")
-        self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
-        self._proof_before = os.environ.get(proof.PROOF_ENV)
-        os.environ[proof.PROOF_ENV] = str(self.directory)  # TRTLLM_-prefixed: forwarded to workers
-        proof.set_directory(self.directory)
-        install()  # this process (single-process executor, Triton stub, serve process)
 
-    def env(self) -> dict:
-        """Environment for this launch's TensorRT-LLM: one GPU keeps the executor in this
-        process unless the caller chose otherwise."""
-        return {pins.SINGLE_PROCESS_ENV: "1"} if self.world == 1 else {}
+    def _restore_untested(self) -> None:
+        if self._untested_before is None:
+            os.environ.pop(proof.UNTESTED_ENV, None)
+        else:
+            os.environ[proof.UNTESTED_ENV] = self._untested_before
 
-    def require(self, ran: bool | None = None) -> dict:
-        """What was applied (proof.summary), or proof.ProofError in one line, unless every
-        rank holding a drafter wrapped it; with `ran` (default: whether CUDA graphs are on,
-        whose warm-up captures the drafter) also unless every wrapped layer ran scaled."""
-        ran = self.graphs if ran is None else ran
-        return proof.summary(proof.require(self.directory, self.scaling, world=self.world, ran=ran,
-                                           pipeline=self.pipeline))
+    def env(self, announce=lambda line: sys.stderr.write(line + "\n")) -> dict:
+        """Environment for this launch's TensorRT-LLM: the single-process executor only where
+        it is needed -- one GPU and no autoloader, so that the drafter is built in this
+        process, where the hook is -- said in one line with the reason."""
+        return single_process_env(self.world, self.site is not None, announce)
+
+    @contextlib.contextmanager
+    def built(self):
+        """Around TensorRT-LLM's build: where a SharpDraft drafter's constructor stopped it,
+        the error becomes the hook's one line (a LaunchError), whatever TensorRT-LLM wrapped it in."""
+        try:
+            yield
+        except BaseException as exc:
+            refused = [e for e in proof.read(self.directory) if e["kind"] == "refused"]
+            if refused and not isinstance(exc, KeyboardInterrupt):
+                first = refused[0]
+                raise LaunchError(f"sharpdraft: {first.get('drafter')} carries SharpDraft's parameters but cannot "
+                                  f"be scaled (pid {first['pid']} rank {first.get('rank', 0)}): "
+                                  f"{first.get('reason', '?')}") from None
+            raise
+
+    def require(self) -> dict:
+        """What was applied (proof.summary) once the LLM is built, or proof.ProofError in one
+        line, unless every rank holding a drafter wrapped it; reads the device counts as they
+        stand after warm-up (the baseline require_running compares against)."""
+        self.held = proof.require(self.directory, self.scaling, world=self.world, pipeline=self.pipeline,
+                                  frozen_allowed=self.frozen_allowed)
+        self.before = proof.request_counts(self.directory, self.held) if self._wrapped() else {}
+        return proof.summary(self.held, self.before if self._wrapped() else None)
+
+    def require_running(self) -> dict:
+        """After the first requests: proof.ProofError in one line unless every wrapped layer of
+        every rank counted more scaled calls than at require()."""
+        if not self.held:
+            self.require()
+        if not self._wrapped():
+            return proof.summary(self.held)
+        after = proof.request_counts(self.directory, self.held)
+        return proof.summary(self.held, proof.require_growth(self.held, self.before, after))
+
+    def probe(self, llm) -> dict:
+        """A server's own first request, before it serves: require(), one short generation,
+        require_running()."""
+        self.require()
+        from tensorrt_llm import SamplingParams
+
+        llm.generate([self.PROBE_PROMPT], SamplingParams(max_tokens=self.PROBE_TOKENS, temperature=0.0))
+        return self.require_running()
+
+    def _wrapped(self) -> bool:
+        return any(e["kind"] == "wrapped" for e in self.held)
 
     def close(self) -> None:
         if self._proof_before is None:
             os.environ.pop(proof.PROOF_ENV, None)
         else:
             os.environ[proof.PROOF_ENV] = self._proof_before
+        self._restore_untested()
         proof.set_directory(None)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def single_process_env(world: int, autoloader: bool, announce) -> dict:
+    """{TLLM_WORKER_USE_SINGLE_PROCESS: "1"} where SharpDraft needs the executor in this
+    process (one rank, no autoloader to reach TensorRT-LLM's worker), with one line saying
+    why; {} where it does not, or where the variable is set already (yours wins)."""
+    if world != 1 or autoloader or pins.SINGLE_PROCESS_ENV in os.environ:
+        return {}
+    announce(f"sharpdraft: {pins.SINGLE_PROCESS_ENV}=1: one GPU and no autoloader, so TensorRT-LLM's executor "
+             "stays in this process, where SharpDraft's hook is (TensorRT-LLM notes it may slow streaming; "
+             "`python -m plugins.trtllm autoload install` keeps its worker process instead)")
+    return {pins.SINGLE_PROCESS_ENV: "1"}
 
 
 def build_llm(manifest, sharpdraft: bool = True, speculative: bool = True, **overrides):
@@ -233,7 +316,11 @@ def build_llm(manifest, sharpdraft: bool = True, speculative: bool = True, **ove
         for key, value in launch.env().items():
             os.environ.setdefault(key, value)
     try:
-        llm = tensorrt_llm.LLM(**config)
+        if launch is None:
+            llm = tensorrt_llm.LLM(**config)
+        else:
+            with launch.built():
+                llm = tensorrt_llm.LLM(**config)
     except BaseException:
         if launch is not None:
             launch.close()
@@ -260,7 +347,7 @@ def generate(manifest, prompt: str, max_new_tokens: int, temperature: float = 0.
     try:
         output = llm.generate([prompt], params)[0]
         if launch is not None:
-            applied = launch.require(ran=True)  # the first request ran every wrapped layer scaled
+            applied = launch.require_running()  # the first request's draft steps counted up, every layer
     finally:
         llm.shutdown()
         if launch is not None:

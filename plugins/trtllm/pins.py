@@ -3,12 +3,14 @@
 TensorRT-LLM cannot be installed or imported on our machines, so each name below was read
 from its source (GitHub NVIDIA/TensorRT-LLM; the commit of the stored copy we read) or,
 for LLM-API field names, from the API reference generated from `llmapi/llm_args.py` for
-the pinned release. Compatibility is judged by these names, not by a version ceiling: our
-launchers read the installed source files (plugins/trtllm/structure.py) and refuse, in one
-line naming what moved, a release that lacks one, accept a newer release that has them all
-(one line on stderr names it untested), and refuse releases older than MIN_VERSION. Inside
-TensorRT-LLM's own import the hook never raises: a missing PATCH_POINT disables it and
-records why (plugins/trtllm/proof.py), which the launcher's proof check then reports. The
+the pinned release. Compatibility is judged by these names alone, never by a version
+number: our launchers read the installed source files (plugins/trtllm/structure.py) and
+refuse, in one line naming what moved, a release that lacks one (drafter classes, their
+constructor signatures, the metadata fields the count reads, the DFlash kernel of the
+attention backend the launch uses), and accept any release that has them all, with one
+line on stderr naming it untested when it is outside READ_RANGE. When a SharpDraft drafter
+is built the hook checks the same names on the loaded modules and stops the build, in one
+line, where one is missing (plugins/trtllm/hook.py). The
 configuration writers (plugins/trtllm/config.py) emit only LLM_API_FIELDS.
 
 To support another release: read the same files at its tag, update the names and
@@ -32,20 +34,22 @@ from __future__ import annotations
 
 import dataclasses
 
-# The release the hook and the configuration target. DFlash arrived in the 1.3.0rc line
-# (PR #12794); 1.4.0rc1's API reference lists DFlashDecodingConfig.attention_backend
-# in {VANILLA, TRTLLM, FA4}, Eagle3DecodingConfig and PARDDecodingConfig with the fields
-# below. The stored source copies we read are not tied to a tag (see SOURCES): the hook
-# re-checks every name at install time instead of trusting this list blindly.
+# The release the configuration writers target. DFlash arrived in the 1.3.0rc line
+# (PR #12794); the 1.3.0rc27 and 1.4.0rc1 API references list DFlashDecodingConfig.
+# attention_backend in {VANILLA, TRTLLM, FA4}, Eagle3DecodingConfig and PARDDecodingConfig
+# with the fields below. The stored source copies we read are not tied to a tag (see
+# SOURCES): the hook re-checks every name when a drafter is built.
 PINNED = "1.4.0rc1"
-# The tested range, compared as versions (plugins/trtllm/versions.py): 1.4.0rc1.post1,
-# 1.4.0rc2+cu130 and 1.4.0rc4 are in it; 1.3.0rc27 and 1.4.0 are not. Not a ceiling: a
-# newer release is accepted, with one line on stderr naming it untested, when every name
-# below is present (the hook checks the loaded modules; our launchers check the installed
-# source files first, plugins/trtllm/structure.py); older than MIN_VERSION is refused.
-MIN_VERSION = PINNED
-MAX_VERSION = "1.4.0rc4"
-VERSIONS = (MIN_VERSION, MAX_VERSION)  # the two ends, for messages
+# The releases whose sources and docs we read, compared as versions (plugins/trtllm/
+# versions.py). Neither a floor nor a ceiling: a release outside it is accepted, with one
+# line on stderr naming it untested, when every name below is present, and one inside it is
+# refused when one is missing. The older layout (the stored copies that import ..modules.* and
+# ..attention_backend.*, as the 1.3.0rc line's DFlash PR did) differs in where DFlash lives
+# (DFlashForCausalLM inside modeling_speculative.py, kernels VANILLA and TRTLLM only:
+# SOURCES["modeling_speculative_dflash_1_3"]) and where AttentionMetadata lives
+# (METADATA_MODULES); the 1.3.0rc27 docs already list FA4, so which layout a given 1.3.0rc
+# build has is not known from here: both layouts are handled, by structure.
+READ_RANGE = ("1.3.0rc27", "1.4.0rc4")
 
 REPO = "https://github.com/NVIDIA/TensorRT-LLM"
 DOCS = "https://nvidia.github.io/TensorRT-LLM/1.4.0rc1/llm-api/reference"
@@ -112,6 +116,18 @@ SOURCES = {
         "DFlashTrtllmGenOps (frozen dataclass): batch_decode_with_kv_cache = flashinfer "
         "trtllm_batch_decode_with_kv_cache, batch_context_with_kv_cache = flashinfer "
         "trtllm_batch_context_with_kv_cache; get_dflash_flash_attention -> flash_attn_with_kvcache"),
+    "modeling_speculative_dflash_1_3": Source(
+        "tensorrt_llm/_torch/models/modeling_speculative.py",
+        "(stored copy of 125,596 characters, DFlash and DSpark helpers inside; the store does not show "
+        "its commit)",
+        "DFlashForCausalLM(draft_config, *, dflash_attention_backend='VANILLA') defined here: VANILLA -> "
+        "_dflash_flash_attention, TRTLLM -> _dflash_trtllm_gen_ops, anything else ValueError (no FA4); "
+        "dflash_forward loops `for layer_idx, layer in enumerate(self.model.layers)`, calls "
+        "layer.self_attn.qkv_proj(...) on the block, then the kernel: flash_attention(q=Q_bshd, "
+        "k_cache=ctx_k_cache[:, layer_idx], v_cache=..., k=k_noise, v=v_noise, cache_seqlens=ctx, "
+        "cache_batch_idx=..., causal=..., window_size=...) or trtllm_gen_ops.batch_decode_with_kv_cache("
+        "query=..., seq_lens=ctx+block, q_len_per_req=block, window_left=...) / "
+        "batch_context_with_kv_cache(..., causal=False)"),
     "modeling_speculative": Source(
         "tensorrt_llm/_torch/models/modeling_speculative.py", "00679c66c3e38f6d2651ad0a5bef0f94d862e36c",
         "Eagle3ForCausalLM (registered also as Eagle3DeepSeekV3ForCausalLM; _use_mla when the "
@@ -130,6 +146,10 @@ SOURCES = {
         "attention_window_size, ...): qkv_proj -> (dynamic tree with unfused RoPE only: "
         "_adjust_position_ids_for_spec_dec, past = kv_lens_cuda - seq_lens, + "
         "spec_decoding_position_offsets) -> self.apply_rope(q, k, v, position_ids) -> attn; "
+        "_adjust_position_ids_for_spec_dec: gen_len = seq_lens[num_contexts], past = "
+        "kv_lens_cuda[num_contexts:num_contexts + num_gens] - gen_len, offsets = "
+        "spec_decoding_position_offsets[:num_gens * gen_len].view(num_gens, gen_len) (the draft loop "
+        "writes them from row 0, row stride gen_len), applied to rows num_ctx_tokens on; "
         "apply_rope returns (q, k, v), or its inputs unrotated when rope_fusion (fused qkv: "
         "(qkv, None, None)); q_size = num_heads * head_dim; attention_chunk_size on the layer; "
         "class MLA(nn.Module) beside it (not an Attention)"),
@@ -157,7 +177,8 @@ SOURCES = {
         "tensorrt_llm/_torch/pyexecutor/model_engine.py", "(stored copies; the store does not show their commit)",
         "PyTorchModelEngine warm-up: forward passes (autotuner warm-up; _run_cuda_graph_warmup "
         "captures generation graphs for each batch size and draft length) before the LLM serves — "
-        "where the launcher's 'ran scaled' check after construction relies on it"),
+        "where the launcher's counts after construction come from (with CUDA graphs: the warm-up's "
+        "eager run moves each drafter's device counter to the GPU before any capture)"),
     "mpi_session": Source(
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
@@ -225,18 +246,24 @@ DISTRIBUTION = "tensorrt_llm"  # importlib.metadata name: read at launch without
 
 _WRAP_ROPE = "wrapped: after construction, forward/apply_rope of each Attention instance inside"
 PATCH_POINTS = (
+    # DFlash lives in modeling_dflash.py, or (older layout) in modeling_speculative.py: one of
+    # the two is required (structure.py; FAMILIES)
     PatchPoint(DFLASH_MODULE, "DFlashForCausalLM.__init__", "modeling_dflash",
-               "wrapped: after construction, the instance's attention kernel is wrapped", "dflash"),
+               "wrapped: after construction, the instance's attention kernel is wrapped", "dflash",
+               required=False),
     PatchPoint(SPECULATIVE_MODULE, "Eagle3ForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE,
                "eagle3"),
     PatchPoint(SPECULATIVE_MODULE, "PARDForCausalLM.__init__", "modeling_speculative", _WRAP_ROPE, "pard"),
     PatchPoint(DFLASH_MODULE, "DFlashLagunaForCausalLM.__init__", "modeling_dflash_laguna",
                "wrapped like DFlash when it overrides only DFLASH_AUDITED_OVERRIDES", "dflash", required=False),
-    PatchPoint(SPECULATIVE_MODULE, "DFlashForCausalLM.__init__", "modeling_speculative_dflash",
-               "wrapped: dflash_forward's flash_attn_with_kvcache (older layout)", "dflash", required=False),
+    PatchPoint(SPECULATIVE_MODULE, "DFlashForCausalLM.__init__", "modeling_speculative_dflash_1_3",
+               "wrapped like modeling_dflash's (older layout), or, in the oldest copies, "
+               "dflash_forward's flash_attn_with_kvcache", "dflash", required=False),
     PatchPoint(SPECULATIVE_MODULE, "MistralLarge3EagleForCausalLM.__init__", "modeling_speculative",
                "refused when built: MLA drafter layers", "mla", required=False),
 )
+# The drafter families a release must have, each in one of its layouts' patch points.
+FAMILIES = {"dflash": "DFlashForCausalLM", "eagle3": "Eagle3ForCausalLM", "pard": "PARDForCausalLM"}
 # Which module's PATCH_POINTS to check when it loads; the hook patches on load.
 WATCHED = (DFLASH_MODULE, SPECULATIVE_MODULE)
 # Any other class of a watched module whose name says it is a drafter gets a constructor
@@ -252,15 +279,40 @@ DFLASH_FORWARD = "dflash_forward"
 
 # AttentionMetadata fields the EAGLE-3/PARD count reads (SOURCES["attention"]:
 # _adjust_position_ids_for_spec_dec reads the same): per sequence kv_lens_cuda (cached +
-# new keys) and seq_lens (new tokens); num_contexts context requests come first; generation
-# requests carry use_spec_decoding and spec_decoding_position_offsets (each draft token's
-# depth: 1-D for a dynamic tree, [gens, gen_len] otherwise).
-METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens": "seq_lens", "seq_lens_cuda": "seq_lens_cuda",
+# new keys) and seq_lens_cuda (new tokens); num_contexts context requests come first;
+# generation requests carry use_spec_decoding and spec_decoding_position_offsets (each draft
+# token's depth: 1-D for a dynamic tree, written from row 0 with row stride gen_len, or
+# [gens, >= gen_len]). Checked in the installed source before a launch (structure.py) and on
+# the loaded class when a drafter is built (hook.py): a missing one is drift, refused.
+METADATA = {"kv_lens": "kv_lens_cuda", "seq_lens_cuda": "seq_lens_cuda",
             "num_contexts": "num_contexts",
             "num_seqs": "num_seqs", "num_tokens": "num_tokens", "num_ctx_tokens": "num_ctx_tokens",
             "use_spec": "use_spec_decoding",
-            "offsets": "spec_decoding_position_offsets",
-            "stride": "position_offsets_stride"}  # entries per slot of a dynamic tree's 1-D offsets
+            "offsets": "spec_decoding_position_offsets"}
+# Where the metadata classes live: AttentionMetadata in interface.py, TrtllmAttentionMetadata
+# (kv_lens_cuda) in the TRTLLM backend's module; under _torch/attention_backend/ in the
+# older layout (SOURCES["attention_interface"], older path), _torch/attention/backends/ later.
+METADATA_MODULES = ("tensorrt_llm._torch.attention_backend.interface", "tensorrt_llm._torch.attention_backend.trtllm",
+                    "tensorrt_llm._torch.attention.backends.interface",
+                    "tensorrt_llm._torch.attention.backends.trtllm")
+METADATA_CLASSES = ("AttentionMetadata", "TrtllmAttentionMetadata")
+# Constructor parameters the hook reads (SOURCES["modeling_dflash"], ["draft_config"]): every
+# drafter's first parameter is its ModelConfig (DRAFT_CONFIG_ARGUMENTS); DFlash's keyword
+# picks the kernel the instance holds.
+CONSTRUCTOR_PARAMETERS = {"dflash": ("dflash_attention_backend",), "eagle3": (), "pard": ()}
+# What each DFlash kernel wrapper reads from the call it wraps (plugins/trtllm/kernels.py):
+# checked on the held kernel's signature when the drafter is built.
+KERNEL_PARAMETERS = {
+    "VANILLA": ("q", "k_cache", "k", "cache_seqlens", "causal", "window_size"),
+    "TRTLLM": ("query", "seq_lens", "window_left", "q_len_per_req", "cum_seq_lens_q"),
+    "TRTLLM_CONTEXT": ("query", "seq_lens", "cum_seq_lens_q", "window_left", "causal"),
+    "FA4": ("q", "k", "seqused_k", "page_table", "causal", "window_size_left", "window_size_right",
+            "cu_seqlens_q"),
+}
+# DFlash draft layers are told apart by the layer object: dflash_forward calls each draft
+# layer's self_attn.qkv_proj on the block right before that layer's kernel call
+# (SOURCES["modeling_speculative_dflash_1_3"], ["modeling_dflash"]).
+DFLASH_LAYER_QUERY = ("self_attn", "qkv_proj")
 # Where a count cannot be derived exactly from those: refused, at launch or when built.
 CHUNK_ATTRIBUTE = "attention_chunk_size"  # Attention.__init__ (Llama-4 chunked attention)
 DRAFTER_MODEL_CONFIG = "model_config"
@@ -272,6 +324,10 @@ SPARSE_ATTENTION = "sparse_attention_config"  # KV compression / sparse attentio
 DRAFT_CONFIG_ARGUMENTS = ("draft_config", "model_config")
 PRETRAINED_CONFIG = "pretrained_config"
 SHARPDRAFT_KEY = "sharpdraft"
+# Beside the QueryScaling fields there: what to do when the hook cannot scale this drafter.
+# Absent: its build stops (plugins/trtllm/hook.py UnscalableDrafter); "frozen": it runs
+# frozen, said by a startup line, a `frozen` proof record and the sharpdraft_frozen_drafters metric.
+IF_UNSCALABLE = "if_unscalable"
 # ModelConfig.attn_backend: the generic Attention path (EAGLE-3, PARD) is audited on the
 # TRTLLM backend's metadata only; FLASHINFER drafts on its own draft view
 # (SOURCES["attention_flashinfer"]) and VANILLA / others were not read: refused.
@@ -314,6 +370,14 @@ MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.att
 # set it (e.g. tests/unittest/_torch/speculative/*: monkeypatch TLLM_WORKER_USE_SINGLE_PROCESS).
 SERVE_ENTRY = ("tensorrt_llm.commands.serve", "main")
 SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
+# Every name under which an accepted release hands out the LLM class a server builds
+# (commands/serve.py's PyTorchLLM; `from tensorrt_llm import LLM` in newer serving entry
+# points such as the OpenEngine gRPC server): the proof gate replaces each one that is
+# loaded, so a server started from any of them builds a checked LLM. `trtllm-serve`
+# subcommands other than its plain serve path are refused by our launcher (SERVE_COMMANDS).
+# (The defining module, llmapi/llm.py, keeps its own class: its code refers to it by name.)
+LLM_BINDINGS = (("tensorrt_llm", "LLM"), ("tensorrt_llm.llmapi", "LLM"), SERVE_LLM)
+SERVE_SUBCOMMANDS = ("disaggregated", "disaggregated_mpi_worker", "mm_embedding_serve", "grpc", "openengine")
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 
 

@@ -1,4 +1,4 @@
-"""Proof that SharpDraft was applied where TensorRT-LLM runs the drafter.
+"""Proof that SharpDraft was applied where TensorRT-LLM runs the drafter, and that it runs.
 
 The launcher (our generate / trtllm-serve / the Triton llmapi model) cannot see inside
 TensorRT-LLM's worker processes, so every process that builds a SharpDraft drafter writes
@@ -6,26 +6,22 @@ small JSON records into the launch's *proof directory*:
 
 - `wrapped` when a drafter built from a SharpDraft drafter directory is wrapped: its
   class, one unit per draft layer, the QueryScaling its config carries, the pid and the
-  MPI rank (TensorRT-LLM's `mpi_rank()`: COMM_WORLD's rank) -- or `refused` / `disabled`
-  where the hook could not apply beta, and why;
-- `ran`, per layer and per process, the first time that layer's scaled kernel is traced
-  or called (`ran(unit)`; calls are counted per unit, `calls()`).
+  MPI rank (TensorRT-LLM's `mpi_rank()`: COMM_WORLD's rank); `refused` where the hook could
+  not apply beta (the build then stops: plugins/trtllm/hook.py), or `frozen` where the
+  drafter's config asked to run frozen in that case (`"if_unscalable": "frozen"`);
+- `counts`, on request: how many scaled drafter-attention calls each unit has made.
 
-What `ran` proves, and what it cannot. Eagerly, it is written on the layer's first scaled
-call. Under CUDA graphs (on by default) Python runs only while a graph is captured: the
-record then says the layer's query went through our wrapper when the graph was
-recorded, with beta's constants of that moment -- placement before capture. Replays run
-no Python, so nothing here can observe them, count them, or see a graph captured through
-another path; the scaled-call counters stop at capture. A captured graph keeps its scale
-even after `uninstall()`.
-
-The launcher reads the directory (`require`): it refuses in one line unless every rank
-that built a drafter wrapped it with the engine's QueryScaling and nothing was refused
-(with pipeline parallelism only the ranks that hold the drafter build one); with `ran`,
-also unless every wrapped layer of every process ran scaled. With CUDA graphs the
-warm-up captures the drafter and `ran` holds once the LLM is built; without them
-(`cuda_graph_config: null`) the warm-up is context-only, so the proof of running comes
-with the drafter's first generation step (the first request), not before.
+The counts are kept on the device by the scaling itself (`Tally`): every scaled call adds
+one, with an in-place tensor op, to its layer's slot of a per-drafter int64 tensor. That op
+is part of whatever runs the call -- an eager kernel launch, a captured CUDA graph (each
+replay adds again), a torch.compile'd graph -- so replays are counted, where a Python side
+effect would have run once, at capture. The tensors are read outside the graph, only when
+the launcher asks: it drops `flush-N.request` in the directory, and a small thread of each
+process that wrapped a drafter (started with the first one) answers with
+`counts-<pid>.json` (request N, counts per unit). The launcher reads counts once the model
+is built (warm-up and capture are over) and again after its first requests, and refuses,
+in one line, a launch where any wrapped layer of any rank did not count up: that drafter
+ran unscaled, whatever the `wrapped` records say.
 
 The proof directory reaches workers in TRTLLM_SHARPDRAFT_PROOF, read when a record is
 written (a drafter is built long after the worker started, so the variable that
@@ -38,14 +34,21 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 
 __all__ = ["ProofError", "PROOF_ENV", "set_directory", "directory", "record", "read", "require",
-           "summary", "ran", "calls", "rank"]
+           "summary", "Tally", "counts", "request_counts", "require_growth", "rank"]
 
 PROOF_ENV = "TRTLLM_SHARPDRAFT_PROOF"  # TRTLLM_-prefixed: MpiPoolSession forwards it to workers
-_state = {"directory": None, "count": 0}
-_calls: dict[str, int] = {}  # unit -> scaled calls in this process
+# The untested release our launcher already named (forwarded to workers like PROOF_ENV): the
+# hook in a worker then does not name it again -- one line per launch.
+UNTESTED_ENV = "TRTLLM_SHARPDRAFT_UNTESTED_SAID"
+FROZEN = "frozen"  # QueryScaling's config key `if_unscalable`: this value runs an unscalable drafter frozen
+_state = {"directory": None, "count": 0, "reporter": None}
+_tallies = weakref.WeakSet()  # every live Tally of this process (one per wrapped drafter; the drafter holds it)
 
 
 class ProofError(ValueError):
@@ -78,38 +81,117 @@ def rank() -> int:
     return 0
 
 
-def ran(unit: str) -> None:
-    """A wrapper scaled a query of `unit`: count it; the first time, record it."""
-    first = unit not in _calls
-    _calls[unit] = _calls.get(unit, 0) + 1
-    if first:
-        record("ran", unit=unit)
+class Tally:
+    """Scaled drafter-attention calls per unit (draft layer), counted on the device by the
+    scaling itself: `add(index, like)` is one in-place tensor op on this drafter's counter,
+    so it runs wherever the scaled call runs -- inside a captured CUDA graph's replays and a
+    compiled graph's calls too. Index len(units) collects calls no layer claimed."""
+
+    def __init__(self, units):
+        import torch
+
+        self.units = list(units)
+        self.values = torch.zeros(len(self.units) + 1, dtype=torch.int64)
+        _tallies.add(self)
+
+    def add(self, index: int | None, like) -> None:
+        if self.values.device != like.device:
+            # the drafter's first scaled call: TensorRT-LLM runs its warm-up eagerly before it
+            # captures, so the counter lands on the device before any graph records the op
+            import torch
+
+            if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("sharpdraft: a drafter's first scaled call ran inside a CUDA-graph capture; "
+                                   "its counter cannot move to the device there")
+            self.values = self.values.to(like.device)
+        slot = len(self.units) if index is None else index
+        self.values[slot:slot + 1].add_(1)
+
+    def read(self) -> dict[str, int]:
+        values = self.values.detach().to("cpu").tolist()
+        out = dict(zip(self.units, values))
+        if values[-1]:
+            out["(no layer)"] = values[-1]
+        return out
 
 
-def calls() -> dict[str, int]:
-    """Scaled calls per wrapped unit in this process (Python-level calls: a CUDA graph's
-    replays run no Python, so its capture counts once)."""
-    return dict(_calls)
+def counts() -> dict[str, int]:
+    """Scaled calls per wrapped unit in this process, read from the device counters (a
+    device-to-host copy: call it outside a capture)."""
+    out: dict[str, int] = {}
+    for tally in _tallies:
+        for unit, value in tally.read().items():
+            out[unit] = out.get(unit, 0) + value
+    return out
 
 
-def record(kind: str, **fields) -> Path | None:
-    """Write one record (kind: wrapped | refused | disabled) for this process; never raises
-    (it runs inside TensorRT-LLM's model construction and import)."""
-    where = directory()
-    if where is None:
+def _answered(where: Path) -> int:
+    path = where / f"counts-{os.getpid()}.json"
+    try:
+        return int(json.loads(path.read_text()).get("request", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def answer(where: Path | None = None) -> Path | None:
+    """Write this process's counts for the newest flush request (never raises)."""
+    where = where or directory()
+    if where is None or not _tallies:
         return None
-    _state["count"] += 1
-    entry = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "rank": rank(), **fields}
-    path = where / f"{kind}-{os.getpid()}-{_state['count']}.json"
+    try:
+        requests = [int(p.stem.split("-")[1]) for p in where.glob("flush-*.request")]
+    except (OSError, ValueError):
+        return None
+    newest = max(requests, default=0)
+    if newest <= _answered(where):
+        return None
+    try:
+        values = counts()
+    except Exception as exc:  # a device error: say it, in the file the launcher reads
+        values = {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+    entry = {"kind": "counts", "pid": os.getpid(), "host": socket.gethostname(), "rank": rank(),
+             "request": newest, "counts": values}
+    return _write(where, f"counts-{os.getpid()}.json", entry)
+
+
+def _reporter(interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        answer()
+
+
+def start_reporter(interval: float = 0.05) -> None:
+    """The thread that answers flush requests (once per process; daemon). It touches the
+    device only when a request is there: the launcher asks once the model is built and
+    after requests, never while TensorRT-LLM captures."""
+    if _state["reporter"] is None and directory() is not None:
+        thread = threading.Thread(target=_reporter, args=(interval,), name="sharpdraft-proof", daemon=True)
+        _state["reporter"] = thread
+        thread.start()
+
+
+def _write(where: Path, name: str, entry: dict) -> Path | None:
+    path = where / name
     try:
         where.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_text(json.dumps(entry, sort_keys=True))
         temporary.replace(path)  # readers never see half a record
         return path
     except OSError as exc:
         sys.stderr.write(f"sharpdraft: cannot write proof to {where}: {exc}\n")
         return None
+
+
+def record(kind: str, **fields) -> Path | None:
+    """Write one record (kind: wrapped | refused | frozen) for this process; never raises
+    (it runs inside TensorRT-LLM's model construction and import)."""
+    where = directory()
+    if where is None:
+        return None
+    _state["count"] += 1
+    entry = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "rank": rank(), **fields}
+    return _write(where, f"{kind}-{os.getpid()}-{_state['count']}.json", entry)
 
 
 def read(where) -> list[dict]:
@@ -125,32 +207,35 @@ def read(where) -> list[dict]:
     return entries
 
 
-def require(where, scaling, world: int = 1, ran: bool = False, pipeline: int = 1) -> list[dict]:
-    """The 'wrapped' records for this launch; ProofError (one line) unless each rank that
-    holds a drafter wrapped it with `scaling` and nothing was refused or disabled: every
-    rank of the world, or with `pipeline` > 1 stages at least one (the drafter runs in the
-    last stage's epilogue; ranks of the other stages build none); with `ran`, also unless
-    every layer each process wrapped has run scaled at least once."""
+def require(where, scaling, world: int = 1, pipeline: int = 1, frozen_allowed: bool = False) -> list[dict]:
+    """The 'wrapped' (and, where the drafter's config allows it, 'frozen') records for this
+    launch; ProofError (one line) unless each rank that holds a drafter wrapped it with
+    `scaling` and nothing was refused: every rank of the world, or with `pipeline` > 1
+    stages at least one (the drafter runs in the last stage's epilogue; ranks of the other
+    stages build none)."""
     entries = read(where)
-    wrapped = [e for e in entries if e["kind"] == "wrapped"]
-    bad = [e for e in entries if e["kind"] in ("refused", "disabled")]
+    held = [e for e in entries if e["kind"] in ("wrapped", FROZEN)]
+    refused = [e for e in entries if e["kind"] == "refused"]
     head = "SharpDraft was requested but no drafter was wrapped in the worker processes"
-    if bad:
-        first = bad[0]
-        raise ProofError(f"{head.replace('no drafter was wrapped', 'the hook could not apply it')}: "
-                         f"pid {first['pid']} {first['kind']} {first.get('drafter') or 'the hook'}: "
-                         f"{first.get('reason', '?')}")
-    if not wrapped:
+    if refused:
+        first = refused[0]
+        raise ProofError(f"SharpDraft was requested but the hook could not apply it: pid {first['pid']} rank "
+                         f"{first.get('rank', 0)} {first.get('drafter') or 'the hook'}: {first.get('reason', '?')}")
+    frozen = [e for e in held if e["kind"] == FROZEN]
+    if frozen and not frozen_allowed:
+        raise ProofError(f"SharpDraft was requested but pid {frozen[0]['pid']} runs its drafter frozen: "
+                         f"{frozen[0].get('reason', '?')}")
+    if not held:
         raise ProofError(f"{head}: no proof in {where} (the hook never ran where TensorRT-LLM built the "
                          "drafter, or the drafter directory carries no SharpDraft parameters; install "
                          "the autoloader: python -m plugins.trtllm autoload install — docs/trtllm.md)")
     expected = scaling.to_dict()
-    other = [e for e in wrapped if e.get("scaling") != expected]
+    other = [e for e in held if e["kind"] == "wrapped" and e.get("scaling") != expected]
     if other:
         raise ProofError(f"{head} with this engine's QueryScaling: pid {other[0]['pid']} applied "
                          f"{other[0].get('scaling')} (expected {expected})")
     pids_by_rank: dict[int, set] = {}
-    for e in wrapped:
+    for e in held:
         pids_by_rank.setdefault(int(e.get("rank", 0)), set()).add(e["pid"])
     seen = ", ".join(f"rank {r} pid {', '.join(map(str, sorted(p)))}" for r, p in sorted(pids_by_rank.items()))
     missing = [] if int(pipeline) > 1 else [r for r in range(int(world)) if r not in pids_by_rank]
@@ -163,21 +248,69 @@ def require(where, scaling, world: int = 1, ran: bool = False, pipeline: int = 1
             if owners.setdefault(pid, r) != r:
                 raise ProofError(f"{head} of distinct processes: pid {pid} reported ranks {owners[pid]} and {r} "
                                  f"(world {world}; wrapped: {seen})")
-    if ran:
-        done = {(e["pid"], e.get("unit")) for e in entries if e["kind"] == "ran"}
-        idle = [(e, u) for e in wrapped for u in e.get("units", ()) if (e["pid"], u) not in done]
-        if idle:
-            e, u = idle[0]
-            raise ProofError(f"SharpDraft wrapped {len(idle)} layer(s) that never ran scaled "
-                             f"(first: {u} in pid {e['pid']} rank {e.get('rank', 0)}): a path that bypasses "
-                             "the wrappers runs that drafter unscaled")
-    return wrapped
+    return held
 
 
-def summary(wrapped: list[dict]) -> dict:
-    """What a health/metadata output reports: the applied scaling and where."""
-    return {"sharpdraft": True, "scaling": wrapped[0]["scaling"],
-            "drafters": sorted({e["drafter"] for e in wrapped}),
-            "processes": sorted({e["pid"] for e in wrapped}),
-            "ranks": sorted({int(e.get("rank", 0)) for e in wrapped}),
-            "layers": max(e.get("layers", 0) for e in wrapped)}
+def request_counts(where, held: list[dict], timeout: float = 60.0, poll: float = 0.02) -> dict[int, dict]:
+    """Ask every process that wrapped a drafter for its device counts and wait for the
+    answers: {pid: {unit: count}}. ProofError (one line) when a process does not answer
+    within `timeout` seconds."""
+    where = Path(where)
+    pids = sorted({e["pid"] for e in held if e["kind"] == "wrapped"})
+    number = 1 + max((int(p.stem.split("-")[1]) for p in where.glob("flush-*.request")), default=0)
+    (where / f"flush-{number}.request").write_text("")
+    deadline = time.monotonic() + timeout
+    answers: dict[int, dict] = {}
+    while True:
+        for pid in pids:
+            try:
+                entry = json.loads((where / f"counts-{pid}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if int(entry.get("request", 0)) >= number:
+                answers[pid] = entry["counts"]
+        if len(answers) == len(pids):
+            return answers
+        if time.monotonic() > deadline:
+            late = [p for p in pids if p not in answers]
+            raise ProofError(f"SharpDraft's scaled-call counts did not come back from pid {late[0]} within "
+                             f"{timeout:g} s: cannot prove its drafter runs scaled")
+        time.sleep(poll)
+
+
+def require_growth(held: list[dict], before: dict[int, dict], after: dict[int, dict]) -> dict[int, dict]:
+    """ProofError (one line) unless every wrapped layer of every process counted more scaled
+    calls after the requests than before them; returns `after`."""
+    for e in held:
+        if e["kind"] != "wrapped":
+            continue
+        got = after.get(e["pid"], {})
+        if "error" in got:
+            raise ProofError(f"SharpDraft's scaled-call counts of pid {e['pid']} could not be read: {got['error']}")
+        for unit in e.get("units", ()):
+            was, now = before.get(e["pid"], {}).get(unit, 0), got.get(unit, 0)
+            if now <= was:
+                raise ProofError(f"SharpDraft's scaled-call count of {unit} (pid {e['pid']} rank {e.get('rank', 0)}) "
+                                 f"stayed at {now} after the first requests: that drafter ran unscaled")
+    return after
+
+
+def summary(held: list[dict], counted: dict[int, dict] | None = None) -> dict:
+    """What a health/metadata output reports: the applied scaling and where, the scaled-call
+    counts, and the frozen drafters (metric sharpdraft_frozen_drafters)."""
+    wrapped = [e for e in held if e["kind"] == "wrapped"]
+    frozen = [e for e in held if e["kind"] == FROZEN]
+    out = {"sharpdraft": bool(wrapped), "scaling": (wrapped or held)[0].get("scaling"),
+           "drafters": sorted({e["drafter"] for e in held}),
+           "processes": sorted({e["pid"] for e in held}),
+           "ranks": sorted({int(e.get("rank", 0)) for e in held}),
+           "layers": max((e.get("layers", 0) for e in wrapped), default=0),
+           "metrics": {"sharpdraft_frozen_drafters": len(frozen),
+                       "sharpdraft_scaled_calls": sum(sum(v for v in c.values() if isinstance(v, int))
+                                                      for c in (counted or {}).values())}}
+    if frozen:
+        out["frozen"] = [{"pid": e["pid"], "rank": e.get("rank", 0), "drafter": e.get("drafter"),
+                          "reason": e.get("reason")} for e in frozen]
+    if counted is not None:
+        out["counts"] = {str(pid): c for pid, c in sorted(counted.items())}
+    return out

@@ -19,13 +19,18 @@ them out):
 - a generation request with speculative decoding: past = kv_len - gen_len keys plus the
   draft tokens the tree mask leaves visible, its ancestors and itself: depth + 1, with
   the depth TensorRT-LLM's own kernel uses (spec_decoding_position_offsets); a chain is
-  the tree whose depths are 0..gen_len-1; a dynamic tree's depths (1-D, slot storage) are
-  read from slot num_contexts on, since context requests occupy the leading slots in a
-  mixed batch;
+  the tree whose depths are 0..gen_len-1; a dynamic tree's depths (1-D) are read as
+  TensorRT-LLM's own `_adjust_position_ids_for_spec_dec` reads them: the draft loop writes
+  them from row 0 with row stride gen_len (offsets[:num_gens * gen_len].view(num_gens,
+  gen_len)), generation request g in row g, whatever the number of context requests
+  before it in the batch;
 - capped at attention_window_size when the call passes one;
 - rows of q past num_tokens get N = 1 (nothing in the metadata describes them).
-Configurations whose count these cannot give exactly (chunked attention, KV compression)
-are refused when the drafter is built (plugins/trtllm/hook.py).
+Configurations whose count these cannot give exactly (chunked attention, KV compression),
+and metadata classes that lack a field read here, are refused when the drafter is built
+(plugins/trtllm/hook.py); MetadataError below is the last resort for a metadata object
+that still differs at run time. Each scaled call adds one to its layer's device counter
+(`count`, plugins/trtllm/proof.py Tally).
 
 CUDA graphs (on by default in TensorRT-LLM's PyTorch backend; one-model speculative
 decoding captures the drafter's forward): every per-sequence length is read from the
@@ -48,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from . import pins, proof
+from . import pins
 from .kernels import WRAPPED, _active, scale_rows
 
 __all__ = ["wrap_apply_rope", "wrap_forward", "visible_counts", "CALL"]
@@ -101,13 +106,9 @@ def visible_counts(metadata, rows: int, device, window: int | None = None) -> to
         if offsets.dim() == 2:  # [gens, >= gen_len]: one row of depths per request
             offsets = offsets[:num_gens, :gen_len]
         else:
-            # A dynamic tree's depths sit in slot storage whose leading num_contexts slots
-            # belong to the batch's context requests (pins.SOURCES["spec_dec_slots"]): the
-            # generation rows start at slot num_contexts, each slot `stride` entries wide.
-            stride = _field(metadata, "stride")
-            stride = int(stride) if isinstance(stride, int) and stride >= gen_len else gen_len
-            slots = num_contexts + num_gens
-            offsets = offsets[:slots * stride].reshape(slots, stride)[num_contexts:, :gen_len]
+            # A dynamic tree's depths: written by the draft loop from row 0, row stride gen_len
+            # (pins.SOURCES["attention"]: _adjust_position_ids_for_spec_dec)
+            offsets = offsets[:num_gens * gen_len].view(num_gens, gen_len)
         gen_offsets = offsets.reshape(-1)[:gen_rows].to(torch.int64)
         depth = torch.cat((j[:num_tokens - gen_rows], gen_offsets))
     n = kv[seq] - q_lens[seq] + depth + 1
@@ -140,7 +141,7 @@ def wrap_forward(forward: Callable, layer) -> Callable:
     return wrapper
 
 
-def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None, unit: str | None = None) -> Callable:
+def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None, count: Callable | None = None) -> Callable:
     """apply_rope(q, k, v, position_ids) -> (q, k, v) with q's rows (its first q_size
     columns when k is None: fused qkv) multiplied by beta of each row's visible keys, from
     the metadata of the running forward (layer's CALL)."""
@@ -160,8 +161,8 @@ def wrap_apply_rope(apply_rope: Callable, scaling, q_size: int, layer=None, unit
             q = torch.cat((scale_rows(q[..., :q_size], n, active), q[..., q_size:]), dim=-1)
         else:
             q = scale_rows(q, n, active)
-        if unit is not None:
-            proof.ran(unit)  # host-side bookkeeping only (a dict; a file the first time)
+        if count is not None:  # the layer's device counter: one in-place add, captured with the call
+            count(q)
         return q, k, v
 
     setattr(wrapper, WRAPPED, apply_rope)

@@ -7,15 +7,20 @@ It writes the engine's LLM-API arguments (speculative_config included, and the p
 sizes you pass) to a YAML file, and hands over to trtllm-serve's own entry point (console
 script `trtllm-serve` = tensorrt_llm.commands.serve:main) as `trtllm-serve MODEL --config
 FILE [options]`. With SharpDraft (plugins/trtllm/launch.py, docs/trtllm.md):
-- before TensorRT-LLM builds anything: the release and structure check, the refusals of
+- before TensorRT-LLM builds anything: the structure check, the refusals of
   configurations whose key count is not exact, the drafter directory's own SharpDraft
-  parameters, and the hook's reach: one GPU keeps the executor in this process
-  (TLLM_WORKER_USE_SINGLE_PROCESS=1 unless you set it); tp/pp > 1 need the .pth lazy hook
-  (`python -m plugins.trtllm autoload install`) in the workers;
-- once trtllm-serve's launch_server has built the LLM, before it serves: the proof that a
-  drafter was wrapped where it runs (and, with CUDA graphs, ran scaled at capture), else
-  one line and exit 1. The applied scaling is printed (one JSON line on stderr,
-  "sharpdraft_applied"). Frozen runs (--no-sharpdraft) load the stock checkpoint.
+  parameters, and the hook's reach: one GPU without the autoloader keeps the executor in
+  this process (TLLM_WORKER_USE_SINGLE_PROCESS=1 unless you set it, said with the reason);
+  tp/pp > 1 need the .pth lazy hook (`python -m plugins.trtllm autoload install`);
+- the proof gate: every name under which the release hands out its LLM class
+  (pins.LLM_BINDINGS: commands.serve.PyTorchLLM, tensorrt_llm.LLM, ...) is replaced by a
+  checked one, so whichever serving entry point builds the LLM goes through it; trtllm-serve
+  subcommands that serve otherwise (pins.SERVE_SUBCOMMANDS) are refused;
+- once the LLM is built, before it serves: the proof that a drafter was wrapped on every
+  rank, then one short request of ours and the device counts of scaled calls, which must
+  have grown on every wrapped layer (with or without CUDA graphs), else one line and exit 1.
+  The applied scaling and counts are printed (one JSON line on stderr, "sharpdraft_applied").
+  Frozen runs (--no-sharpdraft) load the stock checkpoint.
 --dry-run prints the command, config and environment without TensorRT-LLM.
 """
 
@@ -62,6 +67,9 @@ def parallel_sizes(serve_args: list[str]) -> dict:
     while i < len(serve_args):
         arg = serve_args[i]
         flag, eq, value = arg.partition("=")
+        if i == 0 and arg in pins.SERVE_SUBCOMMANDS:
+            raise LaunchError(f"trtllm-serve {arg} builds its server outside the path SharpDraft's proof gate "
+                              "checks — run it with --no-sharpdraft, or plain serving")
         if flag in pins.SERVE_CONFIG_FLAGS:
             raise LaunchError(f"{flag} is written by this command from the engine directory; pass "
                              "trtllm-serve options, or use trtllm-serve directly (docs/trtllm.md)")
@@ -99,26 +107,57 @@ def plan(manifest, engine_dir: Path, sharpdraft: bool, serve_args: list[str]) ->
             raise LaunchError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
                              "processes, which this process's hook does not reach — run `python -m "
                              "plugins.trtllm autoload install` first (docs/trtllm.md)")
-    env = {}
-    if world == 1 and pins.SINGLE_PROCESS_ENV not in os.environ:
-        env[pins.SINGLE_PROCESS_ENV] = "1"
+    from .launch import single_process_env
+
+    env = single_process_env(world, site is not None, lambda line: sys.stderr.write(line + "\n")) \
+        if scaling is not None else {}
     return {"argv": ["trtllm-serve", model, "--config", None, *serve_args], "config": config | {"model": model},
             "env": env, "scaling": scaling, "autoload": site is not None, "world": world, "manifest": manifest}
 
 
 def checked_llm(llm_class, launch):
-    """trtllm-serve's LLM class, checked: once built, the proof, before anything serves."""
-    def build(*args, **kwargs):
-        llm = llm_class(*args, **kwargs)
+    """A subclass of TensorRT-LLM's LLM class whose instances are checked once built, before
+    anything serves: the proof on every rank, one short request, the device counts grown
+    (launch.probe); the build itself reports a drafter the hook could not scale as its one
+    line. A subclass, not a function: isinstance checks against the stock class still hold."""
+    if getattr(llm_class, "_sharpdraft_checked", False):
+        return llm_class
+
+    def __init__(self, *args, **kwargs):
+        with launch.built():
+            llm_class.__init__(self, *args, **kwargs)
         try:
-            applied = launch.require()
+            applied = launch.probe(self)
         except Exception:
-            llm.shutdown()
+            self.shutdown()
             raise
         sys.stderr.write(json.dumps({"sharpdraft_applied": applied}) + "\n")
-        return llm
 
-    return build
+    return type(llm_class.__name__, (llm_class,), {"__init__": __init__, "_sharpdraft_checked": True,
+                                                   "__module__": llm_class.__module__,
+                                                   "__qualname__": llm_class.__qualname__})
+
+
+def gate_every_binding(launch) -> list[str]:
+    """Replace every loaded name under which TensorRT-LLM hands out its LLM class
+    (pins.LLM_BINDINGS) by the checked one; the names replaced. Refuses (ImportError, one
+    line) where trtllm-serve's own binding is missing: the gate would not be on its path."""
+    import importlib
+
+    replaced = []
+    for module_name, attribute in pins.LLM_BINDINGS:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:
+            continue
+        if hasattr(module, attribute):
+            setattr(module, attribute, checked_llm(getattr(module, attribute), launch))
+            replaced.append(f"{module_name}.{attribute}")
+    llm_module, llm_name = pins.SERVE_LLM
+    if f"{llm_module}.{llm_name}" not in replaced:
+        raise ImportError(f"TensorRT-LLM has no {llm_module}.{llm_name} (the LLM trtllm-serve builds), "
+                          "where SharpDraft checks its proof — run with --no-sharpdraft")
+    return replaced
 
 
 def run(args, manifest, progress=lambda line: sys.stderr.write(line + "\n")) -> int:
@@ -145,13 +184,13 @@ def run(args, manifest, progress=lambda line: sys.stderr.write(line + "\n")) -> 
         os.environ.setdefault(key, value)
     launch = None
     if what["scaling"] is not None:
-        llm_module, llm_name = pins.SERVE_LLM
-        if not hasattr(serve_module, llm_name):  # without it the proof could not be checked: refuse
-            raise ImportError(f"TensorRT-LLM has no {llm_module}.{llm_name} (the LLM trtllm-serve builds), "
-                              "where SharpDraft checks its proof — run with --no-sharpdraft")
         manifest = what["manifest"]
         launch = trtllm.Launch(what["scaling"], what["config"], manifest.drafter, manifest.drafter_dir)
-        setattr(serve_module, llm_name, checked_llm(getattr(serve_module, llm_name), launch))
+        try:
+            gate_every_binding(launch)
+        except ImportError:
+            launch.close()
+            raise
     config_file = tempfile.NamedTemporaryFile("w", prefix="sharpdraft-trtllm-", suffix=".yaml", delete=False)
     with config_file:
         config_file.write(trtllm_config.to_yaml(config))

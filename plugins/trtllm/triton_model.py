@@ -8,10 +8,13 @@ TritonPythonModel below is the stock class with one change, around initialize():
   refusals in one line, the drafter directory's own SharpDraft parameters, the hook in this
   (Triton stub) process. The LLM API's MPI worker, which builds the drafter, is reached by
   the .pth lazy hook where it is installed (stock LLM() spawns one even on one GPU unless
-  TLLM_WORKER_USE_SINGLE_PROCESS is set; this model sets it for one GPU unless you did);
-- after it: the proof that a drafter was wrapped where it runs, else the model refuses to
-  load with one line. The applied scaling is logged and kept as `sharpdraft_applied`
-  (written to sharpdraft_applied.json beside this file for clients and health checks).
+  TLLM_WORKER_USE_SINGLE_PROCESS is set; this model sets it for one GPU only where the
+  autoloader is not installed, and says why, unless you set it);
+- after it: the proof that a drafter was wrapped on every rank, then one short request of
+  ours through the stock model's LLM and the device counts of scaled calls, which must
+  have grown on every wrapped layer, else the model refuses to load with one line. The
+  applied scaling and counts are logged and kept as `sharpdraft_applied` (written to
+  sharpdraft_applied.json beside this file for clients and health checks).
 
 An engine built without --sharpdraft (frozen drafter) needs none of this: its model.yaml
 names the stock checkpoint, which no hook scales. Our code is loaded from the checkout
@@ -97,7 +100,11 @@ class TritonPythonModel(_stock.TritonPythonModel):
     def initialize(self, args):
         launch = _launch()  # refuses in one line before TensorRT-LLM builds anything
         try:
-            result = super().initialize(args)
+            if launch is None:
+                result = super().initialize(args)
+            else:
+                with launch.built():  # a drafter the hook could not scale stops it: our one line
+                    result = super().initialize(args)
         except BaseException:
             if launch is not None:
                 launch.close()
@@ -106,7 +113,11 @@ class TritonPythonModel(_stock.TritonPythonModel):
         if launch is None:
             return result
         try:
-            self.sharpdraft_applied = launch.require()
+            llm = getattr(self, "llm", None)
+            if llm is None:
+                raise _plugins().LaunchError("the stock llmapi model keeps no .llm: SharpDraft cannot send "
+                                             "the request that proves its drafter runs scaled")
+            self.sharpdraft_applied = launch.probe(llm)
         except Exception:
             try:
                 self.finalize()  # stop the engine the stock initialize() started

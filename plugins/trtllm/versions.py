@@ -1,9 +1,10 @@
 """Release numbers compared as versions, without importing TensorRT-LLM or `packaging`.
 
-The hook supports a *range* of TensorRT-LLM releases (pins.MIN_VERSION..pins.MAX_VERSION,
-both inclusive). A local build tag (`+cu130`, `+gitabc`) and a post-release (`.post1`)
-belong to the release they are built from, so they compare as that release; `.devN`
-builds precede it. Only what PEP 440 allows in TensorRT-LLM's own version strings is
+Only to say whether a release is inside the range whose sources we read (pins.READ_RANGE,
+both ends inclusive): a release outside it is named untested, never refused (compatibility
+is decided by structure, plugins/trtllm/structure.py). A local build tag (`+cu130`,
+`+gitabc`) and a post-release (`.post1`) belong to the release they are built from, so they
+compare as that release; `.devN` builds precede it. Only what PEP 440 allows in TensorRT-LLM's own version strings is
 parsed: N(.N)*, an optional a/b/rc pre-release, .postN, .devN, +local.
 """
 

@@ -5,14 +5,14 @@ purpose (no torch, no onnxruntime): the command line reads its choices here
 with it.
 
 A loader(engine_dir, manifest, drafting, **its declared options) hands back a Loaded
-(runtime/backends/roles.py: the tokenizer, the batch target, the batch drafters for a
-scaling and a draft window, the tree drafter, what the backend can run: runtime/modes.py
-BACKENDS).
+(runtime/backends/roles.py: the tokenizer, the batch target, the drafter for a drafting
+setting, what the backend can run: runtime/modes.py BACKENDS). TensorRT-LLM is a backend
+here like the others: its capability says it runs its own loop, and its loader
+(runtime/backends/tensorrt_llm.py) hands out that loop, not roles.
 Where the roles run (device) and in which dtype are loader options, not further
-backends; an option a backend does not take is refused in one line by Engine before
-the loader is called, with the reason this registry records. Nothing above this
-package compares backend names: Engine looks its loader up here. (trtllm engines are
-configuration that TensorRT-LLM runs in its own loop: runtime/trtllm.py.)
+backends; an option a backend does not take is refused in one line, with the reason
+this registry records (runtime/spec.py: open_spec). Nothing above this package compares
+backend names: the spec looks its loader up here.
 
 The roles themselves, and how the decode loop sees them: runtime/backends/roles.py."""
 
@@ -24,8 +24,8 @@ import importlib
 from runtime import modes
 from runtime.placement import DEVICES, DTYPES, PREFILL_DTYPES, STEPS  # noqa: F401 -- the backends' names
 
-# what an engine can be built for, and what this runtime runs (tensorrt: on a GPU; trtllm
-# engines run in TensorRT-LLM's own loop): runtime/modes.py says what each can run
+# what an engine can be built for, and what runs in this runtime's decode loop (tensorrt:
+# on a GPU; a backend with its own loop runs there): runtime/modes.py says what each runs
 BACKENDS = tuple(modes.BACKENDS)
 RUNNABLE_BACKENDS = tuple(name for name, can in modes.BACKENDS.items() if not can.own_loop)
 
@@ -45,12 +45,33 @@ OPTIONS = ("device", "dtype", "steps", "prefill_dtype")
 class Loader:
     """One backend's loader: `module`.`name` called as (engine_dir, manifest, drafting,
     **options) with only the `options` it declares; `refusals`: why it takes none of the
-    other keywords Engine knows, said when one is asked for (`{value}`: the value given)."""
+    other keywords the spec knows, said when one is asked for (`{value}`: the value
+    given); `fixed`: the placement fields (device, dtype) its roles always run in."""
 
+    backend: str
     module: str
     name: str
     options: tuple[str, ...]
     refusals: dict[str, str]
+    fixed: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def can(self) -> modes.Backend:
+        """What this backend runs (runtime/modes.py BACKENDS)."""
+        return modes.BACKENDS[self.backend]
+
+    def placement(self, manifest, options: dict) -> dict:
+        """Where an engine opened with `options` runs its steps (runtime/manifest.py
+        PLACEMENT): the device and dtype this backend fixes, else the ones asked for, else
+        the cpu and engine.json's dtype; compiled steps (None: not compiled)."""
+        where = {"device": "cpu", "dtype": manifest.dtype} | options | self.fixed
+        return {"backend": self.backend, "device": str(where["device"]).split(":")[0],
+                "dtype": where["dtype"], "steps": options.get("steps")}
+
+    def takes_window(self, manifest) -> bool:
+        """Whether this backend's DFlash drafter of `manifest`'s engine drafts under a draft
+        window (the loaded class's answer from engine.json, nothing loaded)."""
+        return getattr(importlib.import_module(self.module), self.name).takes_window(manifest)
 
     def refusal(self, backend: str, option: str, value) -> str | None:
         """Why `backend` (this loader's) does not take `option` (None: it does)."""
@@ -72,21 +93,31 @@ class Loader:
 # opened with it.
 LOADERS: dict[str, Loader] = {
     "torch": Loader(
-        "runtime.backends.pytorch.loader", "TorchLoaded", ("device", "dtype", "steps"),
+        "torch", "runtime.backends.pytorch.loader", "TorchLoaded", ("device", "dtype", "steps"),
         {"prefill_dtype": "the torch backend prefills in the engine's dtype (--dtype), not "
                           "{value}; --prefill-dtype is the onnxruntime backend's"}),
     "onnxruntime": Loader(
-        "runtime.backends.onnxruntime.loader", "OnnxEngine", ("device", "dtype", "prefill_dtype", "threads"),
+        "onnxruntime", "runtime.backends.onnxruntime.loader", "OnnxEngine",
+        ("device", "dtype", "prefill_dtype", "threads"),
         {"steps": "the onnxruntime backend runs exported graphs, not compiled torch steps "
-                  "({value}) — pass --backend torch"}),
+                  "({value}) — pass --backend torch"},
+        fixed={"device": "cpu", "dtype": "float32"}),
     "tensorrt": Loader(
-        "runtime.backends.tensorrt_plans", "TensorRTEngine", ("device", "dtype"),
+        "tensorrt", "runtime.backends.tensorrt_plans", "TensorRTEngine", ("device", "dtype"),
         {"steps": "the tensorrt backend runs built plans, not compiled torch steps ({value}) "
                   "— pass --backend torch",
          "prefill_dtype": "the tensorrt backend prefills in its plans' dtype; --prefill-dtype "
-                          "is the onnxruntime backend's"}),
+                          "is the onnxruntime backend's"},
+        fixed={"device": "cuda"}),
+    # TensorRT-LLM runs the engine in its own loop and places it itself: no option of ours
+    "trtllm": Loader(
+        "trtllm", "runtime.backends.tensorrt_llm", "TensorRTLLMLoop", (),
+        {option: "--" + option.replace("_", "-") + " ({value}) is for the backends that run our "
+                 "loop; TensorRT-LLM places a {backend} engine itself"
+         for option in OPTIONS}),
 }
-assert set(LOADERS) == set(RUNNABLE_BACKENDS), "every runnable backend of the table has a loader"
+assert set(LOADERS) == set(modes.BACKENDS), "every backend of the table has a loader"
+assert all(name == loader.backend for name, loader in LOADERS.items())
 assert all(set(OPTIONS) <= set(loader.options) | set(loader.refusals)
            for loader in LOADERS.values()), "each loader takes, or says why it refuses, every option"
 

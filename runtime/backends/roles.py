@@ -82,14 +82,19 @@ row by row:
   Loaded (what a loader returns for one engine directory; the roles made on demand):
                 can                 -- what this backend runs (runtime/modes.py BACKENDS)
                 tokenizer; device; dtype -- where and in which precision its roles run
-                context_limit       -- the longest sequence its target takes
+                context_limit       -- the longest sequence its batch targets take (the
+                                    target's, or engine.json's max_seq_len if shorter)
                 batch_target()      -> a BatchTarget
+                drafter(setting)    -> the drafter role for a DraftSetting (runtime/
+                                    assembly.py), in one call: the batch drafter of blocks
+                                    or chains, or one row's tree drafter
                 batch_drafter(scaling, window=None) -> a BatchBlockDrafter (DFlash) or a
                                     BatchChainDrafter (PARD, EAGLE-3 with top_k 1) under
                                     `scaling` (None: frozen); with a `window`, each DFlash
                                     row sees only the last `window` of its context keys
                 tree_drafter(scaling) -> an EAGLE-3 tree drafter for one row
-                has_window()        -- whether its DFlash drafter can draft under a window
+                takes_window(manifest) -- (static) whether its DFlash drafter can draft
+                                    under a window, from engine.json alone
 """
 
 from __future__ import annotations
@@ -202,12 +207,32 @@ class Drafting:
     tree_shape: TreeShape | None
     max_drafts: int
 
+    @property
+    def drafts_trees(self) -> bool:
+        return self.style == "tree"
 
-def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
+
+class Loaded:
+    """What every loader's Loaded shares: the drafter role for a drafting setting, handed
+    out in one call (`drafting`: the engine's Drafting, set by the loader)."""
+
+    drafting: Drafting
+
+    def drafter(self, setting):
+        """The drafter role under `setting` (runtime/assembly.py DraftSetting: scaling,
+        window): one row's tree drafter where the engine drafts trees, else the batch
+        drafter of blocks or chains."""
+        if self.drafting.drafts_trees:
+            return self.tree_drafter(setting.scaling)
+        return self.batch_drafter(setting.scaling, setting.window)
+
+
+def drafting_of(engine_dir: Path, manifest: Manifest, shaped: bool = True) -> Drafting:
     """The drafting an engine was built for: its family's style, and a tree family built
-    with one child per node (top_k 1) drafts chains."""
+    with one child per node (top_k 1) drafts chains. `shaped` False: the tree's shape is
+    not ours to read (a backend that runs its own loop configures its own trees)."""
     style, shape = modes.FAMILIES[manifest.drafter], None
-    if style == "tree":
+    if style == "tree" and shaped:
         try:
             shape = TreeShape(**manifest.extra["eagle3"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -219,17 +244,52 @@ def drafting_of(engine_dir: Path, manifest: Manifest) -> Drafting:
     return Drafting(style, shape, manifest.block_size - 1)
 
 
+def _dflash_config(drafter_dir: Path):
+    from runtime.models.dflash import read_dflash_config
+
+    return read_dflash_config(drafter_dir)
+
+
+def _pard_config(drafter_dir: Path):
+    from runtime.models.pard import read_pard_config
+
+    return read_pard_config(drafter_dir)
+
+
+def _eagle3_config(drafter_dir: Path):
+    from runtime.models.eagle3 import read_eagle3_config
+
+    return read_eagle3_config(drafter_dir)
+
+
+# drafter family -> the reader of its checkpoint's config (the one place the runtime's
+# families are told apart outside their loaders; n-gram engines have no checkpoint)
+DRAFTER_CONFIGS = {"dflash": _dflash_config, "pard": _pard_config, "eagle3": _eagle3_config}
+
+
+def drafter_config(manifest: Manifest):
+    """The engine's drafter checkpoint config (its family's), or None (no checkpoint)."""
+    if manifest.drafter_dir is None or manifest.drafter not in DRAFTER_CONFIGS:
+        return None
+    return DRAFTER_CONFIGS[manifest.drafter](manifest.drafter_dir)
+
+
 def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs an engine's drafter reads (the target's `features`,
     TargetModel's convention), from the drafter checkpoint's config: DFlash's
     target_layer_ids, EAGLE-3's auxiliary layers; none for PARD and n-gram engines. The
     torch loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
-    if manifest.drafter == "dflash":
-        from runtime.models.dflash import read_dflash_config
+    layers = FEATURE_LAYERS.get(manifest.drafter)
+    return layers(drafter_config(manifest), num_layers) if layers else ()
 
-        return tuple(read_dflash_config(manifest.drafter_dir).target_layer_ids)
-    if manifest.drafter == "eagle3":
-        from runtime.models.eagle3 import read_eagle3_config
 
-        return tuple(read_eagle3_config(manifest.drafter_dir).feature_layers(num_layers))
-    return ()
+def _dflash_layers(config, num_layers: int) -> tuple[int, ...]:
+    return tuple(config.target_layer_ids)
+
+
+def _eagle3_layers(config, num_layers: int) -> tuple[int, ...]:
+    return tuple(config.feature_layers(num_layers))
+
+
+# drafter family -> the target layers its config says it reads (PARD reads none)
+FEATURE_LAYERS = {"dflash": _dflash_layers, "eagle3": _eagle3_layers}

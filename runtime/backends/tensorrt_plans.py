@@ -6,7 +6,7 @@ One execution context per plan, tensors bound by name (set_input_shape /
 set_tensor_address) and run with execute_async_v3 on one CUDA stream. The KV caches are
 torch tensors preallocated on the GPU and updated in place: the target's
 [layers, batch, kv_heads, capacity, head_dim] buffers are bound to target-kv.plan layer by
-layer (as OnnxTarget binds them to ONNX Runtime), and the drafter's sequence-major cache
+layer (as OnnxBatchTarget binds them to ONNX Runtime), and the drafter's sequence-major cache
 is bound twice, the committed prefix as the past and the free space after it as the
 step's present keys/values, so TensorRT writes the new context's keys straight into it.
 
@@ -32,7 +32,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends.roles import load_tokenizer
+from runtime.backends.roles import Loaded, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
 from runtime.sampling import DraftVocab
@@ -220,7 +220,7 @@ class TensorRTTarget:
     """target-kv.plan over a DeviceKVCache, as a batch target of at most one row (the
     plans are built for one sequence: modes.batch_refusal keeps a server to one request at
     a time); prefill in PREFILL_CHUNK-token steps over compact copies of the committed
-    prefix, as OnnxTarget does (a step costs its bound capacity, and the same binding
+    prefix, as OnnxBatchTarget does (a step costs its bound capacity, and the same binding
     order gives the same arithmetic as ONNX Runtime's)."""
 
     def __init__(self, plan: Plan, dtype: torch.dtype, context_limit: int):
@@ -408,7 +408,7 @@ class TensorRTDFlash:
         return out["logits"][0], meta.block_keys(self.block_size)
 
 
-class TensorRTEngine:
+class TensorRTEngine(Loaded):
     """The plans of one engine directory on one device and stream: the target, the
     SharpDraft drafter and the frozen drafter (those the engine has)."""
 
@@ -461,15 +461,16 @@ class TensorRTEngine:
         if self.vocab is not None:  # the sampler indexes it with the plan's (device) argmax
             self.vocab = dataclasses.replace(self.vocab, ids=self.vocab.ids.to(self.device.torch))
         self.context_limit = int(manifest.extra["max_seq_len"])
-        self.dir = Path(engine_dir)
+        self.dir, self.drafting = Path(engine_dir), drafting
         self.tokenizer = load_tokenizer(manifest.target_dir)
 
     def batch_target(self) -> TensorRTTarget:
         """The target plan, one sequence at a time (a request's own KV cache)."""
         return TensorRTTarget(self.plans["target_kv"], self.dtype, self.context_limit)
 
-    def has_window(self) -> bool:
-        return False
+    @staticmethod
+    def takes_window(manifest: Manifest) -> bool:
+        return False  # the plugin has no window field
 
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None) -> TensorRTDFlash:
         """The SharpDraft drafter (`scaling`: the engine's, compiled in) or the frozen one,

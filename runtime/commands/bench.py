@@ -89,18 +89,18 @@ def bench_modes(engine, asked: list[str] | None) -> tuple[Mode, ...]:
     """The ways to decode, in the table's order: target-only first, then the asked ones
     (default: every mode the engine lists; study modes such as preset when asked)."""
     if not asked:
-        return engine.modes
+        return engine.spec.modes
     refused = {}
     for name in asked:
         mode = next((m for m in Mode if m == name), None)
-        why = "no such mode" if mode is None else engine.refusal(mode)
+        why = "no such mode" if mode is None else engine.spec.refusal(mode)
         if why:
             refused[name] = why
     if refused:
-        studies = [m for m in Mode if m.study and engine.refusal(m) is None]
+        studies = [m for m in Mode if m.study and engine.spec.refusal(m) is None]
         raise UsageError(f"{engine.dir} cannot run mode(s) {list(refused)}: " + "; ".join(
             f"{m}: {why}" for m, why in refused.items())
-            + f" (it runs {', '.join([*engine.modes, *studies])})")
+            + f" (it runs {', '.join([*engine.spec.modes, *studies])})")
     return tuple(m for m in Mode if m == Mode.TARGET or m in asked)
 
 
@@ -213,15 +213,10 @@ def plot(result: dict, path: str) -> None:
 
 def training_max_length(engine) -> int | None:
     """The drafter's training max length, as its config.json records it (None: unknown)."""
-    from runtime.models.dflash import read_dflash_config
-    from runtime.models.eagle3 import read_eagle3_config
-    from runtime.models.pard import read_pard_config
+    from runtime.backends.roles import drafter_config
 
-    if engine.manifest.drafter_dir is None:
-        return None
-    read = {"pard": read_pard_config, "eagle3": read_eagle3_config}.get(engine.manifest.drafter,
-                                                                        read_dflash_config)
-    return read(engine.manifest.drafter_dir).training_max_length
+    config = drafter_config(engine.manifest)
+    return None if config is None else config.training_max_length
 
 
 def run(args) -> int:
@@ -229,10 +224,11 @@ def run(args) -> int:
 
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.spec import open_spec
     from runtime.sampling import Sampling
 
-    engine = Engine(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick",
-                    **device_options(args))
+    engine = Engine(open_spec(args.engine_dir, backend=args.backend, verify="full" if args.verify else "quick",
+                    **device_options(args)))
     check_args(args, engine.context_limit)
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
@@ -271,10 +267,10 @@ def run(args) -> int:
         "target": engine.manifest.target_dir.name,
         "drafter": engine.manifest.drafter, "modes": list(modes),
         "drafter_checkpoint": (engine.manifest.drafter_checkpoint or {}).get("path"),
-        "training_max_length": training_max_length(engine), "ngram": engine.ngram_settings,
+        "training_max_length": training_max_length(engine), "ngram": engine.spec.ngram_settings,
         "query_scaling": engine.scaling.to_dict() if engine.scaling else None,
-        "preset_scaling": engine.family_preset.to_dict() if Mode.PRESET in modes else None,
-        "preset_is_calibrated": Mode.PRESET in modes and engine.family_preset == engine.scaling,
+        "preset_scaling": engine.spec.family_preset.to_dict() if Mode.PRESET in modes else None,
+        "preset_is_calibrated": Mode.PRESET in modes and engine.spec.family_preset == engine.scaling,
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "draft_length": args.draft_length if engine.step_costs else "full (no step costs measured)",
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
@@ -303,7 +299,7 @@ def run_batch(args, engine, docs, sampling, modes) -> int:
     from runtime.commands import bench_batch
     from runtime.engine import EngineError
 
-    why = next((w for m in modes if (w := engine.batch_refusal(m))), None)
+    why = next((w for m in modes if (w := engine.spec.batch_refusal(m))), None)
     if why:
         raise EngineError(f"{engine.dir}: {why}")
     modes = list(modes)

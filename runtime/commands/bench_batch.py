@@ -34,7 +34,7 @@ def measure(engine, requests: list[Request], modes, repeats: int, adaptive: bool
     for r in range(repeats):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             start = time.perf_counter()
-            batched = engine.batch_decoder(mode, adaptive).run(requests)
+            batched = engine.decoder(mode, adaptive).run(requests)
             seconds[mode, "batched"].append(time.perf_counter() - start)
             start = time.perf_counter()
             alone = [engine.generate(q.prompt, q.max_new_tokens, mode, q.sampling, stop=False,

@@ -61,15 +61,16 @@ def own_prompts(engine, path: Path) -> list[list[int]]:
 
 def run(args) -> int:
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     for flag in ("context", "new_tokens", "repeats", "loaded_batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     settings = {"context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats,
                 "loaded_batch": args.loaded_batch}
-    # the record holds where it was measured (Engine.placement): an engine served
+    # the record holds where it was measured (EngineSpec.placement): an engine served
     # elsewhere (another backend, device, dtype or steps) runs the table's rule instead
-    engine = Engine(args.engine_dir, backend=args.backend, **device_options(args))
+    engine = Engine(open_spec(args.engine_dir, backend=args.backend, **device_options(args)))
     if args.prompts_file:
         settings |= {"prompts": own_prompts(engine, Path(args.prompts_file)),
                      "source": args.prompts_file}

@@ -31,7 +31,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from runtime.manifest import MANIFEST, EngineError, open_spec
+    from runtime.manifest import MANIFEST, EngineError
+    from runtime.spec import open_spec
     from runtime.commands.bench import STYLE, first_difference, summarize
     from runtime.measure import decode_from_one_prefill
     from runtime.commands.documents import default_documents, tokenized
@@ -44,13 +45,13 @@ def run(args) -> int:
         raise EngineError(f"{engine_dir} has no {MANIFEST} — run make demo (it builds one), or "
                           f"python {BUILD} --output {engine_dir}")
     spec = open_spec(engine_dir)
-    if spec.query_scaling is None:
+    if spec.scaling is None:
         raise UsageError(f"{engine_dir} was built without --sharpdraft: the demo compares "
                          f"SharpDraft — rebuild it with python {BUILD} --output {engine_dir}")
     engine = Engine(spec)
     doc = default_documents("eval", 1)[0]
     (name, ids), = tokenized(engine.encode, [doc], args.context)
-    modes = engine.modes
+    modes = engine.spec.modes
     progress(f"demo: {name} (evaluation split, never trained on), context {args.context} tokens, "
              f"{args.new_tokens} new tokens, backend {engine.backend}; prefill once, decode "
              f"{len(modes)} ways x {args.repeats} interleaved repeats")

@@ -76,7 +76,7 @@ def measure_chain(engine, ids: list[int], lengths: list[int], top_k: int) -> dic
     `length` tokens and its pard rows; the mass is the mean over the draft rows, each
     row over its own N keys with its own beta."""
     drafter = engine.drafter_model
-    k = engine.max_drafts
+    k = engine.spec.drafting.max_drafts
     out = {Mode.FROZEN: {}, Mode.SHARPDRAFT: {}, "visible": {}}
     for length in lengths:
         row = ids[:length] + [drafter.config.pard_token] * (k - 1)
@@ -131,11 +131,12 @@ def run(args) -> int:
     from runtime.commands.bench import training_max_length
     from runtime.commands.documents import default_documents, tokenized
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
-    engine = Engine(args.engine_dir, backend="torch")  # the probe reads torch tensors
-    if not engine.has_drafter_model:
+    engine = Engine(open_spec(args.engine_dir, backend="torch"))  # the probe reads torch tensors
+    if engine.style is None:
         raise UsageError(f"{args.engine_dir} has no drafter model; nothing to diagnose")
-    if engine.manifest.drafter == "eagle3":
+    if engine.tree_shape is not None:  # EAGLE-3, whose drafts need a tree of scratch keys
         raise UsageError(f"{args.engine_dir}: diagnose probes DFlash and PARD drafters; the "
                          "EAGLE-3 probe is not written yet")
     if engine.scaling is None:

@@ -94,8 +94,8 @@ def alias_flags(args) -> list[str]:
 
 def run(args) -> int:
     from runtime.engine import Engine
-    from runtime.manifest import open_spec
     from runtime.sampling import Sampling
+    from runtime.spec import open_spec
 
     text = read_prompt(args)
     if args.max_new_tokens < 1:
@@ -104,23 +104,20 @@ def run(args) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    options = device_options(args)
-    manifest = open_spec(Path(args.engine_dir), verify="full" if args.verify else "quick")
-    if manifest.backend == "trtllm":
-        if options:
-            raise UsageError(f"--{', --'.join(options)}: for our backends; a trtllm engine runs "
-                             "in TensorRT-LLM, which places it itself")
-        return run_trtllm(args, manifest, text)
-    engine = Engine(manifest, backend=args.backend, **options)  # the spec read above
+    spec = open_spec(Path(args.engine_dir), args.backend,
+                     verify="full" if args.verify else "quick", **device_options(args))
+    if spec.own_loop:
+        return run_own_loop(args, spec, text, sampling)
+    engine = Engine(spec)  # the spec opened above
     prompt = engine.encode(text)
     if len(prompt) >= engine.context_limit:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the target's context holds "
                          f"{engine.context_limit}")
-    mode = decoding_mode(args, engine.mode_for())
-    why = engine.refusal(mode)
+    mode = decoding_mode(args, spec.rule_default())
+    why = spec.refusal(mode)
     if why:
         raise UsageError(f"{args.engine_dir} cannot run '{mode}': {why} (it runs "
-                         f"{', '.join(engine.modes)})")
+                         f"{', '.join(spec.modes)})")
     stream = None if args.json else TextStream(engine.decode)
 
     def show(new: list[int]) -> None:
@@ -131,7 +128,7 @@ def run(args) -> int:
                           stop=not args.ignore_eos, on_tokens=None if args.json else show,
                           adaptive=args.draft_length == "adaptive")
     summary = gen.summary()
-    scaling = (engine.family_preset if mode.swaps_scaling else engine.scaling).to_dict() \
+    scaling = (spec.family_preset if mode.swaps_scaling else spec.scaling).to_dict() \
         if mode.scaled else None
     if args.json:
         # Peak resident memory of this process (KiB on Linux): model, caches and all.
@@ -147,25 +144,23 @@ def run(args) -> int:
     return 0
 
 
-def run_trtllm(args, manifest, text: str) -> int:
-    """A trtllm engine: tensorrt_llm.LLM with its speculative_config, SharpDraft's hook
-    installed first (TensorRT-LLM's own loop, so --draft-length and --ngram do not apply)."""
-    from runtime import trtllm
-
-    drafting, scaled = modes.FAMILIES[manifest.drafter], manifest.query_scaling is not None
-    mode = decoding_mode(args, modes.rule_default(drafting, scaled))
-    own = [m for m in Mode if not m.study and not modes.refusal(m, drafting, "trtllm", scaled, False)]
-    why = modes.refusal(mode, drafting, "trtllm", scaled, False)
-    if why or args.backend:
-        flags = (alias_flags(args) if why else []) + (["--backend"] if args.backend else [])
-        raise UsageError(f"{args.engine_dir} runs in TensorRT-LLM: drop {' '.join(flags)} "
-                         f"({why + '; ' if why else ''}its own loop runs {', '.join(own)})")
-    result = trtllm.generate(manifest, text, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                             sharpdraft=mode.scaled, speculative=mode.uses_drafter_model)
-    scaling = manifest.query_scaling.to_dict() if mode.scaled else None
+def run_own_loop(args, spec, text: str, sampling) -> int:
+    """An engine whose backend runs its own loop (TensorRT-LLM: its LLM with its
+    speculative_config, SharpDraft's hook installed first), so --draft-length, the modes
+    it has no such loop for, --backend and the placement options do not apply."""
+    mode = decoding_mode(args, spec.rule_default())
+    why = spec.refusal(mode)
+    if why or spec.refusals:
+        flags = (alias_flags(args) if why else []) + ["--" + k.replace("_", "-") for k in spec.options]
+        raise UsageError(modes.own_loop_refusal(args.engine_dir, flags, why or spec.refusals[0],
+                                                spec.modes))
+    loop = spec.loader(spec.dir, spec.manifest, spec.drafting)
+    result = loop.generate(text, args.max_new_tokens, sampling, sharpdraft=mode.scaled,
+                           speculative=mode.uses_drafter_model)
+    scaling = spec.scaling.to_dict() if mode.scaled else None
     if args.json:  # sharpdraft_applied: what the proof check saw (drafter, layers, processes)
-        print(json.dumps({"mode": mode, "backend": "trtllm", "sharpdraft": scaling} | result))
+        print(json.dumps({"mode": mode, "backend": spec.backend, "sharpdraft": scaling} | result))
     else:
         print(result["text"])
-        progress(f"[{mode}] {len(result['tokens'])} tokens (TensorRT-LLM)")
+        progress(f"[{mode}] {len(result['tokens'])} tokens (its backend's own loop)")
     return 0

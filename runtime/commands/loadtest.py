@@ -307,12 +307,13 @@ def reference_engine(args):
     import torch
 
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.engine_dir, backend=args.backend, prefill_dtype=args.prefill_dtype)
+    engine = Engine(open_spec(args.engine_dir, backend=args.backend, prefill_dtype=args.prefill_dtype))
     if args.mode:
-        engine.check_mode(args.mode)
+        engine.spec.check_mode(args.mode)
     return engine
 
 
@@ -320,7 +321,7 @@ def run_in_process(args, engine, prompts: list[str]) -> tuple[dict, dict]:
     from runtime.sampling import Sampling
 
     # the mode the requests name, else what the server runs for a request that names none
-    mode = engine.check_mode(args.mode) if args.mode else engine.default_mode
+    mode = engine.spec.check_mode(args.mode) if args.mode else engine.spec.default_mode
     latencies, mals, objects, outputs = [], [], [], {}
     start = time.perf_counter()
     for i in range(args.requests):

@@ -77,6 +77,7 @@ def measure(engine, context: int, repeats: int, warmup: int) -> dict:
 
 def run(args) -> int:
     from runtime.engine import Engine
+    from runtime.spec import open_spec
 
     if args.repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats must be >= 1 and --warmup >= 0")
@@ -88,7 +89,7 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
-    engine = Engine(args.engine_dir, backend=args.backend)
+    engine = Engine(open_spec(args.engine_dir, backend=args.backend))
     if engine.style in ("chain", "tree"):
         raise UsageError(f"{args.engine_dir}: overhead times DFlash block steps; a "
                          f"{engine.manifest.drafter} engine's step is not timed by it yet")

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from runtime.backends import RUNNABLE_BACKENDS
+from runtime.backends import BACKENDS
 from runtime.backends.bf16_prefill import ROWS as PREFILL_ROWS, chunk_problem
 from runtime.cli import UsageError, add_device_options, device_options, progress
 from runtime.serve.protocol import DEFAULT_MAX_NEW_TOKENS_LIMIT
@@ -40,7 +40,7 @@ def add_parser(sub):
                         "two steps of the running requests (0: whole; default %(default)s)")
     p.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                    help="refuse requests above this (default %(default)s)")
-    p.add_argument("--backend", choices=RUNNABLE_BACKENDS + ("trtllm",),
+    p.add_argument("--backend", choices=BACKENDS,
                    help="torch/onnxruntime/tensorrt: our Python-backend model runs the engine with "
                         "this backend instead of the one engine.json names; trtllm: TensorRT-LLM's "
                         "llmapi model with SharpDraft's hook, for engines built with --backend trtllm")
@@ -78,24 +78,20 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
-    from runtime.manifest import open_spec
     from runtime.serve import repository, server
+    from runtime.spec import open_spec
 
-    # engine.json read once, here: the repository writers, the HTTP body bound and the
-    # OpenAI endpoint get this spec; each Triton model process opens it once, in Engine
-    spec = open_spec(args.engine_dir, verify="full" if args.verify else "quick")
-    built_for = spec.backend
+    # the spec opened once, here: the repository writers, the HTTP body bound and the
+    # OpenAI endpoint get it; each Triton model process opens its own once, where it loads
     options = device_options(args)  # the loader's options: runtime.backends.OPTIONS' keys
-    if (args.backend or built_for) == "trtllm":
-        if options:
-            raise UsageError(f"--{', --'.join(k.replace('_', '-') for k in options)}: for our "
-                             "backends; TensorRT-LLM places "
-                             "a trtllm engine itself")
+    spec = open_spec(args.engine_dir, args.backend, verify="full" if args.verify else "quick",
+                     **options)
+    if spec.refusals:
+        raise UsageError(spec.refusals[0])
+    if spec.own_loop:
         return _write_trtllm(args, spec)
-    if built_for == "trtllm":
-        raise UsageError(f"{args.engine_dir} is configuration for TensorRT-LLM; serve it with --backend trtllm")
     if args.llmapi_model:
-        raise UsageError("--llmapi-model goes with --backend trtllm")
+        raise UsageError("--llmapi-model goes with a backend that runs its own loop (--backend trtllm)")
     grid = PREFILL_ROWS if options.get("prefill_dtype") == "bfloat16" else None
     if problem := chunk_problem(args.prefill_chunk, grid):
         raise UsageError(problem)
@@ -174,7 +170,7 @@ def _write_trtllm(args, spec) -> int:
     from pathlib import Path
 
     out = Path(args.model_repository)
-    result = {"model_repository": str(out.resolve()), "models": models, "backend": "trtllm"}
+    result = {"model_repository": str(out.resolve()), "models": models, "backend": spec.backend}
     if args.json:
         print(json.dumps(result))
     else:
@@ -246,31 +242,26 @@ def _run(args, spec, out, models, ports, install, result) -> int:
             signal.signal(s, handler)
 
 
-def _http_max_input(engine) -> int | None:
-    """The biggest HTTP body Triton need read for this engine (its spec, or its directory:
-    open_spec): a prompt the context can hold (protocol.prompt_byte_limit), each byte
-    JSON-escaped at worst (\\u00XX: 6 bytes), plus room for the other fields. None where
-    the context is not recorded."""
+def _http_max_input(spec) -> int | None:
+    """The biggest HTTP body Triton need read for this engine (its spec): a prompt the
+    context can hold (protocol.prompt_byte_limit), each byte JSON-escaped at worst
+    (\\u00XX: 6 bytes), plus room for the other fields. None where the context is not
+    recorded."""
     from runtime.engine import load_tokenizer
-    from runtime.manifest import open_spec
-    from runtime.serve.protocol import context_bound, prompt_byte_limit
+    from runtime.serve.protocol import prompt_byte_limit
 
-    manifest = open_spec(engine, verify="skip")
-    context = context_bound(manifest)
-    if context is None:
+    if spec.context is None:
         return None
-    return 6 * prompt_byte_limit(load_tokenizer(manifest.target_dir), context) + 2**16
+    return 6 * prompt_byte_limit(load_tokenizer(spec.manifest.target_dir), spec.context) + 2**16
 
 
 def _start_openai(args, spec, models, srv, limit):
-    from runtime.manifest import PLACEMENT
     from runtime.serve.openai_api import OpenAIServer, Settings
 
-    # where the engine is served (Engine.placement's keys), for the measured default mode
-    served_as = {k: getattr(args, k, None) for k in PLACEMENT}
+    # the spec knows where the engine is served (its placement), for the measured default
     host = f"[{srv.HOST}]" if ":" in srv.HOST else srv.HOST
     settings = Settings(spec, models[0], models[1], f"{host}:{srv.ports.grpc}", limit,
-                        served_as, api_key=args.api_key)
+                        api_key=args.api_key)
     frontend = OpenAIServer(settings, args.openai_port, args.host)
     frontend.start()
     return frontend

@@ -19,9 +19,9 @@ def run(args) -> int:
     from plugins.trtllm import serve
     from plugins.trtllm.launch import LaunchError
     from runtime.cli import UsageError, progress
-    from runtime.manifest import open_spec
+    from runtime.spec import open_spec
 
-    try:  # the spec opened once, here, and handed to the launcher
-        return serve.run(args, open_spec(Path(args.engine_dir)), progress)
+    try:  # the spec opened once, here, and its engine.json handed to the launcher
+        return serve.run(args, open_spec(Path(args.engine_dir)).manifest, progress)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None

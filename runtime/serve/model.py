@@ -45,9 +45,12 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         from runtime.backends import OPTIONS
 
+        from runtime.spec import open_spec
+
         options = {k: params[k] for k in OPTIONS if params.get(k)}  # the loader's, as serve wrote them
-        # engine.json opened once in this process: by Engine (runtime.manifest.open_spec)
-        self.engine = protocol.load_engine(engine_dir, params.get("backend") or None, options)
+        # the engine's spec opened once in this process, here, where it enters
+        self.engine = protocol.load_engine(open_spec(engine_dir, params.get("backend") or None,
+                                                     **options))
         self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
         # prompts longer than this many bytes cannot fit the context: refused untokenized
         self.prompt_bytes = protocol.prompt_byte_limit(self.engine.tokenizer, self.engine.context_limit)

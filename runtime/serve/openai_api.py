@@ -230,34 +230,6 @@ def decode_body(raw: bytes):
     return body
 
 
-def served_modes(manifest) -> tuple[str, ...]:
-    """Modes a request may name on this engine: the modes table's rules applied to what
-    engine.json records (runtime/modes.py, as Engine.modes applies them to a loaded
-    engine; the served model checks again and refuses, listing its own, if they differ)."""
-    from runtime import modes
-
-    drafting = modes.FAMILIES.get(manifest.drafter)
-    scaled = manifest.query_scaling is not None
-    window = manifest.extra.get("draft_window") is not None
-    return tuple(str(m) for m in modes.Mode if not m.study
-                 and modes.refusal(m, drafting, manifest.backend, scaled, window) is None)
-
-
-def served_default(manifest, served: tuple[str, ...], placement: dict | None = None) -> str:
-    """The mode a request that names none runs: the measured default where it was measured
-    as the engine is served (`placement`, default the build's; Manifest.measured_on) and
-    the engine can run it, else the table's rule (modes.default_mode, as for
-    Engine.default_mode)."""
-    from runtime import modes
-
-    placement = placement or manifest.build_placement(manifest.backend)
-    record = manifest.default_record(placement)
-    return str(modes.default_mode(record, placement["backend"],
-                                  [modes.Mode(m) for m in served],
-                                  modes.FAMILIES.get(manifest.drafter),
-                                  manifest.query_scaling is not None))
-
-
 def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
     """THE one place a request's `sharpdraft.mode` becomes the served model's inputs: its
     `mode` input, a name of the modes table (runtime/serve/protocol.py)."""
@@ -320,24 +292,21 @@ class Settings:
     longest token for the prompts' byte bound), the limit, the modes, the API key, and
     where Triton listens."""
 
-    def __init__(self, engine, model: str, stream_model: str, grpc_url: str,
-                 max_new_tokens_limit: int, served_as: dict | None = None, api_key: str | None = None):
-        """engine: the spec serve opened (runtime.manifest.open_spec), or its directory."""
+    def __init__(self, spec, model: str, stream_model: str, grpc_url: str,
+                 max_new_tokens_limit: int, api_key: str | None = None):
+        """spec: the engine spec serve opened (runtime/spec.py: open_spec, on the backend
+        and with the options it serves with): the modes a request may name and the one it
+        runs when it names none, as the served model's own spec answers them."""
         from runtime.engine import load_tokenizer
-        from runtime.manifest import open_spec
 
-        manifest = open_spec(engine, verify="skip")
-        self.tokenizer = load_tokenizer(manifest.target_dir)
-        self.modes = served_modes(manifest)
-        # served_as: serve's --backend/--device/--dtype/--steps (None: the build's)
-        served_as = {k: v for k, v in (served_as or {}).items() if v is not None}
-        placement = manifest.build_placement(served_as.get("backend", manifest.backend)) | served_as
-        self.default_mode = served_default(manifest, self.modes, placement)
+        self.tokenizer = load_tokenizer(spec.manifest.target_dir)
+        self.modes = tuple(str(m) for m in spec.modes)
+        self.default_mode = str(spec.default_mode)
         self.model, self.stream_model, self.grpc_url = model, stream_model, grpc_url
         self.limit = max_new_tokens_limit
-        from runtime.serve.protocol import context_bound, prompt_byte_limit
+        from runtime.serve.protocol import prompt_byte_limit
 
-        self.context = context_bound(manifest)
+        self.context = spec.context
         self.prompt_bytes = None if self.context is None else prompt_byte_limit(self.tokenizer, self.context)
         self.api_key = api_key  # None: open; else every /v1 route wants it as a Bearer token
         # Triton's gRPC restricted protocols read the header KEY as `triton-grpc-protocol-KEY`

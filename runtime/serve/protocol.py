@@ -129,16 +129,16 @@ class Request:
         """The mode this request runs on `engine`: the one it names, which must be among the
         engine's modes; with `sharpdraft` true or false, SharpDraft or the drafter frozen
         (the table's rule); with neither, the engine's default, the fastest mode its build
-        measured (Engine.default_mode)."""
+        measured (EngineSpec.default_mode)."""
         if self.asked_mode is None:
             if self.sharpdraft is None:
-                return engine.default_mode
-            return engine.mode_for(self.sharpdraft)
+                return engine.spec.default_mode
+            return engine.spec.rule_default(self.sharpdraft)
         mode = modes.Mode(self.asked_mode)
-        if mode not in engine.modes:
-            why = engine.refusal(mode) or "it is a study, run by bench"
+        if mode not in engine.spec.modes:
+            why = engine.spec.refusal(mode) or "it is a study, run by bench"
             raise RequestError(f"this model cannot run mode '{mode}': {why} (it runs "
-                               f"{', '.join(engine.modes)})")
+                               f"{', '.join(engine.spec.modes)})")
         return mode
 
 
@@ -231,14 +231,14 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     return request
 
 
-def load_engine(engine_dir: str, backend: str | None, options: dict):
-    """The served engine, loaded on a thread that ends with the load (runtime/openmp.py),
-    so the scheduler's thread, which decodes, holds the process's one OpenMP pool.
-    `options`: the loader's (runtime.backends.OPTIONS: device, dtype, steps, prefill_dtype)."""
+def load_engine(spec):
+    """The engine `spec` describes (opened by the served model, where it enters), loaded on
+    a thread that ends with the load (runtime/openmp.py), so the scheduler's thread, which
+    decodes, holds the process's one OpenMP pool."""
     from runtime.engine import Engine
     from runtime.openmp import in_own_thread
 
-    return in_own_thread(Engine, engine_dir, backend=backend, **options)
+    return in_own_thread(Engine, spec)
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -253,21 +253,6 @@ def prompt_byte_limit(tokenizer, context_limit: int) -> int:
     token covers at most longest_token_bytes, so a longer prompt is refused by its length
     alone, before a tokenizer spends seconds on megabytes that cannot fit."""
     return context_limit * longest_token_bytes(tokenizer)
-
-
-def context_bound(manifest) -> int | None:
-    """The target's context as engine.json and the target's config.json say, without
-    loading it (the engine may hold less: Engine.context_limit); None if neither says."""
-    import json as json_
-    from pathlib import Path
-
-    limits = [int(manifest.extra["max_seq_len"])] if manifest.extra.get("max_seq_len") else []
-    config = Path(manifest.target_dir) / "config.json"
-    if config.is_file():
-        positions = json_.loads(config.read_text()).get("max_position_embeddings")
-        if positions:
-            limits.append(int(positions))
-    return min(limits) if limits else None
 
 
 def encode_prompt(engine, request: Request, byte_limit: int | None = None) -> list[int]:

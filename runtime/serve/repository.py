@@ -12,7 +12,6 @@ import re
 import shutil
 from pathlib import Path
 
-from runtime.manifest import Manifest, open_spec
 from runtime.serve import protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -102,18 +101,18 @@ def write_model(out: Path, name: str, engine_dir: Path, instances: int, streamin
     return model_dir
 
 
-def write_repository(engine: str | Path | Manifest, out: str | Path, name: str | None = None,
+def write_repository(spec, out: str | Path, name: str | None = None,
                      instances: int = 1, streaming: bool = False,
                      max_new_tokens_limit: int = protocol.DEFAULT_MAX_NEW_TOKENS_LIMIT,
-                     threads: str = "auto", verify: str = "quick", backend: str | None = None,
+                     threads: str = "auto", backend: str | None = None,
                      max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                      options: dict | None = None) -> list[str]:
-    """Write the model(s) for `engine` (its spec, or its directory: runtime.manifest.open_spec)
-    into the repository `out`; returns their names. `options`: the loader's
-    (runtime.backends.OPTIONS: the commands' --device, --dtype, --steps, --prefill-dtype)."""
-    # a missing or stale engine refused now, not at server start
-    engine_dir = Path(open_spec(engine, verify).dir)
+    """Write the model(s) for the engine `spec` describes (runtime/spec.py: open_spec, where
+    a missing or stale engine is refused, not at server start) into the repository `out`;
+    returns their names. `options`: the loader's (runtime.backends.OPTIONS: the commands'
+    --device, --dtype, --steps, --prefill-dtype)."""
+    engine_dir = spec.dir
     if instances < 1:
         raise ValueError(f"--instances must be >= 1, got {instances}")
     if max_new_tokens_limit < 1:
@@ -180,23 +179,20 @@ def trtllm_config_pbtxt(name: str, llmapi_model: Path | None) -> str:
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n")
 
 
-def write_trtllm_repository(engine: str | Path | Manifest, out: str | Path, name: str | None = None,
-                            llmapi_model: str | Path | None = None, streaming: bool = False,
-                            verify: str = "quick") -> list[str]:
+def write_trtllm_repository(spec, out: str | Path, name: str | None = None,
+                            llmapi_model: str | Path | None = None, streaming: bool = False) -> list[str]:
     """<out>/<name>/{config.pbtxt, 1/model.py, 1/model.yaml, 1/sharpdraft.json}: TensorRT-LLM's
     llmapi Triton model layout. 1/model.py installs SharpDraft's hook, then defers to the
     stock llmapi model (copied into 1/llmapi/ from `llmapi_model`, TensorRT-LLM's
     triton_backend/all_models/llmapi/tensorrt_llm, or found at run time through
     $SHARPDRAFT_LLMAPI_MODEL). model.yaml holds the engine's LLM() arguments; sharpdraft.json
     what 1/model.py needs of the spec (the scaling, the drafter family), so that process
-    reads no engine.json. `engine`: its spec, or its directory (runtime.manifest.open_spec)."""
-    from runtime import trtllm
-
-    manifest = open_spec(engine, verify)
-    engine_dir = Path(manifest.dir)
-    if manifest.backend != "trtllm":
-        raise ValueError(f"{engine_dir} was built for backend {manifest.backend!r}; --backend trtllm "
-                         "serves engines built with build_engine.py --backend trtllm")
+    reads no engine.json. `spec`: the engine's (runtime/spec.py), on a backend that runs its
+    own loop; its refusals (an engine built for another backend) in one line."""
+    if not spec.own_loop or spec.refusals:
+        raise ValueError(spec.refusals[0] if spec.refusals else
+                         f"{spec.dir}: backend {spec.backend!r} runs our loop, not its own")
+    manifest, engine_dir = spec.manifest, spec.dir
     stock = Path(llmapi_model) if llmapi_model else None
     if stock is not None and not ((stock / "config.pbtxt").is_file() and (stock / "1" / "model.py").is_file()):
         raise ValueError(f"{stock} is not TensorRT-LLM's llmapi model directory (config.pbtxt, 1/model.py) — "
@@ -210,8 +206,8 @@ def write_trtllm_repository(engine: str | Path | Manifest, out: str | Path, name
     version = model_dir / "1"
     version.mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(trtllm_config_pbtxt(name, stock))
-    (version / "model.yaml").write_text(
-        trtllm.model_yaml(trtllm.llm_api_config(manifest), engine_dir, decoupled=streaming))
+    loop = spec.loader(engine_dir, manifest, spec.drafting)
+    (version / "model.yaml").write_text(loop.model_yaml(decoupled=streaming))
     (version / TRTLLM_SETTINGS).write_text(json.dumps({
         "engine_dir": str(engine_dir.resolve()),
         "repo_root": os.path.relpath(REPO_ROOT, version.resolve()),

@@ -25,7 +25,7 @@ delay, and joining prompts prefill whole.
 A job that names no mode joins the default batch: the batch of the mode the last
 default job took, while it has rows (one batch serves the load; two half batches would
 each pay a whole step); else the engine's default for the load it joins (running,
-joining and waiting requests, itself included, up to max_batch: Engine.default_mode_at,
+joining and waiting requests, itself included, up to max_batch: EngineSpec.default_mode_at,
 the one rule in runtime/modes.py over the batch sizes the build measured). Each step of
 the default batch follows the load it runs at: where the default at that batch size
 drafts with no drafter model (target-only, n-gram lookup), the step sets the drafter's
@@ -178,7 +178,7 @@ class StepScheduler:
             if batch_refusal(self.engine.backend) is not None:
                 self.decoders[mode] = None
             else:
-                self.decoders[mode] = self.engine.batch_decoder(mode)
+                self.decoders[mode] = self.engine.decoder(mode)
         return self.decoders[mode]
 
     def _loop(self) -> None:
@@ -215,7 +215,7 @@ class StepScheduler:
                     job.on_done(Generation(len(job.ids)))
                     return
             if job.mode is None:
-                job.mode = self._default_batch() or self.engine.default_mode_at(load)
+                job.mode = self._default_batch() or self.engine.spec.default_mode_at(load)
                 self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
@@ -296,7 +296,7 @@ class StepScheduler:
         with no drafter model (target: every draft; ngram: the drafter's, lookups stay)."""
         if decoder is not self.decoders.get(self.default):
             return frozenset()
-        at = Mode(self.engine.default_mode_at(len(decoder.active)))
+        at = Mode(self.engine.spec.default_mode_at(len(decoder.active)))
         if at.uses_drafter_model:
             return frozenset()
         drafter = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED})

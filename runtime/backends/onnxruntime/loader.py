@@ -10,9 +10,8 @@ import numpy as np
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends import bf16_prefill
-from runtime.backends.roles import load_tokenizer
+from runtime.backends.roles import Loaded, drafting_of, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
-from runtime.tree import TreeShape
 from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched, has_window,
                                                   open_session)
 from runtime.backends.onnxruntime.target import OnnxBatchTarget
@@ -20,7 +19,7 @@ from runtime.backends.onnxruntime.drafters import (BoundBatchDFlash, OnnxBatchDF
                                                    OnnxBatchEagle3, OnnxBatchPARD, OnnxEagle3)
 
 
-class OnnxEngine:
+class OnnxEngine(Loaded):
     """The sessions of one engine directory: target, SharpDraft drafter, frozen drafter.
     The onnxruntime backend's loader (runtime/backends/__init__.py: LOADERS): float32
     graphs on the CPU, so `device` and `dtype` take those values only; `prefill_dtype`
@@ -61,7 +60,8 @@ class OnnxEngine:
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
         self.vocab = read_draft_vocab(engine_dir, record)
         self.drafter_family = manifest.drafter
-        self.tree_shape = TreeShape(**manifest.extra["eagle3"]) if manifest.drafter == "eagle3" else None
+        self.drafting = drafting or drafting_of(Path(engine_dir), manifest)
+        self.tree_shape = self.drafting.tree_shape
         self.context_limit = int(manifest.extra["max_seq_len"])
         self.prefill_dtype = bf16_prefill.check_dtype(prefill_dtype)
         self.prefiller, self.prefill_grid = None, None
@@ -78,15 +78,24 @@ class OnnxEngine:
         in_place = name + "_kv" in self.sessions
         return self.sessions[name + "_kv" if in_place else name], scaling, in_place
 
-    def has_window(self) -> bool:
-        """Whether the frozen drafter can draft under a window (window mode)."""
+    @staticmethod
+    def takes_window(manifest: Manifest) -> bool:
+        """Whether the frozen drafter can draft under a window (window mode): a block
+        drafter's graph over the runtime's cache buffers with a `window` input, as
+        engine.json records the graphs (has_window asks a loaded session the same)."""
+        graphs = (manifest.extra.get("onnx") or {}).get("graphs", {})
+        frozen = graphs.get("drafter_frozen_kv") or {}
+        return (modes.takes_window(modes.FAMILIES.get(manifest.drafter))
+                and any(i.get("name") == "window" for i in frozen.get("inputs", ())))
+
+    def _has_window(self) -> bool:
         session, _, in_place = self._drafter_graph(sharpdraft=False)
-        return self.drafter_family == "dflash" and in_place and has_window(session)
+        return modes.takes_window(self.drafting.style) and in_place and has_window(session)
 
     def tree_drafter(self, scaling: QueryScaling | None) -> OnnxEagle3:
         """An EAGLE-3 engine's tree drafter (one sequence: trees draft a row at a time)
         for the tree it was built for, SharpDraft (`scaling`: the engine's) or frozen."""
-        if self.drafter_family != "eagle3":
+        if self.tree_shape is None:
             raise EngineError(f"this engine's {self.drafter_family} drafter drafts no trees — "
                               "build one with build_engine.py --drafter eagle3")
         session, scaling, _ = self._drafter_graph(scaling is not None)
@@ -100,16 +109,22 @@ class OnnxEngine:
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
         that takes one) and PARD chains in one run per step, EAGLE-3 chains in one run
-        per step and chain link (modes.BACKENDS["onnxruntime"].batched_drafters)."""
+        per step and chain link."""
+        return FAMILIES[self.drafter_family](self, scaling, window)
+
+    def _batch_eagle3(self, scaling: QueryScaling | None, window: None = None) -> OnnxBatchEagle3:
+        session, scaling, _ = self._drafter_graph(scaling is not None)
+        tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
+        return OnnxBatchEagle3(session, tree, scaling, self.tree_shape, max(self.block_size - 1, 1))
+
+    def _batch_pard(self, scaling: QueryScaling | None, window: None = None) -> OnnxBatchPARD:
+        session, scaling, _ = self._drafter_graph(scaling is not None)
+        return OnnxBatchPARD(session, self.mask_token_id, self.block_size - 1, scaling)
+
+    def _batch_dflash(self, scaling: QueryScaling | None, window: int | None = None):
         session, scaling, in_place = self._drafter_graph(scaling is not None)
-        if self.drafter_family == "eagle3":
-            tree = self.sessions["drafter_tree" if scaling is not None else "drafter_frozen_tree"]
-            return OnnxBatchEagle3(session, tree, scaling, self.tree_shape,
-                                   max(self.block_size - 1, 1))
-        if self.drafter_family == "pard":
-            return OnnxBatchPARD(session, self.mask_token_id, self.block_size - 1, scaling)
         if window is not None:
-            if not self.has_window():
+            if not self._has_window():
                 raise EngineError("this engine's drafter graphs take no draft window — rebuild "
                                   "it with build_engine.py (native attention)")
             return BoundBatchDFlash(session, self.block_size, self.mask_token_id, scaling,
@@ -117,3 +132,8 @@ class OnnxEngine:
         return (BoundBatchDFlash if in_place else OnnxBatchDFlash)(session, self.block_size,
                                                                    self.mask_token_id, scaling,
                                                                    self.vocab)
+
+
+# drafter family -> its batch drafter over this backend's graphs
+FAMILIES = {"dflash": OnnxEngine._batch_dflash, "pard": OnnxEngine._batch_pard,
+            "eagle3": OnnxEngine._batch_eagle3}

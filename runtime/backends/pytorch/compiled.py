@@ -1,19 +1,20 @@
 """Compiled fixed-shape steps for the torch backend, in gpt-fast's manner: KV buffers
 preallocated on the model's device, each step a plain function over the models (the
 target's verify, the DFlash block, the PARD chain, EAGLE-3's ingest and link) and one
-`torch.compile(fullgraph=True)` graph per step shape (batch, width and capacity bucket),
+`torch.compile(fullgraph=True)` graph per step shape (slot count, row width and capacity
+bucket),
 on CUDA replayed as CUDA graphs (mode="reduce-overhead"); prefill stays eager.
 
 Lengths enter a step as device tensors ([batch] int64), never as Python ints, so one graph
-serves every position: only the shapes (batch, bucket width, buffer capacity) pick a
+serves every position: only the shapes (slot count, row width, buffer capacity) pick a
 graph. The models' own forwards run unchanged over `StaticView`, a KVCache whose write is
 a scatter at per-sequence positions (no host read) and whose attention spans the whole
 buffer, bounded per row by the visible counts of runtime/step_metadata.py; attention goes
 through `sharpdraft::attention` as everywhere else (on CUDA the op must be capturable: no
 host read of the counts inside it). CompiledBatchTarget, CompiledBatchDFlash,
 CompiledBatchPARD and CompiledBatchEagle3 are the eager batch roles (eager.py) over
-slotted fixed-shape buffers (FixedSlots), a graph per batch-size, width and capacity
-bucket; a step no bucket covers (a long catch-up context), a prompt's prefill and a
+slotted fixed-shape buffers (FixedSlots), a graph per slot count, row width and capacity
+bucket; a step no row width covers (a long catch-up context), a prompt's prefill and a
 draft tree's verify run eagerly on the very same buffers. A request alone is a batch of
 one.
 
@@ -146,7 +147,7 @@ def eagle3_forward(drafter: Eagle3Drafter, scaling: QueryScaling | None, ingest:
 
 def compile_step(step, static: tuple[int, ...], device: torch.device, backend: str = "inductor"):
     """A step function compiled. backend "inductor": torch.compile(fullgraph=True), one
-    graph per input shape (dynamic=False: a new bucket is a new graph, a new length is
+    graph per input shape (dynamic=False: a new shape is a new graph, a new length is
     not), replayed as CUDA graphs on CUDA (mode="reduce-overhead"); "eager": dynamo alone
     (the graph-break and recompile checks, in seconds); "cudagraph": no compiler, the
     eager step captured as a CUDA graph per shape (captured: seconds to make, where
@@ -159,7 +160,7 @@ def compile_step(step, static: tuple[int, ...], device: torch.device, backend: s
         if device.type != "cuda":
             raise ModelError("CUDA graphs need a CUDA device — use backend inductor on CPU")
         return captured(step, static)
-    # one graph per (batch bucket, width bucket, capacity bucket): more than dynamo's
+    # one graph per (slot count, row width, capacity bucket): more than dynamo's
     # default 8 entries per code object, all of them expected
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 256)
@@ -210,13 +211,14 @@ def static_capacity(needed: int, limit: int) -> int:
     capacity_bucket), but no more than `limit` when that covers the need, so a request at
     the model's full context does not attend over twice its keys. Few capacities, few
     graphs: the capacity is part of a step's shape."""
-    bucket = 1 << capacity_bucket(needed)
-    return needed if needed > limit else min(bucket, limit)
+    rounded = 1 << capacity_bucket(needed)
+    return needed if needed > limit else min(rounded, limit)
 
 
-def bucket_for(width: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket that holds `width` rows, or None (run it eagerly)."""
-    return next((b for b in buckets if b >= width), None)
+def width_for(width: int, widths: tuple[int, ...]) -> int | None:
+    """The smallest of a step's compiled row `widths` that holds `width` tokens, or None
+    (run it eagerly)."""
+    return next((w for w in widths if w >= width), None)
 
 
 def bind(cache: KVCache) -> KVCache:
@@ -271,12 +273,14 @@ class EngineSteps:
     graph is made by the first request that needs its shape; no later one compiles or
     captures it again."""
 
-    def __init__(self, model: TargetModel, feature_layers=(), buckets=(1,), backend: str = "inductor",
-                 drafter: DFlashDrafter | None = None, context_bucket: int | None = None):
+    def __init__(self, model: TargetModel, feature_layers=(), widths=(1,), backend: str = "inductor",
+                 drafter: DFlashDrafter | None = None, context_span: int | None = None,
+                 context_limit: int | None = None):
         self.model, self.feature_layers = model, tuple(feature_layers)
-        self.buckets, self.backend = tuple(sorted(set(buckets))), backend
+        self.context_limit = context_limit  # its batch targets' (None: the target's positions)
+        self.widths, self.backend = tuple(sorted(set(widths))), backend
         self.device = model.embed_tokens.weight.device
-        # the target step eagerly (shapes no bucket covers), and compiled
+        # the target step eagerly (rows wider than every compiled width), and compiled
         self.target_module = target_forward(model, self.feature_layers)
         self.target_step = compile_step(self.target_module, TARGET_STATIC, self.device, backend)
         self.target_buffers = BufferPool(
@@ -291,7 +295,7 @@ class EngineSteps:
             self.head = DraftHead.for_drafter(drafter, model.lm_head)
             block = self.block_size = drafter.config.block_size
             # a step's context: the tokens one verify committed (a block's, or a lookup's)
-            self.context_bucket = context_bucket or max(block, self.buckets[-1])
+            self.context_span = context_span or max(block, self.widths[-1])
             # drafter.new_cache adds the block's scratch; a pool's capacity is the whole
             self.draft_buffers = BufferPool(
                 lambda capacity, slots: drafter.new_cache(capacity - block) if slots is None
@@ -354,15 +358,15 @@ class EngineSteps:
 
 class CompiledBatchTarget(TorchBatchTarget):
     """TorchBatchTarget whose verify runs the engine's compiled target step, one call per
-    group: every slot's row padded to the width bucket that holds the group's widest
-    (the engine's buckets; wider runs the step eagerly). A joining prompt prefills as
+    group: every slot's row padded to the compiled row width that holds the group's
+    widest (the engine's widths; wider runs the step eagerly). A joining prompt prefills as
     TorchBatchTarget's does, whole (add) or in chunks between the batch's steps (prefill
     / prefill_more, then join_prefilled: Decoder.join), eagerly on a cache of its own --
     a prefill is compute-bound, and a graph per chunk length would compile one per
     prompt -- then copies into its slot; no step shape depends on how it was chunked."""
 
     def __init__(self, steps: EngineSteps):
-        super().__init__(steps.model, steps.feature_layers)
+        super().__init__(steps.model, steps.feature_layers, steps.context_limit)
         self.steps, self.step = steps, steps.target_step
         self.caches = FixedSlots(steps.target_buffers)
 
@@ -371,13 +375,13 @@ class CompiledBatchTarget(TorchBatchTarget):
         width, logits, features = max(len(r) for r in rows), None, None
         for group in self.caches.groups:
             t = max(len(rows[r]) for r in group.members)
-            bucket, step = bucket_for(t, self.steps.buckets), self.step
-            if bucket is None or max(group.lengths) + bucket > group.cache.capacity:
-                bucket, step = t, self.steps.target_module
-            ids = [[0] * bucket for _ in group.lengths]
+            padded, step = width_for(t, self.steps.widths), self.step
+            if padded is None or max(group.lengths) + padded > group.cache.capacity:
+                padded, step = t, self.steps.target_module
+            ids = [[0] * padded for _ in group.lengths]
             for r, slot in zip(group.members, group.slots):
                 ids[slot][:len(rows[r])] = rows[r]
-            x = self.steps.staging("target.ids", (len(ids), bucket))
+            x = self.steps.staging("target.ids", (len(ids), padded))
             x.copy_(torch.tensor(ids))
             part_logits, part_features = step(x, *group.cache.layers, group.cache.lengths)
             # indexing copies: a CUDA graph's outputs are overwritten by its next replay
@@ -426,15 +430,15 @@ class CompiledBatchTarget(TorchBatchTarget):
 
 class CompiledBatchDFlash(TorchBatchDFlash):
     """TorchBatchDFlash whose draft runs the engine's compiled block step, one call per
-    group: every slot's context padded to the engine's context bucket (a longer one runs
+    group: every slot's context padded to the engine's context span (a longer one runs
     the step eagerly), context_lens saying how many rows are real."""
 
     def __init__(self, steps: EngineSteps, scaling: QueryScaling | None):
         super().__init__(steps.drafter, steps.model, scaling)
-        self.steps, self.context_bucket = steps, steps.context_bucket
+        self.steps, self.context_span = steps, steps.context_span
         self.eager, self.step = steps.draft_step(scaling, None)
         # room: a padded context's rows past a sequence's budget (its cache holds the block's)
-        self.caches = FixedSlots(steps.draft_buffers, room=self.context_bucket)
+        self.caches = FixedSlots(steps.draft_buffers, room=self.context_span)
 
     @torch.inference_mode()
     def draft(self, contexts: list[torch.Tensor], bonuses: list[int]):
@@ -442,7 +446,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
         visible = torch.zeros(len(contexts), dtype=torch.long)
         for group in self.caches.groups:
             c = max(len(contexts[r]) for r in group.members)
-            width, step = self.context_bucket, self.step
+            width, step = self.context_span, self.step
             if c > width:
                 width, step = c, self.eager
             slots, staging = len(group.lengths), self.steps.staging
@@ -470,7 +474,7 @@ class CompiledBatchDFlash(TorchBatchDFlash):
 
 
 def chain_widths(max_drafts: int) -> tuple[int, ...]:
-    """The width buckets of a chain drafter's step (CompiledPARD's): a row that accepted
+    """The compiled row widths of a chain drafter's step (CompiledBatchPARD's): a row that accepted
     little (max_drafts), or every draft and the bonus read with k drafted (2 x max_drafts)."""
     return tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
 
@@ -486,9 +490,9 @@ def slot_rows(group, rows: dict[int, list[int]], width: int) -> list[list[int]]:
 
 class CompiledBatchPARD(TorchBatchPARD):
     """TorchBatchPARD whose draft runs the engine's compiled chain step, one call per
-    group (FixedSlots: a graph per slot count, width and capacity bucket): every slot's
-    row [unread tokens, the newest, pard x (k - 1)] padded at its end to the width bucket
-    that holds the group's widest (chain_widths; wider runs the step eagerly). The pard
+    group (FixedSlots: a graph per slot count, row width and capacity bucket): every slot's
+    row [unread tokens, the newest, pard x (k - 1)] padded at its end to the compiled
+    row width that holds the group's widest (chain_widths; wider runs the step eagerly). The pard
     rows' keys and the padding's lie past each row's committed tokens, as scratch."""
 
     def __init__(self, steps: EngineSteps, scaling: QueryScaling | None, max_drafts: int):
@@ -506,7 +510,7 @@ class CompiledBatchPARD(TorchBatchPARD):
                 continue
             rows = {r: list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in group.members}
             t = max(len(row) for row in rows.values())
-            width, step = bucket_for(t, self.widths), self.step
+            width, step = width_for(t, self.widths), self.step
             if width is None or max(group.lengths) + width > group.cache.capacity:
                 width, step = t, self.eager
             x = self.steps.staging("pard.ids", (len(group.lengths), width))
@@ -527,7 +531,7 @@ class CompiledBatchPARD(TorchBatchPARD):
 class CompiledBatchEagle3(TorchBatchEagle3):
     """TorchBatchEagle3 whose passes run the engine's compiled EAGLE-3 steps, per group
     (FixedSlots): one ingest of every slot's newly committed entries, padded at its end to
-    the width bucket that holds the group's longest (1, or every draft and the bonus:
+    the compiled row width that holds the group's longest (1, or every draft and the bonus:
     max_drafts + 1; longer runs eagerly), then one link step [slots, 1] per chain link.
     The links are scratch past each row's committed entries, as the eager drafter leaves
     them; the host lengths go back to the committed ones after the chain."""
@@ -551,7 +555,7 @@ class CompiledBatchEagle3(TorchBatchEagle3):
             slots, at = len(group.lengths), group.slots
             counts = {r: len(features[r]) for r in group.members}
             c = max(counts.values())
-            width, step = bucket_for(c, self.widths), self.ingest
+            width, step = width_for(c, self.widths), self.ingest
             if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
                 width, step = c, self.ingest_eager
             following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}

@@ -37,9 +37,11 @@ class TorchBatchTarget:
     on a cache of its own (`held`: prefill, prefill_more), whole or in chunks between the
     batch's steps, then joins as the last row (join_prefilled); add() is both at once."""
 
-    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = ()):
+    def __init__(self, model: TargetModel, feature_layers: tuple[int, ...] = (),
+                 context_limit: int | None = None):
         self.model, self.feature_layers = model, tuple(feature_layers)
-        self.context_limit = model.config.max_position_embeddings
+        # the longest sequence it takes: the target's positions, or the engine's limit
+        self.context_limit = context_limit or model.config.max_position_embeddings
         self.caches = TorchSlots(lambda: model.new_cache(1, batch=0, per_sequence=True))
         self.held = None  # the joining sequence's cache, until it joins
 

@@ -5,12 +5,13 @@ roles eager (eager.py) or compiled (compiled.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                             TorchBatchTarget, TorchEagle3)
-from runtime.backends.roles import Drafting, drafter_feature_layers
+from runtime.backends.roles import Drafting, Loaded, drafter_feature_layers
 from runtime.manifest import Manifest
 from runtime.models.target import ModelError
 from runtime.ngram import NGramProposer
@@ -38,12 +39,7 @@ def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the targ
     return load_eagle3(manifest.drafter_dir, dtype, target)
 
 
-# drafter family -> its checkpoint loader (the target layers each reads:
-# runtime/backends/__init__.py, drafter_feature_layers)
-DRAFTER_LOADERS = {"dflash": _load_dflash, "pard": _load_pard, "eagle3": _load_eagle3}
-
-
-class TorchLoaded:
+class TorchLoaded(Loaded):
     """An engine directory on the torch backend: the target and drafter models from their
     checkpoints, on `device` in `dtype` (default: cpu, the dtype engine.json records;
     placement.py loads and places them).
@@ -54,7 +50,7 @@ class TorchLoaded:
     block, the PARD chain and EAGLE-3's chain passes: the batch roles are
     CompiledBatchTarget, CompiledBatchDFlash, CompiledBatchPARD and CompiledBatchEagle3
     (EAGLE-3 chains), all over this engine's one EngineSteps (`shared`: its compiled
-    steps, graphs and KV buffer pool; a graph per batch bucket and width bucket), so a
+    steps, graphs and KV buffer pool; a graph per slot count and row width), so a
     request after the first compiles and captures nothing. EAGLE-3 trees draft eagerly
     (per-step masks) and verify packed, eagerly, over CompiledBatchTarget's slotted buffers."""
 
@@ -69,27 +65,31 @@ class TorchLoaded:
         self.dir, self.drafting, self.family = Path(engine_dir), drafting, manifest.drafter
         self.device, self.dtype, self.steps = str(device), dtype or manifest.dtype, steps
         self.model, self.tokenizer = placement.load_target(manifest.target_dir, self.device, self.dtype)
-        self.context_limit = self.model.config.max_position_embeddings
+        # engines built with --max-seq-len serve no longer sequences
+        positions = self.model.config.max_position_embeddings
+        self.context_limit = min(positions, int(manifest.extra.get("max_seq_len") or positions))
         torch_dtype = placement.resolve_dtype(self.dtype)
         self.drafter_model = None
-        if manifest.drafter in DRAFTER_LOADERS:
-            self.drafter_model = DRAFTER_LOADERS[manifest.drafter](manifest, torch_dtype, self.model)
+        if manifest.drafter in FAMILIES:
+            self.drafter_model = FAMILIES[manifest.drafter].load(manifest, torch_dtype, self.model)
             placement.place(self.drafter_model, self.device)
         self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
         # the widths a single sequence's verify takes: a decode step, an n-gram verify
         # (ngram drafts + the bonus), a block verify
         ngram = (manifest.extra.get("ngram") or NGramProposer().settings())["num_draft_tokens"] + 1
-        self.buckets = tuple(sorted({1, ngram, manifest.block_size}))
+        self.widths = tuple(sorted({1, ngram, manifest.block_size}))
         self.shared = None if steps is None else compiled.EngineSteps(
-            self.model, self.feature_layers, self.buckets, steps, drafter=self.drafter_model)
+            self.model, self.feature_layers, self.widths, steps, drafter=self.drafter_model,
+            context_limit=self.context_limit)
 
     def batch_target(self) -> TorchBatchTarget:
         if self.shared is not None:
             return self.shared.batch_target()
-        return TorchBatchTarget(self.model, self.feature_layers)
+        return TorchBatchTarget(self.model, self.feature_layers, self.context_limit)
 
-    def has_window(self) -> bool:
-        return True
+    @staticmethod
+    def takes_window(manifest: Manifest) -> bool:
+        return True  # the eager DFlash drafter takes any window
 
     def batch_dflash(self, scaling: QueryScaling | None, window: int | None = None
                      ) -> TorchBatchDFlash:
@@ -99,14 +99,14 @@ class TorchLoaded:
             return self.shared.batch_dflash(scaling)
         return TorchBatchDFlash(self.drafter_model, self.model, scaling, window)
 
-    def batch_pard(self, scaling: QueryScaling | None) -> TorchBatchPARD:
+    def batch_pard(self, scaling: QueryScaling | None, window: None = None) -> TorchBatchPARD:
         """PARD chains for every row in one pass: compiled with `steps`, else eager."""
         if self.shared is not None:
             return self.shared.batch_pard(scaling, self.drafting.max_drafts)
         return TorchBatchPARD(self.drafter_model, self.model.config.vocab_size,
                               self.drafting.max_drafts, scaling)
 
-    def batch_eagle3(self, scaling: QueryScaling | None) -> TorchBatchEagle3:
+    def batch_eagle3(self, scaling: QueryScaling | None, window: None = None) -> TorchBatchEagle3:
         """EAGLE-3 chains (top_k 1) for every row, one pass per link: compiled with
         `steps`, else eager."""
         if self.shared is not None:
@@ -116,7 +116,7 @@ class TorchLoaded:
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
         step (per chain link) for every row; a `window` is DFlash's."""
-        return BATCH_DRAFTERS[self.family](self, scaling, window)
+        return FAMILIES[self.family].batch_drafter(self, scaling, window)
 
     def tree_drafter(self, scaling: QueryScaling | None) -> TorchEagle3:
         """The per-row EAGLE-3 tree drafter (trees draft one row at a time) for the tree
@@ -125,10 +125,16 @@ class TorchLoaded:
                            max(self.drafting.max_drafts, 1))
 
 
-# drafter family -> its batch drafter on this backend; EAGLE-3's is its chain's (its trees
-# draft one row at a time: tree_drafter)
-BATCH_DRAFTERS = {
-    "dflash": lambda loaded, scaling, window: loaded.batch_dflash(scaling, window),
-    "pard": lambda loaded, scaling, window: loaded.batch_pard(scaling),
-    "eagle3": lambda loaded, scaling, window: loaded.batch_eagle3(scaling),
-}
+class Family(NamedTuple):
+    """A drafter family on the torch backend: its checkpoint loader (the target layers each
+    reads: roles.drafter_feature_layers) and its batch drafter (EAGLE-3's is its chain's:
+    its trees draft one row at a time, TorchLoaded.tree_drafter)."""
+
+    load: Callable
+    batch_drafter: Callable
+
+
+# drafter family -> how this backend loads it and drafts with it over a batch
+FAMILIES = {"dflash": Family(_load_dflash, TorchLoaded.batch_dflash),
+            "pard": Family(_load_pard, TorchLoaded.batch_pard),
+            "eagle3": Family(_load_eagle3, TorchLoaded.batch_eagle3)}
