@@ -73,9 +73,9 @@ def install(name: str, logs: Path) -> Path:
 def write_tokenizer(engine_dir: Path, out: Path) -> Path:
     """The target's tokenizer as a local directory every client loads (no hub)."""
     from runtime.engine import load_tokenizer
-    from runtime.manifest import open_spec
+    from runtime.spec import open_spec
 
-    load_tokenizer(open_spec(engine_dir, verify="skip").target_dir).save_pretrained(out)
+    load_tokenizer(open_spec(engine_dir, verify="skip").manifest.target_dir).save_pretrained(out)
     return out
 
 

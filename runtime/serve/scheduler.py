@@ -237,7 +237,7 @@ class StepScheduler:
         """The prompt's log-probabilities, on a target-only decoder of its own that no
         request decodes on (its verify pass would step their rows)."""
         if self.scorer is None:
-            self.scorer = self.engine.batch_decoder(Mode.TARGET)
+            self.scorer = self.engine.decoder(Mode.TARGET)
         return self.scorer.score(job.ids, job.logprobs or 0)
 
     def _prefill(self) -> None:
