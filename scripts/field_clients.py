@@ -113,13 +113,13 @@ class Counters:
         own = {k: sum(row[k] for row in spec_after.values()) - sum(row[k] for row in spec_before.values())
                for k in ("steps", "drafting_steps", "accepted_tokens", "draft_tokens")}
         return {"vllm_counters": {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted},
-                "vllm_acceptance_length": round(1 + accepted / drafts, 6) if drafts else None,
+                "vllm_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "sharpdraft_counters": own,
                 # the server's own MAL over the steps that drafted, and over every step
-                "sharpdraft_mal_drafting": round((own["accepted_tokens"] + own["drafting_steps"])
-                                                 / own["drafting_steps"], 6) if own["drafting_steps"] else None,
-                "sharpdraft_mal": round((own["accepted_tokens"] + own["steps"]) / own["steps"], 6)
-                if own["steps"] else None}
+                # (unrounded: they are compared with what the tools computed)
+                "sharpdraft_mal_drafting": (own["accepted_tokens"] + own["drafting_steps"])
+                / own["drafting_steps"] if own["drafting_steps"] else None,
+                "sharpdraft_mal": (own["accepted_tokens"] + own["steps"]) / own["steps"] if own["steps"] else None}
 
 
 def run_tool(cmd: list, out: Path, name: str, env: dict | None = None, cwd: Path | None = None) -> None:
