@@ -34,7 +34,8 @@ class ChainDraft:
         sampler from its own row only (to_row(logits): the rows over the target's
         vocabulary; default the logits themselves), one draw per position, as a row alone
         draws them, so sampling stays lossless; a row past its k rides along (its token
-        is a filler, its outputs never read). None for a row with k = 0."""
+        is a filler, its outputs never read); a link's processors read the row's drafts
+        before it. None for a row with k = 0."""
         longest = max(ks, default=0)
         tokens, dists, rows, counts = ([[] for _ in ks] for _ in range(4))
         for i in range(longest):
@@ -42,7 +43,7 @@ class ChainDraft:
             fed = []
             for r, (k, sampler) in enumerate(zip(ks, samplers)):
                 if i < k:
-                    token, q = sampler.propose(full[r][None])
+                    token, q = sampler.propose(full[r][None], prefix=tokens[r])
                     tokens[r] += token
                     dists[r].append(q)
                     rows[r].append(full[r])

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from runtime.metrics import Generation
-from runtime.sampling import Sampler, Sampling, greedy_choice
+from runtime.sampling import Sampler, Sampling, greedy_choice, token_logprobs
 from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 
 OnTokens = Callable[[list[int]], None]
@@ -41,6 +41,9 @@ class Request:
     stop_ids: frozenset = frozenset()
     on_tokens: OnTokens | None = None  # raise to leave the batch (a cancelled stream)
     sampler: Sampler | None = None  # a seeded sampler of the caller's; default: from sampling
+    # the target's log-probabilities of each committed token and of its `logprobs` likeliest
+    # (None: none computed): into Generation.logprobs, and on_tokens(new, entries)
+    logprobs: int | None = None
 
 
 class DraftPolicy:
@@ -207,6 +210,7 @@ class Decoder:
         self.proposer.check(sampler)
         seq = Sequence(request, budget, sampler, Generation(len(prompt)), len(prompt),
                        policy=self.policy(), started=time.perf_counter())
+        sampler.bind(prompt, seq.gen.tokens, request.stop_ids)  # what its processors read
         capacity = len(prompt) + budget + self.slack
         chunked = bool(chunk) and len(prompt) > chunk and hasattr(self.target, "join_prefilled")
         if chunked:  # the prompt prefills outside the batch's rows, then joins them
@@ -237,7 +241,7 @@ class Decoder:
                 self.target.remove(len(self.active))  # the row the target just added
                 raise
             self.active.append(seq)
-        seq.done = self._commit(seq, [seq.sampler.pick(logits)])
+        seq.done = self._commit(seq, [seq.sampler.pick(logits)], logits[None])
         self._leave_finished()
         return seq
 
@@ -262,7 +266,7 @@ class Decoder:
                 outcomes = self._verify_trees(batch, proposals)
             else:
                 outcomes = self._verify_rows(batch, proposals)
-        for s, p, (new, features) in zip(batch, proposals, outcomes):
+        for s, p, (new, features, rows) in zip(batch, proposals, outcomes):
             if p.kind is not DraftKind.NONE:
                 s.policy.update(p.kind, p.strong, p.offered, len(p.tokens), len(new) - 1)
             s.committed += len(new)
@@ -274,13 +278,14 @@ class Decoder:
             if p.visible is not None:
                 s.gen.visible_per_step.append(p.visible)
                 s.gen.beta_per_step.append(p.beta)
-            s.done = self._commit(s, new)
+            s.done = self._commit(s, new, rows)
         finished = [s for s in batch if s.done]
         self._leave_finished()
         return finished
 
     def _verify_rows(self, batch, proposals):
-        """[last token, *drafts] per row in one pass -> (committed tokens, their features)."""
+        """[last token, *drafts] per row in one pass -> (committed tokens, their features,
+        the target's logits at them)."""
         logits, features = self.target.verify([[s.gen.tokens[-1]] + p.tokens
                                                for s, p in zip(batch, proposals)])
         outcomes = []
@@ -293,8 +298,8 @@ class Decoder:
             else:
                 accepted, following = s.sampler.verify(p.tokens, logits[i, :n + 1], p.q)
             kept = None if features is None else features[i, :accepted + 1]
-            outcomes.append((p.tokens[:accepted] + [following], kept))
-        self.target.rollback([s.committed + len(new) for s, (new, _) in zip(batch, outcomes)])
+            outcomes.append((p.tokens[:accepted] + [following], kept, logits[i, :accepted + 1]))
+        self.target.rollback([s.committed + len(new) for s, (new, _, _) in zip(batch, outcomes)])
         return outcomes
 
     def _verify_trees(self, batch, proposals):
@@ -305,7 +310,8 @@ class Decoder:
         for p, (logits, features) in zip(proposals, results):
             path, token = p.tree.greedy_path(greedy_choice(logits).tolist())
             paths.append(path)
-            outcomes.append(([p.tree.tokens[i] for i in path[1:]] + [token], features[path]))
+            outcomes.append(([p.tree.tokens[i] for i in path[1:]] + [token], features[path],
+                             logits[path]))
         self.target.keep_paths(paths)
         return outcomes
 
@@ -320,18 +326,23 @@ class Decoder:
             for s in batch:
                 s.gen.seconds[phase] += elapsed
 
-    def _commit(self, seq: Sequence, new: list[int]) -> bool:
-        """Append committed tokens, cutting at a stop token; True when the sequence ends."""
+    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor) -> bool:
+        """Append committed tokens, cutting at a stop token; True when the sequence ends.
+        logits: the target's at each of `new` (their log-probabilities, when asked)."""
         req, gen = seq.request, seq.gen
         for i, token in enumerate(new):
             if token in req.stop_ids:
                 new = new[: i + 1]
                 gen.stopped_by = "stop_token"
                 break
+        entries = None
+        if req.logprobs is not None:
+            entries = token_logprobs(logits[:len(new)], new, req.logprobs)
+            gen.logprobs.extend(entries)
         gen.tokens.extend(new)
         try:
             if req.on_tokens:
-                req.on_tokens(new)
+                req.on_tokens(new) if entries is None else req.on_tokens(new, entries)
         except Exception as exc:  # its stream failed or was cancelled: it leaves, alone
             seq.failure, seq.error = exc, str(exc) or type(exc).__name__
             return True
@@ -368,6 +379,24 @@ class Decoder:
             self.step()
             step += 1
         return out
+
+    def score(self, prompt: list[int], top: int) -> list[tuple]:
+        """The target's log-probability of each prompt token after the ones before it (the
+        first has none: None), with its `top` likeliest (sampling.token_logprobs): a row of its
+        own, prefilled with the first token, then one pass over the rest, then removed. On
+        a decoder with no rows (a verify pass steps every row)."""
+        if self.active:
+            raise RuntimeError("score() needs a decoder with no rows")
+        check_budget(self.target.context_limit, prompt, 1)
+        logits, _ = self.target.add(prompt[:1], len(prompt) + 1)
+        try:
+            rows = [logits[None]]
+            if len(prompt) > 2:  # the last prompt token's own prediction is not needed
+                more, _ = self.target.verify([prompt[1:-1]])
+                rows.append(more[0, :len(prompt) - 2])
+        finally:
+            self.target.remove(0)
+        return [(prompt[0], None, [])] + token_logprobs(torch.cat(rows)[:len(prompt) - 1], prompt[1:], top)
 
     def generate(self, request: Request) -> Generation:
         """One request alone (a batch of one): its Generation, or what it raised."""

@@ -36,6 +36,7 @@ def context_bucket(tokens: int) -> str:
 class SpeculationTotals:
     """What one mode's steps in one context-length bucket add to the serving counters."""
     steps: int = 0
+    drafting_steps: int = 0  # steps that verified at least one draft (vLLM's "drafts")
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: Counter = dataclasses.field(default_factory=Counter)  # 1-based
@@ -51,6 +52,7 @@ def speculation_totals(gen: "Generation", uses_drafter: bool) -> dict[str, Specu
     for step in gen.steps():
         t = out.setdefault(context_bucket(step.context), SpeculationTotals())
         t.steps += 1
+        t.drafting_steps += step.drafts > 0
         t.draft_tokens += step.drafts
         t.accepted_tokens += step.accepted
         for position in range(1, step.accepted + 1):
@@ -76,6 +78,9 @@ class Generation:
     stopped_by: str = "length"
     context_per_step: list[int] = dataclasses.field(default_factory=list)  # tokens in the
     # sequence (prompt + committed) when each verify step ran: its context-length bucket
+    # (token, its log-probability, [(id, log-probability)] of the likeliest) per committed
+    # token, from the target's logits there, when the request asked (decode.Request.logprobs)
+    logprobs: list[tuple] = dataclasses.field(default_factory=list)
     visible_marks: list[int] = dataclasses.field(default_factory=list)  # len(visible_per_step)
     # when each step was recorded: the loop records a step's visible keys and beta right
     # after the step itself, and only when the drafter ran, so step i drafted iff the
@@ -109,7 +114,7 @@ class Generation:
 
     def speculation(self, mode) -> dict:
         """The per-request `sharpdraft` object a served response carries beside `usage`:
-        the mode that ran, MAL, the drafts accepted at each step, the mean beta over the
+        the mode that ran, MAL, the drafts verified and accepted at each step, the mean beta over the
         drafter's steps (1.0 where it never ran: nothing was scaled) and the visible keys
         of its last step."""
         steps = self.steps()
@@ -119,6 +124,7 @@ class Generation:
                 "verify_steps": self.verify_steps,
                 "draft_tokens": sum(s.drafts for s in steps),
                 "accepted_per_step": [s.accepted for s in steps],
+                "drafts_per_step": [s.drafts for s in steps],
                 "drafter_steps": len(betas),
                 "mean_beta": round(statistics.fmean(betas), 6) if betas else 1.0,
                 "visible_keys": visible[-1] if visible else None}
@@ -194,7 +200,8 @@ def paired_ratio_ci(numerators: list[float], denominators: list[float], level: f
             "level": level, "items": len(ratios)}
 
 
-SPEC_COUNTERS = ("requests", "steps", "draft_tokens", "accepted_tokens", "drafter_sitouts")
+SPEC_COUNTERS = ("requests", "steps", "drafting_steps", "draft_tokens", "accepted_tokens",
+                 "drafter_sitouts")
 
 
 def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
@@ -215,8 +222,10 @@ def read_speculation(text: str) -> dict[tuple[str, str, str], dict]:
         elif family in ("beta_count", "beta_sum"):
             entry[family] += value
     for entry in out.values():
-        steps = entry["steps"]
+        steps, drafting = entry["steps"], entry["drafting_steps"]
         entry["mean_accepted_length"] = (entry["accepted_tokens"] + steps) / steps if steps else 0.0
+        # over the steps that drafted (every accepted token is on one): vLLM's acceptance length
+        entry["mean_accepted_length_drafting"] = (entry["accepted_tokens"] + drafting) / drafting if drafting else 0.0
     return out
 
 
@@ -266,6 +275,9 @@ def speculation_delta(before: dict, after: dict) -> dict:
         if row["steps"] <= 0:
             continue
         row["mean_accepted_length"] = round((row["accepted_tokens"] + row["steps"]) / row["steps"], 4)
+        if row["drafting_steps"] > 0:
+            row["mean_accepted_length_drafting"] = round(
+                (row["accepted_tokens"] + row["drafting_steps"]) / row["drafting_steps"], 6)
         row["mean_beta"] = round(row.pop("beta_sum") / row["beta_count"], 4) if row["beta_count"] else None
         row.pop("beta_sum", None)
         rows.append(row)

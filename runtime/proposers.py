@@ -329,6 +329,10 @@ class Tree(Chain):
         if not sampler.sampling.greedy:
             raise ValueError("tree speculation verifies greedily; to sample, draft a chain "
                              "(EAGLE-3: top_k 1, build_engine.py --tree-top-k 1)")
+        if sampler.sampling.reorders:
+            raise ValueError("tree speculation verifies the target's own argmax; penalties and "
+                             "min_tokens need a chain (EAGLE-3: top_k 1, build_engine.py "
+                             "--tree-top-k 1)")
 
     def propose(self, batch, aside=frozenset()):
         # no room: the last step is a plain decode step (a tree of its root alone)

@@ -446,3 +446,202 @@ def test_chat_messages_are_checked_against_their_schema(endpoint):
         code, _, body = _raw(endpoint, "/chat/completions", json.dumps(
             {"model": endpoint["models"][0], "max_tokens": 2, "messages": messages}).encode())
         assert code == 400 and body["error"]["param"] == where, body
+
+
+# --- what the field's clients send (guidellm, AIPerf, lm-eval), and vLLM's /metrics ----
+
+def _events(endpoint, path, body: dict) -> list[dict]:
+    """The parsed data events of one streamed request (the [DONE] mark dropped)."""
+    request = urllib.request.Request(endpoint["openai"] + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+        lines = response.read().decode().split("\n\n")
+    assert lines[-2] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-2]]
+
+
+def test_guidellm_default_bodies_stream_with_running_usage(endpoint):
+    """guidellm 0.8.1's request bodies as it sends them (FACTS.md): ignore_eos, stop null,
+    continuous_usage_stats; chat with max_completion_tokens and content parts. Every chunk
+    carries the running usage, and ignore_eos holds the output to its length."""
+    model = endpoint["models"][0]
+    common = {"model": model, "stream": True, "stop": None, "ignore_eos": True,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, body in (("/completions", {"prompt": PROMPTS[0], "max_tokens": 12}),
+                       ("/chat/completions", {"max_completion_tokens": 12, "messages": [
+                           {"role": "user", "content": [{"type": "text", "text": PROMPTS[1]}]}]})):
+        events = _events(endpoint, path, common | body)
+        usage = [e["usage"] for e in events]
+        assert all(u is not None for u in usage), path
+        completion = [u["completion_tokens"] for u in usage]
+        assert completion == sorted(completion) and completion[-1] == 12, (path, completion)
+        assert len({u["prompt_tokens"] for u in usage}) == 1 and usage[0]["prompt_tokens"] > 0
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usage)
+        assert events[-1]["choices"] == []  # include_usage's own last chunk
+
+
+EXTENSIONS = {"top_k": 3, "min_p": 0.2, "repetition_penalty": 1.5, "presence_penalty": 1.0,
+              "frequency_penalty": 0.8, "min_tokens": 10, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("name", sorted(EXTENSIONS))
+def test_each_extension_greedy_equals_target_only_in_process(endpoint, engine, name):
+    """Served (the default mode: speculation) with one of vLLM's extensions, greedy: the
+    tokens of target-only decoding in-process with the same option."""
+    from runtime.sampling import Sampling
+
+    value = EXTENSIONS[name]
+    reply = _client(endpoint).completions.create(
+        model=endpoint["models"][0], prompt=PROMPTS[1], max_tokens=14, temperature=0,
+        extra_body={name: value})
+    sampling = Sampling(0.0, **({} if name == "ignore_eos" else {name: value}))
+    want = engine.generate(engine.encode(PROMPTS[1]), 14, "target", sampling, stop=name != "ignore_eos")
+    assert reply.model_extra["sharpdraft"]["token_ids"] == want.tokens
+    if name in ("ignore_eos", "min_tokens"):
+        assert reply.usage.completion_tokens >= value
+
+
+def _target_logprobs(engine, prompt: str, n: int, top: int):
+    from runtime.decode import Request
+    from runtime.sampling import Sampler
+
+    return engine.decoder("target").generate(Request(engine.encode(prompt), n, stop_ids=engine.stop_ids,
+                                                     sampler=Sampler(), logprobs=top))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_equal_target_only_in_process(endpoint, engine, stream):
+    """Completions (logprobs=3) and chat (logprobs, top_logprobs=2), streamed or not: each
+    token's log-probability and its likeliest alternatives are target-only decoding's."""
+    client, model = _client(endpoint), endpoint["models"][0]
+    want = _target_logprobs(engine, PROMPTS[0], 10, 3)
+    reply = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                      logprobs=3, stream=stream)
+    chunks = list(reply) if stream else [reply]
+    lp = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    tops = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+    assert len(lp) == len(want.tokens) == 10
+    assert max(abs(a - b) for a, (_, b, _) in zip(lp, want.logprobs)) < 1e-4
+    for top, (_, _, want_top) in zip(tops, want.logprobs, strict=True):
+        # keyed by each token's text: alternatives that decode alike share one key
+        assert all(min(abs(v - w) for _, w in want_top) < 1e-4 for v in top.values())
+        assert max(top.values()) == pytest.approx(want_top[0][1], abs=1e-4)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = _target_logprobs(engine, _chat_prompt(engine, messages), 8, 2)
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2, stream=stream)
+    chunks = list(reply) if stream else [reply]
+    content = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert len(content) == len(want.tokens)
+    for got, (token, value, top) in zip(content, want.logprobs):
+        assert got.token == engine.tokenizer.decode([token]) and got.logprob == pytest.approx(value, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-4)
+
+
+def _scrape(url: str) -> dict:
+    """Prometheus text parsed by prometheus_client: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _total(samples: dict, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def test_vllm_metrics_give_the_servers_mal_over_the_steps_that_drafted(endpoint):
+    """/metrics on the OpenAI port (and Triton's port) parses with prometheus_client and
+    carries vLLM's counters; over a run, 1 + accepted / drafts is the MAL of the steps
+    that drafted, as the responses' own step records give it, and the serving families
+    count the run's requests and tokens."""
+    from runtime.metrics import read_speculation
+
+    front = endpoint["openai"].removesuffix("/v1") + "/metrics"
+    before, triton_before = _scrape(front), _scrape(endpoint["metrics"])
+    own_before = read_speculation(urllib.request.urlopen(endpoint["metrics"], timeout=30).read().decode())
+    assert all((name, (("model_name", endpoint["models"][0]),)) in before for name in SPEC)
+    client, model = _client(endpoint), endpoint["models"][0]
+    prompt = "def area(r):\n    return 3.14159 * r * r\n\n\ndef volume(r):"
+    committed = steps = tokens = 0
+    # the default mode, and n-gram lookup, whose drafts the tiny target accepts here
+    for stream, mode in ((False, None), (True, "ngram"), (False, "ngram")):
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                          stream=stream, extra_body={"sharpdraft": {"mode": mode}} if mode else None)
+        spec = next(c.model_extra["sharpdraft"] for c in (list(reply) if stream else [reply])
+                    if c.model_extra.get("sharpdraft"))
+        drafted = [a for d, a in zip(spec["drafts_per_step"], spec["accepted_per_step"]) if d]
+        committed, steps = committed + sum(a + 1 for a in drafted), steps + len(drafted)
+        tokens += len(spec["token_ids"])
+    after, triton_after = _scrape(front), _scrape(endpoint["metrics"])
+    drafts, draft_tokens, accepted = (_total(after, n) - _total(before, n) for n in SPEC)
+    assert drafts == steps > 0 and accepted > 0 and draft_tokens >= accepted
+    assert 1 + accepted / drafts == pytest.approx(committed / steps)
+    assert _total(after, "vllm:generation_tokens_total") - _total(before, "vllm:generation_tokens_total") == tokens
+    assert _total(after, "vllm:time_to_first_token_seconds_count") - \
+        _total(before, "vllm:time_to_first_token_seconds_count") == 3
+    assert ("vllm:num_requests_running", (("model_name", model),)) in after
+    for name in SPEC:  # Triton's port: the same requests, counted by the model
+        assert _total(triton_after, name) - _total(triton_before, name) == _total(after, name) - _total(before, name)
+    assert _total(triton_after, "vllm:e2e_request_latency_seconds_count") > 0
+    # the server's own counters (sharpdraft_spec_*, summed over modes and buckets) agree
+    own = read_speculation(urllib.request.urlopen(endpoint["metrics"], timeout=30).read().decode())
+    grew = {k: sum(e[k] for e in own.values()) - sum(e[k] for e in own_before.values())
+            for k in ("drafting_steps", "accepted_tokens")}
+    assert (grew["drafting_steps"], grew["accepted_tokens"]) == (drafts, accepted)
+
+
+MALFORMED_EXTENSIONS = [
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"top_k": 1.5}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"min_tokens": -1}, "min_tokens"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"stream_options": {"bogus": True}}, "stream_options.bogus"),
+    ({"stream_options": "x"}, "stream_options"), ({"echo": "yes"}, "echo"), ({"echo": True, "stream": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("field, param", MALFORMED_EXTENSIONS, ids=[m[1] + str(i) for i, m in
+                                                                    enumerate(MALFORMED_EXTENSIONS)])
+def test_a_malformed_extension_is_a_400_naming_it(endpoint, field, param):
+    code, _, body = _raw(endpoint, "/completions", _body(endpoint, **field))
+    assert code == 400 and body["error"]["param"] == param, body
+    assert "\n" not in body["error"]["message"]
+    code, _, body = _raw(endpoint, "/chat/completions", json.dumps(
+        {"model": endpoint["models"][0], "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+         "top_logprobs": 2}).encode())
+    assert code == 400 and body["error"]["param"] == "top_logprobs"
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(endpoint, engine):
+    """lm-eval's loglikelihood request (echo, logprobs 1; max_tokens 0, or 1 as 0.4.x
+    sends): the prompt's text and each prompt token's log-probability, the first null,
+    as target-only scoring in-process gives them; with max_tokens 1, one more token."""
+    from runtime.modes import Mode
+
+    prompt = "import numpy as np"
+    ids = engine.encode(prompt)
+    want = engine.decoder(Mode.TARGET).score(ids, 1)
+    for max_tokens in (0, 1):
+        code, _, body = _raw(endpoint, "/completions", _body(endpoint, prompt=prompt, max_tokens=max_tokens,
+                                                               echo=True, logprobs=1, temperature=0))
+        assert code == 200, body
+        choice = body["choices"][0]
+        assert choice["text"].startswith(prompt) and body["usage"]["completion_tokens"] == max_tokens
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == len(ids) + max_tokens and got[0] is None
+        assert choice["logprobs"]["top_logprobs"][0] is None
+        assert got[1:len(ids)] == pytest.approx([lp for _, lp, _ in want[1:]], abs=1e-4)
+    # the plain Triton model (one response per request) scores the same through `generate`
+    body = json.dumps({"prompt": prompt, "max_new_tokens": 0, "prompt_logprobs": True, "logprobs": 1}).encode()
+    with urllib.request.urlopen(urllib.request.Request(endpoint["generate"][0], data=body), timeout=60) as reply:
+        entries = json.loads(json.loads(reply.read())["prompt_logprob_entries"])
+    assert [e[0] for e in entries] == ids and entries[0][1] is None
+    assert [e[1] for e in entries[1:]] == pytest.approx([lp for _, lp, _ in want[1:]], abs=1e-4)

@@ -55,9 +55,16 @@ def test_config_declares_the_issue_contract(tiny_engine):
         "top_p": "TYPE_FP32", "seed": "TYPE_INT64", "sharpdraft": "TYPE_BOOL", "mode": "TYPE_STRING",
         "text": "TYPE_STRING", "token_ids": "TYPE_INT64", "mean_accepted_length": "TYPE_FP32",
         "verify_steps": "TYPE_INT32", "beta": "TYPE_FP32", "finish_reason": "TYPE_STRING",
-        "speculation": "TYPE_STRING", "prompt_tokens": "TYPE_INT32"}
+        "speculation": "TYPE_STRING", "prompt_tokens": "TYPE_INT32",
+        # vLLM's extensions (issue 64) and the log-probabilities they ask for
+        "top_k": "TYPE_INT32", "min_p": "TYPE_FP64", "repetition_penalty": "TYPE_FP64",
+        "presence_penalty": "TYPE_FP64", "frequency_penalty": "TYPE_FP64", "min_tokens": "TYPE_INT32",
+        "ignore_eos": "TYPE_BOOL", "logprobs": "TYPE_INT32", "prompt_logprobs": "TYPE_BOOL",
+        "logprob_entries": "TYPE_STRING", "prompt_logprob_entries": "TYPE_STRING"}
     optional = {k for k, v in declared.items() if v[2]}
-    assert optional == {"temperature", "top_p", "seed", "sharpdraft", "mode"}
+    assert optional == {"temperature", "top_p", "seed", "sharpdraft", "mode", "top_k", "min_p",
+                        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                        "ignore_eos", "logprobs", "prompt_logprobs"}
     assert declared["token_ids"][1] == "-1"
 
 

@@ -65,6 +65,9 @@ class TritonPythonModel:
 
         self.speculation = _Speculation(args["model_name"], args["model_instance_name"],
                                         metrics, modes)
+        from runtime.serve import vllm_metrics
+
+        self.vllm = _VllmMetrics(args["model_name"], args["model_instance_name"], vllm_metrics)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: engine {engine_dir} "
                                  f"loaded, {torch.get_num_threads()} torch thread(s), "
                                  f"{'streaming' if self.decoupled else 'one response per request'}, "
@@ -121,13 +124,30 @@ class TritonPythonModel:
             # scheduler sets job.mode at admission)
             named = req.asked_mode is not None or req.sharpdraft is not None
             job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
-                           req.sampling(), None, None, None, request.is_cancelled)
-            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job)
+                           req.sampling(), None, None, None, request.is_cancelled,
+                           ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+            prompt_entries = []  # echo: the prompt's log-probabilities, once scored
+            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job, prompt_entries)
+            if req.prompt_logprobs:
+                job.on_prompt = self._prompt_callback(sender, job, prompt_entries)
             self.scheduler.submit(job)
+            self.vllm.loads(self.scheduler)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-    def _callbacks(self, request, sender, job):
+    def _prompt_callback(self, sender, job, kept: list):
+        """The prompt's log-probabilities: a response of their own ahead of any token
+        (streaming), or kept for the one final response (plain)."""
+        def on_prompt(entries):
+            kept.extend(entries)
+            if self.decoupled:
+                arrays = {"prompt_logprob_entries": self.protocol.logprobs_array(entries),
+                          "prompt_tokens": self.protocol.count_array(len(job.ids))}
+                sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
+
+        return on_prompt
+
+    def _callbacks(self, request, sender, job, prompt_entries: list):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
         Streaming: a response per commit (its token_ids and text), then a final one with
         the statistics and any text held back mid-character. Plain: one final response
@@ -135,27 +155,37 @@ class TritonPythonModel:
         gone, so the batch stops spending steps on it."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text = self.TextStream(self.engine.decode)
+        clock = self.vllm.clock()
+        prompt_tokens = self.protocol.count_array(len(job.ids))
 
-        def on_tokens(new):
+        def on_tokens(new, entries=None):
             self.batch_peak.observe(self.scheduler.running)
+            self.vllm.tokens(clock, self.scheduler)
             if request.is_cancelled():
                 raise self.Cancelled("decode")
             if self.decoupled:
+                # each response says the prompt's size, so a client can report running usage
                 arrays = {"text": self.protocol.text_array(text.push(new)),
-                          "token_ids": self.protocol.ids_array(new)}
+                          "token_ids": self.protocol.ids_array(new), "prompt_tokens": prompt_tokens}
+                if entries is not None:
+                    arrays["logprob_entries"] = self.protocol.logprobs_array(entries)
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
         def on_done(gen):
             reason = self.protocol.finish_reason(gen)
             arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
-                                            job.mode))
+                                            job.mode, gen.logprobs if job.logprobs is not None else None))
+            if not self.decoupled and prompt_entries:
+                arrays["prompt_logprob_entries"] = self.protocol.logprobs_array(prompt_entries)
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)
+            self.vllm.done(clock, gen, self.scheduler)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
+            self.vllm.loads(self.scheduler)
             if isinstance(exc, self.Cancelled):
                 self.cancellations.observe(exc.stage)
             if isinstance(exc, self.Cancelled) and self.decoupled:
@@ -249,14 +279,15 @@ class _Speculation:
     """What speculation buys, on Triton's metrics endpoint, per model, instance, mode and
     context-length bucket (runtime/metrics.py: CONTEXT_BUCKETS), from each finished
     request's recorded steps (Generation.steps: the visible keys and beta the step itself
-    recorded). Counters: sharpdraft_spec_{requests,steps,draft_tokens,accepted_tokens,
-    drafter_sitouts}_total and sharpdraft_spec_accepted_tokens_per_position_total
+    recorded). Counters: sharpdraft_spec_{requests,steps,drafting_steps,draft_tokens,
+    accepted_tokens,drafter_sitouts}_total and sharpdraft_spec_accepted_tokens_per_position_total
     {position}; a histogram of the drafter steps' beta; the mean accepted length as a
     gauge (committed tokens over verify steps, this instance's requests so far)."""
 
     COUNTERS = {
         "requests": "finished requests that ran a verify step (in the bucket of the first)",
         "steps": "target verify steps",
+        "drafting_steps": "target verify steps that checked at least one draft",
         "draft_tokens": "draft tokens verified",
         "accepted_tokens": "draft tokens accepted (the target's own token not counted)",
         "drafter_sitouts": "steps of a drafter mode on which the drafter did not run",
@@ -299,7 +330,7 @@ class _Speculation:
             if first:  # a request counts once, in the bucket its first step ran in
                 self._metric("requests", **labels).increment(1)
                 first = False
-            for name in ("steps", "draft_tokens", "accepted_tokens", "drafter_sitouts"):
+            for name in ("steps", "drafting_steps", "draft_tokens", "accepted_tokens", "drafter_sitouts"):
                 self._metric(name, **labels).increment(getattr(t, name))
             for position, count in t.accepted_per_position.items():
                 self._metric("per_position", **labels, position=str(position)).increment(count)
@@ -309,3 +340,64 @@ class _Speculation:
             mal[0] += t.accepted_tokens + t.steps
             mal[1] += t.steps
             self._metric("mal", **labels).set(mal[0] / mal[1])
+
+
+class _VllmMetrics:
+    """vLLM's families on Triton's metrics port (runtime/serve/vllm_metrics.py: the one
+    table; the OpenAI endpoint exports the same on its own /metrics), per model and
+    instance: speculation counted as vLLM counts it, running and waiting requests, TTFT,
+    inter-token and end-to-end latency, prompt and generation tokens."""
+
+    def __init__(self, model: str, instance: str, table):
+        self.table = table
+        labels = {table.LABEL: model, "instance": instance}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        # families must outlive their metrics (see _BatchPeak): both are kept. Triton
+        # names a counter as given, so the _total is ours (prometheus_client adds it)
+        self.families = {name: pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
+                         for name, text in (table.SPEC | table.COUNTERS).items()}
+        self.families |= {name: pb_utils.MetricFamily(name=name, kind=gauge, description=text)
+                          for name, text in table.GAUGES.items()}
+        self.families |= {name: pb_utils.MetricFamily(name=name, kind=pb_utils.MetricFamily.HISTOGRAM,
+                                                      description=text)
+                          for name, (text, _) in table.HISTOGRAMS.items()}
+        name, text = table.SPEC_PER_POSITION
+        self.families[name] = pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
+        self.metrics = {name: (self.families[name].Metric(labels=labels, buckets=table.HISTOGRAMS[name][1])
+                               if name in table.HISTOGRAMS else self.families[name].Metric(labels=labels))
+                        for name in self.families if name != table.SPEC_PER_POSITION[0]}
+        self.labels, self.per_position = labels, {}
+
+    def clock(self):
+        return self.table.RequestClock()
+
+    def loads(self, scheduler) -> None:
+        # read from two threads: lengths read whole, a snapshot is all a gauge is
+        self.metrics["vllm:num_requests_running"].set(scheduler.running)
+        self.metrics["vllm:num_requests_waiting"].set(len(scheduler.waiting) + len(scheduler.joining))
+
+    def tokens(self, clock, scheduler) -> None:
+        first = clock.last is None
+        clock.tokens()
+        if first:
+            self.metrics["vllm:time_to_first_token_seconds"].observe(clock.ttft)
+            self.loads(scheduler)
+        else:
+            self.metrics["vllm:inter_token_latency_seconds"].observe(clock.gaps[-1])
+
+    def done(self, clock, gen, scheduler) -> None:
+        self.metrics["vllm:e2e_request_latency_seconds"].observe(clock.e2e())
+        self.metrics["vllm:request_success"].increment(1)
+        self.metrics["vllm:prompt_tokens"].increment(gen.prompt_tokens)
+        self.metrics["vllm:generation_tokens"].increment(len(gen.tokens))
+        steps = gen.steps()
+        spec = self.table.Speculation.of([s.drafts for s in steps], [s.accepted for s in steps])
+        for name, value in spec.counts().items():
+            self.metrics[name].increment(value)
+        name = self.table.SPEC_PER_POSITION[0]
+        for position, count in spec.per_position.items():
+            if position not in self.per_position:
+                self.per_position[position] = self.families[name].Metric(
+                    labels=self.labels | {"position": str(position)})
+            self.per_position[position].increment(count)
+        self.loads(scheduler)

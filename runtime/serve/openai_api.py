@@ -10,7 +10,14 @@ Triton's own OpenAI frontend is not used: it needs the in-process `tritonserver`
 What OpenAI fields mean here: `max_tokens` -> max_new_tokens (refused above the server's
 limit, never clamped), `temperature` (OpenAI's default 1.0), `top_p`, `seed`, `stop`
 (matched on the text here; the stream is cut and the Triton request cancelled), `n` = 1
-only. SharpDraft's own settings travel as `"sharpdraft": {"mode": NAME}`, which other
+only. vLLM's extensions, as vLLM's clients send them (guidellm, AIPerf, lm-eval):
+`ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`,
+`frequency_penalty` (runtime/sampling.py applies them to draft and target alike, so
+speculation stays lossless); `logprobs` (completions: k; chat: `logprobs` and
+`top_logprobs`), from the target's distribution at each committed token; `stream_options`
+`include_usage` and `continuous_usage_stats` (every chunk carries the running usage).
+GET /metrics shows vLLM's metrics under vLLM's names (runtime/serve/vllm_metrics.py).
+SharpDraft's own settings travel as `"sharpdraft": {"mode": NAME}`, which other
 clients never send; responses carry a `sharpdraft` object (token ids, mode statistics)
 that OpenAI clients ignore.
 
@@ -52,10 +59,19 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields OpenAI clients send with neutral values (LangChain and the `openai` package fill
 # some in); anything else unknown is refused by name, so a misspelt field is not ignored.
-NEUTRAL = {"user": None, "stream_options": None, "logprobs": (None, False, 0), "echo": (None, False),
-           "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {}), "suffix": (None, ""), "top_logprobs": (None, 0),
+NEUTRAL = {"user": None,
+           "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
            "parallel_tool_calls": None, "metadata": None, "store": (None, False), "service_tier": None}
+# vLLM's request extensions this server honours (checked by _extension_schema), beside
+# OpenAI's own fields
+EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty", "stream_options", "logprobs")
+# the Triton model's inputs they become (runtime/serve/protocol.py), with their types
+EXTENSION_INPUTS = {"top_k": "INT32", "min_tokens": "INT32", "min_p": "FP64",
+                    "repetition_penalty": "FP64", "presence_penalty": "FP64",
+                    "frequency_penalty": "FP64", "ignore_eos": "BOOL", "logprobs": "INT32",
+                    "prompt_logprobs": "BOOL"}
+MAX_LOGPROBS = 20  # as the model's (protocol.MAX_LOGPROBS) and vLLM's default
 
 
 class ApiError(Exception):
@@ -108,6 +124,75 @@ def chat_messages(messages) -> list[dict]:
         raise ApiError(400, f"{where}: {first['msg'][:200]}", param=where[:QUOTE]) from None
     return [{"role": m.role, "content": m.content if isinstance(m.content, str)
              else "".join(part.text for part in m.content)} for m in checked]
+
+
+@functools.cache  # built once, on the first request
+def _extension_schema(chat: bool):
+    """vLLM's sampling extensions and the logprobs / stream_options fields (pydantic, as
+    vLLM and SGLang check theirs): strict types, vLLM's ranges; null means not sent."""
+    from typing import Annotated, Optional
+
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+    number = StrictInt | StrictFloat
+
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        include_usage: Optional[StrictBool] = None
+        continuous_usage_stats: Optional[StrictBool] = None
+
+    class Extensions(BaseModel):
+        model_config = ConfigDict(extra="ignore")  # OpenAI's own fields are checked by _common
+        ignore_eos: Optional[StrictBool] = None
+        min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+        top_k: Optional[Annotated[StrictInt, Field(ge=-1)]] = None  # -1 and 0: every token
+        min_p: Optional[Annotated[number, Field(ge=0, le=1)]] = None
+        repetition_penalty: Optional[Annotated[number, Field(gt=0)]] = None
+        presence_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
+        frequency_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
+        stream_options: Optional[StreamOptions] = None
+
+    class Completion(Extensions):
+        logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+        echo: Optional[StrictBool] = None  # the prompt and its log-probabilities first
+
+    class Chat(Extensions):
+        logprobs: Optional[StrictBool] = None
+        top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+
+    return Chat if chat else Completion
+
+
+def extensions(body: dict, chat: bool) -> dict:
+    """The request's extensions, checked (400 naming the first wrong one): the Triton
+    inputs they become, the logprobs asked (None: none) and the usage wanted."""
+    from pydantic import ValidationError
+
+    try:
+        checked = _extension_schema(chat).model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"] if p not in ("int", "float"))
+        raise ApiError(400, f"'{where[:QUOTE]}': {first['msg'][:200]}", param=where[:QUOTE]) from None
+    inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS
+              if name not in ("logprobs", "prompt_logprobs") and getattr(checked, name) is not None}
+    echo = not chat and bool(checked.echo)
+    if echo:
+        inputs["prompt_logprobs"] = True
+    if inputs.get("top_k") == -1:
+        inputs["top_k"] = 0
+    if chat:
+        if checked.top_logprobs and not checked.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (checked.top_logprobs or 0) if checked.logprobs else None
+    else:
+        logprobs = checked.logprobs
+    if logprobs is not None:
+        inputs["logprobs"] = logprobs
+    options = checked.stream_options
+    include = bool(options and options.include_usage)
+    return {"inputs": inputs, "logprobs": logprobs, "include_usage": include, "echo": echo,
+            "continuous_usage": include and bool(options.continuous_usage_stats)}
 
 
 def check_media_type(content_type: str, charset: str | None) -> None:
@@ -231,11 +316,15 @@ class Settings:
 
 class Api:
     def __init__(self, settings: Settings):
+        from runtime.serve.vllm_metrics import FrontMetrics
+
         self.s = settings
+        self.metrics = FrontMetrics(settings.model)
 
     # --- request parsing ---------------------------------------------------------------
 
-    def _common(self, body: dict, allowed: set, default_max: int) -> dict:
+    def _common(self, body: dict, allowed: set, default_max: int, chat: bool = False) -> dict:
+        allowed = allowed | set(EXTENSIONS) | ({"top_logprobs"} if chat else set())
         unknown = sorted(k for k in body if k not in allowed and k not in NEUTRAL)
         if unknown:
             named = ", ".join(map(quote, unknown[:4])) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
@@ -252,7 +341,9 @@ class Api:
         if n != 1:
             raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, None, default_max, integer=True)
+        # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
+        least = 0 if not chat and body.get("echo") is True else 1
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", least, None, default_max, integer=True)
         if max_tokens > self.s.limit:
             raise ApiError(400, f"'max_tokens' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
                            param="max_tokens")
@@ -268,21 +359,22 @@ class Api:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", param="stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         extension = body.get("sharpdraft") or {}
         if not isinstance(extension, dict) or set(extension) - {"mode"}:
             raise ApiError(400, "'sharpdraft' takes one field, 'mode'", param="sharpdraft")
-        return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
+        extra = extensions(body, chat)
+        if extra["echo"] and stream:
+            raise ApiError(400, "'echo' is served without streaming", param="echo")
+        return {"echo": extra["echo"], "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
                 "seed": seed, "stop": stop or [], "stream": stream,
-                "include_usage": bool(options.get("include_usage")),
+                "include_usage": extra["include_usage"], "continuous_usage": extra["continuous_usage"],
+                "logprobs": extra["logprobs"], "inputs": extra["inputs"],
                 "extra": mode_inputs(extension.get("mode"), self.s.modes),
                 "mode": extension.get("mode") or self.s.default_mode}
 
     def parse_completion(self, body: dict) -> tuple[str, dict]:
         request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                                      "stop", "n", "stream", "sharpdraft"}, default_max=16)
+                                      "stop", "n", "stream", "sharpdraft", "echo"}, default_max=16)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -314,7 +406,7 @@ class Api:
     def parse_chat(self, body: dict) -> tuple[str, dict]:
         request = self._common(body, {"model", "messages", "max_tokens", "max_completion_tokens",
                                       "temperature", "top_p", "seed", "stop", "n", "stream",
-                                      "sharpdraft"}, default_max=self.s.limit)
+                                      "sharpdraft"}, default_max=self.s.limit, chat=True)
         plain = chat_messages(body.get("messages"))
         self._check_size(sum(len(m["content"].encode("utf-8")) for m in plain))
         if not getattr(self.s.tokenizer, "chat_template", None):
@@ -340,6 +432,10 @@ class Api:
             values["seed"] = ("INT64", np.array([r["seed"]], dtype=np.int64))
         for name, value in r["extra"].items():  # the `mode` input: a name, as bytes
             values[name] = ("BYTES", np.array([value.encode("utf-8")], dtype=np.object_))
+        numpy_types = {"INT32": np.int32, "FP64": np.float64, "BOOL": np.bool_}
+        for name, value in r["inputs"].items():  # vLLM's extensions (protocol.INPUTS)
+            datatype = EXTENSION_INPUTS[name]
+            values[name] = (datatype, np.array([value], dtype=numpy_types[datatype]))
         tensors = []
         for name, (datatype, array) in values.items():
             t = grpcclient.InferInput(name, [1], datatype)
@@ -348,7 +444,8 @@ class Api:
         return tensors
 
     async def generate(self, prompt: str, r: dict):
-        """Yields ("text", delta, ids) per commit, then ("done", finish_reason, stats).
+        """Yields ("text", delta, (ids, info)) per commit (info: the prompt's tokens and,
+        when asked, the ids' log-probability entries), then ("done", finish_reason, stats).
         Closing the generator early (a stop sequence, a client gone) cancels the request."""
         finished = asyncio.Event()
         request = {"model_name": self.s.stream_model, "inputs": self._inputs(prompt, r),
@@ -376,8 +473,15 @@ class Api:
                 text = bytes(text.reshape(-1)[0]).decode("utf-8", "replace") if text is not None else ""
                 ids = result.as_numpy("token_ids")
                 ids = [] if ids is None else ids.reshape(-1).tolist()
+                if result.as_numpy("prompt_logprob_entries") is not None:  # echo: ahead of any token
+                    yield "prompt", json.loads(bytes(result.as_numpy("prompt_logprob_entries").reshape(-1)[0])), None
                 if text or ids:
-                    yield "text", text, ids
+                    info = {}
+                    if result.as_numpy("prompt_tokens") is not None:
+                        info["prompt_tokens"] = int(result.as_numpy("prompt_tokens").reshape(-1)[0])
+                    if result.as_numpy("logprob_entries") is not None:
+                        info["logprobs"] = json.loads(bytes(result.as_numpy("logprob_entries").reshape(-1)[0]))
+                    yield "text", text, (ids, info)
                 if response.parameters["triton_final_response"].bool_param:
                     stats = {k: float(result.as_numpy(k).reshape(-1)[0])
                              for k in ("mean_accepted_length", "beta") if result.as_numpy(k) is not None}
@@ -413,6 +517,13 @@ class Api:
 
     # --- HTTP handlers -----------------------------------------------------------------
 
+    async def prometheus(self, request):
+        """GET /metrics: vLLM's families, Prometheus text (as vLLM's API server serves them)."""
+        from aiohttp import web
+
+        return web.Response(body=self.metrics.text(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
     async def models(self, request):
         from aiohttp import web
 
@@ -440,14 +551,19 @@ class Api:
                 "created": int(time.time()), "model": self.s.model}
         stops = StopMatcher(r["stop"])
         run = self.generate(prompt, r)
+        clock = self.metrics.arrived()
         if r["stream"]:
-            return await self._stream(http, chat, head, run, stops, r)
-        text, ids, reason, stats = [], [], "length", {}
+            return await self._stream(http, chat, head, run, stops, r, clock)
+        text, ids, entries, reason, stats = [], [], [], "length", None
         try:
             async for kind, value, extra in run:
-                if kind == "text":
+                if kind == "prompt":
+                    entries = value + entries
+                elif kind == "text":
+                    self.metrics.tokens(clock)
                     text.append(stops.push(value))
-                    ids += extra
+                    ids += extra[0]
+                    entries += extra[1].get("logprobs", [])
                     if stops.stopped:
                         reason = "stop"
                         break
@@ -457,33 +573,74 @@ class Api:
             return web.json_response(exc.body(), status=exc.status)
         finally:
             await run.aclose()
+            self.metrics.left(clock, stats, len(ids))
+        stats = stats or {}
         text.append(stops.flush())
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+        content = ("".join(text) if not r["echo"] else prompt + "".join(text))
+        logprobs = None if r["logprobs"] is None else self._logprobs(entries, chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                    "finish_reason": reason} if chat else
-                  {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+                  {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason})
         head["object"] = "chat.completion" if chat else "text_completion"
         return web.json_response(head | {"choices": [choice], "usage": _usage(stats, len(ids)),
                                          "sharpdraft": _extension(r, ids, stats)})
 
-    async def _stream(self, http, chat, head, run, stops, r):
+    def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
+        """Log-probability entries ([token, logprob, [[id, logprob], ...]]) in OpenAI's
+        shape: chat's `content` list, or completions' four parallel lists."""
+        piece = self.s.tokenizer.decode
+        if chat:
+            def one(token, lp):
+                text = piece([token])
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [one(t, lp) | {"top_logprobs": [one(i, v) for i, v in top]}
+                                for t, lp, top in entries]}
+        tokens = [piece([t]) for t, _, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        tops = []
+        for _, lp, top in entries:  # alternatives that decode alike: the likeliest keeps the key
+            tops.append(None if lp is None else {})  # an echoed prompt's first token: none
+            for i, v in top:
+                tops[-1].setdefault(piece([i]), v)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    async def _stream(self, http, chat, head, run, stops, r, clock):
         from aiohttp import web
 
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+        ids, entries, reason, stats, prompt_tokens, sent = [], [], "length", None, [0], [0]
 
         def chunk(delta: str | None, reason=None, role=False):
+            # the log-probabilities of the tokens since the last chunk (text may lag them)
+            logprobs = None
+            if r["logprobs"] is not None and not role and entries:
+                logprobs = self._logprobs(entries, chat, sent[0])
+                sent[0] += sum(len(t) for t in logprobs.get("tokens", []))
+                entries.clear()
             if chat:
                 d = ({"role": "assistant", "content": ""} if role else
                      {} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            return head | {"choices": [choice]}
+                choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+            out = head | {"choices": [choice]}
+            if r["continuous_usage"]:  # the running usage, on every chunk
+                out["usage"] = _usage({"prompt_tokens": prompt_tokens[0]}, len(ids))
+            return out
 
         response = None
-        ids, reason, stats = [], "length", {}
         try:
             async for kind, value, extra in run:
+                if kind == "text":
+                    self.metrics.tokens(clock)
+                    ids += extra[0]
+                    entries += extra[1].get("logprobs", [])
+                    prompt_tokens[0] = extra[1].get("prompt_tokens", prompt_tokens[0])
                 if response is None:  # the first reply from Triton: errors until now are plain HTTP
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache"})
@@ -491,7 +648,6 @@ class Api:
                     if chat:
                         await _send(response, chunk(None, role=True))
                 if kind == "text":
-                    ids += extra
                     out = stops.push(value)
                     if out:
                         await _send(response, chunk(out))
@@ -503,12 +659,13 @@ class Api:
             tail = stops.flush()
             if tail:
                 await _send(response, chunk(tail))
+            prompt_tokens[0] = (stats or {}).get("prompt_tokens", prompt_tokens[0])
             last = chunk(None, reason)
             if not r["include_usage"]:
                 last["usage"] = None
-            await _send(response, last | {"sharpdraft": _extension(r, ids, stats)})
+            await _send(response, last | {"sharpdraft": _extension(r, ids, stats or {})})
             if r["include_usage"]:
-                await _send(response, head | {"choices": [], "usage": _usage(stats, len(ids))})
+                await _send(response, head | {"choices": [], "usage": _usage(stats or {}, len(ids))})
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:
             if response is None:
@@ -519,6 +676,7 @@ class Api:
             raise  # the client left; finally cancels the Triton request
         finally:
             await run.aclose()
+            self.metrics.left(clock, stats, len(ids))
         await response.write_eof()
         return response
 
@@ -586,6 +744,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", api.completions)
         app.router.add_post("/v1/chat/completions", api.chat)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", api.prometheus)
         app.middlewares.append(_error_middleware())
         if self.settings.api_key is not None:
             app.middlewares.append(_key_middleware(self.settings.api_key))

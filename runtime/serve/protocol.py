@@ -38,7 +38,25 @@ INPUTS = (
     Tensor("seed", "TYPE_INT64", np.int64, optional=True),
     Tensor("sharpdraft", "TYPE_BOOL", np.bool_, optional=True),
     Tensor("mode", "TYPE_STRING", np.object_, optional=True),  # a name of runtime/modes.py
+    # vLLM's sampling extensions (runtime/sampling.py: Sampling), each off when absent
+    Tensor("top_k", "TYPE_INT32", np.int32, optional=True),
+    Tensor("min_p", "TYPE_FP64", np.float64, optional=True),
+    Tensor("repetition_penalty", "TYPE_FP64", np.float64, optional=True),
+    Tensor("presence_penalty", "TYPE_FP64", np.float64, optional=True),
+    Tensor("frequency_penalty", "TYPE_FP64", np.float64, optional=True),
+    Tensor("min_tokens", "TYPE_INT32", np.int32, optional=True),
+    Tensor("ignore_eos", "TYPE_BOOL", np.bool_, optional=True),  # decode past the stop tokens
+    # the target's log-probabilities of each committed token and its `logprobs` likeliest
+    Tensor("logprobs", "TYPE_INT32", np.int32, optional=True),
+    # the prompt's own log-probabilities (OpenAI's echo with logprobs): with it,
+    # max_new_tokens may be 0 (score the prompt, generate nothing)
+    Tensor("prompt_logprobs", "TYPE_BOOL", np.bool_, optional=True),
 )
+
+# The extensions' inputs, with what each is when absent, in Sampling's own names.
+SAMPLING_EXTENSIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "min_tokens": 0}
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (vLLM's default)
 
 OUTPUTS = (
     Tensor("text", "TYPE_STRING", np.object_),
@@ -52,6 +70,10 @@ OUTPUTS = (
     # the prompt's tokens as the model counted them (the OpenAI endpoint's `usage` reads
     # it, so a prompt is tokenized once, in the model)
     Tensor("prompt_tokens", "TYPE_INT32", np.int32),
+    # JSON, when asked: [[token, log-probability, [[id, log-probability], ...]], ...] of
+    # the tokens this response carries
+    Tensor("logprob_entries", "TYPE_STRING", np.object_),
+    Tensor("prompt_logprob_entries", "TYPE_STRING", np.object_),  # as logprob_entries; the first: null
 )
 
 
@@ -90,12 +112,16 @@ class Request:
     seed: int | None
     sharpdraft: bool | None  # None: not sent
     asked_mode: str | None = None  # the request's `mode`, checked against the table
+    extensions: tuple = ()  # (name, value) of SAMPLING_EXTENSIONS sent
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def sampling(self):
         from runtime.sampling import Sampling
 
         try:
-            return Sampling(self.temperature, self.top_p, self.seed)
+            return Sampling(self.temperature, self.top_p, self.seed, **dict(self.extensions))
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 
@@ -157,8 +183,10 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
         raise RequestError("prompt is empty")
 
     max_new = int(_scalar(arrays, specs["max_new_tokens"]))
-    if max_new < 1:
-        raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
+    prompt_logprobs = bool(_scalar(arrays, specs["prompt_logprobs"]))
+    least = 0 if prompt_logprobs else 1  # 0: score the prompt, generate nothing
+    if max_new < least:
+        raise RequestError(f"max_new_tokens must be >= {least}, got {max_new}")
     if max_new > max_new_tokens_limit:
         raise RequestError(f"max_new_tokens {max_new} exceeds this server's limit of "
                            f"{max_new_tokens_limit} (max_new_tokens_limit in config.pbtxt)")
@@ -179,11 +207,26 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
             modes.parse(mode)
         except ValueError:
             raise RequestError(f"no decoding mode {quote(mode)} (modes: {', '.join(modes.Mode)})") from None
+    extensions = []
+    for name, neutral in SAMPLING_EXTENSIONS.items():
+        value = _scalar(arrays, specs[name])
+        if value is not None:
+            value = type(neutral)(value)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value}")
+            extensions.append((name, value))
+    ignore_eos = _scalar(arrays, specs["ignore_eos"])
+    logprobs = _scalar(arrays, specs["logprobs"])
+    if logprobs is not None and not 0 <= int(logprobs) <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {int(logprobs)}")
     request = Request(text=raw, max_new_tokens=max_new,
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),
                       seed=None if seed is None else int(seed),
-                      sharpdraft=None if sharpdraft is None else bool(sharpdraft), asked_mode=mode)
+                      sharpdraft=None if sharpdraft is None else bool(sharpdraft), asked_mode=mode,
+                      extensions=tuple(extensions), ignore_eos=bool(ignore_eos),
+                      logprobs=None if logprobs is None else int(logprobs),
+                      prompt_logprobs=prompt_logprobs)
     request.sampling()  # refuse bad temperature / top_p now, before any work
     return request
 
@@ -237,11 +280,22 @@ def ids_array(ids: list[int]) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
 
 
-def outputs(text: str, token_ids: list[int], gen, finish: str, mode) -> dict:
-    """Response tensors for a finished generation (runtime.metrics.Generation) of `mode`."""
+def count_array(n: int) -> np.ndarray:
+    return np.array([n], dtype=np.int32)
+
+
+def logprobs_array(entries) -> np.ndarray:
+    """Log-probability entries (runtime.sampling.token_logprobs) as the `logprobs` output."""
+    return text_array(json.dumps([[t, lp, [list(a) for a in top]] for t, lp, top in entries],
+                                 separators=(",", ":")))
+
+
+def outputs(text: str, token_ids: list[int], gen, finish: str, mode, logprobs=None) -> dict:
+    """Response tensors for a finished generation (runtime.metrics.Generation) of `mode`;
+    `logprobs`: the entries this response carries, if the request asked."""
     # No drafter step ran (one token asked for, or a stop at once): the query was unscaled.
     beta = gen.beta_per_step[-1] if gen.beta_per_step else 1.0
-    return {
+    return ({} if logprobs is None else {"logprob_entries": logprobs_array(logprobs)}) | {
         "text": text_array(text),
         "token_ids": ids_array(token_ids),
         "mean_accepted_length": np.array([gen.mean_accepted_length], dtype=np.float32),

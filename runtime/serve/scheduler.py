@@ -51,6 +51,7 @@ from typing import Callable
 
 from runtime.backends.bf16_prefill import chunk_problem
 from runtime.decode import DraftKind, Request
+from runtime.metrics import Generation
 from runtime.modes import LOOKUP, Mode, batch_refusal
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
@@ -90,6 +91,13 @@ class Job:
     # whether the client has gone (Triton: request.is_cancelled); asked before work starts
     # on the job and between chunks of its prefill
     cancelled: Callable[[], bool] = lambda: False
+    ignore_eos: bool = False  # decode past the engine's stop tokens
+    # the target's log-probabilities of each token and its `logprobs` likeliest, handed to
+    # on_tokens(new, entries) (decode.Request.logprobs); None: not computed
+    logprobs: int | None = None
+    # set: the prompt's log-probabilities (Decoder.score, with `logprobs` alternatives) go
+    # to on_prompt(entries) before any token; with max_new_tokens 0 that is all it runs
+    on_prompt: Callable[[list], None] | None = None
 
 
 @dataclasses.dataclass
@@ -118,6 +126,7 @@ class StepScheduler:
         self.decoders: dict[str, object] = {}  # mode -> its Decoder
         self.default: str | None = None  # the mode of the default batch (jobs naming none)
         self.jobs: dict[int, Job] = {}  # id(Sequence) -> its job
+        self.scorer = None  # the target-only decoder that scores prompts (_score)
         self.wake = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
@@ -199,20 +208,37 @@ class StepScheduler:
             job.on_error(Cancelled("queue"))
             return
         try:
+            if job.on_prompt is not None:
+                job.on_prompt(self._score(job))
+                if job.max_new_tokens == 0:  # scored by the target alone: that is the mode it ran
+                    job.mode = job.mode or str(Mode.TARGET)
+                    job.on_done(Generation(len(job.ids)))
+                    return
             if job.mode is None:
                 job.mode = self._default_batch() or self.engine.spec.default_mode_at(load)
                 self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
+                if job.logprobs is not None:
+                    raise ValueError("logprobs are computed by the batch loop; this backend runs "
+                                     "one request at a time without it")
                 job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
-                                                 on_tokens=job.on_tokens))
+                                                 stop=not job.ignore_eos, on_tokens=job.on_tokens))
                 return
         except Exception as exc:  # bad input, a cancelled stream, a bug: this request alone
             job.on_error(exc)
             return
-        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling,
-                                     self.engine.stop_ids, job.on_tokens), self.prefill_chunk or None)
+        stop_ids = frozenset() if job.ignore_eos else self.engine.stop_ids
+        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling, stop_ids, job.on_tokens,
+                                     logprobs=job.logprobs), self.prefill_chunk or None)
         self.joining.append(Joining(job, decoder, steps, len(job.ids)))
+
+    def _score(self, job: Job) -> list:
+        """The prompt's log-probabilities, on a target-only decoder of its own that no
+        request decodes on (its verify pass would step their rows)."""
+        if self.scorer is None:
+            self.scorer = self.engine.decoder(Mode.TARGET)
+        return self.scorer.score(job.ids, job.logprobs or 0)
 
     def _prefill(self) -> None:
         """Prefill joining prompts: at most prefill_chunk tokens while rows are running,
