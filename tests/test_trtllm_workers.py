@@ -156,6 +156,7 @@ def test_several_gpus_without_the_autoloader_are_refused_before_anything_starts(
     assert done.returncode == 1 and len(err) == 1 and "autoload install" in err[0]  # a LaunchError (ValueError)
 
 
+@pytest.mark.slow  # the fast tier: test_trtllm_keyed.py's newer release accepted with one line, in process
 def test_a_newer_release_with_the_pinned_names_runs_scaled_in_its_workers_with_one_untested_line(
         venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg", version="1.5.0")
@@ -266,6 +267,7 @@ def test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven(venvs
     assert len(applied) == 1 and applied[0]["drafters"] == ["DFlashForCausalLM"]
 
 
+@pytest.mark.slow  # the fast tier: test_tensor_parallel_workers_each_report (the same workers, through generate)
 def test_trtllm_serve_tensor_parallel_workers_are_reached_through_the_autoloader(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = serve(venvs["autoload"], engine, standin, "--tp_size=2")
@@ -284,6 +286,7 @@ def test_trtllm_serve_refuses_to_serve_without_the_proof(venvs, engine, tmp_path
 
 # --- a dead launch leaves nothing behind; every rank must prove it -------------------------
 
+@pytest.mark.slow  # the fast tier: test_trtllm_keyed.py's stock drafter beside a live SharpDraft launch, in process
 def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(venvs, engine, tmp_path):
     """A SharpDraft launch is live in this environment (its launcher holds the hook and its
     proof directory); a stock LLM() of TensorRT-LLM's own on the stock checkpoint, a frozen
@@ -331,6 +334,7 @@ def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(
     assert proof.read(proof_dir) == []  # and nothing reached the live launch's proof
 
 
+@pytest.mark.slow  # the fast tier: test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses
 def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_rank(venvs, engine, tmp_path):
     """TP=2 where rank 1 runs without the hook (a rank started without the autoloader, or
     elsewhere): one wrapped record is not enough, the launcher refuses naming rank 1."""
@@ -349,6 +353,7 @@ def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_ran
     assert err[0].startswith(f"error: {HEAD} of rank(s) 1 of 2 (wrapped: rank 0 pid "), err[0]
 
 
+@pytest.mark.slow  # the fast tier: test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter and test_trtllm_keyed.py's live-launch test
 def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs, repository, engine, tmp_path):
     """Triton with instance count > 1 (or every rank's initialize() under mpirun): another
     SharpDraft launch is live in the environment; this instance's initialize() must still
