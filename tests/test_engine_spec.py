@@ -94,9 +94,9 @@ def tree_engine(tmp_path_factory, tiny_target):
 
 
 def test_rows_joining_a_decoder_never_call_back_into_the_engine(tree_engine, monkeypatch):
-    """Trees draft one drafter per row, made as each row joins: the decoder holds the
-    mode's setting it was built with, so the engine's mode policy is not asked again
-    (it used to be: roles.drafter(mode) -> Engine.drafter_for, per row)."""
+    """Rows joining a tree decoder (one batch tree drafter, made with the decoder): the
+    decoder holds the mode's setting it was built with, so the engine's mode policy is
+    not asked again (it used to be: roles.drafter(mode) -> Engine.drafter_for, per row)."""
     engine = Engine(open_spec(tree_engine))
     decoder = engine.decoder("sharpdraft", adaptive=False)
 
