@@ -265,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [t for t in tools if t not in TOOLS]:
         print(f"error: unknown tool(s) {', '.join(unknown)}; choose from {', '.join(TOOLS)}", file=sys.stderr)
         return 2
-    if not (args.engine_dir / "engine.json").is_file():
-        print(f"error: {args.engine_dir} has no engine.json — build one first (make engine, or "
+    from runtime.manifest import MANIFEST
+
+    if not (args.engine_dir / MANIFEST).is_file():
+        print(f"error: {args.engine_dir} has no {MANIFEST} — build one first (make engine, or "
               "build_engine.py --drafter dflash --sharpdraft)", file=sys.stderr)
         return 2
     out = args.out.resolve()
