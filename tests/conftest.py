@@ -96,6 +96,7 @@ def standin(tmp_path):
     finally:
         uninstall()
         proof.set_directory(None)
+        proof.forget_tallies()
         forget_tensorrt_llm()
         sys.path.remove(str(root))
 

@@ -60,6 +60,13 @@ def set_directory(path) -> None:
     _state["directory"] = None if path is None else str(path)
 
 
+def forget_tallies() -> None:
+    """Drop this process's counters (tests: a drafter of an earlier stand-in launch can
+    outlive its test until the collector runs, and its zero counts then read as the next
+    launch's)."""
+    _tallies.clear()
+
+
 def directory() -> Path | None:
     value = _state["directory"] or os.environ.get(PROOF_ENV)
     return Path(value) if value else None
