@@ -58,8 +58,8 @@ class Engine:
 
     def drafter(self, scaled: bool = True, window: int | None = None, *, scaling=...):
         """The drafter role, for one row or a batch (calibration, diagnostics, step
-        costs): the batch drafter of blocks or chains, or a tree engine's tree drafter for
-        one row; with the engine's query scaling, or unscaled (frozen); with a `window`,
+        costs): the batch drafter of blocks or chains, or a tree engine's batch tree
+        drafter; with the engine's query scaling, or unscaled (frozen); with a `window`,
         its block rows see only the last `window` context keys (DFlash). `scaling`: any
         other QueryScaling, on backends that swap scalings at run time only (a compiled
         drafter graph has its scaling built in)."""
