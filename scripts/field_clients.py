@@ -122,6 +122,10 @@ class Counters:
                 "sharpdraft_mal": (own["accepted_tokens"] + own["steps"]) / own["steps"] if own["steps"] else None}
 
 
+class ToolFailed(RuntimeError):
+    """A client exited non-zero: one line naming it and its log."""
+
+
 def run_tool(cmd: list, out: Path, name: str, env: dict | None = None, cwd: Path | None = None) -> None:
     log(f"running {name}: {' '.join(map(str, cmd))}")
     start = time.perf_counter()
@@ -129,11 +133,16 @@ def run_tool(cmd: list, out: Path, name: str, env: dict | None = None, cwd: Path
         code = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
     log(f"  {name} exited {code} after {time.perf_counter() - start:.0f} s")
     if code != 0:
-        raise RuntimeError(f"{name} exited with {code}; see {out / f'{name}.log'}")
+        raise ToolFailed(f"{name} exited with {code}; see {out / f'{name}.log'}")
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    """The caller's environment without its Python settings and hub switches: each tool
+    says offline itself where it can load a local directory so (AIPerf cannot: offline, it
+    takes the tokenizer directory for a hub name; a caller that ran runtime.cli in-process,
+    as a test worker does, has HF_HUB_OFFLINE set)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV")) and k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     return env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} | extra
 
 
@@ -300,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         COUNTERS = lambda: Counters(base + "/metrics", info["metrics"])  # noqa: E731
         for tool in tools:
             summary[tool] = TOOLS[tool](base, model, tokenizer, out, args.requests, args.concurrency)
+    except ToolFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         code, _ = server.stop(90)
         summary["server_exit"] = code
