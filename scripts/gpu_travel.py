@@ -191,6 +191,7 @@ def pack(repo: Path, wheels=WHEELS, download=None) -> tuple[dict, int]:
     """Download the wheels into .gpu/ (ignored), split them to fit beside what travels."""
     out = repo / PACK_DIR
     exclude = git_path(repo, "info/exclude")
+    exclude.parent.mkdir(parents=True, exist_ok=True)  # a clone need not have .git/info
     if f"/{PACK_DIR}/" not in (exclude.read_text() if exclude.exists() else ""):
         with exclude.open("a") as f:
             f.write(f"/{PACK_DIR}/\n")
