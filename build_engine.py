@@ -12,12 +12,11 @@ graph signatures, sha256 of every file). Stages: load, export, check, build.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 from pathlib import Path
 
-from build import checkpoints
+from build import checkpoints, families
 from runtime.manifest import (TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
                               engine_files, verify_files)
 from plugins.onnx import ATTENTION_FORMS
@@ -227,10 +226,6 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     return extra
 
 
-# What an engine reads from a drafter checkpoint: both families publish these two files.
-DRAFTER_FILES = ("config.json", "model.safetensors")
-
-
 def own_loop(backend: str) -> bool:
     """Whether `backend` runs its own decode loop (runtime/modes.py BACKENDS: TensorRT-LLM),
     so that an engine built for it is that loop's configuration ("auto" is ours)."""
@@ -246,80 +241,6 @@ def refuse_family_on(drafter: str, backend: str) -> None:
         raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
                          f"does not run yet; it builds for {' and '.join(others)} (pass "
                          f"--backend {others[-1]})")
-
-
-def eagle3_shape(args) -> TreeShape:
-    """--tree-top-k/--tree-depth/--tree-total-tokens, checked before anything loads; with
-    top_k 1 the drafter drafts a chain of --num-draft-tokens."""
-    try:
-        if args.tree_top_k == 1:
-            if args.num_draft_tokens < 1:
-                raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-            return TreeShape(1, args.num_draft_tokens, args.num_draft_tokens + 1)
-        return TreeShape(args.tree_top_k, args.tree_depth, args.tree_total_tokens)
-    except ValueError as exc:
-        raise UsageError(f"invalid EAGLE-3 tree: {exc}") from None
-
-
-def drafter_files(drafter: str, drafter_dir: Path) -> list[str]:
-    """What an engine reads from a drafter checkpoint (EAGLE's own checkpoints may hold
-    pytorch_model.bin instead of model.safetensors)."""
-    if drafter == "eagle3":
-        from runtime.models.eagle3 import checkpoint_files as eagle3_files
-
-        return eagle3_files(drafter_dir)
-    return list(DRAFTER_FILES)
-
-
-def load_drafter(args, drafter_dir: Path, target):
-    """The drafter model of --drafter dflash|pard|eagle3, checked against the target
-    (a TargetModel), and the tokens one verify pass commits at most (DFlash: its block;
-    PARD, an EAGLE-3 chain: --num-draft-tokens + 1; an EAGLE-3 tree: its depth + 1)."""
-    target_config = target.config
-    if args.drafter == "eagle3":
-        from runtime.models.eagle3 import load_eagle3
-
-        shape = eagle3_shape(args)
-        drafter = load_eagle3(drafter_dir, target=target)  # checks it against the target
-        c = drafter.config
-        progress(f"      drafter: EAGLE-3, hidden {c.hidden_size}, target layers "
-                 f"{list(c.aux_layers(target_config.num_layers))}, draft vocabulary {c.draft_vocab_size}, "
-                 + (f"chain of {shape.depth}" if shape.top_k == 1 else
-                    f"tree top_k {shape.top_k} depth {shape.depth} total {shape.total_tokens}")
-                 + f" ({drafter_dir})")
-        return drafter, shape.depth + 1
-    if args.drafter == "pard":
-        from runtime.models.pard import load_pard
-
-        if args.num_draft_tokens < 1:
-            raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-        drafter = load_pard(drafter_dir)
-        drafter.config.check_target(target_config)
-        c = drafter.config.layers
-        progress(f"      drafter: PARD, {c.num_layers} layers, hidden {c.hidden_size}, "
-                 f"{args.num_draft_tokens} drafts per step, pard_token {drafter.config.pard_token} "
-                 f"({drafter_dir})")
-        return drafter, args.num_draft_tokens + 1
-    from runtime.models.dflash import load_dflash
-
-    drafter = load_dflash(drafter_dir)
-    drafter.config.check_target(target_config)
-    progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
-             f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
-    return drafter, drafter.config.block_size
-
-
-def ngram_proposer(args) -> NGramProposer | None:
-    """--drafter ngram: the proposer its options describe (checked before anything loads)."""
-    if args.drafter != "ngram":
-        return None
-    if args.sharpdraft:
-        raise UsageError("--sharpdraft scales a drafter's attention; n-gram drafting has none "
-                         "(drop --sharpdraft)")
-    try:
-        return NGramProposer(args.max_ngram, 1, args.num_draft_tokens)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def build_trtllm(args, overrides: dict, out: Path) -> int:
@@ -345,24 +266,8 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
         context = int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
-    if args.drafter != "dflash":
-        drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
-        if not (drafter_dir / "config.json").is_file():
-            raise ModelError(f"{drafter_dir} has no config.json (not a {args.drafter} checkpoint)")
-        drafter_files = ["config.json"] + [p.name for p in sorted(drafter_dir.iterdir()) if p.is_file() and (
-            p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))]
-        block_size = args.num_draft_tokens + 1
-        settings = trtllm.family_settings(args.drafter)
-    else:
-        from runtime.models.dflash import CHECKPOINT_FILES, read_dflash_config
-
-        drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
-        config = read_dflash_config(drafter_dir)
-        drafter_files = list(CHECKPOINT_FILES)
-        block_size = config.block_size
-        settings = trtllm.family_settings("dflash", {"mask_token_id": config.mask_token_id,
-                                                     "target_layer_ids": config.target_layer_ids},
-                                          args.trtllm_attention)
+    drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+    drafter_files, block_size, settings = families.trtllm_config(args.drafter)(args, drafter_dir)
     scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
     max_seq_len = args.max_seq_len or context
     if not 1 < max_seq_len <= context:
@@ -417,7 +322,7 @@ def main(argv) -> int:
         raise UsageError("--backend auto picks the backend by measured step costs; with "
                          "--step-costs fixed pass --backend torch or onnxruntime")
     if own_loop(args.backend):  # configuration for TensorRT-LLM, which runs its own loop
-        if args.drafter == "ngram":
+        if families.trtllm_config(args.drafter) is None:
             raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
                              "drafting use another backend")
         out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")
@@ -425,18 +330,18 @@ def main(argv) -> int:
         if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
             raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
         return build_trtllm(args, scaling_overrides(args, args.drafter), out)
-    proposer = ngram_proposer(args)
+    family = families.FAMILIES[args.drafter]
+    proposer = family.lookup(args) if family.lookup else None
     overrides = scaling_overrides(args, args.drafter) if proposer is None else {}
     out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")))
     if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
     if args.backend in modes.BACKENDS:
         refuse_family_on(args.drafter, args.backend)
-    if args.drafter == "eagle3":
-        eagle3_shape(args)
-    # No TensorRT plans for EAGLE-3: auto exports its ONNX graphs and then measures torch
-    # against onnxruntime, as it does where TensorRT cannot run.
-    graphs_only = args.drafter == "eagle3" and args.backend == "auto"
+    family.check(args)
+    # A family with no TensorRT plans (EAGLE-3): auto exports its ONNX graphs and then
+    # measures torch against onnxruntime, as it does where TensorRT cannot run.
+    graphs_only = not family.tensorrt_plans and args.backend == "auto"
     backend = "onnxruntime" if graphs_only else pick_backend(args.backend)
     refuse_family_on(args.drafter, backend)
     if args.draft_window is not None and (modes.FAMILIES[args.drafter] != "block"
@@ -454,15 +359,12 @@ def main(argv) -> int:
     model, _ = load_target(target_dir, getattr(torch, args.dtype))
     progress(f"      target: {model.config.model_type}, {model.config.num_layers} layers, "
              f"hidden {model.config.hidden_size}, vocab {model.config.vocab_size} ({target_dir})")
-    if proposer is not None:
-        drafter = drafter_dir = scaling = scaling_source = None
-        block_size = proposer.num_draft_tokens + 1  # tokens one verify pass checks
-        progress(f"      drafter: n-gram lookup, {proposer.num_draft_tokens} drafts per step, "
-                 f"suffixes of {proposer.min_ngram}..{proposer.max_ngram} tokens")
+    if proposer is not None:  # no drafter model: no checkpoint, nothing to scale
+        drafter_dir = scaling = scaling_source = None
     else:
         drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
         scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
-        drafter, block_size = load_drafter(args, drafter_dir, model)
+    drafter, block_size = family.load(args, drafter_dir, model)
     context = model.config.max_position_embeddings
     max_seq_len = args.max_seq_len or context
     if not 1 < max_seq_len <= context:
@@ -476,19 +378,12 @@ def main(argv) -> int:
     try:
         provenance = ({"query_scaling_source": scaling_source,
                        "family_preset": PRESETS[args.drafter].to_dict()} if scaling else {})
-        if proposer is not None:
-            provenance = {"ngram": proposer.settings()}
-        if args.drafter == "eagle3":
-            provenance["eagle3"] = dataclasses.asdict(eagle3_shape(args))
-        if args.drafter == "dflash":  # the window mode: the drafter sees what it trained on
-            window = args.draft_window or drafter.config.training_max_length
-            if window is not None:
-                provenance["draft_window"] = int(window)
+        provenance |= family.provenance(args, drafter)
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention or next(iter(modes.BACKENDS[backend].attention_forms), None),
             model, drafter, scaling, max_seq_len, block_size)
         target_record = dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source}
-        drafter_record = (dependency_record(drafter_dir, drafter_files(args.drafter, drafter_dir))
+        drafter_record = (dependency_record(drafter_dir, family.files(drafter_dir))
                           if drafter_dir else None)
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
                             drafter_checkpoint=drafter_record,
