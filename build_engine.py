@@ -153,6 +153,17 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
+def build_backend(drafter: str, requested: str) -> str:
+    """pick_backend, for a drafter family: a family whose drafting TensorRT's backend does
+    not run (PARD's chains, EAGLE-3's trees: runtime/modes.py) gets no TensorRT plans from
+    auto, which exports its ONNX graphs and then measures torch against onnxruntime, as it
+    does where TensorRT cannot run."""
+    drafting = modes.FAMILIES[drafter]
+    if requested == "auto" and drafting is not None and drafting not in modes.BACKENDS["tensorrt"].styles:
+        return "onnxruntime"
+    return pick_backend(requested)
+
+
 def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool = False) -> None:
     """Stage 5: time target and drafter steps with every backend this machine can run the
     engine with; keep the costs in engine.json (adaptive draft length reads them) and,
@@ -339,10 +350,7 @@ def main(argv) -> int:
     if args.backend in modes.BACKENDS:
         refuse_family_on(args.drafter, args.backend)
     family.check(args)
-    # A family with no TensorRT plans (EAGLE-3): auto exports its ONNX graphs and then
-    # measures torch against onnxruntime, as it does where TensorRT cannot run.
-    graphs_only = not family.tensorrt_plans and args.backend == "auto"
-    backend = "onnxruntime" if graphs_only else pick_backend(args.backend)
+    backend = build_backend(args.drafter, args.backend)
     refuse_family_on(args.drafter, backend)
     if args.draft_window is not None and (modes.FAMILIES[args.drafter] != "block"
                                           or args.draft_window < 1):

@@ -213,9 +213,6 @@ class Family:
     # in place of SharpDraft's scaling checks (there is no attention to scale); the build
     # then reads no drafter checkpoint. None: a drafter model family.
     lookup: Callable | None = None
-    # Whether --backend auto tries TensorRT plans for it; False: auto exports the ONNX
-    # graphs and measures torch against onnxruntime, as where TensorRT cannot run.
-    tensorrt_plans: bool = True
 
 
 DFLASH = Family(load=load_dflash, provenance=dflash_provenance, trtllm=trtllm_dflash)
@@ -227,9 +224,9 @@ PARD = Family(load=load_pard)
 beyond the block size to record."""
 
 EAGLE3 = Family(load=load_eagle3, files=eagle3_files, check=check_eagle3,
-                provenance=eagle3_provenance, tensorrt_plans=False)
+                provenance=eagle3_provenance)
 """EAGLE-3: drafts a tree (or a chain with --tree-top-k 1) whose shape engine.json records;
-its checkpoint may hold pytorch_model.bin; no TensorRT plans (TensorRT drafts blocks only)."""
+its checkpoint may hold pytorch_model.bin."""
 
 NGRAM = Family(load=load_ngram, lookup=ngram_proposer, provenance=ngram_provenance,
                trtllm=None)

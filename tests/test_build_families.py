@@ -72,3 +72,17 @@ def test_what_engine_json_records_of_how_each_family_drafts():
     assert provenance("--drafter", "eagle3", "--tree-top-k", "1", "--num-draft-tokens", "3") == {
         "eagle3": {"top_k": 1, "depth": 3, "total_tokens": 4}}
     assert provenance("--drafter", "pard") == {}
+
+
+def test_auto_builds_tensorrt_plans_only_for_a_family_tensorrt_drafts(monkeypatch):
+    """Where TensorRT works, --backend auto builds plans for the drafting TensorRT's
+    backend runs (DFlash's blocks; n-gram has no drafter); a chain (PARD) or tree
+    (EAGLE-3) family gets the ONNX graphs instead of plans it would then refuse."""
+    import build_engine
+
+    monkeypatch.setattr(build_engine, "tensorrt_usable", lambda: None)  # as on a TensorRT host
+    picked = {name: build_engine.build_backend(name, "auto") for name in modes.FAMILIES}
+    assert picked == {"dflash": "tensorrt", "ngram": "tensorrt", "pard": "onnxruntime",
+                      "eagle3": "onnxruntime"}
+    for name in modes.FAMILIES:  # an explicit backend is taken as asked (refused later if need be)
+        assert build_engine.build_backend(name, "torch") == "torch"
