@@ -99,7 +99,12 @@ TARGET_TREE_OUTPUTS = TARGET_KV_OUTPUTS  # inputs: target_tree_inputs
 EAGLE3_INPUTS = ("ids", "features", "context_lens", "past_keys", "past_values", "past_lens")
 EAGLE3_TREE_INPUTS = ("ids", "hidden", "ancestors", "offsets", "past_keys", "past_values",
                       "scratch_keys", "scratch_values", "past_lens")
-EAGLE3_OUTPUTS = ("logits", "state", "visible", "present_keys", "present_values")
+# The step graph's logits are over the target's vocabulary (a sampler reads them), with the
+# target id of each draft-vocabulary index beside them; a tree level's are over the draft
+# vocabulary (runtime/backends/onnxruntime/drafters.py maps them): a level scores every
+# node's children, and the target vocabulary is several times the draft's.
+EAGLE3_OUTPUTS = ("logits", "state", "visible", "present_keys", "present_values", "draft_ids")
+EAGLE3_TREE_OUTPUTS = ("draft_logits", "state", "visible", "present_keys", "present_values")
 
 
 class ExportCache:
@@ -223,8 +228,10 @@ class Eagle3Step(nn.Module):
     Row i of sequence b sees past_lens[b] + i + 1 keys (StepMetadata.causal_visible, read
     from that input, never from a shape), returned as `visible`. Out: each sequence's
     last real row's logits over the target's vocabulary (DraftVocabulary puts -inf where
-    the drafter cannot propose), its state for the next drafting step, and every row's
-    keys/values, of which the runtime commits the real ones. (Engines exported before
+    the drafter cannot propose), its state for the next drafting step, every row's
+    keys/values, of which the runtime commits the real ones, and `draft_ids`, the target
+    id of each draft-vocabulary index (a tree level's logits are over the draft
+    vocabulary: Eagle3TreeStep). (Engines exported before
     took no lengths: the past's length was the one committed count of the run.)"""
 
     def __init__(self, drafter: Eagle3Drafter, scaling: QueryScaling | None):
@@ -238,7 +245,7 @@ class Eagle3Step(nn.Module):
                                                self.scaling)
         rows, last = torch.arange(ids.shape[0], device=ids.device), context_lens - 1
         return ((self.vocab.target_logits(logits[rows, last]), hidden[rows, last], visible)
-                + cache.present())
+                + cache.present() + (self.vocab.ids.clone(),))
 
 
 class ScratchExportCache(ExportCache):
@@ -274,8 +281,11 @@ class Eagle3TreeStep(Eagle3Step):
     row sees; it also sees its own key and no sibling's, as a tree level does
     (runtime/tree.py: grow_trees), so the scratch mask the drafter gets is [ancestors,
     identity]. Each row's N is the keys that mask leaves unmasked, committed ones
-    included (StepMetadata.tree_visible), returned as `visible`. The attention is the
-    native form: the plugin node has no mask input."""
+    included (StepMetadata.tree_visible), returned as `visible`. Its logits are over the
+    draft vocabulary (`draft_logits`: the runtime scores children there and maps the ones
+    it keeps through the step graph's draft_ids; engines exported before gave them over
+    the target's, which cost a gather of the whole target vocabulary per node). The
+    attention is the native form: the plugin node has no mask input."""
 
     def forward(self, ids, hidden, ancestors, offsets, past_keys, past_values, scratch_keys,
                 scratch_values, past_lens):
@@ -286,7 +296,7 @@ class Eagle3TreeStep(Eagle3Step):
         scratch_mask = torch.cat([ancestors, own.expand(ids.shape[0], t, t)], -1)
         logits, out, visible = self.drafter(ids, hidden, cache, self.scaling,
                                             tree=(scratch_mask, offsets))
-        return (self.vocab.target_logits(logits), out, visible) + cache.present()
+        return (logits, out, visible) + cache.present()
 
 
 def step_masks(past_len, visible, capacity: int, group: int, positions=None, lowest=None):
@@ -647,7 +657,7 @@ def export_eagle3_tree(drafter: Eagle3Drafter, scaling: QueryScaling | None, pat
     example = ((ids, hidden, ancestors, offsets) + _eagle3_past(drafter, PAST)
                + _eagle3_past(drafter, SCRATCH) + (torch.tensor([PAST, PAST - 2][:BATCH]),))
     _export(Eagle3TreeStep(drafter, scaling), example, shapes, EAGLE3_TREE_INPUTS,
-            EAGLE3_OUTPUTS, path, attention="native")
+            EAGLE3_TREE_OUTPUTS, path, attention="native")
     return graph_record(path, attention="native" if scaling is not None else None)
 
 

@@ -2,14 +2,18 @@
 """EAGLE-3 tree drafting time per step for a batch of rows, before and after a change, as
 the step-cost tool times a drafter step (runtime/step_costs.py: _drafter_step, timed after
 a target pass, fastest of the repeats; the median is printed beside it): each checkout in
-a process of its own, on the same engine directory, rounds interleaved (the order
-alternates per round), so a contended machine's drift falls on both. A checkout whose
-drafter drafts trees one row at a time (no draft_trees: before trees drafted as a batch)
-runs one per-row drafter step per row, as its decode loop did; one whose drafter drafts a
-batch runs the tool's step for the batch.
+a process of its own, on the same engine directory (or each on its own: below), rounds
+interleaved (the order alternates per round), so a contended machine's drift falls on
+both. A checkout whose drafter drafts trees one row at a time (no draft_trees: before
+trees drafted as a batch) runs one per-row drafter step per row, as its decode loop did;
+one whose drafter drafts a batch runs the tool's step for the batch.
 
     OMP_NUM_THREADS=1 python scripts/tree_batch_ab.py --engine-dir engines/eagle3-torch \\
         --before /tmp/before-checkout --batch 4 --context 512 --rounds 5
+
+A change to the graphs an engine exports (ONNX Runtime's tree levels over the draft
+vocabulary) compares each checkout on the engine its own build wrote:
+--before-engine-dir for the before checkout's.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
     p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR",
                    help="the checkout after it (default: this one)")
+    p.add_argument("--before-engine-dir", metavar="DIR",
+                   help="the engine the before checkout runs (default: --engine-dir); for a "
+                        "change to the graphs an engine exports, each checkout runs the engine "
+                        "its own build_engine.py writes (same checkpoints)")
     p.add_argument("--backend", default="torch")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=512)
@@ -72,11 +80,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     engine_dir = str(Path(args.engine_dir).resolve())
+    engines = {"before": str(Path(args.before_engine_dir or args.engine_dir).resolve()),
+               "after": engine_dir}
     env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for r in range(args.rounds):
         for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            out = subprocess.run([sys.executable, "-c", CHILD, engine_dir, args.backend,
+            out = subprocess.run([sys.executable, "-c", CHILD, engines[label], args.backend,
                                   str(args.batch), str(args.context), str(args.repeats)],
                                  cwd=getattr(args, label), env=env | {"PYTHONPATH": getattr(args, label)},
                                  capture_output=True, text=True)
@@ -87,7 +97,9 @@ def main(argv=None) -> int:
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  round {r}: {label} {runs[label][-1]['fastest'] * 1e3:.1f} ms (fastest), "
                   f"{runs[label][-1]['median'] * 1e3:.1f} ms (median)", file=sys.stderr, flush=True)
-    result = {"engine": engine_dir, "backend": args.backend, "batch": args.batch,
+    result = {"command": "python scripts/tree_batch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "engine": engine_dir, "before_engine": engines["before"], "backend": args.backend,
+              "batch": args.batch,
               "context": args.context, "repeats": args.repeats, "rounds": args.rounds}
     for stat in ("fastest", "median"):
         before = statistics.median(run[stat] for run in runs["before"])

@@ -3,7 +3,7 @@ tiny target: the tree engine (native form) and the chain engine (plugin form) dr
 same trees and chains, with the same per-row N, and decode the same tokens as the torch
 backend running the same checkpoints, SharpDraft on and off; a batch grows its chains
 in one drafter run per chain link (an engine exported before the graphs took past_lens
-is refused); a tree level's N is the keys its mask leaves unmasked; calibrate re-exports
+is refused; one whose tree levels give target-vocabulary logits drafts the same trees); a tree level's N is the keys its mask leaves unmasked; calibrate re-exports
 the tree graph with its choice. (The batched chain drafter on graphs exported without an
 engine, in the fast tier: tests/test_eagle3_onnx_chain.py.)"""
 
@@ -119,6 +119,65 @@ def test_onnxruntime_drafts_trees_and_decodes_like_torch(tree_engine, sharpdraft
     if sharpdraft:
         scaling = Engine(open_spec(tree_engine)).scaling
         assert scaling.beta(our_trees[0][1]) > 1.0  # the comparison covers scaled rows
+
+
+def export_target_vocabulary_levels(engine_dir, monkeypatch):
+    """Re-export an EAGLE-3 engine's SharpDraft step and tree graphs in the form engines
+    had before a tree level's logits left the target's vocabulary: the step graph without
+    draft_ids, each level's logits mapped onto the target's vocabulary in-graph."""
+    from build import export
+    from runtime.manifest import engine_files, read_manifest
+
+    class StepBefore(export.Eagle3Step):
+        def forward(self, ids, features, context_lens, past_keys, past_values, past_lens):
+            return super().forward(ids, features, context_lens, past_keys, past_values,
+                                   past_lens)[:-1]
+
+    class TreeBefore(export.Eagle3TreeStep):
+        def forward(self, ids, hidden, ancestors, offsets, past_keys, past_values, scratch_keys,
+                    scratch_values, past_lens):
+            logits, *rest = super().forward(ids, hidden, ancestors, offsets, past_keys, past_values,
+                                            scratch_keys, scratch_values, past_lens)
+            return (self.vocab.target_logits(logits), *rest)
+
+    monkeypatch.setattr(export, "Eagle3Step", StepBefore)
+    monkeypatch.setattr(export, "Eagle3TreeStep", TreeBefore)
+    monkeypatch.setattr(export, "EAGLE3_OUTPUTS", export.EAGLE3_OUTPUTS[:-1])
+    monkeypatch.setattr(export, "EAGLE3_TREE_OUTPUTS", ("logits",) + export.EAGLE3_TREE_OUTPUTS[1:])
+    torch_side = Engine(open_spec(engine_dir, backend="torch"))
+    manifest = read_manifest(engine_dir)
+    graphs = manifest.extra["onnx"]["graphs"]
+    graphs["drafter"] = export.export_eagle3(torch_side.drafter_model, torch_side.scaling,
+                                             graphs["drafter"]["attention"],
+                                             engine_dir / graphs["drafter"]["file"])
+    graphs["drafter_tree"] = export.export_eagle3_tree(torch_side.drafter_model, torch_side.scaling,
+                                                       engine_dir / graphs["drafter_tree"]["file"])
+    manifest.artifacts = engine_files(engine_dir)
+    manifest.write(engine_dir)
+
+
+def test_an_engine_whose_tree_levels_give_target_logits_drafts_the_same_trees(tree_engine, tmp_path,
+                                                                             monkeypatch):
+    """Engines exported before a tree level's logits were over the draft vocabulary (the
+    step graph had no draft_ids) still load and draft the same trees, N and tokens as
+    today's graphs, which score a level over the draft vocabulary."""
+    engine_dir = tmp_path / "before"
+    shutil.copytree(tree_engine, engine_dir)
+    export_target_vocabulary_levels(engine_dir, monkeypatch)
+    outputs = json.loads((engine_dir / "engine.json").read_text())["extra"]["onnx"]["graphs"]
+    assert outputs["drafter_tree"]["outputs"][0]["name"] == "logits"
+    runs = []
+    for directory in (engine_dir, tree_engine):
+        engine = Engine(open_spec(directory))
+        prompt = engine.encode(tiny.stdlib_text())[:PROMPT]
+        inner = engine.drafter(scaled=True)
+        drafter = RecordedTrees(inner)
+        gen = speculative.generate_tree(engine.loaded.batch_target(), drafter, prompt, NEW_TOKENS,
+                                        Sampler(), engine.tree_shape)
+        runs.append((inner.draft_vocab, gen.tokens, gen.committed_per_step, drafter.trees))
+    (before_vocab, *before), (today_vocab, *today) = runs
+    assert (before_vocab, today_vocab) == (False, True)  # each pair read by its outputs
+    assert before == today and len(today[0]) == NEW_TOKENS
 
 
 @pytest.mark.parametrize("sharpdraft", [True, False], ids=["sharpdraft", "frozen"])
@@ -258,8 +317,8 @@ def test_a_tree_graph_fixed_to_one_sequence_is_refused_and_todays_takes_a_batch(
 def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
     """One tree level on the ONNX graph, with an irregular ancestry: each row's N (the
     graph's `visible`, what beta was computed from) is the count of a mask built here
-    from the committed entries, the scratch keys it may see and itself; the logits are
-    the torch drafter's under the same mask."""
+    from the committed entries, the scratch keys it may see and itself; the logits (over
+    the draft vocabulary) are the torch drafter's under the same mask."""
     ort, reference = Engine(open_spec(tree_engine)), Engine(open_spec(tree_engine, backend="torch"))
     drafter = ort.loaded.tree_drafter(ort.scaling)
     features = torch.randn(40, reference.drafter_model.fc.in_features,
@@ -293,7 +352,9 @@ def test_a_tree_levels_N_is_the_keys_its_mask_leaves_unmasked(tree_engine):
         out, _, counts = model(torch.tensor([[7, 8, 9]]), hidden[None], cache, torch_side.scaling,
                                tree=(mask[None], torch.full((1, 3), 2)))
     assert counts[0].tolist() == rows
-    torch.testing.assert_close(logits[0], torch_side.vocab.target_logits(out[0]), atol=1e-4, rtol=0)
+    # a level's logits are over the draft vocabulary (the runtime maps what it keeps)
+    assert drafter.draft_vocab and logits.shape[-1] == reference.drafter_model.config.draft_vocab_size
+    torch.testing.assert_close(logits[0], out[0], atol=1e-4, rtol=0)
 
 
 def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):

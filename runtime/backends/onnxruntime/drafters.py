@@ -129,6 +129,23 @@ class OnnxBatchPARD(JoinInParts):
         return [ChainDraft.propose(logits[r, w - k - first:w - first], visible[r, w - k:w], sampler)
                 if k else None for r, (w, k, sampler) in enumerate(zip(widths, ks, samplers))]
 
+def onto_target(logits: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits [..., draft vocab] on the target's vocabulary, -inf where
+    the drafter cannot propose (as runtime/models/eagle3.py DraftVocabulary.target_logits:
+    a token it cannot propose has draft probability 0, so verification stays lossless);
+    draft_ids None: already there."""
+    if draft_ids is None:
+        return logits
+    out = logits.new_full(logits.shape[:-1] + (vocab_size,), float("-inf"))
+    out[..., draft_ids] = logits
+    return out
+
+
+def same_ids(indices: torch.Tensor) -> torch.Tensor:
+    """Indices that are target ids already."""
+    return indices
+
+
 class OnnxBatchEagle3(JoinInParts):
     """EAGLE-3 over a batch, chains (top_k 1: BatchChainDrafter) or trees (BatchTreeDrafter),
     on an engine's two drafter graphs (build/export.py): `step` (Eagle3Step, causal)
@@ -143,17 +160,25 @@ class OnnxBatchEagle3(JoinInParts):
     the scratch input, [scratch, layers, batch, ...], which the graph places after each
     row's own committed entries. So every row drafts at its own length, N and beta (the
     graphs return each row's N, the one they scaled by), a chain's drafts drawn by its
-    row's own sampler (ChainDraft.grow_rows). The graphs return logits over the target's
-    vocabulary (the draft vocabulary mapped in-graph). A joining sequence reads its prompt
-    (whole or in parts: JoinInParts) as a batch of one through the step graph, on a host
-    cache of its own, then joins."""
+    row's own sampler (ChainDraft.grow_rows). The step graph returns logits over the
+    target's vocabulary (the draft vocabulary mapped in-graph) and `draft_ids`, the target
+    id of each draft-vocabulary index; the tree graph returns logits over the draft
+    vocabulary, which a tree level scores and maps through draft_ids (a chain link's go
+    onto the target's vocabulary for its sampler: onto_target). Engines exported before
+    that give the tree graph's logits over the target's vocabulary (no draft_ids), and
+    still draft alike. A joining sequence reads its prompt (whole or in parts:
+    JoinInParts) as a batch of one through the step graph, on a host cache of its own,
+    then joins."""
 
     fused = True
+    STEP_OUTPUTS = ("logits", "state", "visible", "present_keys", "present_values")
 
     def __init__(self, step, tree, scaling: QueryScaling | None, shape, max_drafts: int):
         self.step_session, self.tree_session, self.scaling = step, tree, scaling
         self.tree, self.max_drafts = shape, max_drafts
         self.dims = cache_dims(step)
+        # whether the graphs are the pair that leaves a tree level in the draft vocabulary
+        self.draft_vocab = "draft_logits" in {o.name for o in tree.get_outputs()}
         self.cache: HostKVCache | None = None
         self.lengths: list[int] = []
         self.joining: HostKVCache | None = None
@@ -171,7 +196,7 @@ class OnnxBatchEagle3(JoinInParts):
                  "features": np.ascontiguousarray(features.numpy(), dtype=np.float32)[None],
                  "context_lens": np.asarray([len(following)], dtype=np.int64),
                  "past_lens": np.asarray([cache.length], dtype=np.int64)} | cache.past()
-        *_, keys, values = self.step_session.run(None, feeds)
+        keys, values = self.step_session.run(["present_keys", "present_values"], feeds)
         cache.append(keys, values)
 
     def _join_row(self) -> None:
@@ -184,7 +209,8 @@ class OnnxBatchEagle3(JoinInParts):
     def _ingest(self, ids: list[list[int]], features: list[torch.Tensor]):
         """One run of the step graph over every row's newly committed entries (they stay
         committed): each row's newest entry's logits [b, vocab], state [b, H] and N [b],
-        which predict its first draft."""
+        which predict its first draft, and the draft vocabulary's target ids (None: an
+        engine whose tree levels give target-vocabulary logits)."""
         context, counts = padded_context(features)
         following = padded([list(i[len(i) - len(f):]) for i, f in zip(ids, features)])
         meta = StepMetadata(torch.tensor(self.lengths), counts)
@@ -195,14 +221,16 @@ class OnnxBatchEagle3(JoinInParts):
         feeds = {"ids": np.asarray(following, dtype=np.int64),
                  "features": np.ascontiguousarray(context.numpy(), dtype=np.float32),
                  "context_lens": counts.numpy(), "past_lens": meta.cached.numpy()}
-        logits, state, visible, keys, values = self.step_session.run(
-            None, feeds | self._past(max(self.lengths)))
+        names = self.STEP_OUTPUTS + (("draft_ids",) if self.draft_vocab else ())
+        logits, state, visible, keys, values, *draft_ids = self.step_session.run(
+            list(names), feeds | self._past(max(self.lengths)))
         for r, (start, end) in enumerate(zip(self.lengths, ends)):  # only the real entries stay
             self.cache.k[start:end, :, r] = keys[:end - start, :, r]
             self.cache.v[start:end, :, r] = values[:end - start, :, r]
         self.lengths = ends
         last = visible[np.arange(len(ends)), counts.numpy() - 1]  # N of each row's draft 1
-        return torch.from_numpy(logits), torch.from_numpy(state), torch.from_numpy(last)
+        return (torch.from_numpy(logits), torch.from_numpy(state), torch.from_numpy(last),
+                torch.from_numpy(draft_ids[0]) if draft_ids else None)
 
     def _scratch_run(self):
         """A run of the tree graph after every row's committed entries, the keys of the
@@ -228,13 +256,13 @@ class OnnxBatchEagle3(JoinInParts):
               samplers: list):
         if not any(ks):
             return [None] * len(ids)
-        logits, state, last = self._ingest(ids, features)
+        logits, state, last, draft_ids = self._ingest(ids, features)
         run = self._scratch_run()
 
         def step(tokens, hidden, i):
             out, new, n = run([[t] for t in tokens], hidden[:, None],
                               np.ones((len(tokens), 1, i), dtype=bool), i)
-            return out[:, 0], new[:, 0], n[:, 0]
+            return onto_target(out[:, 0], draft_ids, logits.shape[-1]), new[:, 0], n[:, 0]
 
         return ChainDraft.grow_rows(logits, state, last, step, ks, samplers)
 
@@ -245,7 +273,7 @@ class OnnxBatchEagle3(JoinInParts):
         shaped = group_shapes(shapes, list(range(len(ids))))
         if shaped is None:
             return [None] * len(ids)
-        logits, state, last = self._ingest(ids, features)
+        logits, state, last, draft_ids = self._ingest(ids, features)
         run = self._scratch_run()
 
         def expand(tokens, hidden, scratch_mask, offset):
@@ -254,8 +282,12 @@ class OnnxBatchEagle3(JoinInParts):
                               offset)
             return log_softmax(out, -1), new, n
 
-        grown = grow_trees([i[-1] for i in ids], log_softmax(logits, -1), state, last.tolist(),
-                           expand, shaped, lambda indices: indices)  # target ids already
+        if draft_ids is None:  # an engine exported before: every level over the target's vocabulary
+            first, to_target = logits, same_ids
+        else:  # the first level's drafts from the draft vocabulary too, as the torch drafter's
+            first, to_target = logits[:, draft_ids], draft_ids.__getitem__
+        grown = grow_trees([i[-1] for i in ids], log_softmax(first, -1), state, last.tolist(),
+                           expand, shaped, to_target)
         return [tree if shape is not None else None for tree, shape in zip(grown, shapes)]
 
     def _past(self, longest: int) -> dict:
