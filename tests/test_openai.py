@@ -133,16 +133,29 @@ def test_streaming_deltas_concatenate_to_the_same_text(endpoint, engine):
 
 
 def test_a_stop_sequence_cuts_the_text_streamed_or_not(endpoint, engine):
+    """A stop string ends the request before the model's final response: the text is cut
+    there, finish_reason is "stop", the usage still counts the prompt, and vLLM's
+    request_success counts it under finished_reason "stop"."""
     client, model = _client(endpoint), endpoint["models"][0]
+    front = endpoint["openai"].removesuffix("/v1") + "/metrics"
     full = engine.decode(_greedy(engine, PROMPTS[1], 24).tokens)
     stop = full[len(full) // 2:len(full) // 2 + 3]
     want = full[:full.index(stop)]
+    prompt_tokens = len(engine.encode(PROMPTS[1]))
+    before = _scrape(front)
     reply = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop])
     assert (reply.choices[0].text, reply.choices[0].finish_reason) == (want, "stop")
+    assert reply.usage.prompt_tokens == prompt_tokens
     streamed = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
-                                              stop=stop, stream=True))
-    assert "".join(c.choices[0].text for c in streamed) == want
-    assert streamed[-1].choices[0].finish_reason == "stop"
+                                              stop=stop, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
+    assert streamed[-1].usage.prompt_tokens == prompt_tokens
+    after = _scrape(front)
+    success = {reason: after[("vllm:request_success_total", (("finished_reason", reason), ("model_name", model)))]
+               - before[("vllm:request_success_total", (("finished_reason", reason), ("model_name", model)))]
+               for reason in ("stop", "length")}
+    assert success == {"stop": 2, "length": 0}
 
 
 BAD = [
@@ -587,8 +600,12 @@ def test_vllm_metrics_give_the_servers_mal_over_the_steps_that_drafted(endpoint)
     assert _total(after, "vllm:generation_tokens_total") - _total(before, "vllm:generation_tokens_total") == tokens
     assert _total(after, "vllm:time_to_first_token_seconds_count") - \
         _total(before, "vllm:time_to_first_token_seconds_count") == 3
+    # vLLM's request_success, by finished_reason: both reasons shown from the start
+    assert _total(after, "vllm:request_success_total") - _total(before, "vllm:request_success_total") == 3
+    assert {dict(labels).get("finished_reason") for name, labels in after
+            if name == "vllm:request_success_total"} == {"stop", "length"}
     assert ("vllm:num_requests_running", (("model_name", model),)) in after
-    for name in SPEC:  # Triton's port: the same requests, counted by the model
+    for name in (*SPEC, "vllm:request_success_total"):  # Triton's port: the same requests, counted by the model
         assert _total(triton_after, name) - _total(triton_before, name) == _total(after, name) - _total(before, name)
     assert _total(triton_after, "vllm:e2e_request_latency_seconds_count") > 0
     # the server's own counters (sharpdraft_spec_*, summed over modes and buckets) agree

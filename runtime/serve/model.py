@@ -181,7 +181,7 @@ class TritonPythonModel:
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
             self.speculation.observe(job.mode, gen)
-            self.vllm.done(clock, gen, self.scheduler)
+            self.vllm.done(clock, gen, reason, self.scheduler)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 
         def on_error(exc):
@@ -355,7 +355,7 @@ class _VllmMetrics:
         # families must outlive their metrics (see _BatchPeak): both are kept. Triton
         # names a counter as given, so the _total is ours (prometheus_client adds it)
         self.families = {name: pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
-                         for name, text in (table.SPEC | table.COUNTERS).items()}
+                         for name, text in (table.SPEC | table.COUNTERS | dict([table.SUCCESS])).items()}
         self.families |= {name: pb_utils.MetricFamily(name=name, kind=gauge, description=text)
                           for name, text in table.GAUGES.items()}
         self.families |= {name: pb_utils.MetricFamily(name=name, kind=pb_utils.MetricFamily.HISTOGRAM,
@@ -365,7 +365,9 @@ class _VllmMetrics:
         self.families[name] = pb_utils.MetricFamily(name=name + "_total", kind=counter, description=text)
         self.metrics = {name: (self.families[name].Metric(labels=labels, buckets=table.HISTOGRAMS[name][1])
                                if name in table.HISTOGRAMS else self.families[name].Metric(labels=labels))
-                        for name in self.families if name != table.SPEC_PER_POSITION[0]}
+                        for name in self.families if name not in (table.SPEC_PER_POSITION[0], table.SUCCESS[0])}
+        self.success = {reason: self.families[table.SUCCESS[0]].Metric(labels=labels | {table.FINISHED: reason})
+                        for reason in table.FINISHED_REASONS}
         self.labels, self.per_position = labels, {}
 
     def clock(self):
@@ -385,9 +387,10 @@ class _VllmMetrics:
         else:
             self.metrics["vllm:inter_token_latency_seconds"].observe(clock.gaps[-1])
 
-    def done(self, clock, gen, scheduler) -> None:
+    def done(self, clock, gen, reason: str, scheduler) -> None:
+        """A request finished: `reason` its finish_reason (protocol.finish_reason)."""
         self.metrics["vllm:e2e_request_latency_seconds"].observe(clock.e2e())
-        self.metrics["vllm:request_success"].increment(1)
+        self.success[reason].increment(1)
         self.metrics["vllm:prompt_tokens"].increment(gen.prompt_tokens)
         self.metrics["vllm:generation_tokens"].increment(len(gen.tokens))
         steps = gen.steps()

@@ -554,7 +554,7 @@ class Api:
         clock = self.metrics.arrived()
         if r["stream"]:
             return await self._stream(http, chat, head, run, stops, r, clock)
-        text, ids, entries, reason, stats = [], [], [], "length", None
+        text, ids, entries, reason, stats, prompt_tokens = [], [], [], "length", None, 0
         try:
             async for kind, value, extra in run:
                 if kind == "prompt":
@@ -564,6 +564,7 @@ class Api:
                     text.append(stops.push(value))
                     ids += extra[0]
                     entries += extra[1].get("logprobs", [])
+                    prompt_tokens = extra[1].get("prompt_tokens", prompt_tokens)
                     if stops.stopped:
                         reason = "stop"
                         break
@@ -573,8 +574,11 @@ class Api:
             return web.json_response(exc.body(), status=exc.status)
         finally:
             await run.aclose()
-            self.metrics.left(clock, stats, len(ids))
-        stats = stats or {}
+            ended = stats is not None or stops.stopped  # its final response, or a stop string
+            # a stop string ends it before the final response: the prompt's size came with
+            # every token response
+            stats = stats or {"prompt_tokens": prompt_tokens}
+            self.metrics.left(clock, reason if ended else None, stats, len(ids))
         text.append(stops.flush())
         content = ("".join(text) if not r["echo"] else prompt + "".join(text))
         logprobs = None if r["logprobs"] is None else self._logprobs(entries, chat)
@@ -665,7 +669,8 @@ class Api:
                 last["usage"] = None
             await _send(response, last | {"sharpdraft": _extension(r, ids, stats or {})})
             if r["include_usage"]:
-                await _send(response, head | {"choices": [], "usage": _usage(stats or {}, len(ids))})
+                await _send(response, head | {"choices": [], "usage": _usage(
+                    stats or {"prompt_tokens": prompt_tokens[0]}, len(ids))})
             await response.write(b"data: [DONE]\n\n")
         except ApiError as exc:
             if response is None:
@@ -676,7 +681,9 @@ class Api:
             raise  # the client left; finally cancels the Triton request
         finally:
             await run.aclose()
-            self.metrics.left(clock, stats, len(ids))
+            ended = stats is not None or stops.stopped  # its final response, or a stop string
+            self.metrics.left(clock, reason if ended else None,
+                              stats or {"prompt_tokens": prompt_tokens[0]}, len(ids))
         await response.write_eof()
         return response
 
