@@ -21,6 +21,10 @@ SharpDraft's own settings travel as `"sharpdraft": {"mode": NAME}`, which other
 clients never send; responses carry a `sharpdraft` object (token ids, mode statistics)
 that OpenAI clients ignore.
 
+Each endpoint checks its body against one pydantic schema (_request_schema: OpenAI's
+fields, vLLM's extensions, `sharpdraft`; unknown fields refused by name), then what
+depends on this server (the model's name, the limit, the modes) by small checks.
+
 A hostile client gets a 4xx, never a 500 or a stall: a JSON body only (415 otherwise),
 UTF-8 only, parsed off the event loop with every malformed kind (invalid Unicode, numbers
 past Python's digit limit, nesting past its recursion limit) a 400; a prompt longer in
@@ -58,15 +62,14 @@ UNHEALTHY_MARKS = ("is not healthy", "Stub process", "failed to connect", "Socke
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields OpenAI clients send with neutral values (LangChain and the `openai` package fill
-# some in); anything else unknown is refused by name, so a misspelt field is not ignored.
+# some in): None, any value is taken and ignored; else the values taken, any other refused
+# as not supported. Anything else unknown is refused by name, so a misspelt field is not
+# ignored.
 NEUTRAL = {"user": None,
            "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
            "parallel_tool_calls": None, "metadata": None, "store": (None, False), "service_tier": None}
-# vLLM's request extensions this server honours (checked by _extension_schema), beside
-# OpenAI's own fields
-EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
-              "presence_penalty", "frequency_penalty", "stream_options", "logprobs")
-# the Triton model's inputs they become (runtime/serve/protocol.py), with their types
+# vLLM's request extensions this server honours (in _request_schema), beside OpenAI's own
+# fields: the Triton model's inputs they become (runtime/serve/protocol.py), with their types
 EXTENSION_INPUTS = {"top_k": "INT32", "min_tokens": "INT32", "min_p": "FP64",
                     "repetition_penalty": "FP64", "presence_penalty": "FP64",
                     "frequency_penalty": "FP64", "ignore_eos": "BOOL", "logprobs": "INT32",
@@ -87,112 +90,144 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-@functools.cache  # built once, on the first chat request
-def _message_schema():
-    """The chat messages' schema (pydantic, as vLLM and SGLang check theirs): a role of
-    ROLES, text content as a string or text parts; other message keys (`name`, ...) pass."""
-    from typing import Literal
+@functools.cache  # built once per endpoint, on its first request
+def _request_schema(chat: bool):
+    """THE schema of a request body, one per endpoint (pydantic, as vLLM and SGLang check
+    theirs): NEUTRAL fields, OpenAI's own, `sharpdraft`, vLLM's extensions and logprobs,
+    then the prompt or the messages. Strict types (a number is never a bool or a string),
+    OpenAI's and vLLM's ranges, null means not sent, unknown fields refused. What depends on
+    the server (the model's name, the limit, the modes) is checked after, by Api._request."""
+    from typing import Annotated, Any, Literal, Optional
 
-    from pydantic import BaseModel, ConfigDict, StrictStr, TypeAdapter
+    from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
+                          StrictInt, StrictStr, ValidationError, WrapValidator, create_model)
+    from pydantic_core import PydanticCustomError
+
+    def integer(**bounds):  # a JSON integer in bounds, or null
+        return Optional[Annotated[StrictInt, Field(**bounds)]]
+
+    def number(**bounds):  # StrictFloat takes integers too, never bools or strings
+        return Optional[Annotated[StrictFloat, Field(**bounds)]]
+
+    def one_message(message: str):
+        """A union's failure as one message (pydantic would report each member's)."""
+        def check(value, handler):
+            try:
+                return handler(value)
+            except ValidationError:
+                raise PydanticCustomError("refused", message) from None
+        return WrapValidator(check)
+
+    def neutral(values):
+        def check(value):
+            if value is not None and not any(type(value) is type(v) and value == v for v in values):
+                raise PydanticCustomError("refused", "is not supported by this server")
+            return value
+        return Annotated[Any, AfterValidator(check)]
+
+    class Closed(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class StreamOptions(Closed):
+        include_usage: Optional[StrictBool] = None
+        continuous_usage_stats: Optional[StrictBool] = None
+
+    class SharpDraft(Closed):
+        mode: Optional[StrictStr] = None  # a name of the modes table: mode_inputs
 
     class TextPart(BaseModel):
         type: Literal["text"]
         text: StrictStr
 
     class Message(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = ConfigDict(extra="allow")  # other message keys (`name`, ...) pass
         role: Literal[ROLES]
         content: StrictStr | list[TextPart]
 
-    return TypeAdapter(list[Message])
+    Stop = Annotated[StrictStr, Field(min_length=1)]
+    Neutral = create_model("Neutral", __base__=Closed, **{
+        name: (Any if values is None else neutral(values), None) for name, values in NEUTRAL.items()})
 
-
-def chat_messages(messages) -> list[dict]:
-    """`messages` checked against the schema, as [{"role", "content": text}]; the first
-    problem a 400 naming where it is, quoting nothing of the input."""
-    from pydantic import ValidationError
-
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    try:
-        checked = _message_schema().validate_python(messages)
-    except ValidationError as exc:
-        # the deepest problem: for content that is neither form, the part that is wrong
-        first = max(exc.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
-        loc = [part for part in first["loc"] if part not in ("str", "list[TextPart]")]
-        where = f"messages[{loc[0]}]" + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in loc[1:])
-        raise ApiError(400, f"{where}: {first['msg'][:200]}", param=where[:QUOTE]) from None
-    return [{"role": m.role, "content": m.content if isinstance(m.content, str)
-             else "".join(part.text for part in m.content)} for m in checked]
-
-
-@functools.cache  # built once, on the first request
-def _extension_schema(chat: bool):
-    """vLLM's sampling extensions and the logprobs / stream_options fields (pydantic, as
-    vLLM and SGLang check theirs): strict types, vLLM's ranges; null means not sent."""
-    from typing import Annotated, Optional
-
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
-
-    number = StrictInt | StrictFloat
-
-    class StreamOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        include_usage: Optional[StrictBool] = None
-        continuous_usage_stats: Optional[StrictBool] = None
-
-    class Extensions(BaseModel):
-        model_config = ConfigDict(extra="ignore")  # OpenAI's own fields are checked by _common
-        ignore_eos: Optional[StrictBool] = None
-        min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
-        top_k: Optional[Annotated[StrictInt, Field(ge=-1)]] = None  # -1 and 0: every token
-        min_p: Optional[Annotated[number, Field(ge=0, le=1)]] = None
-        repetition_penalty: Optional[Annotated[number, Field(gt=0)]] = None
-        presence_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
-        frequency_penalty: Optional[Annotated[number, Field(ge=-2, le=2)]] = None
+    class Request(Neutral):  # in the order a request's problems are reported
+        model: StrictStr
+        n: integer(ge=1) = None  # 1 only: Api._request
+        max_tokens: integer(ge=0) = None  # 0 only with echo, at most the limit: Api._request
+        max_completion_tokens: integer(ge=0) = None  # max_tokens' newer name
+        temperature: number(ge=0, le=2) = None
+        top_p: number(gt=0, le=1) = None
+        seed: integer(ge=-2**63, le=2**63 - 1) = None
+        stop: Optional[Annotated[Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)], one_message(
+            f"must be a non-empty string or a list of up to {MAX_STOP} of them")]] = None
+        stream: Optional[StrictBool] = None
+        sharpdraft: Optional[SharpDraft] = None
+        ignore_eos: Optional[StrictBool] = None  # vLLM's extensions, with vLLM's ranges
+        min_tokens: integer(ge=0) = None
+        top_k: integer(ge=-1) = None  # -1 and 0: every token
+        min_p: number(ge=0, le=1) = None
+        repetition_penalty: number(gt=0) = None
+        presence_penalty: number(ge=-2, le=2) = None
+        frequency_penalty: number(ge=-2, le=2) = None
         stream_options: Optional[StreamOptions] = None
 
-    class Completion(Extensions):
-        logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    class Completion(Request):
+        logprobs: integer(ge=0, le=MAX_LOGPROBS) = None
         echo: Optional[StrictBool] = None  # the prompt and its log-probabilities first
+        prompt: Annotated[StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)], one_message(
+            "must be one string (token-id and batched prompts are not served)")]
 
-    class Chat(Extensions):
+    class Chat(Request):
         logprobs: Optional[StrictBool] = None
-        top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+        top_logprobs: integer(ge=0, le=MAX_LOGPROBS) = None  # needs logprobs: Api._request
+        messages: Annotated[list[Message], Field(min_length=1)]
 
     return Chat if chat else Completion
 
 
-def extensions(body: dict, chat: bool) -> dict:
-    """The request's extensions, checked (400 naming the first wrong one): the Triton
-    inputs they become, the logprobs asked (None: none) and the usage wanted."""
-    from pydantic import ValidationError
+# pydantic's error types as the phrase a message gives (the bounds from its context)
+PHRASES = {"missing": "is required", "int_type": "must be an integer", "float_type": "must be a number",
+           "bool_type": "must be true or false", "string_type": "must be a string",
+           "model_type": "must be an object", "list_type": "must be a list",
+           "greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt}",
+           "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}",
+           "literal_error": "must be {expected}", "string_too_short": "must not be empty",
+           "too_short": "must hold at least {min_length} item(s)", "too_long": "must hold at most {max_length} item(s)"}
+UNION_TAGS = ("str", "list[TextPart]")  # the names pydantic gives a message content's two forms
 
-    try:
-        checked = _extension_schema(chat).model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        where = ".".join(str(p) for p in first["loc"] if p not in ("int", "float"))
-        raise ApiError(400, f"'{where[:QUOTE]}': {first['msg'][:200]}", param=where[:QUOTE]) from None
-    inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS
-              if name not in ("logprobs", "prompt_logprobs") and getattr(checked, name) is not None}
-    echo = not chat and bool(checked.echo)
-    if echo:
-        inputs["prompt_logprobs"] = True
-    if inputs.get("top_k") == -1:
-        inputs["top_k"] = 0
-    if chat:
-        if checked.top_logprobs and not checked.logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        logprobs = (checked.top_logprobs or 0) if checked.logprobs else None
+
+def _where(loc: tuple) -> str:
+    """A field's path as a client writes it: stream_options.include_usage, messages[0].role."""
+    parts = [p for p in loc if p not in UNION_TAGS]
+    return str(parts[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[1:])
+
+
+def validation_error(exc) -> ApiError:
+    """THE one mapping of a request schema's pydantic ValidationError to the client's 400:
+    every unknown field by name (as a misspelling is found), else the first wrong field in
+    the schema's order at its deepest problem (the part of a chat message that is wrong),
+    one line naming it; the input quoted only as a number or a bool, cut short (quote), for a
+    wrong type or range."""
+    errors = exc.errors(include_url=False)
+    unknown = sorted(_where(e["loc"]) for e in errors if e["type"] == "extra_forbidden")
+    if unknown:
+        named = ", ".join(map(quote, unknown[:4])) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+        return ApiError(400, f"unknown field(s) {named}", param=unknown[0][:QUOTE])
+    if not errors[0]["loc"]:
+        return ApiError(400, "the body must be a JSON object")
+    field = errors[0]["loc"][0]
+    first = max((e for e in errors if e["loc"][:1] == (field,)), key=lambda e: len(e["loc"]))
+    where = _where(first["loc"])[:QUOTE]
+    context = {k: int(v) if isinstance(v, float) and v.is_integer() else v
+               for k, v in (first.get("ctx") or {}).items()}
+    if first["type"] == "refused":  # the schema's own phrase (PydanticCustomError)
+        phrase = first["msg"]
+    elif first["type"] in PHRASES:
+        phrase = PHRASES[first["type"]].format(**context)
     else:
-        logprobs = checked.logprobs
-    if logprobs is not None:
-        inputs["logprobs"] = logprobs
-    options = checked.stream_options
-    include = bool(options and options.include_usage)
-    return {"inputs": inputs, "logprobs": logprobs, "include_usage": include, "echo": echo,
-            "continuous_usage": include and bool(options.continuous_usage_stats)}
+        phrase = f"is not valid: {first['msg'][:200]}"
+    value = first.get("input")
+    got = (f", got {quote(value)}" if isinstance(value, (int, float)) and first["type"] in PHRASES
+           and first["type"] != "missing" else "")
+    return ApiError(400, f"'{where}' {phrase}{got}", param=where)
 
 
 def check_media_type(content_type: str, charset: str | None) -> None:
@@ -235,7 +270,7 @@ def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
     `mode` input, a name of the modes table (runtime/serve/protocol.py)."""
     if mode is None:
         return {}
-    if not isinstance(mode, str) or mode not in served:
+    if mode not in served:
         raise ApiError(400, f"mode {quote(mode)} is not served by this engine; served modes: "
                             f"{', '.join(served)}", param="sharpdraft.mode", code="unsupported_mode")
     return {"mode": mode}
@@ -271,20 +306,6 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.held = ("" if self.stopped else self.held), ""
         return out
-
-
-def _number(body, name, low, high, default, integer=False, low_open=False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got "
-                            f"{quote(value)}", param=name)
-    if not (low < value if low_open else low <= value) or (high is not None and value > high):
-        bound = f"{'>' if low_open else '>='} {low}" + ("" if high is None else f" and <= {high}")
-        raise ApiError(400, f"'{name}' must be {bound}, got {quote(value)}", param=name)
-    return value
 
 
 class Settings:
@@ -323,64 +344,64 @@ class Api:
 
     # --- request parsing ---------------------------------------------------------------
 
-    def _common(self, body: dict, allowed: set, default_max: int, chat: bool = False) -> dict:
-        allowed = allowed | set(EXTENSIONS) | ({"top_logprobs"} if chat else set())
-        unknown = sorted(k for k in body if k not in allowed and k not in NEUTRAL)
-        if unknown:
-            named = ", ".join(map(quote, unknown[:4])) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
-            raise ApiError(400, f"unknown field(s) {named}", param=unknown[0][:QUOTE])
-        for key, neutral in NEUTRAL.items():
-            if neutral is not None and body.get(key) not in neutral:
-                raise ApiError(400, f"'{key}' is not supported by this server", param=key)
-        model = body.get("model")
-        if model != self.s.model:
-            raise ApiError(404 if isinstance(model, str) else 400,
-                           f"model {quote(model)} is not served here; served: {self.s.model!r}",
+    def _request(self, body: dict, chat: bool):
+        """The body checked against its endpoint's schema (validation_error: the 400), then
+        what depends on this server or joins two fields, each a small check: the validated
+        body and the request fields the Triton call takes."""
+        from pydantic import ValidationError
+
+        try:
+            checked = _request_schema(chat).model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if checked.model != self.s.model:
+            raise ApiError(404, f"model {quote(checked.model)} is not served here; served: {self.s.model!r}",
                            param="model", code="model_not_found")
-        n = _number(body, "n", 1, None, 1, integer=True)
-        if n != 1:
-            raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if checked.n not in (None, 1):
+            raise ApiError(400, f"'n' must be 1 (one choice per request), got {checked.n}", param="n")
+        echo = not chat and bool(checked.echo)
+        name = "max_tokens" if checked.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = getattr(checked, name)
+        if max_tokens is None:
+            max_tokens = self.s.limit if chat else 16
         # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
-        least = 0 if not chat and body.get("echo") is True else 1
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", least, None, default_max, integer=True)
+        if max_tokens < 1 and not echo:
+            raise ApiError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name)
         if max_tokens > self.s.limit:
-            raise ApiError(400, f"'max_tokens' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
-                           param="max_tokens")
-        temperature = _number(body, "temperature", 0, 2, 1.0)
-        top_p = _number(body, "top_p", 0, 1, 1.0, low_open=True)
-        seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP
-                                     and all(isinstance(s, str) and s for s in stop)):
-            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them",
-                           param="stop")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "'stream' must be true or false", param="stream")
-        extension = body.get("sharpdraft") or {}
-        if not isinstance(extension, dict) or set(extension) - {"mode"}:
-            raise ApiError(400, "'sharpdraft' takes one field, 'mode'", param="sharpdraft")
-        extra = extensions(body, chat)
-        if extra["echo"] and stream:
+            raise ApiError(400, f"'{name}' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
+                           param=name)
+        if echo and checked.stream:
             raise ApiError(400, "'echo' is served without streaming", param="echo")
-        return {"echo": extra["echo"], "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
-                "seed": seed, "stop": stop or [], "stream": stream,
-                "include_usage": extra["include_usage"], "continuous_usage": extra["continuous_usage"],
-                "logprobs": extra["logprobs"], "inputs": extra["inputs"],
-                "extra": mode_inputs(extension.get("mode"), self.s.modes),
-                "mode": extension.get("mode") or self.s.default_mode}
+        inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS
+                  if name not in ("logprobs", "prompt_logprobs") and getattr(checked, name) is not None}
+        if echo:
+            inputs["prompt_logprobs"] = True
+        if inputs.get("top_k") == -1:
+            inputs["top_k"] = 0
+        if chat:
+            if checked.top_logprobs and not checked.logprobs:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            logprobs = (checked.top_logprobs or 0) if checked.logprobs else None
+        else:
+            logprobs = checked.logprobs
+        if logprobs is not None:
+            inputs["logprobs"] = logprobs
+        options = checked.stream_options
+        include = bool(options and options.include_usage)
+        mode = checked.sharpdraft.mode if checked.sharpdraft else None
+        temperature, top_p = checked.temperature, checked.top_p
+        stop = [checked.stop] if isinstance(checked.stop, str) else checked.stop
+        return checked, {
+            "echo": echo, "max_tokens": max_tokens, "temperature": 1.0 if temperature is None else temperature,
+            "top_p": 1.0 if top_p is None else top_p, "seed": checked.seed, "stop": stop or [],
+            "stream": bool(checked.stream), "include_usage": include,
+            "continuous_usage": include and bool(options.continuous_usage_stats),
+            "logprobs": logprobs, "inputs": inputs, "extra": mode_inputs(mode, self.s.modes),
+            "mode": mode or self.s.default_mode}
 
     def parse_completion(self, body: dict) -> tuple[str, dict]:
-        request = self._common(body, {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                                      "stop", "n", "stream", "sharpdraft", "echo"}, default_max=16)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be one string (token-id and batched prompts are not served)",
-                           param="prompt")
+        checked, request = self._request(body, chat=False)
+        prompt = checked.prompt if isinstance(checked.prompt, str) else checked.prompt[0]
         self._check_size(len(prompt.encode("utf-8")))
         return prompt, request
 
@@ -404,10 +425,9 @@ class Api:
         return prompt, r
 
     def parse_chat(self, body: dict) -> tuple[str, dict]:
-        request = self._common(body, {"model", "messages", "max_tokens", "max_completion_tokens",
-                                      "temperature", "top_p", "seed", "stop", "n", "stream",
-                                      "sharpdraft"}, default_max=self.s.limit, chat=True)
-        plain = chat_messages(body.get("messages"))
+        checked, request = self._request(body, chat=True)
+        plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                  else "".join(part.text for part in m.content)} for m in checked.messages]
         self._check_size(sum(len(m["content"].encode("utf-8")) for m in plain))
         if not getattr(self.s.tokenizer, "chat_template", None):
             raise ApiError(400, f"model {self.s.model!r} has no chat template; use /v1/completions",
