@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""One request at a time through a decoder, as the server's scheduler drives it (a join
+with a prefill chunk, then steps until the row leaves), in two checkouts, each in a
+process of its own, rounds interleaved: the decode path's share of a served
+concurrency-1 figure, without Triton, the client or the network. Greedy, stop tokens
+ignored, the default mode unless --mode; torch threads as the server sets them (--threads).
+
+    python scripts/decode_ab.py --engine-dir engines/eagle3-torch --before /path/to/checkout \\
+        --prompts-file results/loadtest-mixed/prompts.jsonl --rounds 3 --out results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r'''
+import json, statistics, sys, time
+import torch
+engine_dir, mode, chunk, new, threads, requests = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+prompts = sys.argv[7]
+torch.set_num_threads(threads)
+from runtime.decode import Request
+from runtime.engine import Engine
+try:  # a checkout with the engine spec opens the engine through it
+    from runtime.spec import open_spec
+    engine = Engine(open_spec(engine_dir, backend="torch"))
+except ImportError:  # one from before it
+    engine = Engine(engine_dir, backend="torch")
+ids = [engine.encode(json.loads(line)["text"]) for line in open(prompts)][:requests]
+decoder = engine.decoder(mode)
+
+def one(prompt):
+    start = time.perf_counter()
+    join = decoder.join(Request(prompt, new), chunk or None)
+    for _ in join:  # the prefill's parts, then the first token
+        pass
+    first = time.perf_counter() - start
+    while decoder.active:
+        decoder.step()
+    return first, time.perf_counter() - start
+
+one(ids[0][:32])  # warm-up
+runs = [one(p) for p in ids]
+print(json.dumps({"ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
+                  "seconds": sum(r[1] for r in runs), "tokens": new * len(ids)}))
+'''
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine-dir", required=True)
+    p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
+    p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR")
+    p.add_argument("--prompts-file", required=True, help="JSON lines with a 'text' field")
+    p.add_argument("--mode", default="sharpdraft")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="the server's default: 128")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=8, help="the file's first N prompts")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    engine_dir, prompts = str(Path(args.engine_dir).resolve()), str(Path(args.prompts_file).resolve())
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for r in range(args.rounds):
+        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            code = getattr(args, label)
+            out = subprocess.run([sys.executable, "-c", CHILD, engine_dir, args.mode, str(args.prefill_chunk),
+                                  str(args.max_new_tokens), str(args.threads), str(args.requests), prompts],
+                                 cwd=code, env=os.environ | {"PYTHONPATH": code}, capture_output=True, text=True)
+            if out.returncode:
+                print(f"error: the {label} checkout failed: {out.stderr.strip().splitlines()[-1]}",
+                      file=sys.stderr)
+                return 1
+            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            run = runs[label][-1]
+            print(f"  round {r}: {label} {run['tokens'] / run['seconds']:.2f} tok/s, "
+                  f"TTFT {run['ttft_ms']:.0f} ms (median)", file=sys.stderr, flush=True)
+    result = {"command": "python scripts/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "engine": engine_dir, "mode": args.mode, "threads": args.threads, "runs": runs}
+    for label, arm in runs.items():
+        result[label] = {"tokens_per_second": round(statistics.median(r["tokens"] / r["seconds"] for r in arm), 2),
+                         "ttft_ms": round(statistics.median(r["ttft_ms"] for r in arm), 1)}
+    result["ratio"] = round(result["after"]["tokens_per_second"] / result["before"]["tokens_per_second"], 3)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(json.dumps({k: result[k] for k in ("before", "after", "ratio")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
