@@ -293,3 +293,30 @@ def test_draft_window_sweep_scores_each_window_at_every_anchor(tiny_engine, doc,
     assert script.main(argv[:2] + ["--windows", "0"] + argv[4:]) == 2
     assert script.main(argv[:-4] + ["--docs", str(tmp_path / "missing.txt")]) == 2
     assert capsys.readouterr().err.count("error:") == 2
+
+
+def test_decode_ab_runs_both_checkouts_interleaved(tiny_engine, tmp_path, capsys):
+    """scripts/decode_ab.py runs the decode path as the scheduler drives it in each
+    checkout's own process (here the same checkout twice) and records both arms and their
+    ratio; a checkout that cannot run is one error line and exit 1."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("decode_ab", repo / "scripts" / "decode_ab.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": tiny.stdlib_text(400 + 100 * i)}) + "\n" for i in range(2)))
+    out = tmp_path / "ab.json"
+    argv = ["--engine-dir", str(tiny_engine), "--before", str(repo), "--prompts-file", str(prompts),
+            "--rounds", "1", "--requests", "2", "--max-new-tokens", "6", "--prefill-chunk", "32",
+            "--threads", "1", "--out", str(out)]
+    assert script.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [len(result["runs"][arm]) for arm in ("before", "after")] == [1, 1]
+    assert all(run["tokens"] == 12 and run["seconds"] > 0 for arm in result["runs"].values() for run in arm)
+    assert result["ratio"] > 0 and result["command"].startswith("python scripts/decode_ab.py")
+    argv[3] = str(tmp_path)  # not a checkout: its child cannot import the runtime
+    assert script.main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: the before checkout failed")
