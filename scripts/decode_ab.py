@@ -15,9 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
+from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
 
 CHILD = r'''
 import json, statistics, sys, time
@@ -67,21 +69,19 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     engine_dir, prompts = str(Path(args.engine_dir).resolve()), str(Path(args.prompts_file).resolve())
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for r in range(args.rounds):
-        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            code = getattr(args, label)
-            out = subprocess.run([sys.executable, "-c", CHILD, engine_dir, args.mode, str(args.prefill_chunk),
-                                  str(args.max_new_tokens), str(args.threads), str(args.requests), prompts],
-                                 cwd=code, env=os.environ | {"PYTHONPATH": code}, capture_output=True, text=True)
-            if out.returncode:
-                print(f"error: the {label} checkout failed: {out.stderr.strip().splitlines()[-1]}",
-                      file=sys.stderr)
-                return 1
-            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            run = runs[label][-1]
-            print(f"  round {r}: {label} {run['tokens'] / run['seconds']:.2f} tok/s, "
-                  f"TTFT {run['ttft_ms']:.0f} ms (median)", file=sys.stderr, flush=True)
+    code = {"before": args.before, "after": args.after}
+    child_argv = [engine_dir, args.mode, str(args.prefill_chunk), str(args.max_new_tokens),
+                  str(args.threads), str(args.requests), prompts]
+
+    def report(r, label, run):
+        print(f"  round {r}: {label} {run['tokens'] / run['seconds']:.2f} tok/s, "
+              f"TTFT {run['ttft_ms']:.0f} ms (median)", file=sys.stderr, flush=True)
+
+    try:
+        runs = interleaved(CHILD, code, {label: child_argv for label in code}, args.rounds, report=report)
+    except ArmFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     result = {"command": "python scripts/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "engine": engine_dir, "mode": args.mode, "threads": args.threads, "runs": runs}
     for label, arm in runs.items():

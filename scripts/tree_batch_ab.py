@@ -22,9 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
+from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
 
 CHILD = r'''
 import json, statistics, sys, time
@@ -83,20 +85,19 @@ def main(argv=None) -> int:
     engines = {"before": str(Path(args.before_engine_dir or args.engine_dir).resolve()),
                "after": engine_dir}
     env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for r in range(args.rounds):
-        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            out = subprocess.run([sys.executable, "-c", CHILD, engines[label], args.backend,
-                                  str(args.batch), str(args.context), str(args.repeats)],
-                                 cwd=getattr(args, label), env=env | {"PYTHONPATH": getattr(args, label)},
-                                 capture_output=True, text=True)
-            if out.returncode:
-                print(f"error: the {label} checkout failed: {out.stderr.strip().splitlines()[-1]}",
-                      file=sys.stderr)
-                return 1
-            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"  round {r}: {label} {runs[label][-1]['fastest'] * 1e3:.1f} ms (fastest), "
-                  f"{runs[label][-1]['median'] * 1e3:.1f} ms (median)", file=sys.stderr, flush=True)
+    code = {"before": args.before, "after": args.after}
+    argv_of = {label: [engines[label], args.backend, str(args.batch), str(args.context), str(args.repeats)]
+               for label in code}
+
+    def report(r, label, run):
+        print(f"  round {r}: {label} {run['fastest'] * 1e3:.1f} ms (fastest), "
+              f"{run['median'] * 1e3:.1f} ms (median)", file=sys.stderr, flush=True)
+
+    try:
+        runs = interleaved(CHILD, code, argv_of, args.rounds, env, report)
+    except ArmFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     result = {"command": "python scripts/tree_batch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "engine": engine_dir, "before_engine": engines["before"], "backend": args.backend,
               "batch": args.batch,
