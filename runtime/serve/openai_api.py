@@ -594,11 +594,8 @@ class Api:
             return web.json_response(exc.body(), status=exc.status)
         finally:
             await run.aclose()
-            ended = stats is not None or stops.stopped  # its final response, or a stop string
-            # a stop string ends it before the final response: the prompt's size came with
-            # every token response
-            stats = stats or {"prompt_tokens": prompt_tokens}
-            self.metrics.left(clock, reason if ended else None, stats, len(ids))
+            finished, stats = _ended(stats, stops, reason, prompt_tokens)
+            self.metrics.left(clock, finished, stats, len(ids))
         text.append(stops.flush())
         content = ("".join(text) if not r["echo"] else prompt + "".join(text))
         logprobs = None if r["logprobs"] is None else self._logprobs(entries, chat)
@@ -701,9 +698,7 @@ class Api:
             raise  # the client left; finally cancels the Triton request
         finally:
             await run.aclose()
-            ended = stats is not None or stops.stopped  # its final response, or a stop string
-            self.metrics.left(clock, reason if ended else None,
-                              stats or {"prompt_tokens": prompt_tokens[0]}, len(ids))
+            self.metrics.left(clock, *_ended(stats, stops, reason, prompt_tokens[0]), len(ids))
         await response.write_eof()
         return response
 
@@ -711,6 +706,14 @@ class Api:
 async def _drain(call) -> None:
     async for _ in call:
         pass
+
+
+def _ended(stats: dict | None, stops, reason: str, prompt_tokens: int) -> tuple[str | None, dict]:
+    """How a request ended: its finish_reason (None: it failed or was cut) and what the
+    model's responses said of it. A stop string ends it before the final response, whose
+    stats never come; the prompt's size came with every token response."""
+    finished = stats is not None or stops.stopped
+    return (reason if finished else None), (stats or {"prompt_tokens": prompt_tokens})
 
 
 def _usage(stats: dict, completion_tokens: int) -> dict:
