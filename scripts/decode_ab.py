@@ -3,7 +3,8 @@
 with a prefill chunk, then steps until the row leaves), in two checkouts, each in a
 process of its own, rounds interleaved: the decode path's share of a served
 concurrency-1 figure, without Triton, the client or the network. Greedy, stop tokens
-ignored, the default mode unless --mode; torch threads as the server sets them (--threads).
+ignored; each child runs every mode of --modes in turn (default: SharpDraft beside its
+peers, target-only and n-gram lookup); torch threads as the server sets them (--threads).
 
     python scripts/decode_ab.py --engine-dir engines/eagle3-torch --before /path/to/checkout \\
         --prompts-file results/loadtest-mixed/prompts.jsonl --rounds 3 --out results/x.json
@@ -24,7 +25,7 @@ from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
 CHILD = r'''
 import json, statistics, sys, time
 import torch
-engine_dir, mode, chunk, new, threads, requests = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+engine_dir, modes, chunk, new, threads, requests = sys.argv[1], sys.argv[2].split(","), *map(int, sys.argv[3:7])
 prompts = sys.argv[7]
 torch.set_num_threads(threads)
 from runtime.decode import Request
@@ -35,9 +36,8 @@ try:  # a checkout with the engine spec opens the engine through it
 except ImportError:  # one from before it
     engine = Engine(engine_dir, backend="torch")
 ids = [engine.encode(json.loads(line)["text"]) for line in open(prompts)][:requests]
-decoder = engine.decoder(mode)
 
-def one(prompt):
+def one(decoder, prompt):
     start = time.perf_counter()
     join = decoder.join(Request(prompt, new), chunk or None)
     for _ in join:  # the prefill's parts, then the first token
@@ -47,10 +47,14 @@ def one(prompt):
         decoder.step()
     return first, time.perf_counter() - start
 
-one(ids[0][:32])  # warm-up
-runs = [one(p) for p in ids]
-print(json.dumps({"ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
-                  "seconds": sum(r[1] for r in runs), "tokens": new * len(ids)}))
+out = {}
+for mode in modes:
+    decoder = engine.decoder(mode)
+    one(decoder, ids[0][:32])  # warm-up
+    runs = [one(decoder, p) for p in ids]
+    out[mode] = {"ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
+                 "seconds": sum(r[1] for r in runs), "tokens": new * len(ids)}
+print(json.dumps(out))
 '''
 
 
@@ -60,7 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
     p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR")
     p.add_argument("--prompts-file", required=True, help="JSON lines with a 'text' field")
-    p.add_argument("--mode", default="sharpdraft")
+    p.add_argument("--modes", nargs="+", default=["sharpdraft", "target", "ngram"],
+                   help="decoding modes, each in every child (default: SharpDraft and its peers)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="the server's default: 128")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=8, help="the file's first N prompts")
@@ -70,12 +75,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     engine_dir, prompts = str(Path(args.engine_dir).resolve()), str(Path(args.prompts_file).resolve())
     code = {"before": args.before, "after": args.after}
-    child_argv = [engine_dir, args.mode, str(args.prefill_chunk), str(args.max_new_tokens),
+    child_argv = [engine_dir, ",".join(args.modes), str(args.prefill_chunk), str(args.max_new_tokens),
                   str(args.threads), str(args.requests), prompts]
 
     def report(r, label, run):
-        print(f"  round {r}: {label} {run['tokens'] / run['seconds']:.2f} tok/s, "
-              f"TTFT {run['ttft_ms']:.0f} ms (median)", file=sys.stderr, flush=True)
+        print(f"  round {r}: {label} " + ", ".join(
+            f"{mode} {m['tokens'] / m['seconds']:.2f} tok/s (TTFT {m['ttft_ms']:.0f} ms)"
+            for mode, m in run.items()), file=sys.stderr, flush=True)
 
     try:
         runs = interleaved(CHILD, code, {label: child_argv for label in code}, args.rounds, report=report)
@@ -83,11 +89,14 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     result = {"command": "python scripts/decode_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "engine": engine_dir, "mode": args.mode, "threads": args.threads, "runs": runs}
-    for label, arm in runs.items():
-        result[label] = {"tokens_per_second": round(statistics.median(r["tokens"] / r["seconds"] for r in arm), 2),
-                         "ttft_ms": round(statistics.median(r["ttft_ms"] for r in arm), 1)}
-    result["ratio"] = round(result["after"]["tokens_per_second"] / result["before"]["tokens_per_second"], 3)
+              "engine": engine_dir, "modes": args.modes, "threads": args.threads, "runs": runs}
+    for label, arm in runs.items():  # per mode, medians over the rounds
+        result[label] = {mode: {"tokens_per_second": round(statistics.median(
+                                    r[mode]["tokens"] / r[mode]["seconds"] for r in arm), 2),
+                                "ttft_ms": round(statistics.median(r[mode]["ttft_ms"] for r in arm), 1)}
+                         for mode in args.modes}
+    result["ratio"] = {mode: round(result["after"][mode]["tokens_per_second"]
+                                   / result["before"][mode]["tokens_per_second"], 3) for mode in args.modes}
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -315,8 +315,11 @@ def test_decode_ab_runs_both_checkouts_interleaved(tiny_engine, tmp_path, capsys
     assert script.main(argv) == 0
     result = json.loads(out.read_text())
     assert [len(result["runs"][arm]) for arm in ("before", "after")] == [1, 1]
-    assert all(run["tokens"] == 12 and run["seconds"] > 0 for arm in result["runs"].values() for run in arm)
-    assert result["ratio"] > 0 and result["command"].startswith("python scripts/decode_ab.py")
+    modes = ["sharpdraft", "target", "ngram"]  # SharpDraft beside its peers, by default
+    assert all(list(run) == modes and all(m["tokens"] == 12 and m["seconds"] > 0 for m in run.values())
+               for arm in result["runs"].values() for run in arm)
+    assert set(result["ratio"]) == set(modes) and all(v > 0 for v in result["ratio"].values())
+    assert result["command"].startswith("python scripts/decode_ab.py")
     argv[3] = str(tmp_path)  # not a checkout: its child cannot import the runtime
     assert script.main(argv) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: the before checkout failed")
