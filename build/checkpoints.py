@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from plugins.scaling import QueryScaling
+from runtime.families import FAMILIES
 from runtime.models.target import ModelError, convert_gguf, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,12 +23,11 @@ DEFAULT_TARGET = {
     "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     "name": "smollm2-135m-instruct",
 }
-DEFAULT_DRAFTERS = {"dflash": REPO / "checkpoints" / "dflash-smollm2-135m",
-                    "eagle3": REPO / "checkpoints" / "eagle3-smollm2-135m",
-                    "pard": REPO / "checkpoints" / "pard-smollm2-135m"}
-# The recipe that trains each default drafter (named when its checkpoint is missing).
-RECIPES = {"dflash": "build.train_drafter", "eagle3": "build.train_eagle3",
-           "pard": "build.train_pard"}
+# Each drafter family's default checkpoint (shipped in checkpoints/) and the recipe that
+# trains it (named when it is missing): their family records' (runtime/families.py).
+DEFAULT_DRAFTERS = {name: REPO / "checkpoints" / f.checkpoint for name, f in FAMILIES.items()
+                    if f.checkpoint}
+RECIPES = {name: f.recipe for name, f in FAMILIES.items() if f.recipe}
 
 
 def default_target_gguf() -> Path:
@@ -78,6 +78,14 @@ def _converted(gguf: Path, digest: str, name: str, progress) -> tuple[Path, dict
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf, out)
     return out, source
+
+
+def target_context(target_dir: Path) -> int:
+    """The target's context (config.json max_position_embeddings), read without loading it."""
+    try:
+        return int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
 
 
 def drafter_checkpoint(kind: str, spec: str | Path | None) -> Path:

@@ -1,8 +1,9 @@
-"""The drafter families as the build sees them: one record per family (FAMILIES), so that
+"""The drafter families as the build sees them: the build's hooks for each family record
+(runtime/families.py: name, style, preset, checkpoint, config reader), so that
 build_engine.py dispatches through the record and never compares a family's name.
 
-What a family drafts with at run time is the runtime's business (runtime/modes.py FAMILIES:
-its drafting style; the backends' loaders); what the build needs of it is here: the
+What a family is (its name, style, preset, default checkpoint, how its checkpoint loads)
+is its record in runtime/families.py; what only the build does with it is here: the
 drafter checkpoint files an engine reads, how the drafter loads and is checked against
 the target (and the progress line that says so), the tokens one verify pass commits at
 most, what engine.json's extra records of how it drafts, and how `--backend trtllm`
@@ -16,6 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from runtime import families as records
 from runtime.cli import UsageError, progress
 from runtime.ngram import NGramProposer
 from runtime.tree import TreeShape
@@ -87,10 +89,7 @@ def eagle3_files(drafter_dir: Path) -> list[str]:
 
 def load_dflash(args, drafter_dir: Path, target):
     """A DFlash drafter, checked against the target; a verify pass commits its block."""
-    from runtime.models.dflash import load_dflash as load
-
-    drafter = load(drafter_dir)
-    drafter.config.check_target(target.config)
+    drafter = records.DFLASH.load(drafter_dir, None, target)
     progress(f"      drafter: {drafter.config.num_layers} layers, block {drafter.config.block_size}, "
              f"target layers {list(drafter.config.target_layer_ids)} ({drafter_dir})")
     return drafter, drafter.config.block_size
@@ -99,12 +98,9 @@ def load_dflash(args, drafter_dir: Path, target):
 def load_pard(args, drafter_dir: Path, target):
     """A PARD drafter, checked against the target; a verify pass commits
     --num-draft-tokens + 1."""
-    from runtime.models.pard import load_pard as load
-
     if args.num_draft_tokens < 1:
         raise UsageError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-    drafter = load(drafter_dir)
-    drafter.config.check_target(target.config)
+    drafter = records.PARD.load(drafter_dir, None, target)
     c = drafter.config.layers
     progress(f"      drafter: PARD, {c.num_layers} layers, hidden {c.hidden_size}, "
              f"{args.num_draft_tokens} drafts per step, pard_token {drafter.config.pard_token} "
@@ -115,10 +111,8 @@ def load_pard(args, drafter_dir: Path, target):
 def load_eagle3(args, drafter_dir: Path, target):
     """An EAGLE-3 drafter (checked against the target as it loads); a verify pass commits
     a chain's --num-draft-tokens + 1 or a tree's depth + 1."""
-    from runtime.models.eagle3 import load_eagle3 as load
-
     shape = eagle3_shape(args)
-    drafter = load(drafter_dir, target=target)
+    drafter = records.EAGLE3.load(drafter_dir, None, target)
     c = drafter.config
     progress(f"      drafter: EAGLE-3, hidden {c.hidden_size}, target layers "
              f"{list(c.aux_layers(target.config.num_layers))}, draft vocabulary {c.draft_vocab_size}, "
@@ -166,10 +160,10 @@ def ngram_provenance(args, drafter) -> dict:
 def trtllm_dflash(args, drafter_dir: Path) -> TrtllmDrafter:
     """DFlash: its block size, mask token and target layers come from its config."""
     from plugins.trtllm import config as trtllm
-    from runtime.models.dflash import CHECKPOINT_FILES, read_dflash_config
+    from runtime.models.dflash import CHECKPOINT_FILES
 
-    config = read_dflash_config(drafter_dir)
-    settings = trtllm.family_settings("dflash", {"mask_token_id": config.mask_token_id,
+    config = records.DFLASH.config_of(drafter_dir)
+    settings = trtllm.family_settings(args.drafter, {"mask_token_id": config.mask_token_id,
                                                  "target_layer_ids": config.target_layer_ids},
                                       args.trtllm_attention)
     return TrtllmDrafter(list(CHECKPOINT_FILES), config.block_size, settings)
@@ -193,9 +187,10 @@ def trtllm_from_checkpoint(args, drafter_dir: Path) -> TrtllmDrafter:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """What build_engine.py needs of one drafter family. Every hook takes the parsed
-    command line (`args`) first."""
+    """What build_engine.py needs of one drafter family (`record`: runtime/families.py).
+    Every hook takes the parsed command line (`args`) first."""
 
+    record: records.Family
     # (args, drafter_dir, target) -> (the drafter model, or None for n-gram lookup; the
     # tokens one verify pass commits at most), checked against the target (a TargetModel)
     # and described in one progress line
@@ -215,26 +210,27 @@ class Family:
     lookup: Callable | None = None
 
 
-DFLASH = Family(load=load_dflash, provenance=dflash_provenance, trtllm=trtllm_dflash)
+DFLASH = Family(records.DFLASH, load=load_dflash, provenance=dflash_provenance, trtllm=trtllm_dflash)
 """DFlash: the drafter drafts a block from the target's hidden states; its block size is
 its own (config), and its training length is the window mode's draft window."""
 
-PARD = Family(load=load_pard)
+PARD = Family(records.PARD, load=load_pard)
 """PARD: a small causal model that drafts --num-draft-tokens at once in a chain; nothing
 beyond the block size to record."""
 
-EAGLE3 = Family(load=load_eagle3, files=eagle3_files, check=check_eagle3,
+EAGLE3 = Family(records.EAGLE3, load=load_eagle3, files=eagle3_files, check=check_eagle3,
                 provenance=eagle3_provenance)
 """EAGLE-3: drafts a tree (or a chain with --tree-top-k 1) whose shape engine.json records;
 its checkpoint may hold pytorch_model.bin."""
 
-NGRAM = Family(load=load_ngram, lookup=ngram_proposer, provenance=ngram_provenance,
+NGRAM = Family(records.NGRAM, load=load_ngram, lookup=ngram_proposer, provenance=ngram_provenance,
                trtllm=None)
 """n-gram lookup: no drafter model, checkpoint or SharpDraft; the proposer's settings are
 what engine.json records. --backend trtllm configures drafter models only."""
 
-# drafter family -> what the build needs of it (runtime/modes.py FAMILIES: how each drafts)
-FAMILIES = {"dflash": DFLASH, "pard": PARD, "eagle3": EAGLE3, "ngram": NGRAM}
+# family name -> what the build needs of it, keyed by its record
+FAMILIES = {family.record.name: family for family in (DFLASH, PARD, EAGLE3, NGRAM)}
+assert set(FAMILIES) == set(records.FAMILIES), "every family record has a build record"
 
 
 def trtllm_config(drafter: str) -> Callable | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["QueryScaling", "PRESETS", "beta", "top_k_mass", "log_odds_decomposition"]
+__all__ = ["QueryScaling", "beta", "top_k_mass", "log_odds_decomposition"]
 
 
 def _check_parameters(ref_keys: int, top_k: int, slope: float, max_log_scale: float) -> None:
@@ -140,16 +140,6 @@ class QueryScaling:
         if unknown:
             raise ValueError(f"unknown query scaling field(s): {', '.join(sorted(unknown))}")
         return cls(**data)
-
-
-# The paper's primary DFlash settings; PARD uses a longer reference count. EAGLE-3's
-# count is not given by the paper (it asks to re-validate per drafter): 2048 is its
-# usual training length, and `python -m build.calibrate` is the way to set it.
-PRESETS: dict[str, QueryScaling] = {
-    "dflash": QueryScaling(ref_keys=2048),
-    "pard": QueryScaling(ref_keys=8192),
-    "eagle3": QueryScaling(ref_keys=2048),
-}
 
 
 def top_k_mass(probs: torch.Tensor, k: int = 32) -> torch.Tensor:

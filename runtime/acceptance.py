@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from runtime import families
 from runtime.sampling import Sampler, greedy_choice
 from runtime.tree import TreeShape
 
@@ -55,9 +56,9 @@ def greedy_continuation(target, prompt: list[int], n: int) -> Continuation:
 
 def max_drafts(drafter, drafting: str, tree_shape: TreeShape | None = None) -> int:
     """The most drafts one step of this drafting style ("block", "chain", "tree") checks."""
-    if drafting == "tree":
+    if families.drafts_trees(drafting):
         return tree_shape.depth
-    return drafter.max_drafts if drafting == "chain" else drafter.block_size - 1
+    return drafter.max_drafts if families.drafts_chains(drafting) else drafter.block_size - 1
 
 
 def committed_per_anchor(drafter, cont: Continuation, drafting: str,
@@ -76,12 +77,12 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
     capacity = len(prompt) + len(g)
     out = []
     # a batch drafter's one row, prefilled as proposers.Tree / Chain / Block prefill it
-    if drafting in ("chain", "tree"):
+    if families.drafts_from_ids(drafting):
         drafter.add(capacity, prompt, None if pf is None else pf[:-1])
     else:
         held = drafter.add(capacity, pf[:-1], prompt[-1])
     for j in anchors:
-        if drafting == "tree":
+        if families.drafts_trees(drafting):
             (tree, _), = drafter.draft_trees([[g[j]]], [cont.row_before(j)], [tree_shape])
             # the target's choice after each node: the continuation's next token, which is
             # what greedy verification computes for every node on the matching path (the
@@ -89,7 +90,7 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
             choice = [g[j + depth + 1] if j + depth + 1 < len(g) else -1 for depth in tree.depths]
             out.append(len(tree.greedy_path(choice)[0]))
             continue
-        if drafting == "chain":
+        if families.drafts_chains(drafting):
             drafts = drafter.draft([[g[j]]], [cont.row_before(j)], [d], [sampler])[0].tokens
         else:
             context = cont.row_before(j)

@@ -15,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 from enum import StrEnum
 
+from runtime import families
+
 # What proposes drafts (Mode.draft_source): none, the engine's drafter model, n-gram lookup.
-# ("drafter" alone is the object that drafts; what kind of checkpoint it is, its family: FAMILIES.)
+# ("drafter" alone is the object that drafts; what kind of checkpoint it is, its family:
+# runtime/families.py; how it drafts, its style; what a mode runs it under, its setting.)
 NO_DRAFTER, MODEL, LOOKUP = "none", "model", "ngram lookup"
 # How the drafter model attends to the context: unscaled over every key; unscaled over
 # the last `draft_window` keys (its training length); scaled by beta (a QueryScaling).
@@ -93,26 +96,17 @@ def parse(name: str) -> Mode:
         raise ValueError(f"no decoding mode {name!r} (modes: {', '.join(Mode)})") from None
 
 
-# How each drafter family drafts (the proposer runtime/assembly.py gives it); an ngram
-# engine has no drafter model. EAGLE-3 built with tree top_k 1 drafts chains.
-FAMILIES = {"dflash": "block", "pard": "chain", "eagle3": "tree", "ngram": None}
-# The drafting style a draft window and n-gram assist are written for (DFlash blocks).
-WINDOWED_STYLE = "block"
-
-
-def takes_window(style: str | None) -> bool:
-    """Whether a drafter of this style drafts under a draft window (and n-gram assist)."""
-    return style == WINDOWED_STYLE
-
-
-FAMILY_NAMES = {"dflash": "DFlash", "pard": "PARD", "eagle3": "EAGLE-3", "ngram": "n-gram"}
+# The drafter families (what each drafts, its preset, its checkpoint) are records in
+# runtime/families.py; the table reads their style from there.
+FAMILIES = families.FAMILIES
+takes_window = families.takes_window
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """What a backend can run."""
 
-    styles: frozenset[str]  # the drafting styles (FAMILIES) it has drafters for
+    styles: frozenset[str]  # the drafting styles (runtime/families.py) it has drafters for
     window: bool  # a DFlash drafter under a draft window
     batch: bool  # several requests decode together (runtime/decode.py); else one at a time
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
@@ -122,17 +116,17 @@ class Backend:
 
 BACKENDS = {
     # its batched drafters take any QueryScaling: the preset fuses for blocks and chains
-    "torch": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
+    "torch": Backend(frozenset(families.STYLES), window=True, batch=True,
                      swap_scaling=True, own_loop=False),
     # the window needs a drafter graph exported with its input (OnnxEngine.takes_window)
-    "onnxruntime": Backend(frozenset({"block", "chain", "tree"}), window=True, batch=True,
+    "onnxruntime": Backend(frozenset(families.STYLES), window=True, batch=True,
                            swap_scaling=False, own_loop=False,
                            # the plugin node runs only through a Python bridge here
                            attention_forms=("native", "plugin")),
-    "tensorrt": Backend(frozenset({"block"}), window=False, batch=False, swap_scaling=False,
+    "tensorrt": Backend(frozenset({families.BLOCK}), window=False, batch=False, swap_scaling=False,
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not
-    "trtllm": Backend(frozenset({"block", "chain", "tree"}), window=False, batch=True,
+    "trtllm": Backend(frozenset(families.STYLES), window=False, batch=True,
                       swap_scaling=False, own_loop=True),
 }
 
@@ -144,7 +138,7 @@ def backends_drafting(style: str) -> list[str]:
 def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
             window: bool) -> str | None:
     """Why an engine cannot run `mode`, or None if it can. `style`: its family's drafting
-    (FAMILIES, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
+    (its family's, None: no drafter model); `scaled`: built with --sharpdraft (a calibrated
     QueryScaling); `window`: it has a draft window (recorded, and the drafter takes it)."""
     can = BACKENDS[backend]
     if can.own_loop and (mode.draft_source == LOOKUP or mode.ngram_assist or mode.needs_window
@@ -184,10 +178,11 @@ def batch_refusal(backend: str) -> str | None:
 def family_refusal(family: str, backend: str) -> str | None:
     """Why a drafter family cannot run on `backend` at all (its own drafting style is not
     among what the backend drafts), or None."""
-    style = FAMILIES.get(family)
+    record = FAMILIES.get(family)
+    style = record.style if record else None
     if style is None or backend not in BACKENDS or style in BACKENDS[backend].styles:
         return None
-    return (f"{FAMILY_NAMES[family]} runs on the {' and '.join(backends_drafting(style))} "
+    return (f"{record.display} runs on the {' and '.join(backends_drafting(style))} "
             f"backends, not {backend} — pass --backend onnxruntime")
 
 

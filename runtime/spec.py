@@ -2,7 +2,7 @@
 anything. open_spec(dir, backend, **options) reads engine.json (runtime/manifest.py),
 picks the backend (engine.json's, or the one asked for) and its loader in the registry
 (runtime/backends: LOADERS, each with its capabilities, runtime/modes.py BACKENDS), works
-out how the drafter drafts (roles.drafting_of) and which options the backend refuses.
+out how the drafter drafts (roles.style_as_built) and which options the backend refuses.
 
 Every command, and the served model, opens the spec once where it enters and hands it
 on: the modes, their refusals, the defaults, the family preset, the drafting setting of a
@@ -15,11 +15,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from plugins.scaling import PRESETS, QueryScaling
-from runtime import modes
+from plugins.scaling import QueryScaling
+from runtime import families, modes
 from runtime.assembly import DraftSetting
 from runtime.backends import LOADERS, OPTIONS, RUNNABLE_BACKENDS, Loader
-from runtime.backends.roles import Drafting, drafting_of
+from runtime.backends.roles import StyleAsBuilt, style_as_built
 from runtime.manifest import DRAFTERS, EngineError, Manifest, read_manifest
 from runtime.modes import Mode
 
@@ -34,7 +34,7 @@ class EngineSpec:
     manifest: Manifest
     backend: str
     loader: Loader
-    drafting: Drafting
+    drafting: StyleAsBuilt
     options: dict
     refusals: tuple[str, ...]
     # the window modes' draft window (DFlash's training length, extra.draft_window) where
@@ -87,6 +87,12 @@ class EngineSpec:
         return modes.refusal(mode, self.style, self.backend, self.scaling is not None,
                              self.draft_window is not None)
 
+    @property
+    def batches(self) -> bool:
+        """Whether several requests decode together on this engine's backend (the table's
+        rule: modes.batch_refusal); else they run one at a time."""
+        return modes.batch_refusal(self.backend) is None
+
     def batch_refusal(self, mode: Mode) -> str | None:
         """Why this engine cannot batch `mode`, or None if it can: a mode it does not run
         at all, else its backend's rule (every mode batches where the backend does)."""
@@ -132,10 +138,10 @@ class EngineSpec:
 
     @property
     def family_preset(self) -> QueryScaling:
-        """The preset scaling of the engine's drafter family (plugins/scaling.py: PRESETS),
+        """The preset scaling of the engine's drafter family (runtime/families.py: its record's preset),
         as engine.json recorded it at build time: the preset mode's scaling."""
         recorded = self.manifest.extra.get("family_preset")
-        return QueryScaling.from_dict(recorded) if recorded else PRESETS[self.manifest.drafter]
+        return QueryScaling.from_dict(recorded) if recorded else families.preset(self.manifest.drafter)
 
     @property
     def context(self) -> int | None:
@@ -204,7 +210,7 @@ def open_spec(engine_dir: str | Path, backend: str | None = None, verify: str = 
         raise EngineError(f"{where}: {why}")
     built = LOADERS.get(manifest.backend)
     configuration = built is not None and built.can.own_loop  # for a backend's own loop
-    drafting = drafting_of(where, manifest, shaped=not (loader.can.own_loop or configuration))
+    drafting = style_as_built(where, manifest, shaped=not (loader.can.own_loop or configuration))
     options = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(options) - set(OPTIONS) - set(loader.options))
     if unknown:

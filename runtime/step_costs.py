@@ -20,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from runtime import families
+
 CONTEXTS = (512, 4096)  # also the contexts --backend auto compares: measured, not extrapolated
 SIZES = (1, 2, 4, 8)
 # A drafter step is timed as decoding runs it: right after a target pass (this many
@@ -268,7 +270,7 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int, 
     drafter = engine.drafter(scaled=False)
     capacity = context + repeats + 2
     rows = range(batch)
-    if engine.style == "tree":  # EAGLE-3: one context row, then the tree's levels
+    if families.drafts_trees(engine.style):  # EAGLE-3: one context row, then the tree's levels
         shape = engine.tree_shape
         for _ in rows:  # the prompt's entries, as a joining row reads them
             drafter.add(capacity, ids[:context], features[:-1])
@@ -276,7 +278,7 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int, 
         def step():
             drafter.draft_trees([ids[context:context + 1]] * batch, [features[-1:]] * batch,
                                 [shape] * batch)
-    elif engine.style == "chain":
+    elif families.drafts_chains(engine.style):
         k, sampler = engine.spec.drafting.max_drafts, Sampler()
         for _ in rows:
             drafter.add(capacity, [], None)

@@ -224,12 +224,12 @@ def decode_row(decoders, mode, prompt, new_tokens, device, steps, make) -> dict:
 
     key = (mode, steps)
     decoder = decoders.get(key) or decoders.setdefault(key, make())
-    decoder.generate(Request(prompt, new_tokens))
+    decoder.generate(Request(prompt=prompt, max_new_tokens=new_tokens))
     runs = []
     for _ in range(TIMED_RUNS):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        runs.append(decoder.generate(Request(prompt, new_tokens)))
+        runs.append(decoder.generate(Request(prompt=prompt, max_new_tokens=new_tokens)))
     if any(r.tokens != runs[0].tokens for r in runs):
         raise RuntimeError(f"{mode}: greedy runs of one prompt decoded different tokens")
     gen = runs[0]
@@ -374,9 +374,9 @@ def run(out_dir, on_cpu: bool = False, args=None) -> dict:
         drafter = load_dflash(drafter_dir, device, dtype)
         drafter.config.check_target(model.config)
         from build.checkpoints import calibrated_scaling
-        from plugins.scaling import PRESETS
+        from runtime.families import preset
 
-        scaling = calibrated_scaling(drafter_dir) or PRESETS["dflash"]
+        scaling = calibrated_scaling(drafter_dir) or preset("dflash")
         part.update(target=str(target_dir), drafter=str(drafter_dir), dtype=str(dtype),
                     target_source=source)
         limit = model.config.max_position_embeddings

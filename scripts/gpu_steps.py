@@ -155,12 +155,12 @@ def dflash_rows(steps, batch, context, compiled):
     """The DFlash drafter's block after `context` keys, one block of context features."""
     import torch
 
-    from plugins.scaling import PRESETS
+    from runtime.families import preset
 
     drafter, block = steps.drafter, steps.block_size
     cache = steps.draft_buffers.take(capacity(context + steps.context_span + block), batch)
     cache.lengths.fill_(context)
-    module, step = steps.draft_step(PRESETS["dflash"], None)
+    module, step = steps.draft_step(preset("dflash"), None)
     call = step if compiled else module
     ids = torch.full((batch, block), drafter.config.mask_token_id, dtype=torch.long, device=steps.device)
     features = torch.zeros((batch, steps.context_span, drafter.fc.in_features),
@@ -180,13 +180,13 @@ def pard_rows(steps, batch, context, compiled):
     `context` keys."""
     import torch
 
-    from plugins.scaling import PRESETS
+    from runtime.families import preset
     from runtime.backends.pytorch.compiled import chain_widths
 
     widths = chain_widths(chain_drafts(steps))
     cache = steps.chain_buffers.take(capacity(context + widths[-1]), batch)
     cache.lengths.fill_(context)
-    module, step = steps.chain_step(PRESETS["pard"])
+    module, step = steps.chain_step(preset("pard"))
     call = step if compiled else module
     out = []
     for width in widths:
@@ -201,15 +201,15 @@ def eagle3_rows(steps, batch, context, compiled):
     features, projected) and one chain link (a token and the state it reads)."""
     import torch
 
-    from plugins.scaling import PRESETS
+    from runtime.families import preset
 
     drafter, k = steps.drafter, chain_drafts(steps)
     c, dtype = drafter.config, drafter.fc.weight.dtype
     # room as CompiledBatchEagle3's slots: the widest ingest, then the chain's links
     cache = steps.chain_buffers.take(capacity(context + (k + 1) + k), batch)
     cache.lengths.fill_(context)
-    ingest_module, ingest = steps.eagle3_step(PRESETS["eagle3"], ingest=True)
-    link_module, link = steps.eagle3_step(PRESETS["eagle3"], ingest=False)
+    ingest_module, ingest = steps.eagle3_step(preset("eagle3"), ingest=True)
+    link_module, link = steps.eagle3_step(preset("eagle3"), ingest=False)
     ingest, link = (ingest, link) if compiled else (ingest_module, link_module)
     ids = torch.zeros((batch, k + 1), dtype=torch.long, device=steps.device)
     features = torch.zeros((batch, k + 1, c.num_aux * c.target_hidden_size), dtype=dtype, device=steps.device)

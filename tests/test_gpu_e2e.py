@@ -28,10 +28,10 @@ def loaded(tiny_target, tiny_drafter):
 
 
 def ours(loaded, modes=gpu_e2e.MODES, prompts=None):
-    from plugins.scaling import PRESETS
+    from runtime.families import DFLASH
 
     rows, saves = [], []
-    gpu_e2e.our_rows(loaded["model"], loaded["drafter"], PRESETS["dflash"], CPU, prompts or loaded["prompts"],
+    gpu_e2e.our_rows(loaded["model"], loaded["drafter"], DFLASH.preset, CPU, prompts or loaded["prompts"],
                      8, None, gpu_e2e.Clock(600), rows, lambda: saves.append(len(rows)), modes=modes)
     return rows, saves
 

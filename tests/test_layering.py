@@ -187,7 +187,7 @@ def test_engine_compares_no_backend_family_or_style_names():
     must not add a branch to each)."""
     from runtime import modes
 
-    names = set(modes.BACKENDS) | set(modes.FAMILIES) | {s for s in modes.FAMILIES.values() if s}
+    names = set(modes.BACKENDS) | set(modes.FAMILIES) | {f.style for f in modes.FAMILIES.values() if f.style}
     for path in (REPO / "runtime" / "engine.py", REPO / "runtime" / "assembly.py"):
         compared = []
         for node in ast.walk(ast.parse(path.read_text())):

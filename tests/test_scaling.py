@@ -5,7 +5,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tiers import examples
 
-from plugins.scaling import PRESETS, QueryScaling, beta, log_odds_decomposition, top_k_mass
+from plugins.scaling import QueryScaling, beta, log_odds_decomposition, top_k_mass
+from runtime.families import FAMILIES
+
+PRESETS = {name: f.preset for name, f in FAMILIES.items() if f.preset}  # the families' presets
 
 
 def test_beta_is_exactly_one_up_to_the_reference_count():

@@ -24,7 +24,10 @@ from build import tensorrt_build as trt_build
 from plugins import plugin_spec
 from plugins import tensorrt as trt_plugin
 from plugins.attention import reference_attention
-from plugins.scaling import PRESETS, QueryScaling
+from plugins.scaling import QueryScaling
+from runtime.families import FAMILIES
+
+PRESETS = {name: f.preset for name, f in FAMILIES.items() if f.preset}  # the families' presets
 
 REPO = Path(__file__).resolve().parent.parent
 AVAILABLE, WHY_NOT = trt_build.tensorrt_available()

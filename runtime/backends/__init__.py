@@ -123,7 +123,7 @@ assert all(set(OPTIONS) <= set(loader.options) | set(loader.refusals)
 
 # the names the roles module holds, importable from here as before (imported on first use,
 # so that reading the registry imports no torch)
-_ROLES = ("PrefillOnce", "JoinInParts", "Drafting", "drafting_of", "drafter_feature_layers",
+_ROLES = ("PrefillOnce", "JoinInParts", "StyleAsBuilt", "style_as_built", "drafter_feature_layers",
           "load_tokenizer")
 
 

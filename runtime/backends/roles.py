@@ -1,112 +1,154 @@
-"""The roles every backend hands out (a loader of runtime/backends/__init__.py: LOADERS
-opens an engine directory and returns a Loaded), written once here: this table is the
-interface, the one description of every role; and how a batch drafter prefills a
-joining sequence in parts (JoinInParts).
+"""The roles every backend hands out, as code: a loader of runtime/backends/__init__.py
+(LOADERS) opens an engine directory and returns a Loaded, whose batch target and drafters
+subclass the interfaces below (BatchTarget; a drafter per drafting style: BatchBlockDrafter,
+BatchChainDrafter, BatchTreeDrafter). The decode loop (runtime/decode.py) and its proposers
+(runtime/proposers.py) see only these. Also here: how a batch drafter prefills a joining
+sequence in parts (JoinInParts), and what an engine's drafter drafts (StyleAsBuilt).
 
-The decode loop (runtime/decode.py) and its proposers (runtime/proposers.py) only see
-these roles, and every backend implements them over a batch: one request is a batch of
-one. The loop runs over a batch of sequences at different lengths, one row each; a
-sequence joins as the last row and leaves from any row, between steps.
-
-  BatchTarget:  add(ids, capacity)  -> (last logits [vocab], features [t, F]) -- a new row's
-                                    prefill: prefill + join_prefilled
-                prefill(ids, capacity); prefill_more(ids) -> as add's -- a joining
-                                    sequence's prompt in parts (chunked prefill), held
-                                    aside until join_prefilled() makes it the last row
-                snapshot() / restore(snapshot, capacity) -- a copy of the held sequence,
-                                    and that copy held again in a cache of `capacity`
-                                    (PrefillOnce: several runs from one prefill)
-                verify(rows of ids) -> (logits [b, T, vocab], features [b, T, F]) padded to T
-                rollback(lengths)   -- each sequence's committed length
-                remove(row)
-                verify_trees(trees) -> [(logits [n, vocab], features [n, F])] per row: every
-                                    row's DraftTree packed in one pass (runtime/tree.py:
-                                    pack), each node seeing its own row's committed keys
-                                    and its ancestors at that row's length + depth
-                keep_paths(paths)   -- commit each row's accepted path (node indices)
-  BatchBlockDrafter:
-                add(capacity, context [c, F], last) -> the features its first draft() must
-                                    pass (what it left unread); last: the prompt's last token
-                prefill(capacity, context, last); prefill_more(context, last);
-                join_prefilled() -> as add's      -- add in parts, like the target's
-                                    prefill / prefill_more / join_prefilled: chunked
-                                    prefill feeds it each chunk's features right after
-                                    the target's chunk; the parts leave the cache one
-                                    piece leaves (JoinInParts)
-                draft(contexts, bonuses) -> (logits [b, block - 1, columns], visible N [b])
-                                 -- context: each row's target features committed since
-                                    its last call (an empty one, [0, F], adds nothing);
-                                    bonus: its newest token, which the target has not run
-                                    yet; the block's keys are scratch, only the context
-                                    stays in the row's cache
-                remove(row); block_size
-                vocab               -- the target ids of the logits' columns (a DraftVocab:
-                                    the drafter's draft vocabulary), or None (all of them)
-                scaling             -- the QueryScaling it applies, or None (frozen)
-  BatchChainDrafter (PARD; EAGLE-3 with top_k = 1):
-                add(capacity, ids, features) -- a new row's prefill: its cache holds the
-                                    entries of the committed tokens `ids` (each from its
-                                    token, the features draft() pairs with it, and its
-                                    position), without drafting
-                prefill / prefill_more / join_prefilled -- add in parts (JoinInParts)
-                draft(rows of ids, rows of features, ks, samplers) -> [ChainDraft or None]
-                                 -- per row: ids, the tokens committed since its last call
-                                    (the prompt and the first token at the first call),
-                                    ending with the newest, which the target has not run
-                                    yet; features, the target's features of the tokens just
-                                    before its last len(features) ids ([t, F], or None for
-                                    a drafter that reads none, like PARD); k drafts (None
-                                    where k = 0): ChainDraft(tokens [k], probs [k, vocab]
-                                    or None (greedy), logits [k, vocab], visible [k]: N of
-                                    each draft row). A row commits exactly its ids; what a
-                                    call writes while drafting lies past that, as scratch.
-                                    One drafter pass per chain step for every row (PARD:
-                                    one pass; EAGLE-3: one ingesting the rows' new entries,
-                                    then one per link), each row at its own cache length,
-                                    so its own N and beta; row r's drafts drawn by
-                                    samplers[r] (Sampler.propose) from its own q, one draw
-                                    per position, so sampling stays lossless
-                remove(row); scaling
-                max_drafts          -- the most drafts one call makes for a row (K)
-  BatchTreeDrafter (EAGLE-3 trees):
-                add / prefill / prefill_more / join_prefilled; remove(row); scaling -- as a
-                                    BatchChainDrafter's
-                draft_trees(rows of ids, rows of features, shapes) -> [(DraftTree, N) or None]
-                                 -- ids and features per row as draft()'s; shapes: each
-                                    row's TreeShape (None: it drafts none this step). One
-                                    drafter pass ingests every row's new entries, then one
-                                    pass per tree level expands every row's frontier
-                                    (runtime/tree.py: grow_trees), each row at its own
-                                    cache length; N: the most keys any of a row's drafter
-                                    rows saw (the step metadata's counts), beta's N
-
-  Loaded (what a loader returns for one engine directory; the roles made on demand):
-                can                 -- what this backend runs (runtime/modes.py BACKENDS)
-                tokenizer; device; dtype -- where and in which precision its roles run
-                context_limit       -- the longest sequence its batch targets take (the
-                                    target's, or engine.json's max_seq_len if shorter)
-                batch_target()      -> a BatchTarget
-                drafter(setting)    -> the drafter role for a DraftSetting (runtime/
-                                    assembly.py), in one call: the batch drafter of blocks
-                                    or chains, or one row's tree drafter
-                batch_drafter(scaling, window=None) -> a BatchBlockDrafter (DFlash) or a
-                                    BatchChainDrafter (PARD, EAGLE-3 with top_k 1) under
-                                    `scaling` (None: frozen); with a `window`, each DFlash
-                                    row sees only the last `window` of its context keys
-                tree_drafter(scaling) -> a BatchTreeDrafter (EAGLE-3 trees)
-                takes_window(manifest) -- (static) whether its DFlash drafter can draft
-                                    under a window, from engine.json alone
-"""
+Every role runs over a batch: a request is a batch of one. The loop runs over sequences at
+different lengths, one row each; a sequence joins as the last row and leaves from any row,
+between steps. Shapes: b rows, T a verify pass's widest row, t a row's tokens, F the target
+features the drafter reads (the layers concatenated), vocab the target's vocabulary."""
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Annotated
 
-from runtime import modes
+from torch import Tensor
+
+from runtime import families, modes
 from runtime.manifest import EngineError, Manifest
 from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
 from runtime.tree import TreeShape
+
+# the shapes crossing the roles
+Ids = list[int]  # one sequence's token ids
+LastLogits = Annotated[Tensor, "[vocab]"]
+Features = Annotated[Tensor, "[t, F]"]
+VerifyLogits = Annotated[Tensor, "[b, T, vocab]"]
+VerifyFeatures = Annotated[Tensor, "[b, T, F]"]
+BlockLogits = Annotated[Tensor, "[b, block - 1, columns]"]
+Visible = Annotated[Tensor, "[b]"]
+
+
+class BatchTarget(ABC):
+    """The target over a batch of rows (vLLM's model runner; TensorRT-LLM's target model
+    with its KV cache manager). `context_limit`: the longest sequence it takes."""
+
+    context_limit: int
+
+    @abstractmethod
+    def add(self, ids: Ids, capacity: int) -> tuple[LastLogits, Features]:
+        """A new row's prefill (prefill + join_prefilled): the last token's logits and
+        every token's features, in a cache of `capacity`."""
+
+    @abstractmethod
+    def prefill(self, ids: Ids, capacity: int) -> tuple[LastLogits, Features]:
+        """A joining sequence's first part (chunked prefill), held aside until
+        join_prefilled makes it the last row."""
+
+    @abstractmethod
+    def prefill_more(self, ids: Ids) -> tuple[LastLogits, Features]:
+        """The joining sequence's next part."""
+
+    @abstractmethod
+    def join_prefilled(self) -> None:
+        """The sequence prefilled in parts becomes the batch's last row."""
+
+    @abstractmethod
+    def snapshot(self):
+        """A copy of the held (prefilled, not joined) sequence."""
+
+    @abstractmethod
+    def restore(self, snapshot, capacity: int) -> None:
+        """That copy held again, in a cache of `capacity` (PrefillOnce)."""
+
+    @abstractmethod
+    def verify(self, rows: list[Ids]) -> tuple[VerifyLogits, VerifyFeatures]:
+        """One pass over every row's [last token, *drafts], padded to the widest (T)."""
+
+    @abstractmethod
+    def rollback(self, lengths: list[int]) -> None:
+        """Each row's cache cut back to its committed length."""
+
+    @abstractmethod
+    def remove(self, row: int) -> None:
+        """The row leaves the batch; the rows after it move up."""
+
+    def verify_trees(self, trees: list) -> list[tuple[Annotated[Tensor, "[n, vocab]"],
+                                                      Annotated[Tensor, "[n, F]"]]]:
+        """Every row's DraftTree packed in one pass (runtime/tree.py: pack), each node
+        seeing its own row's committed keys and its ancestors: per row, the logits and
+        features of its n nodes. Backends that draft trees implement it."""
+        raise NotImplementedError(f"{type(self).__name__} verifies no trees")
+
+    def keep_paths(self, paths: list[Ids]) -> None:
+        """Commit each row's accepted path (node indices) of its verified tree."""
+        raise NotImplementedError(f"{type(self).__name__} verifies no trees")
+
+
+class Drafter(ABC):
+    """What every batch drafter shares: a row joins (add, or prefill / prefill_more /
+    join_prefilled in parts: JoinInParts) and leaves (remove); `scaling`: the
+    QueryScaling it applies (None: frozen)."""
+
+    scaling: object
+
+    @abstractmethod
+    def add(self, capacity: int, part, more):
+        """A new row's prefill, in a cache of `capacity` (a block drafter: its context
+        features [c, F] and the prompt's last token; a chain or tree drafter: the committed
+        ids and the features draft() pairs with them, or None)."""
+
+    @abstractmethod
+    def remove(self, row: int) -> None:
+        """The row leaves the batch."""
+
+
+class BatchBlockDrafter(Drafter):
+    """Drafts a block per row from the target's features (DFlash): `block_size`; `vocab`:
+    the target ids of the logits' columns (a DraftVocab), or None (all of them)."""
+
+    block_size: int
+    vocab: object
+
+    @abstractmethod
+    def draft(self, contexts: list[Features], bonuses: Ids) -> tuple[BlockLogits, Visible]:
+        """Per row: its target features committed since its last call (an empty [0, F]
+        adds nothing) and its newest token, which the target has not run yet. The block's
+        keys are scratch; only the context stays in the row's cache. Returns the block's
+        logits and the visible-key count N of each row."""
+
+
+class BatchChainDrafter(Drafter):
+    """Drafts a chain per row, one drafter pass per link for every row (PARD: one pass;
+    EAGLE-3 with top_k 1): at most `max_drafts` (K) per call."""
+
+    max_drafts: int
+
+    @abstractmethod
+    def draft(self, ids: list[Ids], features: list[Features | None], ks: list[int],
+              samplers: list) -> list:
+        """Per row: the tokens committed since its last call, ending with the newest (not
+        run by the target yet); the target's features of the tokens before its last
+        len(features) ids (None: a drafter that reads none); k drafts (None where k = 0):
+        a ChainDraft (runtime/chain.py: tokens [k], probs [k, vocab] or None, logits
+        [k, vocab], visible [k]), drawn by samplers[r] from the row's own q."""
+
+
+class BatchTreeDrafter(Drafter):
+    """Drafts a tree per row (EAGLE-3): one pass ingests every row's new entries, then one
+    pass per level expands every row's frontier (runtime/tree.py: grow_trees)."""
+
+    @abstractmethod
+    def draft_trees(self, ids: list[Ids], features: list[Features | None],
+                    shapes: list[TreeShape | None]) -> list:
+        """ids and features per row as BatchChainDrafter.draft's; shapes: each row's
+        TreeShape (None: none this step). Per row: (DraftTree, N) or None; N: the most
+        keys any of its drafter rows saw."""
 
 
 class PrefillOnce:
@@ -141,6 +183,9 @@ class PrefillOnce:
 
     def keep_paths(self, paths: list[list[int]]) -> None:
         self.target.keep_paths(paths)
+
+
+BatchTarget.register(PrefillOnce)  # a batch target whose rows are added whole, replayed
 
 
 class JoinInParts:
@@ -199,9 +244,9 @@ class JoinInParts:
 
 
 @dataclasses.dataclass(frozen=True)
-class Drafting:
-    """How an engine's drafter model drafts: its style (modes.FAMILIES: "block", "chain",
-    "tree"; None: an n-gram engine), the tree it was built for (EAGLE-3) and the most
+class StyleAsBuilt:
+    """How an engine's drafter model drafts: its style (runtime/families.py: block, chain,
+    tree; None: an n-gram engine), the tree it was built for (EAGLE-3) and the most
     drafts one chain call makes."""
 
     style: str | None
@@ -210,14 +255,37 @@ class Drafting:
 
     @property
     def drafts_trees(self) -> bool:
-        return self.style == "tree"
+        return families.drafts_trees(self.style)
 
 
-class Loaded:
-    """What every loader's Loaded shares: the drafter role for a drafting setting, handed
-    out in one call (`drafting`: the engine's Drafting, set by the loader)."""
+class Loaded(ABC):
+    """What a loader returns for one engine directory, its roles made on demand: `can`,
+    what the backend runs (runtime/modes.py BACKENDS); `tokenizer`, `device`, `dtype`;
+    `context_limit`, the longest sequence its batch targets take; `drafting`, the engine's
+    StyleAsBuilt (set by the loader)."""
 
-    drafting: Drafting
+    can: modes.Backend
+    drafting: StyleAsBuilt
+    context_limit: int
+
+    @abstractmethod
+    def batch_target(self) -> BatchTarget:
+        """A new batch target over this engine's target."""
+
+    @abstractmethod
+    def batch_drafter(self, scaling, window: int | None = None) -> BatchBlockDrafter | BatchChainDrafter:
+        """The batch drafter of blocks (DFlash) or chains (PARD, EAGLE-3 with top_k 1)
+        under `scaling` (None: frozen); with a `window`, each DFlash row sees only the
+        last `window` of its context keys."""
+
+    @abstractmethod
+    def tree_drafter(self, scaling) -> BatchTreeDrafter:
+        """EAGLE-3's trees for every row, the tree the engine was built for."""
+
+    @staticmethod
+    @abstractmethod
+    def takes_window(manifest: Manifest) -> bool:
+        """Whether its DFlash drafter can draft under a window, from engine.json alone."""
 
     def drafter(self, setting):
         """The drafter role under `setting` (runtime/assembly.py DraftSetting: scaling,
@@ -228,69 +296,31 @@ class Loaded:
         return self.batch_drafter(setting.scaling, setting.window)
 
 
-def drafting_of(engine_dir: Path, manifest: Manifest, shaped: bool = True) -> Drafting:
+def style_as_built(engine_dir: Path, manifest: Manifest, shaped: bool = True) -> StyleAsBuilt:
     """The drafting an engine was built for: its family's style, and a tree family built
     with one child per node (top_k 1) drafts chains. `shaped` False: the tree's shape is
     not ours to read (a backend that runs its own loop configures its own trees)."""
-    style, shape = modes.FAMILIES[manifest.drafter], None
-    if style == "tree" and shaped:
+    style, shape = modes.FAMILIES[manifest.drafter].style, None
+    if families.drafts_trees(style) and shaped:
         try:
             shape = TreeShape(**manifest.extra["eagle3"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{engine_dir}: engine.json has no valid extra.eagle3 tree shape "
                               f"({exc}) — rebuild the engine") from None
-        if shape.top_k == 1:  # one child per node: a chain
-            style = "chain"
+        style = families.chain_if_one_child(style, shape.top_k)
     # Chain drafters draft as many tokens as one verify pass checks, less the bonus.
-    return Drafting(style, shape, manifest.block_size - 1)
-
-
-def _dflash_config(drafter_dir: Path):
-    from runtime.models.dflash import read_dflash_config
-
-    return read_dflash_config(drafter_dir)
-
-
-def _pard_config(drafter_dir: Path):
-    from runtime.models.pard import read_pard_config
-
-    return read_pard_config(drafter_dir)
-
-
-def _eagle3_config(drafter_dir: Path):
-    from runtime.models.eagle3 import read_eagle3_config
-
-    return read_eagle3_config(drafter_dir)
-
-
-# drafter family -> the reader of its checkpoint's config (the one place the runtime's
-# families are told apart outside their loaders; n-gram engines have no checkpoint)
-DRAFTER_CONFIGS = {"dflash": _dflash_config, "pard": _pard_config, "eagle3": _eagle3_config}
+    return StyleAsBuilt(style, shape, manifest.block_size - 1)
 
 
 def drafter_config(manifest: Manifest):
     """The engine's drafter checkpoint config (its family's), or None (no checkpoint)."""
-    if manifest.drafter_dir is None or manifest.drafter not in DRAFTER_CONFIGS:
-        return None
-    return DRAFTER_CONFIGS[manifest.drafter](manifest.drafter_dir)
+    family = modes.FAMILIES.get(manifest.drafter)
+    return family.config_of(manifest.drafter_dir) if family else None
 
 
 def drafter_feature_layers(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs an engine's drafter reads (the target's `features`,
-    TargetModel's convention), from the drafter checkpoint's config: DFlash's
-    target_layer_ids, EAGLE-3's auxiliary layers; none for PARD and n-gram engines. The
-    torch loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
-    layers = FEATURE_LAYERS.get(manifest.drafter)
-    return layers(drafter_config(manifest), num_layers) if layers else ()
-
-
-def _dflash_layers(config, num_layers: int) -> tuple[int, ...]:
-    return tuple(config.target_layer_ids)
-
-
-def _eagle3_layers(config, num_layers: int) -> tuple[int, ...]:
-    return tuple(config.feature_layers(num_layers))
-
-
-# drafter family -> the target layers its config says it reads (PARD reads none)
-FEATURE_LAYERS = {"dflash": _dflash_layers, "eagle3": _eagle3_layers}
+    TargetModel's convention): its family record's answer (runtime/families.py). The torch
+    loader and the bfloat16 prefill (bf16_prefill.py) both read them here."""
+    family = modes.FAMILIES.get(manifest.drafter)
+    return family.layers_read(manifest.drafter_dir, num_layers) if family else ()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from plugins.scaling import QueryScaling
+from runtime import families
 from runtime.cli import UsageError, progress
 from runtime.commands.provenance import provenance
 from runtime.modes import Mode
@@ -149,7 +150,7 @@ def run(args) -> int:
     per_doc = []
     for name, ids in docs:
         progress(f"diagnose: {name} (prefill {lengths[-1]} tokens, then one drafter step per length)")
-        chain = engine.style == "chain"
+        chain = families.drafts_chains(engine.style)
         per_doc.append((measure_chain if chain else measure)(engine, ids, lengths, args.top_k))
     rows = []
     for length in lengths:

@@ -12,6 +12,7 @@ import statistics
 import time
 
 from runtime.backends import RUNNABLE_BACKENDS
+from runtime import families
 from runtime.cli import UsageError, progress
 from runtime.modes import Mode
 
@@ -90,7 +91,7 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)  # ONNX Runtime sessions follow torch's count
     engine = Engine(open_spec(args.engine_dir, backend=args.backend))
-    if engine.style in ("chain", "tree"):
+    if families.drafts_from_ids(engine.style):
         raise UsageError(f"{args.engine_dir}: overhead times DFlash block steps; a "
                          f"{engine.manifest.drafter} engine's step is not timed by it yet")
     if engine.scaling is None:

@@ -10,7 +10,7 @@ import numpy as np
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends import bf16_prefill
-from runtime.backends.roles import Loaded, drafting_of, load_tokenizer
+from runtime.backends.roles import Loaded, style_as_built, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime.buffers import (EXPORT_VERSION, check_batched, has_window,
                                                   open_session)
@@ -60,7 +60,7 @@ class OnnxEngine(Loaded):
         self.mask_token_id = record["mask_token_id"]  # None in n-gram engines (no drafter)
         self.vocab = read_draft_vocab(engine_dir, record)
         self.drafter_family = manifest.drafter
-        self.drafting = drafting or drafting_of(Path(engine_dir), manifest)
+        self.drafting = drafting or style_as_built(Path(engine_dir), manifest)
         self.tree_shape = self.drafting.tree_shape
         self.context_limit = int(manifest.extra["max_seq_len"])
         self.prefill_dtype = bf16_prefill.check_dtype(prefill_dtype)
@@ -85,7 +85,7 @@ class OnnxEngine(Loaded):
         engine.json records the graphs (has_window asks a loaded session the same)."""
         graphs = (manifest.extra.get("onnx") or {}).get("graphs", {})
         frozen = graphs.get("drafter_frozen_kv") or {}
-        return (modes.takes_window(modes.FAMILIES.get(manifest.drafter))
+        return (modes.FAMILIES[manifest.drafter].takes_window
                 and any(i.get("name") == "window" for i in frozen.get("inputs", ())))
 
     def _has_window(self) -> bool:
@@ -109,7 +109,8 @@ class OnnxEngine(Loaded):
         """The drafter over a batch: DFlash blocks (with a `window`, over the drafter graph
         that takes one) and PARD chains in one run per step, EAGLE-3 chains in one run
         per step and chain link."""
-        return FAMILIES[self.drafter_family](self, scaling, window)
+        # each family's constructor here is `_batch_<family>` (runtime/families.py)
+        return getattr(self, "_batch_" + self.drafter_family)(scaling, window)
 
     def _batch_eagle3(self, scaling: QueryScaling | None, window: None = None) -> OnnxBatchEagle3:
         session, scaling, _ = self._drafter_graph(scaling is not None)
@@ -132,7 +133,3 @@ class OnnxEngine(Loaded):
                                                                    self.mask_token_id, scaling,
                                                                    self.vocab)
 
-
-# drafter family -> its batch drafter over this backend's graphs
-FAMILIES = {"dflash": OnnxEngine._batch_dflash, "pard": OnnxEngine._batch_pard,
-            "eagle3": OnnxEngine._batch_eagle3}

@@ -5,38 +5,15 @@ roles eager (eager.py) or compiled (compiled.py)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 from plugins.scaling import QueryScaling
 from runtime import modes
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
                                             TorchBatchTarget)
-from runtime.backends.roles import Drafting, Loaded, drafter_feature_layers
+from runtime.backends.roles import StyleAsBuilt, Loaded, drafter_feature_layers
 from runtime.manifest import Manifest
 from runtime.models.target import ModelError
 from runtime.ngram import NGramProposer
-
-
-def _load_dflash(manifest: Manifest, dtype, target):
-    from runtime.models.dflash import load_dflash
-
-    drafter = load_dflash(manifest.drafter_dir, dtype)
-    drafter.config.check_target(target.config)
-    return drafter
-
-
-def _load_pard(manifest: Manifest, dtype, target):
-    from runtime.models.pard import load_pard
-
-    drafter = load_pard(manifest.drafter_dir, dtype)
-    drafter.config.check_target(target.config)
-    return drafter
-
-
-def _load_eagle3(manifest: Manifest, dtype, target):  # checked against the target as it loads
-    from runtime.models.eagle3 import load_eagle3
-
-    return load_eagle3(manifest.drafter_dir, dtype, target)
 
 
 class TorchLoaded(Loaded):
@@ -57,7 +34,7 @@ class TorchLoaded(Loaded):
 
     can = modes.BACKENDS["torch"]
 
-    def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: Drafting,
+    def __init__(self, engine_dir: str | Path, manifest: Manifest, drafting: StyleAsBuilt,
                  device: str = "cpu", dtype: str | None = None, steps: str | None = None):
         from runtime.backends.pytorch import compiled, placement
 
@@ -71,8 +48,9 @@ class TorchLoaded(Loaded):
         self.context_limit = min(positions, int(manifest.extra.get("max_seq_len") or positions))
         torch_dtype = placement.resolve_dtype(self.dtype)
         self.drafter_model = None
-        if manifest.drafter in FAMILIES:
-            self.drafter_model = FAMILIES[manifest.drafter].load(manifest, torch_dtype, self.model)
+        family = modes.FAMILIES[manifest.drafter]
+        if family.load is not None:
+            self.drafter_model = family.load(manifest.drafter_dir, torch_dtype, self.model)
             placement.place(self.drafter_model, self.device)
         self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
         # the widths a single sequence's verify takes: a decode step, an n-gram verify
@@ -117,7 +95,8 @@ class TorchLoaded(Loaded):
     def batch_drafter(self, scaling: QueryScaling | None, window: int | None = None):
         """The drafter over a batch (BatchBlockDrafter, BatchChainDrafter): one pass per
         step (per chain link) for every row; a `window` is DFlash's."""
-        return FAMILIES[self.family].batch_drafter(self, scaling, window)
+        # each family's constructor here is `batch_<family>` (runtime/families.py)
+        return getattr(self, "batch_" + self.family)(scaling, window)
 
     def tree_drafter(self, scaling: QueryScaling | None) -> TorchBatchEagle3:
         """EAGLE-3 trees for every row (BatchTreeDrafter), the tree the engine was built
@@ -128,17 +107,3 @@ class TorchLoaded(Loaded):
             return self.shared.batch_eagle3(scaling, most, shape)
         return TorchBatchEagle3(self.drafter_model, scaling, most, shape)
 
-
-class Family(NamedTuple):
-    """A drafter family on the torch backend: its checkpoint loader (the target layers each
-    reads: roles.drafter_feature_layers) and its batch drafter (EAGLE-3's is its chain's;
-    its trees: TorchLoaded.tree_drafter)."""
-
-    load: Callable
-    batch_drafter: Callable
-
-
-# drafter family -> how this backend loads it and drafts with it over a batch
-FAMILIES = {"dflash": Family(_load_dflash, TorchLoaded.batch_dflash),
-            "pard": Family(_load_pard, TorchLoaded.batch_pard),
-            "eagle3": Family(_load_eagle3, TorchLoaded.batch_eagle3)}
