@@ -17,11 +17,14 @@ import sys
 from pathlib import Path
 
 from build import checkpoints, families
+from build.backends import AUTO, BUILDS, tensorrt_usable  # noqa: F401 -- tests ask it here
+from build.engine_dirs import publish, scratch
+from build.query_scaling import choose_scaling, scaling_overrides
 from runtime.manifest import (TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
-                              engine_files, verify_files)
+                              engine_files)
 from plugins.onnx import ATTENTION_FORMS
-from plugins.scaling import PRESETS, QueryScaling
 from runtime import modes
+from runtime.families import preset
 from runtime.cli import Parser, UsageError, progress, run
 from runtime.placement import DTYPES
 from runtime.ngram import NGramProposer
@@ -94,63 +97,20 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def scaling_overrides(args, drafter: str) -> dict:
-    """--ref-keys/--top-k/--slope/--max-log-scale given, checked before anything loads."""
-    overrides = {k: v for k, v in (("ref_keys", args.ref_keys), ("top_k", args.top_k),
-                                   ("slope", args.slope), ("max_log_scale", args.max_log_scale))
-                 if v is not None}
-    if not args.sharpdraft and overrides:
-        raise UsageError(f"--{next(iter(overrides)).replace('_', '-')} needs --sharpdraft")
-    try:
-        QueryScaling(**(PRESETS[drafter].to_dict() | overrides))
-    except ValueError as exc:
-        raise UsageError(f"invalid query scaling: {exc}") from None
-    return overrides
-
-
-def choose_scaling(args, drafter: str, drafter_dir: Path, overrides: dict):
-    """(scaling or None, where it came from): the drafter's own calibration when its
-    checkpoint has one, else the family preset; command-line values on top."""
-    if not args.sharpdraft:
-        return None, None
-    calibrated = checkpoints.calibrated_scaling(drafter_dir)
-    base, source = ((calibrated, f"calibrated ({checkpoints.CALIBRATION_FILE} in the drafter checkpoint)")
-                    if calibrated else (PRESETS[drafter], f"preset {drafter!r}"))
-    if overrides:
-        source += " + command-line values"
-    try:
-        return QueryScaling(**(base.to_dict() | overrides)), source
-    except ValueError as exc:
-        raise UsageError(f"invalid query scaling: {exc}") from None
-
-
-def publish(partial: Path, out: Path, manifest) -> None:
-    """Replace `out` with the finished scratch directory; every file is hashed once more
-    and stamped for fast loads."""
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    verify_files(out, manifest, full=True)
-
-
-def tensorrt_usable() -> str | None:
-    """None when TensorRT engines can be built here, else why not (one line): tensorrt
-    imports, a CUDA device is visible and TensorRT can create a builder on it
-    (build/tensorrt_build.py:tensorrt_available)."""
-    from build import tensorrt_build
-
-    usable, why = tensorrt_build.tensorrt_available()
-    return None if usable else why
-
-
-def pick_backend(requested: str) -> str:
-    """The backend to build for. auto: TensorRT where it works; elsewhere the ONNX graphs
-    are exported and `measure_steps` then picks torch or onnxruntime by measured speed."""
-    reason = tensorrt_usable() if requested in ("auto", "tensorrt") else None
-    if requested == "tensorrt" and reason:
-        raise EngineError(reason)
-    if requested == "auto":
-        return "onnxruntime" if reason else "tensorrt"
-    return requested
+def pick_backend(requested: str, style: str | None = None) -> str:
+    """The backend to build for (build/backends.py BUILDS: what the build does for each).
+    A backend named is taken as asked, refused in one line where this host cannot build
+    it; auto: the first of AUTO this host can build whose drafters draft `style` (the
+    family's; TensorRT's backend drafts blocks only), where onnxruntime stands for the
+    exported graphs that `measure_steps` then times against the torch backend."""
+    if requested in BUILDS:
+        reason = BUILDS[requested].why_unusable()
+        if reason:
+            raise EngineError(reason)
+        return requested
+    return next(name for name in AUTO
+                if (style is None or style in modes.BACKENDS[name].styles)
+                and BUILDS[name].why_unusable() is None)
 
 
 def build_backend(drafter: str, requested: str) -> str:
@@ -158,10 +118,7 @@ def build_backend(drafter: str, requested: str) -> str:
     not run (PARD's chains, EAGLE-3's trees: runtime/modes.py) gets no TensorRT plans from
     auto, which exports its ONNX graphs and then measures torch against onnxruntime, as it
     does where TensorRT cannot run."""
-    drafting = modes.FAMILIES[drafter]
-    if requested == "auto" and drafting is not None and drafting not in modes.BACKENDS["tensorrt"].styles:
-        return "onnxruntime"
-    return pick_backend(requested)
+    return pick_backend(requested, modes.FAMILIES[drafter].style)
 
 
 def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool = False) -> None:
@@ -173,7 +130,9 @@ def measure_steps(out: Path, manifest: Manifest, pick_fastest: bool, fixed: bool
     from runtime.spec import open_spec
     from runtime.step_costs import decode_seconds, fixed_costs, measure
 
-    backends = ["torch"] + (["onnxruntime"] if "onnx" in manifest.extra else [])
+    # the backends timed here that can run this engine (exported graphs where it has them)
+    backends = [name for name, build in BUILDS.items()
+                if build.timed_here and (not build.exports or "onnx" in manifest.extra)]
     costs = {}
     for backend in backends:
         if fixed:
@@ -215,8 +174,9 @@ def measure_default_mode(out: Path) -> None:
 def export_check_build(engine_dir: Path, backend: str, attention: str, model, drafter,
                        scaling, max_seq_len: int, block_size: int) -> dict:
     """Stages 2-4 into engine_dir; returns what engine.json's `extra` gains."""
-    if backend == "torch":
-        progress("[2/5] export: none (the torch backend runs the checkpoints)")
+    build = BUILDS[backend]
+    if not build.exports:
+        progress(f"[2/5] export: none (the {backend} backend runs the checkpoints)")
         progress("[3/5] check: nothing to check")
         progress("[4/5] build: torch")
         return {}
@@ -229,11 +189,9 @@ def export_check_build(engine_dir: Path, backend: str, attention: str, model, dr
     for graph in extra["onnx"]["graphs"].values():
         export.check_graph(engine_dir / graph["file"])
     progress(f"[4/5] build: {backend}")
-    if backend == "tensorrt":  # build/tensorrt_build.py: ONNX graphs -> TensorRT plans
-        from build import tensorrt_build
-
-        extra["tensorrt"] = tensorrt_build.build(engine_dir, extra["onnx"], max_seq_len, progress,
-                                                 block_size)
+    if build.plans:  # TensorRT: ONNX graphs -> plans (build/tensorrt_build.py)
+        extra[backend] = build.build_plans(engine_dir, extra["onnx"], max_seq_len, progress,
+                                           block_size)
     return extra
 
 
@@ -246,82 +204,12 @@ def own_loop(backend: str) -> bool:
 def refuse_family_on(drafter: str, backend: str) -> None:
     """A drafter family whose drafting (block / chain / tree) the backend has no drafter
     for, refused in one line naming the backends that have one (runtime/modes.py)."""
-    drafting = modes.FAMILIES[drafter]
+    drafting = modes.FAMILIES[drafter].style
     if drafting is not None and drafting not in modes.BACKENDS[backend].styles:
         others = [b for b in modes.backends_drafting(drafting) if not own_loop(b)]
         raise UsageError(f"--drafter {drafter} drafts {drafting}s, which the {backend} backend "
                          f"does not run yet; it builds for {' and '.join(others)} (pass "
                          f"--backend {others[-1]})")
-
-
-def build_trtllm(args, overrides: dict, out: Path) -> int:
-    """--backend trtllm: an engine directory of configuration (engine.json + llm_api.yaml)
-    for TensorRT-LLM's own speculative decoding and, with --sharpdraft, the drafter
-    directory TensorRT-LLM loads (drafter/: the checkpoint's config.json plus SharpDraft's
-    parameters, the weights linked), which is what switches the hook on for that drafter
-    (plugins/trtllm/config.py). TensorRT-LLM is not needed to write it.
-    Stages: load (configs only, no weights), check, write."""
-    import json
-
-    from plugins.trtllm import config as trtllm
-    from plugins.trtllm import pins
-    from runtime.manifest import portable_path
-    from runtime.models.target import checkpoint_files, ModelError
-
-    if args.drafter not in checkpoints.DEFAULT_DRAFTERS and not args.drafter_checkpoint:
-        raise UsageError(f"--drafter {args.drafter} needs --drafter-checkpoint DIR (a checkpoint "
-                         "TensorRT-LLM loads; this repository ships none)")
-    progress("[1/3] load: checkpoint configs (TensorRT-LLM loads the weights where it runs)")
-    target_dir, source = checkpoints.prepare_target(args.target, progress)
-    try:
-        context = int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
-    drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
-    drafter_files, block_size, settings = families.trtllm_config(args.drafter)(args, drafter_dir)
-    scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
-    max_seq_len = args.max_seq_len or context
-    if not 1 < max_seq_len <= context:
-        raise UsageError(f"--max-seq-len must be in [2, {context}] (the target's context), got {max_seq_len}")
-    progress(f"      target {target_dir}; {args.drafter} drafter {drafter_dir}, {block_size - 1} drafts per step")
-
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        extra = {"max_seq_len": max_seq_len,
-                 "trtllm": {"version": pins.PINNED, "speculative": settings,
-                            "tensor_parallel_size": 1, "llm_api_config": trtllm.LLM_API_CONFIG}}
-        drafter_record = dependency_record(drafter_dir, drafter_files)
-        if scaling:
-            extra |= {"query_scaling_source": scaling_source, "family_preset": PRESETS[args.drafter].to_dict()}
-            # The drafter TensorRT-LLM loads carries the QueryScaling in its own config.json;
-            # frozen runs of this engine load the stock checkpoint (extra.trtllm.stock_drafter).
-            written = trtllm.write_drafter_dir(drafter_dir, partial / trtllm.DRAFTER_DIR, scaling, drafter_files)
-            drafter_record = dependency_record(written, drafter_files) | {
-                "path": portable_path(out.resolve() / trtllm.DRAFTER_DIR)}
-            extra["trtllm"]["stock_drafter"] = portable_path(drafter_dir)
-        manifest = Manifest(drafter=args.drafter, backend=args.backend,
-                            target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
-                            drafter_checkpoint=drafter_record,
-                            query_scaling=scaling, block_size=block_size, dtype="auto", extra=extra)
-        progress(f"[2/3] check: speculative_config fields against TensorRT-LLM {pins.PINNED}")
-        config_text = trtllm.llm_api_yaml(trtllm.llm_api_config(manifest), out)
-        progress(f"[3/3] write: {trtllm.LLM_API_CONFIG}, engine.json"
-                 + (f", {trtllm.DRAFTER_DIR}/ (the SharpDraft drafter TensorRT-LLM loads)" if scaling else ""))
-        (partial / trtllm.LLM_API_CONFIG).write_text(config_text)
-        manifest.artifacts = engine_files(partial)
-        manifest.write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    publish(partial, out, manifest)
-    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
-            else "SharpDraft off (frozen drafter)")
-    print(f"engine written to {out} (backend trtllm, TensorRT-LLM {pins.PINNED}; {beta})")
-    print(f"next (on a GPU host with TensorRT-LLM): python -m runtime generate --engine-dir {out} "
-          "--prompt 'def fib(n):' --max-new-tokens 64")
-    return 0
 
 
 def main(argv) -> int:
@@ -332,15 +220,16 @@ def main(argv) -> int:
     if args.step_costs == "fixed" and args.backend == "auto":
         raise UsageError("--backend auto picks the backend by measured step costs; with "
                          "--step-costs fixed pass --backend torch or onnxruntime")
-    if own_loop(args.backend):  # configuration for TensorRT-LLM, which runs its own loop
-        if families.trtllm_config(args.drafter) is None:
-            raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
-                             "drafting use another backend")
+    if own_loop(args.backend):  # configuration for an engine that runs its own loop
+        if not BUILDS[args.backend].configures_family(args.drafter):
+            raise UsageError(f"--backend {args.backend} builds a drafter model's configuration; "
+                             "for n-gram drafting use another backend")
         out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")
-                                                          + "-trtllm"))
+                                                          + "-" + args.backend))
         if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
             raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
-        return build_trtllm(args, scaling_overrides(args, args.drafter), out)
+        return BUILDS[args.backend].write_configuration(
+            args, scaling_overrides(args, args.drafter), out)
     family = families.FAMILIES[args.drafter]
     proposer = family.lookup(args) if family.lookup else None
     overrides = scaling_overrides(args, args.drafter) if proposer is None else {}
@@ -352,11 +241,11 @@ def main(argv) -> int:
     family.check(args)
     backend = build_backend(args.drafter, args.backend)
     refuse_family_on(args.drafter, backend)
-    if args.draft_window is not None and (modes.FAMILIES[args.drafter] != "block"
+    if args.draft_window is not None and (not modes.FAMILIES[args.drafter].takes_window
                                           or args.draft_window < 1):
         raise UsageError(f"--draft-window takes a DFlash drafter and N >= 1, got --drafter "
                          f"{args.drafter} --draft-window {args.draft_window}")
-    if backend != "torch" and args.dtype != "float32":
+    if BUILDS[backend].exports and args.dtype != "float32":
         raise UsageError(f"--backend {backend} exports float32 graphs here; pass --dtype float32")
 
     import torch
@@ -380,12 +269,10 @@ def main(argv) -> int:
                          f"got {max_seq_len}")
 
     # Graphs go to a scratch directory first: a failed build leaves no half engine.
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = scratch(out)
     try:
         provenance = ({"query_scaling_source": scaling_source,
-                       "family_preset": PRESETS[args.drafter].to_dict()} if scaling else {})
+                       "family_preset": preset(args.drafter).to_dict()} if scaling else {})
         provenance |= family.provenance(args, drafter)
         extra = {"max_seq_len": max_seq_len} | provenance | export_check_build(
             partial, backend, args.attention or next(iter(modes.BACKENDS[backend].attention_forms), None),
@@ -402,7 +289,7 @@ def main(argv) -> int:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     publish(partial, out, manifest)
-    if backend != "tensorrt":  # TensorRT plans are timed where they run, not here
+    if BUILDS[backend].timed_here:  # plans (TensorRT) are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto",
                       fixed=args.step_costs == "fixed")
         if args.step_costs == "measure" and args.default_mode == "measure":

@@ -38,6 +38,23 @@ def test_build_engine_compares_no_family_name():
     assert text == []
 
 
+def test_build_engine_and_build_compare_no_backend_name():
+    """build_engine.py and build/ ask the backend registry (build/backends.py BUILDS,
+    runtime/modes.py BACKENDS) what to do for a backend; none compares a backend's name."""
+    names = set(modes.BACKENDS)
+    for path in [BUILD_ENGINE, *sorted((BUILD_ENGINE.parent / "build").glob("*.py"))]:
+        assert compared_names(path.read_text(), names) == [], path.name
+
+
+def test_every_backend_has_a_build_record():
+    from build import backends
+
+    assert set(backends.BUILDS) == set(modes.BACKENDS)
+    for name, build in backends.BUILDS.items():
+        # an own-loop backend is built by its own configure, nothing of ours timed or exported
+        assert (build.configure is not None) == modes.BACKENDS[name].own_loop, name
+
+
 def test_the_check_sees_a_comparison():
     names = set(modes.FAMILIES)
     assert compared_names('if args.drafter == "eagle3": pass', names) == ["1: eagle3"]
@@ -51,7 +68,7 @@ def test_every_runtime_family_has_a_build_record():
     for name, family in families.FAMILIES.items():
         assert callable(family.load) and callable(family.files) and callable(family.check)
         # the model-less family (n-gram lookup) is the one with no drafting style
-        assert (family.lookup is not None) == (modes.FAMILIES[name] is None), name
+        assert (family.lookup is not None) == (modes.FAMILIES[name].style is None), name
         # --backend trtllm configures drafter models only
         assert (families.trtllm_config(name) is None) == (family.lookup is not None), name
 
@@ -79,8 +96,9 @@ def test_auto_builds_tensorrt_plans_only_for_a_family_tensorrt_drafts(monkeypatc
     backend runs (DFlash's blocks; n-gram has no drafter); a chain (PARD) or tree
     (EAGLE-3) family gets the ONNX graphs instead of plans it would then refuse."""
     import build_engine
+    from build import backends
 
-    monkeypatch.setattr(build_engine, "tensorrt_usable", lambda: None)  # as on a TensorRT host
+    monkeypatch.setattr(backends, "tensorrt_usable", lambda: None)  # as on a TensorRT host
     picked = {name: build_engine.build_backend(name, "auto") for name in modes.FAMILIES}
     assert picked == {"dflash": "tensorrt", "ngram": "tensorrt", "pard": "onnxruntime",
                       "eagle3": "onnxruntime"}
