@@ -27,23 +27,9 @@ from typing import Callable
 import torch
 
 from runtime.metrics import Generation
+from runtime.request import OnTokens, Request  # noqa: F401 -- the loop's requests
 from runtime.sampling import Sampler, Sampling, greedy_choice, token_logprobs
 from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
-
-OnTokens = Callable[[list[int]], None]
-
-
-@dataclasses.dataclass
-class Request:
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: Sampling = Sampling()
-    stop_ids: frozenset = frozenset()
-    on_tokens: OnTokens | None = None  # raise to leave the batch (a cancelled stream)
-    sampler: Sampler | None = None  # a seeded sampler of the caller's; default: from sampling
-    # the target's log-probabilities of each committed token and of its `logprobs` likeliest
-    # (None: none computed): into Generation.logprobs, and on_tokens(new, entries)
-    logprobs: int | None = None
 
 
 class DraftPolicy:

@@ -100,7 +100,8 @@ class Engine:
         """One decoding run of `mode`: a request alone, a batch of one on the engine's
         batch roles, or on `target` (a PrefillOnce over a batch target of the engine's:
         several runs from one prefill)."""
-        request = Request(prompt, max_new_tokens, stop_ids=self.stop_ids if stop else frozenset(),
-                          on_tokens=on_tokens, sampler=Sampler(sampling))
+        request = Request(prompt=prompt, max_new_tokens=max_new_tokens,
+                          stop_ids=self.stop_ids if stop else frozenset(), on_tokens=on_tokens,
+                          sampler=Sampler(sampling))
         return self.decoder(mode, adaptive, target).generate(request)
 

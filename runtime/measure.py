@@ -89,7 +89,7 @@ def measure_loaded(engine, prompts: list[list[int]], new_tokens: int, batch: int
     def one(mode, n):
         decoder = decoders[mode]
         for r in range(batch):
-            decoder.add(Request(prompts[r % len(prompts)], n))
+            decoder.add(Request(prompt=prompts[r % len(prompts)], max_new_tokens=n))
         start, tokens = time.perf_counter(), 0
         while decoder.active:
             tokens += sum(len(s.gen.tokens) - 1 for s in decoder.step())  # less the prefill's token

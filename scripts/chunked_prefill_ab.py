@@ -209,7 +209,7 @@ def bound(args, prompt_ids: list[int]) -> dict:
     decoder = engine.decoder(args.mode or engine.spec.default_mode)
     chunk, chunks = args.chunk, -(-len(prompt_ids) // args.chunk)
     for _ in range(args.concurrency):
-        decoder.add(Request(prompt_ids, args.max_new_tokens))
+        decoder.add(Request(prompt=prompt_ids, max_new_tokens=args.max_new_tokens))
     steps = []
     for _ in range(3):
         start = time.perf_counter()
@@ -217,7 +217,7 @@ def bound(args, prompt_ids: list[int]) -> dict:
         steps.append(time.perf_counter() - start)
     turns, last_parts = [], []
     for _ in range(3):
-        timed = timed_join(decoder, Request(prompt_ids, 1), chunk)
+        timed = timed_join(decoder, Request(prompt=prompt_ids, max_new_tokens=1), chunk)
         if len(timed) != chunks + 1 or chunks < 2:  # a join in one piece: nothing to time
             return {"error": f"a {len(prompt_ids)}-token prompt does not join in chunks of "
                              f"{chunk} on this engine's batch ({type(decoder.target).__name__})"}

@@ -101,7 +101,7 @@ def run_engine(engine_dir: Path) -> dict:
             if engine.spec.batch_refusal(mode):
                 record["runs"][key + "/batch"] = {"refused": engine.spec.batch_refusal(mode)}
                 continue
-            requests = [Request(p, NEW_TOKENS, sampler=Sampler(Sampling(**kwargs)))
+            requests = [Request(prompt=p, max_new_tokens=NEW_TOKENS, sampler=Sampler(Sampling(**kwargs)))
                         for p in prompts]
             try:
                 done = engine.decoder(mode).run(requests)

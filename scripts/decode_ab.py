@@ -39,7 +39,7 @@ ids = [engine.encode(json.loads(line)["text"]) for line in open(prompts)][:reque
 
 def one(decoder, prompt):
     start = time.perf_counter()
-    join = decoder.join(Request(prompt, new), chunk or None)
+    join = decoder.join(Request(prompt=prompt, max_new_tokens=new), chunk or None)
     for _ in join:  # the prefill's parts, then the first token
         pass
     first = time.perf_counter() - start

@@ -100,6 +100,7 @@ def concurrent(engine, prompts, new_tokens, concurrency, sampling, mode=None) ->
     (None: the served default for the batch it joins); its prefill turns and batch steps
     timed apart."""
     from runtime import decode
+    from runtime.request import Request
     from runtime.serve import scheduler
 
     spent, rows = collections.Counter(), []
@@ -131,7 +132,7 @@ def concurrent(engine, prompts, new_tokens, concurrency, sampling, mode=None) ->
                 return
             i = left.pop(0)
 
-        def done(gen, i=i):
+        def done(gen, mode, i=i):
             outputs[i] = gen.tokens
             finished.release()
             submit()
@@ -140,7 +141,9 @@ def concurrent(engine, prompts, new_tokens, concurrency, sampling, mode=None) ->
             errors.append(repr(exc))
             finished.release()
 
-        sched.submit(scheduler.Job(prompts[i], new_tokens, mode, sampling, lambda t: None, done, failed))
+        sched.submit(Request(prompt=prompts[i], max_new_tokens=new_tokens, mode=mode, sampling=sampling,
+                             stop_ids=engine.stop_ids, on_tokens=lambda t: None, on_done=done,
+                             on_error=failed))
 
     try:
         start = time.perf_counter()

@@ -45,7 +45,7 @@ def assert_batched_chains_keep_the_law(target, new_decoder, draws: int, vocab: i
     first_step = Counter()
     for i in range(draws // 8):
         decoder = new_decoder()
-        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 9 + j)))
+        seqs = [decoder.add(Request(prompt=p, max_new_tokens=4, sampling=Sampling(0.8, 0.9, seed=i * 9 + j)))
                 for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3]] + [prompt] * 7)]
         while decoder.active:
             decoder.step()

@@ -33,7 +33,7 @@ def decode_one(roles_: assembly.Roles, mode: Mode, target, prompt: list[int], ma
                costs: StepCosts | None = None) -> Generation:
     """One sequence on `target` (a batch of one)."""
     decoder = assembly.decoder(roles_, mode, target, costs)
-    return decoder.generate(Request(prompt, max_new_tokens, stop_ids=stop_ids,
+    return decoder.generate(Request(prompt=prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                                     on_tokens=on_tokens, sampler=sampler))
 
 
@@ -182,9 +182,9 @@ def assert_chunked_join_drafts_as_whole(make_decoder, prompt: list[int], chunk: 
                 return read(self, part, more)
 
             m.setattr(reader, name, spy)
-        whole = whole_decoder.add(Request(prompt, 8, sampling))
+        whole = whole_decoder.add(Request(prompt=prompt, max_new_tokens=8, sampling=sampling))
         reads.clear()
-        joining = chunked_decoder.join(Request(prompt, 8, sampling), chunk)
+        joining = chunked_decoder.join(Request(prompt=prompt, max_new_tokens=8, sampling=sampling), chunk)
         while True:
             try:
                 next(joining)

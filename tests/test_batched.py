@@ -48,7 +48,7 @@ def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, s
     target, drafter = tiny_pair(seed, vocab, block)
     scaling = SCALING if scaled else None
     g = torch.Generator().manual_seed(seed)
-    requests = [Request(torch.randint(0, vocab, (n,), generator=g).tolist(), new,
+    requests = [Request(prompt=torch.randint(0, vocab, (n,), generator=g).tolist(), max_new_tokens=new,
                         stop_ids=frozenset({0}) if stop else frozenset())
                 for n, new, stop, _ in shapes]
     join_at = [j for *_, j in shapes]
@@ -68,7 +68,7 @@ def test_batched_greedy_equals_each_sequence_alone(seed, vocab, block, shapes, s
 def test_batched_target_only_equals_target_only(seed, lengths):
     target, drafter = tiny_pair(seed, 12, 3)
     g = torch.Generator().manual_seed(seed)
-    requests = [Request(torch.randint(0, 12, (n,), generator=g).tolist(), 25 - n) for n in lengths]
+    requests = [Request(prompt=torch.randint(0, 12, (n,), generator=g).tolist(), max_new_tokens=25 - n) for n in lengths]
     got = generate_batch(TorchBatchTarget(target, ()), None, requests)
     for request, seq in zip(requests, got):
         t, _ = runners(target, drafter, None)
@@ -93,7 +93,7 @@ def test_each_sequence_of_one_drafter_call_gets_its_own_beta(monkeypatch):
     prompts = [[1, 2] * 7, list(range(1, 12)) * 2, [5] * 30]
     decoder = batch_decoder(t, d)
     for p in prompts:
-        decoder.add(Request(p, 20))
+        decoder.add(Request(prompt=p, max_new_tokens=20))
     monkeypatch.setattr(KVCache, "attend_block", recording)
     decoder.step()
     rows = handed[0]
@@ -139,7 +139,7 @@ def test_a_drafter_set_aside_does_not_run_and_reads_what_it_missed_when_it_draft
     (float64), same tokens committed."""
     target, drafter = tiny_pair(11, vocab=40, block=4)
     g = torch.Generator().manual_seed(3)
-    requests = [Request(torch.randint(0, 40, (n,), generator=g).tolist(), 30)
+    requests = [Request(prompt=torch.randint(0, 40, (n,), generator=g).tolist(), max_new_tokens=30)
                 for n in (5, 20, 9)]
     aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
 
@@ -187,7 +187,7 @@ def test_a_chain_drafter_set_aside_only_reads(family):
         layers = drafter.config.feature_layers(target.config.num_layers)
         roles = lambda: (TorchBatchTarget(target, layers), TorchBatchEagle3(drafter, SCALING, 3))
     g = torch.Generator().manual_seed(4)
-    requests = [Request(torch.randint(0, 40, (n,), generator=g).tolist(), 30) for n in (6, 17)]
+    requests = [Request(prompt=torch.randint(0, 40, (n,), generator=g).tolist(), max_new_tokens=30) for n in (6, 17)]
     aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
     runs = []
     for drafter_ignores_aside in (False, True):
@@ -221,7 +221,7 @@ def test_a_chain_drafter_set_aside_only_reads(family):
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
     target, drafter = tiny_pair(7, vocab=12, block=4, sharpness=1.5)
     sampling = [Sampling(0.8, 0.9, seed=s) for s in (1, 2, 3)]
-    requests = [Request(p, 30, s) for p, s in zip([[1, 2], [3] * 9, [4, 5, 6, 7]], sampling)]
+    requests = [Request(prompt=p, max_new_tokens=30, sampling=s) for p, s in zip([[1, 2], [3] * 9, [4, 5, 6, 7]], sampling)]
     got = generate_batch(*batched(target, drafter, SCALING), requests, join_at=[0, 2, 1])
     for request, seq in zip(requests, got):
         assert seq.gen.tokens == alone(target, drafter, SCALING, request).tokens
@@ -243,7 +243,7 @@ def test_batched_speculative_sampling_preserves_the_target_distribution():
     t, d = batched(target, drafter, QueryScaling(ref_keys=8, top_k=2, slope=2.0), window=2)
     for i in range(draws // 4):
         decoder = batch_decoder(t, d)
-        seqs = [decoder.add(Request(p, 4, Sampling(0.8, 0.9, seed=i * 8 + j)))
+        seqs = [decoder.add(Request(prompt=p, max_new_tokens=4, sampling=Sampling(0.8, 0.9, seed=i * 8 + j)))
                 for j, p in enumerate([prompt, [3, 1, 2, 2, 1, 0, 3], prompt, [2], prompt, prompt])]
         while decoder.active:
             decoder.step()
@@ -259,8 +259,8 @@ def test_batched_speculative_sampling_preserves_the_target_distribution():
 def test_bad_input_in_a_batch_fails_that_request_alone(bad):
     target, drafter = tiny_pair(2, vocab=12, block=4)  # context 128
     prompt = {"empty": [], "long": [1] * 200, "budget": [1, 2]}[bad]
-    requests = [Request([1, 2, 3], 20), Request(prompt, 0 if bad == "budget" else 5),
-                Request([4, 5], 20)]
+    requests = [Request(prompt=[1, 2, 3], max_new_tokens=20), Request(prompt=prompt, max_new_tokens=0 if bad == "budget" else 5),
+                Request(prompt=[4, 5], max_new_tokens=20)]
     got = generate_batch(*batched(target, drafter, SCALING), requests, join_at=[0, 1, 1])
     assert got[1].error and not got[1].gen.tokens
     for i in (0, 2):

@@ -196,7 +196,7 @@ def test_onnx_rows_joining_and_leaving_one_group_decode_as_alone(mode, native_or
     g = torch.Generator().manual_seed(7)
     lengths, budgets = [30, 28, 35, 40, 1100, 33, 38, 31], [3, 12, 2, 10, 8, 12, 4, 6]
     join_at = [0, 0, 0, 0, 0, 0, 1, 4]
-    requests = [Request(torch.randint(4, 320, (n,), generator=g).tolist(), b)
+    requests = [Request(prompt=torch.randint(4, 320, (n,), generator=g).tolist(), max_new_tokens=b)
                 for n, b in zip(lengths, budgets)]
     seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=join_at)
     for request, seq in zip(requests, seqs):

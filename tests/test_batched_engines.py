@@ -51,7 +51,7 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
     if "window" in mode:  # the torch side with the native engine's recorded window
         torch_engine = request.getfixturevalue("native_torch_engine")
     lengths, budgets, join_at = [5, 90, 300, 40], [24, 6, 24, 16], [0, 0, 1, 3]
-    requests = [Request(p, n, stop_ids=torch_engine.stop_ids)
+    requests = [Request(prompt=p, max_new_tokens=n, stop_ids=torch_engine.stop_ids)
                 for p, n in zip(prompts(torch_engine, lengths), budgets)]
     out, runs = {}, [e for e in (torch_engine, ort_engine) if e.spec.refusal(parse(mode)) is None]
     assert torch_engine in runs and (ort_engine in runs) == (mode != "preset")
@@ -67,7 +67,7 @@ def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_tim
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched_on_onnxruntime(ort_engine):
-    requests = [Request(p, 12, Sampling(0.8, 0.95, seed=i))
+    requests = [Request(prompt=p, max_new_tokens=12, sampling=Sampling(0.8, 0.95, seed=i))
                 for i, p in enumerate(prompts(ort_engine, [7, 120, 33]))]
     seqs = ort_engine.decoder("sharpdraft", adaptive=False).run(requests, join_at=[0, 1, 0])
     for request, seq in zip(requests, seqs):
@@ -120,7 +120,7 @@ def test_a_drafter_set_aside_reads_what_it_missed_on_onnxruntime(engine, mode, r
     from runtime.decode import DraftKind
 
     engine = request.getfixturevalue(engine)
-    requests = [Request(p, 40) for p in prompts(engine, [9, 130, 60])]
+    requests = [Request(prompt=p, max_new_tokens=40) for p in prompts(engine, [9, 130, 60])]
     aside = frozenset({DraftKind.GREEDY, DraftKind.SAMPLED, DraftKind.ONE_HOT})
     runs = []
     for drafter_ignores_aside in (False, True):

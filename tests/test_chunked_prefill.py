@@ -99,7 +99,7 @@ def _events(engine, mode, scheduler_kwargs, jobs):
                     assert waited < 60_000, f"no step {after_steps} came (earlier jobs failed?)"
                     threading.Event().wait(0.005)
                     waited += 1
-                scheduler.submit(outcome.job(ids, n, job_mode, sampling))
+                scheduler.submit(outcome.job(ids, n, job_mode, sampling, stop_ids=engine.stop_ids))
             assert all(o.finished.wait(300) for o in outcomes)
     finally:
         scheduler.close()
@@ -312,9 +312,9 @@ def test_a_prompt_joining_in_chunks_decodes_the_target_only_tokens_on_every_draf
     decoder, target, _ = pair()
     other, prompt = prompts([6, 50])
     other, prompt = [t % 39 for t in other], [t % 39 for t in prompt]
-    running = decoder.add(Request(other, 30))
+    running = decoder.add(Request(prompt=other, max_new_tokens=30))
     decoder.step()
-    joined = join_between_steps(decoder, Request(prompt, 20), chunk=8)
+    joined = join_between_steps(decoder, Request(prompt=prompt, max_new_tokens=20), chunk=8)
     while decoder.active:
         decoder.step()
     alone = TorchBatchTarget(target, ())
@@ -351,7 +351,7 @@ def test_the_ab_scripts_bound_times_a_chunks_turn_and_the_joins_last_part(tiny_e
     args = argparse.Namespace(engine_dir=str(tiny_engine), mode="sharpdraft", chunk=32,
                               concurrency=2, max_new_tokens=8)
     engine = Engine(open_spec(tiny_engine))
-    turns = script.timed_join(engine.decoder("sharpdraft"), Request(prompts([100])[0], 8), 32)
+    turns = script.timed_join(engine.decoder("sharpdraft"), Request(prompt=prompts([100])[0], max_new_tokens=8), 32)
     assert len(turns) == 4 + 1  # 32 + 32 + 32 + 4 tokens, then the last part
     got = script.bound(args, prompts([100])[0])
     assert set(got) == {"chunk_prefill_ms", "step_ms", "bound_ms", "join_last_part_ms"}

@@ -47,9 +47,9 @@ def batch_of(size: int, prompt=PROMPT, tokens=24):
     """A batch of one (`prompt`), or of four at other lengths and budgets, joining a step
     or more apart: (requests, join_at)."""
     if size == 1:
-        return [Request(prompt, tokens)], [0]
+        return [Request(prompt=prompt, max_new_tokens=tokens)], [0]
     prompts = [prompt, prompt[:45], prompt[10:], prompt[:30]]
-    return [Request(p, n) for p, n in zip(prompts, (tokens, 16, 20, 12))], [0, 0, 1, 3]
+    return [Request(prompt=p, max_new_tokens=n) for p, n in zip(prompts, (tokens, 16, 20, 12))], [0, 0, 1, 3]
 
 
 def decode(target, drafter=None, size=1, **request):
@@ -264,7 +264,7 @@ def test_an_engines_compiled_steps_decode_alone_and_batched_and_compile_once(tin
         want = eager.generate(alone[0], 12, mode="target", stop=False).tokens
         for mode in ("target", "sharpdraft"):
             assert engine.generate(alone[0], 12, mode=mode, stop=False, adaptive=False).tokens == want
-        requests = [Request(p, n) for p, n in zip(batched, (6, 16, 10))]
+        requests = [Request(prompt=p, max_new_tokens=n) for p, n in zip(batched, (6, 16, 10))]
         want = [eager.generate(r.prompt, r.max_new_tokens, "target", stop=False).tokens for r in requests]
         for mode in ("target", "sharpdraft"):
             seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=[0, 1, 2])
@@ -401,7 +401,7 @@ def test_seeded_sampling_on_the_compiled_batch_roles_is_the_same_batched_as_alon
     alone = [engine.generate(p, 24, "sharpdraft", s, stop=False, adaptive=False)
              for p, s in zip((first, second), sampled)]
     decoder = engine.decoder("sharpdraft", adaptive=False)
-    requests = [Request(first, 24, sampled[0]), Request(other, 24), Request(second, 24, sampled[1])]
+    requests = [Request(prompt=first, max_new_tokens=24, sampling=sampled[0]), Request(prompt=other, max_new_tokens=24), Request(prompt=second, max_new_tokens=24, sampling=sampled[1])]
     together = decoder.run(requests, join_at=[0, 1, 2])
     for seq, want in ((together[0], alone[0]), (together[2], alone[1])):
         assert (seq.gen.tokens, seq.gen.visible_per_step, seq.gen.beta_per_step) == \
@@ -439,9 +439,9 @@ def test_a_chunked_join_on_the_compiled_batch_roles_gives_the_whole_joins_tokens
 
     def run(mode, running, joining, chunk):
         decoder = engine.decoder(mode, adaptive=False)
-        first = decoder.add(Request(running, 40))
+        first = decoder.add(Request(prompt=running, max_new_tokens=40))
         decoder.step()
-        joins, stepped = decoder.join(Request(joining, 10), chunk), 0
+        joins, stepped = decoder.join(Request(prompt=joining, max_new_tokens=10), chunk), 0
         while True:
             try:
                 next(joins)

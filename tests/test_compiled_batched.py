@@ -60,7 +60,7 @@ def decode(engine, mode, how, alone, batched):
     """(a batch of one's outcome, each of the four batched requests' outcomes)."""
     one = engine.generate(alone, NEW_TOKENS, mode=mode, stop=False, adaptive=False,
                           sampling=Sampling(**SAMPLINGS[how]))
-    requests = [Request(p, n, sampler=Sampler(Sampling(**SAMPLINGS[how])))
+    requests = [Request(prompt=p, max_new_tokens=n, sampler=Sampler(Sampling(**SAMPLINGS[how])))
                 for p, n in zip(batched, BUDGETS)]
     seqs = engine.decoder(mode, adaptive=False).run(requests, join_at=JOIN_AT)
     assert all(s.error is None for s in seqs)
@@ -138,7 +138,7 @@ def test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket(engines,
     for family, names in (("pard", {"pard_chain"}), ("eagle3", {"eagle3_ingest", "eagle3_link"})):
         engine = Engine(open_spec(engines[family], steps="eager"))
         batched = prompts(engine, [70, 30, 90, 50])
-        requests = [Request(p, n) for p, n in zip(batched, BUDGETS)]
+        requests = [Request(prompt=p, max_new_tokens=n) for p, n in zip(batched, BUDGETS)]
         engine.decoder("sharpdraft", adaptive=False).run(requests, join_at=JOIN_AT)
         for name in names:  # EAGLE-3: the ingest and the links, both compiled
             slots = {shape[0] for made_by, shape in calls if made_by == name}
@@ -228,7 +228,7 @@ def test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps(backend, 
     scaling = QueryScaling(ref_keys=10, top_k=2, slope=2.0)
     steps = EngineSteps(target, layers, widths=(1, 4), backend=backend, drafter=drafter)
     g = torch.Generator().manual_seed(2)
-    requests = [Request(torch.randint(0, 39, (int(n),), generator=g).tolist(), int(budget))
+    requests = [Request(prompt=torch.randint(0, 39, (int(n),), generator=g).tolist(), max_new_tokens=int(budget))
                 for n, budget in zip(torch.randint(3, 40, (batch,), generator=g),
                                      torch.randint(8, 24, (batch,), generator=g))]
     join_at = [i // 2 for i in range(batch)]
@@ -261,7 +261,7 @@ def run_target_only(target, requests):
     from runtime.proposers import NoDrafts
 
     seqs = Decoder(TorchBatchTarget(target, ()), NoDrafts()).run(
-        [Request(r.prompt, r.max_new_tokens) for r in requests])
+        [Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens) for r in requests])
     return [s.gen.tokens for s in seqs], None
 
 
@@ -329,7 +329,7 @@ def test_an_eagle3_tree_engine_with_steps_verifies_its_trees_packed_on_the_compi
     decoder = compiled.decoder("sharpdraft", adaptive=False)
     assert type(decoder.target) is CompiledBatchTarget
     batched = prompts(eager, [70, 30, 90, 50])
-    got = decoder.run([Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+    got = decoder.run([Request(prompt=p, max_new_tokens=n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
     want = eager.decoder("sharpdraft", adaptive=False).run(
-        [Request(p, n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
+        [Request(prompt=p, max_new_tokens=n) for p, n in zip(batched, BUDGETS)], join_at=JOIN_AT)
     assert [outcome(s.gen) for s in got] == [outcome(s.gen) for s in want]

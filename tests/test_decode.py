@@ -82,8 +82,8 @@ def requests_from(shapes, vocab, seed, sampling=None):
     for i, (n, new, stop, repetitive) in enumerate(shapes):
         prompt = (repetitive_prompt(seed + i, vocab, n) if repetitive
                   else torch.randint(0, vocab, (n,), generator=g).tolist())
-        out.append(Request(prompt, new, sampling or Sampling(),
-                           frozenset({0}) if stop else frozenset()))
+        out.append(Request(prompt=prompt, max_new_tokens=new, sampling=sampling or Sampling(),
+                           stop_ids=frozenset({0}) if stop else frozenset()))
     return out
 
 
@@ -112,19 +112,19 @@ def test_seeded_sampling_is_the_same_batched_and_alone(style):
     vocab = 12
     single, batch, make, slack = setup(style, 5, vocab)
     shapes = [(5, 16, False, True), (17, 12, False, False), (2, 16, True, True)]
-    requests = [Request(q.prompt, q.max_new_tokens, Sampling(0.8, 0.9, seed=i), q.stop_ids)
+    requests = [Request(prompt=q.prompt, max_new_tokens=q.max_new_tokens, sampling=Sampling(0.8, 0.9, seed=i), stop_ids=q.stop_ids)
                 for i, q in enumerate(requests_from(shapes, vocab, 5))]
     got = Decoder(batch, make(), policy_for(COSTS), slack).run(requests, join_at=[0, 1, 0])
     for request, seq in zip(requests, got):
         one = Decoder(single(), make(), policy_for(COSTS), slack).generate(
-            Request(request.prompt, request.max_new_tokens, stop_ids=request.stop_ids,
+            Request(prompt=request.prompt, max_new_tokens=request.max_new_tokens, stop_ids=request.stop_ids,
                     sampler=Sampler(request.sampling)))
         assert seq.gen.tokens == one.tokens, style
 
 
 def test_a_tree_style_refuses_sampling_for_that_request_alone():
     single, batch, make, _ = setup("eagle3-tree", 1, 12)
-    requests = [Request([1, 2, 3], 8), Request([1, 2], 8, Sampling(0.7, 1.0, seed=1)), Request([4], 8)]
+    requests = [Request(prompt=[1, 2, 3], max_new_tokens=8), Request(prompt=[1, 2], max_new_tokens=8, sampling=Sampling(0.7, 1.0, seed=1)), Request(prompt=[4], max_new_tokens=8)]
     got = Decoder(batch, make()).run(requests)
     assert "verifies greedily" in got[1].error and not got[1].gen.tokens
     for request, seq in zip([requests[0], requests[2]], [got[0], got[2]]):
@@ -144,7 +144,7 @@ def test_a_batch_of_trees_verifies_in_one_target_call(monkeypatch):
                            drafter=lambda setting: TorchBatchEagle3(drafter, SCALING, SHAPE.depth, SHAPE),
                            tree_shape=SHAPE)
     decoder = assembly.decoder(roles, Mode.FROZEN)
-    requests = [Request([1, 2, 3], 6), Request([4, 5], 6), Request([7, 8, 9, 1], 6)]
+    requests = [Request(prompt=[1, 2, 3], max_new_tokens=6), Request(prompt=[4, 5], max_new_tokens=6), Request(prompt=[7, 8, 9, 1], max_new_tokens=6)]
     seqs = [decoder.add(r) for r in requests]
     calls, forward = [], target.forward
     monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))

@@ -98,7 +98,7 @@ def test_a_batch_grows_its_chains_in_one_pass_per_link_as_each_would_alone(chain
     decoder = engine.decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
     assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
-    seqs = [decoder.add(Request(p, 10)) for p in prompts]
+    seqs = [decoder.add(Request(prompt=p, max_new_tokens=10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
     assert passes[0] == engine.spec.drafting.max_drafts == max(passes) == 3, passes
     speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)
@@ -114,7 +114,7 @@ def test_a_tree_engine_drafts_a_batch_as_per_row_drafting_did(tree_engine, batch
 
     engine = Engine(open_spec(tree_engine))
     text = engine.encode(tiny.stdlib_text())
-    requests = [Request(text[37 * i:37 * i + 70 + 13 * i], 8 + 3 * i) for i in range(batch)]
+    requests = [Request(prompt=text[37 * i:37 * i + 70 + 13 * i], max_new_tokens=8 + 3 * i) for i in range(batch)]
     drafter = engine.drafter()
     assert type(drafter).__name__ == "TorchBatchEagle3"
     oracle = PerRowTrees(engine.loaded.drafter_model, engine.scaling, engine.tree_shape)

@@ -212,7 +212,7 @@ def test_a_batch_grows_its_chains_in_one_run_per_link_as_each_would_alone(chain_
         engine = Engine(open_spec(chain_engine, backend=backend))
         decoder = engine.decoder(mode, adaptive=False)
         assert decoder.proposer.drafter.fused
-        seqs = [decoder.add(Request(p, 10)) for p in prompts]
+        seqs = [decoder.add(Request(prompt=p, max_new_tokens=10)) for p in prompts]
         counts = speculative.drafter_passes(decoder, monkeypatch)
         passes = speculative.run_counting_passes(decoder, counts)
         assert passes[0] == engine.spec.drafting.max_drafts == max(passes) == 3, (backend, passes)
@@ -385,7 +385,7 @@ def test_what_eagle3_onnx_engines_cannot_do_is_one_line(tree_engine, long_target
 
     engine = Engine(open_spec(tree_engine))  # trees batch (one tree verify per row), as target-only decodes
     prompts = [engine.encode("def f(x):"), engine.encode(tiny.stdlib_text())[:40]]
-    seqs = engine.decoder("sharpdraft").run([Request(p, 8) for p in prompts])
+    seqs = engine.decoder("sharpdraft").run([Request(prompt=p, max_new_tokens=8) for p in prompts])
     assert [s.gen.tokens for s in seqs] == [engine.generate(p, 8, "target", stop=False).tokens
                                             for p in prompts]
     with pytest.raises(EngineError) as err:
@@ -457,7 +457,7 @@ def test_onnxruntime_batched_trees_decode_as_alone_and_as_the_target(tree_engine
     decoder = engine.decoder("sharpdraft")
     from runtime.decode import Request
 
-    got = decoder.run([Request(p, n) for p, n in zip(prompts, budgets)], join_at=[0, 0, 2])
+    got = decoder.run([Request(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)], join_at=[0, 0, 2])
     for prompt, n, seq in zip(prompts, budgets, got):
         alone = engine.generate(prompt, n, mode="sharpdraft", stop=False).tokens
         assert seq.gen.tokens == alone == engine.generate(prompt, n, mode="target", stop=False).tokens

@@ -140,12 +140,12 @@ def test_greedy_batched_chains_decode_as_alone_and_as_the_target(pair, graphs, m
     alone = generate_chain(TorchBatchTarget(target, layers), onnx_batch(graphs), prompt, 30, Sampler())
     decoder = chain_batch_decoder(TorchBatchTarget(target, layers), onnx_batch(graphs))
     assert decoder.proposer.drafter.fused
-    seqs = [decoder.add(Request(prompt, 30))]
+    seqs = [decoder.add(Request(prompt=prompt, max_new_tokens=30))]
     counts = drafter_passes(decoder, monkeypatch)
     decoder.step()
-    seqs.append(decoder.add(Request(other, 30)))
+    seqs.append(decoder.add(Request(prompt=other, max_new_tokens=30)))
     decoder.step()
-    short = decoder.add(Request([2], 20))
+    short = decoder.add(Request(prompt=[2], max_new_tokens=20))
     passes = run_counting_passes(decoder, counts)
     assert max(passes) == K and passes.count(K) > 3, passes
     assert_batched_as_alone(seqs, alone, TorchBatchTarget(target, layers), other, 30)
@@ -182,7 +182,7 @@ def test_a_batch_of_trees_drafts_one_run_per_level_as_per_row_drafting_did(pair,
     target, _, drafter = pair
     layers = layers_of(target, pair[1])
     g = torch.Generator().manual_seed(batch)
-    requests = [Request(torch.randint(0, 4, (int(n),), generator=g).tolist(), int(budget))
+    requests = [Request(prompt=torch.randint(0, 4, (int(n),), generator=g).tolist(), max_new_tokens=int(budget))
                 for n, budget in zip(torch.randint(1, 40, (batch,), generator=g),
                                      torch.randint(4, 24, (batch,), generator=g))]
     got = assert_trees_draft_as_per_row(lambda: TorchBatchTarget(target, layers),

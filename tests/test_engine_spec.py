@@ -106,7 +106,7 @@ def test_rows_joining_a_decoder_never_call_back_into_the_engine(tree_engine, mon
     monkeypatch.setattr(Engine, "drafter", asked)
     for name in ("setting", "check_mode", "refusal"):
         monkeypatch.setattr(EngineSpec, name, asked)
-    requests = [Request([4 + i] * (10 + 3 * i), 8) for i in range(3)]
+    requests = [Request(prompt=[4 + i] * (10 + 3 * i), max_new_tokens=8) for i in range(3)]
     seqs = decoder.run(requests, join_at=[0, 1, 2])
     assert all(s.error is None and len(s.gen.tokens) == 8 for s in seqs)
 

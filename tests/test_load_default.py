@@ -98,12 +98,12 @@ def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_
     ids = prompts([12, 30, 7, 20])
     jobs = []
     try:
-        jobs.append(alone.job(ids[0], 8, mode=None))
+        jobs.append(alone.job(ids[0], 8, mode=None, stop_ids=engine.stop_ids))
         scheduler.submit(jobs[0])
         assert alone.finished.wait(120)
         with scheduler.wake:  # three at once: they join a batch of three
             for outcome, p in zip(burst, ids[1:]):
-                jobs.append(outcome.job(p, 8, mode=None))
+                jobs.append(outcome.job(p, 8, mode=None, stop_ids=engine.stop_ids))
                 scheduler.submit(jobs[-1])
         assert all(o.finished.wait(120) for o in burst)
     finally:
@@ -111,7 +111,7 @@ def test_a_request_naming_no_mode_runs_the_default_for_the_load_it_joins(engine_
     assert [j.mode for j in jobs] == ["hybrid", "target", "target", "target"]
     for job, outcome in zip(jobs, [alone] + burst):
         assert outcome.error is None
-        assert outcome.gen.tokens == engine.generate(job.ids, 8, "sharpdraft").tokens  # lossless
+        assert outcome.gen.tokens == engine.generate(job.prompt, 8, "sharpdraft").tokens  # lossless
 
 
 def test_requests_join_the_running_default_batch_and_it_steps_aside_under_load(engine_copy,
@@ -134,14 +134,14 @@ def test_requests_join_the_running_default_batch_and_it_steps_aside_under_load(e
     scheduler = StepScheduler(engine, max_batch=4)
     first, burst = Outcome(), [Outcome() for _ in range(3)]
     ids = prompts([12, 30, 7, 20])
-    jobs = [first.job(ids[0], 40, mode=None)]
+    jobs = [first.job(ids[0], 40, mode=None, stop_ids=engine.stop_ids)]
     on_tokens = jobs[0].on_tokens
 
     def join_while_running(new):  # the scheduler thread: the first request is running
         on_tokens(new)
         if len(first.streamed) == 2:
             for outcome, p in zip(burst, ids[1:]):
-                jobs.append(outcome.job(p, 8, mode=None))
+                jobs.append(outcome.job(p, 8, mode=None, stop_ids=engine.stop_ids))
                 scheduler.submit(jobs[-1])
 
     jobs[0].on_tokens = join_while_running
@@ -157,4 +157,4 @@ def test_requests_join_the_running_default_batch_and_it_steps_aside_under_load(e
     assert any(rows == 4 for rows, _ in steps)
     for job, outcome in zip(jobs, [first] + burst):
         assert outcome.error is None
-        assert outcome.gen.tokens == engine.generate(job.ids, job.max_new_tokens, "target").tokens
+        assert outcome.gen.tokens == engine.generate(job.prompt, job.max_new_tokens, "target").tokens

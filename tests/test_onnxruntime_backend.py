@@ -48,7 +48,7 @@ def speculate(engine, drafter, prompt):
     drafter, greedy: its tokens, per-step counts, N and beta, and the drafter's blocks."""
     recorded = RecordedDrafter(drafter)
     seq, = speculative.batch_decoder(engine.loaded.batch_target(), recorded).run(
-        [Request(prompt, NEW_TOKENS)])
+        [Request(prompt=prompt, max_new_tokens=NEW_TOKENS)])
     gen = seq.gen
     return gen.tokens, gen.committed_per_step, gen.visible_per_step, gen.beta_per_step, \
         recorded.proposals

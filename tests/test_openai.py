@@ -519,7 +519,7 @@ def _target_logprobs(engine, prompt: str, n: int, top: int):
     from runtime.decode import Request
     from runtime.sampling import Sampler
 
-    return engine.decoder("target").generate(Request(engine.encode(prompt), n, stop_ids=engine.stop_ids,
+    return engine.decoder("target").generate(Request(prompt=engine.encode(prompt), max_new_tokens=n, stop_ids=engine.stop_ids,
                                                      sampler=Sampler(), logprobs=top))
 
 

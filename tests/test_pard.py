@@ -100,7 +100,7 @@ def test_greedy_chain_speculation_equals_target_only(seed, vocab, max_drafts, pr
     assert all(1 <= c <= max_drafts + 1 for c in got.committed_per_step)
     other = [(seed + i) % vocab for i in range(prompt_len + 5)]
     together = batched(target, drafter, max_drafts, scaling, costs).run(
-        [Request(prompt, max_new, stop_ids=stop_ids), Request(other, max_new)], join_at=[0, 1])
+        [Request(prompt=prompt, max_new_tokens=max_new, stop_ids=stop_ids), Request(prompt=other, max_new_tokens=max_new)], join_at=[0, 1])
     assert_batched_as_alone(together, got, t, other, max_new)  # and so want's tokens
 
 
@@ -142,7 +142,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
             p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()),
                                      dtype=p.dtype))
     scaling = QueryScaling(ref_keys=8, top_k=2, slope=2.0)
-    requests = [Request(p, 30, Sampling(0.8, 0.9, seed=s))
+    requests = [Request(prompt=p, max_new_tokens=30, sampling=Sampling(0.8, 0.9, seed=s))
                 for s, p in enumerate([[1, 2], [3] * 9, [4, 5, 6, 7]], start=1)]
     got = batched(target, drafter, 3, scaling).run(requests, join_at=[0, 2, 1])
     for request, seq in zip(requests, got):

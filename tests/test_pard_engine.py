@@ -113,7 +113,7 @@ def test_a_batch_drafts_its_chains_in_one_pass_per_step_as_each_would_alone(
     decoder = engine.decoder(mode, adaptive=False)
     assert decoder.proposer.drafter.fused
     assert decoder.proposer.drafter.scaling == (TINY_PRESET if mode == "preset" else engine.scaling)
-    seqs = [decoder.add(Request(p, 10)) for p in prompts]
+    seqs = [decoder.add(Request(prompt=p, max_new_tokens=10)) for p in prompts]
     passes = speculative.run_counting_passes(decoder, speculative.drafter_passes(decoder, monkeypatch))
     assert passes[0] == 1 and max(passes) == 1, passes
     speculative.assert_engine_rows_decode_as_alone(engine, prompts, seqs, 10, mode)

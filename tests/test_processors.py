@@ -235,7 +235,7 @@ def _decode(roles_, mode, target, prompt, new):
 
     seen = []
     decoder = assembly.decoder(roles_, mode, target)
-    gen = decoder.generate(Request(prompt, new, sampler=Sampler(), logprobs=3,
+    gen = decoder.generate(Request(prompt=prompt, max_new_tokens=new, sampler=Sampler(), logprobs=3,
                                    on_tokens=lambda ids, entries: seen.extend(entries)))
     assert seen == gen.logprobs  # streamed as committed
     return gen
@@ -260,4 +260,4 @@ def test_prompt_scoring_equals_a_one_pass_forward():
         assert token == prompt[i + 1] and abs(lp - float(forward[i, token])) < 1e-9
         assert [k for k, _ in top] == forward[i].topk(2).indices.tolist()
     assert decoder.score([7], 2) == [(7, None, [])]
-    assert not decoder.active and decoder.generate(Request(prompt, 3, sampler=Sampler())).tokens  # still usable
+    assert not decoder.active and decoder.generate(Request(prompt=prompt, max_new_tokens=3, sampler=Sampler())).tokens  # still usable

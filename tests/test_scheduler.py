@@ -10,7 +10,8 @@ import torch
 from runtime.engine import Engine
 from runtime.spec import open_spec
 from runtime.sampling import Sampling
-from runtime.serve.scheduler import Cancelled, Job, QueueFull, StepScheduler
+from runtime.request import Request
+from runtime.serve.scheduler import Cancelled, QueueFull, StepScheduler
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +24,13 @@ class Outcome:
         self.streamed, self.gen, self.error = [], None, None
         self.cancel_after, self.finished = cancel_after, threading.Event()
 
-    def job(self, ids, n, mode="sharpdraft", sampling=Sampling()):
+    def job(self, ids, n, mode="sharpdraft", sampling=Sampling(), stop_ids=frozenset()):
         def on_tokens(new):
             if self.cancel_after is not None and len(self.streamed) >= self.cancel_after:
                 raise Cancelled()
             self.streamed.append(list(new))
 
-        def on_done(gen):
+        def on_done(gen, mode):
             self.gen = gen
             self.finished.set()
 
@@ -37,7 +38,8 @@ class Outcome:
             self.error = exc
             self.finished.set()
 
-        return Job(ids, n, mode, sampling, on_tokens, on_done, on_error)
+        return Request(prompt=ids, max_new_tokens=n, mode=mode, sampling=sampling, stop_ids=stop_ids,
+                       on_tokens=on_tokens, on_done=on_done, on_error=on_error)
 
 
 def prompts(lengths):
@@ -61,7 +63,7 @@ def test_concurrent_jobs_share_steps_and_each_gets_its_own_generate(engine):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(type(engine.decoder("sharpdraft")), "step", counting_step)
             for outcome, (ids, n, mode, sampling) in zip(outcomes, jobs):
-                scheduler.submit(outcome.job(ids, n, mode, sampling))
+                scheduler.submit(outcome.job(ids, n, mode, sampling, stop_ids=engine.stop_ids))
             assert all(o.finished.wait(120) for o in outcomes)
     finally:
         scheduler.close()
@@ -77,10 +79,10 @@ def test_a_bad_or_cancelled_job_fails_alone(engine):
     scheduler = StepScheduler(engine, max_batch=4)
     good, long_, cancelled, empty = Outcome(), Outcome(), Outcome(cancel_after=2), Outcome()
     try:
-        scheduler.submit(good.job(prompts([12])[0], 24))
-        scheduler.submit(cancelled.job(prompts([40])[0], 24))
-        scheduler.submit(empty.job([], 5))
-        scheduler.submit(long_.job([7] * (engine.context_limit + 5), 5))
+        scheduler.submit(good.job(prompts([12])[0], 24, stop_ids=engine.stop_ids))
+        scheduler.submit(cancelled.job(prompts([40])[0], 24, stop_ids=engine.stop_ids))
+        scheduler.submit(empty.job([], 5, stop_ids=engine.stop_ids))
+        scheduler.submit(long_.job([7] * (engine.context_limit + 5), 5, stop_ids=engine.stop_ids))
         assert all(o.finished.wait(120) for o in (good, long_, cancelled, empty))
     finally:
         scheduler.close()
@@ -96,9 +98,9 @@ def test_a_full_queue_refuses_the_request(engine):
     scheduler = StepScheduler(engine, max_batch=1, max_queue=0)
     first = Outcome()
     try:
-        scheduler.submit(first.job([1, 2], 48))
+        scheduler.submit(first.job([1, 2], 48, stop_ids=engine.stop_ids))
         with pytest.raises(QueueFull, match="max_queue 0"):
-            scheduler.submit(Outcome().job([1, 2], 4))
+            scheduler.submit(Outcome().job([1, 2], 4, stop_ids=engine.stop_ids))
         assert first.finished.wait(60)
     finally:
         scheduler.close()
@@ -138,7 +140,7 @@ def test_chain_and_tree_engines_batch_in_flight(chain_or_tree_engine):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(type(engine.decoder("sharpdraft")), "step", counting_step)
             for outcome, (ids, n, mode) in zip(outcomes, jobs):
-                scheduler.submit(outcome.job(ids, n, mode))
+                scheduler.submit(outcome.job(ids, n, mode, stop_ids=engine.stop_ids))
             assert all(o.finished.wait(120) for o in outcomes)
     finally:
         scheduler.close()
@@ -159,7 +161,7 @@ def test_every_mode_runs_beside_the_others(engine):
     outcomes = [Outcome() for _ in jobs]
     try:
         for outcome, (ids, n, mode) in zip(outcomes, jobs):
-            scheduler.submit(outcome.job(ids, n, mode))
+            scheduler.submit(outcome.job(ids, n, mode, stop_ids=engine.stop_ids))
         assert all(o.finished.wait(120) for o in outcomes)
     finally:
         scheduler.close()
@@ -178,9 +180,9 @@ def test_a_decoder_that_fails_to_build_is_the_requests_error_not_a_fallback(engi
         with pytest.MonkeyPatch.context() as m:
             m.setattr(engine, "decoder", lambda mode, *a, **k: (_ for _ in ()).throw(
                 RuntimeError("no decoder today")))
-            scheduler.submit(broken.job(prompts([9])[0], 4))
+            scheduler.submit(broken.job(prompts([9])[0], 4, stop_ids=engine.stop_ids))
             assert broken.finished.wait(60)
-        scheduler.submit(after.job(prompts([9])[0], 4))  # the next request builds it again
+        scheduler.submit(after.job(prompts([9])[0], 4, stop_ids=engine.stop_ids))  # the next request builds it again
         assert after.finished.wait(60)
     finally:
         scheduler.close()
@@ -203,14 +205,14 @@ def test_a_hung_up_client_costs_no_more_prefill_chunks_nor_its_queue_place(engin
 
     scheduler = StepScheduler(engine, max_batch=1, max_queue=4, prefill_chunk=8, on_turn=on_turn)
     long_, waiting, after = Outcome(), Outcome(), Outcome()
-    long_job = long_.job(prompts([400])[0], 8)
+    long_job = long_.job(prompts([400])[0], 8, stop_ids=engine.stop_ids)
     long_job.cancelled = gone.is_set
-    waiting_job = waiting.job(prompts([300])[0], 8)
+    waiting_job = waiting.job(prompts([300])[0], 8, stop_ids=engine.stop_ids)
     waiting_job.cancelled = lambda: True  # went before its turn
     try:
         scheduler.submit(long_job)
         scheduler.submit(waiting_job)
-        scheduler.submit(after.job(prompts([5])[0], 4))  # shorter than a chunk: one turn
+        scheduler.submit(after.job(prompts([5])[0], 4, stop_ids=engine.stop_ids))  # shorter than a chunk: one turn
         assert all(o.finished.wait(60) for o in (long_, waiting, after))
     finally:
         scheduler.close()
@@ -224,11 +226,11 @@ def test_a_full_queue_drops_its_hung_up_clients_before_refusing(engine):
     scheduler = StepScheduler(engine, max_batch=1, max_queue=1)
     first, gone, newcomer = Outcome(), Outcome(), Outcome()
     try:
-        scheduler.submit(first.job([1, 2], 48))
-        gone_job = gone.job([1, 2], 4)
+        scheduler.submit(first.job([1, 2], 48, stop_ids=engine.stop_ids))
+        gone_job = gone.job([1, 2], 4, stop_ids=engine.stop_ids)
         scheduler.submit(gone_job)
         gone_job.cancelled = lambda: True
-        scheduler.submit(newcomer.job([1, 2], 4))  # refused before: the queue held one
+        scheduler.submit(newcomer.job([1, 2], 4, stop_ids=engine.stop_ids))  # refused before: the queue held one
         assert all(o.finished.wait(60) for o in (first, gone, newcomer))
     finally:
         scheduler.close()

@@ -23,7 +23,8 @@ def batch_requests(docs, lengths: list[int], batch: int, new_tokens: int, sampli
     requests = []
     for i in range(batch):
         _, ids = docs[i % len(docs)]
-        requests.append(Request(ids[:lengths[i % len(lengths)]], new_tokens, sampling))
+        requests.append(Request(prompt=ids[:lengths[i % len(lengths)]], max_new_tokens=new_tokens,
+                                sampling=sampling))
     return requests
 
 

@@ -37,7 +37,8 @@ class TritonPythonModel:
                               if threads == "auto" else int(threads))
 
         from runtime.serve import protocol
-        from runtime.serve.scheduler import CANCEL_STAGES, TURNS, Cancelled, Job, QueueFull, StepScheduler
+        from runtime.request import Request
+        from runtime.serve.scheduler import CANCEL_STAGES, TURNS, Cancelled, QueueFull, StepScheduler
         from runtime.streaming import TextStream
 
         self.protocol, self.TextStream = protocol, TextStream
@@ -51,7 +52,7 @@ class TritonPythonModel:
         # the engine's spec opened once in this process, here, where it enters
         self.engine = protocol.load_engine(open_spec(engine_dir, params.get("backend") or None,
                                                      **options))
-        self.Cancelled, self.Job, self.QueueFull = Cancelled, Job, QueueFull
+        self.Cancelled, self.Request, self.QueueFull = Cancelled, Request, QueueFull
         # prompts longer than this many bytes cannot fit the context: refused untokenized
         self.prompt_bytes = protocol.prompt_byte_limit(self.engine.tokenizer, self.engine.context_limit)
         max_batch = int(params.get("max_batch", "1"))
@@ -119,35 +120,39 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            req, ids = self._prepare(request)
+            params, ids = self._prepare(request)
             # a request naming no mode runs the default for the load it joins (the
-            # scheduler sets job.mode at admission)
-            named = req.asked_mode is not None or req.sharpdraft is not None
-            job = self.Job(ids, req.max_new_tokens, req.mode(self.engine) if named else None,
-                           req.sampling(), None, None, None, request.is_cancelled,
-                           ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+            # scheduler resolves it at admission)
+            named = params.asked_mode is not None or params.sharpdraft is not None
             prompt_entries = []  # echo: the prompt's log-probabilities, once scored
-            job.on_tokens, job.on_done, job.on_error = self._callbacks(request, sender, job, prompt_entries)
-            if req.prompt_logprobs:
-                job.on_prompt = self._prompt_callback(sender, job, prompt_entries)
-            self.scheduler.submit(job)
+            on_tokens, on_done, on_error = self._callbacks(request, sender, len(ids),
+                                                           params.logprobs, prompt_entries)
+            self.scheduler.submit(self.Request(
+                prompt=ids, max_new_tokens=params.max_new_tokens, sampling=params.sampling(),
+                stop_ids=frozenset() if params.ignore_eos else self.engine.stop_ids,
+                logprobs=params.logprobs, mode=params.mode(self.engine) if named else None,
+                on_tokens=on_tokens, on_done=on_done, on_error=on_error,
+                on_prompt=(self._prompt_callback(sender, len(ids), prompt_entries)
+                           if params.prompt_logprobs else None),
+                cancelled=request.is_cancelled))
             self.vllm.loads(self.scheduler)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)), flags=final)
 
-    def _prompt_callback(self, sender, job, kept: list):
+    def _prompt_callback(self, sender, prompt_tokens: int, kept: list):
         """The prompt's log-probabilities: a response of their own ahead of any token
         (streaming), or kept for the one final response (plain)."""
         def on_prompt(entries):
             kept.extend(entries)
             if self.decoupled:
                 arrays = {"prompt_logprob_entries": self.protocol.logprobs_array(entries),
-                          "prompt_tokens": self.protocol.count_array(len(job.ids))}
+                          "prompt_tokens": self.protocol.count_array(prompt_tokens)}
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
         return on_prompt
 
-    def _callbacks(self, request, sender, job, prompt_entries: list):
+    def _callbacks(self, request, sender, prompt_length: int, logprobs: int | None,
+                   prompt_entries: list):
         """on_tokens, on_done, on_error for one request, called on the scheduler's thread.
         Streaming: a response per commit (its token_ids and text), then a final one with
         the statistics and any text held back mid-character. Plain: one final response
@@ -156,7 +161,7 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text = self.TextStream(self.engine.decode)
         clock = self.vllm.clock()
-        prompt_tokens = self.protocol.count_array(len(job.ids))
+        prompt_tokens = self.protocol.count_array(prompt_length)
 
         def on_tokens(new, entries=None):
             self.batch_peak.observe(self.scheduler.running)
@@ -171,16 +176,16 @@ class TritonPythonModel:
                     arrays["logprob_entries"] = self.protocol.logprobs_array(entries)
                 sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)))
 
-        def on_done(gen):
+        def on_done(gen, mode):
             reason = self.protocol.finish_reason(gen)
-            arrays = (self.protocol.outputs(text.flush(), [], gen, reason, job.mode) if self.decoupled else
+            arrays = (self.protocol.outputs(text.flush(), [], gen, reason, mode) if self.decoupled else
                       self.protocol.outputs(self.engine.decode(gen.tokens), gen.tokens, gen, reason,
-                                            job.mode, gen.logprobs if job.logprobs is not None else None))
+                                            mode, gen.logprobs if logprobs is not None else None))
             if not self.decoupled and prompt_entries:
                 arrays["prompt_logprob_entries"] = self.protocol.logprobs_array(prompt_entries)
             # counted before the reply goes out, so a client that scrapes the metrics
             # after its response sees its own steps there
-            self.speculation.observe(job.mode, gen)
+            self.speculation.observe(mode, gen)
             self.vllm.done(clock, gen, reason, self.scheduler)
             sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(arrays)), flags=final)
 

@@ -47,7 +47,7 @@ import uuid
 
 import numpy as np
 
-from runtime.serve.protocol import QUOTE, quote
+from runtime.serve.protocol import QUOTE, RequestError, check_max_new_tokens, quote
 
 # The scheduler's QueueFull text (runtime/serve/scheduler.py): a gRPC stream response
 # carries only a message, no status code, so the refusal is recognised by it.
@@ -148,7 +148,7 @@ def _request_schema(chat: bool):
     Neutral = create_model("Neutral", __base__=Closed, **{
         name: (Any if values is None else neutral(values), None) for name, values in NEUTRAL.items()})
 
-    class Request(Neutral):  # in the order a request's problems are reported
+    class Body(Neutral):  # in the order a request's problems are reported
         model: StrictStr
         n: integer(ge=1) = None  # 1 only: Api._request
         max_tokens: integer(ge=0) = None  # 0 only with echo, at most the limit: Api._request
@@ -169,13 +169,13 @@ def _request_schema(chat: bool):
         frequency_penalty: number(ge=-2, le=2) = None
         stream_options: Optional[StreamOptions] = None
 
-    class Completion(Request):
+    class Completion(Body):
         logprobs: integer(ge=0, le=MAX_LOGPROBS) = None
         echo: Optional[StrictBool] = None  # the prompt and its log-probabilities first
         prompt: Annotated[StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)], one_message(
             "must be one string (token-id and batched prompts are not served)")]
 
-    class Chat(Request):
+    class Chat(Body):
         logprobs: Optional[StrictBool] = None
         top_logprobs: integer(ge=0, le=MAX_LOGPROBS) = None  # needs logprobs: Api._request
         messages: Annotated[list[Message], Field(min_length=1)]
@@ -365,11 +365,10 @@ class Api:
         if max_tokens is None:
             max_tokens = self.s.limit if chat else 16
         # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
-        if max_tokens < 1 and not echo:
-            raise ApiError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name)
-        if max_tokens > self.s.limit:
-            raise ApiError(400, f"'{name}' {quote(max_tokens)} exceeds this server's limit of {self.s.limit}",
-                           param=name)
+        try:  # the one check both doors make (protocol.check_max_new_tokens)
+            check_max_new_tokens(max_tokens, self.s.limit, scoring=echo, name=f"'{name}'")
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=name) from None
         if echo and checked.stream:
             raise ApiError(400, "'echo' is served without streaming", param="echo")
         inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS

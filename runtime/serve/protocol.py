@@ -103,8 +103,25 @@ def internal_error(exc: BaseException) -> tuple[str, str]:
             f"generate failed (id {incident}): {type(exc).__name__}: {exc}\n{trace}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
+def check_max_new_tokens(value: int, limit: int, scoring: bool = False,
+                         name: str = "max_new_tokens", hint: str = "") -> None:
+    """The one check of how many tokens a client may ask for, at both front doors (the
+    OpenAI endpoint names its own field, `name`; the Triton model, max_new_tokens): at
+    least 1 (0 where the prompt is only scored) and at most the server's limit. The
+    context's room is the loop's to check (runtime/decode.py check_budget)."""
+    least = 0 if scoring else 1
+    if value < least:
+        raise RequestError(f"{name} must be >= {least}, got {value}")
+    if value > limit:
+        raise RequestError(f"{name} {value} exceeds this server's limit of {limit}{hint}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Params:
+    """What a client asked, as the Triton model's inputs carry it (parse): the prompt's
+    text, the tokens to generate and how to sample them, the mode. The served model builds
+    the one runtime/request.py Request from it once the prompt's ids are known."""
+
     text: str
     max_new_tokens: int
     temperature: float
@@ -169,7 +186,7 @@ def _text(arrays: dict, spec: Tensor) -> str | None:
 
 
 def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
-          parameters: dict | None = None) -> Request:
+          parameters: dict | None = None) -> Params:
     """Input name -> numpy array (None or absent for an omitted optional input), plus the
     request's parameters, of which this model takes none."""
     unknown = sorted(set(arrays) - {t.name for t in INPUTS}) + sorted(parameters or {})
@@ -184,12 +201,9 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
 
     max_new = int(_scalar(arrays, specs["max_new_tokens"]))
     prompt_logprobs = bool(_scalar(arrays, specs["prompt_logprobs"]))
-    least = 0 if prompt_logprobs else 1  # 0: score the prompt, generate nothing
-    if max_new < least:
-        raise RequestError(f"max_new_tokens must be >= {least}, got {max_new}")
-    if max_new > max_new_tokens_limit:
-        raise RequestError(f"max_new_tokens {max_new} exceeds this server's limit of "
-                           f"{max_new_tokens_limit} (max_new_tokens_limit in config.pbtxt)")
+    # 0 with prompt_logprobs: score the prompt, generate nothing
+    check_max_new_tokens(max_new, max_new_tokens_limit, scoring=prompt_logprobs,
+                         hint=" (max_new_tokens_limit in config.pbtxt)")
 
     temperature = _scalar(arrays, specs["temperature"])
     top_p = _scalar(arrays, specs["top_p"])
@@ -219,7 +233,7 @@ def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     logprobs = _scalar(arrays, specs["logprobs"])
     if logprobs is not None and not 0 <= int(logprobs) <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {int(logprobs)}")
-    request = Request(text=raw, max_new_tokens=max_new,
+    request = Params(text=raw, max_new_tokens=max_new,
                       temperature=0.0 if temperature is None else float(temperature),
                       top_p=1.0 if top_p is None else float(top_p),
                       seed=None if seed is None else int(seed),
@@ -255,7 +269,7 @@ def prompt_byte_limit(tokenizer, context_limit: int) -> int:
     return context_limit * longest_token_bytes(tokenizer)
 
 
-def encode_prompt(engine, request: Request, byte_limit: int | None = None) -> list[int]:
+def encode_prompt(engine, request: Params, byte_limit: int | None = None) -> list[int]:
     """The prompt's ids, refused first by its length in bytes (`byte_limit`, default
     prompt_byte_limit of the engine: the model computes it once), then in tokens."""
     limit = byte_limit or prompt_byte_limit(engine.tokenizer, engine.context_limit)

@@ -5,11 +5,11 @@ and leave when done, cancelled or failed -- alone, the others run on.
 One thread owns the engine and runs the loop; the Triton model (model.py) only submits
 jobs and sends what the callbacks hand it. Pure Python, so it is tested without a server.
 Every mode batches (runtime/decode.py), each in its own decoder; on a backend that cannot
-batch (the modes table says which: modes.batch_refusal, tensorrt) requests run one at a
+batch (the engine's spec says which: EngineSpec.batches, tensorrt) requests run one at a
 time on the same thread. A decoder that fails to build is that request's error, never a
 silent fallback to one at a time.
 
-A job whose client has gone (Job.cancelled) costs nothing more at any stage: it is dropped
+A request whose client has gone (Request.cancelled) costs nothing more at any stage: it is dropped
 from the queue when it reaches the head (or when a full queue is swept before refusing a
 newcomer), between two chunks of its prefill, and from the batch at its next commit
 (on_tokens raises Cancelled). Each ends in on_error(Cancelled(stage)), so the model counts
@@ -50,9 +50,10 @@ import time
 from typing import Callable
 
 from runtime.backends.bf16_prefill import chunk_problem
-from runtime.decode import DraftKind, Request
+from runtime.decode import DraftKind
 from runtime.metrics import Generation
-from runtime.modes import LOOKUP, Mode, batch_refusal
+from runtime.modes import LOOKUP, Mode
+from runtime.request import Request
 from runtime.serve.repository import DEFAULT_PREFILL_CHUNK
 
 
@@ -80,30 +81,9 @@ class Cancelled(Exception):
 
 
 @dataclasses.dataclass
-class Job:
-    ids: list[int]
-    max_new_tokens: int
-    mode: str | None  # None: the engine's default for the batch it joins, set at admission
-    sampling: object
-    on_tokens: Callable[[list[int]], None]  # raise Cancelled to leave the batch
-    on_done: Callable[[object], None]  # the finished Generation
-    on_error: Callable[[BaseException], None]
-    # whether the client has gone (Triton: request.is_cancelled); asked before work starts
-    # on the job and between chunks of its prefill
-    cancelled: Callable[[], bool] = lambda: False
-    ignore_eos: bool = False  # decode past the engine's stop tokens
-    # the target's log-probabilities of each token and its `logprobs` likeliest, handed to
-    # on_tokens(new, entries) (decode.Request.logprobs); None: not computed
-    logprobs: int | None = None
-    # set: the prompt's log-probabilities (Decoder.score, with `logprobs` alternatives) go
-    # to on_prompt(entries) before any token; with max_new_tokens 0 that is all it runs
-    on_prompt: Callable[[list], None] | None = None
-
-
-@dataclasses.dataclass
 class Joining:
     """A job whose prompt is prefilling (Decoder.join's generator), `left` tokens to go."""
-    job: Job
+    job: Request
     decoder: object
     steps: object
     left: int
@@ -122,17 +102,17 @@ class StepScheduler:
         self.prefill_chunk = prefill_chunk
         self.on_turn = on_turn
         self.joining: collections.deque[Joining] = collections.deque()
-        self.waiting: collections.deque[Job] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()
         self.decoders: dict[str, object] = {}  # mode -> its Decoder
         self.default: str | None = None  # the mode of the default batch (jobs naming none)
-        self.jobs: dict[int, Job] = {}  # id(Sequence) -> its job
+        self.jobs: dict[int, Request] = {}  # id(Sequence) -> its job
         self.scorer = None  # the target-only decoder that scores prompts (_score)
         self.wake = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Request) -> None:
         with self.wake:
             # A request that finds a free row is not queued for long: the queue's bound
             # counts only what waits beyond the batch's free rows (else two requests that
@@ -175,7 +155,7 @@ class StepScheduler:
         backend cannot batch (then requests run one at a time). A decoder that fails to
         build raises: that request's error, and the next request of the mode tries again."""
         if mode not in self.decoders:
-            if batch_refusal(self.engine.backend) is not None:
+            if not self.engine.spec.batches:
                 self.decoders[mode] = None
             else:
                 self.decoders[mode] = self.engine.decoder(mode)
@@ -203,7 +183,7 @@ class StepScheduler:
                 if decoder is not None and decoder.active:
                     self._step(decoder)
 
-    def _admit(self, job: Job, load: int = 1) -> None:
+    def _admit(self, job: Request, load: int = 1) -> None:
         if _gone(job):  # hung up while it waited: no prefill, no row
             job.on_error(Cancelled("queue"))
             return
@@ -212,7 +192,7 @@ class StepScheduler:
                 job.on_prompt(self._score(job))
                 if job.max_new_tokens == 0:  # scored by the target alone: that is the mode it ran
                     job.mode = job.mode or str(Mode.TARGET)
-                    job.on_done(Generation(len(job.ids)))
+                    job.on_done(Generation(len(job.prompt)), job.mode)
                     return
             if job.mode is None:
                 job.mode = self._default_batch() or self.engine.spec.default_mode_at(load)
@@ -222,23 +202,20 @@ class StepScheduler:
                 if job.logprobs is not None:
                     raise ValueError("logprobs are computed by the batch loop; this backend runs "
                                      "one request at a time without it")
-                job.on_done(self.engine.generate(job.ids, job.max_new_tokens, job.mode, job.sampling,
-                                                 stop=not job.ignore_eos, on_tokens=job.on_tokens))
+                job.on_done(self.engine.decoder(job.mode).generate(job), job.mode)
                 return
         except Exception as exc:  # bad input, a cancelled stream, a bug: this request alone
             job.on_error(exc)
             return
-        stop_ids = frozenset() if job.ignore_eos else self.engine.stop_ids
-        steps = decoder.join(Request(job.ids, job.max_new_tokens, job.sampling, stop_ids, job.on_tokens,
-                                     logprobs=job.logprobs), self.prefill_chunk or None)
-        self.joining.append(Joining(job, decoder, steps, len(job.ids)))
+        steps = decoder.join(job, self.prefill_chunk or None)
+        self.joining.append(Joining(job, decoder, steps, len(job.prompt)))
 
-    def _score(self, job: Job) -> list:
+    def _score(self, job: Request) -> list:
         """The prompt's log-probabilities, on a target-only decoder of its own that no
         request decodes on (its verify pass would step their rows)."""
         if self.scorer is None:
             self.scorer = self.engine.decoder(Mode.TARGET)
-        return self.scorer.score(job.ids, job.logprobs or 0)
+        return self.scorer.score(job.prompt, job.logprobs or 0)
 
     def _prefill(self) -> None:
         """Prefill joining prompts: at most prefill_chunk tokens while rows are running,
@@ -319,16 +296,16 @@ class StepScheduler:
         for seq in batch:
             self._finish(seq, self.jobs.pop(id(seq)))
 
-    def _finish(self, seq, job: Job) -> None:
+    def _finish(self, seq, job: Request) -> None:
         if not seq.done:
             self.jobs[id(seq)] = job
         elif seq.failure is not None:
             job.on_error(seq.failure)
         else:
-            job.on_done(seq.gen)
+            job.on_done(seq.gen, job.mode)
 
 
-def _gone(job: Job) -> bool:
+def _gone(job: Request) -> bool:
     """Whether the job's client has gone; a check that itself fails counts as not gone
     (the job then runs, and its commit's on_tokens reports what is wrong)."""
     try:
