@@ -139,6 +139,20 @@ class Generation:
         return statistics.fmean(self.committed_per_step) if self.committed_per_step else 0.0
 
     @property
+    def drafted_steps(self) -> int:
+        """Verify passes that checked drafts (the others were plain decode steps: nobody
+        drafted, or the policy sat the drafter out)."""
+        return sum(1 for v in self.verified_per_step if v)
+
+    @property
+    def drafted_mean_accepted_length(self) -> float:
+        """Tokens committed per verify pass that checked drafts (vLLM's acceptance length):
+        what the drafter buys where it runs, which carries over to another machine; the
+        policy's sit-outs (where this machine's step costs say it loses) are left out."""
+        drafted = [c for v, c in zip(self.verified_per_step, self.committed_per_step) if v]
+        return statistics.fmean(drafted) if drafted else 1.0
+
+    @property
     def acceptance_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.committed_per_step).items()))
 
