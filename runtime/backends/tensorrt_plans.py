@@ -32,7 +32,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends.roles import Loaded, load_tokenizer
+from runtime.backends.roles import BatchBlockDrafter, BatchTarget, Loaded, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
 from runtime.sampling import DraftVocab
@@ -216,7 +216,7 @@ class DeviceKVCache:
         self.length = length
 
 
-class TensorRTTarget:
+class TensorRTTarget(BatchTarget):
     """target-kv.plan over a DeviceKVCache, as a batch target of at most one row (the
     plans are built for one sequence: modes.batch_refusal keeps a server to one request at
     a time); prefill in PREFILL_CHUNK-token steps over compact copies of the committed
@@ -317,7 +317,7 @@ class TensorRTTarget:
         self.cache.length = n
 
 
-class TensorRTDFlash:
+class TensorRTDFlash(BatchBlockDrafter):
     """A drafter plan over a sequence-major cache [capacity, layers, batch, kv_heads,
     head_dim] on the device: the committed prefix is bound as past_keys/past_values (a
     contiguous view, no copy) and the rows after it as present_keys/present_values, which

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime.backends.roles import JoinInParts
+from runtime.backends.roles import (BatchBlockDrafter, BatchChainDrafter, BatchTreeDrafter,
+                                    JoinInParts)
 from runtime.chain import ChainDraft
 from runtime.sampling import DraftVocab, log_softmax
 from runtime.step_metadata import StepMetadata, padded, padded_context
@@ -55,7 +56,7 @@ def rebuilt(capacity: int, rows: list) -> HostKVCache:
     return cache
 
 
-class OnnxBatchPARD(JoinInParts):
+class OnnxBatchPARD(JoinInParts, BatchChainDrafter):
     """A PARD drafter graph over a batch (BatchChainDrafter): one HostKVCache row per
     sequence, each row's committed length fed as past_lens, so one run drafts every
     row's chain ([unread tokens, pard x (k - 1)], padded to the widest) at its own
@@ -146,7 +147,7 @@ def same_ids(indices: torch.Tensor) -> torch.Tensor:
     return indices
 
 
-class OnnxBatchEagle3(JoinInParts):
+class OnnxBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
     """EAGLE-3 over a batch, chains (top_k 1: BatchChainDrafter) or trees (BatchTreeDrafter),
     on an engine's two drafter graphs (build/export.py): `step` (Eagle3Step, causal)
     commits the entries of newly committed tokens, `tree` (Eagle3TreeStep) runs one level
@@ -294,7 +295,7 @@ class OnnxBatchEagle3(JoinInParts):
         """Every row's committed entries, padded to the `longest` (a view, no copy)."""
         return {"past_keys": self.cache.k[:longest], "past_values": self.cache.v[:longest]}
 
-class OnnxBatchDFlash(JoinInParts):
+class OnnxBatchDFlash(JoinInParts, BatchBlockDrafter):
     """drafter.onnx over a batch: one HostKVCache row per sequence, `lengths` per row
     fed as past_lens and each step's context lengths as context_lens. A joining
     sequence reads its prompt's features (whole or in parts: JoinInParts) as a batch of
@@ -351,7 +352,7 @@ class OnnxBatchDFlash(JoinInParts):
             cache.v[start:start + c, :, i] = values[:c, :, i]
         return torch.from_numpy(logits), ends, meta.block_keys(self.block_size)
 
-class BoundBatchDFlash(JoinInParts):
+class BoundBatchDFlash(JoinInParts, BatchBlockDrafter):
     """drafter-kv.onnx over a batch: the rows in BoundSlots, each group's committed
     lengths fed as past_lens and its rows' context lengths as context_lens. A joining
     sequence reads its prompt's features (whole or in parts: JoinInParts) as a batch of

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.backends.roles import BatchTarget
 from runtime.manifest import EngineError
 from runtime.step_metadata import StepMetadata, padded
 from runtime.tree import pack
@@ -15,7 +16,7 @@ from runtime.backends.onnxruntime.buffers import (BoundKVCache, HOST_PREFILL_CHU
                                                   keep_rows, run_bound)
 from runtime.backends.onnxruntime.bound_rows import BoundSlots, check_room, store
 
-class OnnxBatchTarget:
+class OnnxBatchTarget(BatchTarget):
     """target-kv.onnx over a batch: the rows in BoundSlots, each group's committed
     lengths fed as past_len [g]. A joining sequence prefills aside (prefill,
     prefill_more) into the buffer row it will hold (BoundSlots.reserve), then joins

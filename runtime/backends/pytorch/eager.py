@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from plugins.scaling import QueryScaling
-from runtime.backends.roles import JoinInParts
+from runtime.backends.roles import (BatchBlockDrafter, BatchChainDrafter, BatchTarget,
+                                    BatchTreeDrafter, JoinInParts)
 from runtime.chain import ChainDraft
 from runtime.backends.slots import TorchSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -31,7 +32,7 @@ def scatter_rows(out: torch.Tensor | None, part: torch.Tensor, members: list[int
     return out
 
 
-class TorchBatchTarget:
+class TorchBatchTarget(BatchTarget):
     """The target over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; verify and verify_trees run one pass per group. A joining sequence prefills
     on a cache of its own (`held`: prefill, prefill_more), whole or in chunks between the
@@ -131,7 +132,7 @@ class TorchBatchTarget:
         self.caches.drop(row)
 
 
-class TorchBatchDFlash(JoinInParts):
+class TorchBatchDFlash(JoinInParts, BatchBlockDrafter):
     """The drafter over a batch: per-sequence KVCaches (TorchSlots), each row at its own
     length; under any QueryScaling (the engine's, a family preset) and, with a `window`,
     each row seeing only the last `window` of its own context keys (StepMetadata.block_window
@@ -211,7 +212,7 @@ def _chain_join(self) -> None:
     self.joining = None
 
 
-class TorchBatchPARD(JoinInParts):
+class TorchBatchPARD(JoinInParts, BatchChainDrafter):
     """PARD over a batch (BatchChainDrafter): per-sequence KVCaches (TorchSlots), each
     row at its own length; one pass per group drafts every row's chain, each row's
     [unread tokens, pard x (k - 1)] padded to the group's widest. A row's counts are its
@@ -257,7 +258,7 @@ class TorchBatchPARD(JoinInParts):
         self.caches.drop(row)
 
 
-class TorchBatchEagle3(JoinInParts):
+class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
     """EAGLE-3 over a batch, chains (top_k 1: BatchChainDrafter) or trees (`tree`, the
     engine's TreeShape: BatchTreeDrafter): per-sequence KVCaches (TorchSlots), each row
     at its own length. Per group, one pass ingests every row's newly committed entries
