@@ -254,6 +254,18 @@ def refuse_family_on(drafter: str, backend: str) -> None:
                          f"--backend {others[-1]})")
 
 
+def target_context(target_dir: Path) -> int:
+    """The target's context (config.json max_position_embeddings), read without loading it."""
+    import json
+
+    from runtime.models.target import ModelError
+
+    try:
+        return int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
+
+
 def build_trtllm(args, overrides: dict, out: Path) -> int:
     """--backend trtllm: an engine directory of configuration (engine.json + llm_api.yaml)
     for TensorRT-LLM's own speculative decoding and, with --sharpdraft, the drafter
@@ -266,17 +278,14 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     from plugins.trtllm import config as trtllm
     from plugins.trtllm import pins
     from runtime.manifest import portable_path
-    from runtime.models.target import checkpoint_files, ModelError
+    from runtime.models.target import checkpoint_files
 
     if args.drafter not in checkpoints.DEFAULT_DRAFTERS and not args.drafter_checkpoint:
         raise UsageError(f"--drafter {args.drafter} needs --drafter-checkpoint DIR (a checkpoint "
                          "TensorRT-LLM loads; this repository ships none)")
     progress("[1/3] load: checkpoint configs (TensorRT-LLM loads the weights where it runs)")
     target_dir, source = checkpoints.prepare_target(args.target, progress)
-    try:
-        context = int(json.loads((target_dir / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"{target_dir}/config.json gives no max_position_embeddings ({exc})") from None
+    context = target_context(target_dir)
     drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
     drafter_files, block_size, settings = families.trtllm_config(args.drafter)(args, drafter_dir)
     scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
@@ -324,6 +333,72 @@ def build_trtllm(args, overrides: dict, out: Path) -> int:
     return 0
 
 
+def build_vllm(args, overrides: dict, out: Path) -> int:
+    """--backend vllm: an engine directory vLLM serves (docs/vllm.md): engine.json naming the
+    target directory vLLM loads as `model` (target.path) and the drafter it loads as the
+    speculative model, with the speculative_config recorded (extra.vllm). With --sharpdraft,
+    `drafter/`: the checkpoint's config.json naming the plugin's architecture and carrying
+    the QueryScaling, the weights linked -- the switch for plugins/vllm/. vLLM is not needed
+    to write it. Stages: load (configs; DFlash: our loader's checks), check, write."""
+    from plugins.vllm import launch as vllm
+    from runtime.manifest import portable_path
+    from runtime.models.target import checkpoint_files
+
+    family = families.FAMILIES[args.drafter]
+    progress("[1/3] load: checkpoint configs (vLLM loads the weights where it runs)")
+    target_dir, source = checkpoints.prepare_target(args.target, progress)
+    context = target_context(target_dir)
+    drafter_dir = checkpoints.drafter_checkpoint(args.drafter, args.drafter_checkpoint)
+    drafted = family.vllm(args, drafter_dir)
+    if args.sharpdraft and drafted.unscalable:
+        raise UsageError(f"--sharpdraft --backend vllm: {drafted.unscalable}; build it without "
+                         "--sharpdraft (vLLM's own drafter, frozen) or with --backend torch")
+    scaling, scaling_source = choose_scaling(args, args.drafter, drafter_dir, overrides)
+    max_seq_len = args.max_seq_len or context
+    if not 1 < max_seq_len <= context:
+        raise UsageError(f"--max-seq-len must be in [2, {context}] (the target's context), got {max_seq_len}")
+    progress(f"      target {target_dir}; {args.drafter} drafter {drafter_dir}, vLLM method "
+             f"{drafted.method}, {drafted.num_tokens} drafts per step")
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        progress("[2/3] check: the drafter directory vLLM loads")
+        extra = {"max_seq_len": max_seq_len,
+                 "vllm": {"read_in": vllm.pins.READ_IN, "stock_drafter": portable_path(drafter_dir),
+                          "speculative": vllm.speculative_config(drafted.method, None, drafted.num_tokens,
+                                                                 drafted.parallel)}}
+        drafter_record = dependency_record(drafter_dir, drafted.files)
+        if scaling:
+            extra |= {"query_scaling_source": scaling_source, "family_preset": PRESETS[args.drafter].to_dict()}
+            written = vllm.write_drafter_dir(drafter_dir, partial / "drafter", scaling, drafted.files)
+            drafter_record = dependency_record(written, drafted.files) | {
+                "path": portable_path(out.resolve() / "drafter")}
+        progress("[3/3] write: engine.json" + (", drafter/ (the SharpDraft drafter vLLM loads)" if scaling else ""))
+        manifest = Manifest(drafter=args.drafter, backend=args.backend,
+                            target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
+                            drafter_checkpoint=drafter_record, query_scaling=scaling,
+                            block_size=drafted.num_tokens + 1, dtype="float32", extra=extra)
+        manifest.artifacts = engine_files(partial)
+        manifest.write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    publish(partial, out, manifest)
+    beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
+            else "SharpDraft off (vLLM's own drafter)")
+    print(f"engine written to {out} (backend vllm; {beta})")
+    print(f"next: python -m runtime vllm-serve --engine-dir {out}   (docs/vllm.md)")
+    return 0
+
+
+# own-loop backend -> (its engine directory's writer, how it configures a family: None refuses
+# it); runtime/modes.py BACKENDS says which backends run their own loop
+OWN_LOOP_BUILDS = {"trtllm": (build_trtllm, families.trtllm_config),
+                   "vllm": (build_vllm, families.vllm_config)}
+
+
 def main(argv) -> int:
     args = parse(argv)
     if args.drafter in TRTLLM_ONLY_DRAFTERS and not own_loop(args.backend):
@@ -332,15 +407,16 @@ def main(argv) -> int:
     if args.step_costs == "fixed" and args.backend == "auto":
         raise UsageError("--backend auto picks the backend by measured step costs; with "
                          "--step-costs fixed pass --backend torch or onnxruntime")
-    if own_loop(args.backend):  # configuration for TensorRT-LLM, which runs its own loop
-        if families.trtllm_config(args.drafter) is None:
-            raise UsageError("--backend trtllm builds a drafter model's configuration; for n-gram "
+    if own_loop(args.backend):  # configuration for an engine that runs its own loop
+        write, configures = OWN_LOOP_BUILDS[args.backend]
+        if configures(args.drafter) is None:
+            raise UsageError(f"--backend {args.backend} builds a drafter model's configuration; for n-gram "
                              "drafting use another backend")
         out = Path(args.output or checkpoints.ENGINES / (args.drafter + ("-sharpdraft" if args.sharpdraft else "")
-                                                          + "-trtllm"))
+                                                          + "-" + args.backend))
         if out.exists() and not (out / "engine.json").is_file() and any(out.iterdir()):
             raise UsageError(f"{out} exists and is not an engine directory; pick another --output")
-        return build_trtllm(args, scaling_overrides(args, args.drafter), out)
+        return write(args, scaling_overrides(args, args.drafter), out)
     family = families.FAMILIES[args.drafter]
     proposer = family.lookup(args) if family.lookup else None
     overrides = scaling_overrides(args, args.drafter) if proposer is None else {}
