@@ -30,14 +30,16 @@ from ..trtllm import proof
 from . import ARCHITECTURE, pins
 
 VENV_PYTHON = Path(".cache/vllm-venv/bin/python")  # where `make vllm` installs vLLM, in a checkout
-# vLLM on CPU keeps one core to itself unless told (FACTS: 2-core machines) and sizes its KV
-# cache from this (GiB); set only where the caller has not
-CPU_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                "VLLM_CPU_KVCACHE_SPACE": "2"}
+# vLLM on CPU keeps one core to itself unless told (on 2 cores, half the machine) and sizes
+# its KV cache from this (GiB); set only where the caller has not. The bind list is every
+# core this process may use ("5,2-4" form: vllm/utils/ompmultiprocessing.py)
+CPU_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-class LaunchError(RuntimeError):
-    """A vLLM launch we refuse or that failed (one line)."""
+class LaunchError(ValueError):
+    """A vLLM launch we refuse or that failed (one line; a ValueError, so the command line
+    says it in one line)."""
 
 
 def vllm_python(given: str | None = None) -> Path:

@@ -68,9 +68,11 @@ def run(job: dict, spec: dict) -> dict:
         prompt = ids if isinstance(ids, str) else TokensPrompt(prompt_token_ids=ids)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - tick
+        stats = getattr(out, "metrics", None)  # engine-core timestamps: first to last token
+        decode = (stats.last_token_ts - stats.first_token_ts) if getattr(stats, "first_token_ts", 0) else None
         prompts.append({"tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
                         "prompt_tokens": len(out.prompt_token_ids), "seconds": seconds,
-                        "spec": difference(counters(llm), before)})
+                        "decode_seconds": decode, "spec": difference(counters(llm), before)})
         print(f"  {spec['name']}: prompt {len(prompts)}/{len(job['prompts'])} ({len(ids)} tokens) "
               f"in {seconds:.1f} s", file=sys.stderr, flush=True)
     result = {"name": spec["name"], "engine_start_s": start_s, "prompts": prompts}
