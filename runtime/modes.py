@@ -110,8 +110,10 @@ class Backend:
     window: bool  # a DFlash drafter under a draft window
     batch: bool  # several requests decode together (runtime/decode.py); else one at a time
     swap_scaling: bool  # a drafter under any QueryScaling at run time (else compiled in)
-    own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM): only plain modes
+    own_loop: bool  # the engine runs its own decode loop (TensorRT-LLM, vLLM): only plain modes
     attention_forms: tuple[str, ...] = ()  # exported SharpDraft attention, the default first
+    runs_in: str = ""  # own_loop: the serving engine whose loop runs it, as users name it
+    triton: bool = True  # Triton Inference Server serves it (ours, or TensorRT-LLM's llmapi model)
 
 
 BACKENDS = {
@@ -127,7 +129,11 @@ BACKENDS = {
                         own_loop=False, attention_forms=("plugin", "native")),
     # TensorRT-LLM's own loop: its DFlash / PARD / EAGLE-3 with SharpDraft's hook, or not
     "trtllm": Backend(frozenset(families.STYLES), window=False, batch=True,
-                      swap_scaling=False, own_loop=True),
+                      swap_scaling=False, own_loop=True, runs_in="TensorRT-LLM"),
+    # vLLM's own loop: its DFlash (with SharpDraft's plugin, or not), PARD (draft_model with
+    # parallel drafting) and EAGLE-3 (chains of num_speculative_tokens), n-gram lookup
+    "vllm": Backend(frozenset(families.STYLES), window=False, batch=True,
+                    swap_scaling=False, own_loop=True, runs_in="vLLM", triton=False),
 }
 
 
@@ -143,7 +149,7 @@ def refusal(mode: Mode, style: str | None, backend: str, scaled: bool,
     can = BACKENDS[backend]
     if can.own_loop and (mode.draft_source == LOOKUP or mode.ngram_assist or mode.needs_window
                          or mode.swaps_scaling):
-        return f"{backend} engines run TensorRT-LLM's own loop, which has no such mode"
+        return f"{backend} engines run {can.runs_in}'s own loop, which has no such mode"
     if mode.draft_source in (NO_DRAFTER, LOOKUP):
         return None
     if style is None:
@@ -190,15 +196,16 @@ def unrunnable(engine_dir, backend: str, runnable) -> str:
     """Why this runtime cannot open the engine in `engine_dir` on `backend` (one with no
     loader)."""
     if backend in BACKENDS and BACKENDS[backend].own_loop:
-        return (f"{engine_dir} is configuration for TensorRT-LLM: run it with `python -m "
-                "runtime generate` or `trtllm-serve` where TensorRT-LLM is installed")
+        engine = BACKENDS[backend].runs_in
+        return (f"{engine_dir} is configuration for {engine}: run it with `python -m runtime "
+                f"generate` where {engine} is installed (docs/{backend}.md)")
     return (f"{engine_dir}: backend {backend!r} cannot run here (this runtime has "
             f"{', '.join(runnable)}) — pass --backend onnxruntime")
 
 
-def own_loop_refusal(engine_dir, flags: list[str], why: str, runs) -> str:
-    """Why an engine run in its backend's own loop (TensorRT-LLM) cannot take `flags`."""
-    return (f"{engine_dir} runs in TensorRT-LLM: drop {' '.join(flags)} ({why}; its own loop "
+def own_loop_refusal(engine_dir, flags: list[str], why: str, runs, backend: str = "trtllm") -> str:
+    """Why an engine run in its backend's own loop (TensorRT-LLM, vLLM) cannot take `flags`."""
+    return (f"{engine_dir} runs in {BACKENDS[backend].runs_in}: drop {' '.join(flags)} ({why}; its own loop "
             f"runs {', '.join(runs)})")
 
 

@@ -91,6 +91,10 @@ def make_drafter(out: Path, target_dir: Path, block_size: int = 4, seed: int = 1
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+    if draft_vocab:  # the target head's rows, as every shipped draft vocabulary carries them
+        from build.draft_head import target_head
+
+        model.attach_draft_head(target_head(target_dir))
     save_dflash(model, out)
     return out
 

@@ -171,6 +171,28 @@ def test_a_draft_vocabulary_round_trips_and_drafts_only_its_tokens(tiny_target, 
     assert all(q[i, t] > 0 for i, t in enumerate(tokens)) and torch.isin(torch.tensor(tokens), ids).all()
 
 
+def test_a_draft_vocabulary_without_its_head_is_refused_and_draft_head_writes_it(
+        tiny_target, tmp_path):
+    """vLLM reads a draft vocabulary's head from lm_head.weight and, without it, silently
+    scores draft token j with target row j: our loader refuses such a checkpoint in one
+    line naming the fix, and the fix writes exactly the target head's rows."""
+    from build import draft_head
+
+    path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=50)
+    state = load_file(path / "model.safetensors")
+    rows = state.pop("lm_head.weight")
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelError, match=r"no lm_head\.weight.*python -m build\.draft_head") as err:
+        load_dflash(path)
+    assert "\n" not in str(err.value)
+    head = draft_head.target_head(tiny_target)
+    assert "added" in draft_head.add_head(path, head)
+    drafter = load_dflash(path)
+    assert torch.equal(drafter.lm_head.weight, rows)
+    assert torch.equal(rows, head[drafter.draft_token_ids()])
+    assert "already holds" in draft_head.add_head(path, head)
+
+
 def test_a_draft_vocabulary_outside_the_target_is_refused(tiny_target, tmp_path):
     path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=10)
     state = load_file(path / "model.safetensors")

@@ -20,7 +20,7 @@ def test_every_backend_of_the_table_has_a_loader_that_says_what_it_runs():
     assert set(LOADERS) == set(modes.BACKENDS)
     assert all(loader.can is modes.BACKENDS[name] for name, loader in LOADERS.items())
     assert set(RUNNABLE_BACKENDS) == {name for name, loader in LOADERS.items() if not loader.can.own_loop}
-    assert set(LOADERS) - set(RUNNABLE_BACKENDS) == {"trtllm"}
+    assert set(LOADERS) - set(RUNNABLE_BACKENDS) == {"trtllm", "vllm"}
 
 
 def test_the_torch_loaders_dtype_reaches_the_models_and_decoding_stays_lossless(tiny_engine):
@@ -48,6 +48,7 @@ def test_the_onnxruntime_loader_refuses_another_device_or_dtype_in_one_line(tmp_
 
 @pytest.mark.parametrize("backend, says", [
     ("trtllm", "is configuration for TensorRT-LLM"),
+    ("vllm", "is configuration for vLLM"),
     ("vulkan", "backend 'vulkan' cannot run here (this runtime has torch, onnxruntime, tensorrt)")])
 def test_an_engine_no_loader_opens_is_refused_in_one_line(tiny_engine, tmp_path, backend, says):
     engine_dir = tmp_path / "engine"
@@ -63,7 +64,7 @@ def test_a_family_the_backend_cannot_draft_is_refused_before_loading(tiny_engine
     data = json.loads((engine_dir / "engine.json").read_text())
     data["drafter"], data["extra"]["eagle3"] = "eagle3", {"top_k": 2, "depth": 2, "total_tokens": 4}
     (engine_dir / "engine.json").write_text(json.dumps(data))
-    with pytest.raises(EngineError, match="EAGLE-3 runs on the torch and onnxruntime and trtllm "
+    with pytest.raises(EngineError, match="EAGLE-3 runs on the torch and onnxruntime and trtllm and vllm "
                                           "backends, not tensorrt — pass --backend onnxruntime"):
         Engine(open_spec(engine_dir, backend="tensorrt", verify="skip"))
 

@@ -78,7 +78,7 @@ def test_the_backend_registries_are_the_table():
     from runtime.backends import BACKENDS, RUNNABLE_BACKENDS
     from runtime.manifest import DRAFTERS
 
-    assert BACKENDS == ("torch", "onnxruntime", "tensorrt", "trtllm")
+    assert BACKENDS == ("torch", "onnxruntime", "tensorrt", "trtllm", "vllm")
     assert RUNNABLE_BACKENDS == ("torch", "onnxruntime", "tensorrt")  # trtllm: its own loop
     assert DRAFTERS == ("dflash", "eagle3", "ngram", "pard")
     for can in modes.BACKENDS.values():

@@ -28,6 +28,8 @@ from runtime.placement import DEVICES, DTYPES, PREFILL_DTYPES, STEPS  # noqa: F4
 # on a GPU; a backend with its own loop runs there): runtime/modes.py says what each runs
 BACKENDS = tuple(modes.BACKENDS)
 RUNNABLE_BACKENDS = tuple(name for name, can in modes.BACKENDS.items() if not can.own_loop)
+# the backends whose engine serves itself (vLLM's OpenAI server: `python -m runtime vllm-serve`)
+SERVES_ITSELF = tuple(name for name, can in modes.BACKENDS.items() if not can.triton)
 
 # the choices' names live in runtime/placement.py (the command lines read them there);
 # the torch backend resolves DEVICES and TORCH_DTYPES (runtime/backends/pytorch/placement.py),
@@ -114,6 +116,12 @@ LOADERS: dict[str, Loader] = {
         "trtllm", "runtime.backends.tensorrt_llm", "TensorRTLLMLoop", (),
         {option: "--" + option.replace("_", "-") + " ({value}) is for the backends that run our "
                  "loop; TensorRT-LLM places a {backend} engine itself"
+         for option in OPTIONS}),
+    # vLLM runs the engine in its own loop, in its own environment, and places it itself
+    "vllm": Loader(
+        "vllm", "runtime.backends.vllm", "VLLMLoop", (),
+        {option: "--" + option.replace("_", "-") + " ({value}) is for the backends that run our "
+                 "loop; vLLM places a {backend} engine itself"
          for option in OPTIONS}),
 }
 assert set(LOADERS) == set(modes.BACKENDS), "every backend of the table has a loader"

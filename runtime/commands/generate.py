@@ -145,15 +145,15 @@ def run(args) -> int:
 
 
 def run_own_loop(args, spec, text: str, sampling) -> int:
-    """An engine whose backend runs its own loop (TensorRT-LLM: its LLM with its
-    speculative_config, SharpDraft's hook installed first), so --draft-length, the modes
+    """An engine whose backend runs its own loop (TensorRT-LLM or vLLM: its LLM with its
+    speculative_config, SharpDraft's hook or plugin where the drafter asks for it), so --draft-length, the modes
     it has no such loop for, --backend and the placement options do not apply."""
     mode = decoding_mode(args, spec.rule_default())
     why = spec.refusal(mode)
     if why or spec.refusals:
         flags = (alias_flags(args) if why else []) + ["--" + k.replace("_", "-") for k in spec.options]
         raise UsageError(modes.own_loop_refusal(args.engine_dir, flags, why or spec.refusals[0],
-                                                spec.modes))
+                                                spec.modes, spec.backend))
     loop = spec.loader(spec.dir, spec.manifest, spec.drafting)
     result = loop.generate(text, args.max_new_tokens, sampling, sharpdraft=mode.scaled,
                            speculative=mode.uses_drafter_model)

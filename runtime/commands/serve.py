@@ -88,6 +88,9 @@ def run(args) -> int:
                      **options)
     if spec.refusals:
         raise UsageError(spec.refusals[0])
+    if not spec.can.triton:  # an engine that serves itself (vLLM's OpenAI server)
+        raise UsageError(f"{args.engine_dir} runs in {spec.can.runs_in}, which serves it itself: "
+                         f"python -m runtime {spec.backend}-serve --engine-dir {args.engine_dir}")
     if spec.own_loop:
         return _write_trtllm(args, spec)
     if args.llmapi_model:

@@ -5,11 +5,17 @@ Qwen3-style layers (q_norm/k_norm, gated MLP). Context: the target's hidden stat
 them with its own k_proj/v_proj into keys/values it caches. A step drafts a block
 [bonus, mask x (block_size - 1)] that attends bidirectionally to the whole context and
 itself, so every query row sees N = context + block_size keys. The drafter has no
-embedding or head: it borrows the target's `embed_tokens` and `lm_head` -- all of it, or
-only the rows of a draft vocabulary when the checkpoint carries one (`draft_vocab_size`
-in config.json, a `d2t` tensor as in EAGLE-3: target id = draft index + d2t[index]),
-which makes each drafted position's logits several times cheaper (DraftHead; they stay
-over the draft vocabulary and the sampler maps the drafts it picks).
+embedding: it borrows the target's `embed_tokens`, and the target's `lm_head` when it
+drafts over the whole vocabulary. A drafter with a draft vocabulary (`draft_vocab_size` in
+config.json, a `d2t` tensor as in EAGLE-3: target id = draft index + d2t[index]) carries
+its own `lm_head.weight` [draft_vocab_size, hidden]: the target head's rows for those ids,
+kept in the target's precision. That makes each drafted position's logits several times
+cheaper (DraftHead; they stay over the draft vocabulary and the sampler maps the drafts it
+picks), and it is the tensor the engines users serve with read: vLLM, given no
+`lm_head.weight`, shares the target's whole head, keeps its FIRST draft_vocab_size rows and
+maps them through d2t, which scores draft index j with target row j instead of row
+j + d2t[j] -- silently wrong drafts (docs/vllm.md). So load_dflash refuses a draft
+vocabulary without its head, and `python -m build.draft_head DIR` writes it.
 """
 
 from __future__ import annotations
@@ -169,12 +175,23 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         if config.draft_vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            # the draft vocabulary's rows of the target's head (attach_draft_head): never trained
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
 
     def draft_token_ids(self) -> torch.Tensor | None:
         """The target token ids the drafter can propose, or None (all of them)."""
         if not self.config.draft_vocab_size:
             return None
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def attach_draft_head(self, target_head: torch.Tensor) -> None:
+        """Set lm_head to the target head's rows for the draft vocabulary, in the target
+        head's dtype (a bf16 drafter keeps an fp32 head: an engine then scores drafts
+        exactly as the target's head would)."""
+        ids = self.draft_token_ids()
+        self.lm_head.weight = nn.Parameter(target_head.detach()[ids].clone(), requires_grad=False)
 
     def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> KVCache:
         c = self.config
@@ -264,24 +281,31 @@ class DFlashDrafter(nn.Module):
 
 
 class DraftHead(nn.Module):
-    """The drafter's output head: the target's LM head, or only its rows for the draft
-    vocabulary. Logits come over the head's rows (`vocab`: which target token each column
+    """The drafter's output head: the target's LM head, or the drafter's own head over its
+    draft vocabulary (the target head's rows for those ids). Logits come over the head's rows (`vocab`: which target token each column
     is; None: the whole vocabulary), never scattered back to the target's width: the
     sampler maps the drafts it picks (Sampler.propose), and a token the drafter cannot
     propose has draft probability 0, so verification stays lossless."""
 
-    def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor | None = None):
+    def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None):
+        """rows: the draft vocabulary's head as the drafter carries it (else the target
+        head's rows at draft_ids)."""
         super().__init__()
         weight = lm_head.weight
         if draft_ids is None:
             self.weight, self.vocab = weight, None
             return
-        self.register_buffer("weight", weight.detach()[draft_ids].clone(), persistent=False)
+        rows = weight.detach()[draft_ids] if rows is None else rows.detach().to(weight.dtype)
+        self.register_buffer("weight", rows.clone(), persistent=False)
         self.vocab = DraftVocab(draft_ids.detach().clone(), weight.shape[0])
 
     @classmethod
     def for_drafter(cls, drafter: "DFlashDrafter", lm_head: nn.Linear) -> "DraftHead":
-        return cls(lm_head, drafter.draft_token_ids())
+        """The drafter's own draft-vocabulary head where it has one (what vLLM reads),
+        else the target's `lm_head`."""
+        ids = drafter.draft_token_ids()
+        return cls(lm_head, ids, None if ids is None else drafter.lm_head.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.weight)
@@ -311,6 +335,11 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashD
     except (SafetensorError, OSError) as exc:
         raise ModelError(f"{weights} cannot be read: {exc}") from None
     expected = model.state_dict()
+    if config.draft_vocab_size and "lm_head.weight" not in state:
+        raise ModelError(f"{path} drafts over a {config.draft_vocab_size}-token vocabulary (d2t) "
+                         "but has no lm_head.weight, so vLLM and SGLang would score its drafts "
+                         "with the wrong rows of the target's head: add it with "
+                         f"`python -m build.draft_head {path}`")
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelError(f"{weights} lacks tensor {missing[0]}"
