@@ -223,6 +223,21 @@ SLOW_IDS = {
     "tests/test_tensorrt_engine.py::test_tensorrt_engine_generates_the_onnxruntime_tokens[native]",
     # scripts/gpu_check.py's TensorRT section builds two more engines on the stand-in
     "tests/test_tensorrt_engine.py::test_gpu_check_tensorrt_section_runs_on_the_stand_in",
+    # the law through ONNX chains: the fast tier keeps the batched chains' law on torch
+    # (test_pard.py), the verifier's at 100,000 draws (test_rejection_law.py) and these
+    # chains' greedy equality (test_eagle3_onnx_chain.py)
+    "tests/test_eagle3_onnx_chain.py::"
+    "test_speculative_sampling_through_batched_onnx_chains_preserves_the_target_distribution",
+    # the kernel against the reference at 16K keys: the fast tier keeps it at every pattern
+    # and length Hypothesis draws (test_kernel_matches_reference_fp32)
+    "tests/test_triton_kernel.py::test_kernel_matches_reference_with_paper_defaults_at_16k_keys",
+    # a short scratch: the fast tier keeps the short counters' case ([1000000-0])
+    "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[0-1000000]",
+    "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[128-1000000]",
+    # the proof gate through trtllm-serve: the fast tier keeps the same gate through generate
+    # (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses) and
+    # trtllm-serve serving once proven
+    "tests/test_trtllm_workers.py::test_trtllm_serve_refuses_to_serve_without_the_proof",
 }
 
 
