@@ -161,7 +161,7 @@ class Block(Proposer):
         # drafter drafts set aside: the drafter does not run (its rows make plain decode
         # steps, as Decoder.step's aside would leave them)
         idle = DraftKind.GREEDY in aside
-        proposals, sat_out = [], 0
+        proposals = []
         for s in batch:
             p, lookup = Proposal(), s.row.lookup
             if lookup is not None:
@@ -172,7 +172,6 @@ class Block(Proposer):
             # a lookup step: verify the lookup's drafts (maybe none: a plain decode step)
             if p.strong or not s.policy.use_drafter(s.committed):
                 p.kind = DraftKind.ONE_HOT
-                sat_out += not p.strong  # the policy's call: the drafter does not pay here
             elif idle:
                 p = Proposal()  # the drafter's row, its drafts set aside: a plain step
             proposals.append(p)
@@ -181,13 +180,14 @@ class Block(Proposer):
         # reads every row's features, so a row's context stays within one step's commits
         # (_catch_up keeps it so after steps set aside): the call pads every row to the
         # widest context, and its cache holds a block past the budget. Drafters run row
-        # by row skip the rows that sit out (they read it all later). Where the policy sat
-        # every row out (the step costs say the drafter loses at this context), the fused
-        # drafter sits out too, as when set aside: a pass whose drafts nobody verifies is
-        # the time drafter modes lost against target-only.
-        fused = getattr(self.drafter, "fused", True)
-        if idle or not (any(drafting) or fused) or sat_out == len(batch):
+        # by row skip the rows that sit out (they read it all later). Where no row drafts
+        # (the policy sat it out: the step costs say the drafter loses at this context; or
+        # a 2+-token lookup is verified instead), the fused drafter sits out too, as when
+        # set aside: a pass whose drafts nobody verifies is the time drafter modes lost
+        # against target-only.
+        if idle or not any(drafting):
             return proposals
+        fused = getattr(self.drafter, "fused", True)
         contexts = []
         for s, drafts in zip(batch, drafting):
             unread = s.row.unread

@@ -266,3 +266,28 @@ def test_bad_input_in_a_batch_fails_that_request_alone(bad):
     for i in (0, 2):
         assert got[i].error is None
         assert got[i].gen.tokens == alone(target, drafter, SCALING, requests[i]).tokens
+
+
+def test_a_drafter_the_step_costs_sit_out_runs_no_pass(monkeypatch):
+    """Where the measured costs say the drafter loses at every context (here a drafter
+    pass costs 100 verify passes), every row sits it out and the fused drafter runs no pass
+    at all (it did before, paying for drafts nobody verified: why the demo's drafter modes
+    ran below target-only); the tokens are target-only's."""
+    target, drafter = tiny_pair(3, 12, block=4)
+    passes = []
+    draft = TorchBatchDFlash.draft
+    monkeypatch.setattr(TorchBatchDFlash, "draft", lambda self, contexts, bonuses: passes.append(
+        len(contexts)) or draft(self, contexts, bonuses))
+    costs = StepCosts((1.0, 0.0, 0.0, 0.0), (100.0, 0.0))
+    requests = [Request(prompt=[1, 2, 3], max_new_tokens=12), Request(prompt=[4, 5], max_new_tokens=9)]
+    got = generate_batch(*batched(target, drafter, SCALING), requests, costs=costs)
+    assert passes == []
+    for seq, request in zip(got, requests):
+        only = TorchBatchTarget(target, drafter.config.target_layer_ids)
+        assert seq.gen.tokens == generate_target_only(only, request.prompt, request.max_new_tokens,
+                                                      Sampler()).tokens
+        assert seq.gen.drafted_steps == 0 and seq.gen.ngram_steps == seq.gen.verify_steps
+    # and where drafting is free, the drafter drafts
+    generate_batch(*batched(target, drafter, SCALING), requests,
+                   costs=StepCosts((1.0, 0.0, 0.0, 0.0), (0.0, 0.0)))
+    assert passes
