@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from runtime import modes, proposers
+from runtime import families, modes, proposers
 from runtime.decode import Decoder, policy_for
 from runtime.modes import Mode
 from runtime.ngram import NGramProposer
@@ -79,7 +79,7 @@ def _blocks(roles: Roles, setting: DraftSetting) -> proposers.Proposer:
 
 # One proposer per drafting style: the only place the style chooses code. Every style
 # drafts on one batch drafter (trees: the batch tree drafter).
-PROPOSERS = {"tree": _trees, "chain": _chains, "block": _blocks}
+PROPOSERS = {families.TREE: _trees, families.CHAIN: _chains, families.BLOCK: _blocks}
 
 
 def decoder(roles: Roles, mode: Mode, target=None, costs: StepCosts | None = None,

@@ -28,7 +28,7 @@ import torch
 
 from runtime.metrics import Generation
 from runtime.request import OnTokens, Request  # noqa: F401 -- the loop's requests
-from runtime.sampling import Sampler, Sampling, greedy_choice, token_logprobs
+from runtime.sampling import Sampler, greedy_choice, token_logprobs
 from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 
 

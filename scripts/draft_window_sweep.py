@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 
+from runtime import families
 from runtime.acceptance import committed_per_anchor, greedy_continuation
 from runtime.backends.pytorch import TorchBatchDFlash
 from runtime.cli import UsageError
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if engine.style != "block" or min(args.windows + args.sharpdraft_windows) < 1:
+    if not families.takes_window(engine.style) or min(args.windows + args.sharpdraft_windows) < 1:
         print("error: draft windows are for DFlash engines, each window >= 1", file=sys.stderr)
         return 2
     ways = {str(Mode.FROZEN): (None, None), str(Mode.SHARPDRAFT): (engine.scaling, None)}
