@@ -271,13 +271,22 @@ def test_a_launch_is_proven_by_counts_that_grow_with_its_first_request(engine, s
     assert result["sharpdraft_applied"]["metrics"]["sharpdraft_scaled_calls"] > 0
 
 
-def test_pipeline_parallel_ranks_without_a_drafter_are_not_refused(tmp_path):
-    (tmp_path / "wrapped-7-1.json").write_text(json.dumps(
-        {"kind": "wrapped", "pid": 7, "rank": 1, "drafter": "Eagle3ForCausalLM", "units": [],
-         "scaling": SCALING.to_dict()}))
+def test_pipeline_parallel_requires_the_last_stage_from_the_drafters_own_mapping(tmp_path):
+    """Every stage builds a drafter, the last one runs it: with pp=2 over world 2 only rank 1
+    (the last stage, TensorRT-LLM's pp_rank = rank // (tp * cp)) must have wrapped one, and a
+    record that cannot say its stage is refused rather than guessed."""
+    def write(rank, stage):
+        (tmp_path / f"wrapped-{7 + rank}-1.json").write_text(json.dumps(
+            {"kind": "wrapped", "pid": 7 + rank, "rank": rank, "drafter": "Eagle3ForCausalLM", "units": [],
+             "scaling": SCALING.to_dict(), "stage": stage}))
+
+    write(1, {"pp_rank": 1, "pp_size": 2, "last": True})
     with pytest.raises(proof.ProofError, match="rank"):
         proof.require(tmp_path, SCALING, world=2)  # tensor parallel: every rank builds one
     assert proof.require(tmp_path, SCALING, world=2, pipeline=2)  # the last stage holds it
+    write(0, None)
+    with pytest.raises(proof.ProofError, match="could not read TensorRT-LLM's mapping"):
+        proof.require(tmp_path, SCALING, world=2, pipeline=2)
 
 
 # --- known new drafter classes --------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from ..scaling import QueryScaling
 from . import pins
 
-__all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode",
+__all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode", "wrap_dflash_hybrid",
            "wrap_trtllm_gen_context", "wrap_fa4_fwd", "WRAPPED"]
 
 # Marks a wrapper (value: the kernel it wraps), so wrapping is never applied twice.
@@ -245,3 +245,18 @@ def wrap_fa4_fwd(kernel: Callable, scaling, count: Callable | None = None) -> Ca
                             call.get(args, kwargs, "window_size_left"), call.get(args, kwargs, "window_size_right"))
 
     return _wrap(kernel, scaling, "_flash_attn_fwd", "q", rows, count, pins.KERNEL_PARAMETERS["FA4"])
+
+
+def wrap_dflash_hybrid(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
+    """`dflash_ctx_paged_attention(q [B, Q, NH, D], k_cache, v_cache, block_idx, ctx_lens [B],
+    k_noise [B, Q, NKV, D], v_noise)` (`_torch/speculative/dflash_hybrid_attn.py`, the hybrid
+    mode whose draft context lives in the target's KV cache manager): every query row of
+    request b attends, unmasked, to its ctx_lens[b] context tokens from the paged pool and
+    to the Q keys of the block's dense noise suffix, so N = ctx_lens[b] + Q for every row.
+    """
+    def rows(call, args, kwargs, q):
+        total = _lengths(call.get(args, kwargs, "ctx_lens"), q.shape[0], q.device)
+        total = total + call.get(args, kwargs, "k_noise").shape[1]
+        return visible_keys(*_fixed_rows(total, q.shape[1]), False, None, None)
+
+    return _wrap(kernel, scaling, "dflash_ctx_paged_attention", "q", rows, count, pins.KERNEL_PARAMETERS["HYBRID"])

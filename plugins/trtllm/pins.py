@@ -170,6 +170,30 @@ SOURCES = {
         "(never apply_rope) when _fuse_qk_norm_rope_gate, else super().preprocess_qkv; apply_rope "
         "overridden (q/k norm, then super().apply_rope or the fused qk_norm_rope op). Older copy "
         "_torch/modules/qk_norm_attention.py @ a98a9061: apply_rope override only"),
+    "dflash_hybrid_attn": Source(
+        "tensorrt_llm/_torch/speculative/dflash_hybrid_attn.py",
+        "2fc997219d69cbbdfb92bd6e04b53ecbf2440d49 (and a newer split-K copy, commit not shown: same signature)",
+        "dflash_ctx_paged_attention(q [B, Q, NH, D], k_cache, v_cache [pages, TPB, NKV, D], block_idx [B, W], "
+        "ctx_lens [B] (device), k_noise, v_noise [B, Q, NKV, D]) -> [B, Q, NH, D]: every row attends to "
+        "ctx_lens[b] paged context tokens plus the Q noise keys, unmasked, sm_scale = 1/sqrt(D); "
+        "dflash_ctx_paged_attention_ref: a plain-torch reference 'for parity tests'"),
+    "mapping": Source(
+        "tensorrt_llm/mapping.py", "(stored copies; the store does not show their commit)",
+        "Mapping: pp_rank (rank // (tp_size * cp_size)), pp_size, is_last_pp_rank(): pp_rank == pp_size - 1"),
+    "model_loader": Source(
+        "tensorrt_llm/_torch/pyexecutor/model_loader.py", "(stored copies; the store does not show their commit)",
+        "ModelLoader.load: `with MetaInitMode(): model = AutoModelForCausalLM.from_config(config_copy)`; on "
+        "any exception logs 'Fallback to regular model init' and builds the model again (newest copy: "
+        "is_meta_init flag). MetaInitMode (_torch/models/modeling_utils.py) puts empty/empty_like on the "
+        "meta device and raises MetaInitException on other ops over meta tensors"),
+    "cuda_graph_runner": Source(
+        "tensorrt_llm/_torch/pyexecutor/cuda_graph_runner.py", "(stored copies; the store does not show their commit)",
+        "CUDAGraphRunner.maybe_get_cuda_graph(batch, ...) decides per batch whether a graph is used; graphs "
+        "for a new key are captured on demand while serving, through torch.cuda.CUDAGraph"),
+    "openengine": Source(
+        "(newer copies than 1.4.0rc4: the OpenEngine gRPC server module; its path was not pinned)",
+        "(FACTS 2026-12-07)",
+        "imports `from tensorrt_llm import LLM as PyTorchLLM` at import time and builds from that name"),
     "mla": Source(
         "tensorrt_llm/_torch/attention/mla.py", "99734c04e159095649e7a9add6d4f4425fc15ff9",
         "where MLA lives in the newer layout (location only: the file's contents were not read)"),
@@ -308,7 +332,29 @@ KERNEL_PARAMETERS = {
     "TRTLLM_CONTEXT": ("query", "seq_lens", "cum_seq_lens_q", "window_left", "causal"),
     "FA4": ("q", "k", "seqused_k", "page_table", "causal", "window_size_left", "window_size_right",
             "cu_seqlens_q"),
+    "HYBRID": ("q", "ctx_lens", "k_noise"),
 }
+# The hybrid-context DFlash kernel (SOURCES["dflash_hybrid_attn"]): a Triton paged
+# cross-attention over the target KV cache manager's pool, in its own module. No stored
+# modeling_dflash.py calls it yet, so where a release binds it is not known: while a
+# SharpDraft DFlash drafter's dflash_forward runs, the module's function and every DFlash
+# module global bound to it hold our wrapper (kernels.wrap_dflash_hybrid), and a drafter
+# instance attribute holding it is wrapped like the other kernels. Any other public
+# function of that module is an unknown DFlash kernel: a SharpDraft drafter is refused,
+# naming it, when built (and our launchers' check names it before).
+DFLASH_HYBRID_MODULE = "tensorrt_llm._torch.speculative.dflash_hybrid_attn"
+DFLASH_HYBRID_KERNEL = "dflash_ctx_paged_attention"
+DFLASH_HYBRID_UNUSED = ("dflash_ctx_paged_attention_ref",)  # its docstring: "for parity tests"
+# ModelConfig.mapping (tensorrt_llm.mapping.Mapping, SOURCES["mapping"]): the drafter's
+# pipeline stage. SpecDecOneEngineForCausalLM hands the drafter a config with the target's
+# mapping (SOURCES["draft_config"]); every stage builds a drafter, the last one runs it.
+MAPPING_FIELD = "mapping"
+MAPPING_STAGE = ("pp_rank", "pp_size", "is_last_pp_rank")
+MAPPING_MODULE = "tensorrt_llm.mapping"
+# Our own key beside the QueryScaling in a drafter view's config (never TensorRT-LLM's):
+# the launch's proof directory (plugins/trtllm/proof.py), so it reaches the worker in the
+# config it builds the drafter from, not in an environment MPI may not forward.
+PROOF_KEY = "proof"
 # DFlash draft layers are told apart by the layer object: dflash_forward calls each draft
 # layer's self_attn.qkv_proj on the block right before that layer's kernel call
 # (SOURCES["modeling_speculative_dflash_1_3"], ["modeling_dflash"]).
