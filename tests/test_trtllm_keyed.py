@@ -170,12 +170,13 @@ def test_a_newer_release_with_the_pinned_names_is_accepted_with_one_line(standin
     assert "1.5.0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("drop,named", [(("modeling_dflash.py", "DFlashForCausalLM"), "DFlashForCausalLM"),
-                                        (("modules/attention.py", "apply_rope"), "Attention.apply_rope")])
-def test_a_release_that_moved_a_pinned_name_is_refused_in_one_line_naming_it(standin, tmp_path, drop, named):
+@pytest.mark.parametrize("drop,family,named", [
+    (("modeling_dflash.py", "DFlashForCausalLM"), "dflash", "DFlashForCausalLM"),
+    (("modules/attention.py", "apply_rope"), "eagle3", "Attention.apply_rope")])
+def test_a_release_that_moved_a_pinned_name_is_refused_in_one_line_naming_it(standin, tmp_path, drop, family, named):
     write_package(standin, version="1.5.0", drop=drop)
     with pytest.raises(trtllm_launch.LaunchError) as exc:
-        trtllm_launch.Launch(SCALING, {}, "dflash", drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
+        trtllm_launch.Launch(SCALING, {}, family, drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
     text = str(exc.value)
     assert "\n" not in text and "1.5.0" in text and named in text
 

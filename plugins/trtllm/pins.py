@@ -416,13 +416,13 @@ MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.att
 # set it (e.g. tests/unittest/_torch/speculative/*: monkeypatch TLLM_WORKER_USE_SINGLE_PROCESS).
 SERVE_ENTRY = ("tensorrt_llm.commands.serve", "main")
 SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
-# Every name under which an accepted release hands out the LLM class a server builds
-# (commands/serve.py's PyTorchLLM; `from tensorrt_llm import LLM` in newer serving entry
-# points such as the OpenEngine gRPC server): the proof gate replaces each one that is
-# loaded, so a server started from any of them builds a checked LLM. `trtllm-serve`
-# subcommands other than its plain serve path are refused by our launcher (SERVE_COMMANDS).
-# (The defining module, llmapi/llm.py, keeps its own class: its code refers to it by name.)
-LLM_BINDINGS = (("tensorrt_llm", "LLM"), ("tensorrt_llm.llmapi", "LLM"), SERVE_LLM)
+# The LLM class every server builds (llmapi/llm.py's LLM; tensorrt_llm.LLM,
+# commands.serve.PyTorchLLM and the OpenEngine server's `from tensorrt_llm import LLM as
+# PyTorchLLM` are all this one object, SOURCES["serve"], ["openengine"]): the proof gate
+# wraps its __init__ in place (launch.Launch.gate), so no import order can go around it.
+# `trtllm-serve` subcommands that build their servers otherwise are refused by our
+# launcher (SERVE_SUBCOMMANDS).
+LLM_CLASS = ("tensorrt_llm.llmapi.llm", "LLM")
 SERVE_SUBCOMMANDS = ("disaggregated", "disaggregated_mpi_worker", "mm_embedding_serve", "grpc", "openengine")
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 
