@@ -214,3 +214,16 @@ def test_counts_are_never_read_while_a_cuda_graph_is_captured(standin, tmp_path,
             assert (state["inside"] == 0) is guarded, state
     finally:
         proof.unguard_captures()
+
+
+def test_bench_wrapper_times_every_backend_and_refuses_bad_counts_in_one_line(tmp_path):
+    out = tmp_path / "cost.json"
+    done = subprocess.run([sys.executable, "-m", "plugins.trtllm", "bench-wrapper", "--calls", "2", "--rounds", "1",
+                           "--json", str(out)], cwd=CHECKOUT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert sorted(report["backends"]) == ["FA4", "TRTLLM context", "TRTLLM decode", "VANILLA"]
+    assert all(f["kernel_unwrapped_us"] > 0 and f["kernel_wrapped_us"] > 0 for f in report["backends"].values())
+    bad = subprocess.run([sys.executable, "-m", "plugins.trtllm", "bench-wrapper", "--calls", "0"], cwd=CHECKOUT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "positive" in bad.stderr

@@ -154,6 +154,7 @@ def test_pipeline_stages_in_real_mpi_workers_only_the_last_stage_must_count(venv
     assert len(grown) == 1  # the last stage's drafter ran; the first stage's never did
 
 
+@pytest.mark.slow  # the fast tier: test_trtllm_release.py's gate test (records arrive through the view's config only)
 def test_the_proof_reaches_workers_of_a_pool_that_forwards_no_environment(venvs, engine, tmp_path):
     """Older MpiPoolSession copies pass no env=, and a variable set after MPI started does not
     reach spawned workers (Open MPI): here the worker holds none of the launcher's

@@ -129,6 +129,10 @@ def autoload_command(action: str, site: Path) -> str:
 
 
 def main(argv) -> int:
+    if argv[:1] == ["bench-wrapper"]:  # its own options (argparse.REMAINDER would not take --json)
+        from plugins.trtllm import bench
+
+        return bench.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m plugins.trtllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="what the hook would patch on this installation")
@@ -138,17 +142,13 @@ def main(argv) -> int:
     c.add_argument("--proof", metavar="DIR", help="a launch's proof directory: records and scaled-call counts")
     c.add_argument("--family", default="dflash", choices=sorted(pins.FAMILIES),
                    help="the drafter family of the launch to check (default dflash)")
-    b = sub.add_parser("bench-wrapper", help="the DFlash kernel wrappers' host cost, per attention backend")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="--calls N --rounds N --json PATH")
+    sub.add_parser("bench-wrapper", help="the DFlash kernel wrappers' host cost, per attention backend "
+                   "(--calls N --rounds N --json PATH)")
     a = sub.add_parser("autoload", help="the .pth lazy import hook that reaches worker processes")
     a.add_argument("action", choices=("install", "uninstall", "status"))
     a.add_argument("--site-packages", metavar="DIR", help="default: this interpreter's purelib")
     args = p.parse_args(argv)
     try:
-        if args.command == "bench-wrapper":
-            from plugins.trtllm import bench
-
-            return bench.main(args.bench_args)
         if args.command == "check":
             report = check(args.backend, args.proof, args.family)
             print(json.dumps(report) if args.json else describe(report))

@@ -206,9 +206,11 @@ SOURCES = {
     "mpi_session": Source(
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
-        "env={only TRTLLM*/TLLM* variables} + env_overrides) (older copies: no env=): so "
-        "TRTLLM_SHARPDRAFT_PROOF reaches the workers (applied after site ran); workers run worker_main; their COMM_WORLD is "
-        "the spawned world (_worker_identity_barrier), whose rank TensorRT-LLM's mpi_rank() reads"),
+        "env={only TRTLLM*/TLLM* variables} + env_overrides); older copies (re-read 2026-12-07, several) pass "
+        "no env= at all (TensorRT-LLM's own tests patch _start_mpi_pool to add one): so nothing of ours "
+        "travels in the environment -- the proof directory is in the drafter view's config; workers run "
+        "worker_main; their COMM_WORLD is the spawned world (_worker_identity_barrier), whose rank "
+        "TensorRT-LLM's mpi_rank() reads"),
     "executor": Source(
         "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
         "GenerationExecutor.create: world size > 1 -> proxy + MPI workers; TP1 with "
@@ -221,8 +223,10 @@ SOURCES = {
     "serve": Source(
         "tensorrt_llm/commands/serve.py", "4c05a74891e4df8066f08ed4ce14b0972abe4e25",
         "launch_server: llm = PyTorchLLM(**llm_args) (PyTorchLLM = tensorrt_llm.LLM, a module "
-        "global) then OpenAIServer(llm=llm, ...); options --tp_size, --pp_size, --ep_size, "
-        "--extra_llm_api_options (later releases: --config)"),
+        "global bound at import) then OpenAIServer(llm=llm, ...); options --tp_size, --pp_size, --ep_size, "
+        "--extra_llm_api_options (later releases: --config). Re-read 2026-12-07: the same binding, and "
+        "the same `from tensorrt_llm import LLM as PyTorchLLM` in the gRPC / SMG / OpenEngine server "
+        "modules and the older Triton llmapi model.py: one class object, gated in place (LLM_CLASS)"),
     "llmapi_model": Source(
         "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py", "044a90d209e380c95e23e8ae42f3583fa05ada78",
         "TritonPythonModel; imports tensorrt_llm in initialize(), which builds LLM(**model.yaml "
@@ -240,6 +244,32 @@ SOURCES = {
         "setup.py", "(stored copy; the store does not show its commit)",
         "console script trtllm-serve = tensorrt_llm.commands.serve:main"),
 }
+
+
+# What changed in this file when every pin was re-read against the newest stored sources
+# (issue 69, 2026-12-07):
+# - modeling_dflash.py @ 7c7504c0 (newest stored): DFlashForCausalLM(draft_config, *,
+#   dflash_attention_backend), the kernels on the instance (_dflash_flash_attention /
+#   _dflash_trtllm_gen_ops / _dflash_fa4_fwd + _dflash_paged_append) from dflash_attention's
+#   get_dflash_* loaders: unchanged. It does not import dflash_hybrid_attn.
+# - dflash_attention.py (newest stored: get_dflash_flash_attention, get_dflash_paged_append,
+#   get_dflash_trtllm_gen_ops, get_dflash_fa4_fwd): unchanged names.
+# - NEW dflash_hybrid_attn.py (SOURCES["dflash_hybrid_attn"]): dflash_ctx_paged_attention,
+#   wrapped (KERNEL_PARAMETERS["HYBRID"], DFLASH_HYBRID_*); any other public function there
+#   refused by name.
+# - model_loader.py (SOURCES["model_loader"]): the MetaInitMode build and its fallback build
+#   -- the proof now asks for one fully counting drafter per process, not every record's.
+# - SpecDecOneEngineForCausalLM.__init__ (SOURCES["draft_config"]): draft_config carries
+#   mapping=model_config.mapping; every pipeline stage builds the drafter: MAPPING_FIELD,
+#   MAPPING_STAGE, MAPPING_MODULE (SOURCES["mapping"]) are new.
+# - mpi_session.py: older copies pass no env= (SOURCES["mpi_session"]): PROOF_KEY is new, the
+#   proof directory rides in the drafter view's config.
+# - commands/serve.py and the OpenEngine server (SOURCES["serve"], ["openengine"]): LLM is
+#   bound at import under other names: LLM_BINDINGS (a list of names) is replaced by
+#   LLM_CLASS (the class, gated in place); SERVE_LLM is gone.
+# - cuda_graph_runner.py (SOURCES["cuda_graph_runner"]): captures while serving through
+#   torch.cuda.CUDAGraph: proof.CAPTURE_METHODS (torch's, not TensorRT-LLM's) is what the
+#   count reader waits on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,12 +440,10 @@ AUDITED_ATTENTION = {("QKNormRoPEAttention", "preprocess_qkv"): "_fuse_qk_norm_r
 MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.attention.attention",
                "tensorrt_llm._torch.attention.mla")
 
-# trtllm-serve's entry point (console script); the LLM class its launch_server builds
-# (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's
+# trtllm-serve's entry point (console script) (SOURCES["serve"]). And the switch that keeps the LLM API's
 # executor in the calling process for one GPU (no MPI worker): TensorRT-LLM's own tests
 # set it (e.g. tests/unittest/_torch/speculative/*: monkeypatch TLLM_WORKER_USE_SINGLE_PROCESS).
 SERVE_ENTRY = ("tensorrt_llm.commands.serve", "main")
-SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
 # The LLM class every server builds (llmapi/llm.py's LLM; tensorrt_llm.LLM,
 # commands.serve.PyTorchLLM and the OpenEngine server's `from tensorrt_llm import LLM as
 # PyTorchLLM` are all this one object, SOURCES["serve"], ["openengine"]): the proof gate
