@@ -130,6 +130,25 @@ def test_check_accepts_a_dflash_launch_with_the_eagle3_class_renamed_and_names_t
     assert "Eagle3ForCausalLM not found" in str(exc.value)
 
 
+@pytest.mark.parametrize("layout", ["1.3", "1.4"])
+def test_a_dflash_drafter_scales_with_the_eagle3_class_renamed_away(standin, tmp_path, layout):
+    """The hook agrees with the launch check: a moved EAGLE-3 name refuses EAGLE-3 drafters
+    only. In the older layout DFlash lives in the very module whose EAGLE-3 class moved."""
+    write_package(standin, layout=layout, drop=("modeling_speculative.py", "Eagle3ForCausalLM"))
+    proof.set_directory(tmp_path)
+    install()
+    module = importlib.import_module(pins.SPECULATIVE_MODULE if layout == "1.3" else pins.DFLASH_MODULE)
+    drafter = module.DFlashForCausalLM(draft_config(SCALING), dflash_attention_backend="VANILLA")
+    q, cache = query(), drafter.pooled_cache()
+    for layer, got in enumerate(drafter.dflash_forward(q)):
+        torch.testing.assert_close(got, reference(q, cache, layer), rtol=1e-5, atol=1e-6)
+    speculative = importlib.import_module(pins.SPECULATIVE_MODULE)
+    with pytest.raises(UnscalableDrafter) as exc:  # a PARD drafter beside it is fine, an EAGLE-3 one is not
+        speculative._removed_Eagle3ForCausalLM(draft_config(SCALING))
+    assert "\n" not in str(exc.value)
+    speculative.PARDForCausalLM(draft_config(SCALING))
+
+
 # --- the hybrid-context DFlash kernel ------------------------------------------------------
 
 def test_the_hybrid_context_kernel_is_scaled_and_counted(standin, tmp_path):

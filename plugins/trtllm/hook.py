@@ -121,8 +121,9 @@ def installed() -> bool:
 
 
 def disabled() -> str | None:
-    """What a loaded drafter module lacks, for which every SharpDraft drafter built in this
-    process is refused (None: nothing moved). Stock drafters build either way."""
+    """What a loaded drafter module lacks (the first such name; None: nothing moved): a
+    SharpDraft drafter of the family it belongs to is refused when built, other families'
+    are not. Stock drafters build either way."""
     return _state.disabled
 
 
@@ -254,9 +255,11 @@ def _patch_module(module) -> None:
     """Patch the module's drafter classes (never raises: this runs inside `import
     tensorrt_llm...` of every process). A required name that moved does not stop the
     import: the drafter classes present are patched to refuse a SharpDraft drafter when it
-    is built, naming what moved; stock drafters build as ever, and nothing is printed."""
+    is built, naming what moved; stock drafters build as ever, and nothing is printed. What
+    moved disables only its own drafter family: a renamed EAGLE-3 class does not stop a
+    DFlash drafter defined beside it (the older layout) from being scaled."""
     _version()
-    plan, drift = [], None
+    plan, drift = [], {}  # drift: family -> the first pinned name of it that moved
     for point in pins.PATCH_POINTS:
         if point.module != module.__name__:
             continue
@@ -264,10 +267,10 @@ def _patch_module(module) -> None:
         cls = getattr(module, class_name, None)
         if cls is None:
             if point.required:
-                drift = drift or f"{point.module}.{point.attribute}"
+                drift.setdefault(point.family, f"{point.module}.{point.attribute}")
             continue
         if cls.__dict__.get("__init__") is None:
-            drift = drift or f"{point.module}.{class_name}.__init__ (defined on the class itself)"
+            drift.setdefault(point.family, f"{point.module}.{class_name}.__init__ (defined on the class itself)")
             continue
         plan.append((class_name, cls, point.family))
     known = {name for name, _, _ in plan} | {p.attribute.split(".")[0] for p in pins.PATCH_POINTS}
@@ -275,15 +278,14 @@ def _patch_module(module) -> None:
         if (isinstance(value, type) and name not in known and re.search(pins.DRAFTER_CLASS_PATTERN, name)
                 and getattr(value, "__module__", None) == module.__name__ and "__init__" in value.__dict__):
             plan.append((name, value, "unknown"))
-    if drift is not None:
-        _state.disabled = f"{drift} is missing"
-        plan = [(name, cls, "drift") for name, cls, _ in plan]
+    if drift:
+        _state.disabled = f"{next(iter(drift.values()))} is missing"
     for class_name, cls, family in plan:
         key = (module.__name__, class_name)
         if key in _state.classes:
             continue
         original = cls.__dict__["__init__"]
-        cls.__init__ = _after_init(original, family)
+        cls.__init__ = _after_init(original, family, drift.get(family))
         _state.classes[key] = (cls, original)
 
 
@@ -306,7 +308,7 @@ def sharpdraft_parameters(draft_config) -> dict | None:
     return value
 
 
-def _after_init(original, family: str):
+def _after_init(original, family: str, moved: str | None = None):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -322,8 +324,8 @@ def _after_init(original, family: str):
         # the launch's proof directory, carried in the drafter view's config (proof.py)
         where = carried.pop(pins.PROOF_KEY, None) if isinstance(carried, dict) else None
         try:
-            if family == "drift":
-                raise _missing(_state.disabled.removesuffix(" is missing") if _state.disabled else "a pinned name")
+            if moved is not None:  # a pinned name of this drafter's family moved: refused, naming it
+                raise _missing(moved)
             scaling = QueryScaling.from_dict(carried)
             prepare_drafter(self, family, scaling, draft_config, where)
         except (TrtllmHookError, TypeError, ValueError, KeyError, AttributeError) as exc:
