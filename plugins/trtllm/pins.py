@@ -252,6 +252,13 @@ SOURCES = {
 #   dflash_attention_backend), the kernels on the instance (_dflash_flash_attention /
 #   _dflash_trtllm_gen_ops / _dflash_fa4_fwd + _dflash_paged_append) from dflash_attention's
 #   get_dflash_* loaders: unchanged. It does not import dflash_hybrid_attn.
+# - modeling_dflash.py, a DFlash 2 copy (78,299 characters, commit not shown; older
+#   ..modules layout, VANILLA / TRTLLM): block convolutions around each sublayer
+#   (attention_convs / mlp_convs, on hidden states before qkv_proj and after o_proj) and a
+#   candidate selector after the logits -- both outside the query path; each layer still
+#   calls self_attn.qkv_proj right before its kernel, VANILLA passes k/v to append with
+#   cache_seqlens = ctx (the wrapper adds k.shape[1]), TRTLLM calls append_paged_kv_cache
+#   (kept) then batch_decode / batch_context with seq_lens = ctx + block: unchanged.
 # - dflash_attention.py (newest stored: get_dflash_flash_attention, get_dflash_paged_append,
 #   get_dflash_trtllm_gen_ops, get_dflash_fa4_fwd): unchanged names.
 # - NEW dflash_hybrid_attn.py (SOURCES["dflash_hybrid_attn"]): dflash_ctx_paged_attention,
