@@ -246,3 +246,18 @@ def test_bench_wrapper_times_every_backend_and_refuses_bad_counts_in_one_line(tm
     bad = subprocess.run([sys.executable, "-m", "plugins.trtllm", "bench-wrapper", "--calls", "0"], cwd=CHECKOUT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "positive" in bad.stderr
+
+
+def test_pipeline_parallelism_is_refused_before_anything_is_built_where_the_mapping_cannot_tell_the_stage(
+        standin, tmp_path):
+    write_package(standin)
+    config = dict(DFLASH, pipeline_parallel_size=2)
+    path = standin / "tensorrt_llm/mapping.py"
+    stock = path.read_text()
+    path.write_text(stock.replace("is_last_pp_rank", "is_final_stage"))
+    with pytest.raises(trtllm_launch.LaunchError) as exc:
+        trtllm_launch.Launch(SCALING, config, "dflash", drafter_dir(tmp_path / "d"), site=tmp_path)
+    assert "\n" not in str(exc.value) and "pp=2" in str(exc.value) and "is_last_pp_rank" in str(exc.value)
+    assert "tensorrt_llm.mapping" not in sys.modules  # refused from the files, before anything was built
+    path.write_text(stock)
+    trtllm_launch.Launch(SCALING, config, "dflash", drafter_dir(tmp_path / "d"), site=tmp_path).close()
