@@ -103,6 +103,18 @@ class QueryScaling:
         out = _beta_tensor(n.to(work), self.ref_keys, self.top_k, self.slope, self.cap)
         return out if dtype is None else out.to(dtype)
 
+    def scale_rows(self, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """q with each row multiplied by beta of its visible-key count, on the device with
+        no host synchronisation: n has q's leading (row) dims, the rest (heads, head_dim)
+        broadcast. What a hook inside an engine's kernel calls per drafter layer
+        (plugins/trtllm), so it is one expression with no cast it can skip: an integer n
+        divides into float32 by itself; float64 for a float64 q; q rounded back once."""
+        if q.dtype == torch.float64 or n.is_floating_point():
+            n = n.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        beta = _beta_tensor(n, self.ref_keys, self.top_k, self.slope, self.cap)
+        beta = beta.view(*n.shape, *([1] * (q.dim() - n.dim())))
+        return q * beta if q.dtype in (torch.float32, torch.float64) else (q.float() * beta).to(q.dtype)
+
     @property
     def cap(self) -> float:
         return math.exp(self.max_log_scale)

@@ -182,8 +182,11 @@ def test_the_version_is_compared_as_a_version_and_only_ever_named_untested(versi
     assert err.count("\n") == (0 if read else 1) and (read or "untested" in err)
 
 
-def test_a_missing_required_class_refuses_a_sharpdraft_drafter_and_leaves_stock_ones_alone(standin, tmp_path,
+def test_a_missing_required_class_refuses_only_its_own_family_and_leaves_stock_ones_alone(standin, tmp_path,
                                                                                           capsys):
+    """PARD's class moved: a SharpDraft drafter of the moved class is refused in one line
+    naming it, while an EAGLE-3 one beside it is scaled (issue 69: a rename in one family
+    refuses no other) and stock drafters hear nothing."""
     write_package(standin, drop=("modeling_speculative.py", "PARDForCausalLM"))
     proof.set_directory(tmp_path)
     try:
@@ -191,8 +194,10 @@ def test_a_missing_required_class_refuses_a_sharpdraft_drafter_and_leaves_stock_
         spec = load(pins.SPECULATIVE_MODULE)  # imports: never an error of ours there
         spec.Eagle3ForCausalLM(draft_config())  # stock: builds, hears nothing
         assert capsys.readouterr().err == ""
-        refused(lambda: spec.Eagle3ForCausalLM(CONFIG), "modeling_speculative.PARDForCausalLM.__init__")
-        assert proof.read(tmp_path)[0]["kind"] == "refused"
+        spec.Eagle3ForCausalLM(CONFIG)  # another family: wrapped
+        assert [r["kind"] for r in proof.read(tmp_path)] == ["wrapped"]
+        refused(lambda: spec._removed_PARDForCausalLM(CONFIG), "_removed_PARDForCausalLM")
+        assert sorted(r["kind"] for r in proof.read(tmp_path)) == ["refused", "wrapped"]
     finally:
         proof.set_directory(None)
 

@@ -170,12 +170,13 @@ def test_a_newer_release_with_the_pinned_names_is_accepted_with_one_line(standin
     assert "1.5.0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("drop,named", [(("modeling_dflash.py", "DFlashForCausalLM"), "DFlashForCausalLM"),
-                                        (("modules/attention.py", "apply_rope"), "Attention.apply_rope")])
-def test_a_release_that_moved_a_pinned_name_is_refused_in_one_line_naming_it(standin, tmp_path, drop, named):
+@pytest.mark.parametrize("drop,family,named", [
+    (("modeling_dflash.py", "DFlashForCausalLM"), "dflash", "DFlashForCausalLM"),
+    (("modules/attention.py", "apply_rope"), "eagle3", "Attention.apply_rope")])
+def test_a_release_that_moved_a_pinned_name_is_refused_in_one_line_naming_it(standin, tmp_path, drop, family, named):
     write_package(standin, version="1.5.0", drop=drop)
     with pytest.raises(trtllm_launch.LaunchError) as exc:
-        trtllm_launch.Launch(SCALING, {}, "dflash", drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
+        trtllm_launch.Launch(SCALING, {}, family, drafter_dir(tmp_path / "d", SCALING), site=tmp_path)
     text = str(exc.value)
     assert "\n" not in text and "1.5.0" in text and named in text
 
@@ -271,13 +272,22 @@ def test_a_launch_is_proven_by_counts_that_grow_with_its_first_request(engine, s
     assert result["sharpdraft_applied"]["metrics"]["sharpdraft_scaled_calls"] > 0
 
 
-def test_pipeline_parallel_ranks_without_a_drafter_are_not_refused(tmp_path):
-    (tmp_path / "wrapped-7-1.json").write_text(json.dumps(
-        {"kind": "wrapped", "pid": 7, "rank": 1, "drafter": "Eagle3ForCausalLM", "units": [],
-         "scaling": SCALING.to_dict()}))
+def test_pipeline_parallel_requires_the_last_stage_from_the_drafters_own_mapping(tmp_path):
+    """Every stage builds a drafter, the last one runs it: with pp=2 over world 2 only rank 1
+    (the last stage, TensorRT-LLM's pp_rank = rank // (tp * cp)) must have wrapped one, and a
+    record that cannot say its stage is refused rather than guessed."""
+    def write(rank, stage):
+        (tmp_path / f"wrapped-{7 + rank}-1.json").write_text(json.dumps(
+            {"kind": "wrapped", "pid": 7 + rank, "rank": rank, "drafter": "Eagle3ForCausalLM", "units": [],
+             "scaling": SCALING.to_dict(), "stage": stage}))
+
+    write(1, {"pp_rank": 1, "pp_size": 2, "last": True})
     with pytest.raises(proof.ProofError, match="rank"):
         proof.require(tmp_path, SCALING, world=2)  # tensor parallel: every rank builds one
     assert proof.require(tmp_path, SCALING, world=2, pipeline=2)  # the last stage holds it
+    write(0, None)
+    with pytest.raises(proof.ProofError, match="could not read TensorRT-LLM's mapping"):
+        proof.require(tmp_path, SCALING, world=2, pipeline=2)
 
 
 # --- known new drafter classes --------------------------------------------------------------

@@ -256,7 +256,7 @@ def test_a_drafter_whose_config_asks_to_run_frozen_is_served_frozen_and_the_laun
         import tensorrt_llm
 
         with launch.built():
-            llm = tensorrt_llm.LLM(**config)
+            llm = tensorrt_llm.LLM(**launch.llm_config(config))
         applied = launch.require()
         llm.generate(["x"], None)
         assert launch.require_running() == applied
@@ -269,32 +269,56 @@ def test_a_drafter_whose_config_asks_to_run_frozen_is_served_frozen_and_the_laun
     assert err.count("runs FROZEN") == 1
 
 
-def test_every_binding_of_the_llm_class_goes_through_the_proof_gate(standin, tmp_path, monkeypatch, capsys):
-    """A serving entry point that imports LLM itself (as the OpenEngine gRPC server does,
-    not through commands.serve.PyTorchLLM) builds a checked LLM: the probe request runs and
-    the counts are proven before it returns."""
+def test_a_module_that_bound_llm_before_the_gate_still_goes_through_it(standin, tmp_path, monkeypatch, capsys):
+    """issue 69: the OpenEngine server does `from tensorrt_llm import LLM as PyTorchLLM` when
+    it is imported, a name no binding list held. Imported BEFORE the gate, it still builds a
+    checked LLM: the gate is on the class, so the probe runs and the counts are proven before
+    its build returns, and its LLM is handed the launch's drafter view. Closing the launch puts
+    the class back."""
     import json
 
-    from plugins.trtllm import serve as trtllm_serve
-
     write_package(standin)
-    entry = standin / "tensorrt_llm" / "grpc_server.py"
-    entry.write_text("def build(**config):\n    from tensorrt_llm import LLM\n    return LLM(**config)\n")
+    import tensorrt_llm
+
     monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    server = importlib.import_module("tensorrt_llm.serve.openengine_server")  # binds LLM now
+    stock_init = tensorrt_llm.LLM.__dict__["__init__"]
     directory = drafter_dir(tmp_path / "d", SCALING)
     config = {"model": "m", "speculative_config": {"decoding_type": "DFlash", "speculative_model": str(directory),
                                                    "attention_backend": "VANILLA"}}
     launch = trtllm_launch.Launch(SCALING, config, "dflash", directory, site=tmp_path)
     try:
-        replaced = trtllm_serve.gate_every_binding(launch)
-        assert "tensorrt_llm.LLM" in replaced and "tensorrt_llm.commands.serve.PyTorchLLM" in replaced
-        llm = importlib.import_module("tensorrt_llm.grpc_server").build(**config)
-        llm.shutdown()
+        launch.gate()
+        assert server.PyTorchLLM is tensorrt_llm.LLM  # the name bound before the gate, unchanged
+        server.serve(**config).shutdown()
     finally:
         launch.close()
+    assert tensorrt_llm.LLM.__dict__["__init__"] is stock_init
     [line] = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith('{"sharpdraft_applied"')]
     counted = line["sharpdraft_applied"]["counts"]
-    assert all(c > 0 for per_pid in counted.values() for c in per_pid.values())
+    assert counted and all(c > 0 for per_pid in counted.values() for c in per_pid.values())
+
+
+def test_the_gate_refuses_a_server_whose_drafter_runs_unscaled(standin, tmp_path, monkeypatch):
+    """The same server, without the hook where the drafter is built: its build does not
+    return a serving LLM; the refusal is one line."""
+    write_package(standin)
+    monkeypatch.setenv(pins.SINGLE_PROCESS_ENV, "1")
+    server = importlib.import_module("tensorrt_llm.serve.openengine_server")
+    directory = drafter_dir(tmp_path / "d", SCALING)
+    config = {"model": "m", "speculative_config": {"decoding_type": "DFlash", "speculative_model": str(directory),
+                                                   "attention_backend": "VANILLA"}}
+    launch = trtllm_launch.Launch(SCALING, config, "dflash", directory, site=tmp_path)
+    try:
+        launch.gate()
+        from plugins.trtllm import uninstall
+
+        uninstall()  # the drafter is built where no hook runs
+        with pytest.raises(proof.ProofError) as exc:
+            server.serve(**config)
+    finally:
+        launch.close()
+    assert "\n" not in str(exc.value) and "no proof" in str(exc.value)
 
 
 def test_a_trtllm_serve_subcommand_outside_the_gate_is_refused():

@@ -125,6 +125,48 @@ def test_tensor_parallel_workers_each_report(venvs, engine, tmp_path):
     assert sorted(out["applied"]["processes"]) == sorted(out["workers"])  # both ranks wrapped their drafter
 
 
+def test_pipeline_stages_in_real_mpi_workers_only_the_last_stage_must_count(venvs, engine, tmp_path):
+    """pp=2 in two MPI workers: both stages build and wrap a drafter (SpecDecOneEngineForCausalLM
+    does on every rank), each record says its stage from TensorRT-LLM's own Mapping, only the
+    last stage runs its drafter, and the launch is proven without rank 0's counts growing."""
+    standin = write_package(tmp_path / "pkg")
+    probe = textwrap.dedent(f"""
+        import json
+        from plugins.trtllm import launch as trtllm, proof
+        from runtime.manifest import read_manifest
+        llm, launch = trtllm.build_llm(read_manifest({str(engine)!r}), pipeline_parallel_size=2)
+        held = launch.held
+        llm.generate(["x"], None)
+        applied = launch.require_running()
+        print(json.dumps({{"workers": llm.worker_pids, "applied": applied,
+                          "stages": {{e["rank"]: e["stage"] for e in held}}}}))
+        llm.shutdown(); launch.close()
+        """)
+    done = subprocess.run([str(venvs["autoload"]), "-c", probe], cwd=standin, env=environment(standin, None),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert sorted(out["applied"]["processes"]) == sorted(out["workers"]) and len(set(out["workers"])) == 2
+    assert out["stages"] == {"0": {"pp_rank": 0, "pp_size": 2, "last": False},
+                             "1": {"pp_rank": 1, "pp_size": 2, "last": True}}
+    counts = out["applied"]["counts"]
+    grown = {pid for pid, c in counts.items() if all(v > 0 for v in c.values())}
+    assert len(grown) == 1  # the last stage's drafter ran; the first stage's never did
+
+
+@pytest.mark.slow  # the fast tier: test_trtllm_release.py's gate test (records arrive through the view's config only)
+def test_the_proof_reaches_workers_of_a_pool_that_forwards_no_environment(venvs, engine, tmp_path):
+    """Older MpiPoolSession copies pass no env=, and a variable set after MPI started does not
+    reach spawned workers (Open MPI): here the worker holds none of the launcher's
+    TRTLLM_SHARPDRAFT_* variables, and the proof still arrives -- its directory is in the
+    drafter view's config the worker builds the drafter from."""
+    standin = write_package(tmp_path / "pkg", forward_env=False)
+    done = generate(venvs["autoload"], engine, standin, single_process="0")
+    assert done.returncode == 0, done.stderr
+    applied = json.loads(done.stdout)["sharpdraft_applied"]
+    assert applied["drafters"] == ["DFlashForCausalLM"] and applied["processes"] != [done.pid]
+
+
 def test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = generate(venvs["plain"], engine, standin, single_process="0")

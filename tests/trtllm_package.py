@@ -50,6 +50,60 @@ FILES = {
         from .llmapi.llm import LLM, SamplingParams
         """,
     "tensorrt_llm/version.py": "__version__ = {version!r}\n",
+    # tensorrt_llm/mapping.py (pins.SOURCES["mapping"]): pp_rank = rank // (tp * cp),
+    # is_last_pp_rank(); ModelConfig.mapping is one of these
+    "tensorrt_llm/mapping.py": """
+        class Mapping:
+            def __init__(self, world_size=1, rank=0, tp_size=1, pp_size=1, cp_size=1):
+                self.world_size, self.rank = world_size, rank
+                self.tp_size, self.pp_size, self.cp_size = tp_size, pp_size, cp_size
+
+            @property
+            def pp_rank(self):
+                return self.rank // (self.tp_size * self.cp_size)
+
+            def is_last_pp_rank(self):
+                return self.pp_rank == self.pp_size - 1
+        """,
+    # a newer serving entry point (the OpenEngine gRPC server): binds LLM at import time and
+    # builds from that name (pins.SOURCES["openengine"])
+    "tensorrt_llm/serve/__init__.py": "",
+    "tensorrt_llm/serve/openengine_server.py": """
+        from tensorrt_llm import LLM as PyTorchLLM
+
+
+        def serve(**llm_args):
+            llm = PyTorchLLM(**llm_args)
+            print(f"openengine serving with workers {{llm.worker_pids}}", flush=True)
+            return llm
+        """,
+    # _torch/models/modeling_utils.py: MetaInitMode as its docstring and dispatch read: empty /
+    # empty_like land on the meta device, any other op over a meta tensor raises
+    # MetaInitException (then model_loader builds the model again, outside it)
+    "tensorrt_llm/_torch/models/modeling_utils.py": """
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+
+        class MetaInitException(RuntimeError):
+            pass
+
+
+        class MetaInitMode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = dict(kwargs or {{}})
+                if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default):
+                    kwargs["device"] = torch.device("meta")
+                    return func(*args, **kwargs)
+                # random and placeholder initialisers may run on meta tensors; nothing else
+                if func in (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default,
+                            torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default):
+                    return func(*args, **kwargs)
+                metas = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_meta]
+                if metas:
+                    raise MetaInitException(f"Meta tensor used in unsupported function: {{func}}")
+                return func(*args, **kwargs)
+        """,
     "tensorrt_llm/llmapi/__init__.py": "",
     "tensorrt_llm/llmapi/mpi_session.py": """
         import os
@@ -57,14 +111,19 @@ FILES = {
 
         from mpi4py.futures import MPIPoolExecutor
 
+        FORWARD_ENV = {forward_env!r}
+
 
         class MpiPoolSession:
             def __init__(self, n_workers):
                 self.n_workers = n_workers
-                # @00a1352a: only TRTLLM*/TLLM* variables reach the workers, applied there after
-                # site (and every .pth) has run
-                env = {k: v for k, v in os.environ.items() if k.startswith(("TRTLLM", "TLLM"))}
-                self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path, env=env)
+                if FORWARD_ENV:
+                    # @00a1352a: only TRTLLM*/TLLM* variables reach the workers, applied there after
+                    # site (and every .pth) has run
+                    env = {{k: v for k, v in os.environ.items() if k.startswith(("TRTLLM", "TLLM"))}}
+                    self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path, env=env)
+                else:  # older copies: MPIPoolExecutor(max_workers, path=sys.path), no env=
+                    self.mpi_pool = MPIPoolExecutor(max_workers=n_workers, path=sys.path)
 
             def submit(self, task, *args, **kwargs):
                 return [self.mpi_pool.submit(task, *args, **kwargs) for _ in range(self.n_workers)]
@@ -76,19 +135,24 @@ FILES = {
         import os
         import types
 
-        UNHOOKED_RANK = {unhooked_rank!r}  # a rank whose hook is gone (started without the autoloader)
+        import torch
+
+        UNHOOKED_RANK = {unhooked_rank!r}
+        META_INIT_FAILS = {meta_init_fails!r}
+        FORWARD_ENV = {forward_env!r}  # a rank whose hook is gone (started without the autoloader)
         _DRAFTER = {{}}
 
 
-        def draft_config(speculative_model, attn_backend):
+        def draft_config(speculative_model, attn_backend, mapping=None):
             # SpecDecOneEngineForCausalLM: ModelConfig.from_pretrained(speculative_model,
-            # attn_backend=model_config.attn_backend, ...); load_pretrained_config reads the
-            # directory's config.json through transformers: unknown keys become attributes
+            # attn_backend=model_config.attn_backend, mapping=model_config.mapping, ...);
+            # load_pretrained_config reads the directory's config.json through transformers:
+            # unknown keys become attributes
             import json
 
             with open(os.path.join(speculative_model, "config.json")) as f:
                 pretrained = types.SimpleNamespace(**json.load(f))
-            return types.SimpleNamespace(pretrained_config=pretrained, attn_backend=attn_backend)
+            return types.SimpleNamespace(pretrained_config=pretrained, attn_backend=attn_backend, mapping=mapping)
 
 
         def _rank(pool):
@@ -100,38 +164,67 @@ FILES = {
             return MPI.COMM_WORLD.Get_rank()
 
 
-        def worker_main(speculative_config, attn_backend="TRTLLM", pool=False):
-            # executor/worker.py: the worker builds the model, the drafter with it
+        def _build_drafter(speculative_config, config):
             import importlib
-            import sys
 
-            if _rank(pool) == UNHOOKED_RANK:  # as if this rank's environment had no autoloader
-                sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_sharpdraft_lazy", False)]
-                for name in ("plugins.trtllm.hook", "_sharpdraft_plugins.trtllm.hook"):
-                    if name in sys.modules:
-                        sys.modules[name].uninstall()
-            decoding = (speculative_config or {{}}).get("decoding_type")
-            if decoding:
-                config = draft_config(speculative_config["speculative_model"], attn_backend)
+            decoding = speculative_config.get("decoding_type")
             if decoding == "DFlash":
                 try:
                     module = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
                 except ModuleNotFoundError:  # the older layout: DFlash beside EAGLE-3 and PARD
                     module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
-                _DRAFTER["model"] = module.build_dflash_draft(config, speculative_config.get(
-                    "attention_backend", "VANILLA"))
-            elif decoding in ("Eagle3", "PARD"):
-                module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
-                cls = module.Eagle3ForCausalLM if decoding == "Eagle3" else module.PARDForCausalLM
-                _DRAFTER["model"] = cls(config)
+                return module.build_dflash_draft(config, speculative_config.get("attention_backend", "VANILLA"))
+            module = importlib.import_module("tensorrt_llm._torch.models.modeling_speculative")
+            cls = module.Eagle3ForCausalLM if decoding == "Eagle3" else module.PARDForCausalLM
+            return cls(config)
+
+
+        def _load_model(speculative_config, config):
+            # model_loader.py: the model (drafter included) is built under MetaInitMode and, on
+            # any exception, built again ("Fallback to regular model init"); the first drafter
+            # is dropped. META_INIT_FAILS: the target's construction raises under MetaInitMode.
+            from tensorrt_llm._torch.models.modeling_utils import MetaInitMode
+
+            try:
+                with MetaInitMode():
+                    drafter = _build_drafter(speculative_config, config)
+                    if META_INIT_FAILS:
+                        torch.empty(2).add_(1)  # a target op on a meta tensor: MetaInitException
+                return drafter
+            except Exception:
+                return _build_drafter(speculative_config, config)
+
+
+        def worker_main(speculative_config, attn_backend="TRTLLM", pool=False, tp=1, pp=1):
+            # executor/worker.py: the worker builds the model, the drafter with it, on every
+            # pipeline stage (SpecDecOneEngineForCausalLM.__init__ calls get_draft_model)
+            import sys
+
+            rank = _rank(pool)
+            if pool and not FORWARD_ENV:  # a pool that forwards no environment: nothing of the launcher's
+                for name in [n for n in os.environ if n.startswith("TRTLLM_SHARPDRAFT")]:
+                    del os.environ[name]
+            if rank == UNHOOKED_RANK:  # as if this rank's environment had no autoloader
+                sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_sharpdraft_lazy", False)]
+                for name in ("plugins.trtllm.hook", "_sharpdraft_plugins.trtllm.hook"):
+                    if name in sys.modules:
+                        sys.modules[name].uninstall()
+            from tensorrt_llm.mapping import Mapping
+
+            mapping = Mapping(world_size=tp * pp, rank=rank, tp_size=tp, pp_size=pp)
+            _DRAFTER["last_stage"] = mapping.is_last_pp_rank()
+            if (speculative_config or {{}}).get("decoding_type") in ("DFlash", "Eagle3", "PARD"):
+                config = draft_config(speculative_config["speculative_model"], attn_backend, mapping)
+                _DRAFTER["model"] = _load_model(speculative_config, config)
             return os.getpid()
 
 
         def worker_step(pool=False):
-            # one speculative step's drafter forward (the model engine's warm-up runs the same)
+            # one speculative step: the drafter runs in the last stage's epilogue only (the
+            # model engine's warm-up runs the same)
             _rank(pool)
             drafter = _DRAFTER.get("model")
-            if drafter is not None:
+            if drafter is not None and _DRAFTER.get("last_stage", True):
                 drafter.draft_step()
             return os.getpid()
 
@@ -140,7 +233,8 @@ FILES = {
             def __init__(self, model, backend="pytorch", tensor_parallel_size=1, pipeline_parallel_size=1,
                          speculative_config=None, max_seq_len=None, attn_backend="TRTLLM",
                          cuda_graph_config="CudaGraphConfig()", **kwargs):
-                world = int(tensor_parallel_size) * int(pipeline_parallel_size)
+                tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
+                world = tp * pp
                 if world == 1 and os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") == "1":
                     self.worker_pids = [worker_main(speculative_config, attn_backend)]
                     self._session = None
@@ -148,7 +242,8 @@ FILES = {
                     from .mpi_session import MpiPoolSession
 
                     self._session = MpiPoolSession(n_workers=world)
-                    futures = self._session.submit(worker_main, speculative_config, attn_backend, pool=True)
+                    futures = self._session.submit(worker_main, speculative_config, attn_backend, pool=True, tp=tp,
+                                                   pp=pp)
                     self.worker_pids = [f.result() for f in futures]
                 if cuda_graph_config is not None:
                     # warm-up: _run_cuda_graph_warmup captures generation steps, the drafter's
@@ -487,6 +582,38 @@ class DFlashForCausalLM(torch.nn.Module):
 FLASH_ATTN = {"flash_attn/__init__.py": "from plugins.trtllm.standins import flash_attn_with_kvcache\n"}
 
 
+HYBRID_ATTN = """
+from plugins.trtllm.standins import dflash_ctx_paged_attention  # noqa: F401  (the real one is Triton)
+
+
+def dflash_ctx_paged_attention_ref(q, k_cache, v_cache, block_idx, ctx_lens, k_noise, v_noise):
+    return dflash_ctx_paged_attention(q, k_cache, v_cache, block_idx, ctx_lens, k_noise, v_noise)
+"""
+# In hybrid mode the block's keys are the first 5 context tokens of one 8-token page plus
+# the 2 noise keys of the block: 7 keys per row, as in the other modes' stand-in calls.
+HYBRID_CALL = (
+    "        if getattr(self.config, 'dflash_hybrid', False):  # context in the target's paged pool\n"
+    "            pool_k, pool_v = k_cache[0, None], v_cache[0, None]\n"
+    "            return dflash_ctx_paged_attention(q, pool_k, pool_v, torch.zeros(1, 1, dtype=torch.int32),\n"
+    "                                              torch.tensor([5], dtype=torch.int32), k_cache[:, 5:7],\n"
+    "                                              v_cache[:, 5:7])\n")
+
+
+def with_hybrid(files: dict[str, str]) -> dict[str, str]:
+    """The newest sources: _torch/speculative/dflash_hybrid_attn.py (pins.SOURCES
+    ["dflash_hybrid_attn"]) and a DFlash drafter that, in hybrid mode (its config sets
+    dflash_hybrid), calls its module global dflash_ctx_paged_attention in the block decode.
+    No stored modeling_dflash.py shows that call: this is one binding the hook must cover."""
+    files["tensorrt_llm/_torch/speculative/dflash_hybrid_attn.py"] = HYBRID_ATTN
+    rel = "tensorrt_llm/_torch/models/modeling_dflash.py"
+    anchor = "        if self.dflash_attention_backend == \"VANILLA\":\n            return self._dflash_flash_attention("
+    imports = "from ..speculative.dflash_attention import get_dflash_trtllm_gen_ops\n"
+    assert anchor in files[rel] and imports in files[rel]
+    files[rel] = files[rel].replace(anchor, HYBRID_CALL + anchor).replace(
+        imports, imports + "from ..speculative.dflash_hybrid_attn import dflash_ctx_paged_attention\n")
+    return files
+
+
 def layout_1_3(files: dict[str, str]) -> dict[str, str]:
     """The older layout (pins.SOURCES["modeling_speculative_dflash_1_3"]: the stored copy
     importing ..modules.* and ..attention_backend.*, as the 1.3.0rc line did): no
@@ -517,18 +644,27 @@ def layout_1_3(files: dict[str, str]) -> dict[str, str]:
 
 def write_package(root: Path, version: str = pins.PINNED, drop: tuple[str, str] | None = None,
                   old_dflash: bool = False, unhooked_rank: int | None = None, dflash_layers: int = 2,
-                  laguna_extra: str = "", layout: str = "1.4") -> Path:
+                  laguna_extra: str = "", layout: str = "1.4", forward_env: bool = True,
+                  meta_init_fails: bool = False, hybrid: bool = False) -> Path:
     """The stand-in package under `root`. laguna_extra: a method source added to
     DFlashLagunaForCausalLM (e.g. an override outside the audited ones). layout "1.3": the
-    older layout (layout_1_3)."""
+    older layout (layout_1_3). forward_env False: the MPI pool forwards no environment (older
+    mpi_session copies) and workers hold none of the launcher's variables. meta_init_fails:
+    the model's MetaInitMode build raises after the drafter was built, so the drafter is built
+    twice. hybrid: the newest sources' dflash_hybrid_attn.py, with a drafter whose config sets
+    dflash_hybrid routing its block decode through dflash_ctx_paged_attention."""
     files = {}
     for rel, text in (dict(FILES) | (FLASH_ATTN if old_dflash else {})).items():
         text = textwrap.dedent(text)
-        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py", "modeling_dflash.py")):
+        if rel.endswith(("version.py", "modeling_speculative.py", "llm.py", "serve.py", "modeling_dflash.py",
+                         "mapping.py", "mpi_session.py", "openengine_server.py", "modeling_utils.py")):
             text = text.format(version=version, dflash=textwrap.indent(OLD_DFLASH, "") if old_dflash else "",
                                unhooked_rank=unhooked_rank, dflash_layers=dflash_layers,
-                               laguna_extra=textwrap.indent(textwrap.dedent(laguna_extra), "    "))
+                               laguna_extra=textwrap.indent(textwrap.dedent(laguna_extra), "    "),
+                               forward_env=forward_env, meta_init_fails=meta_init_fails)
         files[rel] = text
+    if hybrid:
+        files = with_hybrid(files)
     if layout == "1.3":
         files = layout_1_3(files)
     for rel, text in files.items():

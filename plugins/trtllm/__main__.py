@@ -1,10 +1,14 @@
-"""`python -m plugins.trtllm check [--backend B] [--proof DIR] | autoload {install,uninstall,status}`
+"""`python -m plugins.trtllm check [--family F] [--backend B] [--proof DIR] | autoload {install,uninstall,status}
+| bench-wrapper [--json PATH]`
 
-check: what the hook would patch on this installation, and what its source lacks (the same
-structure check our launchers refuse on: plugins/trtllm/structure.py), or, where
+check: what the hook would patch on this installation, and what its source lacks for a
+launch of one drafter family (the same structure check our launchers refuse on:
+plugins/trtllm/structure.py; the other families' state is reported beside it, never
+refusing this launch), or, where
 tensorrt_llm is not installed, the pinned plan; with --proof, a launch's proof directory:
 the drafters wrapped on each rank and their device counts of scaled calls. autoload: the
 .pth that adds the lazy import hook (autoload.py) to every Python process of an environment.
+bench-wrapper: the DFlash kernel wrappers' host cost per attention backend (bench.py).
 Results on stdout, one-line errors on stderr (exit 1; 2 for bad usage).
 """
 
@@ -31,7 +35,7 @@ def importable() -> tuple[object | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def check(backend: str = "VANILLA", proof_dir: Path | None = None) -> dict:
+def check(backend: str = "VANILLA", proof_dir: Path | None = None, family: str = "dflash") -> dict:
     from plugins.trtllm.hook import resolve
     from plugins.trtllm.launch import installed_version
 
@@ -44,8 +48,10 @@ def check(backend: str = "VANILLA", proof_dir: Path | None = None) -> dict:
         version = installed_version()
         report["version"] = version
         report["version_read"] = version is not None and versions.is_tested(str(version), *pins.READ_RANGE)
-        report["backend"] = backend
-        report["missing"] = structure.missing_names(root, dflash_backend=backend)
+        report["family"] = family
+        report["backend"] = backend if family == "dflash" else None
+        report["missing"] = structure.missing_names(root, dflash_backend=report["backend"], family=family)
+        report["families"] = structure.families(root)
     if proof_dir is not None:
         report["proof"] = proof_report(Path(proof_dir))
     for point in pins.PATCH_POINTS:
@@ -78,7 +84,12 @@ def describe(report: dict) -> str:
         read = "in the range read" if report["version_read"] else "UNTESTED: outside the range read"
         state = ("every name SharpDraft reads is present: accepted" if not report["missing"] else
                  "refused: " + "; ".join(report["missing"]) + " not found")
-        lines.append(f"tensorrt_llm {report['version']} ({read}); DFlash backend {report['backend']}: {state}")
+        launch = f"{report['family']} launch" + (f", DFlash backend {report['backend']}" if report["backend"] else "")
+        lines.append(f"tensorrt_llm {report['version']} ({read}); {launch}: {state}")
+        for family, why in report["families"].items():
+            if family != report["family"]:
+                lines.append(f"  other family {family}: " + (f"refused for {family} launches: {why} not found" if why
+                                                            else "present"))
     if not report["importable"]:
         lines.append(f"tensorrt_llm is not importable here ({report['reason']}): names read from its files only")
     for entry in report["patch_points"]:
@@ -118,6 +129,10 @@ def autoload_command(action: str, site: Path) -> str:
 
 
 def main(argv) -> int:
+    if argv[:1] == ["bench-wrapper"]:  # its own options (argparse.REMAINDER would not take --json)
+        from plugins.trtllm import bench
+
+        return bench.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m plugins.trtllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="what the hook would patch on this installation")
@@ -125,13 +140,17 @@ def main(argv) -> int:
     c.add_argument("--backend", default="VANILLA", type=str.upper, choices=sorted(pins.DFLASH_KERNELS),
                    help="the DFlash attention backend whose kernel must be present (default VANILLA)")
     c.add_argument("--proof", metavar="DIR", help="a launch's proof directory: records and scaled-call counts")
+    c.add_argument("--family", default="dflash", choices=sorted(pins.FAMILIES),
+                   help="the drafter family of the launch to check (default dflash)")
+    sub.add_parser("bench-wrapper", help="the DFlash kernel wrappers' host cost, per attention backend "
+                   "(--calls N --rounds N --json PATH)")
     a = sub.add_parser("autoload", help="the .pth lazy import hook that reaches worker processes")
     a.add_argument("action", choices=("install", "uninstall", "status"))
     a.add_argument("--site-packages", metavar="DIR", help="default: this interpreter's purelib")
     args = p.parse_args(argv)
     try:
         if args.command == "check":
-            report = check(args.backend, args.proof)
+            report = check(args.backend, args.proof, args.family)
             print(json.dumps(report) if args.json else describe(report))
             if report.get("missing"):
                 return 1

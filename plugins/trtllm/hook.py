@@ -63,7 +63,7 @@ import weakref
 
 from ..scaling import QueryScaling
 from . import pins, proof, versions
-from .kernels import (wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
+from .kernels import (wrap_dflash_hybrid, wrap_fa4_fwd, wrap_flash_attn_with_kvcache, wrap_trtllm_gen_context,
                       wrap_trtllm_gen_decode)
 from .rope import wrap_apply_rope, wrap_forward
 
@@ -73,6 +73,7 @@ __all__ = ["TrtllmHookError", "UnscalableDrafter", "install", "uninstall", "inst
 ORIGINALS = "_sharpdraft_originals"  # instance attribute: what the hook replaced on it
 FAMILY = "_sharpdraft_family"  # marks a constructor the hook wrapped
 SCALING = "_sharpdraft_scaling"  # instance attribute: the QueryScaling its own config carries
+TALLY = "_sharpdraft_tally"  # instance attribute: its device counter of scaled calls (proof.Tally)
 HOOK_MARK = "_sharpdraft_hook"  # on our import finder: the .pth's lazy loader stands aside
 
 
@@ -120,8 +121,9 @@ def installed() -> bool:
 
 
 def disabled() -> str | None:
-    """What a loaded drafter module lacks, for which every SharpDraft drafter built in this
-    process is refused (None: nothing moved). Stock drafters build either way."""
+    """What a loaded drafter module lacks (the first such name; None: nothing moved): a
+    SharpDraft drafter of the family it belongs to is refused when built, other families'
+    are not. Stock drafters build either way."""
     return _state.disabled
 
 
@@ -165,6 +167,7 @@ def uninstall() -> None:
     _state.instances = weakref.WeakSet()
     _state.version = None
     _state.disabled = None
+    proof.unguard_captures()
 
 
 # --- the version guard --------------------------------------------------------------------
@@ -252,9 +255,11 @@ def _patch_module(module) -> None:
     """Patch the module's drafter classes (never raises: this runs inside `import
     tensorrt_llm...` of every process). A required name that moved does not stop the
     import: the drafter classes present are patched to refuse a SharpDraft drafter when it
-    is built, naming what moved; stock drafters build as ever, and nothing is printed."""
+    is built, naming what moved; stock drafters build as ever, and nothing is printed. What
+    moved disables only its own drafter family: a renamed EAGLE-3 class does not stop a
+    DFlash drafter defined beside it (the older layout) from being scaled."""
     _version()
-    plan, drift = [], None
+    plan, drift = [], {}  # drift: family -> the first pinned name of it that moved
     for point in pins.PATCH_POINTS:
         if point.module != module.__name__:
             continue
@@ -262,10 +267,10 @@ def _patch_module(module) -> None:
         cls = getattr(module, class_name, None)
         if cls is None:
             if point.required:
-                drift = drift or f"{point.module}.{point.attribute}"
+                drift.setdefault(point.family, f"{point.module}.{point.attribute}")
             continue
         if cls.__dict__.get("__init__") is None:
-            drift = drift or f"{point.module}.{class_name}.__init__ (defined on the class itself)"
+            drift.setdefault(point.family, f"{point.module}.{class_name}.__init__ (defined on the class itself)")
             continue
         plan.append((class_name, cls, point.family))
     known = {name for name, _, _ in plan} | {p.attribute.split(".")[0] for p in pins.PATCH_POINTS}
@@ -273,15 +278,14 @@ def _patch_module(module) -> None:
         if (isinstance(value, type) and name not in known and re.search(pins.DRAFTER_CLASS_PATTERN, name)
                 and getattr(value, "__module__", None) == module.__name__ and "__init__" in value.__dict__):
             plan.append((name, value, "unknown"))
-    if drift is not None:
-        _state.disabled = f"{drift} is missing"
-        plan = [(name, cls, "drift") for name, cls, _ in plan]
+    if drift:
+        _state.disabled = f"{next(iter(drift.values()))} is missing"
     for class_name, cls, family in plan:
         key = (module.__name__, class_name)
         if key in _state.classes:
             continue
         original = cls.__dict__["__init__"]
-        cls.__init__ = _after_init(original, family)
+        cls.__init__ = _after_init(original, family, drift.get(family))
         _state.classes[key] = (cls, original)
 
 
@@ -304,7 +308,7 @@ def sharpdraft_parameters(draft_config) -> dict | None:
     return value
 
 
-def _after_init(original, family: str):
+def _after_init(original, family: str, moved: str | None = None):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -317,21 +321,24 @@ def _after_init(original, family: str):
             return  # a stock drafter: never scaled, leaves no record, hears nothing
         carried = dict(parameters) if isinstance(parameters, dict) else parameters
         policy = carried.pop(pins.IF_UNSCALABLE, None) if isinstance(carried, dict) else None
+        # the launch's proof directory, carried in the drafter view's config (proof.py)
+        where = carried.pop(pins.PROOF_KEY, None) if isinstance(carried, dict) else None
         try:
-            if family == "drift":
-                raise _missing(_state.disabled.removesuffix(" is missing") if _state.disabled else "a pinned name")
+            if moved is not None:  # a pinned name of this drafter's family moved: refused, naming it
+                raise _missing(moved)
             scaling = QueryScaling.from_dict(carried)
-            prepare_drafter(self, family, scaling, draft_config)
+            prepare_drafter(self, family, scaling, draft_config, where)
         except (TrtllmHookError, TypeError, ValueError, KeyError, AttributeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             name = type(self).__name__
             if policy == proof.FROZEN:
                 sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {os.getpid()}: {name} runs FROZEN "
                                  f"(its config says if_unscalable: frozen): {reason}\n")
-                proof.record(proof.FROZEN, drafter=name, family=family, reason=reason, scaling=parameters)
+                proof.record(proof.FROZEN, where, drafter=name, family=family, reason=reason, scaling=carried,
+                             stage=pipeline_stage(draft_config))
                 return
-            proof.record("refused", drafter=name, family=family, reason=reason,
-                         scaling=parameters if isinstance(parameters, dict) else None)
+            proof.record("refused", where, drafter=name, family=family, reason=reason,
+                         scaling=carried if isinstance(carried, dict) else None)
             raise UnscalableDrafter(f"sharpdraft: {name} carries SharpDraft's parameters but cannot be scaled: "
                                     f"{reason} (to run it frozen instead, set \"{pins.IF_UNSCALABLE}\": "
                                     f"\"{proof.FROZEN}\" in its config's \"{pins.SHARPDRAFT_KEY}\")") from None
@@ -342,7 +349,20 @@ def _after_init(original, family: str):
 
 # --- drafter instances --------------------------------------------------------------------
 
-def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=None) -> None:
+def pipeline_stage(draft_config) -> dict | None:
+    """The drafter's pipeline stage, from TensorRT-LLM's own mapping on the config it is
+    built from (ModelConfig.mapping: pp_rank, pp_size, is_last_pp_rank(); pins.MAPPING_STAGE):
+    {pp_rank, pp_size, last}, or None where the config carries no readable mapping."""
+    mapping = getattr(draft_config, pins.MAPPING_FIELD, None)
+    rank_name, size_name, last_name = pins.MAPPING_STAGE
+    try:
+        return {"pp_rank": int(getattr(mapping, rank_name)), "pp_size": int(getattr(mapping, size_name)),
+                "last": bool(getattr(mapping, last_name)())}
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=None, where=None) -> None:
     """Wrap what this drafter instance calls with `scaling` (idempotent), record one proof
     'wrapped' record and write one startup line. Raises TrtllmHookError (one line) where it
     cannot: a missing name, an MLA or unknown drafter, an unaudited attention backend or
@@ -361,16 +381,18 @@ def prepare_drafter(drafter, family: str, scaling: QueryScaling, draft_config=No
     _state.serial += 1
     prefix = f"{type(drafter).__name__}#{_state.serial}"
     if family == "dflash":
-        originals, units = _prepare_dflash(drafter, prefix, scaling)
+        originals, tally = _prepare_dflash(drafter, prefix, scaling, where)
     else:
         _check_metadata_fields()
-        originals, units = _prepare_attention(drafter, family, prefix, scaling, draft_config)
+        originals, tally = _prepare_attention(drafter, family, prefix, scaling, draft_config, where)
+    units = tally.units
+    vars(drafter)[TALLY] = tally  # the counter lives as long as its drafter (proof.py keeps weak references)
     proof.start_reporter()  # answers the launcher's requests for the device counts
     vars(drafter)[ORIGINALS] = originals
     vars(drafter)[SCALING] = scaling
     _state.instances.add(drafter)
-    proof.record("wrapped", drafter=type(drafter).__name__, family=family, layers=len(units), units=units,
-                 scaling=scaling.to_dict(), version=_state.version)
+    proof.record("wrapped", tally.where, drafter=type(drafter).__name__, family=family, layers=len(units),
+                 units=units, scaling=scaling.to_dict(), version=_state.version, stage=pipeline_stage(draft_config))
     sys.stderr.write(f"sharpdraft: rank {proof.rank()} pid {os.getpid()}: "
                      f"{type(drafter).__name__} ({family}), {len(units)} layer(s) wrapped, "
                      f"{scaling.describe()}\n")
@@ -467,23 +489,24 @@ def _counter(tally: proof.Tally, current: list):
     return count
 
 
-def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling) -> tuple[dict, list[str]]:
-    """Wrap the DFlash drafter's kernel; one proof unit (device counter slot) per draft layer."""
+def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling, where=None) -> tuple[dict, proof.Tally]:
+    """Wrap every kernel the DFlash drafter can reach: the one its attention backend holds
+    on the instance (or, in the oldest layout, flash_attn imported at call time) and the
+    hybrid-context kernel of dflash_hybrid_attn where the release has it; one proof unit
+    (device counter slot) per draft layer."""
     name = type(drafter).__name__
     _dflash_audit(drafter)
     backend = getattr(drafter, pins.DFLASH_BACKEND_ATTRIBUTE, None)
     current = _layer_marks(drafter, name)
-    units = [f"{prefix}.model.layers.{i}" for i in range(len(drafter.model.layers))]
-    tally = proof.Tally(units)
+    tally = proof.Tally([f"{prefix}.model.layers.{i}" for i in range(len(drafter.model.layers))], where)
     count = _counter(tally, current)
     get = _getter(scaling)
-    originals = {}
-    if backend is None:
-        forward = getattr(drafter, pins.DFLASH_FORWARD, None)
-        if forward is None:
-            raise _missing(f"{name}.{pins.DFLASH_BACKEND_ATTRIBUTE} or {name}.{pins.DFLASH_FORWARD}")
-        vars(drafter)[pins.DFLASH_FORWARD] = _with_wrapped_flash_attn(forward, get, count)  # oldest layout
-        originals[pins.DFLASH_FORWARD] = None
+    originals: dict = {}
+    swaps = _hybrid_sites(drafter, name, get, count, originals)
+    if backend is None:  # oldest layout: dflash_forward imports flash_attn_with_kvcache at call time
+        swaps.append((lambda: sys.modules.get(pins.FLASH_ATTN_MODULE)
+                      or importlib.import_module(pins.FLASH_ATTN_MODULE), pins.FLASH_ATTN_KERNEL,
+                      wrap_flash_attn_with_kvcache))
     else:
         attribute = pins.DFLASH_KERNELS.get(backend)
         if attribute is None:
@@ -499,7 +522,47 @@ def _prepare_dflash(drafter, prefix: str, scaling: QueryScaling) -> tuple[dict, 
             raise TrtllmHookError(str(exc).splitlines()[0]) from None
         setattr(drafter, attribute, wrapped)
         originals[attribute] = kernel
-    return originals, units
+    if swaps:
+        forward = getattr(drafter, pins.DFLASH_FORWARD, None)
+        if forward is None:
+            raise _missing(f"{name}.{pins.DFLASH_FORWARD}")
+        vars(drafter)[pins.DFLASH_FORWARD] = _swapping(forward, swaps, get, count)
+        originals[pins.DFLASH_FORWARD] = None
+    return originals, tally
+
+
+def _hybrid_sites(drafter, name, get, count, originals) -> list:
+    """Where the hybrid-context kernel (pins.DFLASH_HYBRID_KERNEL) can be reached from, as
+    swaps for the drafter's forward: its module's attribute and every DFlash module global
+    bound to it (no stored copy shows the caller, so every binding is covered); a drafter
+    attribute holding it is wrapped on the instance. [] where the release has no such module.
+    A public function of that module we do not know is an unknown DFlash kernel: refused."""
+    module = sys.modules.get(pins.DFLASH_HYBRID_MODULE)
+    if module is None:
+        try:
+            module = importlib.import_module(pins.DFLASH_HYBRID_MODULE)
+        except Exception:  # absent from this release (or unimportable: then no drafter calls it)
+            return []
+    known = {pins.DFLASH_HYBRID_KERNEL, *pins.DFLASH_HYBRID_UNUSED}
+    unknown = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                     and getattr(v, "__module__", None) == module.__name__ and n not in known)
+    if unknown:
+        raise TrtllmHookError(f"{pins.DFLASH_HYBRID_MODULE} holds DFlash kernel(s) {', '.join(unknown)} that "
+                              f"SharpDraft does not wrap: {name} could run one unscaled — refused")
+    kernel = getattr(module, pins.DFLASH_HYBRID_KERNEL, None)
+    if kernel is None:
+        raise _missing(f"{pins.DFLASH_HYBRID_MODULE}.{pins.DFLASH_HYBRID_KERNEL}")
+    try:
+        wrap_dflash_hybrid(kernel, get, count)  # its signature is checked now, not at the first call
+    except TypeError as exc:
+        raise TrtllmHookError(str(exc).splitlines()[0]) from None
+    for attribute, value in list(vars(drafter).items()):
+        if value is kernel:
+            setattr(drafter, attribute, wrap_dflash_hybrid(kernel, get, count))
+            originals[attribute] = kernel
+    holders = [module] + [sys.modules[m] for m in pins.WATCHED
+                          if getattr(sys.modules.get(m), pins.DFLASH_HYBRID_KERNEL, None) is kernel]
+    return [((lambda held=holder: held), pins.DFLASH_HYBRID_KERNEL, wrap_dflash_hybrid) for holder in holders]
 
 
 def _wrap_dflash_kernel(backend, kernel, name, attribute, get, count):
@@ -518,24 +581,29 @@ def _wrap_dflash_kernel(backend, kernel, name, attribute, get, count):
     return wrapped
 
 
-def _with_wrapped_flash_attn(dflash_forward, get, count):
-    """The oldest DFlash layout imports flash_attn_with_kvcache inside dflash_forward at
-    call time: for the duration of this drafter's call, the module attribute it imports is
-    our wrapper (the target never calls flash_attn directly; one model forward at a time)."""
+def _swapping(dflash_forward, swaps, get, count):
+    """dflash_forward, during which each swap's module attribute -- a kernel DFlash looks
+    up at call time (the oldest layout's `from flash_attn import ...` inside dflash_forward,
+    the hybrid kernel's module global) -- is our wrapper of it, restored after (the target
+    never calls these kernels; one model forward at a time). swaps: (module getter,
+    attribute, wrap)."""
     cache = {}
 
     @functools.wraps(dflash_forward)
     def wrapper(*args, **kwargs):
-        module = sys.modules.get(pins.FLASH_ATTN_MODULE) or importlib.import_module(pins.FLASH_ATTN_MODULE)
-        original = getattr(module, pins.FLASH_ATTN_KERNEL)
-        if original not in cache:
-            cache.clear()
-            cache[original] = wrap_flash_attn_with_kvcache(original, get, count)
-        setattr(module, pins.FLASH_ATTN_KERNEL, cache[original])
+        saved = []
         try:
+            for module_of, attribute, wrap in swaps:
+                module = module_of()
+                original = getattr(module, attribute)
+                if original not in cache:
+                    cache[original] = wrap(original, get, count)
+                setattr(module, attribute, cache[original])
+                saved.append((module, attribute, original))
             return dflash_forward(*args, **kwargs)
         finally:
-            setattr(module, pins.FLASH_ATTN_KERNEL, original)
+            for module, attribute, original in reversed(saved):
+                setattr(module, attribute, original)
 
     return wrapper
 
@@ -564,7 +632,7 @@ def _unaudited_override(layer, base):
 
 
 def _prepare_attention(drafter, family: str, prefix: str, scaling: QueryScaling,
-                       draft_config=None) -> tuple[dict, list[str]]:
+                       draft_config=None, where=None) -> tuple[dict, proof.Tally]:
     name = type(drafter).__name__
     backend = getattr(draft_config, pins.ATTN_BACKEND_FIELD, None) or pins.AUDITED_ATTN_BACKENDS[0]
     if str(backend).upper() not in pins.AUDITED_ATTN_BACKENDS:
@@ -601,7 +669,7 @@ def _prepare_attention(drafter, family: str, prefix: str, scaling: QueryScaling,
                                   "QKNormRoPEAttention's fused norm + gate path), which may route the query "
                                   "around apply_rope: not audited for SharpDraft — refused")
     units = [f"{prefix}.{layer_name or 'self'}" for layer_name, _ in named]
-    tally = proof.Tally(units)
+    tally = proof.Tally(units, where)
     for index, (layer_name, layer) in enumerate(named):
         # Instance attributes shadow the class's methods for this layer only; the layer is the
         # wrapped instance itself, so its counter slot is exact.
@@ -611,11 +679,12 @@ def _prepare_attention(drafter, family: str, prefix: str, scaling: QueryScaling,
             functools.partial(tally.add, index))
         _state.instances.add(layer)
         vars(layer)[ORIGINALS] = {pins.ATTENTION_METHOD: None, pins.ATTENTION_FORWARD: None}
-    return {}, units
+    return {}, tally
 
 
 def _restore(instance) -> None:
     vars(instance).pop(SCALING, None)
+    vars(instance).pop(TALLY, None)
     originals = vars(instance).pop(ORIGINALS, None)
     for attribute, original in (originals or {}).items():
         if original is None:

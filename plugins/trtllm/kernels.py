@@ -28,7 +28,7 @@ import torch
 from ..scaling import QueryScaling
 from . import pins
 
-__all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode",
+__all__ = ["visible_keys", "scale_rows", "wrap_flash_attn_with_kvcache", "wrap_trtllm_gen_decode", "wrap_dflash_hybrid",
            "wrap_trtllm_gen_context", "wrap_fa4_fwd", "WRAPPED"]
 
 # Marks a wrapper (value: the kernel it wraps), so wrapping is never applied twice.
@@ -53,41 +53,64 @@ def visible_keys(total: torch.Tensor, q_len: torch.Tensor, row: torch.Tensor, ca
     [max(0, p - left), min(total - 1, p if causal else p + right)] (left/right None or
     negative: unbounded).
     """
+    if not causal and (right is None or right < 0) and (left is None or left < 0):
+        # every row sees every key (DFlash's bidirectional block): no per-row positions to build
+        return (total + torch.zeros_like(row)).clamp(min=0)
     p = total - q_len + row
     hi = total - 1
     if causal:
         hi = torch.minimum(hi, p)
     elif right is not None and right >= 0:
         hi = torch.minimum(hi, p + right)
-    lo = torch.zeros_like(p)
     if left is not None and left >= 0:
-        lo = (p - left).clamp(min=0)
-    return (hi - lo + 1).clamp(min=0)
+        return (hi - (p - left).clamp(min=0) + 1).clamp(min=0)
+    return (hi + 1).clamp(min=0)
 
 
 def scale_rows(q: torch.Tensor, n: torch.Tensor, scaling: QueryScaling) -> torch.Tensor:
     """q multiplied row-wise by beta(n); n's shape is q's leading dims (rows), the rest
-    (heads, head_dim) broadcast. One rounding back to q's dtype (bf16 keeps beta exact
-    to float32 before it)."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    beta = scaling.beta_on_device(n, work)
-    beta = beta.reshape(*n.shape, *([1] * (q.dim() - n.dim())))
-    return (q.to(work) * beta).to(q.dtype)
+    (heads, head_dim) broadcast (QueryScaling.scale_rows: the rule in one expression)."""
+    return scaling.scale_rows(q, n)
 
 
-def _binder(kernel: Callable, name: str):
-    try:
-        signature = inspect.signature(kernel)
-    except (TypeError, ValueError):
-        raise TypeError(f"SharpDraft cannot read the signature of {name} ({kernel!r}) to find "
-                        "its query and length arguments") from None
+class Call:
+    """Where a kernel's parameters sit in a call, resolved once, when the kernel is wrapped:
+    reading one is a dict look-up and a tuple index, not `inspect.Signature.bind` on every
+    call (a wrapped call runs on the host for every drafter layer of every step that is not
+    replayed from a CUDA graph; TensorRT-LLM runs mixed context + generation batches eagerly).
+    Defaults are the kernel's own (causal, windows decide the mask)."""
 
-    def bind(args, kwargs) -> inspect.BoundArguments:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()  # the kernel's own defaults (causal, windows) decide the mask
-        return bound
+    def __init__(self, kernel: Callable, name: str, needed: tuple[str, ...] = ()):
+        try:
+            parameters = inspect.signature(kernel).parameters
+        except (TypeError, ValueError):
+            raise TypeError(f"SharpDraft cannot read the signature of {name} ({kernel!r}) to find "
+                            "its query and length arguments") from None
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            absent = [n for n in needed if n not in parameters]
+            if absent:
+                raise TypeError(f"{name} has no parameter {', '.join(absent)}, which SharpDraft reads to count "
+                                "visible keys: its signature moved")
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.position = {p.name: i for i, p in enumerate(parameters.values()) if p.kind in positional}
+        self.default = {p.name: p.default for p in parameters.values() if p.default is not p.empty}
 
-    return bind
+    def get(self, args: tuple, kwargs: dict, name: str, default=None):
+        if name in kwargs:
+            return kwargs[name]
+        index = self.position.get(name)
+        if index is not None and index < len(args):
+            return args[index]
+        return self.default.get(name, default)
+
+    def replace(self, args: tuple, kwargs: dict, name: str, value) -> tuple:
+        """args with `name` set to value where it was passed positionally; else kwargs (the
+        wrapper's own dict) gets it. Returns the args to call with."""
+        index = self.position.get(name)
+        if name not in kwargs and index is not None and index < len(args):
+            return args[:index] + (value,) + args[index + 1:]
+        kwargs[name] = value
+        return args
 
 
 def _lengths(value, batch: int, device) -> torch.Tensor:
@@ -103,33 +126,24 @@ def _fixed_rows(total: torch.Tensor, q_len: int):
     return total[:, None], q_len, row[None, :]
 
 
-def _binder_checked(kernel: Callable, name: str, needed: tuple[str, ...]):
-    bind = _binder(kernel, name)
-    parameters = inspect.signature(kernel).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        absent = [n for n in needed if n not in parameters]
-        if absent:
-            raise TypeError(f"{name} has no parameter {', '.join(absent)}, which SharpDraft reads to count "
-                            "visible keys: its signature moved")
-    return bind
-
-
-def _wrap(kernel: Callable, scaling, name: str, rescale, count: Callable | None = None,
+def _wrap(kernel: Callable, scaling, name: str, query: str, rows, count: Callable | None = None,
           needed: tuple[str, ...] = ()) -> Callable:
+    """The kernel, with its `query` argument multiplied row-wise by beta of `rows(call, args,
+    kwargs, q)`: each row's visible-key count, shaped like q's leading (row) dims."""
     if getattr(kernel, WRAPPED, None) is not None:
         return kernel
-    bind = _binder_checked(kernel, name, needed)
+    call = Call(kernel, name, needed)
 
     @functools.wraps(kernel)
     def wrapper(*args, **kwargs):
         active = _active(scaling)
         if active is None:
             return kernel(*args, **kwargs)
-        bound = bind(args, kwargs)
-        scaled = rescale(bound.arguments, active)
+        q = call.get(args, kwargs, query)
+        scaled = active.scale_rows(q, rows(call, args, kwargs, q))
         if count is not None:  # the layer's device counter: one in-place add, captured with the call
             count(scaled)
-        return kernel(*bound.args, **bound.kwargs)
+        return kernel(*call.replace(args, kwargs, query, scaled), **kwargs)
 
     setattr(wrapper, WRAPPED, kernel)
     return wrapper
@@ -144,21 +158,17 @@ def wrap_flash_attn_with_kvcache(kernel: Callable, scaling, count: Callable | No
     With packed GQA (newest VANILLA, non-causal unwindowed layers) every row of a
     sequence sees the same keys, so row packing does not matter.
     """
-    def rescale(a, active):
-        q = a["q"]
+    def rows(call, args, kwargs, q):
         batch, q_len = q.shape[0], q.shape[1]
-        if a.get("cache_seqlens") is None:
-            total = _lengths(a["k_cache"].shape[1], batch, q.device)
-        else:
-            total = _lengths(a["cache_seqlens"], batch, q.device)
-        if a.get("k") is not None:
-            total = total + a["k"].shape[1]
-        left, right = a.get("window_size", (-1, -1))
-        n = visible_keys(*_fixed_rows(total, q_len), bool(a.get("causal", False)), left, right)
-        a["q"] = scale_rows(q, n, active)
-        return a["q"]
+        lengths = call.get(args, kwargs, "cache_seqlens")
+        total = _lengths(call.get(args, kwargs, "k_cache").shape[1] if lengths is None else lengths, batch, q.device)
+        k = call.get(args, kwargs, "k")
+        if k is not None:
+            total = total + k.shape[1]
+        left, right = call.get(args, kwargs, "window_size", (-1, -1))
+        return visible_keys(*_fixed_rows(total, q_len), bool(call.get(args, kwargs, "causal", False)), left, right)
 
-    return _wrap(kernel, scaling, "flash_attn_with_kvcache", rescale, count, pins.KERNEL_PARAMETERS["VANILLA"])
+    return _wrap(kernel, scaling, "flash_attn_with_kvcache", "q", rows, count, pins.KERNEL_PARAMETERS["VANILLA"])
 
 
 def _varlen_rows(total_q: int, cum_q: torch.Tensor, seq_lens: torch.Tensor):
@@ -181,19 +191,16 @@ def wrap_trtllm_gen_decode(kernel: Callable, scaling, count: Callable | None = N
     request are causal among themselves (speculative decoding's layout), row i seeing
     seq_lens - q_len + i + 1 keys, at most window_left + 1 when a window is set.
     """
-    def rescale(a, active):
-        query = a["query"]
-        seq_lens = a["seq_lens"].to(torch.int64)
-        left = a.get("window_left", -1)
-        if a.get("cum_seq_lens_q") is not None:
-            total, q_len, row = _varlen_rows(query.shape[0], a["cum_seq_lens_q"], seq_lens)
+    def rows(call, args, kwargs, query):
+        seq_lens = call.get(args, kwargs, "seq_lens").to(torch.int64)
+        cum_q = call.get(args, kwargs, "cum_seq_lens_q")
+        if cum_q is not None:
+            total, q_len, row = _varlen_rows(query.shape[0], cum_q, seq_lens)
         else:
-            total, q_len, row = _fixed_rows(seq_lens, int(a.get("q_len_per_req") or 1))
-        n = visible_keys(total, q_len, row, True, left, None).reshape(-1)
-        a["query"] = scale_rows(query, n, active)
-        return a["query"]
+            total, q_len, row = _fixed_rows(seq_lens, int(call.get(args, kwargs, "q_len_per_req") or 1))
+        return visible_keys(total, q_len, row, True, call.get(args, kwargs, "window_left", -1), None).reshape(-1)
 
-    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", rescale, count,
+    return _wrap(kernel, scaling, "trtllm_batch_decode_with_kv_cache", "query", rows, count,
                  pins.KERNEL_PARAMETERS["TRTLLM"])
 
 
@@ -205,15 +212,13 @@ def wrap_trtllm_gen_context(kernel: Callable, scaling, count: Callable | None = 
     DFlash calls it for non-causal (bidirectional block) layers: every row of a request
     sees all seq_lens keys, or the last window_left + 1 + (rows after it) with a window.
     """
-    def rescale(a, active):
-        query = a["query"]
-        total, q_len, row = _varlen_rows(query.shape[0], a["cum_seq_lens_q"], a["seq_lens"])
-        n = visible_keys(total, q_len, row, bool(a.get("causal", True)),
-                         a.get("window_left", -1), None)
-        a["query"] = scale_rows(query, n, active)
-        return a["query"]
+    def rows(call, args, kwargs, query):
+        total, q_len, row = _varlen_rows(query.shape[0], call.get(args, kwargs, "cum_seq_lens_q"),
+                                         call.get(args, kwargs, "seq_lens"))
+        return visible_keys(total, q_len, row, bool(call.get(args, kwargs, "causal", True)),
+                            call.get(args, kwargs, "window_left", -1), None)
 
-    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", rescale, count,
+    return _wrap(kernel, scaling, "trtllm_batch_context_with_kv_cache", "query", rows, count,
                  pins.KERNEL_PARAMETERS["TRTLLM_CONTEXT"])
 
 
@@ -224,21 +229,34 @@ def wrap_fa4_fwd(kernel: Callable, scaling, count: Callable | None = None) -> Ca
     Keys per sequence: seqused_k (DFlash passes ctx + block); without it, k.shape[1]
     (unpaged). Ragged queries (cu_seqlens_q) are not used by DFlash and are refused.
     """
-    def rescale(a, active):
-        q = a["q"]
-        if a.get("cu_seqlens_q") is not None:
+    def rows(call, args, kwargs, q):
+        if call.get(args, kwargs, "cu_seqlens_q") is not None:
             raise ValueError("SharpDraft's FA4 wrapper handles [B, sq, H, D] queries; "
                              "this call passes cu_seqlens_q (ragged queries)")
         batch, q_len = q.shape[0], q.shape[1]
-        if a.get("seqused_k") is not None:
-            total = _lengths(a["seqused_k"], batch, q.device)
-        elif a.get("page_table") is None:
-            total = _lengths(a["k"].shape[1], batch, q.device)
+        seqused_k = call.get(args, kwargs, "seqused_k")
+        if seqused_k is not None:
+            total = _lengths(seqused_k, batch, q.device)
+        elif call.get(args, kwargs, "page_table") is None:
+            total = _lengths(call.get(args, kwargs, "k").shape[1], batch, q.device)
         else:
             raise ValueError("SharpDraft's FA4 wrapper needs seqused_k with a page_table")
-        n = visible_keys(*_fixed_rows(total, q_len), bool(a.get("causal", False)),
-                         a.get("window_size_left"), a.get("window_size_right"))
-        a["q"] = scale_rows(q, n, active)
-        return a["q"]
+        return visible_keys(*_fixed_rows(total, q_len), bool(call.get(args, kwargs, "causal", False)),
+                            call.get(args, kwargs, "window_size_left"), call.get(args, kwargs, "window_size_right"))
 
-    return _wrap(kernel, scaling, "_flash_attn_fwd", rescale, count, pins.KERNEL_PARAMETERS["FA4"])
+    return _wrap(kernel, scaling, "_flash_attn_fwd", "q", rows, count, pins.KERNEL_PARAMETERS["FA4"])
+
+
+def wrap_dflash_hybrid(kernel: Callable, scaling, count: Callable | None = None) -> Callable:
+    """`dflash_ctx_paged_attention(q [B, Q, NH, D], k_cache, v_cache, block_idx, ctx_lens [B],
+    k_noise [B, Q, NKV, D], v_noise)` (`_torch/speculative/dflash_hybrid_attn.py`, the hybrid
+    mode whose draft context lives in the target's KV cache manager): every query row of
+    request b attends, unmasked, to its ctx_lens[b] context tokens from the paged pool and
+    to the Q keys of the block's dense noise suffix, so N = ctx_lens[b] + Q for every row.
+    """
+    def rows(call, args, kwargs, q):
+        total = _lengths(call.get(args, kwargs, "ctx_lens"), q.shape[0], q.device)
+        total = total + call.get(args, kwargs, "k_noise").shape[1]
+        return visible_keys(*_fixed_rows(total, q.shape[1]), False, None, None)
+
+    return _wrap(kernel, scaling, "dflash_ctx_paged_attention", "q", rows, count, pins.KERNEL_PARAMETERS["HYBRID"])

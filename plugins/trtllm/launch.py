@@ -16,8 +16,12 @@ Before (`Launch(...)`, each refusal one line, a LaunchError):
   drafter; nothing of this process reaches them otherwise). On one GPU without it, the
   executor is kept in this process (TLLM_WORKER_USE_SINGLE_PROCESS=1, said on stderr with
   the reason); with it, TensorRT-LLM keeps its own worker process.
-The hook is installed in this process too (single-process executor, Triton stub) and the
-proof directory is exported in TRTLLM_SHARPDRAFT_PROOF, which MpiPoolSession forwards.
+- with pipeline parallelism, a release whose Mapping cannot tell the stage that runs the
+  drafter (pins.MAPPING_STAGE).
+The hook is installed in this process too (single-process executor, Triton stub). The proof
+directory travels in the drafter's own config: TensorRT-LLM is handed this launch's view of
+the drafter directory (`llm_config`), whose config.json names it -- no environment variable.
+Servers gate the LLM class itself (`gate`), so no binding of it goes around the proof.
 
 After (plugins/trtllm/proof.py): once the LLM is built, `require()` -- every rank that holds
 a drafter wrapped it (or, where its config allows, runs it frozen), and the device counts
@@ -32,6 +36,8 @@ SharpDraft drafter could not be scaled is reported as the hook's one line (`buil
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import shutil
 import sys
@@ -86,12 +92,21 @@ def require_tensorrt_llm():
                           f"{first})") from None
 
 
-def check_release(version: str | None, root: Path | None = None, dflash_backend: str | None = None) -> str | None:
+def family_of(config: dict, family: str | None) -> str | None:
+    """The drafter family of a launch: given, or from speculative_config.decoding_type."""
+    if family is not None:
+        return family
+    decoding = (config.get("speculative_config") or {}).get("decoding_type")
+    return next((f for f, t in pins.DECODING_TYPES.items() if t == decoding), None)
+
+
+def check_release(version: str | None, root: Path | None = None, dflash_backend: str | None = None,
+                  family: str | None = None) -> str | None:
     """The release, if SharpDraft may run on it (LaunchError in one line otherwise): decided
     by structure alone -- every name, signature and metadata field the hook reads present in
     its source, and the DFlash kernel of `dflash_backend` (the launch's attention backend;
     None: no DFlash). A release outside the range we read writes one line naming it untested."""
-    missing = structure.missing_names(root, dflash_backend=dflash_backend)
+    missing = structure.missing_names(root, dflash_backend=dflash_backend, family=family)
     label = version if version is not None else "(version unknown)"
     if missing:
         raise LaunchError(f"TensorRT-LLM {label} moved what SharpDraft's hook relies on: "
@@ -166,7 +181,7 @@ class Launch:
 
         launch = Launch(scaling, config, family, drafter_dir)   # refuses in one line
         with launch.built():
-            llm = tensorrt_llm.LLM(**config)                     # a stopped build: our one line
+            llm = tensorrt_llm.LLM(**launch.llm_config(config))  # the drafter view; a stopped build: our line
         applied = launch.require()                               # wrapped on every rank
         ... first requests (servers: launch.probe(llm)) ...
         applied = launch.require_running()                       # the counts grew
@@ -189,17 +204,90 @@ class Launch:
             raise
         self.held: list[dict] = []
         self.before: dict[int, dict] = {}
+        self._gated = None
         self.directory = Path(tempfile.mkdtemp(prefix="sharpdraft-proof-"))
-        self._proof_before = os.environ.get(proof.PROOF_ENV)
-        os.environ[proof.PROOF_ENV] = str(self.directory)  # TRTLLM_-prefixed: forwarded to workers
-        proof.set_directory(self.directory)
+        self.view = self._drafter_view()
         install()  # this process (single-process executor, Triton stub, serve process)
+
+    def _drafter_view(self) -> Path:
+        """This launch's view of the drafter directory, what TensorRT-LLM is handed as
+        speculative_model: config.json with the proof directory added to its SharpDraft
+        parameters (pins.PROOF_KEY), every other entry a symlink to the original's. So the
+        proof's location reaches the process that builds the drafter in the config it builds
+        from: no environment variable, which MPI may not forward (older MpiPoolSession
+        copies pass no env=; a variable set after MPI started does not reach spawned
+        workers), and concurrent launches of one engine never share a directory."""
+        import json
+
+        source = Path(self.drafter_dir).resolve()
+        view = self.directory / "drafter"
+        view.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        config[pins.SHARPDRAFT_KEY] = dict(config[pins.SHARPDRAFT_KEY], **{pins.PROOF_KEY: str(self.directory)})
+        (view / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for entry in source.iterdir():
+            if entry.name != "config.json":
+                (view / entry.name).symlink_to(entry.resolve())
+        return view
+
+    def llm_config(self, config: dict) -> dict:
+        """LLM() arguments with this launch's drafter view as speculative_model."""
+        speculative = dict(config.get("speculative_config") or {})
+        speculative["speculative_model"] = str(self.view)
+        return dict(config, speculative_config=speculative)
+
+    def gate(self, probe: bool = True) -> None:
+        """Gate TensorRT-LLM's LLM class itself (pins.LLM_CLASS): every name bound to it --
+        tensorrt_llm.LLM, commands.serve.PyTorchLLM, a serving module's own `from
+        tensorrt_llm import LLM as ...` made before this call -- is the same class object,
+        so no import order goes around it. While this launch lives, an LLM handed this
+        launch's drafter directory builds from the drafter view, a build the hook stopped
+        reports the hook's line, and (probe) the proof is checked before the LLM returns:
+        wrapped on every rank, one short request, every counted layer grown. close() puts
+        the class back. ImportError (one line) where the class is not there."""
+        import importlib
+
+        module_name, class_name = pins.LLM_CLASS
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            raise ImportError(f"TensorRT-LLM has no {module_name}.{class_name} (the LLM class every server "
+                              "builds), where SharpDraft checks its proof — run with --no-sharpdraft") from None
+        original = cls.__dict__.get("__init__")
+        inherited = cls.__init__
+        launch = self
+
+        def __init__(llm, *args, **kwargs):
+            spec = kwargs.get("speculative_config")
+            if isinstance(spec, dict) and launch.owns(spec.get("speculative_model")):
+                kwargs = launch.llm_config(kwargs)
+            with launch.built():
+                inherited(llm, *args, **kwargs)
+            if probe:
+                try:
+                    applied = launch.probe(llm)
+                except Exception:
+                    llm.shutdown()
+                    raise
+                sys.stderr.write(json.dumps({"sharpdraft_applied": applied}) + "\n")
+
+        cls.__init__ = functools.wraps(inherited)(__init__)
+        self._gated = (cls, original)
+
+    def owns(self, speculative_model) -> bool:
+        """Whether speculative_model is this launch's drafter (its directory or its view)."""
+        if not speculative_model:
+            return False
+        path = Path(speculative_model).resolve()
+        return path in (Path(self.drafter_dir).resolve(), self.view.resolve())
 
     def _check(self, config: dict, family: str | None, drafter_dir, site) -> None:
         """Everything refused before TensorRT-LLM builds anything (one line each)."""
-        self.version = check_release(installed_version(), dflash_backend=dflash_backend(config, family))
+        self.version = check_release(installed_version(), dflash_backend=dflash_backend(config, family),
+                                     family=family_of(config, family))
         refuse_inexact(config, family, drafter_dir)
         drafter_dir = drafter_dir or (config.get("speculative_config") or {}).get("speculative_model")
+        self.drafter_dir = drafter_dir
         carried = trtllm_config.drafter_parameters(drafter_dir)
         policy = carried.get(pins.IF_UNSCALABLE) if isinstance(carried, dict) else None
         parameters = {k: v for k, v in carried.items() if k != pins.IF_UNSCALABLE} if isinstance(carried, dict) \
@@ -215,6 +303,10 @@ class Launch:
         self.world = sizes["tp"] * sizes["pp"] * sizes["cp"]
         self.pipeline = sizes["pp"]
         self.graphs = cuda_graphs(config)
+        if self.pipeline > 1 and structure.mapping_missing():
+            raise LaunchError(f"pp={self.pipeline}: this TensorRT-LLM's mapping has no "
+                              f"{pins.MAPPING_MODULE}.Mapping.{' / '.join(pins.MAPPING_STAGE)}, from which SharpDraft "
+                              "tells the stage that runs the drafter — run with pp=1, or --no-sharpdraft")
         if self.world > 1 and self.site is None:
             raise LaunchError(f"tp={sizes['tp']} pp={sizes['pp']} run TensorRT-LLM's model in MPI worker "
                               "processes, which this process's hook does not reach — run `python -m "
@@ -279,12 +371,14 @@ class Launch:
         return any(e["kind"] == "wrapped" for e in self.held)
 
     def close(self) -> None:
-        if self._proof_before is None:
-            os.environ.pop(proof.PROOF_ENV, None)
-        else:
-            os.environ[proof.PROOF_ENV] = self._proof_before
+        if self._gated is not None:
+            cls, original = self._gated
+            if original is None:
+                del cls.__init__  # it was inherited
+            else:
+                cls.__init__ = original
+            self._gated = None
         self._restore_untested()
-        proof.set_directory(None)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -313,6 +407,7 @@ def build_llm(manifest, sharpdraft: bool = True, speculative: bool = True, **ove
     launch = None
     if scaled:
         launch = Launch(manifest.query_scaling, config, manifest.drafter, manifest.drafter_dir)
+        config = launch.llm_config(config)  # the drafter view: the proof directory travels in its config
         for key, value in launch.env().items():
             os.environ.setdefault(key, value)
     try:

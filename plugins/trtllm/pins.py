@@ -170,6 +170,30 @@ SOURCES = {
         "(never apply_rope) when _fuse_qk_norm_rope_gate, else super().preprocess_qkv; apply_rope "
         "overridden (q/k norm, then super().apply_rope or the fused qk_norm_rope op). Older copy "
         "_torch/modules/qk_norm_attention.py @ a98a9061: apply_rope override only"),
+    "dflash_hybrid_attn": Source(
+        "tensorrt_llm/_torch/speculative/dflash_hybrid_attn.py",
+        "2fc997219d69cbbdfb92bd6e04b53ecbf2440d49 (and a newer split-K copy, commit not shown: same signature)",
+        "dflash_ctx_paged_attention(q [B, Q, NH, D], k_cache, v_cache [pages, TPB, NKV, D], block_idx [B, W], "
+        "ctx_lens [B] (device), k_noise, v_noise [B, Q, NKV, D]) -> [B, Q, NH, D]: every row attends to "
+        "ctx_lens[b] paged context tokens plus the Q noise keys, unmasked, sm_scale = 1/sqrt(D); "
+        "dflash_ctx_paged_attention_ref: a plain-torch reference 'for parity tests'"),
+    "mapping": Source(
+        "tensorrt_llm/mapping.py", "(stored copies; the store does not show their commit)",
+        "Mapping: pp_rank (rank // (tp_size * cp_size)), pp_size, is_last_pp_rank(): pp_rank == pp_size - 1"),
+    "model_loader": Source(
+        "tensorrt_llm/_torch/pyexecutor/model_loader.py", "(stored copies; the store does not show their commit)",
+        "ModelLoader.load: `with MetaInitMode(): model = AutoModelForCausalLM.from_config(config_copy)`; on "
+        "any exception logs 'Fallback to regular model init' and builds the model again (newest copy: "
+        "is_meta_init flag). MetaInitMode (_torch/models/modeling_utils.py) puts empty/empty_like on the "
+        "meta device and raises MetaInitException on other ops over meta tensors"),
+    "cuda_graph_runner": Source(
+        "tensorrt_llm/_torch/pyexecutor/cuda_graph_runner.py", "(stored copies; the store does not show their commit)",
+        "CUDAGraphRunner.maybe_get_cuda_graph(batch, ...) decides per batch whether a graph is used; graphs "
+        "for a new key are captured on demand while serving, through torch.cuda.CUDAGraph"),
+    "openengine": Source(
+        "(newer copies than 1.4.0rc4: the OpenEngine gRPC server module; its path was not pinned)",
+        "(FACTS 2026-12-07)",
+        "imports `from tensorrt_llm import LLM as PyTorchLLM` at import time and builds from that name"),
     "mla": Source(
         "tensorrt_llm/_torch/attention/mla.py", "99734c04e159095649e7a9add6d4f4425fc15ff9",
         "where MLA lives in the newer layout (location only: the file's contents were not read)"),
@@ -182,9 +206,11 @@ SOURCES = {
     "mpi_session": Source(
         "tensorrt_llm/llmapi/mpi_session.py", "00a1352a7d4888da341e92fc5b19cdfe3e532210",
         "MpiPoolSession._start_mpi_pool: MPIPoolExecutor(max_workers=n_workers, path=sys.path, "
-        "env={only TRTLLM*/TLLM* variables} + env_overrides) (older copies: no env=): so "
-        "TRTLLM_SHARPDRAFT_PROOF reaches the workers (applied after site ran); workers run worker_main; their COMM_WORLD is "
-        "the spawned world (_worker_identity_barrier), whose rank TensorRT-LLM's mpi_rank() reads"),
+        "env={only TRTLLM*/TLLM* variables} + env_overrides); older copies (re-read 2026-12-07, several) pass "
+        "no env= at all (TensorRT-LLM's own tests patch _start_mpi_pool to add one): so nothing of ours "
+        "travels in the environment -- the proof directory is in the drafter view's config; workers run "
+        "worker_main; their COMM_WORLD is the spawned world (_worker_identity_barrier), whose rank "
+        "TensorRT-LLM's mpi_rank() reads"),
     "executor": Source(
         "tensorrt_llm/executor/executor.py", "005bc848893f575ec14b45d6b13139360d67c790",
         "GenerationExecutor.create: world size > 1 -> proxy + MPI workers; TP1 with "
@@ -197,8 +223,10 @@ SOURCES = {
     "serve": Source(
         "tensorrt_llm/commands/serve.py", "4c05a74891e4df8066f08ed4ce14b0972abe4e25",
         "launch_server: llm = PyTorchLLM(**llm_args) (PyTorchLLM = tensorrt_llm.LLM, a module "
-        "global) then OpenAIServer(llm=llm, ...); options --tp_size, --pp_size, --ep_size, "
-        "--extra_llm_api_options (later releases: --config)"),
+        "global bound at import) then OpenAIServer(llm=llm, ...); options --tp_size, --pp_size, --ep_size, "
+        "--extra_llm_api_options (later releases: --config). Re-read 2026-12-07: the same binding, and "
+        "the same `from tensorrt_llm import LLM as PyTorchLLM` in the gRPC / SMG / OpenEngine server "
+        "modules and the older Triton llmapi model.py: one class object, gated in place (LLM_CLASS)"),
     "llmapi_model": Source(
         "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py", "044a90d209e380c95e23e8ae42f3583fa05ada78",
         "TritonPythonModel; imports tensorrt_llm in initialize(), which builds LLM(**model.yaml "
@@ -216,6 +244,39 @@ SOURCES = {
         "setup.py", "(stored copy; the store does not show its commit)",
         "console script trtllm-serve = tensorrt_llm.commands.serve:main"),
 }
+
+
+# What changed in this file when every pin was re-read against the newest stored sources
+# (issue 69, 2026-12-07):
+# - modeling_dflash.py @ 7c7504c0 (newest stored): DFlashForCausalLM(draft_config, *,
+#   dflash_attention_backend), the kernels on the instance (_dflash_flash_attention /
+#   _dflash_trtllm_gen_ops / _dflash_fa4_fwd + _dflash_paged_append) from dflash_attention's
+#   get_dflash_* loaders: unchanged. It does not import dflash_hybrid_attn.
+# - modeling_dflash.py, a DFlash 2 copy (78,299 characters, commit not shown; older
+#   ..modules layout, VANILLA / TRTLLM): block convolutions around each sublayer
+#   (attention_convs / mlp_convs, on hidden states before qkv_proj and after o_proj) and a
+#   candidate selector after the logits -- both outside the query path; each layer still
+#   calls self_attn.qkv_proj right before its kernel, VANILLA passes k/v to append with
+#   cache_seqlens = ctx (the wrapper adds k.shape[1]), TRTLLM calls append_paged_kv_cache
+#   (kept) then batch_decode / batch_context with seq_lens = ctx + block: unchanged.
+# - dflash_attention.py (newest stored: get_dflash_flash_attention, get_dflash_paged_append,
+#   get_dflash_trtllm_gen_ops, get_dflash_fa4_fwd): unchanged names.
+# - NEW dflash_hybrid_attn.py (SOURCES["dflash_hybrid_attn"]): dflash_ctx_paged_attention,
+#   wrapped (KERNEL_PARAMETERS["HYBRID"], DFLASH_HYBRID_*); any other public function there
+#   refused by name.
+# - model_loader.py (SOURCES["model_loader"]): the MetaInitMode build and its fallback build
+#   -- the proof now asks for one fully counting drafter per process, not every record's.
+# - SpecDecOneEngineForCausalLM.__init__ (SOURCES["draft_config"]): draft_config carries
+#   mapping=model_config.mapping; every pipeline stage builds the drafter: MAPPING_FIELD,
+#   MAPPING_STAGE, MAPPING_MODULE (SOURCES["mapping"]) are new.
+# - mpi_session.py: older copies pass no env= (SOURCES["mpi_session"]): PROOF_KEY is new, the
+#   proof directory rides in the drafter view's config.
+# - commands/serve.py and the OpenEngine server (SOURCES["serve"], ["openengine"]): LLM is
+#   bound at import under other names: LLM_BINDINGS (a list of names) is replaced by
+#   LLM_CLASS (the class, gated in place); SERVE_LLM is gone.
+# - cuda_graph_runner.py (SOURCES["cuda_graph_runner"]): captures while serving through
+#   torch.cuda.CUDAGraph: proof.CAPTURE_METHODS (torch's, not TensorRT-LLM's) is what the
+#   count reader waits on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +369,29 @@ KERNEL_PARAMETERS = {
     "TRTLLM_CONTEXT": ("query", "seq_lens", "cum_seq_lens_q", "window_left", "causal"),
     "FA4": ("q", "k", "seqused_k", "page_table", "causal", "window_size_left", "window_size_right",
             "cu_seqlens_q"),
+    "HYBRID": ("q", "ctx_lens", "k_noise"),
 }
+# The hybrid-context DFlash kernel (SOURCES["dflash_hybrid_attn"]): a Triton paged
+# cross-attention over the target KV cache manager's pool, in its own module. No stored
+# modeling_dflash.py calls it yet, so where a release binds it is not known: while a
+# SharpDraft DFlash drafter's dflash_forward runs, the module's function and every DFlash
+# module global bound to it hold our wrapper (kernels.wrap_dflash_hybrid), and a drafter
+# instance attribute holding it is wrapped like the other kernels. Any other public
+# function of that module is an unknown DFlash kernel: a SharpDraft drafter is refused,
+# naming it, when built (and our launchers' check names it before).
+DFLASH_HYBRID_MODULE = "tensorrt_llm._torch.speculative.dflash_hybrid_attn"
+DFLASH_HYBRID_KERNEL = "dflash_ctx_paged_attention"
+DFLASH_HYBRID_UNUSED = ("dflash_ctx_paged_attention_ref",)  # its docstring: "for parity tests"
+# ModelConfig.mapping (tensorrt_llm.mapping.Mapping, SOURCES["mapping"]): the drafter's
+# pipeline stage. SpecDecOneEngineForCausalLM hands the drafter a config with the target's
+# mapping (SOURCES["draft_config"]); every stage builds a drafter, the last one runs it.
+MAPPING_FIELD = "mapping"
+MAPPING_STAGE = ("pp_rank", "pp_size", "is_last_pp_rank")
+MAPPING_MODULE = "tensorrt_llm.mapping"
+# Our own key beside the QueryScaling in a drafter view's config (never TensorRT-LLM's):
+# the launch's proof directory (plugins/trtllm/proof.py), so it reaches the worker in the
+# config it builds the drafter from, not in an environment MPI may not forward.
+PROOF_KEY = "proof"
 # DFlash draft layers are told apart by the layer object: dflash_forward calls each draft
 # layer's self_attn.qkv_proj on the block right before that layer's kernel call
 # (SOURCES["modeling_speculative_dflash_1_3"], ["modeling_dflash"]).
@@ -364,19 +447,17 @@ AUDITED_ATTENTION = {("QKNormRoPEAttention", "preprocess_qkv"): "_fuse_qk_norm_r
 MLA_MODULES = ("tensorrt_llm._torch.modules.attention", "tensorrt_llm._torch.attention.attention",
                "tensorrt_llm._torch.attention.mla")
 
-# trtllm-serve's entry point (console script); the LLM class its launch_server builds
-# (SOURCES["serve"]): the launcher checks the proof right after it returns. And the switch that keeps the LLM API's
+# trtllm-serve's entry point (console script) (SOURCES["serve"]). And the switch that keeps the LLM API's
 # executor in the calling process for one GPU (no MPI worker): TensorRT-LLM's own tests
 # set it (e.g. tests/unittest/_torch/speculative/*: monkeypatch TLLM_WORKER_USE_SINGLE_PROCESS).
 SERVE_ENTRY = ("tensorrt_llm.commands.serve", "main")
-SERVE_LLM = ("tensorrt_llm.commands.serve", "PyTorchLLM")
-# Every name under which an accepted release hands out the LLM class a server builds
-# (commands/serve.py's PyTorchLLM; `from tensorrt_llm import LLM` in newer serving entry
-# points such as the OpenEngine gRPC server): the proof gate replaces each one that is
-# loaded, so a server started from any of them builds a checked LLM. `trtllm-serve`
-# subcommands other than its plain serve path are refused by our launcher (SERVE_COMMANDS).
-# (The defining module, llmapi/llm.py, keeps its own class: its code refers to it by name.)
-LLM_BINDINGS = (("tensorrt_llm", "LLM"), ("tensorrt_llm.llmapi", "LLM"), SERVE_LLM)
+# The LLM class every server builds (llmapi/llm.py's LLM; tensorrt_llm.LLM,
+# commands.serve.PyTorchLLM and the OpenEngine server's `from tensorrt_llm import LLM as
+# PyTorchLLM` are all this one object, SOURCES["serve"], ["openengine"]): the proof gate
+# wraps its __init__ in place (launch.Launch.gate), so no import order can go around it.
+# `trtllm-serve` subcommands that build their servers otherwise are refused by our
+# launcher (SERVE_SUBCOMMANDS).
+LLM_CLASS = ("tensorrt_llm.llmapi.llm", "LLM")
 SERVE_SUBCOMMANDS = ("disaggregated", "disaggregated_mpi_worker", "mm_embedding_serve", "grpc", "openengine")
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 

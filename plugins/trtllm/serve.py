@@ -12,10 +12,10 @@ FILE [options]`. With SharpDraft (plugins/trtllm/launch.py, docs/trtllm.md):
   parameters, and the hook's reach: one GPU without the autoloader keeps the executor in
   this process (TLLM_WORKER_USE_SINGLE_PROCESS=1 unless you set it, said with the reason);
   tp/pp > 1 need the .pth lazy hook (`python -m plugins.trtllm autoload install`);
-- the proof gate: every name under which the release hands out its LLM class
-  (pins.LLM_BINDINGS: commands.serve.PyTorchLLM, tensorrt_llm.LLM, ...) is replaced by a
-  checked one, so whichever serving entry point builds the LLM goes through it; trtllm-serve
-  subcommands that serve otherwise (pins.SERVE_SUBCOMMANDS) are refused;
+- the proof gate on TensorRT-LLM's LLM class itself (pins.LLM_CLASS; launch.Launch.gate):
+  every name bound to it is the same object, so whichever serving entry point builds the
+  LLM, whenever it imported the name, goes through it; trtllm-serve subcommands that serve
+  otherwise (pins.SERVE_SUBCOMMANDS) are refused;
 - once the LLM is built, before it serves: the proof that a drafter was wrapped on every
   rank, then one short request of ours and the device counts of scaled calls, which must
   have grown on every wrapped layer (with or without CUDA graphs), else one line and exit 1.
@@ -115,51 +115,6 @@ def plan(manifest, engine_dir: Path, sharpdraft: bool, serve_args: list[str]) ->
             "env": env, "scaling": scaling, "autoload": site is not None, "world": world, "manifest": manifest}
 
 
-def checked_llm(llm_class, launch):
-    """A subclass of TensorRT-LLM's LLM class whose instances are checked once built, before
-    anything serves: the proof on every rank, one short request, the device counts grown
-    (launch.probe); the build itself reports a drafter the hook could not scale as its one
-    line. A subclass, not a function: isinstance checks against the stock class still hold."""
-    if getattr(llm_class, "_sharpdraft_checked", False):
-        return llm_class
-
-    def __init__(self, *args, **kwargs):
-        with launch.built():
-            llm_class.__init__(self, *args, **kwargs)
-        try:
-            applied = launch.probe(self)
-        except Exception:
-            self.shutdown()
-            raise
-        sys.stderr.write(json.dumps({"sharpdraft_applied": applied}) + "\n")
-
-    return type(llm_class.__name__, (llm_class,), {"__init__": __init__, "_sharpdraft_checked": True,
-                                                   "__module__": llm_class.__module__,
-                                                   "__qualname__": llm_class.__qualname__})
-
-
-def gate_every_binding(launch) -> list[str]:
-    """Replace every loaded name under which TensorRT-LLM hands out its LLM class
-    (pins.LLM_BINDINGS) by the checked one; the names replaced. Refuses (ImportError, one
-    line) where trtllm-serve's own binding is missing: the gate would not be on its path."""
-    import importlib
-
-    replaced = []
-    for module_name, attribute in pins.LLM_BINDINGS:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:
-            continue
-        if hasattr(module, attribute):
-            setattr(module, attribute, checked_llm(getattr(module, attribute), launch))
-            replaced.append(f"{module_name}.{attribute}")
-    llm_module, llm_name = pins.SERVE_LLM
-    if f"{llm_module}.{llm_name}" not in replaced:
-        raise ImportError(f"TensorRT-LLM has no {llm_module}.{llm_name} (the LLM trtllm-serve builds), "
-                          "where SharpDraft checks its proof — run with --no-sharpdraft")
-    return replaced
-
-
 def run(args, manifest, progress=lambda line: sys.stderr.write(line + "\n")) -> int:
     import importlib
 
@@ -186,8 +141,9 @@ def run(args, manifest, progress=lambda line: sys.stderr.write(line + "\n")) -> 
     if what["scaling"] is not None:
         manifest = what["manifest"]
         launch = trtllm.Launch(what["scaling"], what["config"], manifest.drafter, manifest.drafter_dir)
+        config = launch.llm_config(config)  # the drafter view: the proof directory travels in its config
         try:
-            gate_every_binding(launch)
+            launch.gate(probe=True)  # the LLM class itself: no binding of it serves unchecked
         except ImportError:
             launch.close()
             raise

@@ -182,6 +182,24 @@ def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=Non
     return attend(q, K, V, mask, scale), None
 
 
+def dflash_ctx_paged_attention(q, k_cache, v_cache, block_idx, ctx_lens, k_noise, v_noise):
+    """DFlash's hybrid-context kernel (dflash_hybrid_attn.py): q [B, Q, NH, D]; the context
+    K/V in the target manager's NHD pages [pages, TPB, NKV, D] through block_idx [B, W], its
+    first ctx_lens[b] tokens valid; then the Q noise keys [B, Q, NKV, D], all visible."""
+    batch, q_len = q.shape[:2]
+
+    def gather(pages, noise):
+        x = pages[block_idx.long()]  # [B, W, TPB, NKV, D]
+        return torch.cat((x.reshape(batch, -1, x.shape[3], x.shape[4]), noise), dim=1)
+
+    K, V = gather(k_cache, k_noise), gather(v_cache, v_noise)
+    context = K.shape[1] - k_noise.shape[1]
+    j = torch.arange(K.shape[1])
+    visible = (j < ctx_lens.long()[:, None]) | (j >= context)  # [B, keys]
+    mask = visible[:, None, :].expand(batch, q_len, K.shape[1])
+    return attend(q, K, V, mask, q.shape[-1] ** -0.5)
+
+
 def reference(kernel, scaling, *args, **kwargs):
     """The kernel's result with each row's logits multiplied by beta(visible keys)."""
     REFERENCE["scaling"] = scaling

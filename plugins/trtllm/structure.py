@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import pins
 
-__all__ = ["package_root", "missing_names"]
+__all__ = ["package_root", "missing_names", "families", "mapping_missing"]
 
 
 def package_root() -> Path | None:
@@ -102,18 +102,44 @@ def _dflash_texts(root: Path) -> str:
     return "\n".join(dict.fromkeys(texts))
 
 
-def missing_names(root: Path | None = None, dflash_backend: str | None = None) -> list[str]:
-    """What the installed source lacks, each as 'module.Class.method' or a field name; []
-    when everything the hook reads is there. dflash_backend: the DFlash attention backend
-    this launch uses (its kernel attribute is required; None: no DFlash kernel required)."""
+def families(root: Path | None = None) -> dict[str, str]:
+    """{family: what is missing ('' when present)} for every drafter family: `check` reports
+    them all, a launch needs its own only."""
+    root = root if root is not None else package_root()
+    out = {}
+    for family in pins.FAMILIES:
+        found, why = _family_found(root, family) if root is not None else (False, "tensorrt_llm")
+        out[family] = "" if found else why
+    return out
+
+
+def mapping_missing(root: Path | None = None) -> bool:
+    """Whether the installed Mapping lacks what tells a rank's pipeline stage
+    (pins.MAPPING_STAGE), read from its source."""
+    root = root if root is not None else package_root()
+    text = _read(_module_file(root, pins.MAPPING_MODULE)) if root is not None else None
+    return not text or not all(re.search(rf"\b{name}\b", text) for name in pins.MAPPING_STAGE)
+
+
+def missing_names(root: Path | None = None, dflash_backend: str | None = None, family: str | None = None) -> list[str]:
+    """What the installed source lacks for a launch of `family` (None: every family), each
+    as 'module.Class.method' or a field name; [] when everything the hook reads there is
+    present. Another family's drafter class moving does not refuse this launch (`check`
+    reports it apart: families()). dflash_backend: the DFlash attention backend this launch
+    uses (its kernel attribute is required; None: no DFlash kernel required); EAGLE-3 and
+    PARD need the generic Attention and the metadata fields their count reads, DFlash
+    neither."""
     root = root if root is not None else package_root()
     if root is None:
         return ["tensorrt_llm (package folder not found)"]
     missing = []
-    for family in pins.FAMILIES:
-        found, why = _family_found(root, family)
+    wanted = [family] if family in pins.FAMILIES else list(pins.FAMILIES)
+    for name in wanted:
+        found, why = _family_found(root, name)
         if not found:
             missing.append(why)
+    if wanted == ["dflash"]:
+        return missing + _dflash_kernel_missing(root, dflash_backend)
     attention = [c for c in (_classes(_module_file(root, m)) for m in pins.ATTENTION_MODULES) if c]
     found = [c[pins.ATTENTION_CLASS] for c in attention if pins.ATTENTION_CLASS in c]
     if not found:
@@ -127,6 +153,24 @@ def missing_names(root: Path | None = None, dflash_backend: str | None = None) -
         for field in pins.METADATA.values():
             if not re.search(rf"\b{field}\b", metadata):
                 missing.append(f"{pins.METADATA_CLASSES[0]}.{field}")
+    return missing + _dflash_kernel_missing(root, dflash_backend)
+
+
+def _dflash_kernel_missing(root: Path, dflash_backend: str | None) -> list[str]:
+    """The DFlash kernels this launch needs: its attention backend's, and no public function
+    of the hybrid-context module that SharpDraft does not know (pins.DFLASH_HYBRID_*)."""
+    missing = []
+    hybrid = _read(_module_file(root, pins.DFLASH_HYBRID_MODULE))
+    if hybrid is not None and dflash_backend is not None:
+        try:
+            defined = [n.name for n in ast.parse(hybrid).body if isinstance(n, ast.FunctionDef)]
+        except SyntaxError:
+            defined = []
+        known = {pins.DFLASH_HYBRID_KERNEL, *pins.DFLASH_HYBRID_UNUSED}
+        unknown = [n for n in defined if not n.startswith("_") and n not in known]
+        if unknown:
+            missing.append(f"a SharpDraft wrapper for DFlash kernel(s) {', '.join(unknown)} "
+                           f"(in {pins.DFLASH_HYBRID_MODULE})")
     if dflash_backend is not None:
         attribute = pins.DFLASH_KERNELS.get(str(dflash_backend).upper())
         text = _dflash_texts(root)

@@ -74,6 +74,13 @@ def _launch():
     result = launch.Launch(scaling_module.QueryScaling.from_dict(scaling), config, SETTINGS["drafter"])
     for key, value in result.env().items():
         os.environ.setdefault(key, value)
+    # the stock initialize() builds LLM(**model.yaml): the gate on the LLM class hands it this
+    # launch's drafter view (whose config carries the proof directory); the probe runs below
+    try:
+        result.gate(probe=False)
+    except ImportError:
+        result.close()
+        raise
     return result
 
 

@@ -132,9 +132,14 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def _last_line(log: Path) -> str:
-    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.is_file() else []
-    ours = [l for l in lines if "sharpdraft:" in l]
-    return (ours or lines or ["(no output)"])[-1].strip()
+    """The line that says why a vLLM program failed: the worker's own verdict, else our
+    plugin's refusal, else vLLM's last line."""
+    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.is_file() else []
+    for marks in (("failed:",), ("PluginError", "ProofError", "LaunchError")):
+        found = [l for l in lines if any(m in l for m in marks)]
+        if found:
+            return found[-1]
+    return (lines or ["(no output)"])[-1]
 
 
 def start_server(python: Path, target: Path, spec: dict | None, port: int, host: str, log: Path,
@@ -225,7 +230,7 @@ def run_job(job: dict, python: str | None = None, log: Path | None = None, timeo
     with tempfile.TemporaryDirectory(prefix="sharpdraft-vllm-") as scratch:
         job_file, out_file = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job_file.write_text(json.dumps(job))
-        log = log or Path(scratch) / "worker.log"
+        log = log or Path(tempfile.gettempdir()) / f"sharpdraft-vllm-worker-{os.getpid()}.log"  # kept
         with open(log, "w") as out:
             try:
                 code = subprocess.run([str(interpreter), "-m", "sharpdraft_plugins.vllm.worker", str(job_file),
@@ -237,5 +242,5 @@ def run_job(job: dict, python: str | None = None, log: Path | None = None, timeo
             why = _last_line(log)
             if "No module named sharpdraft_plugins" in why:
                 why = f"this project is not installed in {interpreter}'s environment: `make vllm` (or pip install .)"
-            raise LaunchError(f"vLLM failed: {why}")
+            raise LaunchError(f"vLLM failed: {why} (log: {log})")
         return json.loads(out_file.read_text())

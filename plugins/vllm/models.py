@@ -45,13 +45,13 @@ class SharpDraftDFlash(DFlashQwen3ForCausalLM):
         scaling = config_scaling(self.config)
         layers = pins.draft_layers(self)
         drafter_dir = Path(str(vllm_config.speculative_config.draft_model_config.model))
-        proof.set_directory(proof_directory(drafter_dir))
+        where = proof_directory(drafter_dir)
         units = [name for name, _, _ in layers]
-        self.sharpdraft_tally = proof.Tally(units)
+        self.sharpdraft_tally = proof.Tally(units, where)
         for index, (_, attention, causal) in enumerate(layers):
             scaled.wrap(attention, scaling, causal, self.sharpdraft_tally, index)
         self.sharpdraft_scaling = scaling
-        proof.record("wrapped", drafter=type(self).__name__, directory=str(drafter_dir), units=units,
+        proof.record("wrapped", where, drafter=type(self).__name__, directory=str(drafter_dir), units=units,
                      layers=len(units), scaling=scaling.to_dict())
         proof.start_reporter()
         sys.stderr.write(f"sharpdraft: {drafter_dir.name} scaled in pid {os.getpid()}: {len(units)} draft "

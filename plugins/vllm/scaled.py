@@ -41,8 +41,7 @@ def wrap(attention, scaling: QueryScaling, causal: bool, tally, index: int) -> N
     def forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if attn_metadata is not None:  # None: vLLM's profiling run, which attends to nothing
             n = visible_keys(attn_metadata.query_start_loc, attn_metadata.seq_lens, query.shape[0], causal)
-            beta = scaling.beta_on_device(n, query.dtype)
-            query = query * beta.view(-1, *([1] * (query.dim() - 1)))
+            query = scaling.scale_rows(query, n)  # the rule's one expression (plugins/scaling.py)
             tally.add(index, query)
         return original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 

@@ -49,8 +49,12 @@ def run(job: dict, spec: dict) -> dict:
 
     proof_dir = spec.get("sharpdraft_proof")
     if proof_dir:
+        import shutil
+
         from ..scaling import QueryScaling
         from ..trtllm import proof
+
+        shutil.rmtree(proof_dir, ignore_errors=True)  # an earlier launch's records are not this one's
     started = time.perf_counter()
     llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=job.get("enforce_eager", True),
               max_model_len=job["max_model_len"], seed=0, speculative_config=spec.get("speculative_config"),
