@@ -25,7 +25,7 @@ NO_DRAFTER, MODEL, LOOKUP = "none", "model", "ngram lookup"
 # the last `draft_window` keys (its training length); scaled by beta (a QueryScaling).
 UNSCALED, WINDOWED, BETA = "unscaled", "windowed", "beta"
 # Which QueryScaling a beta mode uses: the engine's own (calibrated at build time) or
-# its family's preset (the paper's values, plugins/scaling.py PRESETS).
+# its family's preset (the paper's values, runtime/families.py: its record).
 CALIBRATED, FAMILY_PRESET = "calibrated", "family preset"
 
 
