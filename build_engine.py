@@ -108,9 +108,9 @@ def pick_backend(requested: str, style: str | None = None) -> str:
         if reason:
             raise EngineError(reason)
         return requested
-    return next(name for name in AUTO
-                if (style is None or style in modes.BACKENDS[name].styles)
-                and BUILDS[name].why_unusable() is None)
+    return next((name for name in AUTO
+                 if (style is None or style in modes.BACKENDS[name].styles)
+                 and BUILDS[name].why_unusable() is None), AUTO[-1])
 
 
 def build_backend(drafter: str, requested: str) -> str:
