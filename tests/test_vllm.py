@@ -248,8 +248,9 @@ def test_vllm_serve_proves_the_plugin_then_serves_the_openai_client(engines, vll
         assert values["vllm:spec_decode_num_drafts_total"] > 0
         assert values["vllm:spec_decode_num_accepted_tokens_total"] > 0
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(60)
+        if server.poll() is None:
+            os.killpg(server.pid, 15)
+            server.wait(60)
 
 
 def urllib_get(url: str) -> str:

