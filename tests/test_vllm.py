@@ -250,7 +250,17 @@ def test_vllm_serve_proves_the_plugin_then_serves_the_openai_client(engines, vll
     finally:
         if server.poll() is None:
             os.killpg(server.pid, 15)
-            server.wait(60)
+            server.wait(120)
+    # the launcher's stop takes vLLM (its own process group) down with it
+    deadline = time.monotonic() + 60
+    while port_open(port):
+        assert time.monotonic() < deadline, "vLLM kept serving after vllm-serve was stopped"
+        time.sleep(1)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def urllib_get(url: str) -> str:

@@ -12,6 +12,7 @@ checkpoint (frozen). vLLM's /metrics then shows its own speculative-decoding cou
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def run(args) -> int:
         progress(f"serving {name} at {base}/v1 (vLLM, {'SharpDraft' if sharpdraft else 'frozen drafter'}; "
                  f"log {log})")
 
+    # SIGTERM (a supervisor's stop, `kill`) unwinds like Ctrl-C, so the launcher stops vLLM,
+    # which runs in its own process group, instead of leaving it serving orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         launch.serve(spec.manifest.target_dir, loop.drafter_dir(sharpdraft), vllm["method"],
                      vllm["num_speculative_tokens"], port=args.port, host=args.host, name=name,
