@@ -6,8 +6,8 @@ A DFlash drafter with a draft vocabulary (`draft_vocab_size` and `d2t`) drafts o
 target head's rows for those ids. Engines read those rows from the checkpoint's
 `lm_head.weight`; without it vLLM silently scores draft token j with target row j
 (runtime/models/dflash.py, docs/vllm.md), and our own loader refuses the checkpoint.
-This adds `lm_head.weight` = target_head[arange(draft_vocab_size) + d2t], in the target
-head's dtype, to DIR/model.safetensors (rewritten in place; every other tensor unchanged).
+This writes `lm_head.weight` = target_head[arange(draft_vocab_size) + d2t], in the target
+head's dtype, to DIR/lm_head.safetensors (model.safetensors is left as it was published).
 The target defaults to the embedded one (build/checkpoints.py prepare_target).
 """
 
@@ -38,11 +38,11 @@ def target_head(target_dir: Path):
 
 
 def add_head(checkpoint: Path, head) -> str:
-    """Add lm_head.weight to `checkpoint`'s model.safetensors; returns what was done."""
+    """Write `checkpoint`'s draft head (HEAD_FILE); returns what was done."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from runtime.models.dflash import CHECKPOINT_FILES, read_dflash_config
+    from runtime.models.dflash import CHECKPOINT_FILES, HEAD_FILE, read_dflash_config
 
     config = read_dflash_config(checkpoint)
     if not config.draft_vocab_size:
@@ -51,17 +51,19 @@ def add_head(checkpoint: Path, head) -> str:
     if head.shape[0] != config.vocab_size:
         raise UsageError(f"the target's head has {head.shape[0]} rows, {checkpoint} was built for a "
                          f"{config.vocab_size}-token vocabulary")
-    weights = checkpoint / CHECKPOINT_FILES[1]
-    state = load_file(weights)
+    state = load_file(checkpoint / CHECKPOINT_FILES[1])
+    out = checkpoint / HEAD_FILE
+    if out.is_file():
+        state |= load_file(out)
     ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
     rows = head[ids].clone().contiguous()
     if "lm_head.weight" in state:
         if torch.equal(state["lm_head.weight"], rows):
-            return f"{weights} already holds the draft head"
-        raise UsageError(f"{weights} holds an lm_head.weight other than the target head's rows; "
+            return f"{checkpoint} already holds the draft head"
+        raise UsageError(f"{checkpoint} holds an lm_head.weight other than the target head's rows; "
                          "left as it is")
-    save_file({**state, "lm_head.weight": rows}, weights, metadata={"format": "pt"})
-    return f"{weights}: lm_head.weight [{rows.shape[0]}, {rows.shape[1]}] ({rows.dtype}) added"
+    save_file({"lm_head.weight": rows}, out, metadata={"format": "pt"})
+    return f"{out}: lm_head.weight [{rows.shape[0]}, {rows.shape[1]}] ({rows.dtype}) written"
 
 
 def main(argv) -> int:

@@ -78,6 +78,13 @@ def published_files(drafter_dir: Path) -> list[str]:
     return list(DRAFTER_FILES)
 
 
+def dflash_files(drafter_dir: Path) -> list[str]:
+    """DFlash: config.json, model.safetensors and its draft vocabulary's head file."""
+    from runtime.models.dflash import checkpoint_files
+
+    return checkpoint_files(drafter_dir)
+
+
 def eagle3_files(drafter_dir: Path) -> list[str]:
     """EAGLE's own checkpoints may hold pytorch_model.bin instead of model.safetensors."""
     from runtime.models.eagle3 import checkpoint_files
@@ -160,13 +167,13 @@ def ngram_provenance(args, drafter) -> dict:
 def trtllm_dflash(args, drafter_dir: Path) -> TrtllmDrafter:
     """DFlash: its block size, mask token and target layers come from its config."""
     from plugins.trtllm import config as trtllm
-    from runtime.models.dflash import CHECKPOINT_FILES
+    from runtime.models.dflash import checkpoint_files
 
     config = records.DFLASH.config_of(drafter_dir)
     settings = trtllm.family_settings(args.drafter, {"mask_token_id": config.mask_token_id,
                                                  "target_layer_ids": config.target_layer_ids},
                                       args.trtllm_attention)
-    return TrtllmDrafter(list(CHECKPOINT_FILES), config.block_size, settings)
+    return TrtllmDrafter(checkpoint_files(drafter_dir), config.block_size, settings)
 
 
 def trtllm_from_checkpoint(args, drafter_dir: Path) -> TrtllmDrafter:
@@ -202,10 +209,10 @@ def vllm_dflash(args, drafter_dir: Path) -> VllmDrafter:
     """DFlash: vLLM's `dflash` method, block_size - 1 drafts per step. The checkpoint is
     loaded by our own loader first, which refuses a draft vocabulary without its head
     (vLLM would misread it: runtime/models/dflash.py)."""
-    from runtime.models.dflash import CHECKPOINT_FILES, load_dflash
+    from runtime.models.dflash import checkpoint_files, load_dflash
 
     drafter = load_dflash(drafter_dir)
-    return VllmDrafter("dflash", drafter.config.block_size - 1, list(CHECKPOINT_FILES))
+    return VllmDrafter("dflash", drafter.config.block_size - 1, checkpoint_files(drafter_dir))
 
 
 def vllm_eagle3(args, drafter_dir: Path) -> VllmDrafter:
@@ -249,7 +256,7 @@ class Family:
     lookup: Callable | None = None
 
 
-DFLASH = Family(records.DFLASH, load=load_dflash, provenance=dflash_provenance,
+DFLASH = Family(records.DFLASH, load=load_dflash, files=dflash_files, provenance=dflash_provenance,
                 trtllm=trtllm_dflash, vllm=vllm_dflash)
 """DFlash: the drafter drafts a block from the target's hidden states; its block size is
 its own (config), and its training length is the window mode's draft window."""

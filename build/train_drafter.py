@@ -535,7 +535,7 @@ z-lab/dflash layout: `config.json` + `model.safetensors` (bfloat16, {size / 1e6:
   target's top-{TOP} next-token distribution (cached), {args.blocks} anchored blocks per
   window, position weights exp(-(i-1)/{args.decay}).
 - Labels: {"the target's distribution only on its own greedy path (block position i counts while the text's tokens after the anchor are the target's argmax)" if args.labels == "greedy-path" else "the target's distribution after every text token"}.
-- Draft vocabulary: {f"{chosen} (`d2t` in model.safetensors, EAGLE-3's convention, with `lm_head.weight`: the target head's rows for those ids, in float32, which vLLM reads); the target's greedy choice lies inside it for {in_vocab:.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
+- Draft vocabulary: {f"{chosen} (`d2t` in model.safetensors, EAGLE-3's convention, with `lm_head.weight` in lm_head.safetensors: the target head's rows for those ids, in float32, which vLLM reads); the target's greedy choice lies inside it for {in_vocab:.1%} of held-out positions" if args.draft_vocab else "the target's whole vocabulary"}.
 - Initialisation: {initialisation}.
 - Steps: {steps_done} of {args.steps} planned x {args.batch} windows, AdamW lr {args.lr}
   cosine over the planned steps, seed {args.seed}.

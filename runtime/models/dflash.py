@@ -15,7 +15,7 @@ picks), and it is the tensor the engines users serve with read: vLLM, given no
 `lm_head.weight`, shares the target's whole head, keeps its FIRST draft_vocab_size rows and
 maps them through d2t, which scores draft index j with target row j instead of row
 j + d2t[j] -- silently wrong drafts (docs/vllm.md). So load_dflash refuses a draft
-vocabulary without its head, and `python -m build.draft_head DIR` writes it.
+vocabulary without its head, and `python -m build.draft_head DIR` writes it (HEAD_FILE).
 """
 
 from __future__ import annotations
@@ -311,7 +311,18 @@ class DraftHead(nn.Module):
         return torch.nn.functional.linear(hidden, self.weight)
 
 
-CHECKPOINT_FILES = ("config.json", "model.safetensors")  # all that load_dflash reads
+CHECKPOINT_FILES = ("config.json", "model.safetensors")  # what every DFlash checkpoint holds
+# A draft vocabulary's head, in a file of its own: it is derived from the target (the
+# target head's rows for the d2t ids, kept in the target's precision) rather than trained,
+# so build.draft_head can write it beside a checkpoint as it was published, and the
+# trained layers' file stays as trained. Engines load every *.safetensors of the directory.
+HEAD_FILE = "lm_head.safetensors"
+
+
+def checkpoint_files(path: str | Path) -> list[str]:
+    """The files load_dflash reads from `path` (engine.json hashes them; a drafter
+    directory written for an engine links them)."""
+    return list(CHECKPOINT_FILES) + ([HEAD_FILE] if (Path(path) / HEAD_FILE).is_file() else [])
 
 
 def read_dflash_config(path: str | Path) -> DFlashConfig:
@@ -320,7 +331,8 @@ def read_dflash_config(path: str | Path) -> DFlashConfig:
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Read a drafter in the published layout: config.json + model.safetensors."""
+    """Read a drafter in the published layout: config.json + model.safetensors (+ its draft
+    vocabulary's head, HEAD_FILE)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -330,14 +342,16 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashD
     if not weights.is_file():
         raise ModelError(f"{path} has no model.safetensors")
     model = DFlashDrafter(config)
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError) as exc:
-        raise ModelError(f"{weights} cannot be read: {exc}") from None
+    state = {}
+    for name in checkpoint_files(path)[1:]:
+        try:
+            state |= load_file(path / name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelError(f"{path / name} cannot be read: {exc}") from None
     expected = model.state_dict()
     if config.draft_vocab_size and "lm_head.weight" not in state:
         raise ModelError(f"{path} drafts over a {config.draft_vocab_size}-token vocabulary (d2t) "
-                         "but has no lm_head.weight, so vLLM and SGLang would score its drafts "
+                         f"but has no lm_head.weight ({HEAD_FILE}), so vLLM would score its drafts "
                          "with the wrong rows of the target's head: add it with "
                          f"`python -m build.draft_head {path}`")
     missing = sorted(set(expected) - set(state))
@@ -363,5 +377,8 @@ def save_dflash(model: DFlashDrafter, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              path / "model.safetensors")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    head = {"lm_head.weight": state.pop("lm_head.weight")} if "lm_head.weight" in state else None
+    save_file(state, path / CHECKPOINT_FILES[1])
+    if head is not None:
+        save_file(head, path / HEAD_FILE, metadata={"format": "pt"})
