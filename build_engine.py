@@ -12,16 +12,14 @@ graph signatures, sha256 of every file). Stages: load, export, check, build.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 from build import checkpoints, families
 from build.backends import AUTO, BUILDS, tensorrt_usable  # noqa: F401 -- tests ask it here
-from build.engine_dirs import publish, scratch
+from build.engine_dirs import engine_dir, seal
 from build.query_scaling import choose_scaling, scaling_overrides
-from runtime.manifest import (TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record,
-                              engine_files)
+from runtime.manifest import TRTLLM_ONLY_DRAFTERS, EngineError, Manifest, dependency_record
 from plugins.onnx import ATTENTION_FORMS
 from runtime import modes
 from runtime.families import preset
@@ -269,8 +267,7 @@ def main(argv) -> int:
                          f"got {max_seq_len}")
 
     # Graphs go to a scratch directory first: a failed build leaves no half engine.
-    partial = scratch(out)
-    try:
+    with engine_dir(out) as partial:
         provenance = ({"query_scaling_source": scaling_source,
                        "family_preset": preset(args.drafter).to_dict()} if scaling else {})
         provenance |= family.provenance(args, drafter)
@@ -283,12 +280,8 @@ def main(argv) -> int:
         manifest = Manifest(drafter=args.drafter, backend=backend, target=target_record,
                             drafter_checkpoint=drafter_record,
                             query_scaling=scaling, block_size=block_size,
-                            dtype=args.dtype, artifacts=engine_files(partial), extra=extra)
-        manifest.write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    publish(partial, out, manifest)
+                            dtype=args.dtype, extra=extra)
+        seal(partial, out, manifest)
     if BUILDS[backend].timed_here:  # plans (TensorRT) are timed where they run, not here
         measure_steps(out, manifest, pick_fastest=args.backend == "auto",
                       fixed=args.step_costs == "fixed")

@@ -4,9 +4,10 @@ with one rename, so that a failed build leaves no half engine behind."""
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
-from runtime.manifest import verify_files
+from runtime.manifest import engine_files, verify_files
 
 
 def scratch(out: Path) -> Path:
@@ -23,3 +24,23 @@ def publish(partial: Path, out: Path, manifest) -> None:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     verify_files(out, manifest, full=True)
+
+
+@contextmanager
+def engine_dir(out: Path):
+    """The scratch directory a build writes `out` into (scratch), removed if the build
+    fails; the build ends inside it with seal()."""
+    partial = scratch(out)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def seal(partial: Path, out: Path, manifest) -> None:
+    """The build's last step: engine.json records every file of the scratch directory, is
+    written there, and the directory is published as `out`."""
+    manifest.artifacts = engine_files(partial)
+    manifest.write(partial)
+    publish(partial, out, manifest)

@@ -4,17 +4,16 @@ the trtllm backend. TensorRT-LLM is not needed to write it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from build import checkpoints, families
-from build.engine_dirs import publish, scratch
+from build.engine_dirs import engine_dir, seal
 from build.query_scaling import choose_scaling
 from plugins.trtllm import config as trtllm
 from plugins.trtllm import pins
 from runtime.cli import UsageError, progress
 from runtime.families import preset
-from runtime.manifest import MANIFEST, Manifest, dependency_record, engine_files, portable_path
+from runtime.manifest import MANIFEST, Manifest, dependency_record, portable_path
 from runtime.models.target import checkpoint_files
 
 
@@ -39,8 +38,7 @@ def configure(args, overrides: dict, out: Path) -> int:
         raise UsageError(f"--max-seq-len must be in [2, {context}] (the target's context), got {max_seq_len}")
     progress(f"      target {target_dir}; {args.drafter} drafter {drafter_dir}, {block_size - 1} drafts per step")
 
-    partial = scratch(out)
-    try:
+    with engine_dir(out) as partial:
         extra = {"max_seq_len": max_seq_len,
                  "trtllm": {"version": pins.PINNED, "speculative": settings,
                             "tensor_parallel_size": 1, "llm_api_config": trtllm.LLM_API_CONFIG}}
@@ -62,12 +60,7 @@ def configure(args, overrides: dict, out: Path) -> int:
         progress(f"[3/3] write: {trtllm.LLM_API_CONFIG}, {MANIFEST}"
                  + (f", {trtllm.DRAFTER_DIR}/ (the SharpDraft drafter TensorRT-LLM loads)" if scaling else ""))
         (partial / trtllm.LLM_API_CONFIG).write_text(config_text)
-        manifest.artifacts = engine_files(partial)
-        manifest.write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    publish(partial, out, manifest)
+        seal(partial, out, manifest)
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
             else "SharpDraft off (frozen drafter)")
     print(f"engine written to {out} (backend trtllm, TensorRT-LLM {pins.PINNED}; {beta})")

@@ -4,15 +4,14 @@ is not needed to write it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from build import checkpoints, families
-from build.engine_dirs import publish, scratch
+from build.engine_dirs import engine_dir, seal
 from build.query_scaling import choose_scaling
 from runtime.cli import UsageError, progress
 from runtime.families import preset
-from runtime.manifest import MANIFEST, Manifest, dependency_record, engine_files, portable_path
+from runtime.manifest import MANIFEST, Manifest, dependency_record, portable_path
 from runtime.models.target import checkpoint_files
 
 
@@ -41,8 +40,7 @@ def configure(args, overrides: dict, out: Path) -> int:
     progress(f"      target {target_dir}; {args.drafter} drafter {drafter_dir}, vLLM method "
              f"{drafted.method}, {drafted.num_tokens} drafts per step")
 
-    partial = scratch(out)
-    try:
+    with engine_dir(out) as partial:
         progress("[2/3] check: the drafter directory vLLM loads")
         extra = {"max_seq_len": max_seq_len,
                  "vllm": {"read_in": vllm.pins.READ_IN, "stock_drafter": portable_path(drafter_dir),
@@ -59,12 +57,7 @@ def configure(args, overrides: dict, out: Path) -> int:
                             target=dependency_record(target_dir, checkpoint_files(target_dir)) | {"source": source},
                             drafter_checkpoint=drafter_record, query_scaling=scaling,
                             block_size=drafted.num_tokens + 1, dtype="float32", extra=extra)
-        manifest.artifacts = engine_files(partial)
-        manifest.write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    publish(partial, out, manifest)
+        seal(partial, out, manifest)
     beta = (f"SharpDraft on: {scaling.describe()}, {scaling_source}" if scaling
             else "SharpDraft off (vLLM's own drafter)")
     print(f"engine written to {out} (backend vllm; {beta})")

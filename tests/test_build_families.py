@@ -104,3 +104,18 @@ def test_auto_builds_tensorrt_plans_only_for_a_family_tensorrt_drafts(monkeypatc
                       "eagle3": "onnxruntime"}
     for name in modes.FAMILIES:  # an explicit backend is taken as asked (refused later if need be)
         assert build_engine.build_backend(name, "torch") == "torch"
+
+
+def test_a_failed_build_leaves_no_half_engine(tmp_path):
+    """Every builder writes through build/engine_dirs.py: a build that fails midway removes
+    its scratch directory and leaves `out` as it was."""
+    import pytest
+
+    from build.engine_dirs import engine_dir
+
+    out = tmp_path / "eng"
+    with pytest.raises(RuntimeError, match="boom"):
+        with engine_dir(out) as partial:
+            (partial / "engine.json").write_text("{}")
+            raise RuntimeError("boom")
+    assert not partial.exists() and not out.exists()
