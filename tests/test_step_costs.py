@@ -9,8 +9,8 @@ import build_engine
 from runtime.engine import Engine
 from runtime.spec import open_spec
 from runtime.cli import run
-from runtime.step_costs import (AcceptanceRecord, HybridChoice, StepCosts, _fit, choose_draft_count,
-                                fixed_costs)
+from runtime.step_costs import (AcceptanceRecord, HybridChoice, StepCosts, VerifyTable, _fit,
+                                choose_draft_count, fixed_costs)
 
 
 def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
@@ -19,6 +19,42 @@ def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
     times = [a + b * n + c * ctx + d * n * ctx for _, n, ctx, _ in rows]
     assert _fit(rows, times) == pytest.approx((a, b, c, d), rel=1e-4, abs=1e-9)
 
+
+
+# the default SmolLM2 target on the torch backend, 2 cores (seconds): a 1-token pass runs on a
+# faster kernel than any wider one, and 3 tokens cost more than 4
+TORCH_TABLE = VerifyTable((512, 4096), (1, 2, 3, 4, 8),
+                          ((0.058, 0.087, 0.098, 0.079, 0.079), (0.076, 0.113, 0.137, 0.109, 0.117)))
+
+
+def test_the_table_prices_what_was_measured_and_lines_between_and_beyond():
+    costs = StepCosts(_fit([(1.0, n, c, n * c) for c in (512, 4096) for n in (1, 2, 3, 4, 8)],
+                           [t for row in TORCH_TABLE.seconds for t in row]), (0.016, 0.0), TORCH_TABLE)
+    assert costs.verify_seconds(1, 4096) == pytest.approx(0.076)
+    assert costs.verify_seconds(3, 512) == pytest.approx(0.098)
+    assert costs.verify_seconds(6, 4096) == pytest.approx((0.109 + 0.117) / 2)  # between sizes
+    assert costs.verify_seconds(1, 2304) == pytest.approx((0.058 + 0.076) / 2)  # between contexts
+    assert costs.verify_seconds(1, 7680) == pytest.approx(0.076 + (0.076 - 0.058))  # past the last
+    assert costs.verify_seconds(16, 4096) == pytest.approx(0.117 + 2 * (0.117 - 0.109))
+    assert StepCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    old = {"verify": list(costs.verify), "draft": [0.016, 0.0]}  # an engine from before the table
+    assert StepCosts.from_dict(old).table is None
+
+
+def test_a_drafter_that_loses_on_the_measured_table_sits_out_where_the_fit_kept_it():
+    """make demo's frozen drafter at 4,096 tokens accepted about 0.22 drafts a step, verifying
+    one or two: priced by the line fitted through the torch table, its step (16 ms + a
+    2-3 token verify) looked as fast as a plain one and it kept drafting (0.84x target-only);
+    priced by the table it sits out."""
+    rows = [(1.0, n, c, n * c) for c in TORCH_TABLE.contexts for n in TORCH_TABLE.sizes]
+    fit = _fit(rows, [t for row in TORCH_TABLE.seconds for t in row])
+    by_fit = HybridChoice(StepCosts(fit, (0.016, 0.0)))
+    by_table = HybridChoice(StepCosts(fit, (0.016, 0.0), TORCH_TABLE))
+    for step in range(40):
+        for choice in (by_fit, by_table):
+            choice.update(True, verified=1 + step % 2, accepted=int(step % 9 < 2))
+    assert by_fit.use_drafter(4096)
+    assert not by_table.use_drafter(4096)
 
 @pytest.mark.parametrize("confidence, verify, expected", [
     ([0.9, 0.9, 0.9], (1.0, 0.0, 0.0, 0.0), 3),  # verifying is free: take every draft
