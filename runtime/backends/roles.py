@@ -216,10 +216,10 @@ class BatchChainDrafter(Drafter):
     def draft(self, ids: TokenRows, features: list[Features | None], ks: list[int],
               samplers: list) -> list:
         """Per row (ids: b rows of t_r tokens): the tokens committed since its last call,
-        ending with the newest (not run by the target yet); the target's features of the tokens before its last
-        len(features) ids (None: a drafter that reads none); k drafts (None where k = 0):
-        a ChainDraft (runtime/chain.py: tokens [k], probs [k, vocab] or None, logits
-        [k, vocab], visible [k]), drawn by samplers[r] from the row's own q."""
+        ending with the newest (not run by the target yet); the target's features [f_r, F]
+        of the tokens before its last f_r ids (None: a drafter that reads none); k drafts
+        (None where k = 0): a ChainDraft (runtime/chain.py: tokens [k], probs [k, vocab] or
+        None, logits [k, vocab], visible [k]), drawn by samplers[r] from the row's own q."""
 
 
 class BatchTreeDrafter(Drafter):
