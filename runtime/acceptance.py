@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from runtime import families
+from runtime.backends.roles import TokenRows
 from runtime.sampling import Sampler, greedy_choice
 from runtime.tree import TreeShape
 
@@ -46,7 +47,7 @@ def greedy_continuation(target, prompt: list[int], n: int) -> Continuation:
     logits, prompt_features = target.add(prompt, len(prompt) + n)
     tokens, features = [int(greedy_choice(logits))], []
     while len(tokens) < n:
-        logits, f = target.verify([tokens[-1:]])
+        logits, f = target.verify(TokenRows.of([tokens[-1:]]))
         features.append(None if f is None else f[0])
         tokens.append(int(greedy_choice(logits[0, -1])))
     target.remove(0)
@@ -83,7 +84,7 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
         held = drafter.add(capacity, pf[:-1], prompt[-1])
     for j in anchors:
         if families.drafts_trees(drafting):
-            (tree, _), = drafter.draft_trees([[g[j]]], [cont.row_before(j)], [tree_shape])
+            (tree, _), = drafter.draft_trees(TokenRows.of([[g[j]]]), [cont.row_before(j)], [tree_shape])
             # the target's choice after each node: the continuation's next token, which is
             # what greedy verification computes for every node on the matching path (the
             # only nodes greedy_path reaches)
@@ -91,7 +92,7 @@ def committed_per_anchor(drafter, cont: Continuation, drafting: str,
             out.append(len(tree.greedy_path(choice)[0]))
             continue
         if families.drafts_chains(drafting):
-            drafts = drafter.draft([[g[j]]], [cont.row_before(j)], [d], [sampler])[0].tokens
+            drafts = drafter.draft(TokenRows.of([[g[j]]]), [cont.row_before(j)], [d], [sampler])[0].tokens
         else:
             context = cont.row_before(j)
             if j == 0:  # what its prefill held back for the first draft (none, fused)

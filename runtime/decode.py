@@ -26,9 +26,10 @@ from typing import Callable
 
 import torch
 
+from runtime.backends.roles import TokenRows
 from runtime.metrics import Generation
 from runtime.request import OnTokens, Request  # noqa: F401 -- the loop's requests
-from runtime.sampling import Sampler, greedy_choice, token_logprobs
+from runtime.sampling import Sampler, greedy_choice, greedy_verify, token_logprobs
 from runtime.step_costs import AcceptanceRecord, HybridChoice, StepCosts, choose_draft_count
 
 
@@ -271,13 +272,32 @@ class Decoder:
 
     def _verify_rows(self, batch, proposals):
         """[last token, *drafts] per row in one pass -> (committed tokens, their features,
-        the target's logits at them)."""
-        logits, features = self.target.verify([[s.gen.tokens[-1]] + p.tokens
-                                               for s, p in zip(batch, proposals)])
+        the target's logits at them). The rows of plain greedy samplers (no processor
+        that can move the argmax) get their verdicts in one batched comparison
+        (sampling.greedy_verify); a plain decode step among them is the argmax after the
+        bonus, as Sampler.pick gives it."""
+        rows = TokenRows.of([[s.gen.tokens[-1]] + p.tokens for s, p in zip(batch, proposals)])
+        logits, features = self.target.verify(rows)
+        verdicts = [None] * len(batch)
+        plain = [i for i, s in enumerate(batch)
+                 if s.sampler.sampling.greedy and not s.sampler.processing]
+        if plain:
+            picked = logits if len(plain) == len(batch) else logits[plain]
+            accepted, following = greedy_verify(rows.padded(plain)[:, 1:].numpy(),
+                                                rows.lengths[plain].numpy() - 1,
+                                                greedy_choice(picked))
+            for i, a, f in zip(plain, accepted.tolist(), following.tolist()):
+                verdicts[i] = a, f
         outcomes = []
         for i, (s, p) in enumerate(zip(batch, proposals)):
             n = len(p.tokens)
-            if not n:  # a plain decode step
+            # Rows that sample, or whose processors read the drafts before each position,
+            # are verified one by one: each row draws from its own seeded generator (as
+            # vLLM's rejection sampler draws per-request generators row by row), so one
+            # batched draw would change what a seeded request commits.
+            if verdicts[i] is not None:
+                accepted, following = verdicts[i]
+            elif not n:  # a plain decode step
                 accepted, following = 0, s.sampler.pick(logits[i, 0])
             elif p.kind is DraftKind.ONE_HOT:
                 accepted, following = s.sampler.verify_deterministic(p.tokens, logits[i, :n + 1])
@@ -298,7 +318,7 @@ class Decoder:
             paths.append(path)
             outcomes.append(([p.tree.tokens[i] for i in path[1:]] + [token], features[path],
                              logits[path]))
-        self.target.keep_paths(paths)
+        self.target.keep_paths(TokenRows.of(paths))
         return outcomes
 
     @contextmanager
@@ -378,7 +398,7 @@ class Decoder:
         try:
             rows = [logits[None]]
             if len(prompt) > 2:  # the last prompt token's own prediction is not needed
-                more, _ = self.target.verify([prompt[1:-1]])
+                more, _ = self.target.verify(TokenRows.of([prompt[1:-1]]))
                 rows.append(more[0, :len(prompt) - 2])
         finally:
             self.target.remove(0)

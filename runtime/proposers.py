@@ -50,6 +50,7 @@ from typing import Callable
 
 import torch
 
+from runtime.backends.roles import TokenRows
 from runtime.decode import DraftKind, Proposal, Sequence
 from runtime.ngram import NGramProposer
 from runtime.tree import DraftTree, TreeShape
@@ -298,7 +299,7 @@ class Chain(Proposer):
         # of their own; PARD pads K - 1 rows); the step drops the draft.
         most = 1 if DraftKind.GREEDY in aside else self.drafter.max_drafts
         ks = [min(most, s.room) if s.room > 0 else 0 for s in batch]
-        drafts = self.drafter.draft([s.row.unread + s.gen.tokens[-1:] for s in batch],
+        drafts = self.drafter.draft(TokenRows.of([s.row.unread + s.gen.tokens[-1:] for s in batch]),
                                     [s.row.features for s in batch], ks,
                                     [s.sampler for s in batch])
         proposals = []
@@ -341,7 +342,8 @@ class Tree(Chain):
     def propose(self, batch, aside=frozenset()):
         # no room: the last step is a plain decode step (a tree of its root alone)
         shapes = [self.shape.within(s.room) if s.room > 0 else None for s in batch]
-        grown = self.drafter.draft_trees([s.row.unread + s.gen.tokens[-1:] for s in batch],
+        grown = self.drafter.draft_trees(TokenRows.of([s.row.unread + s.gen.tokens[-1:]
+                                                       for s in batch]),
                                          [s.row.features for s in batch], shapes)
         proposals = []
         for s, drafted in zip(batch, grown):

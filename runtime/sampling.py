@@ -233,6 +233,25 @@ def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
 
 
+def greedy_verify(drafts: np.ndarray, counts: np.ndarray, argmax: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy verification of a batch of draft rows at once, the greedy counterpart of
+    rejection_sample (vLLM's rejection sampler checks its greedy requests alike, one
+    comparison over the batch): a draft is accepted while it and every draft before it
+    equal the target's argmax there.
+
+    drafts [B, K] (target token ids, row i's first counts[i] real, the rest padding);
+    counts [B]; argmax [B, T] (T >= K + 1): the target's argmax after the bonus token and
+    after each draft (greedy_choice over its logits). Returns (accepted [B], next [B]):
+    the drafts kept, and the target's argmax after them. numpy throughout, for the reason
+    greedy_choice gives."""
+    batch, k = drafts.shape
+    real = np.arange(k) < counts[:, None]
+    match = (drafts == argmax[:, :k]) & real
+    accepted = match.cumprod(-1).sum(-1)  # drafts before the first mismatch
+    return accepted, argmax[np.arange(batch), accepted]
+
+
 def target_ids(columns: torch.Tensor, vocab: DraftVocab | None) -> torch.Tensor:
     """Columns of a drafter's logits -> the target token ids they stand for."""
     return columns if vocab is None else vocab.ids[columns]

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from runtime import families
+from runtime.backends.roles import TokenRows
 
 CONTEXTS = (512, 4096)  # also the contexts --backend auto compares: measured, not extrapolated
 # verify widths timed: every small one (a CPU kernel may change between any two), then the
@@ -289,14 +290,14 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
         _, features = target.add(ids[:context], context + width)
         for n in sizes:
             def verify(n=n):
-                target.verify([ids[context:context + n]])
+                target.verify(TokenRows.of([ids[context:context + n]]))
                 target.rollback([context])
             verify()  # warm-up: first calls at a new shape pay one-off costs
             rows.append((1.0, n, context, n * context))
             times.append(_fastest_seconds(verify, repeats))
         if engine.style is not None:
             def target_pass():  # what runs between two drafter steps in decoding
-                target.verify([ids[context:context + DRAFTER_AFTER_VERIFY]])
+                target.verify(TokenRows.of([ids[context:context + DRAFTER_AFTER_VERIFY]]))
                 target.rollback([context])
             draft_rows.append((1.0, context))
             draft_times.append(_fastest_seconds(_drafter_step(engine, ids, features, context,
@@ -334,19 +335,20 @@ def _drafter_step(engine, ids: list[int], features, context: int, repeats: int, 
             drafter.add(capacity, ids[:context], features[:-1])
 
         def step():
-            drafter.draft_trees([ids[context:context + 1]] * batch, [features[-1:]] * batch,
+            drafter.draft_trees(TokenRows.of([ids[context:context + 1]] * batch), [features[-1:]] * batch,
                                 [shape] * batch)
     elif families.drafts_chains(engine.style):
         k, sampler = engine.spec.drafting.max_drafts, Sampler()
         for _ in rows:
             drafter.add(capacity, [], None)
         # fill its rows to context tokens
-        drafter.draft([ids[:context]] * batch, [features] * batch, [k] * batch, [sampler] * batch)
+        drafter.draft(TokenRows.of([ids[:context]] * batch), [features] * batch, [k] * batch,
+                      [sampler] * batch)
         # the newest token's features (a drafter that reads features reads one row per token)
         newest = None if features is None else features[-1:]
 
         def step():
-            drafter.draft([ids[context:context + 1]] * batch, [newest] * batch, [k] * batch,
+            drafter.draft(TokenRows.of([ids[context:context + 1]] * batch), [newest] * batch, [k] * batch,
                           [sampler] * batch)
     else:
         width = DRAFTER_ROWS

@@ -181,12 +181,6 @@ def row_group(capacity: int) -> int:
     return capacity_bucket(max(capacity, SHARED_CAPACITY))
 
 
-def padded(rows: list[list[int]], fill: int = 0) -> list[list[int]]:
-    """Rows of ids padded to the longest (a padding row's outputs are never read)."""
-    width = max(len(r) for r in rows)
-    return [list(r) + [fill] * (width - len(r)) for r in rows]
-
-
 def padded_context(contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Context features [c_i, F] of each sequence -> [b, C, F] (C >= 1) and c_i [b]."""
     width = max(1, max(c.shape[0] for c in contexts))

@@ -40,6 +40,7 @@ def main(argv=None) -> int:
 
     from build.checkpoints import prepare_target
     from runtime.backends.pytorch import TorchBatchTarget
+    from runtime.backends.roles import TokenRows
     from runtime.backends.pytorch.compiled import EngineSteps
     from runtime.models.target import ModelError, load_target
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         role.add(prompt, capacity)
         for width in (1, args.width):  # compiles (or warms up) each step shape
-            role.verify([[1] * width])
+            role.verify(TokenRows.of([[1] * width]))
             role.rollback([args.context])
         print(f"{name}: prefill and warm-up {time.perf_counter() - start:.1f} s", file=sys.stderr)
     times = {(name, w): [] for name in roles for w in (1, args.width)}
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         for width in (1, args.width):
             for name, role in roles.items():
                 start = time.perf_counter()
-                role.verify([[1] * width])
+                role.verify(TokenRows.of([[1] * width]))
                 times[name, width].append((time.perf_counter() - start) * 1e3)
                 role.rollback([args.context])
     result = {"command": " ".join(["python -m scripts.compiled_cpu_ab"] + (argv or sys.argv[1:])),

@@ -50,6 +50,7 @@ def _main(argv: list[str]) -> int:
     import torch
 
     from runtime import step_metadata
+    from runtime.backends.roles import TokenRows
     from runtime.cli import UsageError, code_commit
     from runtime.engine import Engine
     from runtime.spec import open_spec
@@ -78,7 +79,7 @@ def _main(argv: list[str]) -> int:
     times = {(s, w): [] for s in args.shared for w in args.widths}
     for r in range(args.repeats):
         for w in args.widths:
-            rows = [ids(w) for _ in prompts]
+            rows = TokenRows.of([ids(w) for _ in prompts])
             order = args.shared if r % 2 == 0 else args.shared[::-1]
             logits = {}
             for shared in order:

@@ -41,6 +41,11 @@ try:  # a checkout with the engine spec opens the engine through it
     engine = Engine(open_spec(engine_dir, backend=backend))
 except ImportError:  # one from before it
     engine = Engine(engine_dir, backend=backend)
+try:  # a checkout whose roles take several rows' ids flat
+    from runtime.backends.roles import TokenRows
+    flat = TokenRows.of
+except ImportError:  # one from before: rows as lists
+    flat = list
 ids = torch.randint(0, engine.tokenizer.vocab_size, (context + 8,),
                     generator=torch.Generator().manual_seed(0)).tolist()
 target = engine.loaded.batch_target()
@@ -52,7 +57,7 @@ else:  # one tree drafter per row, each drafting its own tree, as the per-row de
     step = lambda: [s() for s in steps]
 
 def target_pass():  # what runs between two drafter steps in decoding (the tool's `before`)
-    target.verify([ids[context:context + step_costs.DRAFTER_AFTER_VERIFY]])
+    target.verify(flat([ids[context:context + step_costs.DRAFTER_AFTER_VERIFY]]))
     target.rollback([context])
 
 times = []

@@ -6,6 +6,7 @@ the middle of a group and skipping a draft (an empty context)."""
 import pytest
 import torch
 
+from runtime.backends.roles import TokenRows
 from runtime.backends.onnxruntime import FIRST_SLOTS
 from runtime.backends.pytorch import TorchBatchDFlash, TorchBatchTarget
 from runtime.decode import Request
@@ -44,12 +45,12 @@ def test_torch_short_rows_attend_over_their_own_group_only(monkeypatch):
         return attend(self, layer, start, q, k, v, visible, mask)
 
     monkeypatch.setattr(KVCache, "attend", recording)
-    logits, _ = batch.verify([[7], [8, 9]])
+    logits, _ = batch.verify(TokenRows.of([[7], [8, 9]]))
     assert sorted(set(handed)) == [(1, 5 + 1), (1, 1100 + 2)]
     for i, (p, row) in enumerate(zip(prompts, ([7], [8, 9]))):
         alone = TorchBatchTarget(target, ())
         alone.add(p, len(p) + 8)
-        want, _ = alone.verify([row])
+        want, _ = alone.verify(TokenRows.of([row]))
         torch.testing.assert_close(logits[i, :len(row)], want[0], atol=1e-12, rtol=0)
 
 
@@ -94,11 +95,11 @@ def test_onnx_rows_get_buffers_near_their_own_capacity(native_ort_engine):
 def assert_onnx_rows_verify_as_alone(engine, batch, prompts, rows, room: int) -> None:
     """One verify of `rows` on the batch target gives each row the logits and features
     of its prompt (capacity len + room) verified alone (a batch of one)."""
-    logits, features = batch.verify(rows)
+    logits, features = batch.verify(TokenRows.of(rows))
     for i, (p, row) in enumerate(zip(prompts, rows)):
         alone = engine.loaded.batch_target()
         alone.add(p, len(p) + room)
-        want, want_features = alone.verify([row])
+        want, want_features = alone.verify(TokenRows.of([row]))
         torch.testing.assert_close(logits[i, :len(row)], want[0], atol=1e-4, rtol=0)
         torch.testing.assert_close(features[i, :len(row)], want_features[0], atol=1e-4, rtol=0)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiny
+from runtime.backends.roles import TokenRows
 from plugins.scaling import QueryScaling
 from runtime.decode import Request
 from runtime.engine import Engine
@@ -196,9 +197,9 @@ def test_compiled_batch_target_verifies_packed_trees_as_the_eager_one(batch):
             torch.testing.assert_close(gf, wf, **close)
             assert tree.greedy_path(gl.argmax(-1).tolist()) == tree.greedy_path(wl.argmax(-1).tolist())
         paths = [deepest_path(tree) for tree in trees]
-        eager.keep_paths(paths), compiled.keep_paths(paths)
+        eager.keep_paths(TokenRows.of(paths)), compiled.keep_paths(TokenRows.of(paths))
     rows = [[3, 4], [5, 6], [6, 7]][:batch]
-    (wl, wf), (gl, gf) = eager.verify(rows), compiled.verify(rows)
+    (wl, wf), (gl, gf) = eager.verify(TokenRows.of(rows)), compiled.verify(TokenRows.of(rows))
     for r, row in enumerate(rows):
         torch.testing.assert_close(gl[r, :len(row)], wl[r, :len(row)], **close)
         torch.testing.assert_close(gf[r, :len(row)], wf[r, :len(row)], **close)
@@ -294,21 +295,21 @@ def test_a_held_prefill_joins_whole_or_restored_from_its_snapshot_as_often_as_as
     torch.testing.assert_close(torch.cat([first_features, features]), want_features, **close)
     snap = held.snapshot()
     held.join_prefilled()
-    held.verify([[7, 8]])  # the batch steps: the snapshot stays as taken
+    held.verify(TokenRows.of([[7, 8]]))  # the batch steps: the snapshot stays as taken
     for _ in range(2):
         held.restore(snap)
         held.join_prefilled()
     rows = [[9, 10]] * 3
-    got, _ = held.verify(rows)
-    want, _ = whole.verify([[9, 10]])
+    got, _ = held.verify(TokenRows.of(rows))
+    want, _ = whole.verify(TokenRows.of([[9, 10]]))
     torch.testing.assert_close(got[1], want[0], **close)
     torch.testing.assert_close(got[2], want[0], **close)
     # the first row stepped once more: it verifies [7, 8, 9, 10] as the whole one would
     again = make()
     again.add(prompt, 60)
-    want, _ = again.verify([[7, 8, 9, 10]])
+    want, _ = again.verify(TokenRows.of([[7, 8, 9, 10]]))
     held.rollback([32, 30, 30])
-    got, _ = held.verify([[9, 10], [9, 10], [9, 10]])
+    got, _ = held.verify(TokenRows.of([[9, 10], [9, 10], [9, 10]]))
     torch.testing.assert_close(got[0], want[0, 2:], **close)
 
 

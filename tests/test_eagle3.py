@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from tiers import examples
 
+from runtime.backends.roles import TokenRows
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention, visible_counts
 from plugins.scaling import QueryScaling
@@ -221,7 +222,7 @@ def test_drafter_rows_get_the_visible_keys_of_their_own_path(monkeypatch):
     d.add(40, [], None)
     c = 9
     features = torch.randn(c, 3 * 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    (tree, visible), = d.draft_trees([list(range(1, c + 1))], [features], [shape])
+    (tree, visible), = d.draft_trees(TokenRows.of([list(range(1, c + 1))]), [features], [shape])
     assert len(handed) == shape.depth  # the context, then one call per level below the first
     bound, mask, kv, applied = handed[0]
     assert mask is None and bound[0].tolist() == list(range(1, c + 1))

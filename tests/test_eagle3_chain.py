@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tiers import examples, law_runs
 
+from runtime.backends.roles import TokenRows
 import runtime.models.eagle3 as eagle3
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
@@ -101,7 +102,7 @@ def test_chain_rows_are_causal_and_report_their_own_visible_keys(monkeypatch):
     d.add(30, [], None)  # a row with nothing read yet
     c = 7
     features = torch.randn(c, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    draft, = d.draft([list(range(c + 1))], [features], [4], [Sampler()])
+    draft, = d.draft(TokenRows.of([list(range(c + 1))]), [features], [4], [Sampler()])
     assert [h[1] for h in handed] == [None] * 4 and all(h[2] is scaling for h in handed)
     assert handed[0][0][0].tolist() == list(range(1, c + 1))
     assert [int(h[0][0, 0]) for h in handed[1:]] == [c + 1, c + 2, c + 3]

@@ -16,6 +16,7 @@ import torch
 
 import tiny
 import speculative
+from runtime.backends.roles import TokenRows
 from runtime.cli import run
 from runtime.decode import Request
 from runtime.engine import Engine
@@ -373,7 +374,7 @@ def test_calibrate_re_exports_the_tree_graph(tree_engine, tmp_path):
         drafter = engine.drafter()
         drafter.add(PROMPT + 16, [], None)
         features = engine.loaded.batch_target().add(prompt, PROMPT + 16)[1]
-        trees.append(drafter.draft_trees([prompt + [5]], [features], [engine.tree_shape]))
+        trees.append(drafter.draft_trees(TokenRows.of([prompt + [5]]), [features], [engine.tree_shape]))
     assert trees[0] == trees[1]
 
 
@@ -442,11 +443,11 @@ def test_onnxruntime_packs_a_batch_of_trees_in_one_pass(tree_engine, monkeypatch
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(features, want_features, atol=1e-4, rtol=1e-4)
     paths = [[0, 1], [0], [0, 1, 2]]
-    batch.keep_paths(paths)
-    logits, _ = batch.verify([[1], [2], [3]])
+    batch.keep_paths(TokenRows.of(paths))
+    logits, _ = batch.verify(TokenRows.of([[1], [2], [3]]))
     for i, (one, path) in enumerate(zip(alone, paths)):
-        one.keep_paths([path])
-        torch.testing.assert_close(logits[i, :1], one.verify([[i + 1]])[0][0], atol=1e-4,
+        one.keep_paths(TokenRows.of([path]))
+        torch.testing.assert_close(logits[i, :1], one.verify(TokenRows.of([[i + 1]]))[0][0], atol=1e-4,
                                    rtol=1e-4)
 
 

@@ -15,6 +15,7 @@ import torch
 from tiers import law_runs
 
 from build import export
+from runtime.backends.roles import TokenRows
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import (OnnxBatchEagle3, open_session,
                                           takes_lengths)
@@ -97,15 +98,15 @@ def test_one_run_per_chain_link_drafts_what_each_row_drafts_alone_and_on_torch(p
     runs = []
     for name in ("step_session", "tree_session"):
         monkeypatch.setattr(batch, name, Recorded(name, getattr(batch, name), runs))
-    got = batch.draft(ids, [f[n:] for f, n in zip(features, lengths)], ks, [Sampler()] * 3)
+    got = batch.draft(TokenRows.of(ids), [f[n:] for f, n in zip(features, lengths)], ks, [Sampler()] * 3)
     assert runs == ["step_session", "tree_session"]  # not one per row
     assert batch.lengths == [n + c for n, c in zip(lengths, news)]
     for r, (f, i, n, k) in enumerate(zip(features, ids, lengths, ks)):
         single, reference = onnx_batch(graphs), TorchBatchEagle3(drafter, SCALING, K)
         for d in (single, reference):
             d.add(80, i[:n + 1], f[:n])
-        want, = single.draft([i], [f[n:]], [k], [Sampler()])
-        theirs, = reference.draft([i], [f[n:]], [k], [Sampler()])
+        want, = single.draft(TokenRows.of([i]), [f[n:]], [k], [Sampler()])
+        theirs, = reference.draft(TokenRows.of([i]), [f[n:]], [k], [Sampler()])
         assert got[r].tokens == want.tokens == theirs.tokens
         assert got[r].visible.tolist() == want.visible.tolist() == theirs.visible.tolist() \
             == list(range(len(i) - 1, len(i) - 1 + k))  # N = entries + link + 1

@@ -11,6 +11,7 @@ import torch
 
 import build_engine
 from build import export
+from runtime.backends.roles import TokenRows
 from runtime.manifest import EngineError, read_manifest
 from plugins.onnx import DOMAIN
 from plugins.plugin_spec import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
@@ -99,9 +100,9 @@ def test_target_graph_matches_torch(context, torch_engine, ort_engine):
     for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
         target = engine.loaded.batch_target()  # a batch of one
         last, feats = target.add(ids, context + 8)
-        step, step_feats = target.verify([prompt(5, seed=1)])
+        step, step_feats = target.verify(TokenRows.of([prompt(5, seed=1)]))
         target.rollback([context + 2])  # keep two of the five, verify three others
-        again, again_feats = target.verify([prompt(3, seed=2)])
+        again, again_feats = target.verify(TokenRows.of([prompt(3, seed=2)]))
         runs[name] = (last, feats, step, step_feats, again, again_feats)
     for ours, theirs in zip(runs["ort"], runs["torch"]):
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)

@@ -110,9 +110,9 @@ class CheckedTarget:
         return self.target.add(ids, capacity)
 
     def verify(self, rows):
-        assert self.length + len(rows[0]) <= self.capacity, "a verify pass past the budget"
-        self.passes.append(len(rows[0]))
-        self.length += len(rows[0])
+        assert self.length + len(rows.row(0)) <= self.capacity, "a verify pass past the budget"
+        self.passes.append(len(rows.row(0)))
+        self.length += len(rows.row(0))
         return self.target.verify(rows)
 
     def rollback(self, lengths):

@@ -12,6 +12,7 @@ import tiny
 import torch
 
 import speculative
+from runtime.backends.roles import TokenRows
 from runtime.__main__ import main as runtime_main
 from runtime.backends import PrefillOnce
 from runtime.backends.onnxruntime import (HOST_PREFILL_CHUNK, BoundBatchDFlash, BoundKVCache,
@@ -247,9 +248,9 @@ def test_target_rows_step_in_their_bound_buffers_in_place(rows, torch_engine, or
     prefixes = [cache.k[:, i, :, :len(p)].copy() for i, p in enumerate(prompts)]
     steps = []
     for target in (ours, theirs):
-        target.verify([random_prompt(5, seed=10 + r) for r in range(rows)])
+        target.verify(TokenRows.of([random_prompt(5, seed=10 + r) for r in range(rows)]))
         target.rollback([len(p) + 2 for p in prompts])
-        steps.append(target.verify([random_prompt(1, seed=20 + r) for r in range(rows)]))
+        steps.append(target.verify(TokenRows.of([random_prompt(1, seed=20 + r) for r in range(rows)])))
     assert group.cache is cache and (cache.k.ctypes.data, cache.v.ctypes.data) == address
     for i, prefix in enumerate(prefixes):
         np.testing.assert_array_equal(cache.k[:, i, :, :prefix.shape[-2]], prefix)
@@ -292,9 +293,9 @@ def test_chunked_prefill_and_a_full_cache_match_torch(length, torch_engine, ort_
     for name, engine in (("torch", torch_engine), ("ort", ort_engine)):
         target = engine.loaded.batch_target()
         last, features = target.add(ids, length + 3)
-        step, step_features = target.verify([random_prompt(3, seed=1)])  # fills it exactly
+        step, step_features = target.verify(TokenRows.of([random_prompt(3, seed=1)]))  # fills it exactly
         with pytest.raises(ValueError, match="holds"):
-            target.verify([[5]])
+            target.verify(TokenRows.of([[5]]))
         runs[name] = (last, features, step[0], step_features[0])
     assert runs["ort"][1].shape == (length, runs["torch"][1].shape[1])
     for ours, theirs in zip(runs["ort"], runs["torch"]):
@@ -308,7 +309,7 @@ def test_a_held_prefill_joins_again_from_its_snapshot(ort_engine):
     ids, other = random_prompt(60), random_prompt(30, seed=3)
     whole = ort_engine.loaded.batch_target()
     whole.add(ids, 70)
-    want = whole.verify([[7, 8]])
+    want = whole.verify(TokenRows.of([[7, 8]]))
     held = ort_engine.loaded.batch_target()
     held.prefill(ids[:25], 70)
     held.prefill_more(ids[25:])
@@ -322,7 +323,7 @@ def test_a_held_prefill_joins_again_from_its_snapshot(ort_engine):
     again.join_prefilled()
     for batch, row in ((held, 0), (again, 1)):
         assert batch.lengths[row] == 60
-        logits, features = batch.verify([[7, 8]] * len(batch.lengths))
+        logits, features = batch.verify(TokenRows.of([[7, 8]] * len(batch.lengths)))
         torch.testing.assert_close(logits[row], want[0][0], atol=1e-4, rtol=0)
         torch.testing.assert_close(features[row], want[1][0], atol=1e-4, rtol=0)
 

@@ -11,6 +11,7 @@ import torch
 import tiny
 import speculative
 from build.calibrate import main as calibrate_main
+from runtime.backends.roles import TokenRows
 from runtime.__main__ import main as runtime_main
 from plugins.scaling import QueryScaling
 from runtime.backends.onnxruntime import OnnxBatchPARD, open_session
@@ -147,7 +148,7 @@ def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
     for drafter in (plugin, native):  # each a batch of one, nothing read yet
         drafter.add(200, [], None)
     for start, end in ((0, 120), (120, 121), (121, 140)):
-        (a,), (b,) = (d.draft([ids[start:end]], [None], [3], [Sampler()]) for d in (plugin, native))
+        (a,), (b,) = (d.draft(TokenRows.of([ids[start:end]]), [None], [3], [Sampler()]) for d in (plugin, native))
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
         assert a.visible.tolist() == b.visible.tolist()
 

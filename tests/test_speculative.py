@@ -221,7 +221,7 @@ class CountingTarget:
         return self.target.add(ids, capacity)
 
     def verify(self, rows):
-        self.passes.append(len(rows[0]))
+        self.passes.append(len(rows.row(0)))
         return self.target.verify(rows)
 
     def rollback(self, lengths):

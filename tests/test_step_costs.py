@@ -182,7 +182,7 @@ def test_the_drafter_step_is_timed_as_decoding_runs_it(tiny_engine, monkeypatch)
     real_verify, real_draft = target_type.verify, drafter_type.draft
 
     def verify(self, rows):
-        log.append(("verify", len(rows[0]), bool(timing)))
+        log.append(("verify", len(rows.row(0)), bool(timing)))
         return real_verify(self, rows)
 
     def draft(self, contexts, bonuses):

@@ -16,6 +16,7 @@ import build_engine
 import fake_tensorrt
 import tiny
 from build import tensorrt_build as trt_build
+from runtime.backends.roles import TokenRows
 from plugins import tensorrt as trt_plugin
 from plugins.scaling import QueryScaling
 from runtime.__main__ import main as runtime_main
@@ -354,7 +355,7 @@ def test_every_address_the_backend_binds_is_aligned(trt_engines, prompt_file, mo
     assert a.tokens == b.tokens
     target = ours.loaded.batch_target()
     target.add(prompt[:30], 33)  # an odd capacity
-    target.verify([[5, 6, 7]])
+    target.verify(TokenRows.of([[5, 6, 7]]))
     drafter, reference = empty_rows(63, feature_size(theirs), ours.drafter(), theirs.drafter())
     generator = torch.Generator().manual_seed(1)
     starts = set()

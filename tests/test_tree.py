@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tiers import examples
 
+from runtime.backends.roles import TokenRows
 from plugins.attention import visible_counts
 from runtime.backends.pytorch import TorchBatchTarget
 from runtime.models.layers import KVCache
@@ -238,7 +239,7 @@ def test_one_tree_pass_equals_causal_passes_along_every_path(seed, size, prompt_
     for i in range(size):
         path = [tree.tokens[j] for j in reversed(ancestors(tree.parents, i))]
         alone, _ = one(model, layers, prompt, prompt_len + size)
-        want_logits, want_features = alone.verify([path])
+        want_logits, want_features = alone.verify(TokenRows.of([path]))
         torch.testing.assert_close(logits[i], want_logits[0, -1], atol=1e-9, rtol=0)
         torch.testing.assert_close(features[i], want_features[0, -1], atol=1e-9, rtol=0)
 
@@ -271,7 +272,7 @@ def test_accepted_path_is_greedy_and_its_compacted_cache_equals_one_built_from_s
     path, following = tree.greedy_path(out.argmax(-1).tolist())
     accepted = [tree.tokens[i] for i in path]
     assert path == list(range(size)) and accepted + [following] == greedy
-    target.keep_paths([path])
+    target.keep_paths(TokenRows.of([path]))
     n, cache = row_cache(target)
     assert n == prompt_len + size
     m, scratch = row_cache(fresh(model, prompt + accepted, (1,)))
@@ -349,12 +350,12 @@ def test_a_packed_tree_pass_gives_each_row_what_its_own_pass_gives(seed, rows):
         torch.testing.assert_close(features, want_features, atol=1e-9, rtol=0)
         end = int(torch.randint(0, len(tree), (), generator=g))
         paths.append(list(reversed(ancestors(tree.parents, end))))
-    batch.keep_paths(paths)
+    batch.keep_paths(TokenRows.of(paths))
     following = [[int(torch.randint(0, 7, (), generator=g))] for _ in rows]
-    logits, _ = batch.verify(following)
+    logits, _ = batch.verify(TokenRows.of(following))
     for i, (single, path) in enumerate(zip(singles, paths)):
-        single.keep_paths([path])
-        want, _ = single.verify([following[i]])
+        single.keep_paths(TokenRows.of([path]))
+        want, _ = single.verify(TokenRows.of([following[i]]))
         torch.testing.assert_close(logits[i, :1], want[0], atol=1e-9, rtol=0)
 
 

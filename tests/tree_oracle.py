@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from runtime.backends.roles import TokenRows
 from runtime.models.eagle3 import DraftVocabulary
 from runtime.sampling import log_softmax
 from runtime.tree import DraftTree, TreeShape
@@ -130,6 +131,7 @@ class PerRowTrees:
     def remove(self, row):
         del self.rows[row]
 
-    def draft_trees(self, ids, features, shapes):
-        return [None if shape is None else row.draft_tree(f, list(i[len(i) - len(f):]), shape)
-                for row, i, f, shape in zip(self.rows, ids, features, shapes)]
+    def draft_trees(self, ids: TokenRows, features, shapes):
+        rows = [ids.row(r).tolist() for r in range(len(ids))]
+        return [None if shape is None else row.draft_tree(f, i[len(i) - len(f):], shape)
+                for row, i, f, shape in zip(self.rows, rows, features, shapes)]

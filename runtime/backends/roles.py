@@ -8,7 +8,9 @@ sequence in parts (JoinInParts), and what an engine's drafter drafts (StyleAsBui
 Every role runs over a batch: a request is a batch of one. The loop runs over sequences at
 different lengths, one row each; a sequence joins as the last row and leaves from any row,
 between steps. Shapes: b rows, T a verify pass's widest row, t a row's tokens, F the target
-features the drafter reads (the layers concatenated), vocab the target's vocabulary."""
+features the drafter reads (the layers concatenated), vocab the target's vocabulary. Token
+ids of several rows cross the roles flat (TokenRows: ids [num_tokens], offsets cu [b + 1]),
+never as Python lists of lists."""
 
 from __future__ import annotations
 
@@ -17,12 +19,90 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Annotated
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from runtime import families, modes
 from runtime.manifest import EngineError, Manifest
 from runtime.models.target import load_tokenizer  # noqa: F401 -- backends that run graphs load it
 from runtime.tree import TreeShape
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Token ids of b rows, flat: `ids` int64 [num_tokens], the rows one after another,
+    and `cu` int64 [b + 1], their cumulative offsets (row r is ids[cu[r]:cu[r + 1]]), as
+    vLLM's SpecDecodeMetadata carries a batch's drafts (draft_token_ids, and
+    cu_num_draft_tokens). What the roles take where every row has its own number of
+    tokens: a verify pass's rows, a chain or tree drafter's newly committed ids, a tree's
+    accepted path. A backend takes its rows padded with one index operation (padded)."""
+
+    ids: Tensor
+    cu: Tensor
+
+    @classmethod
+    def of(cls, rows) -> "TokenRows":
+        """From rows of token ids (sequences of ints)."""
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        return cls(ids, F.pad(lengths.cumsum(0), (1, 0)))
+
+    def __len__(self) -> int:
+        return len(self.cu) - 1
+
+    @property
+    def lengths(self) -> Tensor:
+        """Each row's token count, [b]."""
+        return self.cu[1:] - self.cu[:-1]
+
+    @property
+    def width(self) -> int:
+        """The widest row's token count (0 with no rows)."""
+        return int(self.lengths.max()) if len(self) else 0
+
+    @property
+    def last(self) -> Tensor:
+        """Each row's last token, [b] (every row has one)."""
+        return self.ids[self.cu[1:] - 1]
+
+    def row(self, r: int) -> Tensor:
+        """Row r's ids, [t] (a view)."""
+        start, end = self.cu[r:r + 2].tolist()
+        return self.ids[start:end]
+
+    def padded(self, members=None, width: int | None = None, fill: int = 0) -> Tensor:
+        """Rows `members` (default: all), in that order, each padded at its end with
+        `fill` to `width` (default: the widest of them): [len(members), width], one
+        gather from the flat ids."""
+        starts, lengths = self.cu[:-1], self.lengths
+        if members is not None:
+            starts, lengths = starts[members], lengths[members]
+        if width is None:
+            width = int(lengths.max()) if len(lengths) else 0
+        columns = torch.arange(width)
+        at = starts[:, None] + columns
+        # past a row's end: the one fill entry appended after the flat ids
+        at = torch.where(columns < lengths[:, None], at, len(self.ids))
+        return F.pad(self.ids, (0, 1), value=fill)[at]
+
+    def tails(self, counts: Tensor) -> "TokenRows":
+        """Each row's last counts[r] tokens (counts [b], each at most the row's length)."""
+        cu = F.pad(counts.cumsum(0), (1, 0))
+        # token j of new row r: old row r's end - counts[r] + j
+        shift = (self.cu[1:] - counts - cu[:-1]).repeat_interleave(counts)
+        return TokenRows(self.ids[torch.arange(int(cu[-1])) + shift], cu)
+
+    def extended(self, counts: Tensor, token: int) -> "TokenRows":
+        """Each row followed by counts[r] copies of `token` (PARD's rows: the unread
+        tokens, then the pard tokens)."""
+        cu = F.pad((self.lengths + counts).cumsum(0), (1, 0))
+        ids = torch.full((int(cu[-1]),), token, dtype=torch.long)
+        # an old token moves by the tokens appended to the rows before it
+        shift = (cu[:-1] - self.cu[:-1]).repeat_interleave(self.lengths)
+        ids[torch.arange(len(self.ids)) + shift] = self.ids
+        return TokenRows(ids, cu)
+
 
 # the shapes crossing the roles
 Ids = list[int]  # one sequence's token ids
@@ -67,8 +147,10 @@ class BatchTarget(ABC):
         """That copy held again, in a cache of `capacity` (PrefillOnce)."""
 
     @abstractmethod
-    def verify(self, rows: list[Ids]) -> tuple[VerifyLogits, VerifyFeatures]:
-        """One pass over every row's [last token, *drafts], padded to the widest (T)."""
+    def verify(self, rows: TokenRows) -> tuple[VerifyLogits, VerifyFeatures]:
+        """One pass over every row's [last token, *drafts] (rows: b rows, T = rows.width),
+        padded to the widest: the logits [b, T, vocab] and features [b, T, F] (None: a
+        target whose drafter reads none); a padding position's are never read."""
 
     @abstractmethod
     def rollback(self, lengths: list[int]) -> None:
@@ -85,8 +167,9 @@ class BatchTarget(ABC):
         features of its n nodes. Backends that draft trees implement it."""
         raise NotImplementedError(f"{type(self).__name__} verifies no trees")
 
-    def keep_paths(self, paths: list[Ids]) -> None:
-        """Commit each row's accepted path (node indices) of its verified tree."""
+    def keep_paths(self, paths: TokenRows) -> None:
+        """Commit each row's accepted path (paths: b rows of node indices, root first) of
+        its verified tree."""
         raise NotImplementedError(f"{type(self).__name__} verifies no trees")
 
 
@@ -130,13 +213,13 @@ class BatchChainDrafter(Drafter):
     max_drafts: int
 
     @abstractmethod
-    def draft(self, ids: list[Ids], features: list[Features | None], ks: list[int],
+    def draft(self, ids: TokenRows, features: list[Features | None], ks: list[int],
               samplers: list) -> list:
-        """Per row: the tokens committed since its last call, ending with the newest (not
-        run by the target yet); the target's features of the tokens before its last
-        len(features) ids (None: a drafter that reads none); k drafts (None where k = 0):
-        a ChainDraft (runtime/chain.py: tokens [k], probs [k, vocab] or None, logits
-        [k, vocab], visible [k]), drawn by samplers[r] from the row's own q."""
+        """Per row (ids: b rows of t_r tokens): the tokens committed since its last call,
+        ending with the newest (not run by the target yet); the target's features [f_r, F]
+        of the tokens before its last f_r ids (None: a drafter that reads none); k drafts
+        (None where k = 0): a ChainDraft (runtime/chain.py: tokens [k], probs [k, vocab] or
+        None, logits [k, vocab], visible [k]), drawn by samplers[r] from the row's own q."""
 
 
 class BatchTreeDrafter(Drafter):
@@ -144,7 +227,7 @@ class BatchTreeDrafter(Drafter):
     pass per level expands every row's frontier (runtime/tree.py: grow_trees)."""
 
     @abstractmethod
-    def draft_trees(self, ids: list[Ids], features: list[Features | None],
+    def draft_trees(self, ids: TokenRows, features: list[Features | None],
                     shapes: list[TreeShape | None]) -> list:
         """ids and features per row as BatchChainDrafter.draft's; shapes: each row's
         TreeShape (None: none this step). Per row: (DraftTree, N) or None; N: the most
@@ -169,7 +252,7 @@ class PrefillOnce:
         self.target.join_prefilled()
         return self.result
 
-    def verify(self, rows):
+    def verify(self, rows: TokenRows):
         return self.target.verify(rows)
 
     def rollback(self, lengths: list[int]) -> None:
@@ -181,7 +264,7 @@ class PrefillOnce:
     def verify_trees(self, trees):
         return self.target.verify_trees(trees)
 
-    def keep_paths(self, paths: list[list[int]]) -> None:
+    def keep_paths(self, paths: TokenRows) -> None:
         self.target.keep_paths(paths)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime import modes
-from runtime.backends.roles import BatchBlockDrafter, BatchTarget, Loaded, load_tokenizer
+from runtime.backends.roles import BatchBlockDrafter, BatchTarget, Loaded, TokenRows, load_tokenizer
 from runtime.manifest import EngineError, Manifest, read_draft_vocab
 from runtime.backends.onnxruntime import PREFILL_CHUNK
 from runtime.sampling import DraftVocab
@@ -291,8 +291,9 @@ class TensorRTTarget(BatchTarget):
     def join_prefilled(self) -> None:
         self.rows = 1
 
-    def verify(self, rows: list[list[int]]):
-        logits, features = self._step(rows[0], range(len(rows[0])))
+    def verify(self, rows: TokenRows):
+        row = rows.row(0).tolist()  # a batch of at most one row
+        logits, features = self._step(row, range(len(row)))
         return logits[None], features[None]
 
     def rollback(self, lengths: list[int]) -> None:

@@ -12,10 +12,10 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime.backends.roles import (BatchBlockDrafter, BatchChainDrafter, BatchTreeDrafter,
-                                    JoinInParts)
+                                    JoinInParts, TokenRows)
 from runtime.chain import ChainDraft
 from runtime.sampling import DraftVocab, log_softmax
-from runtime.step_metadata import StepMetadata, padded, padded_context
+from runtime.step_metadata import StepMetadata, padded_context
 from runtime.tree import TreeShape, group_shapes, grow_trees
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HostKVCache, PREFILL_CHUNK,
                                                   buffer_dims, cache_dims, run_bound, window_feed)
@@ -84,7 +84,7 @@ class OnnxBatchPARD(JoinInParts, BatchChainDrafter):
         cache = self.joining
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = list(ids[start:start + PREFILL_CHUNK])
-            _, [cache.length] = self._run(cache, [cache.length], [chunk],
+            _, [cache.length] = self._run(cache, [cache.length], TokenRows.of([chunk]), [len(chunk)],
                                           np.asarray([len(chunk) - 1], dtype=np.int64))
 
     def _join_row(self) -> None:
@@ -94,18 +94,17 @@ class OnnxBatchPARD(JoinInParts, BatchChainDrafter):
     def remove(self, row: int) -> None:
         self.cache = drop_row(self.cache, self.lengths, row)
 
-    def _run(self, cache: HostKVCache, lengths: list[int], ids: list[list[int]],
-             logit_positions: np.ndarray, pards: list[int] | None = None):
-        """One graph run of each row's `ids` (+ pards[r] pard tokens) after its committed
-        `lengths` in `cache`: the logits, and each row's length once its ids (only the
-        real tokens) are stored."""
-        rows = [list(i) + [self.pard_token] * p for i, p in zip(ids, pards or [0] * len(ids))]
-        ends = [n + len(i) for n, i in zip(lengths, ids)]
+    def _run(self, cache: HostKVCache, lengths: list[int], rows: TokenRows, real: list[int],
+             logit_positions: np.ndarray):
+        """One graph run of each row's ids `rows` (its first real[r] real tokens, then pard
+        tokens) after its committed `lengths` in `cache`: the logits, and each row's length
+        once its ids (only the real tokens) are stored."""
+        ends = [n + k for n, k in zip(lengths, real)]
         if max(ends) > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} tokens; asked to write up to "
                              f"{max(ends)}")
         longest = max(lengths)
-        feeds = {"ids": np.asarray(padded(rows), dtype=np.int64),
+        feeds = {"ids": rows.padded().numpy(),
                  "logit_positions": logit_positions,
                  "past_keys": cache.k[:longest], "past_values": cache.v[:longest],
                  "past_lens": np.asarray(lengths, dtype=np.int64)}
@@ -115,16 +114,17 @@ class OnnxBatchPARD(JoinInParts, BatchChainDrafter):
             cache.v[start:end, :, r] = values[:end - start, :, r]
         return logits, ends
 
-    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+    def draft(self, ids: TokenRows, features, ks: list[int], samplers: list):
         if not any(ks):
             return [None] * len(ids)
-        pards = [max(k - 1, 0) for k in ks]
-        widths = [len(i) + p for i, p in zip(ids, pards)]
+        # each row's [unread tokens, pard x (k - 1)]
+        rows = ids.extended((torch.tensor(ks, dtype=torch.long) - 1).clamp(min=0), self.pard_token)
+        widths = rows.lengths.tolist()
         width = max(widths)
         first = min(w - k for w, k in zip(widths, ks) if k)  # the first row read
         meta = StepMetadata(torch.tensor(self.lengths), width)
-        logits, self.lengths = self._run(self.cache, self.lengths, ids,
-                                         np.arange(first, width, dtype=np.int64), pards)
+        logits, self.lengths = self._run(self.cache, self.lengths, rows, ids.lengths.tolist(),
+                                         np.arange(first, width, dtype=np.int64))
         visible = meta.causal_visible(width, len(ids))
         logits = torch.from_numpy(logits)
         return [ChainDraft.propose(logits[r, w - k - first:w - first], visible[r, w - k:w], sampler)
@@ -207,19 +207,21 @@ class OnnxBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
     def remove(self, row: int) -> None:
         self.cache = drop_row(self.cache, self.lengths, row)
 
-    def _ingest(self, ids: list[list[int]], features: list[torch.Tensor]):
+    def _ingest(self, ids: TokenRows, features: list[torch.Tensor]):
         """One run of the step graph over every row's newly committed entries (they stay
         committed): each row's newest entry's logits [b, vocab], state [b, H] and N [b],
         which predict its first draft, and the draft vocabulary's target ids (None: an
         engine whose tree levels give target-vocabulary logits)."""
         context, counts = padded_context(features)
-        following = padded([list(i[len(i) - len(f):]) for i, f in zip(ids, features)])
+        # entry p: the target's features of token p with token p + 1 (each row's last
+        # len(features) ids)
+        following = ids.tails(counts).padded()
         meta = StepMetadata(torch.tensor(self.lengths), counts)
         ends = meta.committed().tolist()
         if max(ends) > self.cache.capacity:
             raise ValueError(f"KV cache holds {self.cache.capacity} tokens; asked to write up to "
                              f"{max(ends)}")
-        feeds = {"ids": np.asarray(following, dtype=np.int64),
+        feeds = {"ids": following.numpy(),
                  "features": np.ascontiguousarray(context.numpy(), dtype=np.float32),
                  "context_lens": counts.numpy(), "past_lens": meta.cached.numpy()}
         names = self.STEP_OUTPUTS + (("draft_ids",) if self.draft_vocab else ())
@@ -253,7 +255,7 @@ class OnnxBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
             return torch.from_numpy(out), torch.from_numpy(state), torch.from_numpy(n)
         return run
 
-    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+    def draft(self, ids: TokenRows, features: list[torch.Tensor], ks: list[int],
               samplers: list):
         if not any(ks):
             return [None] * len(ids)
@@ -267,7 +269,7 @@ class OnnxBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
 
         return ChainDraft.grow_rows(logits, state, last, step, ks, samplers)
 
-    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+    def draft_trees(self, ids: TokenRows, features: list[torch.Tensor],
                     shapes: list[TreeShape | None]):
         """As TorchBatchEagle3.draft_trees: one step-graph run, then one tree-graph run
         per level for every row."""
@@ -287,7 +289,7 @@ class OnnxBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
             first, to_target = logits, same_ids
         else:  # the first level's drafts from the draft vocabulary too, as the torch drafter's
             first, to_target = logits[:, draft_ids], draft_ids.__getitem__
-        grown = grow_trees([i[-1] for i in ids], log_softmax(first, -1), state, last.tolist(),
+        grown = grow_trees(ids.last.tolist(), log_softmax(first, -1), state, last.tolist(),
                            expand, shaped, to_target)
         return [tree if shape is not None else None for tree, shape in zip(grown, shapes)]
 

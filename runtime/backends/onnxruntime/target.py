@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.backends.roles import BatchTarget
+from runtime.backends.roles import BatchTarget, TokenRows
 from runtime.manifest import EngineError
-from runtime.step_metadata import StepMetadata, padded
+from runtime.step_metadata import StepMetadata
 from runtime.tree import pack
 from runtime.backends.onnxruntime.buffers import (BoundKVCache, HOST_PREFILL_CHUNK, buffer_dims,
                                                   keep_rows, run_bound)
@@ -100,12 +100,12 @@ class OnnxBatchTarget(BatchTarget):
         self.joining.v[..., :n, :] = v
         self.joining.length = n
 
-    def verify(self, rows: list[list[int]]):
+    def verify(self, rows: TokenRows):
         """One pass per group, its rows padded to its widest; the outputs padded to the
         batch's widest row (a padding position's outputs are never read)."""
-        width, logits, features = max(len(r) for r in rows), None, None
+        width, logits, features = rows.width, None, None
         for group in self.groups:
-            ids = np.asarray(padded([rows[r] for r in group.members]), dtype=np.int64)
+            ids = rows.padded(group.members).numpy()
             meta = StepMetadata(torch.tensor(self.slots.lengths_of(group)), ids.shape[1])
             check_room(group.cache, meta.committed().tolist())
             feeds = {"ids": ids, "logit_positions": np.arange(meta.new, dtype=np.int64),
@@ -144,12 +144,13 @@ class OnnxBatchTarget(BatchTarget):
                           torch.from_numpy(features[i, :len(tree)]))
         return out
 
-    def keep_paths(self, paths: list[list[int]]) -> None:
+    def keep_paths(self, paths: TokenRows) -> None:
         """Commit each row's accepted path (node indices, root first) of its verified tree."""
         for group in self.groups:
             for i, r in enumerate(group.members):
-                keep_rows((group.cache.k[:, i], group.cache.v[:, i]), self.lengths[r], paths[r])
-                self.lengths[r] += len(paths[r])
+                path = paths.row(r).tolist()
+                keep_rows((group.cache.k[:, i], group.cache.v[:, i]), self.lengths[r], path)
+                self.lengths[r] += len(path)
 
     def rollback(self, lengths: list[int]) -> None:
         if any(not 0 <= n <= have for n, have in zip(lengths, self.lengths)):

@@ -32,8 +32,9 @@ from torch import nn
 
 from plugins.scaling import QueryScaling
 from runtime.backends import STEPS  # noqa: F401 -- compile_step's backends
+from runtime.backends.roles import TokenRows
 from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, TorchBatchPARD,
-                                            TorchBatchTarget, scatter_rows)
+                                            TorchBatchTarget, eagle3_entries, scatter_rows)
 from runtime.chain import ChainDraft
 from runtime.backends.slots import FixedSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -402,18 +403,16 @@ class CompiledBatchTarget(TorchBatchTarget):
         self.caches = FixedSlots(steps.target_buffers)
 
     @torch.inference_mode()
-    def verify(self, rows: list[list[int]]):
-        width, logits, features = max(len(r) for r in rows), None, None
+    def verify(self, rows: TokenRows):
+        width, logits, features = rows.width, None, None
+        lengths = rows.lengths
         for group in self.caches.groups:
-            t = max(len(rows[r]) for r in group.members)
+            t = int(lengths[group.members].max())
             padded, step = width_for(t, self.steps.widths), self.step
             if padded is None or max(group.lengths) + padded > group.cache.capacity:
                 padded, step = t, self.steps.target_module
-            ids = [[0] * padded for _ in group.lengths]
-            for r, slot in zip(group.members, group.slots):
-                ids[slot][:len(rows[r])] = rows[r]
-            x = self.steps.staging("target.ids", (len(ids), padded))
-            x.copy_(torch.tensor(ids))
+            x = self.steps.staging("target.ids", (len(group.lengths), padded))
+            x.copy_(slot_rows(group, rows, padded))
             part_logits, part_features = step(x, *group.cache.layers, group.cache.lengths)
             # indexing copies: a CUDA graph's outputs are overwritten by its next replay
             logits = scatter_rows(logits, part_logits[group.slots, :t], group.members, len(rows), width)
@@ -445,14 +444,14 @@ class CompiledBatchTarget(TorchBatchTarget):
         return out
 
     @torch.inference_mode()
-    def keep_paths(self, paths: list[list[int]]) -> None:
+    def keep_paths(self, paths: TokenRows) -> None:
         """Commit each row's accepted path (node indices, root first) of its verified tree
         (KVCache.keep_each over the slots; an idle slot keeps nothing)."""
         for group in self.caches.groups:
             slotted = [[] for _ in group.lengths]
             for r, slot in zip(group.members, group.slots):
-                slotted[slot] = paths[r]
-                group.lengths[slot] += len(paths[r])
+                slotted[slot] = paths.row(r).tolist()
+                group.lengths[slot] += len(slotted[slot])
             lengths = group.cache.lengths  # the tensor every step reads: kept, refilled by sync
             group.cache.keep_each(slotted)
             group.cache.lengths = lengths
@@ -510,12 +509,11 @@ def chain_widths(max_drafts: int) -> tuple[int, ...]:
     return tuple(sorted({max(max_drafts, 1), 2 * max(max_drafts, 1)}))
 
 
-def slot_rows(group, rows: dict[int, list[int]], width: int) -> list[list[int]]:
-    """Each member's row of ids in its slot, padded at its end to `width`; idle slots
-    all padding (their outputs are never read)."""
-    out = [[0] * width for _ in group.lengths]
-    for r, slot in zip(group.members, group.slots):
-        out[slot][:len(rows[r])] = rows[r]
+def slot_rows(group, rows: TokenRows, width: int) -> torch.Tensor:
+    """Each member's row of ids in its slot, padded at its end to `width`: [slots, width];
+    idle slots all padding (their outputs are never read)."""
+    out = torch.zeros(len(group.lengths), width, dtype=torch.long)
+    out[group.slots] = rows.padded(group.members, width)
     return out
 
 
@@ -534,27 +532,29 @@ class CompiledBatchPARD(TorchBatchPARD):
         self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1])
 
     @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+    def draft(self, ids: TokenRows, features, ks: list[int], samplers: list):
         drafts = [None] * len(ids)
+        # each row's [unread tokens, pard x (k - 1)]
+        rows = ids.extended((torch.tensor(ks, dtype=torch.long) - 1).clamp(min=0), self.pard_token)
+        ends, counts = rows.lengths.tolist(), ids.lengths.tolist()
         for group in self.caches.groups:
             if not any(ks[r] for r in group.members):
                 continue
-            rows = {r: list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in group.members}
-            t = max(len(row) for row in rows.values())
+            t = max(ends[r] for r in group.members)
             width, step = width_for(t, self.widths), self.step
             if width is None or max(group.lengths) + width > group.cache.capacity:
                 width, step = t, self.eager
             x = self.steps.staging("pard.ids", (len(group.lengths), width))
-            x.copy_(torch.tensor(slot_rows(group, rows, width)))
+            x.copy_(slot_rows(group, rows, width))
             logits, visible = step(x, *group.cache.layers, group.cache.lengths)
             for r, slot in zip(group.members, group.slots):
                 if ks[r]:
-                    end = len(rows[r])
+                    end = ends[r]
                     first = end - ks[r]  # the newest real token's row, then the pard rows
                     # clone: a CUDA graph's outputs are overwritten by its next replay
                     drafts[r] = ChainDraft.propose(logits[slot, first:end].clone(),
                                                    visible[slot, first:end].clone(), samplers[r])
-                group.lengths[slot] += len(ids[r])  # the real tokens' keys; the rest scratch
+                group.lengths[slot] += counts[r]  # the real tokens' keys; the rest scratch
             group.sync()
         return drafts
 
@@ -578,10 +578,11 @@ class CompiledBatchEagle3(TorchBatchEagle3):
         self.widths = (1, max_drafts + 1)
         self.caches = FixedSlots(steps.chain_buffers, room=self.widths[-1] + max_drafts)
 
-    def _ingest_group(self, group, ids: list[list[int]], features: list[torch.Tensor]):
-        """The ingest step over the group's slots (TorchBatchEagle3._ingest's pass), its
-        host lengths then the committed ones: each member's newest entry's logits, state
-        and N, and the committed lengths per slot."""
+    def _ingest_group(self, group, entries: TokenRows, features: list[torch.Tensor]):
+        """The ingest step over the group's slots (TorchBatchEagle3._ingest's pass; `entries`:
+        each row's ids paired with its features, eagle3_entries), its host lengths then the
+        committed ones: each member's newest entry's logits, state and N, and the committed
+        lengths per slot."""
         staging = self.steps.staging
         slots, at = len(group.lengths), group.slots
         counts = {r: len(features[r]) for r in group.members}
@@ -589,9 +590,8 @@ class CompiledBatchEagle3(TorchBatchEagle3):
         width, step = width_for(c, self.widths), self.ingest
         if width is None or max(group.lengths) + width + self.max_drafts > group.cache.capacity:
             width, step = c, self.ingest_eager
-        following = {r: list(ids[r][len(ids[r]) - counts[r]:]) for r in group.members}
         x = staging("eagle3.ids", (slots, width))
-        x.copy_(torch.tensor(slot_rows(group, following, width)))
+        x.copy_(slot_rows(group, entries, width))
         context = staging("eagle3.context", (slots, width, features[0].shape[-1]),
                           features[0].dtype)
         context.zero_()
@@ -608,15 +608,16 @@ class CompiledBatchEagle3(TorchBatchEagle3):
         return logits[at, last], hidden[at, last], visible[at, last], committed
 
     @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+    def draft(self, ids: TokenRows, features: list[torch.Tensor], ks: list[int],
               samplers: list):
         drafts = [None] * len(ids)
         staging = self.steps.staging
+        entries = eagle3_entries(ids, features)
         for group in self.caches.groups:
             if not any(ks[r] for r in group.members):
                 continue
             slots, at = len(group.lengths), group.slots
-            logits, hidden, visible, committed = self._ingest_group(group, ids, features)
+            logits, hidden, visible, committed = self._ingest_group(group, entries, features)
 
             def link(tokens, hidden, i):
                 x = staging("eagle3.link", (slots, 1))
@@ -642,16 +643,17 @@ class CompiledBatchEagle3(TorchBatchEagle3):
         return drafts
 
     @torch.inference_mode()
-    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+    def draft_trees(self, ids: TokenRows, features: list[torch.Tensor],
                     shapes: list[TreeShape | None]):
         trees = [None] * len(ids)
         staging = self.steps.staging
+        entries = eagle3_entries(ids, features)
         for group in self.caches.groups:
             shaped = group_shapes(shapes, group.members)
             if shaped is None:
                 continue
             slots, at = len(group.lengths), group.slots
-            logits, hidden, visible, _ = self._ingest_group(group, ids, features)
+            logits, hidden, visible, _ = self._ingest_group(group, entries, features)
 
             def expand(tokens, parent_hidden, scratch_mask, offset):
                 t, s = scratch_mask.shape[1:]
@@ -673,7 +675,7 @@ class CompiledBatchEagle3(TorchBatchEagle3):
                                          group.cache.lengths)
                 return log_softmax(out[at], -1), new[at], n[at]
 
-            grown = grow_trees([ids[r][-1] for r in group.members], log_softmax(logits, -1),
+            grown = grow_trees(ids.last[group.members].tolist(), log_softmax(logits, -1),
                                hidden, visible.tolist(), expand, shaped, self.vocab.to_target)
             for r, tree in zip(group.members, grown):
                 if shapes[r] is not None:

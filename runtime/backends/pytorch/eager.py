@@ -10,7 +10,7 @@ import torch
 
 from plugins.scaling import QueryScaling
 from runtime.backends.roles import (BatchBlockDrafter, BatchChainDrafter, BatchTarget,
-                                    BatchTreeDrafter, JoinInParts)
+                                    BatchTreeDrafter, JoinInParts, TokenRows)
 from runtime.chain import ChainDraft
 from runtime.backends.slots import TorchSlots
 from runtime.models.dflash import DFlashDrafter, DraftHead
@@ -18,7 +18,7 @@ from runtime.models.eagle3 import DraftVocabulary, Eagle3Drafter
 from runtime.models.pard import PARDDrafter
 from runtime.models.target import TargetModel
 from runtime.sampling import log_softmax
-from runtime.step_metadata import padded, padded_context
+from runtime.step_metadata import padded_context
 from runtime.tree import DraftTree, TreeShape, group_shapes, grow_trees, pack
 
 
@@ -90,13 +90,12 @@ class TorchBatchTarget(BatchTarget):
         self.held.length = n
 
     @torch.inference_mode()
-    def verify(self, rows: list[list[int]]):
+    def verify(self, rows: TokenRows):
         """One pass per group, its rows padded to its widest; the outputs padded to the
         batch's widest row."""
-        width, logits, features = max(len(r) for r in rows), None, None
+        width, logits, features = rows.width, None, None
         for cache, members in self.caches.each():
-            ids = torch.tensor(padded([rows[r] for r in members]), dtype=torch.long,
-                               device=cache.k.device)
+            ids = rows.padded(members).to(cache.k.device)
             part_logits, part_features = self.model(ids, cache, self.feature_layers)
             logits = scatter_rows(logits, part_logits, members, len(rows), width)
             if part_features is not None:
@@ -120,10 +119,10 @@ class TorchBatchTarget(BatchTarget):
         return out
 
     @torch.inference_mode()  # the caches were made under inference mode
-    def keep_paths(self, paths: list[list[int]]) -> None:
+    def keep_paths(self, paths: TokenRows) -> None:
         """Commit each row's accepted path (node indices, root first) of its verified tree."""
         for cache, members in self.caches.each():
-            cache.keep_each([paths[r] for r in members])
+            cache.keep_each([paths.row(r).tolist() for r in members])
 
     def rollback(self, lengths: list[int]) -> None:
         self.caches.rollback(lengths)
@@ -236,22 +235,25 @@ class TorchBatchPARD(JoinInParts, BatchChainDrafter):
         self.drafter(x, self.joining, self.scaling, keep=len(ids))
 
     @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features, ks: list[int], samplers: list):
+    def draft(self, ids: TokenRows, features, ks: list[int], samplers: list):
         drafts = [None] * len(ids)
         device = self.drafter.embed_tokens.weight.device
+        # each row's [unread tokens, pard x (k - 1)]
+        rows = ids.extended((torch.tensor(ks, dtype=torch.long) - 1).clamp(min=0), self.pard_token)
+        ends = rows.lengths.tolist()
         for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
-            rows = [list(ids[r]) + [self.pard_token] * max(ks[r] - 1, 0) for r in members]
-            keep = torch.tensor([len(ids[r]) for r in members], dtype=torch.long, device=device)
-            x = torch.tensor(padded(rows), dtype=torch.long, device=device)
+            keep = ids.lengths[members].to(device)
+            x = rows.padded(members).to(device)
             hidden, visible = self.drafter(x, cache, self.scaling, keep=keep)
-            for i, (r, row) in enumerate(zip(members, rows)):
+            for i, r in enumerate(members):
                 if ks[r]:
-                    first = len(row) - ks[r]  # the newest real token's row, then the pard rows
+                    end = ends[r]
+                    first = end - ks[r]  # the newest real token's row, then the pard rows
                     drafts[r] = ChainDraft.propose(
-                        self.drafter.logits(hidden[i, first:len(row)], self.vocab_size),
-                        visible[i, first:len(row)], samplers[r])
+                        self.drafter.logits(hidden[i, first:end], self.vocab_size),
+                        visible[i, first:end], samplers[r])
         return drafts
 
     def remove(self, row: int) -> None:
@@ -290,13 +292,13 @@ class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
                                  device=features.device)
         self.drafter(following, self.drafter.project(features[None]), self.joining, self.scaling)
 
-    def _ingest(self, cache, members: list[int], ids: list[list[int]], features: list[torch.Tensor]):
-        """One pass over the group's rows' newly committed entries (committed: each row's
-        cache length grows by its own count): each row's newest entry's draft-vocabulary
-        logits [g, V], state [g, H] and N [g], which predict its first draft."""
+    def _ingest(self, cache, members: list[int], entries: TokenRows, features: list[torch.Tensor]):
+        """One pass over the group's rows' newly committed entries (`entries`: each row's
+        ids paired with its features, eagle3_entries; committed: each row's cache length
+        grows by its own count): each row's newest entry's draft-vocabulary logits [g, V],
+        state [g, H] and N [g], which predict its first draft."""
         context, counts = padded_context([features[r] for r in members])
-        following = padded([list(ids[r][len(ids[r]) - len(features[r]):]) for r in members])
-        x = torch.tensor(following, dtype=torch.long, device=context.device)
+        x = entries.padded(members).to(context.device)
         logits, hidden, visible = self.drafter(x, self.drafter.project(context), cache,
                                                self.scaling, keep=counts.to(context.device))
         last = (counts - 1).to(context.device)  # each row's newest entry predicts its draft 1
@@ -304,13 +306,14 @@ class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
         return logits[at, last], hidden[at, last], visible[at, last]
 
     @torch.inference_mode()
-    def draft(self, ids: list[list[int]], features: list[torch.Tensor], ks: list[int],
+    def draft(self, ids: TokenRows, features: list[torch.Tensor], ks: list[int],
               samplers: list):
         drafts = [None] * len(ids)
+        entries = eagle3_entries(ids, features)
         for cache, members in self.caches.each():
             if not any(ks[r] for r in members):
                 continue
-            logits, hidden, visible = self._ingest(cache, members, ids, features)
+            logits, hidden, visible = self._ingest(cache, members, entries, features)
             committed = cache.lengths.clone()
 
             def step(tokens, hidden, i):
@@ -326,17 +329,18 @@ class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
         return drafts
 
     @torch.inference_mode()
-    def draft_trees(self, ids: list[list[int]], features: list[torch.Tensor],
+    def draft_trees(self, ids: TokenRows, features: list[torch.Tensor],
                     shapes: list[TreeShape | None]):
         """Per row as draft()'s ids and features, and its tree's shape (None: it drafts
         none this step): its DraftTree and the most keys any of its drafter rows saw (N),
         or None. Per group, one pass ingests, then one pass per level (grow_trees)."""
         trees = [None] * len(ids)
+        entries = eagle3_entries(ids, features)
         for cache, members in self.caches.each():
             shaped = group_shapes(shapes, members)
             if shaped is None:
                 continue
-            logits, hidden, visible = self._ingest(cache, members, ids, features)
+            logits, hidden, visible = self._ingest(cache, members, entries, features)
 
             def expand(tokens, parent_hidden, scratch_mask, offset):
                 x = torch.tensor(tokens, dtype=torch.long, device=parent_hidden.device)
@@ -344,7 +348,7 @@ class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
                                                   tree=(scratch_mask, torch.full_like(x, offset)))
                 return log_softmax(out, -1), state, counts
 
-            grown = grow_trees([ids[r][-1] for r in members], log_softmax(logits, -1), hidden,
+            grown = grow_trees(ids.last[members].tolist(), log_softmax(logits, -1), hidden,
                                visible.tolist(), expand, shaped, self.vocab.to_target)
             for r, tree in zip(members, grown):
                 if shapes[r] is not None:
@@ -353,6 +357,12 @@ class TorchBatchEagle3(JoinInParts, BatchChainDrafter, BatchTreeDrafter):
 
     def remove(self, row: int) -> None:
         self.caches.drop(row)
+
+
+def eagle3_entries(ids: TokenRows, features: list[torch.Tensor]) -> TokenRows:
+    """Each row's ids its features pair with (an EAGLE-3 entry: the target's features of
+    a token with the token after it): its last len(features[r]) ids."""
+    return ids.tails(torch.tensor([len(f) for f in features], dtype=torch.long))
 
 
 def eagle3_room(max_drafts: int, tree: TreeShape | None) -> int:
