@@ -36,7 +36,7 @@ class Request:
     # (None: none computed): into Generation.logprobs, and on_tokens(new, entries)
     logprobs: int | None = None
     # the decoding mode; None: the engine's default for the batch it joins, which the
-    # scheduler resolves at admission, into a copy (no field is set after construction)
+    # scheduler resolves at admission (the one field set after construction: its state)
     mode: str | None = None
     on_tokens: OnTokens | None = None
     on_done: Callable[[object, str], None] | None = None

@@ -191,12 +191,11 @@ class StepScheduler:
             if job.on_prompt is not None:
                 job.on_prompt(self._score(job))
                 if job.max_new_tokens == 0:  # scored by the target alone: that is the mode it ran
-                    job.on_done(Generation(len(job.prompt)), job.mode or str(Mode.TARGET))
+                    job.mode = job.mode or str(Mode.TARGET)
+                    job.on_done(Generation(len(job.prompt)), job.mode)
                     return
-            if job.mode is None:  # the default for the load it joins, on a copy: a
-                # Request is never changed once built
-                job = dataclasses.replace(
-                    job, mode=self._default_batch() or self.engine.spec.default_mode_at(load))
+            if job.mode is None:
+                job.mode = self._default_batch() or self.engine.spec.default_mode_at(load)
                 self.default = job.mode
             decoder = self._decoder(job.mode)
             if decoder is None:  # one at a time, here and now
