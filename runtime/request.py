@@ -2,9 +2,10 @@
 built once, with keywords only, by whoever holds the prompt's ids -- the served model
 (runtime/serve/model.py), Engine.generate, the commands -- and handed unchanged to the
 scheduler (runtime/serve/scheduler.py) and the loop (runtime/decode.py). Its limits keep
-one name all the way (max_new_tokens); what the client may ask is checked where it
-arrives (runtime/serve/protocol.py: check_max_new_tokens, shared by the OpenAI and Triton
-doors), the context's room where the loop admits it (decode.check_budget).
+one name all the way (max_new_tokens). What a client may ask is checked where it arrives,
+once, as the front doors' one request object is built (runtime/serve/protocol.py: Params,
+which the OpenAI and the Triton door both build, and from which the served model builds
+this Request); the context's room where the loop admits it (decode.check_budget).
 
 Its callbacks are set at construction: on_tokens(new[, entries]) per commit (raise to
 leave the batch: a cancelled stream), on_done(generation, mode) and on_error(exception)

@@ -3,13 +3,16 @@ stand-in for the settings): one pydantic model per endpoint, every malformed bod
 with one line naming its field in `param`, the server's own limits checked after it.
 (tests/test_openai.py sends the same kinds of body to a real server.)"""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from runtime.serve.openai_api import Api, ApiError, _request_schema
-from runtime.serve.protocol import QUOTE
+from runtime.serve import protocol
+from runtime.serve.openai_api import Api, ApiError, Reply, _request_schema
+from runtime.serve.protocol import QUOTE, Params
 
 
 class _Template:
@@ -164,27 +167,45 @@ def test_errors_quote_only_a_short_number_never_a_string(api):
 
 
 def test_well_formed_bodies_become_the_request_fields(api):
-    prompt, r = api.parse(json.dumps(COMPLETION | {
+    params, reply = api.parse(json.dumps(COMPLETION | {
         "prompt": ["def g():"], "temperature": 0, "top_p": 0.5, "seed": -2**63, "stop": "x", "stream": None,
         "sharpdraft": {"mode": "ngram"}, "user": "me", "best_of": 1, "logit_bias": {}, "store": False,
         "top_k": -1, "min_p": 0, "ignore_eos": True, "logprobs": 2,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode(), False)
-    assert prompt == "def g():"
-    assert r | {"extra": None} == {
-        "echo": False, "max_tokens": 4, "temperature": 0.0, "top_p": 0.5, "seed": -2**63, "stop": ["x"],
-        "stream": False, "include_usage": True, "continuous_usage": True, "logprobs": 2,
-        "inputs": {"top_k": 0, "min_p": 0.0, "ignore_eos": True, "logprobs": 2}, "extra": None, "mode": "ngram"}
-    assert r["extra"] == {"mode": "ngram"}
+    assert isinstance(params, Params) and params.text == "def g():"
+    assert params == Params(text="def g():", max_new_tokens=4, temperature=0.0, top_p=0.5, seed=-2**63,
+                            asked_mode="ngram", extensions=(("top_k", 0), ("min_p", 0.0)), ignore_eos=True,
+                            logprobs=2, stop=("x",))
+    assert reply == Reply(stream=False, include_usage=True, continuous_usage=True, echo=False)
+    # the Triton inputs it becomes: the mode by name, the extensions in the model's types
+    arrays = params.arrays()
+    assert arrays["mode"].tolist() == [b"ngram"] and arrays["top_k"].dtype == np.int32
+    assert "prompt_logprobs" not in arrays and arrays["ignore_eos"].tolist() == [True]
     # echo with max_tokens 0 (lm-eval's loglikelihood), the prompt's log-probabilities asked
-    _, r = api.parse(json.dumps(COMPLETION | {"echo": True, "max_tokens": 0, "logprobs": 1}).encode(), False)
-    assert (r["max_tokens"], r["echo"], r["inputs"]["prompt_logprobs"]) == (0, True, True)
+    params, reply = api.parse(json.dumps(COMPLETION | {"echo": True, "max_tokens": 0, "logprobs": 1}).encode(), False)
+    assert (params.max_new_tokens, reply.echo, params.prompt_logprobs) == (0, True, True)
     # chat: text parts joined, max_completion_tokens over max_tokens, the limit by default
-    prompt, r = api.parse(json.dumps({"model": "m", "max_completion_tokens": 9, "max_tokens": 3, "messages": [
+    params, reply = api.parse(json.dumps({"model": "m", "max_completion_tokens": 9, "max_tokens": 3, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"}],
         "logprobs": True, "top_logprobs": 3}).encode(), True)
-    assert (prompt, r["max_tokens"], r["logprobs"], r["mode"]) == ("ab", 9, 3, "sharpdraft")
-    _, r = api.parse(json.dumps({"model": "m", "messages": CHAT["messages"]}).encode(), True)
-    assert (r["max_tokens"], r["temperature"], r["top_p"], r["stop"]) == (256, 1.0, 1.0, [])
+    assert (params.text, params.max_new_tokens, params.logprobs, params.asked_mode) == ("ab", 9, 3, None)
+    params, _ = api.parse(json.dumps({"model": "m", "messages": CHAT["messages"]}).encode(), True)
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.stop) == (256, 1.0, 1.0, ())
+
+
+def test_the_openai_door_sends_what_the_triton_door_reads_back(api):
+    """One request object at both doors: the OpenAI door's Params, sent as its arrays, is
+    the Params the Triton model parses from them (stop strings are the endpoint's own)."""
+    params, _ = api.parse(json.dumps(COMPLETION | {
+        "temperature": 0.5, "seed": 7, "sharpdraft": {"mode": "ngram"}, "top_k": 3, "min_p": 0.25,
+        "repetition_penalty": 1.5, "min_tokens": 2, "ignore_eos": True, "logprobs": 2, "echo": True,
+        "stop": ["x"]}).encode(), False)
+    assert protocol.parse(params.arrays(), max_new_tokens_limit=256) == dataclasses.replace(params, stop=())
+    # the one limit check, at both doors, each naming the field as its client wrote it
+    with pytest.raises(protocol.RequestError, match="max_new_tokens 4 exceeds this server's limit of 3 "):
+        protocol.parse(params.arrays(), max_new_tokens_limit=3)
+    error = _refusal(api, COMPLETION | {"max_tokens": 300}, False)
+    assert (error.param, error.message) == ("max_tokens", "'max_tokens' 300 exceeds this server's limit of 256")
 
 
 def test_one_schema_per_endpoint_built_once():

@@ -128,7 +128,7 @@ class TritonPythonModel:
             on_tokens, on_done, on_error = self._callbacks(request, sender, len(ids),
                                                            params.logprobs, prompt_entries)
             self.scheduler.submit(self.Request(
-                prompt=ids, max_new_tokens=params.max_new_tokens, sampling=params.sampling(),
+                prompt=ids, max_new_tokens=params.max_new_tokens, sampling=params.sampling,
                 stop_ids=frozenset() if params.ignore_eos else self.engine.stop_ids,
                 logprobs=params.logprobs, mode=params.mode(self.engine) if named else None,
                 on_tokens=on_tokens, on_done=on_done, on_error=on_error,

@@ -22,8 +22,11 @@ clients never send; responses carry a `sharpdraft` object (token ids, mode stati
 that OpenAI clients ignore.
 
 Each endpoint checks its body against one pydantic schema (_request_schema: OpenAI's
-fields, vLLM's extensions, `sharpdraft`; unknown fields refused by name), then what
-depends on this server (the model's name, the limit, the modes) by small checks.
+fields, vLLM's extensions, `sharpdraft`; unknown fields refused by name and shape), then
+builds from it, once, the request object the Triton door builds too
+(runtime/serve/protocol.py: Params), whose construction checks what the server limits (the
+token limit, the modes it serves, an empty prompt) at both doors alike; the Triton call
+sends Params.arrays(). What only shapes the HTTP answer (stream, usage, echo) is a Reply.
 
 A hostile client gets a 4xx, never a 500 or a stall: a JSON body only (415 otherwise),
 UTF-8 only, parsed off the event loop with every malformed kind (invalid Unicode, numbers
@@ -37,6 +40,7 @@ response carries `X-Content-Type-Options: nosniff`, every 503 a `Retry-After`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -45,9 +49,8 @@ import threading
 import time
 import uuid
 
-import numpy as np
-
-from runtime.serve.protocol import QUOTE, RequestError, check_max_new_tokens, quote
+from runtime.serve.protocol import (INPUTS, MAX_LOGPROBS, QUOTE, SAMPLING_EXTENSIONS, Door, Params,
+                                    RequestError, quote)
 
 # The scheduler's QueueFull text (runtime/serve/scheduler.py): a gRPC stream response
 # carries only a message, no status code, so the refusal is recognised by it.
@@ -68,13 +71,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 NEUTRAL = {"user": None,
            "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
            "parallel_tool_calls": None, "metadata": None, "store": (None, False), "service_tier": None}
-# vLLM's request extensions this server honours (in _request_schema), beside OpenAI's own
-# fields: the Triton model's inputs they become (runtime/serve/protocol.py), with their types
-EXTENSION_INPUTS = {"top_k": "INT32", "min_tokens": "INT32", "min_p": "FP64",
-                    "repetition_penalty": "FP64", "presence_penalty": "FP64",
-                    "frequency_penalty": "FP64", "ignore_eos": "BOOL", "logprobs": "INT32",
-                    "prompt_logprobs": "BOOL"}
-MAX_LOGPROBS = 20  # as the model's (protocol.MAX_LOGPROBS) and vLLM's default
 
 
 class ApiError(Exception):
@@ -96,7 +92,7 @@ def _request_schema(chat: bool):
     theirs): NEUTRAL fields, OpenAI's own, `sharpdraft`, vLLM's extensions and logprobs,
     then the prompt or the messages. Strict types (a number is never a bool or a string),
     OpenAI's and vLLM's ranges, null means not sent, unknown fields refused. What depends on
-    the server (the model's name, the limit, the modes) is checked after, by Api._request."""
+    the server (the model's name, the limit, the modes) is checked after: Api.parse."""
     from typing import Annotated, Any, Literal, Optional
 
     from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
@@ -133,7 +129,7 @@ def _request_schema(chat: bool):
         continuous_usage_stats: Optional[StrictBool] = None
 
     class SharpDraft(Closed):
-        mode: Optional[StrictStr] = None  # a name of the modes table: mode_inputs
+        mode: Optional[StrictStr] = None  # a mode this server runs: Params checks it
 
     class TextPart(BaseModel):
         type: Literal["text"]
@@ -150,8 +146,8 @@ def _request_schema(chat: bool):
 
     class Body(Neutral):  # in the order a request's problems are reported
         model: StrictStr
-        n: integer(ge=1) = None  # 1 only: Api._request
-        max_tokens: integer(ge=0) = None  # 0 only with echo, at most the limit: Api._request
+        n: integer(ge=1) = None  # 1 only: Api._checked
+        max_tokens: integer(ge=0) = None  # 0 only with echo, at most the limit: Params
         max_completion_tokens: integer(ge=0) = None  # max_tokens' newer name
         temperature: number(ge=0, le=2) = None
         top_p: number(gt=0, le=1) = None
@@ -177,7 +173,7 @@ def _request_schema(chat: bool):
 
     class Chat(Body):
         logprobs: Optional[StrictBool] = None
-        top_logprobs: integer(ge=0, le=MAX_LOGPROBS) = None  # needs logprobs: Api._request
+        top_logprobs: integer(ge=0, le=MAX_LOGPROBS) = None  # needs logprobs: Api._checked
         messages: Annotated[list[Message], Field(min_length=1)]
 
     return Chat if chat else Completion
@@ -265,17 +261,6 @@ def decode_body(raw: bytes):
     return body
 
 
-def mode_inputs(mode: str | None, served: tuple[str, ...]) -> dict:
-    """THE one place a request's `sharpdraft.mode` becomes the served model's inputs: its
-    `mode` input, a name of the modes table (runtime/serve/protocol.py)."""
-    if mode is None:
-        return {}
-    if mode not in served:
-        raise ApiError(400, f"mode {quote(mode)} is not served by this engine; served modes: "
-                            f"{', '.join(served)}", param="sharpdraft.mode", code="unsupported_mode")
-    return {"mode": mode}
-
-
 class StopMatcher:
     """Cuts generated text at the first stop sequence. Text that could still begin a stop
     sequence is held back, so a stream never shows what the full answer would not."""
@@ -306,6 +291,17 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.held = ("" if self.stopped else self.held), ""
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reply:
+    """How the HTTP answer to one request is shaped, which the model never sees: streamed
+    or whole, with usage on the last chunk or every chunk, the prompt echoed first."""
+
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    echo: bool = False
 
 
 class Settings:
@@ -344,10 +340,20 @@ class Api:
 
     # --- request parsing ---------------------------------------------------------------
 
-    def _request(self, body: dict, chat: bool):
+    def parse(self, raw: bytes, chat: bool) -> tuple[Params, Reply]:
+        """The body to the one request object (protocol.Params, built once) and how to
+        shape the answer; run off the event loop, so a big body or a slow chat template
+        never holds up other clients."""
+        body = decode_body(raw)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        checked = self._checked(body, chat)
+        prompt = self._chat_prompt(checked) if chat else self._completion_prompt(checked)
+        return self._params(checked, prompt, chat), self._reply(checked, chat)
+
+    def _checked(self, body: dict, chat: bool):
         """The body checked against its endpoint's schema (validation_error: the 400), then
-        what depends on this server or joins two fields, each a small check: the validated
-        body and the request fields the Triton call takes."""
+        what depends on this server's name or joins two fields the model never sees."""
         from pydantic import ValidationError
 
         try:
@@ -359,50 +365,58 @@ class Api:
                            param="model", code="model_not_found")
         if checked.n not in (None, 1):
             raise ApiError(400, f"'n' must be 1 (one choice per request), got {checked.n}", param="n")
-        echo = not chat and bool(checked.echo)
+        if not chat and checked.echo and checked.stream:
+            raise ApiError(400, "'echo' is served without streaming", param="echo")
+        if chat and checked.top_logprobs and not checked.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return checked
+
+    def _params(self, checked, prompt: str, chat: bool) -> Params:
+        """THE request object, as the Triton door builds it (protocol.Params), from the
+        checked body: OpenAI's names and defaults, and its construction's refusal (the
+        server's limit, the modes it serves, an empty prompt) as a 400 naming the field as
+        the client wrote it."""
         name = "max_tokens" if checked.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = getattr(checked, name)
         if max_tokens is None:
             max_tokens = self.s.limit if chat else 16
-        # echo with max_tokens 0: the prompt scored, nothing generated (lm-eval's loglikelihood)
-        try:  # the one check both doors make (protocol.check_max_new_tokens)
-            check_max_new_tokens(max_tokens, self.s.limit, scoring=echo, name=f"'{name}'")
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param=name) from None
-        if echo and checked.stream:
-            raise ApiError(400, "'echo' is served without streaming", param="echo")
-        inputs = {name: getattr(checked, name) for name in EXTENSION_INPUTS
-                  if name not in ("logprobs", "prompt_logprobs") and getattr(checked, name) is not None}
-        if echo:
-            inputs["prompt_logprobs"] = True
-        if inputs.get("top_k") == -1:
-            inputs["top_k"] = 0
         if chat:
-            if checked.top_logprobs and not checked.logprobs:
-                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             logprobs = (checked.top_logprobs or 0) if checked.logprobs else None
         else:
             logprobs = checked.logprobs
-        if logprobs is not None:
-            inputs["logprobs"] = logprobs
+        # vLLM's extensions in the model's own types; top_k -1 (vLLM's "every token") is 0
+        extensions = tuple((n, type(neutral)(0 if n == "top_k" and value == -1 else value))
+                           for n, neutral in SAMPLING_EXTENSIONS.items()
+                           if (value := getattr(checked, n)) is not None)
+        stop = [checked.stop] if isinstance(checked.stop, str) else checked.stop or []
+        door = Door(names={"max_new_tokens": name, "text": "prompt", "asked_mode": "sharpdraft.mode",
+                           "logprobs": "top_logprobs" if chat else "logprobs"},
+                    quoted=True, served=self.s.modes)
+        try:
+            return Params(text=prompt, max_new_tokens=max_tokens,
+                          temperature=1.0 if checked.temperature is None else float(checked.temperature),
+                          top_p=1.0 if checked.top_p is None else float(checked.top_p),
+                          seed=checked.seed, asked_mode=checked.sharpdraft.mode if checked.sharpdraft else None,
+                          extensions=extensions, ignore_eos=bool(checked.ignore_eos), logprobs=logprobs,
+                          # echo with max_tokens 0: the prompt scored, nothing generated
+                          # (lm-eval's loglikelihood)
+                          prompt_logprobs=not chat and bool(checked.echo), stop=tuple(stop),
+                          limit=self.s.limit, door=door)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.field, code=exc.code) from None
+
+    @staticmethod
+    def _reply(checked, chat: bool) -> Reply:
         options = checked.stream_options
         include = bool(options and options.include_usage)
-        mode = checked.sharpdraft.mode if checked.sharpdraft else None
-        temperature, top_p = checked.temperature, checked.top_p
-        stop = [checked.stop] if isinstance(checked.stop, str) else checked.stop
-        return checked, {
-            "echo": echo, "max_tokens": max_tokens, "temperature": 1.0 if temperature is None else temperature,
-            "top_p": 1.0 if top_p is None else top_p, "seed": checked.seed, "stop": stop or [],
-            "stream": bool(checked.stream), "include_usage": include,
-            "continuous_usage": include and bool(options.continuous_usage_stats),
-            "logprobs": logprobs, "inputs": inputs, "extra": mode_inputs(mode, self.s.modes),
-            "mode": mode or self.s.default_mode}
+        return Reply(stream=bool(checked.stream), include_usage=include,
+                     continuous_usage=include and bool(options.continuous_usage_stats),
+                     echo=not chat and bool(checked.echo))
 
-    def parse_completion(self, body: dict) -> tuple[str, dict]:
-        checked, request = self._request(body, chat=False)
+    def _completion_prompt(self, checked) -> str:
         prompt = checked.prompt if isinstance(checked.prompt, str) else checked.prompt[0]
         self._check_size(len(prompt.encode("utf-8")))
-        return prompt, request
+        return prompt
 
     def _check_size(self, size: int) -> None:
         """Refuse a prompt by its bytes alone where no tokenization could fit it in the
@@ -412,19 +426,7 @@ class Api:
                                 f"({self.s.context} tokens, at most {self.s.prompt_bytes} bytes) can hold",
                            param="prompt", code="context_length_exceeded")
 
-    def parse(self, raw: bytes, chat: bool):
-        """The body to (prompt, request fields); run off the event loop, so a big body or
-        a slow chat template never holds up other clients."""
-        body = decode_body(raw)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        prompt, r = (self.parse_chat if chat else self.parse_completion)(body)
-        if not prompt.strip():
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return prompt, r
-
-    def parse_chat(self, body: dict) -> tuple[str, dict]:
-        checked, request = self._request(body, chat=True)
+    def _chat_prompt(self, checked) -> str:
         plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                   else "".join(part.text for part in m.content)} for m in checked.messages]
         self._check_size(sum(len(m["content"].encode("utf-8")) for m in plain))
@@ -432,42 +434,32 @@ class Api:
             raise ApiError(400, f"model {self.s.model!r} has no chat template; use /v1/completions",
                            param="messages")
         try:
-            prompt = self.s.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+            return self.s.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # the template's own checks (roles out of order, ...)
             raise ApiError(400, f"the chat template refused the messages: {str(exc).splitlines()[0][:200]}",
                            param="messages") from None
-        return prompt, request
 
     # --- the Triton call ---------------------------------------------------------------
 
-    def _inputs(self, prompt: str, r: dict):
+    @staticmethod
+    def _inputs(params: Params) -> list:
+        """The request's Triton inputs: Params.arrays(), as gRPC InferInputs."""
         import tritonclient.grpc as grpcclient
 
-        values = {"prompt": ("BYTES", np.array([prompt.encode("utf-8")], dtype=np.object_)),
-                  "max_new_tokens": ("INT32", np.array([r["max_tokens"]], dtype=np.int32)),
-                  "temperature": ("FP32", np.array([r["temperature"]], dtype=np.float32)),
-                  "top_p": ("FP32", np.array([r["top_p"]], dtype=np.float32))}
-        if r["seed"] is not None:
-            values["seed"] = ("INT64", np.array([r["seed"]], dtype=np.int64))
-        for name, value in r["extra"].items():  # the `mode` input: a name, as bytes
-            values[name] = ("BYTES", np.array([value.encode("utf-8")], dtype=np.object_))
-        numpy_types = {"INT32": np.int32, "FP64": np.float64, "BOOL": np.bool_}
-        for name, value in r["inputs"].items():  # vLLM's extensions (protocol.INPUTS)
-            datatype = EXTENSION_INPUTS[name]
-            values[name] = (datatype, np.array([value], dtype=numpy_types[datatype]))
+        types = {t.name: t.wire_type for t in INPUTS}
         tensors = []
-        for name, (datatype, array) in values.items():
-            t = grpcclient.InferInput(name, [1], datatype)
+        for name, array in params.arrays().items():
+            t = grpcclient.InferInput(name, list(array.shape), types[name])
             t.set_data_from_numpy(array)
             tensors.append(t)
         return tensors
 
-    async def generate(self, prompt: str, r: dict):
+    async def generate(self, params: Params):
         """Yields ("text", delta, (ids, info)) per commit (info: the prompt's tokens and,
         when asked, the ids' log-probability entries), then ("done", finish_reason, stats).
         Closing the generator early (a stop sequence, a client gone) cancels the request."""
         finished = asyncio.Event()
-        request = {"model_name": self.s.stream_model, "inputs": self._inputs(prompt, r),
+        request = {"model_name": self.s.stream_model, "inputs": self._inputs(params),
                    "request_id": uuid.uuid4().hex}
 
         async def requests():
@@ -562,17 +554,18 @@ class Api:
         try:
             check_media_type(http.content_type, http.charset)
             raw = await http.read()
-            prompt, r = await asyncio.to_thread(self.parse, raw, chat)
+            params, reply = await asyncio.to_thread(self.parse, raw, chat)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.s.model}
-        stops = StopMatcher(r["stop"])
-        run = self.generate(prompt, r)
+        stops = StopMatcher(list(params.stop))
+        run = self.generate(params)
         clock = self.metrics.arrived()
-        if r["stream"]:
-            return await self._stream(http, chat, head, run, stops, r, clock)
+        mode = params.asked_mode or self.s.default_mode  # until the model says which ran
+        if reply.stream:
+            return await self._stream(http, chat, head, run, stops, params, reply, mode, clock)
         text, ids, entries, reason, stats, prompt_tokens = [], [], [], "length", None, 0
         try:
             async for kind, value, extra in run:
@@ -596,14 +589,14 @@ class Api:
             finished, stats = _ended(stats, stops, reason, prompt_tokens)
             self.metrics.left(clock, finished, stats, len(ids))
         text.append(stops.flush())
-        content = ("".join(text) if not r["echo"] else prompt + "".join(text))
-        logprobs = None if r["logprobs"] is None else self._logprobs(entries, chat)
+        content = ("".join(text) if not reply.echo else params.text + "".join(text))
+        logprobs = None if params.logprobs is None else self._logprobs(entries, chat)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason})
         head["object"] = "chat.completion" if chat else "text_completion"
         return web.json_response(head | {"choices": [choice], "usage": _usage(stats, len(ids)),
-                                         "sharpdraft": _extension(r, ids, stats)})
+                                         "sharpdraft": _extension(mode, ids, stats)})
 
     def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
         """Log-probability entries ([token, logprob, [[id, logprob], ...]]) in OpenAI's
@@ -629,7 +622,7 @@ class Api:
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    async def _stream(self, http, chat, head, run, stops, r, clock):
+    async def _stream(self, http, chat, head, run, stops, params: Params, reply: Reply, mode: str, clock):
         from aiohttp import web
 
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
@@ -638,7 +631,7 @@ class Api:
         def chunk(delta: str | None, reason=None, role=False):
             # the log-probabilities of the tokens since the last chunk (text may lag them)
             logprobs = None
-            if r["logprobs"] is not None and not role and entries:
+            if params.logprobs is not None and not role and entries:
                 logprobs = self._logprobs(entries, chat, sent[0])
                 sent[0] += sum(len(t) for t in logprobs.get("tokens", []))
                 entries.clear()
@@ -649,7 +642,7 @@ class Api:
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
             out = head | {"choices": [choice]}
-            if r["continuous_usage"]:  # the running usage, on every chunk
+            if reply.continuous_usage:  # the running usage, on every chunk
                 out["usage"] = _usage({"prompt_tokens": prompt_tokens[0]}, len(ids))
             return out
 
@@ -681,10 +674,10 @@ class Api:
                 await _send(response, chunk(tail))
             prompt_tokens[0] = (stats or {}).get("prompt_tokens", prompt_tokens[0])
             last = chunk(None, reason)
-            if not r["include_usage"]:
+            if not reply.include_usage:
                 last["usage"] = None
-            await _send(response, last | {"sharpdraft": _extension(r, ids, stats or {})})
-            if r["include_usage"]:
+            await _send(response, last | {"sharpdraft": _extension(mode, ids, stats or {})})
+            if reply.include_usage:
                 await _send(response, head | {"choices": [], "usage": _usage(
                     stats or {"prompt_tokens": prompt_tokens[0]}, len(ids))})
             await response.write(b"data: [DONE]\n\n")
@@ -721,8 +714,8 @@ def _usage(stats: dict, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _extension(r: dict, ids: list[int], stats: dict) -> dict:
-    return {"mode": r["mode"], "token_ids": ids} | {k: v for k, v in stats.items() if k != "prompt_tokens"}
+def _extension(mode: str, ids: list[int], stats: dict) -> dict:
+    return {"mode": mode, "token_ids": ids} | {k: v for k, v in stats.items() if k != "prompt_tokens"}
 
 
 async def _send(response, payload: dict) -> None:

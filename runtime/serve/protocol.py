@@ -1,7 +1,18 @@
 """The served model's contract: its input and output tensors (config.pbtxt is written
-from these tables), how a request's tensors become one `generate` call, and how a
-finished generation becomes response tensors. Pure Python + numpy, so it is tested
-without a server; the Python-backend model (model.py) only moves tensors in and out."""
+from these tables), what a client asks of one generation (Params), and how a finished
+generation becomes response tensors. Pure Python + numpy, so it is tested without a
+server; the Python-backend model (model.py) only moves tensors in and out.
+
+Params is the one request object of both front doors. The Triton door builds it from the
+model's input tensors (parse); the OpenAI door (runtime/serve/openai_api.py) from its
+pydantic-checked body, and sends it to Triton as Params.arrays(), which parse reads back
+into an equal Params. Each door builds it once, and its construction is where every limit
+is checked: the prompt not empty, max_new_tokens at least 1 (0 where the prompt is only
+scored) and at most the server's limit, finite sampling values that runtime/sampling.py
+takes, logprobs in range, a mode name of the table (and, where the door knows them, one
+the server runs). A refusal is a RequestError naming the field as the door's client
+wrote it (a Door). The served model then builds the loop's runtime/request.py Request from
+it, with keywords only, once the prompt's ids are known."""
 
 from __future__ import annotations
 
@@ -28,6 +39,11 @@ class Tensor:
     numpy_type: type
     dims: tuple[int, ...] = (1,)
     optional: bool = False
+
+    @property
+    def wire_type(self) -> str:
+        """Its datatype as a Triton client names it (InferInput): BYTES, INT32, ..."""
+        return "BYTES" if self.triton_type == "TYPE_STRING" else self.triton_type.removeprefix("TYPE_")
 
 
 INPUTS = (
@@ -78,7 +94,13 @@ OUTPUTS = (
 
 
 class RequestError(ValueError):
-    """A request the model refuses; the message goes back to the client as is."""
+    """A request the model refuses; the message goes back to the client as is. `field`:
+    the field it refuses as the client named it (the OpenAI door's `param`); `code`: a
+    machine-readable reason, where there is one."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
 
 
 QUOTE = 60  # the most characters of a client's input an error message quotes
@@ -103,44 +125,113 @@ def internal_error(exc: BaseException) -> tuple[str, str]:
             f"generate failed (id {incident}): {type(exc).__name__}: {exc}\n{trace}")
 
 
-def check_max_new_tokens(value: int, limit: int, scoring: bool = False,
-                         name: str = "max_new_tokens", hint: str = "") -> None:
-    """The one check of how many tokens a client may ask for, at both front doors (the
-    OpenAI endpoint names its own field, `name`; the Triton model, max_new_tokens): at
-    least 1 (0 where the prompt is only scored) and at most the server's limit. The
-    context's room is the loop's to check (runtime/decode.py check_budget)."""
-    least = 0 if scoring else 1
-    if value < least:
-        raise RequestError(f"{name} must be >= {least}, got {value}")
-    if value > limit:
-        raise RequestError(f"{name} {value} exceeds this server's limit of {limit}{hint}")
+@dataclasses.dataclass(frozen=True)
+class Door:
+    """How a front door's client names Params' fields, for refusals: `names` maps a field
+    to the client's name (the OpenAI door: max_new_tokens is 'max_tokens'), written in
+    quotes where `quoted`; `limit_hint` ends the refusal of too many tokens (where the
+    limit is set); `served`: the modes this server runs, checked at construction (None:
+    Params.mode checks them against the engine)."""
+
+    names: dict = dataclasses.field(default_factory=dict)
+    quoted: bool = False
+    limit_hint: str = ""
+    served: tuple | None = None
+
+    def param(self, field: str) -> str:
+        return self.names.get(field, field)
+
+    def name(self, field: str) -> str:
+        return f"'{self.param(field)}'" if self.quoted else self.param(field)
+
+
+# the Triton model's own door: its input names, bare
+TRITON = Door(names={"text": "prompt", "asked_mode": "mode"},
+              limit_hint=" (max_new_tokens_limit in config.pbtxt)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Params:
-    """What a client asked, as the Triton model's inputs carry it (parse): the prompt's
-    text, the tokens to generate and how to sample them, the mode. The served model builds
-    the one runtime/request.py Request from it once the prompt's ids are known."""
+    """What a client asks of one generation: the prompt's text, the tokens to generate and
+    how to sample them, the mode, the log-probabilities, the stop strings. Built once per
+    request by either front door, and refused at construction (RequestError) unless it is
+    a request this server takes: `limit` is the server's max_new_tokens limit, `door` how
+    the client names the fields. `sampling` is the runtime/sampling.py Sampling it asks for.
+    The served model builds the one runtime/request.py Request from it once the prompt's
+    ids are known."""
 
     text: str
     max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    sharpdraft: bool | None  # None: not sent
-    asked_mode: str | None = None  # the request's `mode`, checked against the table
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    sharpdraft: bool | None = None  # None: not sent
+    asked_mode: str | None = None  # the request's `mode`, a name of the modes table
     extensions: tuple = ()  # (name, value) of SAMPLING_EXTENSIONS sent
     ignore_eos: bool = False
     logprobs: int | None = None
-    prompt_logprobs: bool = False
+    prompt_logprobs: bool = False  # with it, max_new_tokens may be 0: the prompt scored alone
+    # matched on the text by the OpenAI door (runtime/serve/openai_api.py StopMatcher); the
+    # Triton model has no such input, so arrays() does not carry them
+    stop: tuple = ()
+    limit: dataclasses.InitVar[int] = DEFAULT_MAX_NEW_TOKENS_LIMIT
+    door: dataclasses.InitVar[Door] = TRITON
+    sampling: object = dataclasses.field(init=False, repr=False, compare=False)
 
-    def sampling(self):
+    def __post_init__(self, limit: int, door: Door):
+        """THE check of what a client may ask, at both front doors."""
+        def refuse(field: str, message: str, code: str | None = None):
+            raise RequestError(message, field=door.param(field), code=code)
+
+        if not self.text.strip():
+            refuse("text", "the prompt is empty")
+        least = 0 if self.prompt_logprobs else 1  # 0: score the prompt, generate nothing
+        if self.max_new_tokens < least:
+            refuse("max_new_tokens", f"{door.name('max_new_tokens')} must be >= {least}, got "
+                                     f"{self.max_new_tokens}")
+        if self.max_new_tokens > limit:
+            refuse("max_new_tokens", f"{door.name('max_new_tokens')} {self.max_new_tokens} exceeds "
+                                     f"this server's limit of {limit}{door.limit_hint}")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
+                            *((n, v) for n, v in self.extensions if isinstance(v, float))):
+            if not math.isfinite(value):
+                refuse(name, f"{door.name(name)} must be a finite number, got {value}")
+        if self.asked_mode is not None:
+            mode = self.asked_mode
+            if self.sharpdraft is not None:
+                refuse("asked_mode", f"send mode or sharpdraft, not both (mode "
+                                     f"'{modes.Mode.FROZEN}' is sharpdraft false)")
+            if door.served is not None and mode not in door.served:
+                refuse("asked_mode", f"mode {quote(mode)} is not served by this engine; served "
+                                     f"modes: {', '.join(door.served)}", code="unsupported_mode")
+            try:
+                modes.parse(mode)
+            except ValueError:
+                refuse("asked_mode", f"no decoding mode {quote(mode)} (modes: {', '.join(modes.Mode)})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            refuse("logprobs", f"{door.name('logprobs')} must be in [0, {MAX_LOGPROBS}], got "
+                               f"{self.logprobs}")
         from runtime.sampling import Sampling
 
         try:
-            return Sampling(self.temperature, self.top_p, self.seed, **dict(self.extensions))
+            sampling = Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                **dict(self.extensions))
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        object.__setattr__(self, "sampling", sampling)
+
+    def arrays(self) -> dict:
+        """The Triton model's inputs that carry this request (name -> numpy array; what
+        is off or not sent is left out): parse reads them back into an equal Params."""
+        values = {"prompt": self.text, "max_new_tokens": self.max_new_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                  "sharpdraft": self.sharpdraft, "mode": self.asked_mode, **dict(self.extensions),
+                  "ignore_eos": self.ignore_eos or None, "logprobs": self.logprobs,
+                  "prompt_logprobs": self.prompt_logprobs or None}
+        specs = {t.name: t for t in INPUTS}
+        return {name: (text_array(value) if specs[name].numpy_type is np.object_
+                       else np.array([value], dtype=specs[name].numpy_type))
+                for name, value in values.items() if value is not None}
 
     def mode(self, engine) -> str:
         """The mode this request runs on `engine`: the one it names, which must be among the
@@ -155,7 +246,7 @@ class Params:
         if mode not in engine.spec.modes:
             why = engine.spec.refusal(mode) or "it is a study, run by bench"
             raise RequestError(f"this model cannot run mode '{mode}': {why} (it runs "
-                               f"{', '.join(engine.spec.modes)})")
+                               f"{', '.join(engine.spec.modes)})", field="mode")
         return mode
 
 
@@ -187,62 +278,33 @@ def _text(arrays: dict, spec: Tensor) -> str | None:
 
 def parse(arrays: dict, max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT,
           parameters: dict | None = None) -> Params:
-    """Input name -> numpy array (None or absent for an omitted optional input), plus the
-    request's parameters, of which this model takes none."""
+    """The Triton door: input name -> numpy array (None or absent for an omitted optional
+    input), plus the request's parameters, of which this model takes none, as the one
+    Params (checked as it is built)."""
     unknown = sorted(set(arrays) - {t.name for t in INPUTS}) + sorted(parameters or {})
     if unknown:  # Triton itself refuses unknown tensors; unknown parameters reach us
         raise RequestError(f"unknown field(s) {', '.join(quote(u) for u in unknown[:4])}; this model "
                            f"takes {', '.join(t.name for t in INPUTS)}")
     specs = {t.name: t for t in INPUTS}
 
-    raw = _text(arrays, specs["prompt"])
-    if not raw.strip():
-        raise RequestError("prompt is empty")
-
-    max_new = int(_scalar(arrays, specs["max_new_tokens"]))
-    prompt_logprobs = bool(_scalar(arrays, specs["prompt_logprobs"]))
-    # 0 with prompt_logprobs: score the prompt, generate nothing
-    check_max_new_tokens(max_new, max_new_tokens_limit, scoring=prompt_logprobs,
-                         hint=" (max_new_tokens_limit in config.pbtxt)")
-
     temperature = _scalar(arrays, specs["temperature"])
     top_p = _scalar(arrays, specs["top_p"])
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if value is not None and not math.isfinite(float(value)):
-            raise RequestError(f"{name} must be a finite number, got {float(value)}")
     seed = _scalar(arrays, specs["seed"])
     sharpdraft = _scalar(arrays, specs["sharpdraft"])
-    mode = _text(arrays, specs["mode"])
-    if mode is not None:
-        if sharpdraft is not None:
-            raise RequestError(f"send mode or sharpdraft, not both (mode '{modes.Mode.FROZEN}' is "
-                               "sharpdraft false)")
-        try:
-            modes.parse(mode)
-        except ValueError:
-            raise RequestError(f"no decoding mode {quote(mode)} (modes: {', '.join(modes.Mode)})") from None
-    extensions = []
-    for name, neutral in SAMPLING_EXTENSIONS.items():
-        value = _scalar(arrays, specs[name])
-        if value is not None:
-            value = type(neutral)(value)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise RequestError(f"{name} must be a finite number, got {value}")
-            extensions.append((name, value))
-    ignore_eos = _scalar(arrays, specs["ignore_eos"])
     logprobs = _scalar(arrays, specs["logprobs"])
-    if logprobs is not None and not 0 <= int(logprobs) <= MAX_LOGPROBS:
-        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {int(logprobs)}")
-    request = Params(text=raw, max_new_tokens=max_new,
-                      temperature=0.0 if temperature is None else float(temperature),
-                      top_p=1.0 if top_p is None else float(top_p),
-                      seed=None if seed is None else int(seed),
-                      sharpdraft=None if sharpdraft is None else bool(sharpdraft), asked_mode=mode,
-                      extensions=tuple(extensions), ignore_eos=bool(ignore_eos),
-                      logprobs=None if logprobs is None else int(logprobs),
-                      prompt_logprobs=prompt_logprobs)
-    request.sampling()  # refuse bad temperature / top_p now, before any work
-    return request
+    extensions = tuple((name, type(neutral)(value)) for name, neutral in SAMPLING_EXTENSIONS.items()
+                       if (value := _scalar(arrays, specs[name])) is not None)
+    return Params(text=_text(arrays, specs["prompt"]),
+                  max_new_tokens=int(_scalar(arrays, specs["max_new_tokens"])),
+                  temperature=0.0 if temperature is None else float(temperature),
+                  top_p=1.0 if top_p is None else float(top_p),
+                  seed=None if seed is None else int(seed),
+                  sharpdraft=None if sharpdraft is None else bool(sharpdraft),
+                  asked_mode=_text(arrays, specs["mode"]), extensions=extensions,
+                  ignore_eos=bool(_scalar(arrays, specs["ignore_eos"])),
+                  logprobs=None if logprobs is None else int(logprobs),
+                  prompt_logprobs=bool(_scalar(arrays, specs["prompt_logprobs"])),
+                  limit=max_new_tokens_limit, door=TRITON)
 
 
 def load_engine(spec):
