@@ -47,7 +47,7 @@ class DraftPolicy:
         return drafts
 
     def update(self, kind: "DraftKind", strong: bool, offered: int, verified: int,
-               accepted: int) -> None:
+               accepted: int, context: int) -> None:
         pass
 
 
@@ -74,10 +74,10 @@ class MeasuredPolicy(DraftPolicy):
         self.confidence = sampler.confidence(logits[:len(drafts)], probs)
         return drafts[:choose_draft_count(self.record.calibrate(self.confidence), context, self.costs)]
 
-    def update(self, kind, strong, offered, verified, accepted):
+    def update(self, kind, strong, offered, verified, accepted, context):
         if kind.from_drafter:
             self.record.update(self.confidence, verified, accepted)
-        self.choice.update(kind.from_drafter, strong, offered, verified, accepted)
+        self.choice.update(kind.from_drafter, strong, offered, verified, accepted, context)
 
 
 def policy_for(costs: StepCosts | None) -> Callable[[], DraftPolicy]:
@@ -255,7 +255,8 @@ class Decoder:
                 outcomes = self._verify_rows(batch, proposals)
         for s, p, (new, features, rows) in zip(batch, proposals, outcomes):
             if p.kind is not DraftKind.NONE:
-                s.policy.update(p.kind, p.strong, p.offered, len(p.tokens), len(new) - 1)
+                s.policy.update(p.kind, p.strong, p.offered, len(p.tokens), len(new) - 1,
+                                s.committed)
             s.committed += len(new)
             self.proposer.accept(s, p, new, features)
             s.gen.step(verified=len(p.tree) - 1 if p.tree is not None else len(p.tokens),

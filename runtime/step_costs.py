@@ -211,7 +211,9 @@ class HybridChoice:
         self.costs, self.prior, self.forget, self.hope = costs, prior, forget, hope
         self.lookup_costs = dataclasses.replace(costs, draft=None)  # a lookup costs nothing
         self.lookups = {True: AcceptanceRecord(), False: AcceptanceRecord()}  # by 2+-token match
-        self.steps = self.verified = self.accepted = 0.0  # the drafter's, faded
+        # the drafter's steps, the drafts they accepted and what they cost, in plain decode
+        # steps at their context (each priced as it ran), faded
+        self.steps = self.accepted = self.cost = 0.0
 
     def lookup_drafts(self, offered: int, strong: bool, context: int) -> int:
         """How many of the `offered` drafts of a lookup (a 2+-token match when `strong`)
@@ -232,24 +234,34 @@ class HybridChoice:
             confidence[tested:] = [confidence[tested - 1]] * (drafts - tested)
         return confidence
 
+    def step_cost(self, verified: float, context: int) -> float:
+        """A drafter step that verifies `verified` drafts at `context`, in plain decode steps."""
+        return ((self.costs.draft_seconds(context) + self.costs.verify_seconds(1 + verified, context))
+                / self.costs.verify_seconds(1, context))
+
     def use_drafter(self, context: int) -> bool:
-        """Does a drafter step at `context` committed tokens beat a plain decode step?"""
+        """Does a drafter step at `context` committed tokens beat a plain decode step? Its
+        tokens per step over its cost per step, each a mean over the steps it ran: each
+        step priced at the width it verified, not the mean width priced once, since a
+        verify's cost need not be linear in its width (VerifyTable)."""
         accepted = (self.accepted + self.prior * self.hope) / (self.steps + self.prior)
-        verified = (self.verified + self.prior * self.hope) / (self.steps + self.prior)
-        drafter = (1 + accepted) / (self.costs.draft_seconds(context)
-                                    + self.costs.verify_seconds(1 + verified, context))
-        return drafter >= 1 / self.costs.verify_seconds(1, context)
+        cost = ((self.cost + self.prior * self.step_cost(self.hope, context))
+                / (self.steps + self.prior))
+        return 1 + accepted >= cost
 
     def update(self, drafter: bool, strong: bool = False, offered: int = 0, verified: int = 0,
-               accepted: int = 0) -> None:
-        """Call once a step: the drafter's drafts (`drafter`) or a lookup's (a 2+-token
-        match when `strong`; none: a plain step) verified `verified` of the `offered`
-        drafts and accepted `accepted`."""
-        self.steps, self.verified, self.accepted = (
-            x * self.forget for x in (self.steps, self.verified, self.accepted))
+               accepted: int = 0, context: int | None = None) -> None:
+        """Call once a step: the drafter's drafts (`drafter`, at `context` committed tokens)
+        or a lookup's (a 2+-token match when `strong`; none: a plain step) verified
+        `verified` of the `offered` drafts and accepted `accepted`."""
+        if drafter and context is None:
+            raise ValueError("a drafter step is priced at its context: pass context")
+        self.steps, self.accepted, self.cost = (
+            x * self.forget for x in (self.steps, self.accepted, self.cost))
         if drafter:
-            self.steps, self.verified, self.accepted = (
-                self.steps + 1, self.verified + verified, self.accepted + accepted)
+            self.steps, self.accepted, self.cost = (
+                self.steps + 1, self.accepted + accepted,
+                self.cost + self.step_cost(verified, context))
         for kind, record in self.lookups.items():  # fade both; learn from the one tested
             tested = not drafter and kind == strong
             record.update([1.0] * offered if tested else [], verified if tested else 0, accepted)

@@ -52,9 +52,24 @@ def test_a_drafter_that_loses_on_the_measured_table_sits_out_where_the_fit_kept_
     by_table = HybridChoice(StepCosts(fit, (0.016, 0.0), TORCH_TABLE))
     for step in range(40):
         for choice in (by_fit, by_table):
-            choice.update(True, verified=1 + step % 2, accepted=int(step % 9 < 2))
+            choice.update(True, verified=1 + step % 2, accepted=int(step % 9 < 2), context=4096)
     assert by_fit.use_drafter(4096)
     assert not by_table.use_drafter(4096)
+
+
+def test_each_drafter_step_is_priced_at_the_width_it_verified():
+    """SharpDraft at 4,096 tokens on the torch table: steps that verify 7 drafts (8 tokens,
+    117 ms) and accept 2, between steps whose drafts were all cut (1 token, 76 ms). The
+    record holds each step's cost at its own width (the mean of 1.68 and 1.14 plain steps,
+    the 11 ms draft included), not the mean width's; 2 tokens a step for 1.41 plain steps
+    pays, so the drafter keeps drafting."""
+    choice = HybridChoice(StepCosts((0.0, 0.0, 0.0, 0.0), (0.011, 0.0), TORCH_TABLE))
+    for step in range(40):
+        wide = step % 2 == 0
+        choice.update(True, verified=7 if wide else 0, accepted=2 if wide else 0, context=4096)
+    assert choice.cost / choice.steps == pytest.approx(
+        ((0.011 + 0.117) / 0.076 + (0.011 + 0.076) / 0.076) / 2, rel=0.02)
+    assert choice.use_drafter(4096)
 
 @pytest.mark.parametrize("confidence, verify, expected", [
     ([0.9, 0.9, 0.9], (1.0, 0.0, 0.0, 0.0), 3),  # verifying is free: take every draft
@@ -102,8 +117,8 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
     poor, good = HybridChoice(costs), HybridChoice(costs)
     assert poor.use_drafter(context)  # the prior: a drafter worth a try
     for step in range(30):
-        poor.update(True, verified=2, accepted=int(step % 4 == 0))
-        good.update(True, verified=3, accepted=1 + step % 2)
+        poor.update(True, verified=2, accepted=int(step % 4 == 0), context=context)
+        good.update(True, verified=3, accepted=1 + step % 2, context=context)
     assert not poor.use_drafter(context)
     assert good.use_drafter(context)
     for _ in range(10):
@@ -115,15 +130,14 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
 
 
 def test_hybrid_choice_prices_the_context():
-    """The same record: at 512 tokens the drafter's step costs little next to a decode
+    """The same outcomes: at 512 tokens the drafter's step costs little next to a decode
     step and pays; at 7,680 its wider verify costs more than its drafts bring."""
-    costs = ENGINE_COSTS
-    choice = HybridChoice(costs)
-    for _ in range(30):
-        choice.update(True, verified=4, accepted=0)
-        choice.update(True, verified=4, accepted=1)
-    assert choice.use_drafter(512)
-    assert not choice.use_drafter(7680)
+    for context, pays in ((512, True), (7680, False)):
+        choice = HybridChoice(ENGINE_COSTS)
+        for _ in range(30):
+            choice.update(True, verified=4, accepted=0, context=context)
+            choice.update(True, verified=4, accepted=1, context=context)
+        assert choice.use_drafter(context) is pays
 
 
 def test_hybrid_choice_verifies_the_lookup_drafts_that_land():
