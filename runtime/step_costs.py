@@ -31,8 +31,8 @@ from runtime import families
 from runtime.backends.roles import TokenRows
 
 CONTEXTS = (512, 4096)  # also the contexts --backend auto compares: measured, not extrapolated
-# verify widths timed: every small one (a CPU kernel may change between any two), then the
-# widths a DFlash block (16) verifies on the way up
+# verify widths timed (those below the engine's widest pass, then that one): every small
+# one, since a CPU kernel may change between any two, then a few on the way up
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 # A drafter step is timed as decoding runs it: right after a target pass (this many
 # tokens), which streams the target's weights through the caches the drafter's weights
@@ -292,6 +292,9 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     the work. Contexts beyond the engine's limit are clipped to it."""
     vocab = engine.tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
+    # up to the widest pass a step makes: a drafter's block, or a lookup's drafts + 1
+    widest = max(engine.manifest.block_size, engine.spec.ngram_settings["num_draft_tokens"] + 1)
+    sizes = [n for n in sizes if n < widest] + [widest]
     width = max(*sizes, DRAFTER_AFTER_VERIFY)  # the most tokens a step below writes
     limit = engine.context_limit - width - 1
     contexts = sorted({min(c, limit) for c in contexts})
