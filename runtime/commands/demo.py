@@ -27,6 +27,8 @@ def add_parser(sub):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode (median)")
+    p.add_argument("--modes", nargs="+", metavar="MODE",
+                   help="the modes to decode beside target-only (default: every mode the engine runs)")
     p.add_argument("--debug", action="store_true")
 
 
@@ -52,6 +54,12 @@ def run(args) -> int:
     doc = default_documents("eval", 1)[0]
     (name, ids), = tokenized(engine.encode, [doc], args.context)
     modes = engine.spec.modes
+    if args.modes:
+        unknown = [m for m in args.modes if m not in modes]
+        if unknown:
+            raise UsageError(f"--modes: {', '.join(unknown)} not run by {engine_dir} "
+                             f"(it runs {', '.join(modes)})")
+        modes = [Mode.TARGET] + [m for m in modes if m in args.modes and m != Mode.TARGET]
     progress(f"demo: {name} (evaluation split, never trained on), context {args.context} tokens, "
              f"{args.new_tokens} new tokens, backend {engine.backend}; prefill once, decode "
              f"{len(modes)} ways x {args.repeats} interleaved repeats")
