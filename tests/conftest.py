@@ -238,6 +238,9 @@ SLOW_IDS = {
     # (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses) and
     # trtllm-serve serving once proven
     "tests/test_trtllm_workers.py::test_trtllm_serve_refuses_to_serve_without_the_proof",
+    # the 49152-row weight in float16 (slow on CPU): the fast tier keeps the four smaller
+    # shapes at both dtypes and this shape in bfloat16 ([shape4-dtype0])
+    "tests/test_row_invariant.py::test_a_linear_row_is_the_same_at_every_row_count[shape4-dtype1]",
 }
 
 
