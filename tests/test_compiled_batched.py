@@ -103,11 +103,7 @@ def check_family(engines, family, steps, device="cpu", only=None):
     assert ran >= 4  # target-only and at least one drafter mode, greedy and seeded
 
 
-# PARD and EAGLE-3 slow: the fast tier keeps their compiled chain steps per bucket
-# (test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket) and the tree batch
-# (test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps[eager-4])
-@pytest.mark.parametrize("family", ["dflash", pytest.param("pard", marks=pytest.mark.slow),
-                                    pytest.param("eagle3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["dflash", "pard", "eagle3"])
 def test_compiled_batched_steps_decode_the_eager_tokens(engines, family):
     check_family(engines, family, "eager", only=FAST_MODES)
 

@@ -12,10 +12,7 @@ from runtime.cli import run
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
 
-# onnxruntime slow: the fast tier keeps the [torch] engine's tests (the lookup drafts beside
-# the same target-only verify) and ONNX Runtime's target graphs without features through
-# test_pard_engine.py's engine
-@pytest.fixture(scope="module", params=["torch", pytest.param("onnxruntime", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
 def ngram_engine(request, tmp_path_factory, tiny_target, export_cache):
     """On ONNX Runtime over the long-context target: the target graphs (no features read)
     are then the PARD engine's (tests/test_pard_engine.py), exported once (tiny.shared_exports)."""
