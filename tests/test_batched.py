@@ -228,6 +228,8 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch():
     assert len({tuple(s.gen.tokens) for s in got}) == 3
 
 
+@pytest.mark.slow  # the fast tier: test_pard.py's law through batched chains
+# (test_speculative_sampling_through_batched_chains_preserves_the_target_distribution)
 def test_batched_speculative_sampling_preserves_the_target_distribution():
     """The chi-square check of tests/test_speculative.py through the batched executor:
     the sequence under test shares every step with two others at other lengths. The

@@ -60,6 +60,8 @@ def test_calibrating_a_checkpoint_keeps_its_engines_usable(tiny_target, tiny_dra
     assert sorted(recorded) == ["config.json", "model.safetensors"]
 
 
+@pytest.mark.slow  # fresh interpreters over a copied checkout: the fast tier keeps a copied
+# engine's loads (test_loads_hash_only_what_the_stamp_cannot_vouch_for, engine_copy)
 def test_an_engine_works_after_the_checkout_moves_and_when_copied_elsewhere(tiny_target, tiny_drafter,
                                                                              tmp_path):
     # A checkout holding its own target and drafter, as the default ones live in it.

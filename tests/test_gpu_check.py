@@ -45,12 +45,12 @@ ENDINGS = {
 
 def sections(timeout_s=60):
     return [(name, [sys.executable, "-c", SECTION.replace("NAME", repr(name)).replace("END", end)],
-             timeout_s if name not in ("hangs", "ignores_sigterm") else 4)
+             timeout_s if name not in ("hangs", "ignores_sigterm") else 2)
             for name, end in ENDINGS.items()]
 
 
 def test_a_section_that_raises_times_out_or_crashes_leaves_every_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "GRACE_S", 2)
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1)
     order = ["hangs", "raises", "passes", "crashes", "ignores_sigterm"]
     planned = sorted(sections(), key=lambda s: order.index(s[0]))  # the killed one first
     results = gpu_check.run_sections(planned, tmp_path, env=gpu_check.section_env(None), echo=lambda line: None)
@@ -317,6 +317,8 @@ def test_rehearsal_runs_the_plans_calls_as_they_travel_on_the_real_target(tmp_pa
     assert summary["calls"][-1]["refusal_drill"]["ok"]
 
 
+@pytest.mark.slow  # the fast tier: test_triton_kernel.py (the kernel against the
+# reference under the interpreter) and test_bench_kernel.py's smoke run (the bench's JSON)
 def test_gpu_kernel_on_cpu_runs_the_interpreter_and_names_its_gpu_only_parts(tmp_path, monkeypatch):
     """The kernel section as the rehearsal runs it: correctness under Triton's interpreter
     (fp32, fp16), the in-kernel beta, the op under inductor, the bench (its JSON); graph

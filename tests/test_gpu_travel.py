@@ -145,6 +145,8 @@ def wheel(name: str, version: str, module: str) -> dict[str, bytes]:
     return {f"{stem}-py3-none-any.whl": buffer.getvalue()}
 
 
+@pytest.mark.slow  # the fast tier: test_wheels_split_to_fit_beside_the_tree_and_join_back_checked
+# and test_the_refusal_drill_takes_the_parts_away_once_and_puts_them_back
 def test_carried_parts_wait_in_the_travel_folder_and_gpu_target_installs_them(repo, tmp_path, monkeypatch):
     """Each call copies the parts it carried to the travel folder (which outlives a call on
     a warm machine); the last call's gpu_target joins them, every sha256 checked, installs

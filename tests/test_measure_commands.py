@@ -295,6 +295,8 @@ def test_draft_window_sweep_scores_each_window_at_every_anchor(tiny_engine, doc,
     assert capsys.readouterr().err.count("error:") == 2
 
 
+@pytest.mark.slow  # two checkouts' processes: the fast tier keeps an A/B in process
+# (test_ab_step_costs_decodes_under_both_tables)
 def test_decode_ab_runs_both_checkouts_interleaved(tiny_engine, tmp_path, capsys):
     """scripts/decode_ab.py runs the decode path as the scheduler drives it in each
     checkout's own process (here the same checkout twice) and records both arms and their

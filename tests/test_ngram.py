@@ -196,6 +196,8 @@ def test_one_hot_verification_keeps_the_target_law():
         assert abs(accepted / draws - float(p[d])) <= 4 * (float(p[d] * (1 - p[d])) / draws) ** 0.5 + 1e-12
 
 
+@pytest.mark.slow  # the fast tier: test_rejection_law.py (the verifier n-gram drafts
+# go through, a deterministic q included) and test_pard.py's law through batched chains
 def test_ngram_sampling_preserves_the_target_distribution():
     """Speculative sampling runs (temperature 0.8, top-p 0.9) against the exact target law
     of the first three tokens. Every token occurs in the prompt, so whatever the prefill

@@ -184,9 +184,11 @@ def test_stats_report_the_visible_keys_and_beta_the_op_was_given(monkeypatch):
     assert max(gen.beta_per_step) > 1.0  # the trace covers scaled steps, not only beta = 1
 
 
-# the fast tier keeps one block-loop law check; test_rejection_law checks the verifier
-# itself, a q with zeros included, at 100,000 draws
-@pytest.mark.parametrize("draft_vocab", [None, pytest.param(3, marks=pytest.mark.slow)])
+# slow: the fast tier keeps the block loop's law in test_processors.py
+# (test_the_block_loop_samples_the_processed_law_with_a_penalty); test_rejection_law checks
+# the verifier itself, a q with zeros included, at 100,000 draws
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_vocab", [None, 3])
 def test_speculative_sampling_preserves_the_target_distribution(draft_vocab):
     """20k speculative runs (temperature 0.8, top-p 0.9) against the exact target law of
     the first three tokens: the prefill's token, then a step that drafts up to 2. With a

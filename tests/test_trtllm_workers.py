@@ -106,6 +106,8 @@ def test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it
     assert len(applied["processes"]) == 1 and applied["processes"] != [done.pid]
 
 
+@pytest.mark.slow  # the fast tier: test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it
+# (a real worker's proof) and test_trtllm_hook.py's test_every_rank_of_the_world_must_prove_it_wrapped_its_drafter
 def test_tensor_parallel_workers_each_report(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     python = venvs["autoload"]
@@ -125,6 +127,8 @@ def test_tensor_parallel_workers_each_report(venvs, engine, tmp_path):
     assert sorted(out["applied"]["processes"]) == sorted(out["workers"])  # both ranks wrapped their drafter
 
 
+@pytest.mark.slow  # the fast tier, in process: test_trtllm_keyed.py's
+# test_pipeline_parallel_requires_the_last_stage_from_the_drafters_own_mapping
 def test_pipeline_stages_in_real_mpi_workers_only_the_last_stage_must_count(venvs, engine, tmp_path):
     """pp=2 in two MPI workers: both stages build and wrap a drafter (SpecDecOneEngineForCausalLM
     does on every rank), each record says its stage from TensorRT-LLM's own Mapping, only the
@@ -175,6 +179,7 @@ def test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuse
     assert len(err) == 1 and err[0].startswith(f"error: {HEAD}: no proof"), done.stderr
 
 
+@pytest.mark.slow  # the fast tier: test_trtllm_release.py's test_release_1_3_0rc27_launch_is_proven_by_its_counts
 def test_one_gpu_without_the_autoloader_keeps_the_drafter_in_process_and_proves_it(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = generate(venvs["plain"], engine, standin, single_process=None)  # generate sets it to 1
@@ -276,6 +281,8 @@ def initialize(python: Path, version_dir: Path, standin: Path):
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow  # the fast tier: test_trtllm_config.py's
+# test_serve_backend_trtllm_writes_the_llmapi_layout_whose_model_installs_the_hook_first and the real worker's proof above and test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it
 def test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter(venvs, repository, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = initialize(venvs["autoload"], repository, standin)
@@ -285,6 +292,8 @@ def test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter(venvs, r
     assert json.loads((repository / "sharpdraft_applied.json").read_text())["scaling"]["ref_keys"] == 64
 
 
+@pytest.mark.slow  # the fast tier: the same refusal through generate
+# (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses)
 def test_triton_llmapi_model_refuses_to_load_when_no_drafter_was_wrapped(venvs, repository, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = initialize(venvs["plain"], repository, standin)
@@ -309,7 +318,8 @@ def test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven(venvs
     assert len(applied) == 1 and applied[0]["drafters"] == ["DFlashForCausalLM"]
 
 
-@pytest.mark.slow  # the fast tier: test_tensor_parallel_workers_each_report (the same workers, through generate)
+@pytest.mark.slow  # the fast tier: test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven
+# and a real MPI worker's proof (test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it)
 def test_trtllm_serve_tensor_parallel_workers_are_reached_through_the_autoloader(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = serve(venvs["autoload"], engine, standin, "--tp_size=2")
@@ -395,7 +405,7 @@ def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_ran
     assert err[0].startswith(f"error: {HEAD} of rank(s) 1 of 2 (wrapped: rank 0 pid "), err[0]
 
 
-@pytest.mark.slow  # the fast tier: test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter and test_trtllm_keyed.py's live-launch test
+@pytest.mark.slow  # the fast tier: test_trtllm_config.py's llmapi layout test and test_trtllm_keyed.py's live-launch test
 def test_triton_model_loads_while_another_launch_is_live_on_the_same_host(venvs, repository, engine, tmp_path):
     """Triton with instance count > 1 (or every rank's initialize() under mpirun): another
     SharpDraft launch is live in the environment; this instance's initialize() must still

@@ -159,6 +159,8 @@ def test_build_engine_writes_what_vllm_serves(tmp_path):
     assert launch.drafter_scaling(out / "drafter") == manifest.query_scaling
 
 
+@pytest.mark.slow  # fresh interpreters: the fast tier keeps the plugin's one-line refusals
+# (test_structure_misses_are_refused_in_one_line_naming_them, test_a_launch_without_vllm_installed_is_one_line)
 def test_the_own_loop_refusals_name_vllm(tmp_path, capsys):
     """Flags for our loop, Triton serving and EAGLE-3 / PARD with --sharpdraft: one line each."""
     import build_engine

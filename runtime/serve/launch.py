@@ -80,7 +80,13 @@ class ServeProcess:
                                      start_new_session=True)
         self.info: dict = {}
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        """Every stdout line to the queue, then None at its end (serve exited or closed it)."""
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     def wait_ready(self, timeout: float | None = None) -> dict:
         """serve's JSON line, once printed (lines that are not JSON are passed over).
@@ -92,8 +98,14 @@ class ServeProcess:
             if deadline is not None and time.monotonic() > deadline:
                 raise NotReady(None)
             try:
-                self.info = json.loads(self._lines.get(timeout=1))
-            except (queue.Empty, json.JSONDecodeError):
+                line = self._lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:  # stdout ended before the JSON line: serve is exiting, not polled a second later
+                raise NotReady(self.proc.wait())
+            try:
+                self.info = json.loads(line)
+            except json.JSONDecodeError:
                 continue
         return self.info
 
