@@ -280,7 +280,7 @@ LONGEST_FIRST = (
     "tests/test_eagle3_onnx_chain.py",  # ~9 s
     "tests/test_trtllm_paths.py",       # ~8 s
     "tests/test_triton_kernel.py",      # ~8 s: the kernel under Triton's interpreter
-    "tests/test_layering.py",           # ~7 s: fresh interpreters
+    "tests/test_layering.py",           # ~5 s: two fresh interpreters
 )
 
 

@@ -8,6 +8,7 @@ and scripts/, and importing sets no environment variable and registers no ONNX s
 """
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -35,11 +36,23 @@ def layer_of_path(path: Path) -> str:
     return "top" if rel.parts[0] in ("build_engine.py", "scripts") else rel.parts[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+def parsed(path: Path) -> ast.Module:
+    """path's syntax tree, parsed once per source text in this run: four checks walk every
+    shipped file (parsing them took ~2 s of this file's ~6 s); keyed by the text, so a file
+    that changes (the probe files below) is parsed again. Trees are only read."""
+    return _parse(path.read_text())
+
+
 def imports(path: Path) -> list[str]:
     """Dotted names of the modules a file imports, lazily inside functions too
     (`from x import y` gives x.y as well, since y may be a module)."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -76,7 +89,7 @@ def reaches_tests(files) -> list[str]:
         bad += [f"{rel}: imports {name}" for name in imports(path)
                 if name.split(".")[0] in TEST_MODULES]
         bad += [f"{rel}:{node.lineno}: builds a path into tests/"
-                for node in ast.walk(ast.parse(path.read_text()))
+                for node in ast.walk(parsed(path))
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
                 and isinstance(node.right, ast.Constant) and isinstance(node.right.value, str)
                 and re.fullmatch(r"tests(/.*)?", node.right.value)]
@@ -91,7 +104,7 @@ def edits_sys_path(files) -> list[str]:
 
     bad = []
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             call = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and is_sys_path(node.func.value)
                     and node.func.attr in ("insert", "append", "extend", "remove"))
@@ -190,7 +203,7 @@ def test_engine_compares_no_backend_family_or_style_names():
     names = set(modes.BACKENDS) | set(modes.FAMILIES) | {f.style for f in modes.FAMILIES.values() if f.style}
     for path in (REPO / "runtime" / "engine.py", REPO / "runtime" / "assembly.py"):
         compared = []
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
                 compared += [o.value for o in operands if isinstance(o, ast.Constant)
