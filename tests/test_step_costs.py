@@ -124,8 +124,11 @@ def test_hybrid_choice_drops_a_drafter_that_does_not_pay_and_retries_it_later():
     for _ in range(10):
         poor.update(False, strong=False, offered=4, verified=4, accepted=3)
     assert not poor.use_drafter(context)
-    for _ in range(50):
+    for _ in range(40):
         poor.update(False)  # plain decode steps
+    assert not poor.use_drafter(context)  # a retry costs: not at every fade
+    for _ in range(40):
+        poor.update(False)
     assert poor.use_drafter(context)
 
 
