@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
+from runtime.manifest import MANIFEST  # noqa: E402
 from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
 
 CHILD = r'''
@@ -71,8 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     engine_dir = str(Path(args.engine_dir).resolve())
-    if not (Path(engine_dir) / "engine.json").is_file():
-        print(f"error: {args.engine_dir} has no engine.json", file=sys.stderr)
+    if not (Path(engine_dir) / MANIFEST).is_file():
+        print(f"error: {args.engine_dir} has no {MANIFEST}", file=sys.stderr)
         return 2
     code = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
     child_argv = [engine_dir, ",".join(args.modes), str(args.context), str(args.max_new_tokens),
