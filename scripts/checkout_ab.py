@@ -9,7 +9,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
+
+
+def add_checkout_arguments(parser) -> None:
+    """--before (required) and --after (default: this checkout): the two checkouts an A/B
+    script runs, each a directory."""
+    parser.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
+    parser.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR")
 
 
 class ArmFailed(Exception):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
-from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
+from scripts.checkout_ab import ArmFailed, add_checkout_arguments, interleaved  # noqa: E402
 
 CHILD = r'''
 import json, statistics, sys, time
@@ -61,8 +61,7 @@ print(json.dumps(out))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-dir", required=True)
-    p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
-    p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR")
+    add_checkout_arguments(p)
     p.add_argument("--prompts-file", required=True, help="JSON lines with a 'text' field")
     p.add_argument("--modes", nargs="+", default=["sharpdraft", "target", "ngram"],
                    help="decoding modes, each in every child (default: SharpDraft and its peers)")

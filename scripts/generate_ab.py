@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
 from runtime.manifest import MANIFEST  # noqa: E402
-from scripts.checkout_ab import ArmFailed, interleaved  # noqa: E402
+from scripts.checkout_ab import ArmFailed, add_checkout_arguments, interleaved  # noqa: E402
 
 CHILD = r'''
 import hashlib, json, sys, time
@@ -59,8 +59,7 @@ print(json.dumps(out))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-dir", required=True)
-    p.add_argument("--before", required=True, metavar="DIR", help="the checkout before the change")
-    p.add_argument("--after", default=str(Path(__file__).resolve().parents[1]), metavar="DIR")
+    add_checkout_arguments(p)
     p.add_argument("--modes", nargs="+", default=["target", "ngram", "frozen", "sharpdraft"])
     p.add_argument("--context", type=int, default=512, help="prompt tokens of each evaluation document")
     p.add_argument("--max-new-tokens", type=int, default=32)
