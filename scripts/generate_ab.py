@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file, too
 from runtime.manifest import MANIFEST  # noqa: E402
+from runtime.modes import Mode  # noqa: E402
 from scripts.checkout_ab import ArmFailed, add_checkout_arguments, interleaved  # noqa: E402
 
 CHILD = r'''
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-dir", required=True)
     add_checkout_arguments(p)
-    p.add_argument("--modes", nargs="+", default=["target", "ngram", "frozen", "sharpdraft"])
+    p.add_argument("--modes", nargs="+",
+                   default=[str(m) for m in (Mode.TARGET, Mode.NGRAM, Mode.FROZEN, Mode.SHARPDRAFT)])
     p.add_argument("--context", type=int, default=512, help="prompt tokens of each evaluation document")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
