@@ -29,7 +29,8 @@ from torch import nn
 
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+from runtime.models.layers import (AttentionProjections, GatedMLP, KVCache, Linear, RMSNorm,
+                                   Rotary, few_rows_linear)
 from runtime.models.target import ModelError, TargetConfig, read_config_json
 from runtime.sampling import DraftVocab
 from runtime.step_metadata import StepMetadata
@@ -169,14 +170,14 @@ class DFlashDrafter(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size,
-                            config.hidden_size, bias=False)
+        self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size,
+                         bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         if config.draft_vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             # the draft vocabulary's rows of the target's head (attach_draft_head): never trained
-            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
 
     def draft_token_ids(self) -> torch.Tensor | None:
@@ -308,7 +309,7 @@ class DraftHead(nn.Module):
         return cls(lm_head, ids, None if ids is None else drafter.lm_head.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight)
+        return few_rows_linear(hidden, self.weight)
 
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")  # what every DFlash checkpoint holds

@@ -22,7 +22,8 @@ from torch import nn
 
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+from runtime.models.layers import (AttentionProjections, GatedMLP, KVCache, Linear, RMSNorm,
+                                   Rotary)
 from runtime.models.target import ModelError, TargetConfig, read_config_json
 from runtime.step_metadata import StepMetadata
 
@@ -188,12 +189,12 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         c = self.config = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.fc = nn.Linear(c.num_aux * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(c.num_aux * c.target_hidden_size, c.hidden_size, bias=False)
         self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps)
                                      for _ in range(c.num_aux)) if c.fc_norm else None
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)

@@ -10,7 +10,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.attention import sharpdraft_attention
+from plugins.scaling import _tracing
 from runtime.step_metadata import StepMetadata
+
+# Up to how many rows (a step's tokens across its batch) a float32 linear layer on CPU
+# computes as weight @ x.T (few_rows_linear).
+FEW_ROWS = 8
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), x [..., in] and weight [out, in], for a decode or verify
+    step on CPU.
+
+    A step's few rows make every linear layer a read of its whole weight, and how fast
+    that read goes depends on the BLAS kernel the shape picks. For x @ weight.T (what
+    F.linear runs) MKL takes a matrix-vector kernel for one row and a slow small-matrix
+    path for 2-3, reading weights at about half the speed of weight @ x.T with 2 or more
+    columns. On 2 cores, 300 MB of SmolLM2-135M's layer weights took 33 / 45 / 49 ms for
+    1 / 2 / 3 rows against 17 / 12 / 17 ms the other way round (one row as two: the row
+    twice), and its 49152 x 576 LM head 30 / 69 / 105 ms against 13 / 14 / 23 ms. From
+    about 12 rows the two are even. On the demo engine at 4,096 tokens of context a
+    one-token step went from 85 to 59 ms, and a 2-token verify (131 ms: dearer than an
+    8-token one) to 63 ms, so short drafts can pay.
+
+    The products are the same sums in another order (float32 rounding apart). Other
+    dtypes (bfloat16: plugins/row_invariant.py), CUDA and traced graphs keep F.linear."""
+    # (the trace test first: a traced graph's row count is symbolic, and comparing it would
+    # guard the graph to this branch's shapes)
+    if (_tracing() or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or weight.device.type != "cpu"):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if not 0 < rows <= FEW_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:  # a matrix-vector product would pick the slow kernel again
+        out = (weight @ flat.repeat(2, 1).T)[:, :1]
+    else:
+        out = weight @ flat.T
+    out = out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and state keys) whose steps run few_rows_linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return few_rows_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -51,9 +98,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -68,10 +115,10 @@ class AttentionProjections(nn.Module):
         reads [embedding, hidden] = 2 x hidden and writes hidden)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, output_size or hidden, bias=False)
+        self.q_proj = Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, output_size or hidden, bias=False)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)

@@ -25,7 +25,7 @@ from torch import nn
 
 from plugins.attention import sharpdraft_attention
 from plugins.scaling import QueryScaling
-from runtime.models.layers import KVCache, RMSNorm, Rotary
+from runtime.models.layers import KVCache, Linear, RMSNorm, Rotary
 from runtime.models.target import (SUPPORTED_TYPES, DecoderLayer, ModelError, TargetConfig,
                                    read_config_json)
 from runtime.step_metadata import StepMetadata
@@ -132,7 +132,7 @@ class PARDDrafter(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(c.head_dim, c.rope_theta)

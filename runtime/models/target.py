@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.models.layers import AttentionProjections, GatedMLP, KVCache, RMSNorm, Rotary
+from runtime.models.layers import (AttentionProjections, GatedMLP, KVCache, Linear, RMSNorm,
+                                   Rotary)
 from runtime.step_metadata import StepMetadata
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -119,7 +120,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)
