@@ -21,8 +21,9 @@ def test_fit_recovers_a_cost_that_is_linear_in_tokens_and_context():
 
 
 
-# the default SmolLM2 target on the torch backend, 2 cores (seconds): a 1-token pass runs on a
-# faster kernel than any wider one, and 3 tokens cost more than 4
+# the default SmolLM2 target on the torch backend, 2 cores (seconds), before few_rows_linear
+# (runtime/models/layers.py): a 1-token pass ran on a faster kernel than any wider one, and 3
+# tokens cost more than 4
 TORCH_TABLE = VerifyTable((512, 4096), (1, 2, 3, 4, 8),
                           ((0.058, 0.087, 0.098, 0.079, 0.079), (0.076, 0.113, 0.137, 0.109, 0.117)))
 
