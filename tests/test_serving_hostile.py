@@ -165,7 +165,10 @@ def test_a_killed_instance_fails_its_requests_retryably_and_the_model_comes_back
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         plain, direct = pool.submit(unstreamed), pool.submit(triton_plain)
-        time.sleep(0.3)  # both sent
+        # both on their way (one that arrives after the kill gets the same 503); kept short:
+        # the 400 tokens take ~1.2 s of the server's CPU, and a make test-all run once
+        # starved this thread long enough that the stream had ended before the kill
+        time.sleep(0.05)
         killed = time.monotonic()
         os.kill(stub, signal.SIGKILL)
         with pytest.raises(openai.APIError) as streamed_error:
