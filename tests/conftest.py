@@ -238,10 +238,38 @@ SLOW_IDS = {
     # (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses) and
     # trtllm-serve serving once proven
     "tests/test_trtllm_workers.py::test_trtllm_serve_refuses_to_serve_without_the_proof",
+    # dynamo-compiled steps of PARD and EAGLE-3 chains (~7 s each): the fast tier keeps
+    # DFlash's ([dflash]), an EAGLE-3 tree batch on the compiled steps
+    # (test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps) and the compiled
+    # step rows every family's batched roles call (test_gpu_e2e.py)
+    "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[pard]",
+    "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[eagle3]",
     # the 49152-row weight in float16 (slow on CPU): the fast tier keeps the four smaller
     # shapes at both dtypes and this shape in bfloat16 ([shape4-dtype0])
     "tests/test_row_invariant.py::test_a_linear_row_is_the_same_at_every_row_count[shape4-dtype1]",
 }
+
+
+# Tests that read these exports run in the full tier (marked slow here, by the fixtures
+# they ask for): each family's ONNX graphs cost 5-12 s of exporting (torch.export and the
+# exporter's re-decomposition, at any model size), and make test keeps one family's graphs
+# in every form the runtime and TensorRT read -- DFlash's (onnx_engine, native_engine).
+# The fast tier's cover for the graphs dropped here:
+#   n-gram engines on ONNX Runtime (ngram_engine[onnxruntime]): the n-gram engine on torch
+#     (test_ngram_engine.py[torch]); target graphs on ONNX Runtime: DFlash's target graphs
+#     run every mode's verify there (test_onnxruntime_backend.py, test_batched_engines.py);
+#   PARD's drafter graph (pard_onnx_engine): PARD chains on torch, batched and alone, greedy
+#     and sampled (test_pard.py, test_pard_engine.py's torch engine), and the plugin node's
+#     per-row N on DFlash's drafter graph (test_step_metadata.py);
+#   EAGLE-3's step and tree graphs: test_eagle3_onnx_chain.py says its own (a file-wide mark).
+SLOW_FIXTURES = {"pard_onnx_engine"}
+SLOW_PARAMS = {("ngram_engine", "onnxruntime")}
+
+
+def reads_slow_exports(item) -> bool:
+    names = set(getattr(item, "fixturenames", ()))
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return bool(SLOW_FIXTURES & names) or any(params.get(name) == value for name, value in SLOW_PARAMS)
 
 
 # make test's workers (pytest-xdist, --dist loadgroup): tests run in groups, one group
@@ -263,24 +291,25 @@ EXPORT_GROUPS = {
 
 
 # The groups that take longest, longest first (seconds of one make test run on 2 idle cores,
-# pytest's junit times summed per group; 2026-12-05, reweighed when issue 70 moved the
-# fast tier's repeats to slow): handed out before the short files, so the last group to
-# start is a short one and neither worker idles at the end (run in collection order,
-# test_trtllm_workers.py started last and ran 72 s after the other worker had finished).
-# Rough weights are enough: the order is what counts. A file missing here runs after
-# these, in collection order.
+# pytest's durations summed per group; 2026-12-07, reweighed when the PARD, n-gram and
+# EAGLE-3 graphs moved to the full tier): handed out before the short files, so the last
+# group to start is a short one and neither worker idles at the end (run in collection
+# order, test_trtllm_workers.py once started last and ran 72 s after the other worker had
+# finished). Rough weights are enough: the order is what counts. A file missing here runs
+# after these, in collection order.
 LONGEST_FIRST = (
-    "exports-dflash",                   # ~72 s: the native engine's graph exports + the ONNX tests
-    "exports-chain",                    # ~26 s: the n-gram and PARD engines' exports
-    "tests/test_serving.py",            # ~26 s: a Triton server with four model instances
-    "tests/test_openai.py",             # ~21 s
-    "tests/test_compiled_batched.py",   # ~21 s: three families' engines and compiled steps
-    "tests/test_trtllm_workers.py",     # ~19 s: real MPI workers, fresh interpreters
-    "tests/test_gpu_e2e.py",            # ~10 s
-    "tests/test_eagle3_onnx_chain.py",  # ~9 s
-    "tests/test_trtllm_paths.py",       # ~8 s
-    "tests/test_triton_kernel.py",      # ~8 s: the kernel under Triton's interpreter
-    "tests/test_layering.py",           # ~5 s: two fresh interpreters
+    "exports-dflash",                   # ~58 s: both DFlash engines' graph exports + the ONNX tests
+    "tests/test_serving.py",            # ~20 s: a Triton server with four model instances
+    "tests/test_openai.py",             # ~20 s
+    "tests/test_compiled_batched.py",   # ~18 s: three families' engines and compiled steps
+    "tests/test_trtllm_workers.py",     # ~13 s: real MPI workers, fresh interpreters
+    "tests/test_gpu_e2e.py",            # ~9 s
+    "tests/test_triton_kernel.py",      # ~7 s: the kernel under Triton's interpreter
+    "tests/test_trtllm_paths.py",       # ~6 s
+    "tests/test_compiled.py",           # ~6 s
+    "tests/test_gpu_check.py",          # ~6 s: sections killed by their timeouts
+    "tests/test_layering.py",           # ~4 s: two fresh interpreters
+    "exports-chain",                    # ~3 s in the fast tier (its ONNX engines are slow)
 )
 
 
@@ -322,7 +351,7 @@ def pytest_collection_modifyitems(config, items):
     if stale:
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no such file: {stale}")
     for item in items:
-        if item.nodeid in SLOW_IDS:
+        if item.nodeid in SLOW_IDS or reads_slow_exports(item):
             item.add_marker(pytest.mark.slow)
         needed = export_group_needed(item)
         if needed is not None and group_of(item.nodeid) != needed:

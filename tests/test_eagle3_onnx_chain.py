@@ -30,6 +30,12 @@ from speculative import (assert_batched_as_alone, assert_trees_draft_as_per_row,
 from exact_law import assert_batched_chains_keep_the_law
 from test_eagle3 import eagle_pair
 
+# The full tier (make test-all): two more exports, ~9 s. The fast tier's cover: EAGLE-3
+# chains and trees on torch, batched and alone, greedy and sampled (test_eagle3_chain.py,
+# test_eagle3.py), on compiled steps (test_compiled_batched.py's tree batch), and ONNX
+# Runtime's batched drafter graphs on DFlash's (test_batched_engines.py).
+pytestmark = pytest.mark.slow
+
 K = 2  # drafts per chain: the law test's step of up to 2 drafts
 SCALING = QueryScaling(ref_keys=8, top_k=2, slope=2.0)  # beta > 1 past 8 keys
 CHAIN = TreeShape(top_k=1, depth=K, total_tokens=K + 1)
