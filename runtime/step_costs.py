@@ -89,6 +89,9 @@ class StepCosts:
     verify: tuple[float, float, float, float]  # a, b (per token), c (per cached key), d
     draft: tuple[float, float] | None  # a + b*context; None: no drafter model
     table: VerifyTable | None = None  # what was measured; None: priced by the fit
+    # the row counts the torch backend's linear layers compute as weight @ x.T, faster
+    # here (choose_transposed_rows; layers.few_rows_linear): the table was timed with them
+    transposed_rows: tuple[int, ...] = ()
 
     def verify_seconds(self, tokens: int, context: int) -> float:
         if self.table is not None:
@@ -103,6 +106,8 @@ class StepCosts:
         out = {"verify": list(self.verify), "draft": None if self.draft is None else list(self.draft)}
         if self.table is not None:
             out["verify_table"] = self.table.to_dict()
+        if self.transposed_rows:
+            out["transposed_rows"] = list(self.transposed_rows)
         return out
 
     @classmethod
@@ -110,7 +115,8 @@ class StepCosts:
         table = data.get("verify_table")
         return cls(tuple(float(x) for x in data["verify"]),
                    None if data.get("draft") is None else tuple(float(x) for x in data["draft"]),
-                   None if table is None else VerifyTable.from_dict(table))
+                   None if table is None else VerifyTable.from_dict(table),
+                   tuple(int(n) for n in data.get("transposed_rows", ())))
 
 
 def fixed_costs(has_drafter_model: bool) -> StepCosts:
@@ -305,6 +311,7 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     contexts = sorted({min(c, limit) for c in contexts})
     rows, times, draft_rows, draft_times = [], [], [], []
     target = engine.loaded.batch_target()  # a batch of one, as a request alone runs
+    transposed = choose_transposed_rows(engine, target, vocab, contexts[0], 3, progress)
     for context in contexts:
         ids = torch.randint(0, vocab, (context + width,), generator=gen).tolist()
         _, features = target.add(ids[:context], context + width)
@@ -335,7 +342,56 @@ def measure(engine, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, progress=N
     table = VerifyTable(tuple(contexts), tuple(sizes),
                         tuple(tuple(round(t, 9) for t in times[i * len(sizes):(i + 1) * len(sizes)])
                               for i in range(len(contexts))))
-    return StepCosts(_fit(rows, times), draft_fit, table)
+    return StepCosts(_fit(rows, times), draft_fit, table, transposed)
+
+
+# A row count runs transposed only when that beats F.linear by this much: below it, the
+# two are even and timing noise would pick at random.
+TRANSPOSED_MARGIN = 0.05
+
+
+def choose_transposed_rows(engine, target, vocab: int, context: int, repeats: int,
+                           progress=None) -> tuple[int, ...]:
+    """The row counts (1..layers.FEW_ROWS) whose verify pass runs faster with the torch
+    models' linear layers computing weight @ x.T than with F.linear, timed interleaved on
+    this machine at `context` tokens cached, and applied to the engine's models. The
+    BLAS kernel behind each shape differs by CPU, so this is measured, never assumed.
+    Backends without torch models (ONNX Runtime), and models that would not take the
+    path (not float32 on CPU), keep F.linear: ()."""
+    from runtime.models import layers
+
+    models = [m for m in (engine.model, engine.drafter_model) if m is not None]
+    weight = next(models[0].parameters()) if models else None
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return ()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (context + layers.FEW_ROWS,), generator=gen).tolist()
+    target.add(ids[:context], context + layers.FEW_ROWS)
+    chosen, seen = [], []
+    for n in range(1, layers.FEW_ROWS + 1):
+        def verify(n=n):
+            target.verify(TokenRows.of([ids[context:context + n]]))
+            target.rollback([context])
+
+        best = {(): float("inf"), (n,): float("inf")}
+        for round in range(repeats + 1):  # the two ways interleaved: a slow spell hits both
+            for rows in best:
+                for model in models:
+                    layers.transpose_rows(model, rows)
+                if round == 0:
+                    verify()  # warm-up: first calls at a new shape pay one-off costs
+                else:
+                    best[rows] = min(best[rows], _fastest_seconds(verify, 1))
+        if best[(n,)] < (1 - TRANSPOSED_MARGIN) * best[()]:
+            chosen.append(n)
+        seen.append(f"{n}: {best[()] * 1e3:.1f} / {best[(n,)] * 1e3:.1f} ms")
+    target.remove(0)
+    if progress:
+        progress(f"      linear layers at {context} tokens, verify with F.linear / weight @ x.T: "
+                 + ", ".join(seen) + f"; weight @ x.T for rows {chosen or 'none'}")
+    for model in models:
+        layers.transpose_rows(model, chosen)
+    return tuple(chosen)
 
 
 def _drafter_step(engine, ids: list[int], features, context: int, repeats: int, batch: int = 1):

@@ -249,3 +249,44 @@ def test_fixed_step_costs_time_nothing_and_verify_whole_blocks(tiny_engine, tiny
     assert run(build_engine.main, argv + ["--backend", "auto", "--output", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --backend auto picks the backend by measured step costs")
+
+
+def test_the_rows_whose_verify_runs_faster_transposed_are_chosen_and_applied(tiny_engine, monkeypatch):
+    """choose_transposed_rows times each row count's verify with F.linear and with weight
+    @ x.T, interleaved, and keeps the row counts where the transposed pass is faster by
+    more than TRANSPOSED_MARGIN; the models are left with that choice. Here a fake clock
+    makes 2 and 3 rows 10% faster transposed and 5 rows 2% faster (noise: kept F.linear)."""
+    import runtime.step_costs as step_costs
+    from runtime.models.layers import FEW_ROWS, Linear
+
+    engine = Engine(open_spec(tiny_engine))
+    target = engine.loaded.batch_target()
+    layer = next(m for m in engine.model.modules() if isinstance(m, Linear))
+    width = []
+    real_verify = type(target).verify
+
+    def verify(self, rows):
+        width.append(len(rows.row(0)))
+        return real_verify(self, rows)
+
+    def fake_seconds(step, repeats, before=None):
+        step()
+        n, transposed = width[-1], bool(layer.transposed_rows)
+        return 1.0 * ({2: 0.9, 3: 0.9, 5: 0.98}.get(n, 1.0) if transposed else 1.0)
+
+    monkeypatch.setattr(type(target), "verify", verify)
+    monkeypatch.setattr(step_costs, "_fastest_seconds", fake_seconds)
+    chosen = step_costs.choose_transposed_rows(engine, target, engine.tokenizer.vocab_size, 24, 2)
+    assert chosen == (2, 3)
+    assert set(width) == set(range(1, FEW_ROWS + 1))
+    assert {m.transposed_rows for m in engine.drafter_model.modules() if isinstance(m, Linear)} == {frozenset({2, 3})}
+    assert StepCosts.from_dict(StepCosts((1.0, 0, 0, 0), None, None, chosen).to_dict()).transposed_rows == (2, 3)
+
+
+def test_models_that_would_not_take_the_transposed_path_keep_f_linear(tiny_engine):
+    """bfloat16 (row-invariant linear layers) is not timed: () and nothing applied."""
+    from runtime.step_costs import choose_transposed_rows
+
+    engine = Engine(open_spec(tiny_engine, dtype="bfloat16"))
+    target = engine.loaded.batch_target()
+    assert choose_transposed_rows(engine, target, engine.tokenizer.vocab_size, 24, 1) == ()

@@ -294,6 +294,8 @@ class DraftHead(nn.Module):
         head's rows at draft_ids)."""
         super().__init__()
         weight = lm_head.weight
+        # the target head's measured kernel choice (layers.transpose_rows): the same rows
+        self.transposed_rows = getattr(lm_head, "transposed_rows", frozenset())
         if draft_ids is None:
             self.weight, self.vocab = weight, None
             return
@@ -308,8 +310,10 @@ class DraftHead(nn.Module):
         ids = drafter.draft_token_ids()
         return cls(lm_head, ids, None if ids is None else drafter.lm_head.weight)
 
+    transposed_rows: frozenset[int] = frozenset()  # layers.transpose_rows
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return few_rows_linear(hidden, self.weight)
+        return few_rows_linear(hidden, self.weight, transposed_rows=self.transposed_rows)
 
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")  # what every DFlash checkpoint holds

@@ -14,38 +14,38 @@ from plugins.scaling import _tracing
 from runtime.step_metadata import StepMetadata
 
 # Up to how many rows (a step's tokens across its batch) a float32 linear layer on CPU
-# computes as weight @ x.T (few_rows_linear).
+# may compute as weight @ x.T (few_rows_linear), where the machine's BLAS reads it faster.
 FEW_ROWS = 8
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), x [..., in] and weight [out, in], for a decode or verify
-    step on CPU.
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    transposed_rows: frozenset[int] = frozenset()) -> torch.Tensor:
+    """F.linear(x, weight, bias), x [..., in] and weight [out, in], computed as weight @ x.T
+    where x has a row count in `transposed_rows` (1..FEW_ROWS; none by default).
 
-    A step's few rows make every linear layer a read of its whole weight, and how fast
-    that read goes depends on the BLAS kernel the shape picks. For x @ weight.T (what
-    F.linear runs) MKL takes a matrix-vector kernel for one row and a slow small-matrix
-    path for 2-3, reading weights at about half the speed of weight @ x.T with 2 or more
-    columns. On 2 cores, 300 MB of SmolLM2-135M's layer weights took 33 / 45 / 49 ms for
-    1 / 2 / 3 rows against 17 / 12 / 17 ms the other way round (one row as two: the row
-    twice), and its 49152 x 576 LM head 30 / 69 / 105 ms against 13 / 14 / 23 ms. From
-    about 12 rows the two are even. On the demo engine at 4,096 tokens of context a
-    one-token step went from 85 to 59 ms, and a 2-token verify (131 ms: dearer than an
-    8-token one) to 63 ms, so short drafts can pay.
+    A decode or verify step's few rows make every linear layer a read of its whole weight,
+    and how fast that read goes depends on the kernel the BLAS picks for the shape -- which
+    differs by CPU, so the row counts are measured per machine, never assumed
+    (runtime/step_costs.py: choose_transposed_rows, at build; the torch loader applies
+    them where they were measured). On one 2-core machine MKL ran x @ weight.T (what
+    F.linear runs) at half the speed of weight @ x.T for 1-3 rows: SmolLM2-135M's layer
+    weights took 33 / 45 / 49 ms for 1 / 2 / 3 rows against 17 / 12 / 17 ms, and a
+    one-token step at 4,096 tokens of context went from 85 to 59 ms. On another (a Xeon
+    with AVX-512 and AMX) it was the other way round: weight @ x.T made the same step
+    105 ms against F.linear's 62.
 
     The products are the same sums in another order (float32 rounding apart). Other
     dtypes (bfloat16: plugins/row_invariant.py), CUDA and traced graphs keep F.linear."""
-    # (the trace test first: a traced graph's row count is symbolic, and comparing it would
-    # guard the graph to this branch's shapes)
-    if (_tracing() or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or weight.device.type != "cpu"):
+    # (the trace test before the row count: a traced graph's row count is symbolic, and
+    # comparing it would guard the graph to this branch's shapes)
+    if (not transposed_rows or _tracing() or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or weight.device.type != "cpu"):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if not 0 < rows <= FEW_ROWS:
+    if rows not in transposed_rows:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:  # a matrix-vector product would pick the slow kernel again
+    if rows == 1:  # a matrix-vector product would pick the matrix-vector kernel again
         out = (weight @ flat.repeat(2, 1).T)[:, :1]
     else:
         out = weight @ flat.T
@@ -56,8 +56,19 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state keys) whose steps run few_rows_linear."""
 
+    transposed_rows: frozenset[int] = frozenset()  # set per model: transpose_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_rows_linear(x, self.weight, self.bias)
+        return few_rows_linear(x, self.weight, self.bias, self.transposed_rows)
+
+
+def transpose_rows(model: nn.Module, rows) -> None:
+    """Make every layer of `model` that runs few_rows_linear compute the row counts in
+    `rows` as weight @ x.T (an empty `rows`: F.linear everywhere)."""
+    rows = frozenset(int(n) for n in rows)
+    for module in model.modules():
+        if hasattr(type(module), "transposed_rows"):
+            module.transposed_rows = rows
 
 
 class RMSNorm(nn.Module):

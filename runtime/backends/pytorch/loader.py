@@ -12,6 +12,7 @@ from runtime.backends.pytorch.eager import (TorchBatchDFlash, TorchBatchEagle3, 
                                             TorchBatchTarget)
 from runtime.backends.roles import StyleAsBuilt, Loaded, drafter_feature_layers
 from runtime.manifest import Manifest
+from runtime.models import layers
 from runtime.models.target import ModelError
 from runtime.ngram import NGramProposer
 
@@ -52,6 +53,14 @@ class TorchLoaded(Loaded):
         if family.load is not None:
             self.drafter_model = family.load(manifest.drafter_dir, torch_dtype, self.model)
             placement.place(self.drafter_model, self.device)
+        # the linear layers' kernel for a step's few rows, as measured where this runs
+        # (step_costs.choose_transposed_rows; engines built before it: F.linear)
+        where = {"backend": "torch", "device": self.device.split(":")[0], "dtype": self.dtype,
+                 "steps": steps}
+        costs = manifest.measured_on(manifest.extra.get("step_costs", {}).get("torch"), where)
+        for model in (self.model, self.drafter_model):
+            if model is not None:
+                layers.transpose_rows(model, (costs or {}).get("transposed_rows", ()))
         self.feature_layers = drafter_feature_layers(manifest, self.model.config.num_layers)
         # the widths a single sequence's verify takes: a decode step, an n-gram verify
         # (ngram drafts + the bonus), a block verify
