@@ -288,6 +288,8 @@ class DraftHead(nn.Module):
     sampler maps the drafts it picks (Sampler.propose), and a token the drafter cannot
     propose has draft probability 0, so verification stays lossless."""
 
+    transposed_rows: frozenset[int] = frozenset()  # layers.transpose_rows
+
     def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor | None = None,
                  rows: torch.Tensor | None = None):
         """rows: the draft vocabulary's head as the drafter carries it (else the target
@@ -309,8 +311,6 @@ class DraftHead(nn.Module):
         else the target's `lm_head`."""
         ids = drafter.draft_token_ids()
         return cls(lm_head, ids, None if ids is None else drafter.lm_head.weight)
-
-    transposed_rows: frozenset[int] = frozenset()  # layers.transpose_rows
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return few_rows_linear(hidden, self.weight, transposed_rows=self.transposed_rows)
