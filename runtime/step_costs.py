@@ -7,6 +7,10 @@ drafter step. Two things read it:
 - adaptive draft length (`choose_draft_count`): each step verifies only as many drafts as
   the drafter's confidence and the measured verify cost make worthwhile.
 
+It also keeps which row counts the torch backend's linear layers run as weight @ x.T
+(`choose_transposed_rows`, timed first, so the table is timed with them): the faster BLAS
+kernel for a step's few rows differs by CPU.
+
 A verify pass is priced from the table of what was measured (VerifyTable): at the measured
 sizes and contexts exactly, linearly between them and past the last. A smooth fit, t = a +
 b*n + c*context + d*n*context, is kept beside it (engines built before the table have only
