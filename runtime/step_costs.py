@@ -378,11 +378,11 @@ def choose_transposed_rows(engine, target, vocab: int, context: int, repeats: in
             target.rollback([context])
 
         best = {(): float("inf"), (n,): float("inf")}
-        for round in range(repeats + 1):  # the two ways interleaved: a slow spell hits both
+        for sweep in range(repeats + 1):  # the two ways interleaved: a slow spell hits both
             for rows in best:
                 for model in models:
                     layers.transpose_rows(model, rows)
-                if round == 0:
+                if sweep == 0:
                     verify()  # warm-up: first calls at a new shape pay one-off costs
                 else:
                     best[rows] = min(best[rows], _fastest_seconds(verify, 1))
