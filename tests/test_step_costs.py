@@ -272,7 +272,7 @@ def test_the_rows_whose_verify_runs_faster_transposed_are_chosen_and_applied(tin
     def fake_seconds(step, repeats, before=None):
         step()
         n, transposed = width[-1], bool(layer.transposed_rows)
-        return 1.0 * ({2: 0.9, 3: 0.9, 5: 0.98}.get(n, 1.0) if transposed else 1.0)
+        return {2: 0.9, 3: 0.9, 5: 0.98}.get(n, 1.0) if transposed else 1.0
 
     monkeypatch.setattr(type(target), "verify", verify)
     monkeypatch.setattr(step_costs, "_fastest_seconds", fake_seconds)
@@ -290,3 +290,4 @@ def test_models_that_would_not_take_the_transposed_path_keep_f_linear(tiny_engin
     engine = Engine(open_spec(tiny_engine, dtype="bfloat16"))
     target = engine.loaded.batch_target()
     assert choose_transposed_rows(engine, target, engine.tokenizer.vocab_size, 24, 1) == ()
+    assert not any(getattr(m, "transposed_rows", None) for m in engine.model.modules())
