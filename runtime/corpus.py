@@ -4,6 +4,7 @@ a fixed hash rule so evaluation documents never reach training or calibration.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -25,15 +26,24 @@ def documents(split: str) -> list[Path]:
     """Files of one split, in a fixed order (sorted by relative name)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return [path for name, path in _listing(STDLIB, DOCS) if split_of(name) == split]
+
+
+@functools.cache
+def _listing(stdlib: Path, docs: Path) -> tuple[tuple[str, Path], ...]:
+    """Every corpus file under the two roots as (relative name, path), sorted by name:
+    walked once per process (about a quarter of a second on these machines, and the
+    commands and training read several splits); keyed on the roots, which tests point
+    elsewhere."""
     found = []
-    for root, pattern in ((STDLIB, "*.py"), (DOCS, "*.rst.txt")):
+    for root, pattern in ((stdlib, "*.py"), (docs, "*.rst.txt")):
         if not root.is_dir():
             continue
         for path in root.rglob(pattern):
             rel = path.relative_to(root)
-            if SKIP_PARTS.isdisjoint(rel.parts) and split_of(f"{root.name}/{rel}") == split:
+            if SKIP_PARTS.isdisjoint(rel.parts):
                 found.append((f"{root.name}/{rel}", path))
-    return [path for _, path in sorted(found)]
+    return tuple(sorted(found))
 
 
 def long_documents(split: str, min_chars: int) -> list[Path]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import tiny
+from test_layering import parsed
 from plugins.scaling import QueryScaling
 from runtime import spec as spec_module
 from runtime.assembly import DraftSetting
@@ -124,7 +125,7 @@ def shipped_calls(name: str) -> dict[str, int]:
 
     found = {}
     for path in shipped():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Call):
                 f = node.func
                 if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == name:
@@ -143,7 +144,7 @@ def test_engine_json_is_read_in_one_function_from_at_most_two_places():
 
     spelled = {str(p.relative_to(REPO)) for p in shipped()
                if any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith("engine.json")
-                      for n in ast.walk(ast.parse(p.read_text())))}
+                      for n in ast.walk(parsed(p)))}
     # manifest.py: MANIFEST; build_engine.py and served_ab.py: `(dir / "engine.json").is_file()`
     assert spelled <= {"runtime/manifest.py", "build_engine.py", "scripts/served_ab.py"}, spelled
 
@@ -163,7 +164,7 @@ def test_the_spec_is_opened_only_where_a_process_enters_and_handed_on():
 
     # no function takes "a spec, or its directory": the spec is opened once and passed on
     loose = [f"{p.relative_to(REPO)}:{n.lineno}" for p in shipped()
-             for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.arg) and n.annotation
+             for n in ast.walk(parsed(p)) if isinstance(n, ast.arg) and n.annotation
              and "Manifest" in ast.unparse(n.annotation) and "Path" in ast.unparse(n.annotation)]
     assert loose == []
 
@@ -193,7 +194,7 @@ def test_serve_reads_engine_json_once_and_hands_the_spec_down(tiny_engine, tmp_p
 
 
 def class_methods(path: Path, name: str) -> list[str]:
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
     return [n.name for n in cls.body if isinstance(n, ast.FunctionDef)]
 
@@ -203,7 +204,7 @@ def test_engine_keeps_loading_and_running_in_at_most_eight_methods():
     methods = class_methods(REPO / "runtime" / "engine.py", "Engine")
     assert len(methods) <= 8, methods
     assert set(methods) == {"__init__", "decoder", "drafter", "generate", "encode", "decode"}
-    tree = ast.parse((REPO / "runtime" / "engine.py").read_text())
+    tree = parsed(REPO / "runtime" / "engine.py")
     # no alias, no free function that takes an Engine first
     assert [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.Assign))] == []
 
@@ -211,7 +212,7 @@ def test_engine_keeps_loading_and_running_in_at_most_eight_methods():
 def test_the_engine_and_its_assembly_hold_no_lambda_tables():
     for rel in ("runtime/engine.py", "runtime/assembly.py", "runtime/backends/pytorch/loader.py",
                 "runtime/backends/onnxruntime/loader.py"):
-        lambdas = [n.lineno for n in ast.walk(ast.parse((REPO / rel).read_text()))
+        lambdas = [n.lineno for n in ast.walk(parsed(REPO / rel))
                    if isinstance(n, ast.Lambda)]
         assert lambdas == [], (rel, lambdas)
 
@@ -219,7 +220,7 @@ def test_the_engine_and_its_assembly_hold_no_lambda_tables():
 def compared_strings(path: Path) -> set[str]:
     """The string constants a file compares with (==, !=, in, not in a literal tuple)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Compare):
             for side in [node.left, *node.comparators]:
                 items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]

@@ -5,6 +5,7 @@ import ast
 from pathlib import Path
 
 from runtime import families, modes
+from test_layering import parsed
 
 REPO = Path(__file__).resolve().parent.parent
 # what the house spells (the engines' own hooks aside: plugins/trtllm pins TensorRT-LLM's names)
@@ -15,7 +16,7 @@ SHIPPED = [p for d in ("runtime", "build", "plugins") for p in (REPO / d).rglob(
 def family_tables(path: Path) -> list[int]:
     """Lines of dict literals keyed by two or more family names in `path`."""
     names = set(families.FAMILIES)
-    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+    return [node.lineno for node in ast.walk(parsed(path))
             if isinstance(node, ast.Dict)
             and sum(isinstance(k, ast.Constant) and k.value in names for k in node.keys) >= 2]
 
@@ -66,7 +67,7 @@ def test_one_class_named_request_in_the_runtime():
     from runtime.request import Request
 
     defined = [str(p.relative_to(REPO)) for p in (REPO / "runtime").rglob("*.py")
-               for node in ast.walk(ast.parse(p.read_text()))
+               for node in ast.walk(parsed(p))
                if isinstance(node, ast.ClassDef) and node.name == "Request"]
     assert defined == ["runtime/request.py"]
     assert all(f.kw_only for f in dataclasses.fields(Request))
