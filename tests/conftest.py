@@ -216,60 +216,80 @@ def ort_engine(onnx_engine):
 
 # Tests marked slow from here rather than in their files, which other changes are editing;
 # an id that no longer exists marks nothing, so the test then runs in the fast tier (slower,
-# never less covered). The fast tier keeps the stand-in TensorRT engine in its plugin form
-# (test_tensorrt_engine_generates_the_onnxruntime_tokens[plugin]).
+# never less covered).
 SLOW_IDS = {
-    # the native form's graphs run on ONNX Runtime in the fast tier (test_onnxruntime_backend)
-    "tests/test_tensorrt_engine.py::test_tensorrt_engine_generates_the_onnxruntime_tokens[native]",
-    # scripts/gpu_check.py's TensorRT section builds two more engines on the stand-in
+    # scripts/gpu_check.py's TensorRT section builds (and exports) two engines of its own on
+    # the stand-in: the full tier, with every test that reads graphs exported this run
     "tests/test_tensorrt_engine.py::test_gpu_check_tensorrt_section_runs_on_the_stand_in",
-    # the law through ONNX chains: the fast tier keeps the batched chains' law on torch
-    # (test_pard.py), the verifier's at 100,000 draws (test_rejection_law.py) and these
-    # chains' greedy equality (test_eagle3_onnx_chain.py)
-    "tests/test_eagle3_onnx_chain.py::"
-    "test_speculative_sampling_through_batched_onnx_chains_preserves_the_target_distribution",
     # the kernel against the reference at 16K keys: the fast tier keeps it at every pattern
     # and length Hypothesis draws (test_kernel_matches_reference_fp32)
     "tests/test_triton_kernel.py::test_kernel_matches_reference_with_paper_defaults_at_16k_keys",
     # a short scratch: the fast tier keeps the short counters' case ([1000000-0])
     "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[0-1000000]",
     "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[128-1000000]",
-    # the proof gate through trtllm-serve: the fast tier keeps the same gate through generate
-    # (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses) and
-    # trtllm-serve serving once proven
+    # The launcher's gate through real processes (trtllm-serve and generate, proof missing or
+    # given, several GPUs without the autoloader; ~4 s each, fresh interpreters): the fast
+    # tier keeps one real MPI launch, its workers' proof seen by the launcher
+    # (test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it), the gate
+    # refusing an unscaled drafter in process (test_trtllm_release.py:
+    # test_the_gate_refuses_a_server_whose_drafter_runs_unscaled, every rank's proof:
+    # test_trtllm_hook.py) and the wrapper's plan for one GPU and each parallel alias
+    # (test_trtllm_config.py)
     "tests/test_trtllm_workers.py::test_trtllm_serve_refuses_to_serve_without_the_proof",
-    # dynamo-compiled steps of PARD and EAGLE-3 chains (~7 s each): the fast tier keeps
-    # DFlash's ([dflash]), an EAGLE-3 tree batch on the compiled steps
-    # (test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps) and the compiled
-    # step rows every family's batched roles call (test_gpu_e2e.py)
+    "tests/test_trtllm_workers.py::test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven",
+    "tests/test_trtllm_workers.py::test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses",
+    "tests/test_trtllm_workers.py::test_several_gpus_without_the_autoloader_are_refused_before_anything_starts",
+    # dynamo-compiled steps (3-9 s each): every family and mode in batches, an EAGLE-3 tree
+    # batch, the CLI's --steps, the op's first call in a fresh process. The fast tier keeps
+    # DFlash's compiled steps decoding alone and batched, seeded and as a chunked join
+    # (test_compiled.py), PARD's compiled chain step compiling once (test_compiled.py), the
+    # loader's steps option (test_loaders.py), packed trees verified on the compiled batch
+    # target (test_compiled_batched.py), the compiled step rows every family's batched
+    # roles call (test_gpu_e2e.py) and the op compiling into one graph (test_capturable.py)
+    "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[dflash]",
     "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[pard]",
     "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[eagle3]",
+    "tests/test_compiled_batched.py::test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket",
+    "tests/test_compiled_batched.py::test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps[eager-4]",
+    "tests/test_cli.py::test_generate_with_compiled_steps_gives_the_eager_tokens",
+    "tests/test_capturable.py::test_a_fresh_processs_first_caller_of_the_op_compiles_in_one_graph",
+    # the GPU scripts on CPU in fresh interpreters (~2.5 s each): the fast tier keeps the
+    # TensorRT-LLM section's refusal without CUDA in a real process
+    # (test_trtllm_gpu_section.py), gpu_check's (test_gpu_check.py) and the kernel
+    # benchmark's in process (test_bench_kernel.py: test_full_run_without_cuda_refuses_in_one_line,
+    # test_the_json_is_saved_after_every_shape)
+    "tests/test_gpu_e2e.py::test_gpu_sections_refuse_without_cuda_in_one_line",
+    "tests/test_bench_kernel.py::test_smoke_run_writes_json_with_named_figures_and_plot",
+    # a full queue through Triton's gRPC and generate endpoints: the fast tier keeps its
+    # HTTP endpoint's and the OpenAI endpoint's (each variant decodes ~1 s)
+    "tests/test_openai.py::test_a_full_queue_refuses_plain_requests_and_the_others_finish[grpc-StatusCode.UNAVAILABLE]",
+    "tests/test_openai.py::test_a_full_queue_refuses_plain_requests_and_the_others_finish[generate-400]",
     # the 49152-row weight in float16 (slow on CPU): the fast tier keeps the four smaller
     # shapes at both dtypes and this shape in bfloat16 ([shape4-dtype0])
     "tests/test_row_invariant.py::test_a_linear_row_is_the_same_at_every_row_count[shape4-dtype1]",
 }
 
 
-# Tests that read these exports run in the full tier (marked slow here, by the fixtures
-# they ask for): each family's ONNX graphs cost 5-12 s of exporting (torch.export and the
-# exporter's re-decomposition, at any model size), and make test keeps one family's graphs
-# in every form the runtime and TensorRT read -- DFlash's (onnx_engine, native_engine).
-# The fast tier's cover for the graphs dropped here:
-#   n-gram engines on ONNX Runtime (ngram_engine[onnxruntime]): the n-gram engine on torch
-#     (test_ngram_engine.py[torch]); target graphs on ONNX Runtime: DFlash's target graphs
-#     run every mode's verify there (test_onnxruntime_backend.py, test_batched_engines.py);
-#   PARD's drafter graph (pard_onnx_engine): PARD chains on torch, batched and alone, greedy
-#     and sampled (test_pard.py, test_pard_engine.py's torch engine), and the plugin node's
-#     per-row N on DFlash's drafter graph (test_step_metadata.py);
-#   EAGLE-3's step and tree graphs: test_eagle3_onnx_chain.py says its own (a file-wide mark).
-SLOW_FIXTURES = {"pard_onnx_engine"}
-SLOW_PARAMS = {("ngram_engine", "onnxruntime")}
+# Tests that read ONNX graphs exported this run (the export_cache fixture: DFlash's engines
+# in both forms, the PARD, n-gram and EAGLE-3 graphs) run in the full tier, marked slow
+# here by the fixtures they read: each graph costs 3.5-7 s of exporting (torch.export and
+# the exporter's second trace, at any model size), DFlash's two engines about 45 s, with
+# their tests a third of make test's time. So make test runs no exported graph on ONNX
+# Runtime or the stand-in TensorRT; make test-all (CI) runs them all. Only the n-gram
+# engine on torch (no graphs) stays fast. The fast tier's cover around the graphs:
+#   the modules the exporter traces, on torch: every family's steps, batched and alone,
+#     greedy and sampled (test_dflash.py, test_pard.py, test_eagle3*.py, test_batched*.py);
+#   the plugin node's ONNX form and fields (test_tensorrt.py) and TensorRT's own creator
+#     code on our plugin (test_tensorrt_sources.py);
+#   the ONNX Runtime loader's refusals and cache buffers (test_loaders.py,
+#     test_onnxruntime_backend.py) and the backend registry (test_engine_spec.py).
+EXPORTS_NOTHING = {("ngram_engine", "torch")}
 
 
-def reads_slow_exports(item) -> bool:
-    names = set(getattr(item, "fixturenames", ()))
+def reads_exports(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return bool(SLOW_FIXTURES & names) or any(params.get(name) == value for name, value in SLOW_PARAMS)
+    exempt = any(params.get(name) == value for name, value in EXPORTS_NOTHING)
+    return export_group_needed(item) is not None and not exempt
 
 
 # make test's workers (pytest-xdist, --dist loadgroup): tests run in groups, one group
@@ -290,26 +310,27 @@ EXPORT_GROUPS = {
 }
 
 
-# The groups that take longest, longest first (seconds of one make test run on 2 idle cores,
-# pytest's durations summed per group; 2026-12-07, reweighed when the PARD, n-gram and
-# EAGLE-3 graphs moved to the full tier): handed out before the short files, so the last
-# group to start is a short one and neither worker idles at the end (run in collection
+# The groups that take longest, longest first: handed out before the short files, so the
+# last group to start is a short one and neither worker idles at the end (run in collection
 # order, test_trtllm_workers.py once started last and ran 72 s after the other worker had
-# finished). Rough weights are enough: the order is what counts. A file missing here runs
-# after these, in collection order.
+# finished). Seconds of one run on 2 idle cores, pytest's durations summed per group
+# (2026-12-08): make test's first, then make test-all's where the full tier adds much.
+# Rough weights are enough: the order is what counts. A file missing here runs after
+# these, in collection order.
 LONGEST_FIRST = (
-    "exports-dflash",                   # ~58 s: both DFlash engines' graph exports + the ONNX tests
-    "tests/test_serving.py",            # ~20 s: a Triton server with four model instances
-    "tests/test_openai.py",             # ~20 s
-    "tests/test_compiled_batched.py",   # ~18 s: three families' engines and compiled steps
-    "tests/test_trtllm_workers.py",     # ~13 s: real MPI workers, fresh interpreters
+    "exports-dflash",                   # ~10 s; full tier: + DFlash's exports (~45 s), ONNX tests
+    "tests/test_serving.py",            # full tier only, ~25 s: a server with four model instances
+    "tests/test_openai.py",             # ~23 s: a real Triton server
+    "tests/test_compiled_batched.py",   # ~3 s; the full tier adds ~20 s: every family's compiled batches
+    "tests/test_trtllm_workers.py",     # ~15 s: real MPI workers, fresh interpreters
     "tests/test_gpu_e2e.py",            # ~9 s
-    "tests/test_triton_kernel.py",      # ~7 s: the kernel under Triton's interpreter
-    "tests/test_trtllm_paths.py",       # ~6 s
+    "tests/test_triton_kernel.py",      # ~8 s: the kernel under Triton's interpreter
+    "tests/test_trtllm_paths.py",       # ~7 s
     "tests/test_compiled.py",           # ~6 s
+    "tests/test_pard.py",               # ~6 s
     "tests/test_gpu_check.py",          # ~6 s: sections killed by their timeouts
     "tests/test_layering.py",           # ~4 s: two fresh interpreters
-    "exports-chain",                    # ~3 s in the fast tier (its ONNX engines are slow)
+    "exports-chain",
 )
 
 
@@ -323,9 +344,25 @@ def group_of(nodeid: str) -> str:
     return next((group for group, files in EXPORT_GROUPS.items() if path in files), path)
 
 
+def fixtures_read(item) -> set[str]:
+    """The fixtures a test reads: its own and, for a test that asks for a fixture its
+    parameter names (request.getfixturevalue(engine)), that one too, with everything each
+    of them asks for."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    todo = list(getattr(item, "fixturenames", ())) + [v for v in params.values() if isinstance(v, str)]
+    manager, found = item.session._fixturemanager, set()
+    while todo:
+        name = todo.pop()
+        definitions = name not in found and manager.getfixturedefs(name, item)
+        if definitions:  # a parameter's value that names no fixture is skipped
+            found.add(name)
+            todo += definitions[-1].argnames
+    return found
+
+
 def export_group_needed(item) -> str | None:
     """The export group a test's fixtures put it in (None: it reads no exports)."""
-    names = set(getattr(item, "fixturenames", ()))
+    names = fixtures_read(item)
     if "export_cache" not in names:
         return None
     return "exports-chain" if {"ngram_engine", "pard_onnx_engine"} & names else "exports-dflash"
@@ -351,7 +388,7 @@ def pytest_collection_modifyitems(config, items):
     if stale:
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no such file: {stale}")
     for item in items:
-        if item.nodeid in SLOW_IDS or reads_slow_exports(item):
+        if item.nodeid in SLOW_IDS or reads_exports(item):
             item.add_marker(pytest.mark.slow)
         needed = export_group_needed(item)
         if needed is not None and group_of(item.nodeid) != needed:

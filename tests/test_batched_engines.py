@@ -18,10 +18,6 @@ def prompts(engine, lengths):
 MODES = ["sharpdraft", "frozen", "target", "ngram", "hybrid", "window", "frozen-hybrid", "window-hybrid"]
 
 
-# the fast tier batches one mode of each proposer path (none, blocks, blocks + lookup,
-# blocks under a draft window, blocks under the family preset); the rest run in the
-# slow tier (make test-all)
-FAST = {"target", "sharpdraft", "hybrid", "window-hybrid", "preset"}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +33,7 @@ def native_torch_engine(native_engine):
 # the draft window needs drafter graphs over cache buffers: the native-form engine's;
 # the preset swaps the drafter's scaling, which only torch does (onnx_engine on torch)
 @pytest.mark.parametrize("engine, mode", [
-    pytest.param(e, m, marks=() if m in FAST else pytest.mark.slow)
-    for e in ("ort_engine", "native_ort_engine") for m in MODES
+    (e, m) for e in ("ort_engine", "native_ort_engine") for m in MODES
     if e == "native_ort_engine" or "window" not in m] + [("ort_engine", "preset")])
 def test_batched_decoding_is_token_identical_across_backends_and_to_one_at_a_time(
         mode, engine, torch_engine, request):

@@ -31,12 +31,12 @@ from tiny import float64_pard, float64_target
 CHUNK = 32
 
 
-@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
+# tiny_engine: the torch backend (512-token context); native_engine: ONNX Runtime's default
+# graphs (4096 tokens). The parameters name the fixtures, so that tests/conftest.py sees
+# which of these tests read graphs exported this run.
+@pytest.fixture(scope="module", params=["tiny_engine", "native_engine"], ids=["torch", "onnxruntime"])
 def engine(request):
-    # tiny_engine: the torch backend (512-token context); native_engine: ONNX Runtime's
-    # default graphs (4096 tokens)
-    name = {"torch": "tiny_engine", "onnxruntime": "native_engine"}[request.param]
-    return Engine(open_spec(request.getfixturevalue(name)))
+    return Engine(open_spec(request.getfixturevalue(request.param)))
 
 
 def _events(engine, mode, scheduler_kwargs, jobs):

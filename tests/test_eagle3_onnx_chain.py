@@ -32,8 +32,7 @@ from test_eagle3 import eagle_pair
 
 # The full tier (make test-all): two more exports, ~9 s. The fast tier's cover: EAGLE-3
 # chains and trees on torch, batched and alone, greedy and sampled (test_eagle3_chain.py,
-# test_eagle3.py), on compiled steps (test_compiled_batched.py's tree batch), and ONNX
-# Runtime's batched drafter graphs on DFlash's (test_batched_engines.py).
+# test_eagle3.py) and on compiled steps (test_compiled_batched.py's tree batch).
 pytestmark = pytest.mark.slow
 
 K = 2  # drafts per chain: the law test's step of up to 2 drafts

@@ -2,7 +2,13 @@
 `python -m runtime serve --start` on free loopback ports over the tiny engine
 (tests/served.py), and asked over HTTP, gRPC, the generate endpoint and a gRPC stream.
 The finalizer stops it with SIGTERM by PID and checks that nothing it started is left
-running."""
+running.
+
+The full tier's (make test-all): its server runs four model instances (two, and the
+streaming model's two), about 25 s of make test's time. The fast tier serves the same
+engine once, through tests/test_openai.py: the OpenAI endpoint token for token against
+in-process generate, and Triton's own HTTP, gRPC and generate endpoints refusing past a
+full queue while the others finish."""
 
 import json
 import queue
@@ -20,6 +26,8 @@ import tritonclient.http as httpclient
 from runtime.__main__ import main
 from runtime.cli import run
 from served import REPO, serve
+
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["def fib(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
 # Long enough that the drafter sees more than the tiny engine's ref_keys (64): beta > 1.

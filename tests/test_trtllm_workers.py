@@ -292,8 +292,8 @@ def test_triton_llmapi_model_serves_when_the_worker_wrapped_the_drafter(venvs, r
     assert json.loads((repository / "sharpdraft_applied.json").read_text())["scaling"]["ref_keys"] == 64
 
 
-@pytest.mark.slow  # the fast tier: the same refusal through generate
-# (test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses)
+@pytest.mark.slow  # the fast tier: the gate's refusal in process (test_trtllm_release.py:
+# test_the_gate_refuses_a_server_whose_drafter_runs_unscaled)
 def test_triton_llmapi_model_refuses_to_load_when_no_drafter_was_wrapped(venvs, repository, tmp_path):
     standin = write_package(tmp_path / "pkg")
     done = initialize(venvs["plain"], repository, standin)
@@ -318,7 +318,7 @@ def test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven(venvs
     assert len(applied) == 1 and applied[0]["drafters"] == ["DFlashForCausalLM"]
 
 
-@pytest.mark.slow  # the fast tier: test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven
+@pytest.mark.slow  # the fast tier: the wrapper's plan for each parallel alias (test_trtllm_config.py)
 # and a real MPI worker's proof (test_drafters_built_in_real_mpi_workers_are_wrapped_and_the_launcher_sees_it)
 def test_trtllm_serve_tensor_parallel_workers_are_reached_through_the_autoloader(venvs, engine, tmp_path):
     standin = write_package(tmp_path / "pkg")
@@ -386,7 +386,8 @@ def test_stock_and_frozen_runs_beside_a_live_sharpdraft_launch_are_never_scaled(
     assert proof.read(proof_dir) == []  # and nothing reached the live launch's proof
 
 
-@pytest.mark.slow  # the fast tier: test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses
+@pytest.mark.slow  # the fast tier: every rank must prove it wrapped (test_trtllm_hook.py:
+# test_every_rank_of_the_world_must_prove_it_wrapped_its_drafter)
 def test_tensor_parallel_launch_with_one_rank_unhooked_is_refused_naming_the_rank(venvs, engine, tmp_path):
     """TP=2 where rank 1 runs without the hook (a rank started without the autoloader, or
     elsewhere): one wrapped record is not enough, the launcher refuses naming rank 1."""

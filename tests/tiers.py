@@ -1,7 +1,9 @@
 """The suite's two tiers, read from the Hypothesis profile (tests/conftest.py registers it).
 
 `make test` (profile `fast`, the default; tests marked `slow` deselected by pytest.ini):
-every contract, with fewer property-test examples and loop-level sampling-law runs.
+every module's contracts in process, one real server and MPI launch (tests/conftest.py
+says what else is marked slow), with fewer property-test examples and loop-level
+sampling-law runs.
 `make test-all` (profile `full`, every test): the counts below at their full values.
 Test modules call these while they are imported, after pytest has loaded the profile.
 """
