@@ -225,8 +225,10 @@ SLOW_IDS = {
     # and length Hypothesis draws (test_kernel_matches_reference_fp32)
     "tests/test_triton_kernel.py::test_kernel_matches_reference_with_paper_defaults_at_16k_keys",
     # a short scratch: the fast tier keeps the short counters' case ([1000000-0])
-    "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[0-1000000]",
-    "tests/test_triton_kernel.py::test_single_launch_takes_fewer_slices_when_scratch_is_short[128-1000000]",
+    "tests/test_triton_kernel.py::"
+    "test_single_launch_takes_fewer_slices_when_scratch_is_short[0-1000000]",
+    "tests/test_triton_kernel.py::"
+    "test_single_launch_takes_fewer_slices_when_scratch_is_short[128-1000000]",
     # The launcher's gate through real processes (trtllm-serve and generate, proof missing or
     # given, several GPUs without the autoloader; ~4 s each, fresh interpreters): the fast
     # tier keeps one real MPI launch, its workers' proof seen by the launcher
@@ -236,9 +238,12 @@ SLOW_IDS = {
     # test_trtllm_hook.py) and the wrapper's plan for one GPU and each parallel alias
     # (test_trtllm_config.py)
     "tests/test_trtllm_workers.py::test_trtllm_serve_refuses_to_serve_without_the_proof",
-    "tests/test_trtllm_workers.py::test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven",
-    "tests/test_trtllm_workers.py::test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses",
-    "tests/test_trtllm_workers.py::test_several_gpus_without_the_autoloader_are_refused_before_anything_starts",
+    "tests/test_trtllm_workers.py::"
+    "test_trtllm_serve_one_gpu_serves_once_the_in_process_drafter_is_proven",
+    "tests/test_trtllm_workers.py::"
+    "test_without_the_autoloader_the_worker_runs_unscaled_and_the_launcher_refuses",
+    "tests/test_trtllm_workers.py::"
+    "test_several_gpus_without_the_autoloader_are_refused_before_anything_starts",
     # dynamo-compiled steps (3-9 s each): every family and mode in batches, an EAGLE-3 tree
     # batch, the CLI's --steps, the op's first call in a fresh process. The fast tier keeps
     # DFlash's compiled steps decoding alone and batched, seeded and as a chunked join
@@ -249,8 +254,10 @@ SLOW_IDS = {
     "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[dflash]",
     "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[pard]",
     "tests/test_compiled_batched.py::test_compiled_batched_steps_decode_the_eager_tokens[eagle3]",
-    "tests/test_compiled_batched.py::test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket",
-    "tests/test_compiled_batched.py::test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps[eager-4]",
+    "tests/test_compiled_batched.py::"
+    "test_the_batched_chain_steps_run_compiled_per_slot_and_width_bucket",
+    "tests/test_compiled_batched.py::"
+    "test_an_eagle3_tree_batch_drafts_and_decodes_on_the_compiled_steps[eager-4]",
     "tests/test_cli.py::test_generate_with_compiled_steps_gives_the_eager_tokens",
     "tests/test_capturable.py::test_a_fresh_processs_first_caller_of_the_op_compiles_in_one_graph",
     # the GPU scripts on CPU in fresh interpreters (~2.5 s each): the fast tier keeps the
@@ -262,8 +269,10 @@ SLOW_IDS = {
     "tests/test_bench_kernel.py::test_smoke_run_writes_json_with_named_figures_and_plot",
     # a full queue through Triton's gRPC and generate endpoints: the fast tier keeps its
     # HTTP endpoint's and the OpenAI endpoint's (each variant decodes ~1 s)
-    "tests/test_openai.py::test_a_full_queue_refuses_plain_requests_and_the_others_finish[grpc-StatusCode.UNAVAILABLE]",
-    "tests/test_openai.py::test_a_full_queue_refuses_plain_requests_and_the_others_finish[generate-400]",
+    "tests/test_openai.py::"
+    "test_a_full_queue_refuses_plain_requests_and_the_others_finish[grpc-StatusCode.UNAVAILABLE]",
+    "tests/test_openai.py::"
+    "test_a_full_queue_refuses_plain_requests_and_the_others_finish[generate-400]",
     # the 49152-row weight in float16 (slow on CPU): the fast tier keeps the four smaller
     # shapes at both dtypes and this shape in bfloat16 ([shape4-dtype0])
     "tests/test_row_invariant.py::test_a_linear_row_is_the_same_at_every_row_count[shape4-dtype1]",
@@ -318,18 +327,18 @@ EXPORT_GROUPS = {
 # Rough weights are enough: the order is what counts. A file missing here runs after
 # these, in collection order.
 LONGEST_FIRST = (
-    "exports-dflash",                   # ~10 s; full tier: + DFlash's exports (~45 s), ONNX tests
+    "exports-dflash",                   # ~12 s; full tier: + DFlash's exports (~45 s), ONNX tests
     "tests/test_serving.py",            # full tier only, ~25 s: a server with four model instances
-    "tests/test_openai.py",             # ~23 s: a real Triton server
-    "tests/test_compiled_batched.py",   # ~3 s; the full tier adds ~20 s: every family's compiled batches
-    "tests/test_trtllm_workers.py",     # ~15 s: real MPI workers, fresh interpreters
-    "tests/test_gpu_e2e.py",            # ~9 s
-    "tests/test_triton_kernel.py",      # ~8 s: the kernel under Triton's interpreter
+    "tests/test_openai.py",             # ~24 s: a real Triton server
+    "tests/test_compiled_batched.py",   # ~1 s; full tier ~25 s: every family's compiled batches
+    "tests/test_triton_kernel.py",      # ~9 s: the kernel under Triton's interpreter
+    "tests/test_trtllm_workers.py",     # ~8 s: a real MPI launch, fresh interpreters
+    "tests/test_compiled.py",           # ~8 s
     "tests/test_trtllm_paths.py",       # ~7 s
-    "tests/test_compiled.py",           # ~6 s
-    "tests/test_pard.py",               # ~6 s
-    "tests/test_gpu_check.py",          # ~6 s: sections killed by their timeouts
-    "tests/test_layering.py",           # ~4 s: two fresh interpreters
+    "tests/test_gpu_e2e.py",            # ~7 s
+    "tests/test_pard.py",               # ~7 s
+    "tests/test_gpu_check.py",          # ~4 s: sections killed by their timeouts
+    "tests/test_layering.py",           # ~5 s: two fresh interpreters
     "exports-chain",
 )
 
