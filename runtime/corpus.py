@@ -32,7 +32,7 @@ def documents(split: str) -> list[Path]:
 @functools.cache
 def _listing(stdlib: Path, docs: Path) -> tuple[tuple[str, Path], ...]:
     """Every corpus file under the two roots as (relative name, path), sorted by name:
-    walked once per process (about a quarter of a second on these machines, and the
+    walked once per process (about a third of a second on these machines, and the
     commands and training read several splits); keyed on the roots, which tests point
     elsewhere."""
     found = []

@@ -7,8 +7,8 @@ running.
 The full tier's (make test-all): its server runs four model instances (two, and the
 streaming model's two), about 25 s of make test's time. The fast tier serves the same
 engine once, through tests/test_openai.py: the OpenAI endpoint token for token against
-in-process generate, and Triton's own HTTP, gRPC and generate endpoints refusing past a
-full queue while the others finish."""
+in-process generate, Triton's own HTTP endpoint refusing past a full queue while the
+others finish, and its gRPC stream timed by scripts/ttft_paths.py."""
 
 import json
 import queue
