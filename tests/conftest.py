@@ -295,10 +295,9 @@ SLOW_IDS = {
 EXPORTS_NOTHING = {("ngram_engine", "torch")}
 
 
-def reads_exports(item) -> bool:
+def exports_nothing(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
-    exempt = any(params.get(name) == value for name, value in EXPORTS_NOTHING)
-    return export_group_needed(item) is not None and not exempt
+    return any(params.get(name) == value for name, value in EXPORTS_NOTHING)
 
 
 # make test's workers (pytest-xdist, --dist loadgroup): tests run in groups, one group
@@ -397,9 +396,9 @@ def pytest_collection_modifyitems(config, items):
     if stale:
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no such file: {stale}")
     for item in items:
-        if item.nodeid in SLOW_IDS or reads_exports(item):
+        needed = export_group_needed(item)  # a test that reads exports is slow (above)
+        if item.nodeid in SLOW_IDS or (needed is not None and not exports_nothing(item)):
             item.add_marker(pytest.mark.slow)
-        needed = export_group_needed(item)
         if needed is not None and group_of(item.nodeid) != needed:
             raise pytest.UsageError(f"{item.nodeid} reads graphs exported this run: list its "
                                     f"file under {needed} in tests/conftest.py EXPORT_GROUPS")

@@ -18,8 +18,6 @@ def prompts(engine, lengths):
 MODES = ["sharpdraft", "frozen", "target", "ngram", "hybrid", "window", "frozen-hybrid", "window-hybrid"]
 
 
-
-
 @pytest.fixture(scope="module")
 def native_torch_engine(native_engine):
     """native_engine's checkpoints on the torch backend: the torch side of the window modes

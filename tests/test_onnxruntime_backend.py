@@ -431,7 +431,6 @@ def test_engine_without_in_place_drafter_graphs_runs_its_portable_ones(tmp_path,
         assert ours.tokens == theirs.tokens and ours.committed_per_step == theirs.committed_per_step
 
 
-@pytest.mark.slow  # calibrate re-exports: also in test_eagle3_onnx.py
 def test_calibrating_a_native_engine_rescales_the_graph_it_runs(tmp_path, native_engine,
                                                                 torch_engine):
     """calibrate re-exports drafter-kv.onnx with the chosen values, not only drafter.onnx:

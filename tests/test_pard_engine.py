@@ -134,7 +134,6 @@ def test_an_onnx_pard_drafter_reads_a_chunked_prompt_a_part_at_a_time(pard_onnx_
         Sampling(1.0, 1.0, seed=3), 1e-5, OnnxBatchPARD)
 
 
-@pytest.mark.slow  # one more export (tests/conftest.py marks every test reading exports slow)
 def test_native_form_drafts_like_the_plugin_node(pard_onnx_engine, tmp_path):
     """The drafter graph exported again with beta in plain ONNX ops gives the plugin
     node's logits, with the per-row counts read from past_lens."""
